@@ -1,0 +1,240 @@
+"""Typed job configuration. YAML files in configs/ load into `JobConfig`; unknown keys and out-of-range values are
+errors that name the file and the field. Validation happens here once; components trust their section.
+
+Notation used across k3ray: E experts, R EP ranks, K top-k, s tokens per rank, d model width (d_model),
+d_latent routed-expert width, I expert inner width, L layers.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the file and field it concerns."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    vocab_size: int = Field(256, gt=0)
+    d_model: int = Field(gt=0)
+    n_layers: int = Field(gt=0)
+    n_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    kv_rank: int = Field(gt=0, description="MLA latent KV width")
+    d_latent: int = Field(gt=0, description="routed-expert (latent) width; d_model/2 in K3")
+    n_experts: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    expert_inner: int = Field(gt=0, description="inner width I of one routed expert's FFN")
+    n_shared: int = Field(1, ge=0)
+    shared_inner: int = Field(gt=0, description="inner width of one shared expert")
+    attention_pattern: list[Literal["mla", "kda"]] = Field(
+        default_factory=lambda: ["mla"], description="repeated over the layers; K3 uses kda, kda, kda, mla")
+    max_seq_len: int = Field(gt=0)
+    kda_head_dim: int = Field(128, gt=0)
+    attn_res_block: int = Field(0, ge=0, description="Block AttnRes block size (0 = off; K3 uses 12)")
+    rope_theta: float = Field(10000.0, gt=0)
+    norm_eps: float = Field(1e-6, gt=0)
+    situ_beta: float = Field(4.0, gt=0)
+    situ_beta_lin: float = Field(25.0, gt=0)
+    balancing: Literal["quantile", "sign", "none"] = "quantile"
+    sign_update_rate: float = Field(1e-3, gt=0)
+    quantile_bins: int = Field(1000, ge=10)
+    quantile_window: float = Field(0.5, gt=0, description="half-width of the bias-relative histogram range")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.top_k >= self.n_experts:
+            raise ValueError(f"top_k={self.top_k} must be smaller than n_experts={self.n_experts}")
+        return self
+
+    def layer_kind(self, layer: int) -> str:
+        """The pattern is aligned to the end of the stack, so the last layer closes a full pattern (K3: 93 layers
+        of kda, kda, kda, mla give 69 KDA + 24 MLA, the first and last layers MLA)."""
+        n = len(self.attention_pattern)
+        return self.attention_pattern[(layer - self.n_layers) % n]
+
+
+class ParallelConfig(_Strict):
+    pp: int = Field(1, gt=0, description="pipeline stages")
+    ep: int = Field(1, gt=0, description="expert-parallel ranks per stage (EP is carved out of DP)")
+    micro_batches: int = Field(1, gt=0, description="micro-batches per step per EP rank")
+    device: Literal["cpu", "cuda"] = "cpu"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    collective_timeout_s: float = Field(60.0, gt=0)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.ep
+
+
+class DataConfig(_Strict):
+    source: str = Field("stdlib", description="'stdlib' (the Python standard library's .py sources) or a directory")
+    seq_len: int = Field(gt=1)
+    micro_batch_size: int = Field(gt=0, description="sequences per micro-batch")
+    val_fraction: float = Field(0.02, gt=0, lt=0.5)
+    max_bytes: int = Field(64 * 2**20, gt=0, description="corpus cap, read in a fixed file order")
+
+
+class OptimizerConfig(_Strict):
+    lr: float = Field(1e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    warmup_steps: int = Field(10, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0 = off")
+
+
+class TrainConfig(_Strict):
+    steps: int = Field(200, gt=0)
+    seed: int = 0
+    eval_every: int = Field(50, ge=0)
+    eval_batches: int = Field(4, gt=0)
+    log_every: int = Field(1, gt=0)
+
+
+class MoonEPPolicy(_Strict):
+    enabled: bool = True
+    slots_per_rank: int | None = Field(None, gt=0, description="replica slots per rank; default E/R")
+
+
+class ReplicationPolicy(_Strict):
+    enabled: bool = False
+    every_n_steps: int = Field(50, gt=0)
+    spare_slots_per_rank: int = Field(1, ge=0)
+    moved_budget: int | None = Field(None, ge=0)
+    history_decay: float = Field(0.9, ge=0, le=1)
+
+
+class SchedulingPolicy(_Strict):
+    enabled: bool = True
+    sm_groups: int = Field(4, gt=0)
+    overhead_us: float = Field(5.0, ge=0)
+    per_row_us: float = Field(0.01, ge=0)
+
+
+class GuardPolicy(_Strict):
+    enabled: bool = True
+    max_abs_activation: float = Field(1e4, gt=0)
+    loss_spike_ratio: float = Field(10.0, gt=1, description="loss over this many times the largest seen trips")
+    loss_zscore: float = Field(6.0, gt=0)
+    grad_norm_spike_ratio: float = Field(20.0, gt=1)
+    warmup_steps: int = Field(10, ge=0, description="steps before spike rules arm")
+
+
+class PoliciesConfig(_Strict):
+    moonep: MoonEPPolicy = Field(default_factory=MoonEPPolicy)
+    replication: ReplicationPolicy = Field(default_factory=ReplicationPolicy)
+    scheduling: SchedulingPolicy = Field(default_factory=SchedulingPolicy)
+    guards: GuardPolicy = Field(default_factory=GuardPolicy)
+
+
+class FaultSpec(_Strict):
+    kind: Literal["kill_worker", "nan", "hang_collective", "corrupt_checkpoint"]
+    step: int = Field(ge=0)
+    worker: int | None = Field(None, ge=0)
+    layer: int | None = Field(None, ge=0)
+
+
+class FaultToleranceConfig(_Strict):
+    snapshot_every: int = Field(5, gt=0)
+    max_retries_per_step: int = Field(3, ge=0)
+    skip_growth: int = Field(2, ge=1, description="batches skipped grow by this factor on a repeated trip")
+    lr_backoff: float = Field(0.5, gt=0, le=1)
+    grow_back: bool = True
+    faults: list[FaultSpec] = Field(default_factory=list)
+
+
+class CheckpointConfig(_Strict):
+    dir: str = "runs/checkpoints"
+    every_n_steps: int = Field(0, ge=0, description="0 = only on request and at the end")
+    keep: int = Field(3, gt=0)
+    async_write: bool = True
+
+
+class ApiConfig(_Strict):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    token_file: str | None = None
+
+
+class JobConfig(_Strict):
+    name: str = "k3ray"
+    model: ModelConfig
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    data: DataConfig
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    policies: PoliciesConfig = Field(default_factory=PoliciesConfig)
+    fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    api: ApiConfig = Field(default_factory=ApiConfig)
+
+    @model_validator(mode="after")
+    def _check_topology(self) -> "JobConfig":
+        m, p = self.model, self.parallel
+        if m.n_experts % p.ep:
+            raise ValueError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}")
+        if p.pp > m.n_layers:
+            raise ValueError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}")
+        if self.data.seq_len > m.max_seq_len:
+            raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        return self
+
+    @property
+    def global_batch_sequences(self) -> int:
+        return self.parallel.ep * self.parallel.micro_batches * self.data.micro_batch_size
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {field}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: dict[str, Any], source: str = "<config>") -> JobConfig:
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err, source)) from None
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set data['a']['b'] = value for dotted='a.b' (overrides from the command line)."""
+    *parents, leaf = dotted.split(".")
+    node = data
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {key} is not a section")
+    node[leaf] = value
+
+
+def load_config(path: str | Path, overrides: dict[str, Any] | None = None) -> JobConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read config ({err.strerror})") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    for key, value in (overrides or {}).items():
+        set_dotted(data, key, value)
+    return parse_config(data, str(path))

@@ -1,0 +1,72 @@
+"""Byte-level token data. Default corpus: the Python standard library's own .py sources, present on every machine,
+read in a fixed (sorted) order; or every file under a directory. The last `val_fraction` of the bytes is the
+held-out validation split.
+
+Batches are addressed, never streamed: batch(batch_index, dp_rank, micro) is a pure function of the corpus, the
+seed and those three numbers, so any step can be replayed exactly and a skipped batch is just an index not used.
+"""
+from __future__ import annotations
+
+import sysconfig
+import zlib
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from k3ray.config import ConfigError, DataConfig
+
+
+def corpus_files(source: str) -> list[Path]:
+    if source == "stdlib":
+        root = Path(sysconfig.get_paths()["stdlib"])
+        return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    root = Path(source)
+    if not root.is_dir():
+        raise ConfigError(f"data.source={source!r} is neither 'stdlib' nor a directory")
+    return sorted(p for p in root.rglob("*") if p.is_file())
+
+
+@lru_cache(maxsize=4)
+def load_corpus(source: str, max_bytes: int) -> torch.Tensor:
+    """All bytes of the corpus (uint8 [N]), files separated by a NUL byte, capped at max_bytes."""
+    chunks, size = [], 0
+    for path in corpus_files(source):
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data + b"\0")
+        size += len(data) + 1
+        if size >= max_bytes:
+            break
+    blob = b"".join(chunks)[:max_bytes]
+    if len(blob) < 1024:
+        raise ConfigError(f"data.source={source!r}: corpus too small ({len(blob)} bytes)")
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+class TokenData:
+    """Train/validation token windows of seq_len + 1 bytes (inputs and shifted targets)."""
+
+    def __init__(self, cfg: DataConfig, seed: int):
+        self.cfg, self.seed = cfg, seed
+        tokens = load_corpus(cfg.source, cfg.max_bytes)
+        split = int(len(tokens) * (1 - cfg.val_fraction))
+        self.train, self.val = tokens[:split], tokens[split:]
+        if len(self.val) <= cfg.seq_len + 1:
+            raise ConfigError(f"data: validation split ({len(self.val)} bytes) shorter than seq_len+1")
+
+    def _windows(self, tokens: torch.Tensor, key: str) -> torch.Tensor:
+        g = torch.Generator().manual_seed(zlib.crc32(key.encode()) + (self.seed << 32))
+        n = self.cfg.micro_batch_size
+        starts = torch.randint(0, len(tokens) - self.cfg.seq_len - 1, (n,), generator=g)
+        idx = starts[:, None] + torch.arange(self.cfg.seq_len + 1)
+        return tokens[idx].long()
+
+    def batch(self, batch_index: int, dp_rank: int, micro: int) -> torch.Tensor:
+        """[micro_batch_size, seq_len + 1] int64 token ids."""
+        return self._windows(self.train, f"train/{batch_index}/{dp_rank}/{micro}")
+
+    def val_batch(self, i: int) -> torch.Tensor:
+        return self._windows(self.val, f"val/{i}")

@@ -1,0 +1,67 @@
+"""Router selection and load balancing as pure functions (K3_NOTES, "Router and Quantile Balancing").
+
+T tokens, E experts, K top-k, nb histogram bins.
+
+Quantile Balancing sets b_hat_j = -quantile_{1-K/E}(s_:j - alpha) with alpha_i the (K+1)-th largest of s_i + b.
+We histogram x_ij = s_ij - alpha_i + b_j instead of s_ij - alpha_i: the two differ by the constant b_j per expert, so
+b_hat_j = b_j - quantile(x_:j) exactly, but x is centred on the decision boundary (expert j is picked by token i
+iff x_ij > 0), so a narrow fixed range [-w, w] spends all bins where the quantile lives. Values outside clamp to the
+edge bins, which bounds one update's move to w. Counts are integers: the cross-rank cost is one integer all-reduce.
+"""
+from __future__ import annotations
+
+import torch
+
+from k3ray.kernels import score_histogram
+
+
+def select_experts(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of (s + b) picks the experts; the combine weights are s of the picked experts normalised over the k,
+    never b. Returns (expert index [T, K] int64, weights [T, K] fp32)."""
+    idx_TK = torch.topk(scores_TE + bias_E, top_k, dim=-1, sorted=False).indices
+    picked = scores_TE.gather(1, idx_TK)
+    return idx_TK, picked / picked.sum(-1, keepdim=True)
+
+
+def quantile_histogram(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, bins: int,
+                       window: float) -> torch.Tensor:
+    """Per-expert histogram [E, bins] int64 of x = s - alpha + b over [-window, window] (see module docstring)."""
+    biased = scores_TE + bias_E
+    alpha_T = torch.topk(biased, top_k + 1, dim=-1).values[:, top_k]
+    return score_histogram(biased - alpha_T[:, None], -window, window, bins)
+
+
+def quantile_bias(counts_Eb: torch.Tensor, bias_E: torch.Tensor, top_k: int, window: float) -> torch.Tensor:
+    """New bias from a (globally reduced) histogram: b_hat = b - quantile_{1-K/E}(x), centred to mean zero.
+
+    The quantile is the point with K/E of the column's tokens above it, linearly interpolated inside its bin."""
+    num_experts, bins = counts_Eb.shape
+    counts = counts_Eb.double()
+    total = counts[0].sum()
+    if total == 0:
+        return bias_E
+    target = total * top_k / num_experts
+    # above[j, i] = tokens of expert j in bins >= i (above[:, bins] = 0)
+    above = torch.cat([counts.flip(1).cumsum(1).flip(1), counts.new_zeros(num_experts, 1)], dim=1)
+    # the bin holding the quantile: the last i with above[i] >= target (exists: above[0] = total >= target)
+    i = ((above[:, :bins] >= target).sum(1) - 1).clamp(0, bins - 1)
+    in_bin = counts.gather(1, i[:, None]).squeeze(1)
+    need = target - above.gather(1, (i + 1)[:, None]).squeeze(1)  # tokens to take from bin i, from its top
+    frac = torch.where(in_bin > 0, need / in_bin.clamp(min=1), torch.zeros_like(need)).clamp(0, 1)
+    width = 2 * window / bins
+    quantile = -window + (i.double() + 1 - frac) * width
+    b_hat = bias_E.double() - quantile
+    return (b_hat - b_hat.mean()).to(bias_E.dtype)
+
+
+def sign_bias(load_E: torch.Tensor, bias_E: torch.Tensor, rate: float) -> torch.Tensor:
+    """DeepSeek aux-loss-free baseline: b_j <- b_j + u * sign(mean_load - load_j)."""
+    load = load_E.double()
+    return bias_E + rate * torch.sign(load.mean() - load).to(bias_E.dtype)
+
+
+def max_violation(load_E: torch.Tensor) -> float:
+    """MaxVio = (max_j load_j - mean load) / mean load."""
+    load = load_E.double()
+    mean = load.mean()
+    return float((load.max() - mean) / mean) if mean > 0 else 0.0

@@ -1,0 +1,152 @@
+"""The K3 decoder as pipeline stages. A stage holds a contiguous range of layers; the first stage also embeds
+tokens and the last one holds the final norm and LM head. The whole model is the single stage holding every layer.
+
+Parameter names are the same whichever stage holds a layer (`blocks.<layer>.…`), and every parameter is
+initialised from (seed, name) alone, so a pipeline stage or an expert shard built anywhere equals the same part of
+the single-process model bit for bit.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+from k3ray.config import ModelConfig
+from k3ray.model.layers import KDA, GatedMLA, RMSNorm
+from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts
+
+ExpertsFactory = Callable[[int, ExpertShard], nn.Module]
+"""(layer, shard) -> the module computing that layer's routed experts."""
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, experts: nn.Module):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = KDA(cfg) if cfg.layer_kind(layer) == "kda" else GatedMLA(cfg)
+        self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.moe = LatentMoE(cfg, experts)
+        self.resid_maxabs: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        x = x + self.moe(self.moe_norm(x))
+        with torch.no_grad():
+            m = x.detach().abs().amax().float()
+            self.resid_maxabs = m if self.resid_maxabs is None else torch.maximum(self.resid_maxabs, m)
+        return x
+
+
+class K3Stage(nn.Module):
+    """Layers [first_layer, last_layer) of the decoder. forward: token ids [B, S] (first stage) or hidden [B, S, d]
+    -> hidden [B, S, d], or logits [B, S, V] on the last stage."""
+
+    def __init__(self, cfg: ModelConfig, layers: range, experts: dict[int, ExpertShard],
+                 experts_factory: ExpertsFactory | None = None):
+        super().__init__()
+        self.cfg, self.layers = cfg, layers
+        self.is_first, self.is_last = layers.start == 0, layers.stop == cfg.n_layers
+        factory = experts_factory or (lambda layer, shard: LocalExperts(shard))
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model) if self.is_first else None
+        self.blocks = nn.ModuleDict({str(i): Block(cfg, i, factory(i, experts[i])) for i in layers})
+        self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if self.is_last else None
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.is_last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.lm_head is not None:
+            x = self.lm_head(self.final_norm(x))
+        return x
+
+    def moe_layers(self) -> dict[int, LatentMoE]:
+        return {int(i): b.moe for i, b in self.blocks.items()}
+
+    def expert_shards(self) -> dict[int, ExpertShard]:
+        return {i: moe.experts.shard for i, moe in self.moe_layers().items()}
+
+    def reset_stats(self) -> None:
+        for block in self.blocks.values():
+            block.moe.stats.reset()
+            block.resid_maxabs = None
+
+
+def is_expert_param(name: str) -> bool:
+    return ".experts." in name
+
+
+def _generator(seed: int, name: str, device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(zlib.crc32(f"{seed}/{name}".encode()) + (seed << 32))
+    return g
+
+
+RESIDUAL_OUTPUTS = ("attn.w_o.weight", "moe.w_up.weight", "w_out.weight")
+
+
+def _init_tensor(t: torch.Tensor, name: str, seed: int, cfg: ModelConfig) -> None:
+    """Norm weights 1, biases 0 (KDA's forget-gate bias -4: alpha ~ 0.98, slow forgetting at start), the embedding
+    N(0, 1), every matrix N(0, 1/fan_in), residual-branch outputs further scaled by 1/sqrt(2L)."""
+    if name.endswith("norm.weight"):
+        t.fill_(1.0)
+    elif name.endswith("w_a_up.bias"):
+        t.fill_(-4.0)
+    elif name.endswith("bias"):
+        t.zero_()
+    else:
+        if name.endswith("embed.weight"):
+            std = 1.0
+        else:  # nn.Linear weights are [out, in]; expert weights are [in, out] per expert
+            std = (t.shape[0] if name.endswith(("w1", "w2")) else t.shape[-1]) ** -0.5
+        if name.endswith(RESIDUAL_OUTPUTS):
+            std /= (2 * cfg.n_layers) ** 0.5
+        g = _generator(seed, name, "cpu")
+        t.copy_(torch.randn(t.shape, generator=g, dtype=torch.float32).mul_(std))
+
+
+@torch.no_grad()
+def init_stage_(stage: K3Stage, seed: int) -> None:
+    """Initialise every parameter from (seed, its name); expert weights from (seed, layer, expert id)."""
+    cfg = stage.cfg
+    for name, p in stage.named_parameters():
+        if not is_expert_param(name):
+            _init_tensor(p, name, seed, cfg)
+    for layer, shard in stage.expert_shards().items():
+        init_shard_(shard, layer, seed, cfg)
+
+
+@torch.no_grad()
+def init_shard_(shard: ExpertShard, layer: int, seed: int, cfg: ModelConfig) -> None:
+    for row, e in enumerate(shard.expert_ids):
+        for wname in ("w1", "w2"):
+            _init_tensor(getattr(shard, wname)[row], f"blocks.{layer}.expert.{e}.{wname}", seed, cfg)
+
+
+def new_shard(cfg: ModelConfig, expert_ids: list[int], device=None) -> ExpertShard:
+    dtype = getattr(torch, cfg.dtype)
+    return ExpertShard(expert_ids, cfg.d_latent, cfg.expert_inner, dtype=dtype, device=device)
+
+
+def build_stage(cfg: ModelConfig, layers: range, expert_ids: list[int] | None = None, seed: int = 0,
+                experts_factory: ExpertsFactory | None = None, device=None, init: bool = True) -> K3Stage:
+    """A stage holding `expert_ids` (default: every expert) of each of its MoE layers."""
+    ids = list(range(cfg.n_experts)) if expert_ids is None else expert_ids
+    shards = {i: new_shard(cfg, ids, device) for i in layers}
+    stage = K3Stage(cfg, layers, shards, experts_factory)
+    stage.to(dtype=getattr(torch, cfg.dtype))
+    for moe in stage.moe_layers().values():
+        moe.router.bias.data = moe.router.bias.data.float()  # the bias stays fp32 in every dtype
+    if init:
+        init_stage_(stage, seed)
+    return stage.to(device) if device is not None else stage
+
+
+def stage_layers(n_layers: int, pp: int, stage: int) -> range:
+    """Contiguous split of the layers over pp stages (the first stages take one more when it does not divide)."""
+    base, extra = divmod(n_layers, pp)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (1 if stage < extra else 0))

@@ -1,0 +1,129 @@
+"""Dense K3 blocks: RMSNorm, RoPE, the gated MLA attention, KDA (Kimi Delta Attention) and the shared expert.
+
+Shapes: B batch, S sequence, d model width, H heads, h head dim, r MLA latent KV width.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3ray.config import ModelConfig
+from k3ray.kernels import situ_glu
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32, returned in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+def rope(x_BSHh: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding over the last dim (pairs of halves)."""
+    seq, half = x_BSHh.shape[1], x_BSHh.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, device=x_BSHh.device, dtype=torch.float32) / half)
+    angles = torch.arange(seq, device=x_BSHh.device, dtype=torch.float32)[:, None] * freqs  # [S, h/2]
+    cos, sin = angles.cos()[None, :, None], angles.sin()[None, :, None]
+    x1, x2 = x_BSHh.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x_BSHh.dtype)
+
+
+class GatedMLA(nn.Module):
+    """Causal multi-head attention with an MLA-style low-rank KV path and a sigmoid output gate.
+
+    q = W_q x; c = RMSNorm(W_dkv x) [r]; k = W_uk c; v = W_uv c; o = softmax(q k^T) v; out = W_o(o * sigmoid(W_g x)).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, hd = cfg.d_model, cfg.n_heads * cfg.head_dim
+        self.n_heads, self.head_dim, self.theta = cfg.n_heads, cfg.head_dim, cfg.rope_theta
+        self.w_q = nn.Linear(d, hd, bias=False)
+        self.w_dkv = nn.Linear(d, cfg.kv_rank, bias=False)
+        self.kv_norm = RMSNorm(cfg.kv_rank, cfg.norm_eps)
+        self.w_uk = nn.Linear(cfg.kv_rank, hd, bias=False)
+        self.w_uv = nn.Linear(cfg.kv_rank, hd, bias=False)
+        self.w_g = nn.Linear(d, hd, bias=False)
+        self.w_o = nn.Linear(hd, d, bias=False)
+
+    def forward(self, x_BSd: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSd.shape
+        heads = (B, S, self.n_heads, self.head_dim)
+        c = self.kv_norm(self.w_dkv(x_BSd))
+        q = rope(self.w_q(x_BSd).view(heads), self.theta)
+        k = rope(self.w_uk(c).view(heads), self.theta)
+        v = self.w_uv(c).view(heads)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        o = o.transpose(1, 2).reshape(B, S, -1)
+        return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
+
+
+def kda_recurrent(q, k, v, log_alpha, beta):
+    """Kimi Delta Attention, recurrent form (the reference; chunked GPU kernels come from fla-core).
+
+    S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t.
+    q, k, log_alpha: [B, S, H, h]; v: [B, S, H, hv]; beta: [B, S, H]. Returns o [B, S, H, hv]. fp32 state.
+    """
+    B, S, H, h = q.shape
+    state = q.new_zeros(B, H, h, v.shape[-1], dtype=torch.float32)
+    alpha, q, k, v, beta = log_alpha.float().exp(), q.float(), k.float(), v.float(), beta.float()
+    outs = []
+    for t in range(S):
+        kt, bt = k[:, t], beta[:, t, :, None]
+        state = alpha[:, t, :, :, None] * state
+        kS = torch.einsum("bhk,bhkv->bhv", kt, state)
+        state = state + bt[..., None] * kt[..., None] * (v[:, t] - kS)[:, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+    return torch.stack(outs, dim=1)
+
+
+class KDA(nn.Module):
+    """KDA layer: L2-normalised q, k; per-channel forget gate alpha = exp(-softplus(.)) from a low-rank projection;
+    beta = sigmoid(W_b x); per-head RMSNorm of the output, a sigmoid output gate, then W_o."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, h = cfg.d_model, cfg.kda_head_dim
+        self.n_heads, self.head_dim = cfg.n_heads, h
+        hd = cfg.n_heads * h
+        self.w_q = nn.Linear(d, hd, bias=False)
+        self.w_k = nn.Linear(d, hd, bias=False)
+        self.w_v = nn.Linear(d, hd, bias=False)
+        self.w_a_down = nn.Linear(d, h, bias=False)
+        self.w_a_up = nn.Linear(h, hd, bias=True)
+        self.w_b = nn.Linear(d, cfg.n_heads, bias=False)
+        self.o_norm = RMSNorm(h, cfg.norm_eps)
+        self.w_g = nn.Linear(d, hd, bias=False)
+        self.w_o = nn.Linear(hd, d, bias=False)
+
+    def forward(self, x_BSd: torch.Tensor) -> torch.Tensor:
+        B, S, _ = x_BSd.shape
+        heads = (B, S, self.n_heads, self.head_dim)
+        q = F.normalize(self.w_q(x_BSd).view(heads).float(), dim=-1)
+        k = F.normalize(self.w_k(x_BSd).view(heads).float(), dim=-1)
+        v = self.w_v(x_BSd).view(heads)
+        log_alpha = -F.softplus(self.w_a_up(self.w_a_down(x_BSd))).view(heads)
+        beta = torch.sigmoid(self.w_b(x_BSd).float())
+        o = kda_recurrent(q, k, v, log_alpha, beta).to(x_BSd.dtype)
+        o = self.o_norm(o).reshape(B, S, -1)
+        return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
+
+
+class SharedExpert(nn.Module):
+    """A dense SiTU-GLU FFN on the full-width residual stream."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.beta, self.beta_lin = cfg.situ_beta, cfg.situ_beta_lin
+        self.w_in = nn.Linear(cfg.d_model, 2 * cfg.shared_inner, bias=False)
+        self.w_out = nn.Linear(cfg.shared_inner, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_in(x).chunk(2, dim=-1)
+        return self.w_out(situ_glu(gate, up, self.beta, self.beta_lin))

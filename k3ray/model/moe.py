@@ -1,0 +1,129 @@
+"""Stable LatentMoE (K3_NOTES):
+
+    y = sum_s Shared_s(x) + W_up . RMSNorm( sum_i p_i * E_i(W_down . x) )
+
+Routed experts run entirely in the latent width d_latent; only the routed path is compressed. Who computes the
+routed experts is pluggable: `LocalExperts` (every expert in this process, the reference) or the runtime's
+expert-parallel executor; both take (h_lat [T, d_latent], expert index [T, K], weights [T, K]) -> [T, d_latent].
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3ray.config import ModelConfig
+from k3ray.kernels import grouped_expert_ffn, permute_rows, unpermute_rows
+from k3ray.model.balancing import quantile_histogram, select_experts
+from k3ray.model.layers import RMSNorm, SharedExpert
+
+
+class ExpertShard(nn.Module):
+    """The routed experts of one MoE layer that one worker holds: a first-class, movable object.
+
+    expert_ids [n] (sorted), w1 [n, d_latent, 2I] (gate | up), w2 [n, I, d_latent]."""
+
+    def __init__(self, expert_ids: list[int], d_latent: int, inner: int, dtype=torch.float32, device=None):
+        super().__init__()
+        self.expert_ids = sorted(expert_ids)
+        self.w1 = nn.Parameter(torch.empty(len(expert_ids), d_latent, 2 * inner, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(len(expert_ids), inner, d_latent, dtype=dtype, device=device))
+
+    def rows_of(self, expert_ids: list[int]) -> list[int]:
+        pos = {e: i for i, e in enumerate(self.expert_ids)}
+        return [pos[e] for e in expert_ids]
+
+
+def route_order(idx_TK: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Expert-grouped layout of the T*K routes: dest [T, K] (row of each route), rows per group [G], group_ends
+    [G] int32. Stable, so the layout is a pure function of the routing."""
+    flat = idx_TK.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    dest = torch.empty_like(order)
+    dest[order] = torch.arange(flat.numel(), device=flat.device)
+    counts = torch.bincount(flat, minlength=num_groups)
+    return dest.view_as(idx_TK), counts, counts.cumsum(0).to(torch.int32)
+
+
+class LocalExperts(nn.Module):
+    """Every routed expert of a layer in this process (single-process reference and pp-only runs)."""
+
+    def __init__(self, shard: ExpertShard):
+        super().__init__()
+        self.shard = shard
+
+    def forward(self, h_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
+        dest, _, ends = route_order(idx_TK, len(self.shard.expert_ids))
+        rows = permute_rows(h_TD, dest, idx_TK.numel())
+        return unpermute_rows(grouped_expert_ffn(rows, self.shard.w1, self.shard.w2, ends), dest, weight_TK)
+
+
+class Router(nn.Module):
+    """Sigmoid router on the full-width input; `bias` (a buffer set by balancing) only decides who is picked."""
+
+    def __init__(self, d_model: int, n_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+        self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
+
+    def forward(self, x_Td: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(x_Td.float() @ self.weight.float().t())
+
+
+class RoutingStats:
+    """Per-step routing statistics of one MoE layer, kept on the device (no host sync per layer)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.histogram: torch.Tensor | None = None  # [E, bins] int64
+        self.tokens_per_expert: torch.Tensor | None = None  # [E] int64, this rank's routes
+        self.routed_maxabs: torch.Tensor | None = None
+        self.routed_sumsq: torch.Tensor | None = None
+        self.routed_count = 0
+
+    @staticmethod
+    def _add(a, b):
+        return b if a is None else a + b
+
+    def add(self, histogram, tokens_per_expert, routed: torch.Tensor) -> None:
+        if histogram is not None:
+            self.histogram = self._add(self.histogram, histogram)
+        self.tokens_per_expert = self._add(self.tokens_per_expert, tokens_per_expert)
+        r = routed.detach().float()
+        m = r.abs().amax()
+        self.routed_maxabs = m if self.routed_maxabs is None else torch.maximum(self.routed_maxabs, m)
+        self.routed_sumsq = self._add(self.routed_sumsq, r.square().sum())
+        self.routed_count += r.numel()
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, experts: nn.Module):
+        super().__init__()
+        self.cfg = cfg
+        self.w_down = nn.Linear(cfg.d_model, cfg.d_latent, bias=False)
+        self.router = Router(cfg.d_model, cfg.n_experts)
+        self.experts = experts
+        self.norm = RMSNorm(cfg.d_latent, cfg.norm_eps)
+        self.w_up = nn.Linear(cfg.d_latent, cfg.d_model, bias=False)
+        self.shared = nn.ModuleList(SharedExpert(cfg) for _ in range(cfg.n_shared))
+        self.stats = RoutingStats()
+        self.poison = False  # fault drill: the routed output becomes NaN while set
+
+    def forward(self, x_BSd: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        x = x_BSd.reshape(-1, cfg.d_model)
+        scores = self.router(x)
+        idx, weight = select_experts(scores, self.router.bias, cfg.top_k)
+        y_lat = self.experts(self.w_down(x), idx, weight)
+        if self.poison:
+            y_lat = y_lat * float("nan")
+        with torch.no_grad():
+            hist = None
+            if cfg.balancing == "quantile":
+                hist = quantile_histogram(scores, self.router.bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window)
+            self.stats.add(hist, torch.bincount(idx.reshape(-1), minlength=cfg.n_experts), y_lat)
+        y = self.w_up(self.norm(y_lat))
+        for shared in self.shared:
+            y = y + shared(x)
+        return y.view_as(x_BSd)

@@ -1,0 +1,18 @@
+"""Policies: pure functions over load tensors that return plans or decisions (no Ray, no actors).
+
+Notation (the project's legend; every docstring in k3ray uses it):
+    E         routed experts per MoE layer (logical experts)
+    R         expert-parallel (EP) ranks
+    K         top-k experts per token
+    s         tokens per rank (per micro-batch); a rank sends s*K token slots per layer
+    d         model width (d_model);  d_latent  routed-expert width (d/2 in K3);  I  expert inner width
+    L         MoE layers
+    P         physical experts (expert weight copies placed on ranks; P >= E with persistent replicas)
+    G         expert GEMMs queued on one GPU
+    home[e]   the rank that owns expert e's weights and optimizer state
+
+Modules:
+    moonep       per-micro-batch exact balance: alloc[E, R] from tokens_per_expert[R, E]
+    replication  persistent replicas from a load history (DeepSeek EPLB vocabulary)
+    scheduling   the order in which a GPU runs its local expert GEMMs
+"""

@@ -1,0 +1,235 @@
+"""MoonEP planning: exact per-micro-batch balance of expert work across the R EP ranks.
+
+Input  tokens_per_expert  [R, E]  token slots source rank r routes to expert e (all-gathered, same on every rank).
+Output MoonEPPlan.alloc   [E, R]  token slots of expert e computed on rank d.
+
+Guarantees of `plan` (tests/test_policies.py checks each one):
+  * balance:      rank d computes target[d] = S // R + (d < S % R) slots, S = total slots (the lower ranks take the
+                  remainder). With S = R*s*K every rank computes exactly s*K.
+  * conservation: alloc.sum(1) == tokens_per_expert.sum(0).
+  * slot limit:   rank d computes at most `slots_per_rank` non-home experts; the default, the largest number of
+                  experts any rank is home to (= ceil(E/R) for even homes), always suffices (see below).
+  * determinism:  a function of the counts and homes only; ties go to the lower expert / rank index.
+
+Algorithm (one sink at a time, one donor per sink). Each rank starts with its home experts' tokens. Repeatedly the
+most underloaded rank (the sink, deficit D) takes exactly D slots from the most overloaded rank (the donor): the
+donor's largest remaining home experts first, the last one split. A donor whose excess is smaller than D goes below
+its target and becomes a later sink (a cascade) rather than the sink taking pieces from several donors. Every sink
+is filled once and exactly, from one donor, so it holds at most |home(donor)| foreign experts: the slot limit is
+ceil(E/R) for even homes whatever the routing. Donors only ever give home experts, so every non-home piece is a
+copy of the home expert's weights (one replica). Each step finishes one rank for good: at most R steps.
+
+The loop runs in Python over per-rank lists (O(R log R + pieces)); the counts are moved to the CPU once (a host
+sync on CUDA) and the plan is returned on the input's device.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def default_home(num_experts: int, num_ranks: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Contiguous home blocks, [E] int64: home[e] = e*R // E (blocks of E/R; sizes differ by at most 1 if uneven)."""
+    return torch.arange(num_experts, device=device, dtype=torch.int64) * num_ranks // num_experts
+
+
+@dataclass(frozen=True)
+class MoonEPPlan:
+    """A MoonEP plan. Shapes use the package notation (E experts, R ranks).
+
+    alloc         [E, R] int64  token slots of expert e computed on rank d (home column included)
+    home          [E]    int64  home rank of each expert
+    replica_mask  [R, E] bool   rank d computes expert e and is not its home (needs a copy of e's weights)
+    target        [R]    int64  slots each rank computes (= rank_loads(alloc))
+    """
+
+    alloc: torch.Tensor
+    home: torch.Tensor
+    replica_mask: torch.Tensor
+    target: torch.Tensor
+
+    @property
+    def num_replicas(self) -> int:
+        """Weight copies this plan needs (non-home (expert, rank) pairs)."""
+        return int(self.replica_mask.sum())
+
+    @property
+    def replicas_per_rank(self) -> torch.Tensor:
+        """[R] int64: non-home experts each rank computes."""
+        return self.replica_mask.sum(1)
+
+    def replicas(self, rank: int) -> torch.Tensor:
+        """Non-home experts rank `rank` computes, ascending expert index ([n] int64)."""
+        return self.replica_mask[rank].nonzero().flatten()
+
+    def send(self, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """send [R_src, E, R_dst] (see `send_matrix`)."""
+        return send_matrix(tokens_per_expert, self.alloc)
+
+    def send_from(self, tokens_per_expert: torch.Tensor, src: int) -> torch.Tensor:
+        """send[src] as [E, R_dst]: what one source rank sends; O(E*R) memory instead of O(R*E*R)."""
+        return send_matrix(tokens_per_expert, self.alloc, src=src)
+
+
+def plan(tokens_per_expert: torch.Tensor, slots_per_rank: int | None = None,
+         home: torch.Tensor | None = None) -> MoonEPPlan:
+    """Plan exact balance for one layer and micro-batch.
+
+    tokens_per_expert [R, E] integer counts; slots_per_rank caps the non-home experts a rank computes (default: the
+    most experts any rank is home to, which always suffices); home [E] int64 home rank per expert (default
+    `default_home`; arbitrary homes are allowed, e.g. after a worker loss). Raises ValueError if a smaller
+    `slots_per_rank` cannot be met by this algorithm.
+    """
+    num_ranks, num_experts = tokens_per_expert.shape
+    device = tokens_per_expert.device
+    home_cpu = (default_home(num_experts, num_ranks) if home is None
+                else home.to("cpu", torch.int64))
+    totals = tokens_per_expert.to("cpu", torch.int64).sum(0)                      # [E]
+    home_count = torch.bincount(home_cpu, minlength=num_ranks)
+    if slots_per_rank is None:
+        slots_per_rank = max(math.ceil(num_experts / num_ranks), int(home_count.max()))
+
+    home_load = torch.zeros(num_ranks, dtype=torch.int64).index_add_(0, home_cpu, totals)
+    total = int(home_load.sum())
+    base, extra = divmod(total, num_ranks)
+    target = torch.full((num_ranks,), base, dtype=torch.int64)
+    target[:extra] += 1
+
+    # Home experts of every rank, largest first, ties by expert index (unique sort key -> no stability question).
+    top = int(totals.max())
+    key = (home_cpu * (top + 1) + (top - totals)) * num_experts + torch.arange(num_experts)
+    order = torch.sort(key).indices.tolist()
+    totals_l = totals.tolist()
+    items: list[list[list[int]]] = [[] for _ in range(num_ranks)]              # per rank: [[load, expert], ...]
+    for e, r in zip(order, home_cpu[order].tolist()):
+        items[r].append([totals_l[e], e])
+
+    moves = _fill(home_load.tolist(), target.tolist(), items, slots_per_rank)
+    alloc = torch.zeros(num_experts, num_ranks, dtype=torch.int64)
+    alloc[torch.arange(num_experts), home_cpu] = totals
+    if moves:
+        e_idx, d_idx, amount = (torch.tensor(c, dtype=torch.int64) for c in zip(*moves))
+        alloc.index_put_((e_idx, d_idx), amount, accumulate=True)
+        alloc.index_put_((e_idx, home_cpu[e_idx]), -amount, accumulate=True)
+    is_home = torch.zeros(num_ranks, num_experts, dtype=torch.bool)
+    is_home[home_cpu, torch.arange(num_experts)] = True
+    replica_mask = (alloc.T > 0) & ~is_home
+    return MoonEPPlan(alloc=alloc.to(device), home=home_cpu.to(device),
+                      replica_mask=replica_mask.to(device), target=target.to(device))
+
+
+def _fill(load: list[int], target: list[int], items: list[list[list[int]]],
+          slots: int) -> list[tuple[int, int, int]]:
+    """The sink/donor loop over Python lists; returns moves (expert, dst rank, slots) out of the expert's home."""
+    sinks = [(load[r] - target[r], r) for r in range(len(load)) if load[r] < target[r]]  # (-deficit, rank)
+    donors = [(target[r] - load[r], r) for r in range(len(load)) if load[r] > target[r]]  # (-excess, rank)
+    heapq.heapify(sinks)
+    heapq.heapify(donors)
+    moves: list[tuple[int, int, int]] = []
+    while sinks:
+        neg_deficit, sink = heapq.heappop(sinks)
+        need = -neg_deficit
+        while True:   # drop stale donor entries (a donor's excess changes after every gift)
+            neg_excess, donor = donors[0]
+            if load[donor] - target[donor] == -neg_excess:
+                break
+            heapq.heappop(donors)
+        if _pieces_needed(items[donor], need) > slots:
+            donor = _fewest_pieces_donor(load, target, items, need, slots)
+        moves.extend(_give(items[donor], need, sink))
+        load[donor] -= need
+        load[sink] += need
+        excess = load[donor] - target[donor]
+        if excess > 0:
+            heapq.heappush(donors, (-excess, donor))
+        elif excess < 0:
+            heapq.heappush(sinks, (excess, donor))
+    return moves
+
+
+def _pieces_needed(donor_items: list[list[int]], need: int) -> int:
+    acc = 0
+    for n, (size, _) in enumerate(donor_items, 1):
+        acc += size
+        if acc >= need:
+            return n
+    return len(donor_items) + 1   # unreachable for a donor (its load >= any sink's deficit)
+
+
+def _fewest_pieces_donor(load, target, items, need: int, slots: int) -> int:
+    best = min((_pieces_needed(items[r], need), r) for r in range(len(load)) if load[r] > target[r])
+    if best[0] > slots:
+        raise ValueError(f"MoonEP: slots_per_rank={slots} is too small for this load (a rank needs {best[0]} "
+                         f"foreign experts); use at least the most experts any rank is home to")
+    return best[1]
+
+
+def _give(donor_items: list[list[int]], need: int, sink: int) -> list[tuple[int, int, int]]:
+    """Take `need` slots from the donor's largest home experts (list kept sorted: load desc, expert asc)."""
+    out = []
+    while need:
+        item = donor_items[0]
+        take = min(item[0], need)
+        out.append((item[1], sink, take))
+        need -= take
+        item[0] -= take
+        if item[0] == 0:
+            donor_items.pop(0)
+        else:   # the split expert moves back to its place in the sorted list
+            donor_items.pop(0)
+            pos = 0
+            while pos < len(donor_items) and (donor_items[pos][0], -donor_items[pos][1]) > (item[0], -item[1]):
+                pos += 1
+            donor_items.insert(pos, item)
+    return out
+
+
+def send_matrix(tokens_per_expert: torch.Tensor, alloc: torch.Tensor, src: int | None = None) -> torch.Tensor:
+    """send [R_src, E, R_dst]: slots of source rank r's expert-e tokens that go to rank d.
+
+    Rule: for each expert, the source ranks' tokens are concatenated in rank order and cut into consecutive pieces
+    for the destinations in ascending rank order, of sizes alloc[e, :] (overlap of two cumsum intervals). So
+    send.sum(2) == tokens_per_expert and send.sum(0) == alloc. With `src`, returns only send[src] ([E, R_dst]).
+    Memory O(R*E*R) for the full matrix (470 MB at R=256, E=896): use `src` on a rank.
+    """
+    counts = tokens_per_expert.to(torch.int64)
+    zero = counts.new_zeros(1, counts.shape[1])
+    src_edges = torch.cat([zero, counts.cumsum(0)])                                 # [R+1, E]
+    dst_edges = torch.cat([zero, alloc.to(torch.int64).T.cumsum(0)])                # [R+1, E]
+    rows = slice(None) if src is None else slice(src, src + 1)
+    lo = torch.maximum(src_edges[:-1][rows, :, None], dst_edges[:-1].T[None])       # [r, E, R_dst]
+    hi = torch.minimum(src_edges[1:][rows, :, None], dst_edges[1:].T[None])
+    send = (hi - lo).clamp_(min=0)
+    return send if src is None else send[0]
+
+
+def rank_loads(alloc: torch.Tensor) -> torch.Tensor:
+    """[R] token slots each rank computes under alloc [E, R]."""
+    return alloc.sum(0)
+
+
+def home_loads(tokens_per_expert: torch.Tensor, home: torch.Tensor | None = None) -> torch.Tensor:
+    """[R] slots each rank computes without MoonEP (every expert on its home rank)."""
+    num_ranks, num_experts = tokens_per_expert.shape
+    if home is None:
+        home = default_home(num_experts, num_ranks, tokens_per_expert.device)
+    out = torch.zeros(num_ranks, dtype=torch.int64, device=tokens_per_expert.device)
+    return out.index_add_(0, home.to(out.device), tokens_per_expert.to(torch.int64).sum(0))
+
+
+def imbalance(loads: torch.Tensor) -> float:
+    """max rank load / mean rank load (1.0 = perfect); loads [R]."""
+    mean = loads.double().mean()
+    return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def maxvio(tokens_per_expert: torch.Tensor) -> float:
+    """MaxVio per expert: max_e(T_e / T_mean) - 1, T_e the expert's global count; accepts [R, E] or [E]."""
+    per_expert = tokens_per_expert.double()
+    if per_expert.dim() == 2:
+        per_expert = per_expert.sum(0)
+    mean = per_expert.mean()
+    return float(per_expert.max() / mean - 1) if mean > 0 else 0.0

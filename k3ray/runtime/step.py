@@ -1,0 +1,73 @@
+"""The math of one training step that the single-process reference and every worker share: the loss of a
+micro-batch, router-bias balancing from (globally reduced) statistics, activation statistics, the step report."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from k3ray.config import ModelConfig
+from k3ray.model.balancing import max_violation, quantile_bias, sign_bias
+from k3ray.model.decoder import K3Stage
+from k3ray.model.moe import LatentMoE
+
+
+def lm_loss(logits_BSV: torch.Tensor, tokens_BS1: torch.Tensor, scale: float) -> torch.Tensor:
+    """Mean next-byte cross-entropy of one micro-batch times `scale` (1 / micro-batches in the global batch), so
+    summing the micro-batches' losses (and gradients) gives the global-batch mean."""
+    targets = tokens_BS1[:, 1:]
+    return F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets.reshape(-1)) * scale
+
+
+@torch.no_grad()
+def update_router_bias(cfg: ModelConfig, moe: LatentMoE, histogram: torch.Tensor | None,
+                       load_E: torch.Tensor) -> None:
+    """Set the layer's router bias from the step's global statistics (histogram [E, bins], load [E])."""
+    bias = moe.router.bias
+    if cfg.balancing == "quantile":
+        bias.copy_(quantile_bias(histogram, bias, cfg.top_k, cfg.quantile_window))
+    elif cfg.balancing == "sign":
+        bias.copy_(sign_bias(load_E, bias, cfg.sign_update_rate))
+
+
+def activation_stats(stage: K3Stage) -> dict[int, dict[str, float]]:
+    """Per-layer max-abs and RMS of the routed output and max-abs of the residual stream, one host copy."""
+    layers = list(stage.blocks.keys())
+    if not layers:
+        return {}
+    rows = []
+    for key in layers:
+        block = stage.blocks[key]
+        st = block.moe.stats
+        rms = (st.routed_sumsq / max(st.routed_count, 1)).sqrt()
+        rows.append(torch.stack([st.routed_maxabs, rms, block.resid_maxabs]))
+    values = torch.stack(rows).cpu().tolist()
+    return {int(k): {"routed_maxabs": v[0], "routed_rms": v[1], "resid_maxabs": v[2]} for k, v in zip(layers, values)}
+
+
+@dataclass
+class StepReport:
+    step: int
+    batch_index: int
+    loss: float
+    grad_norm: float
+    lr: float
+    tokens: int
+    # layer -> [R][E] routes each EP rank sent to each expert this step
+    tokens_per_expert: dict[int, list[list[int]]] = field(default_factory=dict)
+    maxvio: dict[int, float] = field(default_factory=dict)
+    activations: dict[int, dict[str, float]] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds by phase
+    rank_load: dict[int, list[int]] = field(default_factory=dict)  # layer -> tokens computed per EP rank
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def mean_maxvio(self) -> float:
+        return sum(self.maxvio.values()) / max(len(self.maxvio), 1)
+
+
+def layer_maxvio(tokens_per_expert_RE: list[list[int]]) -> float:
+    return max_violation(torch.tensor(tokens_per_expert_RE).sum(0))
