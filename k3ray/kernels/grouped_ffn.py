@@ -154,9 +154,8 @@ def _wgrad(p, q, sched: _Schedule, out_dtype):
 
 class _GroupedFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, group_ends, row_scale, group_order):
+    def forward(ctx, x, w1, w2, group_ends, row_scale, group_order, save_h):
         sched = _Schedule(group_ends, x.shape[0], group_order)
-        save_h = any(ctx.needs_input_grad[i] for i in (0, 1, 2, 4))
         y, act, h = _ffn_forward(x, w1, w2, sched, row_scale, save_h, 4.0, 25.0)
         if save_h:
             ctx.save_for_backward(x, w1, w2, row_scale, act, h)
@@ -188,7 +187,7 @@ class _GroupedFFN(torch.autograd.Function):
             dys = (dy.float() * row_scale.float()[:, None]).to(dy.dtype) if has_scale else dy
             dw2 = _wgrad(act, dys, sched, w2.dtype)
         dscale = ds.to(row_scale.dtype) if has_scale and ctx.needs_input_grad[4] else None
-        return dx, dw1, dw2, None, dscale, None
+        return dx, dw1, dw2, None, dscale, None, None
 
 
 def grouped_expert_ffn_triton(
@@ -206,4 +205,6 @@ def grouped_expert_ffn_triton(
     x = x.contiguous()
     if row_scale is not None:
         row_scale = row_scale.contiguous()
-    return _GroupedFFN.apply(x, w1, w2, group_ends, row_scale, group_order)
+    leaves = (x, w1, w2) if row_scale is None else (x, w1, w2, row_scale)
+    save_h = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
+    return _GroupedFFN.apply(x, w1, w2, group_ends, row_scale, group_order, save_h)

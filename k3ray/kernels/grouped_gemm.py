@@ -30,7 +30,7 @@ def _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM: tl.constexpr, GROUP_M:
     start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
     end = tl.load(ends_ptr + g)
     local = t - base
-    mt = tl.cdiv(end - start, BM)
+    mt = (end - start + BM - 1) // BM
     band = GROUP_M * NT
     first_m = (local // band) * GROUP_M
     rows_in_band = tl.minimum(mt - first_m, GROUP_M)
@@ -77,7 +77,7 @@ def ffn_up_kernel(x_ptr, w1_ptr, a_ptr, h_ptr, ends_ptr, order_ptr, cum_ptr,
     """a[rows, cols] = situ(x @ w1[g][:, cols], x @ w1[g][:, I + cols]); gate and up tiles share the x tile.
     SAVE_H also stores the pre-activations h [N, 2I] (bf16) for the backward."""
     pid = tl.program_id(0)
-    NT = tl.cdiv(I, BN)
+    NT = (I + BN - 1) // BN
     total = tl.load(cum_ptr + G - 1)
     for t in range(pid, total, NUM_PROGS):
         g, start, end, m, n = _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM, GROUP_M, BLOCK_G)
@@ -135,7 +135,7 @@ def grouped_mm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ends_ptr, order_ptr, cum_p
                       EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
     """c[rows] = (a[rows] @ b[g]) * scale[rows]; b[g] is [K, NOUT] through strides (sbk, sbn); c is [N, NOUT]."""
     pid = tl.program_id(0)
-    NT = tl.cdiv(NOUT, BN)
+    NT = (NOUT + BN - 1) // BN
     total = tl.load(cum_ptr + G - 1)
     for t in range(pid, total, NUM_PROGS):
         g, start, end, m, n = _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM, GROUP_M, BLOCK_G)
@@ -160,7 +160,7 @@ def ffn_dh_kernel(dy_ptr, w2_ptr, h_ptr, scale_ptr, dh_ptr, ds_ptr, ends_ptr, or
     """dA0 = dy @ w2[g]^T (tile of [rows, cols of I]); epilogue: ds[rows] += sum(dA0 * act), dA = scale * dA0,
     dh[:, cols] = dA * dact/dg, dh[:, I + cols] = dA * dact/du (activation recomputed from the saved h)."""
     pid = tl.program_id(0)
-    NT = tl.cdiv(I, BN)
+    NT = (I + BN - 1) // BN
     total = tl.load(cum_ptr + G - 1)
     for t in range(pid, total, NUM_PROGS):
         g, start, end, m, n = _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM, GROUP_M, BLOCK_G)
@@ -190,8 +190,8 @@ def grouped_wgrad_kernel(p_ptr, q_ptr, out_ptr, ends_ptr, order_ptr,
                          NUM_PROGS: tl.constexpr, DOT_F32: tl.constexpr):
     """out[g] [M1, M2] = p[rows_g]^T @ q[rows_g] for every group (zeros for an empty group); out contiguous."""
     pid = tl.program_id(0)
-    T1 = tl.cdiv(M1, BM)
-    T2 = tl.cdiv(M2, BN)
+    T1 = (M1 + BM - 1) // BM
+    T2 = (M2 + BN - 1) // BN
     per = T1 * T2
     for t in range(pid, G * per, NUM_PROGS):
         j = t // per

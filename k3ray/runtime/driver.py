@@ -1,0 +1,68 @@
+"""`k3ray train` on Ray: join (--address / RAY_ADDRESS) or start a local cluster, start the job's Controller, run
+the shared training loop through it, and always clean up (Ctrl-C included: workers killed, no orphans)."""
+from __future__ import annotations
+
+import os
+import uuid
+
+import ray
+
+from k3ray.config import JobConfig
+from k3ray.runtime.step import StepReport
+from k3ray.trainer import run_training
+
+
+def init_ray(address: str | None, min_cpus: int) -> bool:
+    """Connect to a cluster or start a local one sized for the job. Returns whether this call started Ray."""
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    logs = os.environ.get("K3RAY_WORKER_LOGS") == "1"
+    if address:
+        ray.init(address=address, log_to_driver=logs)
+    else:  # the embedded default: logical CPUs >= workers, so small machines still run every topology
+        ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False, log_to_driver=logs)
+    return True
+
+
+class ControllerBackend:
+    """The Controller actor seen as a training backend (train_step/evaluate) for `run_training`."""
+
+    def __init__(self, controller):
+        self.controller = controller
+
+    def train_step(self, step: int, batch_index: int) -> StepReport:
+        return StepReport(**ray.get(self.controller.train_step.remote(step, batch_index)))
+
+    def evaluate(self) -> float:
+        return ray.get(self.controller.evaluate.remote())
+
+
+def start_controller(cfg: JobConfig):
+    from k3ray.actors.controller import Controller
+
+    name = f"k3ray-{cfg.name}-{uuid.uuid4().hex[:8]}"
+    controller = Controller.options(name=name).remote(cfg.model_dump())
+    ray.get(controller.start.remote())
+    return controller
+
+
+def stop_controller(controller) -> None:
+    try:
+        ray.get(controller.shutdown.remote(), timeout=30)
+    finally:
+        ray.kill(controller, no_restart=True)
+
+
+def train_distributed(cfg: JobConfig, steps: int, address: str | None = None, progress: bool = True,
+                      resume: bool = False) -> dict:
+    started = init_ray(address, cfg.parallel.world_size)
+    controller = None
+    try:
+        controller = start_controller(cfg)
+        return run_training(ControllerBackend(controller), cfg, steps, progress=progress)
+    finally:
+        if controller is not None:
+            stop_controller(controller)
+        if started:
+            ray.shutdown()

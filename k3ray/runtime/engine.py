@@ -1,0 +1,236 @@
+"""StageEngine: everything one worker does for one step, as plain library code (the Worker actor only holds it).
+
+Worker (p, e) runs pipeline stage p on its own micro-batches (dp rank e) and holds expert shard e of every MoE
+layer of stage p. World rank = p * ep + e. Process groups: the world (pipeline send/recv, loss and grad-norm
+reductions) and one EP group per stage (MoE all-to-alls, dense-gradient and balancing-statistics all-reduces).
+"""
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from k3ray.config import JobConfig
+from k3ray.data import TokenData
+from k3ray.model.decoder import build_stage, is_expert_param, stage_layers
+from k3ray.optim import AdamW, clip_coefficient, lr_at
+from k3ray.runtime import shards
+from k3ray.runtime.ep import EPContext, ExpertParallelExperts
+from k3ray.runtime.pipeline import one_f_one_b
+from k3ray.runtime.step import activation_stats, lm_loss, update_router_bias
+
+
+class StageEngine:
+    def __init__(self, cfg: JobConfig, pp_rank: int, ep_rank: int, home: list[int], device: str = "cpu"):
+        self.cfg, self.pp_rank, self.ep_rank = cfg, pp_rank, ep_rank
+        self.pp, self.ep = cfg.parallel.pp, cfg.parallel.ep
+        self.device = torch.device(device)
+        self.home = torch.tensor(home, dtype=torch.int64)
+        self.layers = stage_layers(cfg.model.n_layers, self.pp, pp_rank)
+        self.data = TokenData(cfg.data, cfg.train.seed)
+        self.opt = AdamW(cfg.optimizer)
+        self.lr_scale = 1.0
+        self.ctx: EPContext | None = None
+
+    # -- setup ---------------------------------------------------------------------------------------------------
+    def init_process_groups(self, init_method: str, backend: str) -> None:
+        timeout = timedelta(seconds=self.cfg.parallel.collective_timeout_s)
+        rank = self.pp_rank * self.ep + self.ep_rank
+        dist.init_process_group(backend, init_method=init_method, world_size=self.pp * self.ep, rank=rank,
+                                timeout=timeout)
+        groups = [dist.new_group(list(range(p * self.ep, (p + 1) * self.ep)), timeout=timeout) for p in range(self.pp)]
+        self.ep_group = groups[self.pp_rank]
+        self.ctx = EPContext(self.ep_group, self.ep_rank, self.ep, self.home)
+        self._build_stage()
+
+    def _build_stage(self) -> None:
+        mine = (self.home == self.ep_rank).nonzero().flatten().tolist()
+        self.stage = build_stage(self.cfg.model, self.layers, mine, seed=self.cfg.train.seed,
+                                 experts_factory=lambda layer, shard: ExpertParallelExperts(shard, self.ctx),
+                                 device=self.device)
+        self._refresh_params()
+
+    def _refresh_params(self) -> None:
+        self.params = dict(self.stage.named_parameters())
+        self.dense = {n: p for n, p in self.params.items() if not is_expert_param(n)}
+        self.experts = {n: p for n, p in self.params.items() if is_expert_param(n)}
+
+    def _rank(self, pp_rank: int) -> int:
+        return pp_rank * self.ep + self.ep_rank
+
+    # -- one step ------------------------------------------------------------------------------------------------
+    def train_step(self, step: int, batch_index: int) -> dict:
+        cfg, stage = self.cfg, self.stage
+        M = cfg.parallel.micro_batches
+        scale = 1.0 / (self.ep * M)
+        timings = {"compute": 0.0, "pipeline_wait": 0.0}
+        self.ctx.comm_seconds = 0.0
+        stage.reset_stats()
+        for moe in stage.moe_layers().values():
+            moe.experts.reset()
+        for p in self.params.values():
+            p.grad = None
+        shape = (cfg.data.micro_batch_size, cfg.data.seq_len, cfg.model.d_model)
+        dtype = getattr(torch, cfg.model.dtype)
+        saved: dict[int, tuple] = {}
+        pending = []
+        loss_sum = torch.zeros((), device=self.device)
+        t_step = time.perf_counter()
+        for op, m in one_f_one_b(M, self.pp_rank, self.pp):
+            if op == "F":
+                tokens = self.data.batch(batch_index, self.ep_rank, m).to(self.device)
+                if stage.is_first:
+                    x = tokens[:, :-1]
+                else:
+                    x = torch.empty(shape, dtype=dtype, device=self.device)
+                    t0 = time.perf_counter()
+                    dist.recv(x, self._rank(self.pp_rank - 1), tag=m)
+                    timings["pipeline_wait"] += time.perf_counter() - t0
+                    x.requires_grad_(True)
+                t0 = time.perf_counter()
+                out = stage(x)
+                if stage.is_last:
+                    out = lm_loss(out, tokens, scale)
+                    loss_sum += out.detach()
+                else:
+                    pending.append(dist.isend(out.detach().contiguous(), self._rank(self.pp_rank + 1), tag=m))
+                timings["compute"] += time.perf_counter() - t0
+                saved[m] = (x, out)
+            else:
+                x, out = saved.pop(m)
+                if stage.is_last:
+                    grad = None
+                else:
+                    grad = torch.empty(shape, dtype=dtype, device=self.device)
+                    t0 = time.perf_counter()
+                    dist.recv(grad, self._rank(self.pp_rank + 1), tag=M + m)
+                    timings["pipeline_wait"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                out.backward(grad)
+                timings["compute"] += time.perf_counter() - t0
+                if not stage.is_first:
+                    pending.append(dist.isend(x.grad.contiguous(), self._rank(self.pp_rank - 1), tag=M + m))
+        for work in pending:
+            work.wait()
+        t_opt = time.perf_counter()
+        report = self._finish_step(step, loss_sum)
+        timings["optimizer"] = time.perf_counter() - t_opt
+        timings["dispatch_combine"] = self.ctx.comm_seconds
+        timings["compute"] -= self.ctx.comm_seconds
+        timings["step"] = time.perf_counter() - t_step
+        report["timings"] = timings
+        report["batch_index"] = batch_index
+        return report
+
+    def _finish_step(self, step: int, loss_sum: torch.Tensor) -> dict:
+        cfg = self.cfg
+        # dense gradients: sum over the stage's EP group (one flat all-reduce)
+        grads = [p.grad for p in self.dense.values() if p.grad is not None]
+        if self.ep > 1 and grads:
+            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            dist.all_reduce(flat, group=self.ep_group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        # global grad norm and loss: dense counted once per stage (EP rank 0), experts on their holder
+        dense_sq = sum(g.float().square().sum() for g in grads) if self.ep_rank == 0 else torch.zeros(())
+        expert_sq = sum((p.grad.float().square().sum() for p in self.experts.values() if p.grad is not None),
+                        torch.zeros(()))
+        totals = torch.stack([torch.as_tensor(dense_sq, dtype=torch.float64).cpu() + expert_sq.double().cpu(),
+                              loss_sum.double().cpu()]).to(self.device)
+        dist.all_reduce(totals)
+        sq, loss = totals.tolist()
+        lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)
+        self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
+        return {"step": step, "loss": loss, "grad_norm": sq ** 0.5, "lr": lr, **self._balance()}
+
+    def _balance(self) -> dict:
+        """All-reduce the step's routing statistics over the EP group (one integer all-reduce for every layer of
+        the stage) and set each layer's router bias."""
+        moes = self.stage.moe_layers()
+        if not moes:
+            return {}
+        E = self.cfg.model.n_experts
+        parts = []
+        for moe in moes.values():
+            st = moe.stats
+            parts.append(st.tokens_per_expert.reshape(-1))
+            if st.histogram is not None:
+                parts.append(st.histogram.reshape(-1))
+        flat = torch.cat(parts)
+        if self.ep > 1:
+            dist.all_reduce(flat, group=self.ep_group)
+        offset, tpe, rank_load = 0, {}, {}
+        for layer, moe in moes.items():
+            load = flat[offset:offset + E]
+            offset += E
+            hist = None
+            if moe.stats.histogram is not None:
+                n = moe.stats.histogram.numel()
+                hist = flat[offset:offset + n].view_as(moe.stats.histogram)
+                offset += n
+            update_router_bias(self.cfg.model, moe, hist, load)
+            tpe[layer] = moe.experts.tokens_per_rank_expert.tolist()
+            rank_load[layer] = moe.experts.rank_load.tolist()
+        return {"tokens_per_expert": tpe, "rank_load": rank_load, "activations": activation_stats(self.stage)}
+
+    # -- evaluation ----------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over eval_batches, pipelined forward-only; EP rank e takes batches e, e+ep, ..."""
+        cfg, stage = self.cfg, self.stage
+        n = cfg.train.eval_batches
+        shape = (cfg.data.micro_batch_size, cfg.data.seq_len, cfg.model.d_model)
+        total = torch.zeros((), dtype=torch.float64)
+        rounds = -(-n // self.ep)
+        for r in range(rounds):
+            i = r * self.ep + self.ep_rank
+            tokens = self.data.val_batch(i % n).to(self.device)
+            if stage.is_first:
+                x = tokens[:, :-1]
+            else:
+                x = torch.empty(shape, dtype=getattr(torch, cfg.model.dtype), device=self.device)
+                dist.recv(x, self._rank(self.pp_rank - 1), tag=r)
+            out = stage(x)
+            if stage.is_last:
+                if i < n:
+                    total += float(lm_loss(out, tokens, 1.0))
+            else:
+                dist.send(out.contiguous(), self._rank(self.pp_rank + 1), tag=r)
+        stage.reset_stats()
+        for moe in stage.moe_layers().values():
+            moe.experts.reset()
+        t = total.to(self.device)
+        dist.all_reduce(t)
+        return float(t) / n
+
+    # -- expert shards -------------------------------------------------------------------------------------------
+    def _prefix(self, layer: int) -> str:
+        return f"blocks.{layer}.moe.experts.shard"
+
+    def export_shard(self, expert_ids: list[int] | None = None) -> dict[int, dict]:
+        """layer -> payload for the given experts (default: all this worker holds) of every MoE layer."""
+        out = {}
+        for layer, shard in self.stage.expert_shards().items():
+            ids = shard.expert_ids if expert_ids is None else expert_ids
+            out[layer] = shards.export_experts(shard, self.opt, self._prefix(layer), ids)
+        return out
+
+    def set_placement(self, home: list[int], imports: dict[int, list[dict]] | None = None) -> None:
+        """Adopt a new home table: drop experts no longer homed here, add imported ones (layer -> payloads)."""
+        self.home.copy_(torch.tensor(home, dtype=torch.int64))
+        mine = set((self.home == self.ep_rank).nonzero().flatten().tolist())
+        for layer, shard in self.stage.expert_shards().items():
+            keep = [e for e in shard.expert_ids if e in mine]
+            payloads = (imports or {}).get(layer, [])
+            shards.set_experts(shard, self.opt, self._prefix(layer), payloads, keep)
+            if set(shard.expert_ids) != mine:
+                raise ValueError(f"layer {layer}: rank {self.ep_rank} holds {shard.expert_ids}, placement says "
+                                 f"{sorted(mine)}")
+        self._refresh_params()
+
+    def set_policy(self, moonep_enabled: bool, slots_per_rank: int | None) -> None:
+        self.ctx.moonep_enabled, self.ctx.slots_per_rank = moonep_enabled, slots_per_rank

@@ -1,0 +1,215 @@
+"""Expert-parallel routed experts over one stage's EP group: dispatch, expert compute, combine.
+
+Notation: R EP ranks, E experts, K top-k, T local tokens, D = d_latent. Per micro-batch and MoE layer:
+  1. all-gather tokens_per_expert [R, E] (every rank then holds the same counts);
+  2. plan alloc [E, R] (MoonEP when enabled, else every expert on its home rank) and send [R, E, R];
+  3. replica weights travel home -> computing rank (all-to-all; autograd returns their gradients home);
+  4. routes are scattered straight into the send buffer (ordered by destination rank, then expert), all-to-all,
+     regrouped by expert, the grouped expert FFN, then the reverse path and a weighted sum per token.
+Every rank derives the same plan from the same counts, so splits agree without further negotiation.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from k3ray.kernels import grouped_expert_ffn, permute_rows, unpermute_rows
+from k3ray.model.moe import ExpertShard
+from k3ray.policies import moonep
+
+
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """all_to_all_single with variable first-dim splits (not differentiable: the layer's backward is explicit)."""
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+@dataclass
+class Exchange:
+    """Everything one layer's dispatch/compute/combine needs, derived from the plan (same on every rank)."""
+    in_splits: list[int]  # rows I send to each rank
+    out_splits: list[int]  # rows I receive from each rank
+    to_group: torch.Tensor  # received row i -> its row in the expert-grouped buffer
+    from_group: torch.Tensor  # inverse permutation
+    group_ends: torch.Tensor  # [G] int32
+    home_rows: list[int]  # per computed expert: row in my shard, or -1 for a received replica
+    replica_rows: list[int]  # per computed expert: row in the received-weights buffer, or -1
+    any_replicas: bool  # some rank computes a replica (then every rank joins the weight exchange)
+    w_send_rows: list[int]  # my shard rows to send, destination-major
+    w_in_splits: list[int]
+    w_out_splits: list[int]
+
+
+class _ExpertExchange(torch.autograd.Function):
+    """send_buf [N, D] (routes in send order) -> rows back from the experts [N, D], in send order.
+
+    Forward: dispatch all-to-all, replica-weight all-to-all, grouped expert FFN, combine all-to-all. Backward issues
+    the reverse exchanges explicitly, always in the same order on every rank (combine, dispatch, weights), and
+    differentiates the local expert compute with autograd.grad, so no collective ever depends on the autograd
+    engine's node order or on whether a rank happened to use a received tensor."""
+
+    @staticmethod
+    def forward(ctx, send_buf, w1, w2, ex: Exchange, group, build_graph: bool, timer):
+        ctx.ex, ctx.group, ctx.timer = ex, group, timer
+        recv = timer(all_to_all, send_buf, ex.out_splits, ex.in_splits, group)
+        shape1, shape2 = w1.shape[1:], w2.shape[1:]
+        received = None
+        if ex.any_replicas:
+            w_flat = torch.cat([w1.flatten(1), w2.flatten(1)], dim=1)
+            received = timer(all_to_all, w_flat[ex.w_send_rows], ex.w_out_splits, ex.w_in_splits, group)
+        with torch.enable_grad() if build_graph else torch.no_grad():
+            leaves = [t.detach().requires_grad_(build_graph) for t in (recv, w1, w2)]
+            recv_l, w1_l, w2_l = leaves
+            if received is not None:
+                received_l = received.detach().requires_grad_(build_graph)
+                leaves.append(received_l)
+                n1 = shape1.numel()
+                local = torch.cat([w1_l.flatten(1), w2_l.flatten(1)], dim=1)
+                table = torch.cat([local, received_l])
+                rows = [h if h >= 0 else local.shape[0] + r for h, r in zip(ex.home_rows, ex.replica_rows)]
+                picked = table[rows]
+                gw1, gw2 = picked[:, :n1].view(-1, *shape1), picked[:, n1:].view(-1, *shape2)
+            else:
+                gw1, gw2 = w1_l[ex.home_rows], w2_l[ex.home_rows]
+            y = grouped_expert_ffn(recv_l.index_select(0, ex.from_group), gw1, gw2, ex.group_ends)
+            y_recv = y.index_select(0, ex.to_group)
+        ctx.graph = (y_recv, leaves) if build_graph else None
+        return timer(all_to_all, y_recv.detach(), ex.in_splits, ex.out_splits, group)
+
+    @staticmethod
+    def backward(ctx, grad_back):
+        ex, group, timer = ctx.ex, ctx.group, ctx.timer
+        y_recv, leaves = ctx.graph
+        grad_y = timer(all_to_all, grad_back, ex.out_splits, ex.in_splits, group)
+        grads = torch.autograd.grad(y_recv, leaves, grad_y, allow_unused=True)
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
+        grad_send = timer(all_to_all, grads[0], ex.in_splits, ex.out_splits, group)
+        grad_w1, grad_w2 = grads[1], grads[2]
+        if ex.any_replicas:
+            back = timer(all_to_all, grads[3], ex.w_in_splits, ex.w_out_splits, group)
+            n1 = grad_w1[0].numel()
+            rows = torch.tensor(ex.w_send_rows, dtype=torch.long, device=back.device)
+            grad_w1 = grad_w1.index_add(0, rows, back[:, :n1].view(-1, *grad_w1.shape[1:]))
+            grad_w2 = grad_w2.index_add(0, rows, back[:, n1:].view(-1, *grad_w2.shape[1:]))
+        ctx.graph = None
+        return grad_send, grad_w1, grad_w2, None, None, None, None
+
+
+class EPContext:
+    """What the EP executors of one worker share: the group, this rank, expert homes and the live MoonEP policy."""
+
+    def __init__(self, group, rank: int, num_ranks: int, home: torch.Tensor):
+        self.group, self.rank, self.num_ranks = group, rank, num_ranks
+        self.home = home  # [E] int64 home rank of every expert (the placement table's view for this stage)
+        self.moonep_enabled = True
+        self.slots_per_rank: int | None = None
+        self.comm_seconds = 0.0  # time inside dispatch/combine collectives since the last reset
+
+
+def _positions(counts_ED: torch.Tensor) -> torch.Tensor:
+    """Exclusive prefix offsets of a block layout ordered (D-major, then E): [E, D] -> start row of block (e, d)."""
+    flat = counts_ED.t().reshape(-1)
+    return (flat.cumsum(0) - flat).view(counts_ED.shape[1], counts_ED.shape[0]).t()
+
+
+class ExpertParallelExperts(nn.Module):
+    def __init__(self, shard: ExpertShard, ctx: EPContext):
+        super().__init__()
+        self.shard, self.ctx = shard, ctx
+        self.rank_load: torch.Tensor | None = None  # [R] rows computed per rank, summed over the step
+        self.tokens_per_rank_expert: torch.Tensor | None = None  # [R, E] summed over the step
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.ctx.comm_seconds += time.perf_counter() - t0
+        return out
+
+    def forward(self, h_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
+        ctx, me = self.ctx, self.ctx.rank
+        R, E = ctx.num_ranks, ctx.home.numel()
+        local = torch.bincount(idx_TK.reshape(-1), minlength=E)
+        gathered = [torch.empty_like(local) for _ in range(R)]
+        self._timed(dist.all_gather, gathered, local, ctx.group)
+        tpe_RE = torch.stack(gathered).cpu()  # the one host sync of the layer: splits live on the host
+        if ctx.moonep_enabled and R > 1:
+            alloc = moonep.plan(tpe_RE, ctx.slots_per_rank, ctx.home).alloc.cpu()
+        else:
+            alloc = torch.zeros(E, R, dtype=torch.int64)
+            alloc[torch.arange(E), ctx.home] = tpe_RE.sum(0)
+        send = moonep.send_matrix(tpe_RE, alloc)  # [R_src, E, R_dst]
+        self._account(tpe_RE, alloc)
+
+        # -- where each of my routes goes: destination rank, then its row in the send buffer (d-major, e-minor)
+        dev = h_TD.device
+        mine = send[me]  # [E, R]
+        edges = mine.cumsum(1)  # [E, R] end of each destination's share inside expert e's block
+        flat = idx_TK.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        sorted_e = flat[order].cpu()
+        local_cpu = local.cpu()
+        within = torch.arange(flat.numel()) - (local_cpu.cumsum(0) - local_cpu)[sorted_e]  # rank inside e's block
+        d = torch.searchsorted(edges[sorted_e], within[:, None], right=True).squeeze(1)
+        row_sorted = _positions(mine)[sorted_e, d] + within - (edges - mine)[sorted_e, d]
+        dest = torch.empty_like(flat)
+        dest[order] = row_sorted.to(dev)
+        dest = dest.view_as(idx_TK)
+        in_splits, out_splits = mine.sum(0).tolist(), send[:, :, me].sum(1).tolist()
+        # -- received rows come source-major, expert-minor; the expert FFN wants them grouped by expert
+        recv_counts = send[:, :, me]  # [R_src, E]
+        groups = (alloc[:, me] > 0).nonzero().flatten()  # experts this rank computes, ascending
+        rows_per_group = alloc[groups, me]
+        group_start = torch.zeros(E, dtype=torch.int64)
+        group_start[groups] = rows_per_group.cumsum(0) - rows_per_group
+        blk_len = recv_counts.reshape(-1)
+        blk_dst = (group_start[None, :] + recv_counts.cumsum(0) - recv_counts).reshape(-1)
+        blk_src = blk_len.cumsum(0) - blk_len
+        to_group = torch.repeat_interleave(blk_dst - blk_src, blk_len) + torch.arange(int(blk_len.sum()))
+        from_group = torch.empty_like(to_group)
+        from_group[to_group] = torch.arange(to_group.numel())
+        ex = Exchange(in_splits=in_splits, out_splits=out_splits, to_group=to_group.to(dev),
+                      from_group=from_group.to(dev),
+                      group_ends=rows_per_group.cumsum(0).to(device=dev, dtype=torch.int32),
+                      **self._weight_routes(groups, alloc))
+        send_buf = permute_rows(h_TD, dest, flat.numel())
+        back = _ExpertExchange.apply(send_buf, self.shard.w1, self.shard.w2, ex, ctx.group,
+                                     torch.is_grad_enabled(), self._timed)
+        return unpermute_rows(back, dest, weight_TK)
+
+    def _weight_routes(self, groups: torch.Tensor, alloc: torch.Tensor) -> dict:
+        """Where the weights of each computed expert come from (my shard or the replica exchange), and which of
+        my shard's rows go to which rank. Received replicas arrive ordered by home rank, then expert id."""
+        ctx, me = self.ctx, self.ctx.rank
+        R, E = ctx.num_ranks, ctx.home.numel()
+        ranks = torch.arange(R)[:, None]
+        replica = (alloc.t() > 0) & (ctx.home[None, :] != ranks)  # [R_dst, E]
+        shard_row = {e: i for i, e in enumerate(self.shard.expert_ids)}
+        mine_to = [(replica[d] & (ctx.home == me)).nonzero().flatten().tolist() for d in range(R)]
+        my_replicas = replica[me].nonzero().flatten()
+        from_home = ctx.home[my_replicas]
+        recv_order = my_replicas[torch.argsort(from_home * E + my_replicas)].tolist()
+        recv_row = {e: i for i, e in enumerate(recv_order)}
+        g = groups.tolist()
+        return {
+            "home_rows": [shard_row.get(e, -1) for e in g],
+            "replica_rows": [recv_row.get(e, -1) for e in g],
+            "any_replicas": bool(replica.any()),
+            "w_send_rows": [shard_row[e] for d in range(R) for e in mine_to[d]],
+            "w_in_splits": [len(x) for x in mine_to],
+            "w_out_splits": torch.bincount(from_home, minlength=R).tolist(),
+        }
+
+    def _account(self, tpe_RE: torch.Tensor, alloc: torch.Tensor) -> None:
+        load = alloc.sum(0)
+        self.rank_load = load if self.rank_load is None else self.rank_load + load
+        self.tokens_per_rank_expert = tpe_RE if self.tokens_per_rank_expert is None else \
+            self.tokens_per_rank_expert + tpe_RE
+
+    def reset(self) -> None:
+        self.rank_load = None
+        self.tokens_per_rank_expert = None

@@ -1,0 +1,46 @@
+"""Moving expert shards: export rows of a worker's ExpertShard (weights and their optimizer moments) and import
+them elsewhere. A payload is plain CPU tensors, so it travels through Ray's object store or a checkpoint file."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3ray.model.moe import ExpertShard
+from k3ray.optim import AdamW
+
+WEIGHTS = ("w1", "w2")
+
+
+def export_experts(shard: ExpertShard, opt: AdamW, prefix: str, expert_ids: list[int]) -> dict:
+    """{'expert_ids', 'w1', 'w2', 'opt': {'w1': {'m', 'v'} | None, ...}} for the given experts of this shard."""
+    rows = shard.rows_of(expert_ids)
+    return {
+        "expert_ids": list(expert_ids),
+        **{w: getattr(shard, w).detach()[rows].cpu().clone() for w in WEIGHTS},
+        "opt": {w: _cpu(opt.take_rows(f"{prefix}.{w}", rows)) for w in WEIGHTS},
+    }
+
+
+def _cpu(state):
+    return None if state is None else {k: v.cpu() for k, v in state.items()}
+
+
+def set_experts(shard: ExpertShard, opt: AdamW, prefix: str, payloads: list[dict], keep: list[int]) -> None:
+    """Rebuild the shard to hold `keep` (ids it has now) plus every payload's experts, sorted by expert id."""
+    device, dtype = shard.w1.device, shard.w1.dtype
+    current = export_experts(shard, opt, prefix, keep)
+    parts = [current] + payloads
+    ids = [e for p in parts for e in p["expert_ids"]]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{prefix}: duplicate experts in import: {sorted(ids)}")
+    order = sorted(range(len(ids)), key=ids.__getitem__)
+    for w in WEIGHTS:
+        stacked = torch.cat([p[w] for p in parts])[order].to(device=device, dtype=dtype)
+        setattr(shard, w, nn.Parameter(stacked))
+        states = [p["opt"][w] for p in parts]
+        if all(s is not None for s in states):
+            opt.set_state(f"{prefix}.{w}", {k: torch.cat([s[k] for s in states])[order].to(device)
+                                            for k in states[0]})
+        else:  # a part without moments (fresh experts): start all of them fresh rather than mix
+            opt.set_state(f"{prefix}.{w}", None)
+    shard.expert_ids = sorted(ids)
