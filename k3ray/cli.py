@@ -125,6 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--working-dir", default=".")
     s.add_argument("--wait", action="store_true", help="submit: follow the logs until the job ends")
     s.set_defaults(func=cmd_submit)
+
+    from k3ray.control_cli import add_control_commands  # status, placement, policy, incidents, checkpoint, dashboards
+
+    add_control_commands(sub)
     return p
 
 

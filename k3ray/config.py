@@ -47,7 +47,7 @@ class ModelConfig(_Strict):
     sign_update_rate: float = Field(1e-3, gt=0)
     quantile_bins: int = Field(1000, ge=10)
     quantile_window: float = Field(0.5, gt=0, description="half-width of the bias-relative histogram range")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "float64", "bfloat16"] = "float32"
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":

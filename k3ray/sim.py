@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from k3ray.policies import moonep, replication
 
@@ -185,9 +186,6 @@ class PolicyStats:
     plan_ms_median: float = 0.0             # per layer (rebalance: per step, all layers)
     _samples: dict = field(default_factory=dict, repr=False)
 
-    def replicas_per_rank_mean_from_samples(self) -> float:
-        return statistics.fmean(self._samples["rep_mean"])
-
     def add(self, loads: torch.Tensor, replicas_per_rank: torch.Tensor, plan_s: float) -> None:
         loads = loads.double()
         s = self._samples
@@ -196,15 +194,13 @@ class PolicyStats:
         s.setdefault("rep_max", []).append(float(replicas_per_rank.max()))
         s.setdefault("ms", []).append(plan_s * 1e3)
 
-    def finish(self, per_step_copies_per_rank: float, expert_bytes: int) -> None:
-        """per_step_copies_per_rank: weight copies a rank receives per step (all layers)."""
+    def finish(self) -> None:
         s = self._samples
         self.imbalance_mean = statistics.fmean(s["imb"])
         self.imbalance_worst = max(s["imb"])
         self.balancedness_mean = statistics.fmean(1 / x for x in s["imb"])
         self.replicas_per_rank_mean = statistics.fmean(s["rep_mean"])
         self.replicas_per_rank_max = max(s["rep_max"])
-        self.copy_bytes_per_step_per_rank = per_step_copies_per_rank * expert_bytes
         self.plan_ms_median = statistics.median(s["ms"])
 
     def to_json(self) -> dict:
@@ -267,16 +263,14 @@ def run_simulation(cfg, ranks: int, trace: str, steps: int = 3, layers: int | No
     `rebalance_every` steps (default policies.replication.every_n_steps) from the decayed history of the steps
     before, limited by policies.replication.moved_budget.
     """
-    from tqdm import tqdm
-
     model, rep_cfg = cfg.model, cfg.policies.replication
     num_experts, top_k = model.n_experts, model.top_k
     num_layers = layers or model.n_layers
     expert_bytes = 3 * model.d_latent * model.expert_inner * 2
+    tr = Trace(trace, num_layers, ranks, num_experts, top_k, tokens_per_rank, seed)
+    num_layers, ranks = tr.num_layers, tr.num_ranks                  # a trace file fixes both
     slots = math.ceil(num_experts / ranks) + rep_cfg.spare_slots_per_rank
     num_phys = slots * ranks
-    tr = Trace(trace, num_layers, ranks, num_experts, top_k, tokens_per_rank, seed)
-    num_layers, ranks = tr.num_layers, tr.num_ranks
     stats = {name: PolicyStats() for name in POLICIES}
     every = rebalance_every or rep_cfg.every_n_steps
     gen = torch.Generator().manual_seed(seed)
@@ -284,12 +278,17 @@ def run_simulation(cfg, ranks: int, trace: str, steps: int = 3, layers: int | No
     placement = None
     moved_total, rebalance_ms, maxvios = 0, [], []
     started = time.perf_counter()
-    with _single_thread(), tqdm(total=steps * num_layers, disable=not progress, desc=f"sim {trace} R={ranks}",
-                                unit="layer") as bar:
+    with _single_thread(), tqdm(total=2 * steps * num_layers, disable=not progress, unit="layer",
+                                desc=f"sim {trace} R={ranks}") as bar:   # each layer: sampled, then simulated
         for step in range(steps):
-            counts_step = [tr.counts(step, gen, layer=l) for l in range(num_layers)]              # L x [R, E]
+            bar.set_postfix_str("sampling")
+            counts_step = []                                                                      # L x [R, E]
+            for layer in range(num_layers):
+                counts_step.append(tr.counts(step, gen, layer=layer))
+                bar.update(1)
             totals = torch.stack([c.sum(0) for c in counts_step]).double()                        # [L, E]
             if placement is None or step % every == 0:
+                bar.set_postfix_str("replication")
                 t0 = time.perf_counter()
                 new = replication.rebalance(totals if history is None else history, ranks, num_phys,
                                             current=None if placement is None else placement.physical_to_logical,
@@ -300,6 +299,7 @@ def run_simulation(cfg, ranks: int, trace: str, steps: int = 3, layers: int | No
                 placement = new
             history = totals if history is None else rep_cfg.history_decay * history + totals
             home_phys = torch.arange(num_phys) // slots
+            bar.set_postfix_str("policies")
             for layer, counts in enumerate(counts_step):
                 maxvios.append(moonep.maxvio(counts))
                 _simulate_layer(stats, counts, placement, layer, home_phys, cfg.policies.moonep.slots_per_rank)
@@ -308,8 +308,10 @@ def run_simulation(cfg, ranks: int, trace: str, steps: int = 3, layers: int | No
     # MoonEP copies move every step: replicas per rank per layer x layers.
     moved_per_step = moved_total / ranks / steps
     for name, st in stats.items():
-        per_step = st.replicas_per_rank_mean_from_samples() * num_layers if "moonep" in name else 0.0
-        st.finish(per_step + (moved_per_step if name.startswith("replicas") else 0.0), expert_bytes)
+        st.finish()
+        copies = (st.replicas_per_rank_mean * num_layers if "moonep" in name else 0.0) + \
+            (moved_per_step if name.startswith("replicas") else 0.0)
+        st.copy_bytes_per_step_per_rank = copies * expert_bytes
     return SimResult(trace=trace, ranks=ranks, experts=num_experts, top_k=top_k, layers=num_layers, steps=steps,
                      tokens_per_rank=tokens_per_rank, slots_per_rank_replicas=slots, expert_bytes=expert_bytes,
                      expert_maxvio_mean=statistics.fmean(maxvios), policies=stats,
@@ -327,8 +329,9 @@ def _simulate_layer(stats: dict[str, PolicyStats], counts: torch.Tensor, placeme
     rep_loads = replication.rank_loads(counts.sum(0), phy, num_ranks)[0]
     resident = torch.zeros(num_ranks, num_experts, dtype=torch.bool)
     resident[home_phys, phy] = True
-    stats["replicas"].add(rep_loads, resident.sum(1) - torch.bincount(moonep.default_home(num_experts, num_ranks),
-                                                                      minlength=num_ranks), 0.0)
+    spare = torch.bincount(home_phys, minlength=num_ranks) - torch.bincount(
+        moonep.default_home(num_experts, num_ranks), minlength=num_ranks)                # slots beyond E/R
+    stats["replicas"].add(rep_loads, spare, 0.0)
 
     t0 = time.perf_counter()
     plan = moonep.plan(counts, slots_per_rank=moonep_slots)

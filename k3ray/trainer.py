@@ -39,7 +39,7 @@ class ReferenceTrainer:
         for p in self.params.values():
             p.grad = None
         ep, micro = cfg.parallel.ep, cfg.parallel.micro_batches
-        loss_sum = torch.zeros(())
+        loss_sum = torch.zeros((), dtype=torch.float64)
         for e in range(ep):
             for m in range(micro):
                 tokens = self.data.batch(batch_index, e, m)

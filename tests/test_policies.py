@@ -153,3 +153,170 @@ def test_metrics():
     assert moonep.maxvio(counts) == pytest.approx(0.5)
     assert moonep.imbalance(torch.tensor([4, 2])) == pytest.approx(4 / 3)
     assert torch.equal(moonep.home_loads(counts), torch.tensor([6, 2]))
+
+
+# ------------------------------------------------------------------------------------------------------- scheduling
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.lists(st.integers(0, 5000), min_size=0, max_size=40), num_groups=st.integers(1, 8),
+       overhead=st.floats(0.0, 50.0), per_row=st.floats(0.0, 0.1))
+def test_schedule_lpt_properties(rows, num_groups, overhead, per_row):
+    rows_t = torch.tensor(rows, dtype=torch.int64)
+    cost = scheduling.CostModel(overhead, per_row)
+    sched = scheduling.schedule(rows_t, num_groups, cost)
+    assert sorted(sched.order.tolist()) == list(range(len(rows)))
+    ordered = rows_t[sched.order].tolist()
+    assert ordered == sorted(rows, reverse=True)
+    # group finish times are the sums of the costs assigned to them
+    times = cost.time(rows_t)
+    finish = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, sched.group, times)
+    assert torch.allclose(finish, sched.finish_us)
+    bound = scheduling.lower_bound_us(rows_t, num_groups, cost)
+    assert bound - 1e-6 <= sched.makespan_us <= (2 - 1 / num_groups) * bound + 1e-6   # any list schedule
+    if len(rows) <= 7 and num_groups <= 3:                     # Graham: LPT <= (4/3 - 1/(3m)) * optimum
+        best = _optimal_makespan(times.tolist(), num_groups)
+        assert sched.makespan_us <= (4 / 3 - 1 / (3 * num_groups)) * best + 1e-6
+
+
+def _optimal_makespan(times: list[float], num_groups: int) -> float:
+    best = float("inf")
+    for code in range(num_groups ** len(times)):
+        finish = [0.0] * num_groups
+        for t in times:
+            finish[code % num_groups] += t
+            code //= num_groups
+        best = min(best, max(finish))
+    return best
+
+
+def test_lpt_against_lower_bound_is_not_four_thirds():
+    """4 equal GEMMs on 3 groups: optimum = LPT = 2, lower bound 4/3; the 4/3 guarantee is against the optimum."""
+    sched = scheduling.schedule(torch.tensor([1, 1, 1, 1]), 3, scheduling.CostModel(0.0, 1.0))
+    assert sched.makespan_us == 2.0
+    assert scheduling.lower_bound_us(torch.tensor([1, 1, 1, 1]), 3, scheduling.CostModel(0.0, 1.0)) == 4 / 3
+
+
+def test_schedule_order_ties_by_index():
+    order = scheduling.schedule_order(torch.tensor([3, 7, 3, 7, 0]))
+    assert order.tolist() == [1, 3, 0, 2, 4]
+
+
+def test_calibrate_recovers_affine_cost():
+    rows = torch.tensor([0.0, 128, 512, 2048, 8192])
+    times = 7.5 + 0.02 * rows
+    cost = scheduling.calibrate(rows, times)
+    assert cost.overhead_us == pytest.approx(7.5) and cost.per_row_us == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="distinct"):
+        scheduling.calibrate(torch.tensor([5.0, 5.0]), torch.tensor([1.0, 2.0]))
+    noisy = scheduling.calibrate(torch.tensor([10.0, 20.0]), torch.tensor([5.0, 4.0]))   # negative slope -> 0
+    assert noisy.per_row_us == 0 and noisy.overhead_us == pytest.approx(4.5)
+
+
+# ------------------------------------------------------------------------------------------------------ replication
+
+
+def _expert_loads(num_layers: int, num_experts: int, skew: float, seed: int, cap: float | None = None):
+    g = torch.Generator().manual_seed(seed)
+    pop = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** skew
+    load = torch.stack([pop[torch.randperm(num_experts, generator=g)] for _ in range(num_layers)])
+    load = load / load.sum(1, keepdim=True)
+    if cap is not None:
+        load = load.clamp(max=cap)
+    return load * 1e5
+
+
+def check_placement(p: replication.Placement, num_experts: int, num_phys: int) -> None:
+    phy2log, log2phy, count = p.physical_to_logical, p.logical_to_physical, p.logical_count
+    num_layers = phy2log.shape[0]
+    assert phy2log.shape == (num_layers, num_phys)
+    assert (count >= 1).all() and (count.sum(1) == num_phys).all()
+    assert torch.equal(count, torch.stack([torch.bincount(row, minlength=num_experts) for row in phy2log]))
+    assert torch.equal((log2phy >= 0).sum(2), count)
+    for layer in range(num_layers):
+        for e in range(num_experts):
+            slots = log2phy[layer, e][log2phy[layer, e] >= 0]
+            assert (phy2log[layer, slots] == e).all()
+
+
+@pytest.mark.parametrize("num_experts,num_ranks,spare,skew", [(32, 4, 1, 1.2), (64, 8, 2, 1.5), (48, 8, 1, 0.0),
+                                                              (16, 16, 1, 2.0), (8, 1, 3, 1.0)])
+def test_rebalance_flat(num_experts, num_ranks, spare, skew):
+    load = _expert_loads(3, num_experts, skew, seed=num_experts)
+    num_phys = num_experts + spare * num_ranks
+    p = replication.rebalance(load, num_ranks, num_phys)
+    check_placement(p, num_experts, num_phys)
+    rr = replication.round_robin(3, num_experts, num_ranks, num_phys)
+    ours = replication.balancedness(load, p.physical_to_logical, num_ranks)
+    base = replication.balancedness(load, rr.physical_to_logical, num_ranks)
+    assert (ours >= base - 1e-9).all()
+    # copies of one expert on distinct ranks where possible
+    per_rank = num_phys // num_ranks
+    for layer in range(3):
+        ranks = torch.arange(num_phys) // per_rank
+        for e in range(num_experts):
+            holders = ranks[p.physical_to_logical[layer] == e]
+            if holders.numel() <= num_ranks:
+                assert holders.unique().numel() == holders.numel()
+
+
+def test_rebalance_one_dimensional_and_deterministic():
+    load = _expert_loads(1, 64, 1.2, seed=0)[0]
+    a, b = replication.rebalance(load, 8, 72), replication.rebalance(load.clone(), 8, 72)
+    assert a.physical_to_logical.shape == (72,) and torch.equal(a.physical_to_logical, b.physical_to_logical)
+
+
+def test_rebalance_zipf_balancedness_goal():
+    """One spare slot per rank on Zipf 1.2 (per-expert load capped at 1/K of the total, as top-K routing implies)."""
+    load = _expert_loads(4, 256, 1.2, seed=1, cap=1 / 16)
+    p = replication.rebalance(load, 16, 256 + 16)
+    assert replication.balancedness(load, p.physical_to_logical, 16).min() >= 0.95
+
+
+def test_rebalance_hierarchical():
+    load = _expert_loads(3, 64, 1.0, seed=2, cap=1 / 8)
+    p = replication.rebalance(load, 8, 80, num_nodes=2)
+    check_placement(p, 64, 80)
+    # every logical expert's copies stay inside one node (ranks 0-3 or 4-7)
+    node = (torch.arange(80) // 10) // 4
+    for layer in range(3):
+        for e in range(64):
+            assert node[p.physical_to_logical[layer] == e].unique().numel() == 1
+    with pytest.raises(ValueError, match="num_nodes"):
+        replication.rebalance(load, 8, 80, num_nodes=3)
+
+
+def test_rebalance_moved_budget():
+    num_experts, num_ranks, num_phys = 64, 8, 72
+    old = _expert_loads(2, num_experts, 1.2, seed=3)
+    current = replication.rebalance(old, num_ranks, num_phys).physical_to_logical
+    new = _expert_loads(2, num_experts, 1.2, seed=4)                       # hot set moved
+    free = replication.rebalance(new, num_ranks, num_phys, current=current)
+    for budget in (0, 1, 4, 16):
+        p = replication.rebalance(new, num_ranks, num_phys, current=current, moved_budget=budget)
+        check_placement(p, num_experts, num_phys)
+        assert ((p.physical_to_logical != current).sum(1) <= budget).all()
+        if budget == 0:
+            assert torch.equal(p.physical_to_logical, current)
+    bal_cur = replication.balancedness(new, current, num_ranks)
+    bal_16 = replication.balancedness(new, p.physical_to_logical, num_ranks)
+    assert (bal_16 >= bal_cur - 1e-9).all() and (bal_16 > bal_cur + 0.05).any()
+    # re-running on the same load with its own placement as current moves nothing
+    same = replication.rebalance(new, num_ranks, num_phys, current=free.physical_to_logical, moved_budget=8)
+    assert torch.equal(same.physical_to_logical, free.physical_to_logical)
+    # alignment alone keeps balance identical
+    assert torch.allclose(replication.balancedness(new, free.physical_to_logical, num_ranks),
+                          replication.balancedness(new, replication.rebalance(new, num_ranks, num_phys)
+                                                   .physical_to_logical, num_ranks))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_plan_on_cuda_matches_cpu():
+    counts = _counts(64, 896, 1.2, seed=5, scale=73)
+    cpu = moonep.plan(counts)
+    gpu = moonep.plan(counts.cuda())
+    assert gpu.alloc.is_cuda and gpu.replica_mask.is_cuda and gpu.home.is_cuda
+    assert torch.equal(gpu.alloc.cpu(), cpu.alloc) and torch.equal(gpu.replica_mask.cpu(), cpu.replica_mask)
+    assert torch.equal(gpu.send(counts.cuda()).cpu(), cpu.send(counts))
+    sched = scheduling.schedule(counts[0].cuda(), 4, scheduling.CostModel(5.0, 0.01))
+    assert sched.group.is_cuda and sched.order.is_cuda

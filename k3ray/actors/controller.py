@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import enum
 import logging
+import threading
 import time
+
+from pydantic import ValidationError
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -47,6 +50,16 @@ class Controller:
         self.pg = None
         self.last_report: dict | None = None
         self.step = 0
+        self.lock = threading.Lock()
+        self.pending_policies: dict[str, object] = {}  # name -> validated policy, applied at the next step
+        self.audit: list[dict] = []
+        self.incidents: list[dict] = []
+        # -- control plane (issue 6): API server, metrics --
+        self.api_server = None
+        self.api_url: str | None = None
+        self.metrics = None
+        self.metrics_overhead_s: list[float] = []
+        # -- end control plane --
 
     def _transition(self, state: JobState, why: str = "") -> None:
         log.info("state %s -> %s %s", self.state.value, state.value, why)
@@ -83,6 +96,15 @@ class Controller:
         ray.get([w.setup.remote(f"tcp://{ip}:{port}", backend) for w in self._all()], timeout=placement_timeout_s)
         self._apply_policies()
         self._transition(JobState.RUNNING, f"{par.world_size} workers, backend {backend}")
+        # -- control plane (issue 6) --
+        from k3ray.metrics import JobMetrics
+        self.metrics = JobMetrics(cfg.name)
+        self.metrics.set_state(self.state.value)
+        if cfg.api.enabled:
+            from k3ray.api import start_control_api
+            self.api_server, record = start_control_api(self)
+            self.api_url = record["url"]
+        # -- end control plane --
         return self.status()
 
     @staticmethod
@@ -99,9 +121,16 @@ class Controller:
 
     # -- steps ---------------------------------------------------------------------------------------------------
     def train_step(self, step: int, batch_index: int) -> dict:
+        t0 = time.perf_counter()  # control plane (issue 6)
+        self._apply_pending_policies(step)
         reports = ray.get([w.train_step.remote(step, batch_index) for w in self._all()])
         self.step = step + 1
         self.last_report = self._merge(step, batch_index, reports).to_dict()
+        # -- control plane (issue 6): publish metrics, keep the per-step overhead --
+        from k3ray.metrics import timed_publish
+        self.metrics_overhead_s.append(timed_publish(self.metrics, self, self.last_report, time.perf_counter() - t0))
+        del self.metrics_overhead_s[:-1000]
+        # -- end control plane --
         return self.last_report
 
     def evaluate(self) -> float:
@@ -131,6 +160,59 @@ class Controller:
         mp = self.cfg.policies.moonep
         ray.get([w.set_policy.remote(mp.enabled, mp.slots_per_rank) for w in self._all()])
 
+    POLICY_NAMES = ("moonep", "replication", "scheduling", "guards")
+
+    def get_policies(self, name: str | None = None) -> dict:
+        """Live policies (with any change still waiting for the next step boundary applied on top)."""
+        with self.lock:
+            current = {n: getattr(self.cfg.policies, n).model_dump() for n in self.POLICY_NAMES}
+            for n, pol in self.pending_policies.items():
+                current[n] = pol.model_dump()
+        if name is None:
+            return current
+        if name not in current:
+            raise KeyError(f"unknown policy {name!r}; policies: {', '.join(self.POLICY_NAMES)}")
+        return current[name]
+
+    def set_policy(self, name: str, params: dict, source: str = "python") -> dict:
+        """Validate a change to one policy and queue it for the next step boundary. Raises KeyError for an unknown
+        policy and ValueError naming the field for a bad value; nothing changes then."""
+        if name not in self.POLICY_NAMES:
+            raise KeyError(f"unknown policy {name!r}; policies: {', '.join(self.POLICY_NAMES)}")
+        with self.lock:
+            base = self.pending_policies.get(name) or getattr(self.cfg.policies, name)
+            try:
+                new = type(base).model_validate({**base.model_dump(), **params})
+            except ValidationError as err:
+                fields = "; ".join(f"{name}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+                raise ValueError(fields) from None
+            self.pending_policies[name] = new
+            entry = {"time": time.time(), "policy": name, "params": params, "source": source,
+                     "requested_at_step": self.step, "applies_at_step": self.step, "applied": False}
+            self.audit.append(entry)
+        log.info("policy %s change %s from %s queued for step %d", name, params, source, self.step)
+        return {"policy": name, "value": new.model_dump(), "applies_at_step": self.step}
+
+    def _apply_pending_policies(self, step: int) -> None:
+        with self.lock:
+            pending, self.pending_policies = self.pending_policies, {}
+            for entry in self.audit:
+                if not entry["applied"] and entry["policy"] in pending:
+                    entry.update(applied=True, applies_at_step=step)
+        if not pending:
+            return
+        for name, pol in pending.items():
+            setattr(self.cfg.policies, name, pol)
+        if "moonep" in pending:
+            self._apply_policies()
+
+    def audit_log(self) -> list[dict]:
+        with self.lock:
+            return [dict(e) for e in self.audit]
+
+    def get_incidents(self) -> list[dict]:
+        return list(self.incidents)
+
     def move_experts(self, expert_ids: list[int], dst_ep_rank: int) -> dict:
         """Move experts' shards (weights and optimizer moments, every layer) to another EP rank of each stage."""
         new_home = list(self.home)
@@ -155,6 +237,8 @@ class Controller:
         return {"name": self.cfg.name, "state": self.state.value, "step": self.step, "pp": par.pp, "ep": par.ep,
                 "workers": par.world_size, "device": par.device,
                 "loss": None if self.last_report is None else self.last_report["loss"],
+                "api_url": self.api_url,  # control plane (issue 6)
+                "tokens_per_s": None if self.metrics is None else self.metrics.tokens_per_s,  # control plane
                 "transitions": [{"time": t, "state": s, "why": w} for t, s, w in self.transitions]}
 
     def placement(self) -> dict:
@@ -163,6 +247,9 @@ class Controller:
                 "rank_load": None if self.last_report is None else self.last_report["rank_load"]}
 
     def shutdown(self) -> None:
+        if self.api_server is not None:  # control plane (issue 6)
+            self.api_server.stop()
+            self.api_server = None
         for w in self._all():
             ray.kill(w, no_restart=True)
         self.workers = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3ray.kernels import grouped_gemm as gg
 from k3ray.kernels.situ_glu import INTERPRET, situ_glu_reference
@@ -42,22 +43,35 @@ def grouped_expert_ffn_reference(
 # ffn_dh_kernel (dY @ W2^T with the SiTU-GLU gradient and d row_scale in its epilogue, activation recomputed from the
 # saved h), grouped_mm_kernel (dX = dH @ W1^T), grouped_wgrad_kernel twice (dW1 = X^T dH, dW2 = A^T (s * dY)).
 # Block configs: `CONFIGS[kernel]` = (BM, BN, BK, GROUP_M, num_warps, num_stages); benchmarks may overwrite them.
-CONFIGS = {
+CONFIGS = {  # tuned on an H200 (benchmarks/expert_ffn.py --tune), bf16, D=3584, I=2048
+    "up_tma": (64, 256, 64, 8, 8, 3),
+    "down_tma": (64, 256, 64, 8, 4, 4),
     "up": (128, 128, 64, 8, 8, 3),
-    "down": (128, 256, 64, 8, 8, 3),
-    "dh": (128, 128, 64, 8, 8, 3),
+    "down": (64, 256, 64, 8, 8, 4),
+    "dh": (64, 128, 64, 8, 8, 4),
     "dx": (128, 256, 64, 8, 8, 3),
-    "wgrad": (128, 256, 64, 8, 8, 3),
+    "wgrad": (256, 128, 32, 8, 8, 4),
 }
+USE_TMA = True  # forward kernels read operands through TMA descriptors where the shapes allow
 _INTERPRET_CONFIG = (16, 16, 16, 2, 1, 1)
+_FP32_CONFIG = (64, 64, 32, 4, 4, 2)  # fp32 operands: the bf16 tiles would not fit in shared memory
 _NUM_SMS: dict[int, int] = {}
 
 
-def _config(name: str) -> tuple[int, int, int, int, int, int]:
-    return _INTERPRET_CONFIG if INTERPRET else CONFIGS[name]
+def _config(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+    if INTERPRET:
+        return _INTERPRET_CONFIG
+    return CONFIGS[name] if t.element_size() <= 2 else _FP32_CONFIG
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    return USE_TMA and all(
+        t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors
+    )
 
 
 def _num_programs(device: torch.device, max_tiles: int) -> int:
+    """One program per SM (a few under the interpreter), never more than there can be tiles."""
     if device.type != "cuda":
         return max(1, min(3, max_tiles))
     idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -92,14 +106,16 @@ class _Schedule:
         return (triton.cdiv(self.n_rows, bm) + self.G) * nt
 
 
-def _launch_rowtiled(kernel, name: str, sched: _Schedule, n_out: int, k_dim: int, device, args, **flags):
-    bm, bn, bk, gm, warps, stages = _config(name)
+def _launch_rowtiled(kernel, cfg, sched: _Schedule, n_out: int, k_dim: int, head, tail, tma=False, **flags):
+    """Persistent launch of a row-tiled kernel: kernel(*head, cum, *tail, **constexprs)."""
+    bm, bn, bk, gm, warps, stages = cfg
     nt = triton.cdiv(n_out, bn)
-    progs = _num_programs(device, sched.max_tiles(bm, nt))
+    progs = _num_programs(sched.ends.device, sched.max_tiles(bm, nt))
+    if not tma:
+        flags.update(EVEN_K=k_dim % bk == 0, EVEN_N=n_out % bn == 0)
     kernel[(progs,)](
-        *args, BM=bm, BN=bn, BK=bk, GROUP_M=gm, BLOCK_G=sched.block_g, NUM_PROGS=progs,
-        EVEN_K=k_dim % bk == 0, EVEN_N=n_out % bn == 0, DOT_F32=INTERPRET, num_warps=warps,
-        num_stages=stages, **flags,
+        *head, sched.cum(bm, nt), *tail, BM=bm, BN=bn, BK=bk, GROUP_M=gm, BLOCK_G=sched.block_g,
+        NUM_PROGS=progs, DOT_F32=INTERPRET, num_warps=warps, num_stages=stages, **flags,
     )
 
 
@@ -108,32 +124,40 @@ def _ffn_forward(x, w1, w2, sched: _Schedule, row_scale, save_h: bool, beta: flo
     inner = w2.shape[1]
     act = torch.empty(n, inner, device=x.device, dtype=x.dtype)
     h = torch.empty(n, 2 * inner, device=x.device, dtype=x.dtype) if save_h else act
-    bm, bn = _config("up")[:2]
-    cum = sched.cum(bm, triton.cdiv(inner, bn))
-    _launch_rowtiled(
-        gg.ffn_up_kernel, "up", sched, inner, d, x.device,
-        (x, w1, act, h, sched.ends, sched.order, cum, d, inner, sched.G, x.stride(0), x.stride(1),
-         w1.stride(0), w1.stride(1), w1.stride(2), beta, beta_lin),
-        SAVE_H=save_h,
-    )
+    head = (act, h, sched.ends, sched.order)
+    cfg = _config("up_tma", x)
+    if _tma_ok(x, w1) and n and d % cfg[2] == 0:
+        xd = TensorDescriptor.from_tensor(x, [cfg[0], cfg[2]])
+        wd = TensorDescriptor.from_tensor(w1.view(-1, w1.shape[2]), [cfg[2], cfg[1]])
+        _launch_rowtiled(gg.ffn_up_tma_kernel, cfg, sched, inner, d, (xd, wd, *head),
+                         (d, inner, sched.G, beta, beta_lin), tma=True, SAVE_H=save_h)
+    else:
+        _launch_rowtiled(
+            gg.ffn_up_kernel, _config("up", x), sched, inner, d, (x, w1, *head),
+            (d, inner, sched.G, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), beta, beta_lin),
+            SAVE_H=save_h,
+        )
     y = _grouped_mm(act, w2, sched, row_scale, "down", transpose_b=False)
     return y, act, h
 
 
 def _grouped_mm(a, b, sched: _Schedule, scale, name: str, transpose_b: bool):
     """out[rows_g] = a[rows_g] @ (b[g] or b[g]^T) * scale; b [G, K, M] (or [G, M, K] when transpose_b)."""
-    sbg, sbk, sbn = (b.stride(0), b.stride(2), b.stride(1)) if transpose_b else b.stride()
     k_dim = a.shape[1]
     n_out = b.shape[1] if transpose_b else b.shape[2]
     out = torch.empty(a.shape[0], n_out, device=a.device, dtype=a.dtype)
-    bm, bn = _config(name)[:2]
-    cum = sched.cum(bm, triton.cdiv(n_out, bn))
-    _launch_rowtiled(
-        gg.grouped_mm_kernel, name, sched, n_out, k_dim, a.device,
-        (a, b, out, scale if scale is not None else a, sched.ends, sched.order, cum, k_dim, n_out, sched.G,
-         a.stride(0), a.stride(1), sbg, sbk, sbn),
-        HAS_SCALE=scale is not None,
-    )
+    head = (out, scale if scale is not None else a, sched.ends, sched.order)
+    tail = (k_dim, n_out, sched.G)
+    if not transpose_b and _tma_ok(a, b) and a.shape[0] and k_dim % _config(name + "_tma", a)[2] == 0:
+        cfg = _config(name + "_tma", a)
+        ad = TensorDescriptor.from_tensor(a, [cfg[0], cfg[2]])
+        bd = TensorDescriptor.from_tensor(b.view(-1, n_out), [cfg[2], cfg[1]])
+        _launch_rowtiled(gg.grouped_mm_tma_kernel, cfg, sched, n_out, k_dim, (ad, bd, *head), tail, tma=True,
+                         HAS_SCALE=scale is not None)
+        return out
+    sbg, sbk, sbn = (b.stride(0), b.stride(2), b.stride(1)) if transpose_b else b.stride()
+    _launch_rowtiled(gg.grouped_mm_kernel, _config(name, a), sched, n_out, k_dim, (a, b, *head),
+                     tail + (a.stride(0), a.stride(1), sbg, sbk, sbn), HAS_SCALE=scale is not None)
     return out
 
 
@@ -141,7 +165,7 @@ def _wgrad(p, q, sched: _Schedule, out_dtype):
     """out[g] = p[rows_g]^T @ q[rows_g]: [G, p.shape[1], q.shape[1]]."""
     m1, m2 = p.shape[1], q.shape[1]
     out = torch.empty(sched.G, m1, m2, device=p.device, dtype=out_dtype)
-    bm, bn, bk, gm, warps, stages = _config("wgrad")
+    bm, bn, bk, gm, warps, stages = _config("wgrad", p)
     tiles = sched.G * triton.cdiv(m1, bm) * triton.cdiv(m2, bn)
     progs = _num_programs(p.device, tiles)
     gg.grouped_wgrad_kernel[(progs,)](
@@ -172,12 +196,10 @@ class _GroupedFFN(torch.autograd.Function):
         dh = torch.empty(n, 2 * inner, device=x.device, dtype=x.dtype)
         has_scale = row_scale is not None
         ds = torch.zeros(n, device=x.device, dtype=torch.float32) if has_scale else dh
-        bm, bn = _config("dh")[:2]
-        cum = sched.cum(bm, triton.cdiv(inner, bn))
         _launch_rowtiled(
-            gg.ffn_dh_kernel, "dh", sched, inner, d, x.device,
-            (dy, w2, h, row_scale if has_scale else dy, dh, ds, sched.ends, sched.order, cum, d, inner, sched.G,
-             dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(2), w2.stride(1), 4.0, 25.0),
+            gg.ffn_dh_kernel, _config("dh", dy), sched, inner, d,
+            (dy, w2, h, row_scale if has_scale else dy, dh, ds, sched.ends, sched.order),
+            (d, inner, sched.G, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(2), w2.stride(1), 4.0, 25.0),
             HAS_SCALE=has_scale,
         )
         dx = _grouped_mm(dh, w1, sched, None, "dx", transpose_b=True) if ctx.needs_input_grad[0] else None

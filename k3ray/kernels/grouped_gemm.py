@@ -224,3 +224,73 @@ def grouped_wgrad_kernel(p_ptr, q_ptr, out_ptr, ends_ptr, order_ptr,
             qp += BK * sqm
         op = out_ptr + g.to(tl.int64) * sog + c1[:, None].to(tl.int64) * M2 + c2[None, :]
         tl.store(op, acc.to(out_ptr.dtype.element_ty), mask=m1[:, None] & m2[None, :])
+
+
+# ------------------------------------------------------------------------------------------------- TMA variants
+# Forward kernels with operands read through host-side tensor descriptors (Hopper TMA + wgmma pipelining). Row
+# tiles that run past their group read the next group's rows (rows past N read zeros); those rows are masked at the
+# store, so no row of another group is ever written. Needs K % BK == 0 and the weights viewed as 2-D [G*K, n_out].
+@triton.jit
+def ffn_up_tma_kernel(x_desc, w1_desc, a_ptr, h_ptr, ends_ptr, order_ptr, cum_ptr, D, I, G, beta, beta_lin,
+                      SAVE_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGS: tl.constexpr,
+                      DOT_F32: tl.constexpr):
+    pid = tl.program_id(0)
+    NT = (I + BN - 1) // BN
+    total = tl.load(cum_ptr + G - 1)
+    for t in range(pid, total, NUM_PROGS):
+        g, start, end, m, n = _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM, GROUP_M, BLOCK_G)
+        row0 = start + m * BM
+        wrow = g * D
+        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
+        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, D, BK):
+            xa = x_desc.load([row0, k0])
+            wg = w1_desc.load([wrow + k0, n * BN])
+            wu = w1_desc.load([wrow + k0, I + n * BN])
+            if DOT_F32:
+                xa = xa.to(tl.float32)
+                wg = wg.to(tl.float32)
+                wu = wu.to(tl.float32)
+            acc_g = tl.dot(xa, wg, acc_g)
+            acc_u = tl.dot(xa, wu, acc_u)
+        rows = row0 + tl.arange(0, BM)
+        cols = n * BN + tl.arange(0, BN)
+        omask = (rows < end)[:, None] & (cols < I)[None, :]
+        hg = acc_g.to(a_ptr.dtype.element_ty)
+        hu = acc_u.to(a_ptr.dtype.element_ty)
+        act = situ_fwd(hg.to(tl.float32), hu.to(tl.float32), beta, beta_lin)
+        r64 = rows[:, None].to(tl.int64)
+        tl.store(a_ptr + r64 * I + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=omask)
+        if SAVE_H:
+            hp = h_ptr + r64 * (2 * I) + cols[None, :]
+            tl.store(hp, hg, mask=omask)
+            tl.store(hp + I, hu, mask=omask)
+
+
+@triton.jit
+def grouped_mm_tma_kernel(a_desc, b_desc, c_ptr, scale_ptr, ends_ptr, order_ptr, cum_ptr, K, NOUT, G,
+                          HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                          GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGS: tl.constexpr,
+                          DOT_F32: tl.constexpr):
+    pid = tl.program_id(0)
+    NT = (NOUT + BN - 1) // BN
+    total = tl.load(cum_ptr + G - 1)
+    for t in range(pid, total, NUM_PROGS):
+        g, start, end, m, n = _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM, GROUP_M, BLOCK_G)
+        row0 = start + m * BM
+        acc = tl.zeros((BM, BN), dtype=tl.float32)
+        for k0 in range(0, K, BK):
+            a = a_desc.load([row0, k0])
+            b = b_desc.load([g * K + k0, n * BN])
+            if DOT_F32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+        rows = row0 + tl.arange(0, BM)
+        cols = n * BN + tl.arange(0, BN)
+        rmask = rows < end
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+        cp = c_ptr + rows[:, None].to(tl.int64) * NOUT + cols[None, :]
+        tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < NOUT)[None, :])

@@ -7,6 +7,7 @@ dest [T, K] int64: row of the grouped layout that route (t, k) goes to, or -1 fo
 from __future__ import annotations
 
 import torch
+from k3ray.dtypes import up32
 
 
 def permute_rows_reference(x: torch.Tensor, dest: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -20,8 +21,8 @@ def permute_rows_reference(x: torch.Tensor, dest: torch.Tensor, num_rows: int) -
 def unpermute_rows_reference(y: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """y [N, D], dest [T, K], weights [T, K] -> out [T, D] = sum_k weights[t, k] * y[dest[t, k]] (fp32 sum)."""
     safe = dest.clamp(min=0)
-    w = torch.where(dest >= 0, weights.float(), 0.0)
-    gathered = y[safe.reshape(-1)].reshape(*dest.shape, y.shape[1]).float()
+    w = torch.where(dest >= 0, up32(weights), 0.0)
+    gathered = up32(y[safe.reshape(-1)].reshape(*dest.shape, y.shape[1]))
     return (gathered * w.unsqueeze(-1)).sum(1).to(y.dtype)
 
 

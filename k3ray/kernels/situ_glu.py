@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import torch
+from k3ray.dtypes import up32
 import triton
 import triton.language as tl
 
@@ -21,8 +22,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 def situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, beta_lin: float = 25.0) -> torch.Tensor:
     """gate, up: [..., I] -> [..., I] in gate's dtype."""
-    g = gate.float()
-    u = up.float()
+    g = up32(gate)
+    u = up32(up)
     out = beta * torch.tanh(g / beta) * torch.sigmoid(g) * (beta_lin * torch.tanh(u / beta_lin))
     return out.to(gate.dtype)
 

@@ -11,6 +11,7 @@ import zlib
 from typing import Callable
 
 import torch
+from k3ray.dtypes import up32
 from torch import nn
 
 from k3ray.config import ModelConfig
@@ -34,7 +35,7 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x))
         x = x + self.moe(self.moe_norm(x))
         with torch.no_grad():
-            m = x.detach().abs().amax().float()
+            m = up32(x.detach().abs().amax())
             self.resid_maxabs = m if self.resid_maxabs is None else torch.maximum(self.resid_maxabs, m)
         return x
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from k3ray.dtypes import up32
 from torch import nn
 
 from k3ray.config import ModelConfig
@@ -21,7 +22,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+        return F.rms_norm(up32(x), (x.shape[-1],), up32(self.weight), self.eps).to(x.dtype)
 
 
 def rope(x_BSHh: torch.Tensor, theta: float) -> torch.Tensor:
@@ -30,7 +31,7 @@ def rope(x_BSHh: torch.Tensor, theta: float) -> torch.Tensor:
     freqs = theta ** (-torch.arange(half, device=x_BSHh.device, dtype=torch.float32) / half)
     angles = torch.arange(seq, device=x_BSHh.device, dtype=torch.float32)[:, None] * freqs  # [S, h/2]
     cos, sin = angles.cos()[None, :, None], angles.sin()[None, :, None]
-    x1, x2 = x_BSHh.float().chunk(2, dim=-1)
+    x1, x2 = up32(x_BSHh).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x_BSHh.dtype)
 
 
@@ -72,7 +73,7 @@ def kda_recurrent(q, k, v, log_alpha, beta):
     """
     B, S, H, h = q.shape
     state = q.new_zeros(B, H, h, v.shape[-1], dtype=torch.float32)
-    alpha, q, k, v, beta = log_alpha.float().exp(), q.float(), k.float(), v.float(), beta.float()
+    alpha, q, k, v, beta = up32(log_alpha).exp(), up32(q), up32(k), up32(v), up32(beta)
     outs = []
     for t in range(S):
         kt, bt = k[:, t], beta[:, t, :, None]
@@ -105,11 +106,11 @@ class KDA(nn.Module):
     def forward(self, x_BSd: torch.Tensor) -> torch.Tensor:
         B, S, _ = x_BSd.shape
         heads = (B, S, self.n_heads, self.head_dim)
-        q = F.normalize(self.w_q(x_BSd).view(heads).float(), dim=-1)
-        k = F.normalize(self.w_k(x_BSd).view(heads).float(), dim=-1)
+        q = F.normalize(up32(self.w_q(x_BSd).view(heads)), dim=-1)
+        k = F.normalize(up32(self.w_k(x_BSd).view(heads)), dim=-1)
         v = self.w_v(x_BSd).view(heads)
         log_alpha = -F.softplus(self.w_a_up(self.w_a_down(x_BSd))).view(heads)
-        beta = torch.sigmoid(self.w_b(x_BSd).float())
+        beta = torch.sigmoid(up32(self.w_b(x_BSd)))
         o = kda_recurrent(q, k, v, log_alpha, beta).to(x_BSd.dtype)
         o = self.o_norm(o).reshape(B, S, -1)
         return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))

@@ -9,6 +9,7 @@ expert-parallel executor; both take (h_lat [T, d_latent], expert index [T, K], w
 from __future__ import annotations
 
 import torch
+from k3ray.dtypes import up32
 from torch import nn
 
 from k3ray.config import ModelConfig
@@ -66,7 +67,7 @@ class Router(nn.Module):
         self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
 
     def forward(self, x_Td: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(x_Td.float() @ self.weight.float().t())
+        return torch.sigmoid(up32(x_Td) @ up32(self.weight).t())
 
 
 class RoutingStats:
@@ -90,7 +91,7 @@ class RoutingStats:
         if histogram is not None:
             self.histogram = self._add(self.histogram, histogram)
         self.tokens_per_expert = self._add(self.tokens_per_expert, tokens_per_expert)
-        r = routed.detach().float()
+        r = up32(routed.detach())
         m = r.abs().amax()
         self.routed_maxabs = m if self.routed_maxabs is None else torch.maximum(self.routed_maxabs, m)
         self.routed_sumsq = self._add(self.routed_sumsq, r.square().sum())

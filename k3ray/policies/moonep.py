@@ -18,9 +18,13 @@ its target and becomes a later sink (a cascade) rather than the sink taking piec
 is filled once and exactly, from one donor, so it holds at most |home(donor)| foreign experts: the slot limit is
 ceil(E/R) for even homes whatever the routing. Donors only ever give home experts, so every non-home piece is a
 copy of the home expert's weights (one replica). Each step finishes one rank for good: at most R steps.
+Replicas: the rank-to-rank flow of any plan links all n ranks that are off target (unless a proper subset of their
+imbalances sums to zero), so any plan needs >= n - 1 replicas; on Zipf traces this one meets that bound
+(benchmarks/results_policies.md).
 
-The loop runs in Python over per-rank lists (O(R log R + pieces)); the counts are moved to the CPU once (a host
-sync on CUDA) and the plan is returned on the input's device.
+The loop runs in Python over per-rank lists (O(R log R + pieces)), the rest in numpy; the counts are moved to the
+host once (a sync on CUDA: the all-gathered counts are [R, E] ints, 229 KB at R=64) and the plan is returned on the
+input's device.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import heapq
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -85,40 +90,38 @@ def plan(tokens_per_expert: torch.Tensor, slots_per_rank: int | None = None,
     """
     num_ranks, num_experts = tokens_per_expert.shape
     device = tokens_per_expert.device
-    home_cpu = (default_home(num_experts, num_ranks) if home is None
-                else home.to("cpu", torch.int64))
-    totals = tokens_per_expert.to("cpu", torch.int64).sum(0)                      # [E]
-    home_count = torch.bincount(home_cpu, minlength=num_ranks)
+    # Host-side work runs in numpy: single-threaded, so a busy neighbour core cannot stall an OpenMP barrier.
+    home_np = (default_home(num_experts, num_ranks) if home is None else home.to("cpu", torch.int64)).numpy()
+    totals = tokens_per_expert.detach().to("cpu", torch.int64).numpy().sum(0)           # [E]
     if slots_per_rank is None:
+        home_count = np.bincount(home_np, minlength=num_ranks)
         slots_per_rank = max(math.ceil(num_experts / num_ranks), int(home_count.max()))
 
-    home_load = torch.zeros(num_ranks, dtype=torch.int64).index_add_(0, home_cpu, totals)
-    total = int(home_load.sum())
-    base, extra = divmod(total, num_ranks)
-    target = torch.full((num_ranks,), base, dtype=torch.int64)
+    home_load = np.zeros(num_ranks, dtype=np.int64)
+    np.add.at(home_load, home_np, totals)
+    base, extra = divmod(int(totals.sum()), num_ranks)
+    target = np.full(num_ranks, base, dtype=np.int64)
     target[:extra] += 1
 
-    # Home experts of every rank, largest first, ties by expert index (unique sort key -> no stability question).
-    top = int(totals.max())
-    key = (home_cpu * (top + 1) + (top - totals)) * num_experts + torch.arange(num_experts)
-    order = torch.sort(key).indices.tolist()
+    # Home experts of every rank, largest first, ties by expert index (lexsort: no stability question).
+    order = np.lexsort((np.arange(num_experts), -totals, home_np)).tolist()
     totals_l = totals.tolist()
     items: list[list[list[int]]] = [[] for _ in range(num_ranks)]              # per rank: [[load, expert], ...]
-    for e, r in zip(order, home_cpu[order].tolist()):
+    for e, r in zip(order, home_np[order].tolist()):
         items[r].append([totals_l[e], e])
 
     moves = _fill(home_load.tolist(), target.tolist(), items, slots_per_rank)
-    alloc = torch.zeros(num_experts, num_ranks, dtype=torch.int64)
-    alloc[torch.arange(num_experts), home_cpu] = totals
-    if moves:
-        e_idx, d_idx, amount = (torch.tensor(c, dtype=torch.int64) for c in zip(*moves))
-        alloc.index_put_((e_idx, d_idx), amount, accumulate=True)
-        alloc.index_put_((e_idx, home_cpu[e_idx]), -amount, accumulate=True)
-    is_home = torch.zeros(num_ranks, num_experts, dtype=torch.bool)
-    is_home[home_cpu, torch.arange(num_experts)] = True
-    replica_mask = (alloc.T > 0) & ~is_home
-    return MoonEPPlan(alloc=alloc.to(device), home=home_cpu.to(device),
-                      replica_mask=replica_mask.to(device), target=target.to(device))
+    alloc = np.zeros((num_experts, num_ranks), dtype=np.int64)
+    alloc[np.arange(num_experts), home_np] = totals
+    replica_mask = np.zeros((num_ranks, num_experts), dtype=bool)
+    if moves:   # every move goes from the expert's home to another rank, at most once per (expert, rank)
+        e_idx, d_idx, amount = (np.array(c, dtype=np.int64) for c in zip(*moves))
+        alloc[e_idx, d_idx] = amount
+        np.subtract.at(alloc, (e_idx, home_np[e_idx]), amount)
+        replica_mask[d_idx, e_idx] = True
+    return MoonEPPlan(alloc=torch.from_numpy(alloc).to(device), home=torch.from_numpy(home_np).to(device),
+                      replica_mask=torch.from_numpy(replica_mask).to(device),
+                      target=torch.from_numpy(target).to(device))
 
 
 def _fill(load: list[int], target: list[int], items: list[list[list[int]]],

@@ -7,12 +7,15 @@ Output Placement (EPLB vocabulary):
   logical_to_physical [L, E, max_copies] physical slots of each logical expert, ascending, -1 padded
   logical_count       [L, E]             copies of each logical expert (>= 1)
 
-Algorithm: (1) replicate: P - E times, give one more copy to the expert with the largest load per copy;
+Algorithm: (1) replicate: give one more copy to the expert with the largest load per copy, P - E times (or fewer:
+4 splits of the spare slots between hot copies and near-empty slots are tried, the best kept per layer);
 (2) pack: copies heaviest first (load/copies each) onto the lightest rank that still has a free slot, preferring
-ranks that do not hold that expert yet. With num_nodes > 1 (hierarchical, as EPLB): first pack groups of experts onto
-nodes (E/num_nodes experts each), then replicate and pack inside each node. With `current` and `moved_budget`, the
-ideal placement is aligned to the current one (rank matching, then slot matching) and at most `moved_budget` slots
-change their expert, the most useful changes first (greedy on max rank load, then sum of squares).
+ranks that do not hold that expert yet; (3) refine: swap single copies between the heaviest rank and one of the
+lightest while that lowers the heaviest load. With num_nodes > 1 (hierarchical, as EPLB): first pack groups of
+experts onto nodes (E/num_nodes experts each), then replicate and pack inside each node. With `current` and
+`moved_budget`, the ideal placement is aligned to the current one (rank matching, then slot matching) and at most
+`moved_budget` slots change their expert: copy counts move towards the ideal's (hottest experts first), then
+single-copy swaps.
 All steps are batched over layers; ties go to the lowest index, so the result is deterministic.
 """
 from __future__ import annotations
@@ -97,16 +100,22 @@ def balancedness(load: torch.Tensor, physical_to_logical: torch.Tensor, num_rank
     return torch.where(loads.amax(1) > 0, loads.mean(1) / loads.amax(1).clamp(min=1e-300), torch.ones(()))
 
 
-def _replicate(load_be: torch.Tensor, num_phys: int) -> torch.Tensor:
-    """[B, P] physical_to_logical before packing: experts 0..E-1, then extra copies of the hottest per copy."""
+def _replicate(load_be: torch.Tensor, num_phys: int, num_hot: int | None = None) -> torch.Tensor:
+    """[B, P] physical_to_logical before packing: experts 0..E-1, then `num_hot` extra copies (default all), each to
+    the expert with the largest load per copy, then one extra copy each for the coldest experts (near-empty slots)."""
     batch, num_experts = load_be.shape
+    num_extra = num_phys - num_experts
+    num_hot = num_extra if num_hot is None else num_hot
     count = torch.ones(batch, num_experts, dtype=torch.int64)
-    extra = torch.empty(batch, num_phys - num_experts, dtype=torch.int64)
+    extra = torch.empty(batch, num_extra, dtype=torch.int64)
     rows = torch.arange(batch)
-    for i in range(num_phys - num_experts):
+    for i in range(num_hot):
         pick = torch.argmax(load_be / count, dim=1)                                       # first max on ties
         extra[:, i] = pick
         count[rows, pick] += 1
+    if num_hot < num_extra:
+        coldest = torch.sort(load_be, dim=1, stable=True).indices                         # ascending, ties by index
+        extra[:, num_hot:] = coldest.repeat(1, -(-(num_extra - num_hot) // num_experts))[:, :num_extra - num_hot]
     return torch.cat([torch.arange(num_experts).expand(batch, -1), extra], dim=1)
 
 
@@ -139,15 +148,71 @@ def _pack(weight_bn: torch.Tensor, label_bn: torch.Tensor, num_bins: int, num_la
 
 
 def _replicate_and_pack(load_be: torch.Tensor, num_ranks: int, num_phys: int) -> torch.Tensor:
-    """Flat EPLB for a batch of independent problems: [B, P] physical_to_logical, slots grouped by rank."""
+    """Flat EPLB for a batch of independent problems: [B, P] physical_to_logical, slots grouped by rank.
+
+    With a fixed number of slots per rank, giving every spare slot to the hottest experts is not always best (many
+    small hot copies leave ranks that must fill their load with few slots); so 4 splits of the spare slots between
+    hot copies and near-empty slots are packed and each problem keeps its best (lowest max rank load).
+    """
     batch, num_experts = load_be.shape
-    phy = _replicate(load_be, num_phys)
-    count = torch.zeros_like(load_be).scatter_add_(1, phy, torch.ones_like(phy, dtype=torch.float64))
-    weight = torch.gather(load_be / count, 1, phy)
-    rank_of = _pack(weight, phy, num_ranks, num_experts)
-    # lay out: rank-major; inside a rank, packing order (stable by item index)
-    slot_order = torch.sort(rank_of * num_phys + torch.arange(num_phys), dim=1).indices
-    return torch.gather(phy, 1, slot_order)
+    num_extra = num_phys - num_experts
+    best_phy, best_peak = None, None
+    for num_hot in sorted({num_extra, (3 * num_extra) // 4, num_extra // 2, num_extra // 4}, reverse=True):
+        phy = _replicate(load_be, num_phys, num_hot)
+        count = torch.zeros_like(load_be).scatter_add_(1, phy, torch.ones_like(phy, dtype=torch.float64))
+        weight = torch.gather(load_be / count, 1, phy)
+        rank_of = _pack(weight, phy, num_ranks, num_experts)
+        # lay out: rank-major; inside a rank, packing order (stable by item index)
+        slot_order = torch.sort(rank_of * num_phys + torch.arange(num_phys), dim=1).indices
+        phy = _refine(torch.gather(phy, 1, slot_order), torch.gather(weight, 1, slot_order), num_ranks)
+        peak = torch.gather(load_be / count, 1, phy).reshape(batch, num_ranks, -1).sum(2).amax(1)
+        if best_phy is None:
+            best_phy, best_peak = phy, peak
+        else:
+            better = peak < best_peak * (1 - 1e-12)                                       # ties keep more copies
+            best_phy = torch.where(better[:, None], phy, best_phy)
+            best_peak = torch.where(better, peak, best_peak)
+    return best_phy
+
+
+def _refine(phy_bp: torch.Tensor, weight_bp: torch.Tensor, num_ranks: int, max_rounds: int | None = None,
+            num_partners: int = 16) -> torch.Tensor:
+    """Local search after packing: swap one copy of the heaviest rank with one copy of one of the `num_partners`
+    lightest ranks whenever both end below the heaviest load, never putting two copies of an expert on one rank.
+    Batched over problems; at most max_rounds (default 2R) swaps each. Returns [B, P]."""
+    batch, num_phys = phy_bp.shape
+    per_rank = num_phys // num_ranks
+    phy = phy_bp.reshape(batch, num_ranks, per_rank).clone()
+    weight = weight_bp.reshape(batch, num_ranks, per_rank).clone()
+    rows = torch.arange(batch)
+    inf = torch.tensor(float("inf"), dtype=torch.float64)
+    k = min(num_partners, num_ranks)
+    for _ in range(2 * num_ranks if max_rounds is None else max_rounds):
+        load = weight.sum(2)                                                              # [B, R]
+        heavy = torch.argmax(load, dim=1)
+        light = torch.topk(load, k, dim=1, largest=False, sorted=True).indices           # [B, k]
+        w_h, e_h = weight[rows, heavy], phy[rows, heavy]                                  # [B, S]
+        w_l, e_l = weight[rows[:, None], light], phy[rows[:, None], light]                # [B, k, S]
+        # delta[b, r, i, j]: heavy gives its item i to partner r and takes r's item j
+        delta = w_h[:, None, :, None] - w_l[:, :, None, :]
+        load_h = load[rows, heavy][:, None, None, None]
+        score = torch.maximum(load_h - delta, torch.gather(load, 1, light)[:, :, None, None] + delta)
+        i_on_r = (e_h[:, None, :, None] == e_l[:, :, None, :]).any(3)                   # [B, k, S]
+        j_on_h = (e_l[:, :, :, None] == e_h[:, None, None, :]).any(3)                    # [B, k, S]
+        bad = i_on_r[:, :, :, None] | j_on_h[:, :, None, :] | (light == heavy[:, None])[:, :, None, None]
+        score = torch.where(bad, inf, score).reshape(batch, -1)
+        best = torch.argmin(score, dim=1)
+        gain = load[rows, heavy] - score[rows, best]
+        ok = gain > 1e-9 * load[rows, heavy]
+        if not ok.any():
+            break
+        b = rows[ok]
+        r = light[ok, best[ok] // (per_rank * per_rank)]
+        i, j, h = (best[ok] // per_rank) % per_rank, best[ok] % per_rank, heavy[ok]
+        e_i, w_i = phy[b, h, i].clone(), weight[b, h, i].clone()
+        phy[b, h, i], weight[b, h, i] = phy[b, r, j], weight[b, r, j]
+        phy[b, r, j], weight[b, r, j] = e_i, w_i
+    return phy.reshape(batch, num_phys)
 
 
 def _hierarchical(load_le: torch.Tensor, num_ranks: int, num_phys: int, num_nodes: int,
@@ -213,45 +278,47 @@ def _match_slots(ideal_row: list[int], cur_row: list[int]) -> list[int]:
 
 def _limit_moves(load_le: torch.Tensor, current: torch.Tensor, ideal: torch.Tensor, num_ranks: int,
                  budget: int) -> torch.Tensor:
-    """Start from `current`; apply at most `budget` of the slot changes current -> ideal, greedily the one that most
-    lowers (max rank load, sum of squared rank loads); stop when none helps. Never drops an expert's last copy."""
+    """Start from `current` and change at most `budget` slots per layer. (1) Move copy counts towards the ideal's,
+    most useful first: the expert with the largest load per copy among those the ideal gives more copies takes a
+    slot of an expert the ideal gives fewer copies, on the rank that ends lightest and does not hold it yet; a change
+    that would raise the max rank load is skipped. (2) Spend what is left on single-copy swaps (2 slots each)."""
     num_layers, num_phys = current.shape
     per_rank = num_phys // num_ranks
+    slot_rank = torch.arange(num_phys) // per_rank
     out = current.clone()
     for layer in range(num_layers):
-        load_e = load_le[layer]
-        phy = out[layer].clone()
-        slot_rank = torch.arange(num_phys) // per_rank
-        for _ in range(budget):
-            cand = (phy != ideal[layer]).nonzero().flatten()
-            if cand.numel() == 0:
+        load_e, phy = load_le[layer], out[layer].clone()
+        want = torch.bincount(ideal[layer], minlength=load_e.numel())
+        skipped = torch.zeros(load_e.numel(), dtype=torch.bool)
+        moves = 0
+        while moves < budget:
+            have = torch.bincount(phy, minlength=load_e.numel())
+            per_copy = load_e / have.clamp(min=1)
+            loads = torch.zeros(num_ranks, dtype=torch.float64).index_add_(0, slot_rank, per_copy[phy])
+            pending = (want > have) & ~skipped
+            if not pending.any():
                 break
-            count = torch.bincount(phy, minlength=load_e.numel())
-            mult = torch.zeros(num_ranks, load_e.numel(), dtype=torch.float64)
-            mult.index_put_((slot_rank, phy), torch.ones(num_phys, dtype=torch.float64), accumulate=True)
-            loads = (mult * (load_e / count.clamp(min=1))).sum(1)                         # [R]
-            old_e, new_e, at = phy[cand], ideal[layer][cand], slot_rank[cand]
-            ok = count[old_e] > 1
-            cand, old_e, new_e, at = cand[ok], old_e[ok], new_e[ok], at[ok]
-            if cand.numel() == 0:
-                break
-            new_loads = loads.expand(cand.numel(), -1).clone()                          # [C, R]
-            for e, sign in ((old_e, -1), (new_e, 1)):
-                per_copy_old = load_e[e] / count[e]
-                per_copy_new = load_e[e] / (count[e] + sign)
-                m_old = mult[:, e].T                                                      # [C, R]
-                m_new = m_old.clone()
-                m_new[torch.arange(cand.numel()), at] += sign
-                new_loads += m_new * per_copy_new[:, None] - m_old * per_copy_old[:, None]
-            peak, sq = new_loads.amax(1), (new_loads ** 2).sum(1)
-            best_peak = peak.min()
-            tol = 1e-9 * max(float(best_peak), 1.0)
-            sq_masked = torch.where(peak <= best_peak + tol, sq, torch.full_like(sq, float("inf")))
-            pick = int(torch.argmin(sq_masked))
-            cur_peak, cur_sq = float(loads.max()), float((loads ** 2).sum())
-            if not (float(peak[pick]) < cur_peak - tol or
-                    (float(peak[pick]) <= cur_peak + tol and float(sq[pick]) < cur_sq * (1 - 1e-12))):
-                break
-            phy[cand[pick]] = new_e[pick]
+            e = int(torch.argmax(torch.where(pending, per_copy, torch.tensor(-1.0, dtype=torch.float64))))
+            holds_e = torch.zeros(num_ranks, dtype=torch.bool)
+            holds_e[slot_rank[phy == e]] = True
+            free = (have[phy] > want[phy]) & ~holds_e[slot_rank]
+            if not free.any():
+                skipped[e] = True
+                continue
+            after = loads[slot_rank] - per_copy[phy] + load_e[e] / (have[e] + 1)
+            slot = int(torch.argmin(torch.where(free, after, torch.tensor(float("inf"), dtype=torch.float64))))
+            trial = phy.clone()
+            trial[slot] = e
+            have_t = torch.bincount(trial, minlength=load_e.numel())
+            peak = torch.zeros(num_ranks, dtype=torch.float64).index_add_(
+                0, slot_rank, (load_e / have_t.clamp(min=1))[trial]).max()
+            if peak > loads.max() * (1 + 1e-12):
+                skipped[e] = True
+                continue
+            phy, moves = trial, moves + 1
+        rounds = (budget - moves) // 2
+        if rounds > 0:
+            have = torch.bincount(phy, minlength=load_e.numel()).clamp(min=1)
+            phy = _refine(phy[None], (load_e / have)[phy][None], num_ranks, max_rounds=rounds)[0]
         out[layer] = phy
     return out

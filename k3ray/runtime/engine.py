@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from k3ray.dtypes import up32
 
 from k3ray.config import JobConfig
 from k3ray.data import TokenData
@@ -76,7 +77,7 @@ class StageEngine:
         dtype = getattr(torch, cfg.model.dtype)
         saved: dict[int, tuple] = {}
         pending = []
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         t_step = time.perf_counter()
         for op, m in one_f_one_b(M, self.pp_rank, self.pp):
             if op == "F":
@@ -129,15 +130,15 @@ class StageEngine:
         # dense gradients: sum over the stage's EP group (one flat all-reduce)
         grads = [p.grad for p in self.dense.values() if p.grad is not None]
         if self.ep > 1 and grads:
-            flat = torch.cat([g.reshape(-1).float() for g in grads])
+            flat = torch.cat([up32(g.reshape(-1)) for g in grads])
             dist.all_reduce(flat, group=self.ep_group)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         # global grad norm and loss: dense counted once per stage (EP rank 0), experts on their holder
-        dense_sq = sum(g.float().square().sum() for g in grads) if self.ep_rank == 0 else torch.zeros(())
-        expert_sq = sum((p.grad.float().square().sum() for p in self.experts.values() if p.grad is not None),
+        dense_sq = sum(up32(g).square().sum() for g in grads) if self.ep_rank == 0 else torch.zeros(())
+        expert_sq = sum((up32(p.grad).square().sum() for p in self.experts.values() if p.grad is not None),
                         torch.zeros(()))
         totals = torch.stack([torch.as_tensor(dense_sq, dtype=torch.float64).cpu() + expert_sq.double().cpu(),
                               loss_sum.double().cpu()]).to(self.device)

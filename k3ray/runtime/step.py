@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from k3ray.dtypes import up32
 
 from k3ray.config import ModelConfig
 from k3ray.model.balancing import max_violation, quantile_bias, sign_bias
@@ -17,7 +18,7 @@ def lm_loss(logits_BSV: torch.Tensor, tokens_BS1: torch.Tensor, scale: float) ->
     """Mean next-byte cross-entropy of one micro-batch times `scale` (1 / micro-batches in the global batch), so
     summing the micro-batches' losses (and gradients) gives the global-batch mean."""
     targets = tokens_BS1[:, 1:]
-    return F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), targets.reshape(-1)) * scale
+    return F.cross_entropy(up32(logits_BSV).reshape(-1, logits_BSV.shape[-1]), targets.reshape(-1)) * scale
 
 
 @torch.no_grad()

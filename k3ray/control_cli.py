@@ -1,0 +1,242 @@
+"""`k3ray status | placement | policy get/set | incidents | checkpoint | audit | dashboards export/push`: the control
+API's command line. A job is found through `runs/<job>/control.json` (written 0600 by the job: url, token_file) with
+`--job NAME` (default: the newest job under --runs-dir), or given by `--url` plus `--token-file` / `K3RAY_TOKEN`.
+Tables for people, `--json` for scripts; an HTTP error prints the API's message and exits 2 (4xx) or 1 (5xx)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import httpx
+import yaml
+
+
+class ControlError(RuntimeError):
+    def __init__(self, message: str, code: int = 2):
+        super().__init__(message)
+        self.code = code
+
+
+def find_job(runs_dir: str, job: str | None) -> dict:
+    """The control record of job `job` (or of the newest job) under `runs_dir`."""
+    root = Path(runs_dir)
+    if job:
+        path = root / job / "control.json"
+        if not path.exists():
+            raise ControlError(f"{path} not found: is job {job!r} running from this directory? "
+                               f"(or pass --url and --token-file)")
+    else:
+        found = sorted(root.glob("*/control.json"), key=lambda p: p.stat().st_mtime)
+        if not found:
+            raise ControlError(f"no running job found under {root}/*/control.json; pass --job, --runs-dir or --url")
+        path = found[-1]
+    return json.loads(path.read_text())
+
+
+class Client:
+    def __init__(self, url: str, token: str, timeout_s: float = 10.0):
+        self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s)
+        self.url = url
+
+    @classmethod
+    def from_args(cls, args) -> "Client":
+        if args.url:
+            url, token_file = args.url, args.token_file
+        else:
+            record = find_job(args.runs_dir, args.job)
+            url, token_file = record["url"], args.token_file or record["token_file"]
+        token = os.environ.get("K3RAY_TOKEN") if not token_file else None
+        if token_file:
+            try:
+                token = Path(token_file).read_text().strip()
+            except OSError as err:
+                raise ControlError(f"cannot read token file {token_file}: {err.strerror}") from None
+        if not token:
+            raise ControlError("no token: pass --token-file or set K3RAY_TOKEN")
+        return cls(url, token, args.timeout)
+
+    def request(self, method: str, path: str, body: dict | None = None):
+        try:
+            r = self.http.request(method, path, json=body)
+        except httpx.HTTPError as err:
+            raise ControlError(f"cannot reach the control API at {self.url} ({err}); is the job running?") from None
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            raise ControlError(f"HTTP {r.status_code} from {method} {path}: {detail}",
+                               code=2 if r.status_code < 500 else 1)
+        return r.json()
+
+
+def parse_assignments(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ControlError(f"{pair!r}: expected KEY=VALUE, e.g. enabled=false or slots_per_rank=2")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _table(rows: list[list], header: list[str]) -> str:
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells)
+
+
+def _show(args, data, human) -> None:
+    print(json.dumps(data) if args.json else human(data))
+
+
+def _status_text(s: dict) -> str:
+    topo = s["topology"]
+    tps = "-" if s["tokens_per_s"] is None else f"{s['tokens_per_s']:,.0f}"
+    loss = "-" if s["loss"] is None else f"{s['loss']:.4f}"
+    return "\n".join([f"job        {s['job']} ({s['state']})", f"step       {s['step']}", f"loss       {loss}",
+                      f"tokens/s   {tps}", f"topology   pp={topo['pp']} ep={topo['ep']} workers={topo['workers']} "
+                      f"device={topo['device']}", f"api        {s['api_url']}"])
+
+
+def _placement_text(p: dict) -> str:
+    loads = p.get("rank_load") or {}
+    layers = sorted(loads, key=int)
+    rows = [[r, " ".join(map(str, experts)), *(loads[l][int(r)] for l in layers)]
+            for r, experts in p["experts_of_ep_rank"].items()]
+    return _table(rows, ["rank", "experts", *(f"load L{l}" for l in layers)])
+
+
+def _policies_text(pols: dict) -> str:
+    return "\n".join(f"{name}: " + " ".join(f"{k}={v}" for k, v in fields.items()) for name, fields in pols.items())
+
+
+def _events_text(events: list[dict]) -> str:
+    if not events:
+        return "(none)"
+    keys = list(dict.fromkeys(k for e in events for k in e))
+    return _table([[e.get(k, "") for k in keys] for e in events], keys)
+
+
+def cmd_status(args) -> int:
+    _show(args, Client.from_args(args).request("GET", "/v1/status"), _status_text)
+    return 0
+
+
+def cmd_placement(args) -> int:
+    _show(args, Client.from_args(args).request("GET", "/v1/placement"), _placement_text)
+    return 0
+
+
+def cmd_policy_get(args) -> int:
+    client = Client.from_args(args)
+    if args.name:
+        _show(args, client.request("GET", f"/v1/policies/{args.name}"), lambda d: _policies_text({args.name: d}))
+    else:
+        _show(args, client.request("GET", "/v1/policies"), _policies_text)
+    return 0
+
+
+def cmd_policy_set(args) -> int:
+    change = Client.from_args(args).request("PUT", f"/v1/policies/{args.name}", parse_assignments(args.values))
+    _show(args, change, lambda c: f"{c['policy']}: " + " ".join(f"{k}={v}" for k, v in c["value"].items())
+          + f"  (applies at step {c['applies_at_step']})")
+    return 0
+
+
+def cmd_incidents(args) -> int:
+    _show(args, Client.from_args(args).request("GET", "/v1/incidents"), _events_text)
+    return 0
+
+
+def cmd_audit(args) -> int:
+    _show(args, Client.from_args(args).request("GET", "/v1/audit"), _events_text)
+    return 0
+
+
+def cmd_checkpoint(args) -> int:
+    _show(args, Client.from_args(args).request("POST", "/v1/checkpoints"), lambda d: json.dumps(d))
+    return 0
+
+
+def cmd_dashboards_export(args) -> int:
+    from k3ray.dashboards import export
+
+    paths = export(Path(args.dir))
+    _show(args, [str(p) for p in paths], lambda ps: "\n".join(ps))
+    return 0
+
+
+def cmd_dashboards_push(args) -> int:
+    from grafana_client import GrafanaApi
+
+    from k3ray.dashboards import all_dashboards
+
+    api = GrafanaApi.from_url(args.url, credential=args.token or os.environ.get("GRAFANA_TOKEN"))
+    done = []
+    for dash in all_dashboards(args.datasource_uid).values():
+        res = api.dashboard.update_dashboard({"dashboard": dash, "overwrite": True, "folderUid": args.folder_uid})
+        done.append({"uid": dash["uid"], "url": res.get("url")})
+    _show(args, done, _events_text)
+    return 0
+
+
+def _guarded(func):
+    """`func` with ControlError turned into a message on stderr and its exit code."""
+    def run(args) -> int:
+        try:
+            return func(args)
+        except ControlError as err:
+            print(f"k3ray: {err}", file=sys.stderr)
+            return err.code
+    return run
+
+
+def _job_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--job", help="job name (default: the newest job under --runs-dir)")
+    p.add_argument("--runs-dir", default=os.environ.get("K3RAY_RUNS_DIR", "runs"), help="where jobs write control.json")
+    p.add_argument("--url", help="control API URL (instead of --job)")
+    p.add_argument("--token-file", help="file holding the bearer token (else K3RAY_TOKEN)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    p.add_argument("--json", action="store_true", help="JSON output for scripts")
+
+
+def add_control_commands(sub) -> None:
+    """Register the control subcommands on the `k3ray` parser's subparsers."""
+    for name, func, help_ in [("status", cmd_status, "live job status: step, loss, tokens/s, topology, state"),
+                              ("placement", cmd_placement, "expert placement and per-rank load"),
+                              ("incidents", cmd_incidents, "the job's incident log"),
+                              ("audit", cmd_audit, "every policy change: what, when, from where"),
+                              ("checkpoint", cmd_checkpoint, "request a durable checkpoint now")]:
+        p = sub.add_parser(name, help=help_)
+        _job_args(p)
+        p.set_defaults(func=_guarded(func))
+
+    pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")
+    psub = pol.add_subparsers(dest="policy_command", required=True)
+    get = psub.add_parser("get", help="show all policies or one")
+    get.add_argument("name", nargs="?")
+    _job_args(get)
+    get.set_defaults(func=_guarded(cmd_policy_get))
+    put = psub.add_parser("set", help="change fields of one policy: k3ray policy set moonep enabled=false")
+    put.add_argument("name")
+    put.add_argument("values", nargs="+", metavar="KEY=VALUE", help="values are YAML: true, 2, 0.5, null")
+    _job_args(put)
+    put.set_defaults(func=_guarded(cmd_policy_set))
+
+    d = sub.add_parser("dashboards", help="Grafana dashboards generated from code")
+    dsub = d.add_subparsers(dest="dashboards_command", required=True)
+    exp = dsub.add_parser("export", help="write dashboard JSON and provisioning YAML to DIR")
+    exp.add_argument("dir")
+    exp.add_argument("--json", action="store_true")
+    exp.set_defaults(func=_guarded(cmd_dashboards_export))
+    push = dsub.add_parser("push", help="upload the dashboards to a Grafana server")
+    push.add_argument("--url", required=True, help="Grafana URL, e.g. http://localhost:3000")
+    push.add_argument("--token", help="Grafana service-account token (else GRAFANA_TOKEN)")
+    push.add_argument("--datasource-uid", default="prometheus")
+    push.add_argument("--folder-uid", default=None)
+    push.add_argument("--json", action="store_true")
+    push.set_defaults(func=_guarded(cmd_dashboards_push))

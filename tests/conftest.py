@@ -1,0 +1,76 @@
+"""One Ray cluster per test session: a real `ray start --head` on loopback, with the dashboard (Jobs API) and the
+metrics export port, so Jobs and Prometheus tests talk to the same cluster as the runtime tests."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# Ray >= 2.5x turns token auth on for clusters started with `ray start`; clients then need token mode, and Ray
+# reads it when it is imported: set it before any test module imports ray.
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RayCluster:
+    address: str  # GCS address, for ray.init / RAY_ADDRESS
+    dashboard_url: str  # Jobs API
+    metrics_port: int  # Prometheus scrape target on 127.0.0.1
+    session_dir: str
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    gcs, dash, metrics = free_port(), free_port(), free_port()
+    env = dict(os.environ)
+    ray_bin = shutil.which("ray")
+    temp_dir = tempfile.mkdtemp(prefix="k3ray-ray-", dir="/tmp")  # ours alone: teardown stops only this cluster
+    subprocess.run([ray_bin, "start", "--head", "--temp-dir", temp_dir, "--node-ip-address", "127.0.0.1",
+                    "--port", str(gcs),
+                    "--num-cpus", "8", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
+                    "--dashboard-port", str(dash), "--metrics-export-port", str(metrics),
+                    "--disable-usage-stats"], check=True, env=env, timeout=180, capture_output=True)
+    address = f"127.0.0.1:{gcs}"
+    ray.init(address=address, log_to_driver=False)
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
+    try:
+        yield RayCluster(address, f"http://127.0.0.1:{dash}", metrics, session_dir)
+    finally:
+        ray.shutdown()
+        stop_cluster(temp_dir)
+
+
+def stop_cluster(temp_dir: str) -> None:
+    """Kill the processes of the cluster living under temp_dir (`ray stop` would stop every cluster here)."""
+    import psutil
+
+    procs = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
+                procs.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    for proc in procs:
+        proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    for proc in alive:
+        proc.kill()
+    shutil.rmtree(temp_dir, ignore_errors=True)

@@ -1,0 +1,105 @@
+"""The K3-scale simulator (k3ray.sim) on small shapes: traces, sampling, per-policy figures, trace files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from k3ray import sim
+from k3ray.config import load_config
+
+
+@pytest.fixture(scope="module")
+def k3():
+    return load_config("configs/k3.yaml")
+
+
+def test_inclusion_probs_cap_and_sum():
+    pop = torch.tensor([[100.0, 1, 1, 1, 1, 1, 1, 1], [1.0] * 8])
+    pi = sim.inclusion_probs(pop, top_k=2)
+    assert torch.allclose(pi.sum(1), torch.tensor([2.0, 2.0], dtype=torch.float64))
+    assert pi[0, 0] == 1.0 and (pi <= 1).all()
+    assert torch.allclose(pi[1], torch.full((8,), 0.25, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("spec", ["uniform", "zipf:1.2", "dirichlet:0.3", "hot-shift:2"])
+def test_trace_counts_shape_and_totals(spec):
+    s, k = 64, 4
+    tr = sim.Trace(spec, num_layers=3, num_ranks=5, num_experts=32, top_k=k, tokens_per_rank=s, seed=1)
+    counts = tr.counts(0, torch.Generator().manual_seed(0))
+    assert counts.shape == (3, 5, 32) and counts.dtype == torch.int64
+    assert (counts.sum(2) == s * k).all()                     # exactly s*K slots per rank and layer
+    assert (counts >= 0).all() and (counts <= s).all()         # K distinct experts per token
+
+
+def test_zipf_is_skewed_and_hot_shift_moves():
+    tr = sim.Trace("zipf:1.5", 2, 4, 64, 4, 256, seed=0)
+    counts = tr.counts(0, torch.Generator().manual_seed(0))
+    assert sim.moonep.maxvio(counts[0]) > 3
+    hs = sim.Trace("hot-shift:2", 1, 4, 64, 4, 256, seed=0)
+    pop0, pop1, pop2 = (hs._popularity(step) for step in (0, 1, 2))
+    assert torch.equal(pop0, pop1) and not torch.equal(pop0, pop2)
+
+
+def test_unknown_trace_is_an_error():
+    with pytest.raises(ValueError, match="unknown trace"):
+        sim.Trace("pareto", 1, 2, 8, 2, 16)
+
+
+@pytest.mark.parametrize("fmt", [".pt", ".json"])
+def test_trace_file_round_trip(tmp_path, fmt, k3):
+    counts = torch.randint(0, 50, (2, 3, 4, k3.model.n_experts))          # [steps, L, R, E]
+    path = tmp_path / f"trace{fmt}"
+    sim.save_trace(path, counts)
+    assert torch.equal(sim.load_trace(path), counts)
+    tr = sim.Trace(str(path), num_layers=10, num_ranks=99, num_experts=k3.model.n_experts, top_k=16,
+                   tokens_per_rank=1)
+    assert tr.num_layers == 3 and tr.num_ranks == 4                         # taken from the file
+    assert torch.equal(tr.counts(1, torch.Generator()), counts[1])
+    result = sim.run_simulation(k3, ranks=4, trace=str(path), steps=2, layers=2, tokens_per_rank=16)
+    assert result.layers == 2 and result.policies["moonep"].imbalance_worst == pytest.approx(1.0, abs=1e-3)
+
+
+def test_global_trace_file_split_over_ranks(tmp_path):
+    counts = torch.tensor([[[10, 3, 0, 7]]])                                  # [steps=1, L=1, E=4]
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps({"tokens_per_expert": counts.tolist()}))
+    tr = sim.Trace(str(path), 1, 3, 4, 2, 8)
+    per_rank = tr.counts(0, torch.Generator())[0]
+    assert per_rank.shape == (3, 4) and torch.equal(per_rank.sum(0), counts[0, 0])
+
+
+def test_bad_trace_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"counts": [1, 2]}))
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        sim.load_trace(path)
+
+
+def test_run_simulation_smoke(k3):
+    result = sim.run_simulation(k3, ranks=16, trace="zipf:1.2", steps=3, layers=2, tokens_per_rank=512, seed=0,
+                                rebalance_every=1)
+    pol = result.policies
+    assert set(pol) == set(sim.POLICIES)
+    assert pol["none"].imbalance_mean > 1.5
+    assert pol["moonep"].imbalance_worst == pytest.approx(1.0, abs=1e-4)
+    assert pol["replicas+moonep"].imbalance_worst == pytest.approx(1.0, abs=1e-4)
+    assert 1.0 <= pol["replicas"].imbalance_mean < pol["none"].imbalance_mean
+    assert pol["moonep"].replicas_per_rank_max <= 896 // 16
+    assert pol["moonep"].copy_bytes_per_step_per_rank > 0 and pol["none"].copy_bytes_per_step_per_rank == 0
+    assert result.expert_bytes == 3 * 3584 * 3072 * 2
+    data = result.to_json()
+    json.dumps(data)
+    assert data["policies"]["moonep"]["balancedness_mean"] == pytest.approx(1.0, abs=1e-4)
+    table = sim.format_table(result)
+    assert "replicas+moonep" in table and "zipf:1.2" in table
+
+
+def test_run_simulation_deterministic_uneven_homes(k3):
+    """R=48 does not divide E=896: uneven homes; same seed, same figures."""
+    a = sim.run_simulation(k3, ranks=48, trace="hot-shift:1", steps=2, layers=1, tokens_per_rank=128, seed=3)
+    b = sim.run_simulation(k3, ranks=48, trace="hot-shift:1", steps=2, layers=1, tokens_per_rank=128, seed=3)
+    for name in sim.POLICIES:
+        assert a.policies[name].imbalance_mean == b.policies[name].imbalance_mean
+    assert a.policies["moonep"].imbalance_worst == pytest.approx(1.0, abs=1e-3)
