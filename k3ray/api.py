@@ -90,17 +90,26 @@ def build_app(ctrl, token: str) -> FastAPI:
     """The app for one job; `ctrl` is the Controller object (status, placement, get_policies, set_policy, ...)."""
     bearer = HTTPBearer(auto_error=False, description="per-job token from runs/<job>/api_token")
 
+    def token_ok(header: str | None) -> bool:
+        scheme, _, credentials = (header or "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(credentials.strip().encode(), token.encode())
+
     def authorize(creds: Optional[HTTPAuthorizationCredentials] = Depends(bearer)) -> None:
-        if creds is None or creds.scheme.lower() != "bearer" or not secrets.compare_digest(
-                creds.credentials.encode(), token.encode()):
-            raise HTTPException(401, "missing or wrong bearer token (see the job's api_token file)",
-                                headers={"WWW-Authenticate": "Bearer"})
+        """Declares the scheme in OpenAPI; `require_token` below has already checked it before any parsing."""
 
     app = FastAPI(title="k3ray control API", version="1",
                   description="Live view and steering of one k3ray training job. Changes apply at the next step "
                               "boundary and are audited.")
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authorize)],
                    responses={401: {"model": Error, "description": "missing or wrong token"}})
+
+    @app.middleware("http")
+    async def require_token(request: Request, call_next):
+        # before routing and body parsing: a client without the token learns nothing, not even a 422
+        if request.url.path.startswith("/v1") and not token_ok(request.headers.get("authorization")):
+            return JSONResponse({"detail": "missing or wrong bearer token (see the job's api_token file)"},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
@@ -155,7 +164,8 @@ def build_app(ctrl, token: str) -> FastAPI:
 
     for name, model in UPDATE_MODELS.items():
         v1.add_api_route(f"/policies/{name}", setter(name, model), methods=["PUT"], response_model=PolicyChange,
-                         responses={422: {"model": Error, "description": "a field is invalid (named in detail)"}},
+                         responses={400: {"model": Error, "description": "the body is not JSON"},
+                                    422: {"model": Error, "description": "a field is invalid (named in detail)"}},
                          summary=f"update the {name} policy (applied at the next step boundary)")
 
     @v1.put("/policies/{name}", include_in_schema=False)

@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+        os.environ.setdefault("RAY_AUTH_MODE", "token")  # read by Ray at import: set before anything imports it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:

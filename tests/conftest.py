@@ -46,6 +46,8 @@ def ray_cluster():
                     "--port", str(gcs),
                     "--num-cpus", "8", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
                     "--dashboard-port", str(dash), "--metrics-export-port", str(metrics),
+                    "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
+                    "--runtime-env-agent-port", str(free_port()),
                     "--disable-usage-stats"], check=True, env=env, timeout=180, capture_output=True)
     address = f"127.0.0.1:{gcs}"
     ray.init(address=address, log_to_driver=False)
@@ -59,18 +61,27 @@ def ray_cluster():
 
 def stop_cluster(temp_dir: str) -> None:
     """Kill the processes of the cluster living under temp_dir (`ray stop` would stop every cluster here)."""
-    import psutil
+    import signal
+    import time
 
-    procs = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if any(temp_dir in arg for arg in proc.info["cmdline"] or []):
-                procs.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    for proc in procs:
-        proc.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=15)
-    for proc in alive:
-        proc.kill()
+    def ours() -> list[int]:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if temp_dir.encode() in (entry / "cmdline").read_bytes():
+                        pids.append(int(entry.name))
+                except OSError:
+                    continue
+        return pids
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in ours():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 15
+        while ours() and time.time() < deadline:
+            time.sleep(0.2)
     shutil.rmtree(temp_dir, ignore_errors=True)

@@ -145,7 +145,8 @@ def test_plan_needs_few_replicas_on_zipf():
     counts = _counts(64, 896, 1.2, seed=0, scale=73)
     plan = moonep.plan(counts)
     check_plan(counts, plan)
-    assert plan.num_replicas <= 3 * 64                         # a few copies per rank, not E/R
+    off_target = int((moonep.home_loads(counts) != plan.target).sum())
+    assert plan.num_replicas <= off_target                     # the flow bound is off_target - 1 (generic loads)
 
 
 def test_metrics():
@@ -270,7 +271,7 @@ def test_rebalance_zipf_balancedness_goal():
     """One spare slot per rank on Zipf 1.2 (per-expert load capped at 1/K of the total, as top-K routing implies)."""
     load = _expert_loads(4, 256, 1.2, seed=1, cap=1 / 16)
     p = replication.rebalance(load, 16, 256 + 16)
-    assert replication.balancedness(load, p.physical_to_logical, 16).min() >= 0.95
+    assert replication.balancedness(load, p.physical_to_logical, 16).min() >= 0.98
 
 
 def test_rebalance_hierarchical():

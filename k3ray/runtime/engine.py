@@ -120,7 +120,7 @@ class StageEngine:
         timings["optimizer"] = time.perf_counter() - t_opt
         timings["dispatch_combine"] = self.ctx.comm_seconds
         timings["compute"] -= self.ctx.comm_seconds
-        timings["step"] = time.perf_counter() - t_step
+        timings["total"] = time.perf_counter() - t_step
         report["timings"] = timings
         report["batch_index"] = batch_index
         return report

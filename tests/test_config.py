@@ -1,0 +1,101 @@
+"""Config loading: shipped configs validate, broken ones fail naming the file and the field, and `config show`
+reproduces the K3 totals of K3_NOTES."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from k3ray.cli import main
+from k3ray.config import ConfigError, JobConfig, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+@pytest.mark.parametrize("name", ["tiny", "k3", "gpu2"])
+def test_shipped_configs_load(name):
+    cfg = load_config(CONFIGS / f"{name}.yaml")
+    assert isinstance(cfg, JobConfig)
+    assert cfg.model.n_experts % cfg.parallel.ep == 0
+
+
+def _tiny_with(tmp_path: Path, section: str, key: str, value) -> Path:
+    data = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
+    data[section][key] = value
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _error(path: Path) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    return str(info.value)
+
+
+def test_unknown_key_names_file_and_field(tmp_path):
+    path = _tiny_with(tmp_path, "model", "colour", "blue")
+    msg = _error(path)
+    assert str(path) in msg
+    assert "model.colour" in msg
+    assert "unknown key" in msg
+
+
+def test_negative_size_names_file_and_field(tmp_path):
+    path = _tiny_with(tmp_path, "model", "d_model", -1)
+    msg = _error(path)
+    assert str(path) in msg
+    assert "model.d_model" in msg
+
+
+def test_ep_not_dividing_experts_names_both(tmp_path):
+    path = _tiny_with(tmp_path, "parallel", "ep", 3)
+    msg = _error(path)
+    assert str(path) in msg
+    assert "parallel.ep=3" in msg
+    assert "n_experts=16" in msg
+
+
+def test_bad_yaml_names_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  d_model: [64\n  n_layers: 4\n")
+    msg = _error(path)
+    assert str(path) in msg
+    assert "YAML" in msg
+
+
+def test_missing_file_names_file(tmp_path):
+    path = tmp_path / "does_not_exist.yaml"
+    msg = _error(path)
+    assert str(path) in msg
+    assert "cannot read" in msg
+
+
+def test_config_show_k3_matches_notes(capsys):
+    assert main(["config", "show", str(CONFIGS / "k3.yaml"), "--json"]) == 0
+    totals = json.loads(capsys.readouterr().out)
+    assert totals["total_params"] == pytest.approx(2.78e12, rel=0.02)
+    assert totals["active_params"] == pytest.approx(104.2e9, rel=0.02)
+    assert totals["dispatch_values_per_token"] == 57344
+    assert totals["dispatch_values_per_token_full_width_top_k_half"] == 57344
+    assert totals["layers"] == 93
+    assert (totals["kda_layers"], totals["mla_layers"]) == (69, 24)
+
+
+def test_cli_bad_config_exits_2_with_message(tmp_path, capsys):
+    path = _tiny_with(tmp_path, "parallel", "ep", 3)
+    assert main(["config", "show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3ray: ")
+    assert str(path) in err
+    assert "parallel.ep=3" in err and "n_experts=16" in err
+
+
+def test_cli_train_missing_config_exits_2(tmp_path, capsys):
+    path = tmp_path / "nowhere.yaml"
+    assert main(["train", "--config", str(path), "--single-process", "--steps", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3ray: ") and str(path) in err and "cannot read" in err
