@@ -1,0 +1,261 @@
+"""Routed-expert kernels on one GPU: grouped expert FFN TFLOP/s, permute/unpermute GB/s, histogram time.
+
+    python benchmarks/expert_ffn.py [--tune] [--json out.json]
+
+Shapes: K = D = 3584 in/out, I = 2048 inner; 14 local experts (~4k rows) and 112 (~32k rows); balanced and Zipf 1.2
+rows per expert. FLOPs = 2*rows*K*2I + 2*rows*I*K forward, twice that backward. Timings: triton.testing.do_bench
+medians, inputs rotated among several random sets. Ceilings measured in the same run: an 8192^3 bf16 matmul and a
+device-to-device copy (bytes read + written).
+
+Columns: ours = k3ray grouped_expert_ffn_triton (fused SiTU-GLU); grouped_mm = torch._grouped_mm, activation as
+separate torch ops (silu(g)*u as in K3_NOTES, and SiTU-GLU); loop = one matmul per expert (silu(g)*u); dense = all
+rows through one dense weight pair (silu(g)*u), the ceiling the grouped kernels are held to. ours_fwd reads the
+forward operands through TMA descriptors; ours_fwd_ptr is the same forward with plain pointer loads.
+--tune sweeps the block configs of each Triton kernel on the 112-expert balanced shape first and keeps the fastest.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from k3ray.kernels import grouped_ffn
+from k3ray.kernels.grouped_ffn import grouped_expert_ffn_triton
+from k3ray.kernels.histogram import score_histogram_reference, score_histogram_triton
+from k3ray.kernels.permute import (
+    permute_rows_reference,
+    permute_rows_triton,
+    unpermute_rows_reference,
+    unpermute_rows_triton,
+)
+from k3ray.kernels.situ_glu import situ_glu_reference
+
+D, INNER = 3584, 2048
+SETS = 3  # rotated input sets
+DEV = "cuda"
+BF = torch.bfloat16
+
+
+def bench(fns) -> float:
+    """Median ms of one call, cycling through `fns` (one per input set)."""
+    it = itertools.cycle(fns)
+    return do_bench(lambda: next(it)(), warmup=50, rep=300, return_mode="median")
+
+
+def group_sizes(n_rows: int, n_groups: int, skew: str) -> torch.Tensor:
+    if skew == "balanced":
+        sizes = torch.full((n_groups,), n_rows // n_groups)
+        sizes[: n_rows - int(sizes.sum())] += 1
+    else:  # Zipf 1.2 over a random expert permutation
+        p = 1.0 / torch.arange(1, n_groups + 1, dtype=torch.float64) ** 1.2
+        sizes = torch.floor(p / p.sum() * n_rows).long()
+        sizes[0] += n_rows - int(sizes.sum())
+        sizes = sizes[torch.randperm(n_groups)]
+    return sizes
+
+
+def make_sets(n_rows, n_groups, sizes):
+    ends = torch.cumsum(sizes, 0).to(torch.int32).to(DEV)
+    sets = []
+    for _ in range(SETS):
+        x = torch.randn(n_rows, D, device=DEV, dtype=BF)
+        w1 = (torch.randn(n_groups, D, 2 * INNER, device=DEV, dtype=BF) / D**0.5)
+        w2 = (torch.randn(n_groups, INNER, D, device=DEV, dtype=BF) / INNER**0.5)
+        sets.append((x, w1, w2))
+    return ends, sets
+
+
+def ours_fwd(ends):
+    def fn(x, w1, w2):
+        with torch.no_grad():
+            return grouped_expert_ffn_triton(x, w1, w2, ends)
+    return fn
+
+
+def ours_fwd_bwd(ends, dy):
+    def fn(x, w1, w2):
+        xs, w1s, w2s = (t.detach().requires_grad_() for t in (x, w1, w2))
+        y = grouped_expert_ffn_triton(xs, w1s, w2s, ends)
+        return torch.autograd.grad(y, (xs, w1s, w2s), dy)
+    return fn
+
+
+def ours_fwd_saving(ends):
+    def fn(x, w1, w2):  # the forward as training runs it (saves the pre-activations)
+        return grouped_expert_ffn_triton(x.detach().requires_grad_(), w1, w2, ends)
+    return fn
+
+
+def grouped_mm_path(ends, act):
+    def fn(x, w1, w2):
+        with torch.no_grad():
+            h = torch._grouped_mm(x, w1, offs=ends)
+            return torch._grouped_mm(act(h[:, :INNER], h[:, INNER:]), w2, offs=ends)
+    return fn
+
+
+def grouped_mm_fwd_bwd(ends, dy):
+    def fn(x, w1, w2):
+        xs, w1s, w2s = (t.detach().requires_grad_() for t in (x, w1, w2))
+        h = torch._grouped_mm(xs, w1s, offs=ends)
+        y = torch._grouped_mm(F.silu(h[:, :INNER]) * h[:, INNER:], w2s, offs=ends)
+        return torch.autograd.grad(y, (xs, w1s, w2s), dy)
+    return fn
+
+
+def loop_path(bounds):
+    def fn(x, w1, w2):
+        outs = []
+        for g, (lo, hi) in enumerate(bounds):
+            h = x[lo:hi] @ w1[g]
+            outs.append((F.silu(h[:, :INNER]) * h[:, INNER:]) @ w2[g])
+        return torch.cat(outs)
+    return fn
+
+
+def dense_path(x, w1, w2):
+    h = x @ w1[0]
+    return (F.silu(h[:, :INNER]) * h[:, INNER:]) @ w2[0]
+
+
+def silu_mul(g, u):
+    return F.silu(g) * u
+
+
+def ceilings() -> dict:
+    a = torch.randn(8192, 8192, device=DEV, dtype=BF)
+    b = torch.randn(8192, 8192, device=DEV, dtype=BF)
+    ms = bench([lambda: a @ b])
+    src = torch.randn(2**29, device=DEV, dtype=BF)  # 1 GiB
+    dst = torch.empty_like(src)
+    ms_copy = bench([lambda: dst.copy_(src)])
+    return {"matmul_tflops": 2 * 8192**3 / ms / 1e9, "copy_gbs": 2 * src.numel() * 2 / ms_copy / 1e6}
+
+
+def ffn_row(n_groups: int, n_rows: int, skew: str) -> dict:
+    sizes = group_sizes(n_rows, n_groups, skew)
+    ends, sets = make_sets(n_rows, n_groups, sizes)
+    flops = 2 * n_rows * D * 2 * INNER + 2 * n_rows * INNER * D
+    tf = lambda ms, mult=1: mult * flops / ms / 1e9  # noqa: E731
+    dy = torch.randn(n_rows, D, device=DEV, dtype=BF)
+    bounds = list(zip([0] + ends.tolist()[:-1], ends.tolist()))
+    row = {"experts": n_groups, "rows": n_rows, "skew": skew, "max_rows": int(sizes.max())}
+    row["ours_fwd"] = tf(bench([lambda s=s: ours_fwd(ends)(*s) for s in sets]))
+    grouped_ffn.USE_TMA = False
+    row["ours_fwd_ptr"] = tf(bench([lambda s=s: ours_fwd(ends)(*s) for s in sets]))
+    grouped_ffn.USE_TMA = True
+    ms_fwd_saving = bench([lambda s=s: ours_fwd_saving(ends)(*s) for s in sets])
+    ms_total = bench([lambda s=s: ours_fwd_bwd(ends, dy)(*s) for s in sets])
+    row["ours_fwd_bwd"] = tf(ms_total, 3)
+    row["ours_bwd"] = tf(ms_total - ms_fwd_saving, 2)
+    for key, make, mult in [("gmm_silu", lambda: grouped_mm_path(ends, silu_mul), 1),
+                            ("gmm_situ", lambda: grouped_mm_path(ends, situ_glu_reference), 1),
+                            ("gmm_fwd_bwd", lambda: grouped_mm_fwd_bwd(ends, dy), 3)]:
+        try:
+            row[key] = tf(bench([lambda s=s: make()(*s) for s in sets]), mult)
+        except RuntimeError as e:  # torch._grouped_mm missing, or without a backward, in this torch
+            print(f"{key}: {e}")
+            row[key] = float("nan")
+    with torch.no_grad():
+        row["loop"] = tf(bench([lambda s=s: loop_path(bounds)(*s) for s in sets]))
+        row["dense"] = tf(bench([lambda s=s: dense_path(*s) for s in sets]))
+    return row
+
+
+def permute_rows_bench(n_tokens: int = 8192, k: int = 8) -> list[dict]:
+    n_rows = n_tokens * k
+    dest = torch.randperm(n_rows, device=DEV).reshape(n_tokens, k)
+    xs = [torch.randn(n_tokens, D, device=DEV, dtype=BF) for _ in range(SETS)]
+    ys = [torch.randn(n_rows, D, device=DEV, dtype=BF) for _ in range(SETS)]
+    w = torch.rand(n_tokens, k, device=DEV)
+    nbytes = 2 * n_rows * D * 2  # permute: rows read + written; unpermute: K rows read per token (+ 1/K written)
+    nbytes_un = n_rows * D * 2 + n_tokens * D * 2
+    out = []
+    for name, fn, xin, nb in [
+        ("permute (ours)", lambda x: permute_rows_triton(x, dest, n_rows), xs, nbytes),
+        ("permute (torch reference)", lambda x: permute_rows_reference(x, dest, n_rows), xs, nbytes),
+        ("unpermute (ours)", lambda y: unpermute_rows_triton(y, dest, w), ys, nbytes_un),
+        ("unpermute (torch reference)", lambda y: unpermute_rows_reference(y, dest, w), ys, nbytes_un),
+    ]:
+        with torch.no_grad():
+            ms = bench([lambda t=t: fn(t) for t in xin])
+        out.append({"what": name, "ms": ms, "gbs": nb / ms / 1e6})
+    vals = [torch.rand(32768, 896, device=DEV) for _ in range(SETS)]
+    for name, fn in [("histogram 32768x896 (ours)", score_histogram_triton),
+                     ("histogram 32768x896 (torch reference)", score_histogram_reference)]:
+        ms = bench([lambda v=v: fn(v, 0.0, 1.0, 1000) for v in vals])
+        out.append({"what": name, "ms": ms, "gbs": vals[0].numel() * 4 / ms / 1e6})
+    return out
+
+
+CANDIDATES = {  # (BM, BN, BK, GROUP_M, num_warps, num_stages)
+    "up_tma": [(64, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 4, 4), (64, 256, 64, 4, 8, 3),
+               (128, 256, 64, 8, 8, 3)],
+    "down_tma": [(64, 256, 64, 8, 4, 4), (64, 256, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4)],
+    "dh": [(64, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3)],
+    "wgrad": [(256, 128, 32, 8, 8, 4), (128, 256, 32, 8, 8, 4)],
+}
+TUNE_SHAPES = [(112, 32768, "balanced"), (14, 4096, "zipf1.2")]
+
+
+def tune() -> None:
+    """Per kernel, keep the candidate with the least summed (time / best time) over TUNE_SHAPES."""
+    problems = []
+    for n_groups, n_rows, skew in TUNE_SHAPES:
+        ends, sets = make_sets(n_rows, n_groups, group_sizes(n_rows, n_groups, skew))
+        problems.append((ends, sets, torch.randn(n_rows, D, device=DEV, dtype=BF)))
+    for name, cands in CANDIDATES.items():
+        fwd = name.startswith(("up", "down"))
+        grouped_ffn.USE_TMA = name not in ("up", "down")
+        times = {}
+        for cfg in cands:
+            grouped_ffn.CONFIGS[name] = cfg
+            try:
+                times[cfg] = [bench([lambda s=s, f=(ours_fwd(e) if fwd else ours_fwd_bwd(e, dy)): f(*s)
+                                     for s in sets]) for e, sets, dy in problems]
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this config
+                print(f"tune {name} {cfg}: {type(e).__name__}")
+                continue
+            print(f"tune {name:8s} {cfg}: " + " / ".join(f"{t:.3f}" for t in times[cfg])
+                  + f" ms ({'fwd' if fwd else 'fwd+bwd'}; shapes {TUNE_SHAPES})")
+        best = [min(t[i] for t in times.values()) for i in range(len(problems))]
+        grouped_ffn.CONFIGS[name] = min(times, key=lambda c: sum(t / b for t, b in zip(times[c], best)))
+    grouped_ffn.USE_TMA = True
+    print("tuned CONFIGS =", json.dumps(grouped_ffn.CONFIGS))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if args.tune:
+        tune()
+    ceil = ceilings()
+    print(f"dense 8192^3 bf16 matmul: {ceil['matmul_tflops']:.0f} TFLOP/s; device copy: {ceil['copy_gbs']:.0f} GB/s")
+    rows = [ffn_row(g, n, skew) for (g, n) in [(14, 4096), (112, 32768)] for skew in ("balanced", "zipf1.2")]
+    mov = permute_rows_bench()
+    head = ("experts", "rows", "skew", "max_rows", "ours_fwd", "ours_fwd_ptr", "ours_bwd", "ours_fwd_bwd", "gmm_silu", "gmm_situ",
+            "gmm_fwd_bwd", "loop", "dense")
+    print("\nTFLOP/s (medians)")
+    print("| " + " | ".join(head) + " | fwd/gmm_silu | fwd/dense | bwd/fwd |")
+    for r in rows:
+        cells = [str(r[h]) if isinstance(r[h], (int, str)) else f"{r[h]:.0f}" for h in head]
+        ratios = [r["ours_fwd"] / r["gmm_silu"], r["ours_fwd"] / r["dense"], r["ours_bwd"] / r["ours_fwd"]]
+        print("| " + " | ".join(cells) + " | " + " | ".join(f"{x:.2f}" for x in ratios) + " |")
+    print(f"\ndata movement, 8192 tokens x top-8 x {D} bf16 (copy ceiling {ceil['copy_gbs']:.0f} GB/s)")
+    for m in mov:
+        print(f"| {m['what']} | {m['ms'] * 1e3:.1f} us | {m['gbs']:.0f} GB/s | {m['gbs'] / ceil['copy_gbs']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"ceilings": ceil, "ffn": rows, "movement": mov, "configs": grouped_ffn.CONFIGS}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
