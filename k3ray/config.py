@@ -81,6 +81,7 @@ class DataConfig(_Strict):
     micro_batch_size: int = Field(gt=0, description="sequences per micro-batch")
     val_fraction: float = Field(0.02, gt=0, lt=0.5)
     max_bytes: int = Field(64 * 2**20, gt=0, description="corpus cap, read in a fixed file order")
+    skip_batches: list[int] = Field(default_factory=list, description="batch indices never trained on")
 
 
 class OptimizerConfig(_Strict):
@@ -149,6 +150,7 @@ class FaultToleranceConfig(_Strict):
     skip_growth: int = Field(2, ge=1, description="batches skipped grow by this factor on a repeated trip")
     lr_backoff: float = Field(0.5, gt=0, le=1)
     grow_back: bool = True
+    grow_back_after_steps: int = Field(1, ge=0, description="steps to run shrunk before trying to grow back")
     faults: list[FaultSpec] = Field(default_factory=list)
 
 

@@ -119,7 +119,7 @@ def test_moved_shard_gives_identical_outputs(ray_cluster):
 
 
 def test_more_workers_than_cluster_fails_fast(ray_cluster):
-    from k3ray.actors.controller import TopologyError
+    from k3ray.runtime.group import TopologyError
 
     cfg = tiny(**{"parallel.pp": 4, "parallel.ep": 4})  # 16 workers on an 8-CPU cluster
     with pytest.raises(TopologyError, match="needs 16 CPU"):

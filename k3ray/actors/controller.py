@@ -11,11 +11,11 @@ import time
 from pydantic import ValidationError
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+import torch
 
-from k3ray.actors.worker import Worker
 from k3ray.config import JobConfig
+from k3ray.policies import guards, recovery
+from k3ray.runtime.group import TopologyError, WorkerGroup, WorkerLost
 from k3ray.runtime.step import StepReport, layer_maxvio
 
 log = logging.getLogger("k3ray.controller")
@@ -31,12 +31,8 @@ class JobState(str, enum.Enum):
     ERRORED = "errored"
 
 
-class TopologyError(RuntimeError):
-    """The cluster cannot hold the requested topology."""
-
-
-def contiguous_home(num_experts: int, num_ranks: int) -> list[int]:
-    return [e * num_ranks // num_experts for e in range(num_experts)]
+class GuardError(RuntimeError):
+    """A blow-up the escalation ladder could not get past; the job stops with this report."""
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -45,9 +41,19 @@ class Controller:
         self.cfg = JobConfig.model_validate(cfg_dict)
         self.state = JobState.INITIALIZING
         self.transitions: list[tuple[float, str, str]] = []
-        self.workers: list[list] = []  # [pp][ep] actor handles
-        self.home = contiguous_home(self.cfg.model.n_experts, self.cfg.parallel.ep)
-        self.pg = None
+        self.group: WorkerGroup | None = None
+        self.ep_size = self.cfg.parallel.ep  # live EP size: smaller than configured while shrunk
+        self.home = recovery.grow(self.cfg.model.n_experts, self.cfg.parallel.ep).tolist()
+        ft = self.cfg.fault_tolerance
+        self.skip: set[int] = set(self.cfg.data.skip_batches)  # batch indices never trained on
+        self.batches: dict[int, int] = {}  # step -> batch index it trained on
+        self.snap_step: int | None = None
+        self.snap_guard = guards.GuardState()
+        self.guard_state = guards.GuardState()
+        self.lr_scale = 1.0
+        self.fired: set[int] = set()  # indices of fault drills already injected
+        self.shrunk_at: int | None = None
+        self.pending_faults = list(enumerate(ft.faults))
         self.last_report: dict | None = None
         self.step = 0
         self.lock = threading.Lock()
@@ -71,31 +77,14 @@ class Controller:
         cfg = self.cfg
         par = cfg.parallel
         self._transition(JobState.SCHEDULING, f"pp={par.pp} ep={par.ep}")
-        bundle = {"CPU": 1} if par.device == "cpu" else {"CPU": 1, "GPU": 1}
-        total = ray.cluster_resources()
-        for res, amount in bundle.items():
-            need = amount * par.world_size
-            if total.get(res, 0) < need:
-                self._transition(JobState.ERRORED, "topology does not fit")
-                raise TopologyError(
-                    f"parallel.pp={par.pp} x parallel.ep={par.ep} needs {need:g} {res} (one per worker) but the "
-                    f"cluster has {total.get(res, 0):g}; lower pp/ep or add nodes")
-        self.pg = placement_group([dict(bundle) for _ in range(par.world_size)], strategy="PACK")
-        if not self._wait(self.pg.ready(), placement_timeout_s):
-            self._transition(JobState.ERRORED, "placement timed out")
-            raise TopologyError(f"could not place {par.world_size} workers ({bundle} each) within "
-                                f"{placement_timeout_s:g}s: resources are busy")
-        self.workers = [[Worker.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=p * par.ep + e),
-            num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-        ).remote(cfg.model_dump(), p, e, self.home) for e in range(par.ep)] for p in range(par.pp)]
-        ip, port = ray.get(self.workers[0][0].rendezvous_address.remote(), timeout=placement_timeout_s)
-        if ip == ray.util.get_node_ip_address() and self._single_node():
-            ip = "127.0.0.1"
-        backend = par.backend if par.backend != "auto" else ("nccl" if par.device == "cuda" else "gloo")
-        ray.get([w.setup.remote(f"tcp://{ip}:{port}", backend) for w in self._all()], timeout=placement_timeout_s)
+        self.group = WorkerGroup(cfg, self.ep_size, self.home)
+        try:
+            backend = self.group.launch(placement_timeout_s)
+        except TopologyError:
+            self._transition(JobState.ERRORED, "topology does not fit")
+            raise
         self._apply_policies()
-        self._transition(JobState.RUNNING, f"{par.world_size} workers, backend {backend}")
+        self._transition(JobState.RUNNING, f"{self.group.size} workers, backend {backend}")
         # -- control plane (issue 6) --
         from k3ray.metrics import JobMetrics
         self.metrics = JobMetrics(cfg.name)
@@ -107,25 +96,42 @@ class Controller:
         # -- end control plane --
         return self.status()
 
-    @staticmethod
-    def _single_node() -> bool:
-        return len([n for n in ray.nodes() if n["Alive"]]) == 1
-
-    @staticmethod
-    def _wait(ref, timeout: float) -> bool:
-        ready, _ = ray.wait([ref], timeout=timeout)
-        return bool(ready)
-
     def _all(self) -> list:
-        return [w for row in self.workers for w in row]
+        return self.group.workers if self.group is not None else []
 
     # -- steps ---------------------------------------------------------------------------------------------------
-    def train_step(self, step: int, batch_index: int) -> dict:
+    def train_step(self, step: int, batch_index: int | None = None) -> dict:
+        """Run `step` to an accepted report: snapshot on schedule, inject due fault drills, recover from lost
+        workers, roll back and skip batches on a guard trip, grow back when capacity returns. `batch_index`, if
+        given, must be the batch the controller's data order assigns (it owns the order because of skips)."""
         t0 = time.perf_counter()  # control plane (issue 6)
         self._apply_pending_policies(step)
-        reports = ray.get([w.train_step.remote(step, batch_index) for w in self._all()])
+        self._maybe_grow_back(step)
+        if step % self.cfg.fault_tolerance.snapshot_every == 0 and self.snap_step != step:
+            self._snapshot(step)
+        attempts = 0
+        while True:
+            self._inject_fault(step)
+            batch = self._batch_for(step)
+            if batch_index is not None and attempts == 0 and batch != batch_index:
+                raise ValueError(f"step {step}: batch {batch_index} requested, data order gives {batch}")
+            try:
+                report = self._run(step, batch)
+            except WorkerLost as lost:
+                self._recover(step, lost)
+                continue
+            finally:
+                self._clear_transient_faults()
+            trip = guards.check(report, self.guard_state, self.cfg.policies.guards) \
+                if self.cfg.policies.guards.enabled else None
+            if trip is None:
+                break
+            attempts += 1
+            self._rollback(step, batch, trip, attempts)
+        self.guard_state = guards.accept(report, self.guard_state)
+        self.batches[step] = batch
         self.step = step + 1
-        self.last_report = self._merge(step, batch_index, reports).to_dict()
+        self.last_report = report
         # -- control plane (issue 6): publish metrics, keep the per-step overhead --
         from k3ray.metrics import timed_publish
         self.metrics_overhead_s.append(timed_publish(self.metrics, self, self.last_report, time.perf_counter() - t0))
@@ -133,12 +139,154 @@ class Controller:
         # -- end control plane --
         return self.last_report
 
+    def _batch_for(self, step: int) -> int:
+        """The next batch index after the previous step's, passing over skipped ones."""
+        b = self.batches[step - 1] + 1 if step - 1 in self.batches else step
+        while b in self.skip:
+            b += 1
+        return b
+
+    def _run(self, step: int, batch: int) -> dict:
+        timeout = self.cfg.parallel.collective_timeout_s + 30.0
+        reports = self.group.run_step(step, batch, timeout)
+        return self._merge(step, batch, reports).to_dict()
+
+    # -- resilience ----------------------------------------------------------------------------------------------
+    def _snapshot(self, step: int) -> None:
+        t0 = time.perf_counter()
+        self.group.snapshot(step)
+        self.snap_step, self.snap_guard = step, self.guard_state
+        self.snapshot_seconds = time.perf_counter() - t0
+
+    def _replay(self, until: int) -> None:
+        """Re-run the accepted steps snap_step .. until-1 on the batches they used (deterministic)."""
+        self.guard_state = self.snap_guard
+        for s in range(self.snap_step, until):
+            report = self._run(s, self.batches[s])
+            self.guard_state = guards.accept(report, self.guard_state)
+
+    def _rollback(self, step: int, batch: int, trip: guards.Trip, attempts: int) -> None:
+        ft = self.cfg.fault_tolerance
+        t0 = time.perf_counter()
+        skipped = [batch + i for i in range(ft.skip_growth ** (attempts - 1))]
+        incident = {"time": time.time(), "kind": "blowup", "step": step, "rule": trip.rule, "layer": trip.layer,
+                    "value": trip.value, "detail": trip.detail, "batch_ids": skipped, "attempt": attempts}
+        self.incidents.append(incident)
+        if attempts > ft.max_retries_per_step:
+            self._transition(JobState.ERRORED, f"step {step}: {attempts} guard trips")
+            raise GuardError(f"step {step}: guard tripped {attempts} times (last: {trip.rule} = {trip.value} "
+                             f"layer {trip.layer}; skipped batches {sorted(self.skip)}; lr scale {self.lr_scale}); "
+                             f"stopping. Incidents: {self.incidents[-attempts:]}")
+        self._transition(JobState.RECOVERING, f"rollback: {trip.rule} at step {step}")
+        self.skip.update(skipped)
+        ray.get([w.rollback.remote() for w in self._all()])
+        if attempts >= 2:  # escalate: the same step keeps blowing up on fresh data
+            self.lr_scale *= ft.lr_backoff
+        ray.get([w.set_lr_scale.remote(self.lr_scale) for w in self._all()])
+        self._replay(step)
+        incident["rollback_seconds"] = time.perf_counter() - t0
+        self._transition(JobState.RUNNING, f"rolled back to step {self.snap_step}, skipping {skipped}")
+
+    def _recover(self, step: int, lost: WorkerLost) -> None:
+        """Rebuild a smaller topology from the survivors' snapshots, re-home the lost experts, replay to `step`."""
+        t0 = time.perf_counter()
+        self._transition(JobState.RECOVERING, str(lost))
+        states = self.group.gather_snapshots(self.snap_step, lost.ranks)
+        old = self.group
+        if len(states) < old.size:
+            self._transition(JobState.ERRORED, "snapshots incomplete")
+            raise RuntimeError(f"{lost}: in-memory snapshots of step {self.snap_step} cover ranks "
+                               f"{sorted(states)} of {old.size}; restart with --resume from a checkpoint")
+        t_gathered = time.perf_counter()
+        lost_cols = {r % old.ep for r in lost.ranks}
+        if old.ep - len(lost_cols) >= 1:
+            load = self._expert_load()
+            home, _ = recovery.shrink(torch.tensor(old.home), lost_cols, load)
+            new_ep = old.ep - len(lost_cols)
+        else:  # nothing left in the EP dimension of some stage: restart the same grid on other resources
+            home, new_ep = torch.tensor(old.home), old.ep
+        sources = old.restore_sources(states)
+        old.close()
+        t_planned = time.perf_counter()
+        self._relaunch(new_ep, home.tolist(), sources)
+        t_restored = time.perf_counter()
+        self._replay(step)
+        self.shrunk_at = step if new_ep < self.cfg.parallel.ep else None
+        self.incidents.append({
+            "time": time.time(), "kind": "worker_lost", "step": step, "ranks": sorted(lost.ranks), "why": lost.why,
+            "ep": [old.ep, new_ep], "seconds": {
+                "gather_snapshots": t_gathered - t0, "replan": t_planned - t_gathered,
+                "rebuild_and_restore": t_restored - t_planned, "replay": time.perf_counter() - t_restored}})
+        self._transition(JobState.RUNNING, f"recovered on {new_ep * self.cfg.parallel.pp} workers")
+
+    def _relaunch(self, ep: int, home: list[int], sources: dict) -> None:
+        self.ep_size, self.home = ep, home
+        self.group = WorkerGroup(self.cfg, ep, home)
+        self.group.launch(120.0, restore=sources)
+        self._apply_policies()
+        ray.get([w.set_lr_scale.remote(self.lr_scale) for w in self._all()])
+        self.group.snapshot(self.snap_step)  # the new grid holds the same snapshot: a second loss is covered
+
+    def _maybe_grow_back(self, step: int) -> None:
+        full = self.cfg.parallel.ep
+        if self.shrunk_at is None or not self.cfg.fault_tolerance.grow_back or self.ep_size >= full:
+            return
+        if step - self.shrunk_at < self.cfg.fault_tolerance.grow_back_after_steps:
+            return
+        extra = WorkerGroup(self.cfg, full - self.ep_size, [0] * self.cfg.model.n_experts)
+        if not extra.fits(extra_cluster_free=True)[0]:
+            return
+        t0 = time.perf_counter()
+        self._transition(JobState.RESIZING, f"growing back to ep={full}")
+        self._snapshot(step)
+        old = self.group
+        sources = old.restore_sources(old.gather_snapshots(step, set()))
+        old.close()
+        self._relaunch(full, recovery.grow(self.cfg.model.n_experts, full).tolist(), sources)
+        self.shrunk_at = None
+        self.incidents.append({"time": time.time(), "kind": "grow_back", "step": step, "ep": [old.ep, full],
+                               "seconds": time.perf_counter() - t0})
+        self._transition(JobState.RUNNING, f"grown back to {self.group.size} workers")
+
+    def _expert_load(self) -> torch.Tensor:
+        load = torch.ones(self.cfg.model.n_experts, dtype=torch.float64)
+        if self.last_report is not None:
+            for rows in self.last_report["tokens_per_expert"].values():
+                load += torch.tensor(rows, dtype=torch.float64).sum(0)
+        return load
+
+    def _inject_fault(self, step: int) -> None:
+        """Fire the next drill due at this step (one per attempt: a drill listed twice hits the retry too)."""
+        for i, fault in self.pending_faults:
+            if fault.step != step or i in self.fired:
+                continue
+            self.fired.add(i)
+            log.warning("fault drill: %s at step %d", fault.kind, step)
+            workers = self._all()
+            if fault.kind == "kill_worker":
+                ray.kill(workers[fault.worker or 0], no_restart=True)
+            elif fault.kind == "nan":
+                ray.get([w.set_poison.remote(fault.layer or 0) for w in workers])
+                self.poisoned = True
+            elif fault.kind == "hang_collective":
+                ray.get(workers[fault.worker or 0].hang_at.remote(step))
+            return
+
+    def _clear_transient_faults(self) -> None:
+        if getattr(self, "poisoned", False):
+            self.poisoned = False
+            ray.get([w.set_poison.remote(None) for w in self._all()])
+
+    def worker_states(self) -> list[dict]:
+        """Every worker's current state (for inspection and tests)."""
+        return ray.get([w.state.remote() for w in self._all()])
+
     def evaluate(self) -> float:
         return ray.get([w.evaluate.remote() for w in self._all()])[0]
 
     def _merge(self, step: int, batch_index: int, reports: list[dict]) -> StepReport:
         cfg = self.cfg
-        ep = cfg.parallel.ep
+        ep = self.ep_size
         tpe, rank_load, acts = {}, {}, {}
         for i, r in enumerate(reports):
             if i % ep == 0:  # every EP rank of a stage holds the same gathered counts
@@ -151,7 +299,7 @@ class Controller:
         timings = {k: max(r["timings"][k] for r in reports) for k in phases}
         return StepReport(step=step, batch_index=batch_index, loss=reports[0]["loss"],
                           grad_norm=reports[0]["grad_norm"], lr=reports[0]["lr"],
-                          tokens=cfg.global_batch_sequences * cfg.data.seq_len,
+                          tokens=ep * cfg.parallel.micro_batches * cfg.data.micro_batch_size * cfg.data.seq_len,
                           tokens_per_expert=tpe, maxvio={k: layer_maxvio(v) for k, v in tpe.items()},
                           activations=acts, timings=timings, rank_load=rank_load)
 
@@ -218,7 +366,8 @@ class Controller:
         new_home = list(self.home)
         for e in expert_ids:
             new_home[e] = dst_ep_rank
-        for row in self.workers:
+        ep = self.ep_size
+        for row in (self._all()[p * ep:(p + 1) * ep] for p in range(self.cfg.parallel.pp)):
             payloads = {}
             for e in expert_ids:
                 src = self.home[e]
@@ -229,20 +378,22 @@ class Controller:
             ray.get([w.set_placement.remote(new_home, payloads if r == dst_ep_rank else None)
                      for r, w in enumerate(row)])
         self.home = new_home
+        self.group.home = list(new_home)
         return self.placement()
 
     # -- views ---------------------------------------------------------------------------------------------------
     def status(self) -> dict:
         par = self.cfg.parallel
-        return {"name": self.cfg.name, "state": self.state.value, "step": self.step, "pp": par.pp, "ep": par.ep,
-                "workers": par.world_size, "device": par.device,
+        return {"name": self.cfg.name, "state": self.state.value, "step": self.step, "pp": par.pp,
+                "ep": self.ep_size, "ep_configured": par.ep, "workers": par.pp * self.ep_size, "device": par.device,
+                "skipped_batches": sorted(self.skip), "lr_scale": self.lr_scale,
                 "loss": None if self.last_report is None else self.last_report["loss"],
                 "api_url": self.api_url,  # control plane (issue 6)
                 "tokens_per_s": None if self.metrics is None else self.metrics.tokens_per_s,  # control plane
                 "transitions": [{"time": t, "state": s, "why": w} for t, s, w in self.transitions]}
 
     def placement(self) -> dict:
-        experts_of = {r: [e for e, h in enumerate(self.home) if h == r] for r in range(self.cfg.parallel.ep)}
+        experts_of = {r: [e for e, h in enumerate(self.home) if h == r] for r in range(self.ep_size)}
         return {"home": list(self.home), "experts_of_ep_rank": experts_of,
                 "rank_load": None if self.last_report is None else self.last_report["rank_load"]}
 
@@ -250,11 +401,8 @@ class Controller:
         if self.api_server is not None:  # control plane (issue 6)
             self.api_server.stop()
             self.api_server = None
-        for w in self._all():
-            ray.kill(w, no_restart=True)
-        self.workers = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None
         if self.state not in (JobState.ERRORED,):
             self._transition(JobState.FINISHED)

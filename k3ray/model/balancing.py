@@ -28,7 +28,8 @@ def quantile_histogram(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int
     """Per-expert histogram [E, bins] int64 of x = s - alpha + b over [-window, window] (see module docstring)."""
     biased = scores_TE + bias_E
     alpha_T = torch.topk(biased, top_k + 1, dim=-1).values[:, top_k]
-    return score_histogram(biased - alpha_T[:, None], -window, window, bins)
+    # a blown-up step (NaN scores) must still finish its collectives so the guards can roll it back
+    return score_histogram(torch.nan_to_num(biased - alpha_T[:, None], nan=0.0), -window, window, bins)
 
 
 def quantile_bias(counts_Eb: torch.Tensor, bias_E: torch.Tensor, top_k: int, window: float) -> torch.Tensor:

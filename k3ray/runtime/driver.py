@@ -32,7 +32,7 @@ class ControllerBackend:
         self.controller = controller
 
     def train_step(self, step: int, batch_index: int) -> StepReport:
-        return StepReport(**ray.get(self.controller.train_step.remote(step, batch_index)))
+        return StepReport(**ray.get(self.controller.train_step.remote(step)))  # the controller owns data order
 
     def evaluate(self) -> float:
         return ray.get(self.controller.evaluate.remote())

@@ -24,9 +24,13 @@ from k3ray.runtime.step import activation_stats, lm_loss, update_router_bias
 
 
 class StageEngine:
-    def __init__(self, cfg: JobConfig, pp_rank: int, ep_rank: int, home: list[int], device: str = "cpu"):
+    """ep_size is the live number of EP ranks, which differs from cfg.parallel.ep while the job runs shrunk after a
+    worker loss (then homes may be uneven: 16 experts on 3 ranks)."""
+
+    def __init__(self, cfg: JobConfig, pp_rank: int, ep_rank: int, home: list[int], ep_size: int,
+                 device: str = "cpu"):
         self.cfg, self.pp_rank, self.ep_rank = cfg, pp_rank, ep_rank
-        self.pp, self.ep = cfg.parallel.pp, cfg.parallel.ep
+        self.pp, self.ep = cfg.parallel.pp, ep_size
         self.device = torch.device(device)
         self.home = torch.tensor(home, dtype=torch.int64)
         self.layers = stage_layers(cfg.model.n_layers, self.pp, pp_rank)
@@ -235,3 +239,48 @@ class StageEngine:
 
     def set_policy(self, moonep_enabled: bool, slots_per_rank: int | None) -> None:
         self.ctx.moonep_enabled, self.ctx.slots_per_rank = moonep_enabled, slots_per_rank
+
+    def set_poison(self, layer: int | None) -> None:
+        """Fault drill: make the routed output of `layer` (if this stage holds it) NaN until cleared with None."""
+        for i, moe in self.stage.moe_layers().items():
+            moe.poison = i == layer
+
+    # -- whole-worker state (snapshots, checkpoints, restore onto another topology) ------------------------------
+    def state_dict(self) -> dict:
+        """CPU copies of everything this worker's training depends on: dense parameters and their AdamW moments,
+        expert shards (with theirs), router biases, optimizer step count, learning-rate scale."""
+        dense_opt = {n: {k: v.cpu().clone() for k, v in st.items()}
+                     for n, st in self.opt.state.items() if not is_expert_param(n)}
+        return {
+            "stage": self.pp_rank, "layers": list(self.layers),
+            "dense": {n: p.detach().cpu().clone() for n, p in self.dense.items()},
+            "opt_dense": dense_opt,
+            "experts": self.export_shard(),
+            "router_bias": {i: moe.router.bias.detach().cpu().clone() for i, moe in self.stage.moe_layers().items()},
+            "opt_steps": self.opt.steps,
+            "lr_scale": self.lr_scale,
+        }
+
+    @torch.no_grad()
+    def load_state(self, dense_state: dict, expert_payloads: dict[int, list[dict]]) -> None:
+        """Restore from a stage's dense state (any EP rank's: they are identical) and the expert payloads of the
+        stage's layers (from any number of old shards; only the experts homed here are kept)."""
+        for n, p in self.dense.items():
+            p.copy_(dense_state["dense"][n].to(p.device))
+        for n in list(self.opt.state):
+            if not is_expert_param(n):
+                del self.opt.state[n]
+        for n, st in dense_state["opt_dense"].items():
+            self.opt.state[n] = {k: v.to(self.device).clone() for k, v in st.items()}
+        self.opt.steps = dense_state["opt_steps"]
+        self.lr_scale = dense_state["lr_scale"]
+        for i, moe in self.stage.moe_layers().items():
+            moe.router.bias.copy_(dense_state["router_bias"][i].to(moe.router.bias.device))
+        mine = set((self.home == self.ep_rank).nonzero().flatten().tolist())
+        for layer, shard in self.stage.expert_shards().items():
+            parts = [shards.select_experts(p, mine) for p in expert_payloads[layer]]
+            shards.set_experts(shard, self.opt, self._prefix(layer), [p for p in parts if p["expert_ids"]], [])
+            if set(shard.expert_ids) != mine:
+                raise ValueError(f"layer {layer}: restore gave experts {shard.expert_ids}, placement says "
+                                 f"{sorted(mine)}")
+        self._refresh_params()

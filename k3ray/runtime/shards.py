@@ -25,6 +25,16 @@ def _cpu(state):
     return None if state is None else {k: v.cpu() for k, v in state.items()}
 
 
+def select_experts(payload: dict, keep: set[int]) -> dict:
+    """The part of a payload holding only the experts in `keep`."""
+    rows = [i for i, e in enumerate(payload["expert_ids"]) if e in keep]
+    return {
+        "expert_ids": [payload["expert_ids"][i] for i in rows],
+        **{w: payload[w][rows] for w in WEIGHTS},
+        "opt": {w: None if st is None else {k: v[rows] for k, v in st.items()} for w, st in payload["opt"].items()},
+    }
+
+
 def set_experts(shard: ExpertShard, opt: AdamW, prefix: str, payloads: list[dict], keep: list[int]) -> None:
     """Rebuild the shard to hold `keep` (ids it has now) plus every payload's experts, sorted by expert id."""
     device, dtype = shard.w1.device, shard.w1.dtype
@@ -38,9 +48,11 @@ def set_experts(shard: ExpertShard, opt: AdamW, prefix: str, payloads: list[dict
         stacked = torch.cat([p[w] for p in parts])[order].to(device=device, dtype=dtype)
         setattr(shard, w, nn.Parameter(stacked))
         states = [p["opt"][w] for p in parts]
-        if all(s is not None for s in states):
-            opt.set_state(f"{prefix}.{w}", {k: torch.cat([s[k] for s in states])[order].to(device)
-                                            for k in states[0]})
-        else:  # a part without moments (fresh experts): start all of them fresh rather than mix
+        if any(s is not None for s in states):  # experts that arrive without moments start from zero moments
+            filled = [s if s is not None else {k: torch.zeros_like(p[w], dtype=torch.float32) for k in ("m", "v")}
+                      for s, p in zip(states, parts)]
+            opt.set_state(f"{prefix}.{w}", {k: torch.cat([f[k].float() for f in filled])[order].to(device)
+                                            for k in ("m", "v")})
+        else:
             opt.set_state(f"{prefix}.{w}", None)
     shard.expert_ids = sorted(ids)

@@ -1,0 +1,35 @@
+"""Where experts go when the EP dimension shrinks (a worker lost) or grows back: pure decisions over homes and loads.
+
+home [E] int64: the EP rank each expert lives on. load [E]: recent tokens per expert (any scale)."""
+from __future__ import annotations
+
+import torch
+
+
+def shrink(home: torch.Tensor, lost: set[int], load: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
+    """Survivors keep their experts (renumbered densely); the lost ranks' experts go, heaviest first, to the
+    survivor with the least load so far. Returns (new home [E], old rank -> new rank for survivors)."""
+    num_ranks = int(home.max()) + 1 if home.numel() else 0
+    survivors = [r for r in range(num_ranks) if r not in lost]
+    if not survivors:
+        raise ValueError("no EP rank survives")
+    renumber = {old: new for new, old in enumerate(survivors)}
+    new_home = home.clone()
+    rank_load = torch.zeros(len(survivors), dtype=torch.float64)
+    for old, new in renumber.items():
+        mask = home == old
+        new_home[mask] = new
+        rank_load[new] = load[mask].double().sum()
+    orphans = [e for e in range(home.numel()) if int(home[e]) in lost]
+    orphans.sort(key=lambda e: (-float(load[e]), e))
+    for e in orphans:
+        target = int(torch.argmin(rank_load))  # ties -> lowest rank: deterministic
+        new_home[e] = target
+        rank_load[target] += float(load[e])
+    return new_home, renumber
+
+
+def grow(num_experts: int, num_ranks: int) -> torch.Tensor:
+    """Back at full size: the configured contiguous homes (what a fresh job has), so a grown-back job and a job
+    that never shrank place experts identically."""
+    return torch.arange(num_experts, dtype=torch.int64) * num_ranks // num_experts
