@@ -32,7 +32,7 @@ log = logging.getLogger("k3ray.api")
 POLICY_MODELS: dict[str, type[BaseModel]] = {name: f.annotation for name, f in PoliciesConfig.model_fields.items()}
 
 
-def update_model(name: str, policy: type[BaseModel]) -> type[BaseModel]:
+def update_model(policy: type[BaseModel]) -> type[BaseModel]:
     """`policy` with every field optional (same types and constraints; an absent field is left as it is), unknown
     fields, empty bodies and non-finite numbers rejected."""
     fields = {}
@@ -44,7 +44,7 @@ def update_model(name: str, policy: type[BaseModel]) -> type[BaseModel]:
     return create_model(f"{policy.__name__}Update", __config__=cfg, **fields)
 
 
-UPDATE_MODELS = {name: update_model(name, model) for name, model in POLICY_MODELS.items()}
+UPDATE_MODELS = {name: update_model(model) for name, model in POLICY_MODELS.items()}
 
 
 class Error(BaseModel):

@@ -15,7 +15,9 @@ import torch
 
 from k3ray.config import JobConfig
 from k3ray.policies import guards, recovery
-from k3ray.runtime.group import TopologyError, WorkerGroup, WorkerLost
+from k3ray.actors.worker import part_name
+from k3ray.runtime import checkpoint as ckpt
+from k3ray.runtime.group import TopologyError, WorkerGroup, WorkerLost, restore_sources
 from k3ray.runtime.step import StepReport, layer_maxvio
 
 log = logging.getLogger("k3ray.controller")
@@ -53,6 +55,9 @@ class Controller:
         self.lr_scale = 1.0
         self.fired: set[int] = set()  # indices of fault drills already injected
         self.shrunk_at: int | None = None
+        self.pending_commit: tuple[int, dict] | None = None  # checkpoint parts being written: (step, meta)
+        self.checkpoint_requested = False
+        self.checkpoints: list[dict] = []  # committed: step, path, seconds
         self.pending_faults = list(enumerate(ft.faults))
         self.last_report: dict | None = None
         self.step = 0
@@ -73,17 +78,20 @@ class Controller:
         self.state = state
 
     # -- topology ------------------------------------------------------------------------------------------------
-    def start(self, placement_timeout_s: float = 60.0) -> dict:
+    def start(self, placement_timeout_s: float = 60.0, resume: bool = False) -> dict:
         cfg = self.cfg
         par = cfg.parallel
         self._transition(JobState.SCHEDULING, f"pp={par.pp} ep={par.ep}")
+        sources = self._resume_sources() if resume else None
         self.group = WorkerGroup(cfg, self.ep_size, self.home)
         try:
-            backend = self.group.launch(placement_timeout_s)
+            backend = self.group.launch(placement_timeout_s, restore=sources)
         except TopologyError:
             self._transition(JobState.ERRORED, "topology does not fit")
             raise
         self._apply_policies()
+        if sources is not None:
+            ray.get([w.set_lr_scale.remote(self.lr_scale) for w in self._all()])
         self._transition(JobState.RUNNING, f"{self.group.size} workers, backend {backend}")
         # -- control plane (issue 6) --
         from k3ray.metrics import JobMetrics
@@ -109,6 +117,7 @@ class Controller:
         self._maybe_grow_back(step)
         if step % self.cfg.fault_tolerance.snapshot_every == 0 and self.snap_step != step:
             self._snapshot(step)
+        self._checkpoint_boundary(step)
         attempts = 0
         while True:
             self._inject_fault(step)
@@ -139,6 +148,29 @@ class Controller:
         # -- end control plane --
         return self.last_report
 
+    def _resume_sources(self) -> dict | None:
+        """Read the newest verified checkpoint (falling back past corrupt ones, loudly) and set the data order,
+        guard statistics and step from it. Experts reshard onto the configured EP size."""
+        root = self.cfg.checkpoint.dir
+        manifest = ckpt.latest_verified(root)
+        if manifest is None:
+            log.warning("--resume: no verified checkpoint under %s; starting from step 0", root)
+            return None
+        meta = manifest.meta
+        if meta["pp"] != self.cfg.parallel.pp:
+            raise ckpt.CheckpointError(f"{manifest.path}: written with parallel.pp={meta['pp']}, the config has "
+                                       f"pp={self.cfg.parallel.pp}; resume with the same pp")
+        states = {r: ckpt.load_part(root, manifest.step, part_name(r)) for r in range(meta["pp"] * meta["ep"])}
+        self.step = manifest.step
+        if meta["last_batch"] is not None:
+            self.batches[manifest.step - 1] = meta["last_batch"]
+        self.skip |= set(meta["skip"])
+        self.lr_scale = meta["lr_scale"]
+        self.guard_state = guards.GuardState(**{k: v for k, v in meta["guard_state"].items() if k != "history"})
+        self._transition(JobState.SCHEDULING, f"resuming from {manifest.path} (step {manifest.step}, "
+                                              f"ep {meta['ep']} -> {self.ep_size})")
+        return restore_sources(states, meta["pp"], meta["ep"])
+
     def _batch_for(self, step: int) -> int:
         """The next batch index after the previous step's, passing over skipped ones."""
         b = self.batches[step - 1] + 1 if step - 1 in self.batches else step
@@ -157,6 +189,48 @@ class Controller:
         self.group.snapshot(step)
         self.snap_step, self.snap_guard = step, self.guard_state
         self.snapshot_seconds = time.perf_counter() - t0
+
+    # -- durable checkpoints --------------------------------------------------------------------------------------
+    def request_checkpoint(self) -> dict:
+        """Ask for a durable checkpoint at the next step boundary."""
+        self.checkpoint_requested = True
+        return {"requested": True, "at_step": self.step, "dir": self.cfg.checkpoint.dir}
+
+    def _checkpoint_boundary(self, step: int) -> None:
+        """Commit the checkpoint whose parts were written since the last boundary; start a new one if due."""
+        self._commit_pending()
+        every = self.cfg.checkpoint.every_n_steps
+        if self.checkpoint_requested or (every and step > 0 and step % every == 0):
+            self.checkpoint_requested = False
+            t0 = time.perf_counter()
+            ray.get([w.save_checkpoint.remote(self.cfg.checkpoint.dir, step) for w in self._all()])
+            meta = {"step": step, "pp": self.cfg.parallel.pp, "ep": self.ep_size, "home": list(self.home),
+                    "last_batch": self.batches.get(step - 1), "skip": sorted(self.skip), "lr_scale": self.lr_scale,
+                    "guard_state": {k: v for k, v in vars(self.guard_state).items() if k != "history"},
+                    "job": self.cfg.name, "config": self.cfg.model_dump(mode="json"),
+                    "copy_seconds": time.perf_counter() - t0}
+            self.pending_commit = (step, meta)
+
+    def _commit_pending(self) -> None:
+        if self.pending_commit is None:
+            return
+        step, meta = self.pending_commit
+        self.pending_commit = None
+        t0 = time.perf_counter()
+        parts = [ckpt.PartInfo(**p) for ps in ray.get([w.checkpoint_parts.remote() for w in self._all()]) for p in ps]
+        path = ckpt.commit(self.cfg.checkpoint.dir, step, parts, meta, self.cfg.checkpoint.keep)
+        self.checkpoints.append({"step": step, "path": str(path), "copy_seconds": meta["copy_seconds"],
+                                 "wait_and_commit_seconds": time.perf_counter() - t0})
+        log.info("checkpoint of step %d committed at %s", step, path)
+        for i, fault in self.pending_faults:
+            if fault.kind == "corrupt_checkpoint" and fault.step <= step and i not in self.fired:
+                self.fired.add(i)
+                victim = path / parts[0].name
+                victim.write_bytes(victim.read_bytes()[: parts[0].bytes // 2])
+                log.warning("fault drill: truncated %s", victim)
+
+    def list_checkpoints(self) -> list[dict]:
+        return list(self.checkpoints)
 
     def _replay(self, until: int) -> None:
         """Re-run the accepted steps snap_step .. until-1 on the batches they used (deterministic)."""
@@ -258,7 +332,7 @@ class Controller:
     def _inject_fault(self, step: int) -> None:
         """Fire the next drill due at this step (one per attempt: a drill listed twice hits the retry too)."""
         for i, fault in self.pending_faults:
-            if fault.step != step or i in self.fired:
+            if fault.step != step or i in self.fired or fault.kind == "corrupt_checkpoint":  # that one: at commit
                 continue
             self.fired.add(i)
             log.warning("fault drill: %s at step %d", fault.kind, step)
@@ -398,6 +472,11 @@ class Controller:
                 "rank_load": None if self.last_report is None else self.last_report["rank_load"]}
 
     def shutdown(self) -> None:
+        if self.group is not None and self.state == JobState.RUNNING and self.step > 0:
+            if not any(c["step"] == self.step for c in self.checkpoints):  # the final state, durable
+                self.checkpoint_requested = True
+                self._checkpoint_boundary(self.step)
+            self._commit_pending()
         if self.api_server is not None:  # control plane (issue 6)
             self.api_server.stop()
             self.api_server = None

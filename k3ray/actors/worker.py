@@ -15,6 +15,10 @@ import torch
 from k3ray.config import JobConfig
 
 
+def part_name(world_rank: int) -> str:
+    return f"rank{world_rank:05d}.pt"
+
+
 @ray.remote(max_concurrency=2)
 class Worker:
     def __init__(self, cfg_dict: dict, pp_rank: int, ep_rank: int, home: list[int], ep_size: int):
@@ -27,6 +31,7 @@ class Worker:
         self.snapshot: tuple[int, dict] | None = None  # (step, state)
         self.peer_snapshot: tuple[int, int, dict] | None = None  # (world rank, step, state)
         self.hang_at_step: int | None = None
+        self.writer = None  # checkpoint AsyncWriter, made on first use
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port, for the process-group rendezvous (asked of world rank 0)."""
@@ -97,6 +102,20 @@ class Worker:
     def restore(self, dense_state: dict, expert_payloads: dict) -> bool:
         self.engine.load_state(dense_state, expert_payloads)
         return True
+
+    # -- durable checkpoints --------------------------------------------------------------------------------------
+    def save_checkpoint(self, root: str, step: int) -> bool:
+        """Copy the state now (training may go on) and write it in the background as this rank's part."""
+        from k3ray.runtime.checkpoint import AsyncWriter
+
+        self.writer = self.writer or AsyncWriter()
+        engine = self.engine
+        self.writer.submit(root, step, part_name(engine.pp_rank * engine.ep + engine.ep_rank), engine.state_dict())
+        return True
+
+    def checkpoint_parts(self) -> list[dict]:
+        """Wait for this worker's pending part writes; their PartInfos as dicts."""
+        return [] if self.writer is None else [p.to_json() for p in self.writer.wait()]
 
     def state(self) -> dict:
         return self.engine.state_dict()

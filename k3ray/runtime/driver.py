@@ -38,12 +38,12 @@ class ControllerBackend:
         return ray.get(self.controller.evaluate.remote())
 
 
-def start_controller(cfg: JobConfig):
+def start_controller(cfg: JobConfig, resume: bool = False):
     from k3ray.actors.controller import Controller
 
     name = f"k3ray-{cfg.name}-{uuid.uuid4().hex[:8]}"
     controller = Controller.options(name=name).remote(cfg.model_dump())
-    ray.get(controller.start.remote())
+    ray.get(controller.start.remote(resume=resume))
     return controller
 
 
@@ -59,8 +59,12 @@ def train_distributed(cfg: JobConfig, steps: int, address: str | None = None, pr
     started = init_ray(address, cfg.parallel.world_size)
     controller = None
     try:
-        controller = start_controller(cfg)
-        return run_training(ControllerBackend(controller), cfg, steps, progress=progress)
+        controller = start_controller(cfg, resume=resume)
+        start = ray.get(controller.status.remote())["step"]
+        if start >= steps:
+            return {"steps": 0, "resumed_from": start, "final_loss": None, "losses": []}
+        summary = run_training(ControllerBackend(controller), cfg, steps - start, start_step=start, progress=progress)
+        return {**summary, "resumed_from": start} if resume else summary
     finally:
         if controller is not None:
             stop_controller(controller)

@@ -128,14 +128,7 @@ class WorkerGroup:
         return states
 
     def restore_sources(self, states: dict[int, dict]) -> dict[int, tuple]:
-        """stage -> (dense state, {layer: [payloads of every old EP rank]}), put once in the object store."""
-        out = {}
-        for p in range(self.pp):
-            ranks = [p * self.ep + e for e in range(self.ep)]
-            dense = states[ranks[0]]
-            payloads = {layer: [states[r]["experts"][layer] for r in ranks] for layer in dense["experts"]}
-            out[p] = (ray.put(dense), ray.put(payloads))
-        return out
+        return restore_sources(states, self.pp, self.ep)
 
     def close(self) -> None:
         for w in self.workers:
@@ -144,3 +137,15 @@ class WorkerGroup:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
+
+
+def restore_sources(states: dict[int, dict], pp: int, ep: int) -> dict[int, tuple]:
+    """stage -> (dense state, {layer: [payloads of every old EP rank]}) from the states of an old pp x ep grid
+    (keyed by world rank), each put once in the object store. Any EP size can restore from them."""
+    out = {}
+    for p in range(pp):
+        ranks = [p * ep + e for e in range(ep)]
+        dense = states[ranks[0]]
+        payloads = {layer: [states[r]["experts"][layer] for r in ranks] for layer in dense["experts"]}
+        out[p] = (ray.put(dense), ray.put(payloads))
+    return out
