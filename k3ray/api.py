@@ -172,10 +172,10 @@ def build_app(ctrl, token: str) -> FastAPI:
     def unknown_policy(name: str) -> None:
         raise HTTPException(404, f"unknown policy {name!r}; policies: {', '.join(POLICY_MODELS)}")
 
-    @v1.post("/checkpoints", status_code=202, responses={501: {"model": Error}})
+    @v1.post("/checkpoints", status_code=202)
     def checkpoint() -> dict[str, Any]:
-        raise HTTPException(501, "durable checkpoints are not implemented yet (durable-checkpoint issue); "
-                                 "nothing was written")
+        """A durable checkpoint at the next step boundary (written asynchronously, committed one step later)."""
+        return ctrl.request_checkpoint()
 
     @v1.get("/incidents")
     def incidents() -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from ray.util.metrics import Counter, Gauge, Histogram
 
 PHASES = ("compute", "dispatch_combine", "pipeline_wait", "optimizer", "step")
 POLICIES = ("moonep", "replication", "scheduling", "guards")
-INCIDENT_RULES = ("nonfinite", "activation_maxabs", "loss_spike", "grad_norm_spike", "worker_lost",
+INCIDENT_RULES = ("nonfinite_loss", "nonfinite_grad", "activation", "loss_spike", "grad_norm_spike", "worker_lost",
                   "collective_timeout", "other")
 STATES = ("initializing", "scheduling", "running", "recovering", "resizing", "finished", "errored")
 EXPERT_LOAD_BUCKETS = [0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0]
@@ -138,6 +138,8 @@ class JobMetrics:
             self._audit_seen += 1
         incidents = ctrl.get_incidents()
         for incident in incidents[self._incidents_seen:]:
+            if incident.get("kind") == "grow_back":  # a resize back to full size, not an incident
+                continue
             rule = incident.get("rule", "other")
             m["k3ray_incidents_total"].inc(tags={"rule": rule if rule in INCIDENT_RULES else "other"})
             if incident.get("action") == "rollback":

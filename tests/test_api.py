@@ -1,5 +1,6 @@
 """The control API of a live job (tiny, pp=1 ep=2, training in a background thread): auth, the CLI changing a policy
-at a step boundary (audited), checkpoints refused honestly, and Schemathesis fuzzing of the OpenAPI spec."""
+at a step boundary (audited), a checkpoint requested through the CLI landing as a verified durable checkpoint, and
+Schemathesis fuzzing of the OpenAPI spec."""
 from __future__ import annotations
 
 import contextlib
@@ -32,7 +33,7 @@ class Training(threading.Thread):
 
         try:
             while not self.halt.is_set():
-                ray.get(self.controller.train_step.remote(self.steps, self.steps), timeout=120)
+                ray.get(self.controller.train_step.remote(self.steps), timeout=120)
                 self.steps += 1
         except Exception as err:  # surfaced by the tests through `alive()`
             self.error = err
@@ -55,7 +56,9 @@ def job(ray_cluster, tmp_path_factory):
 
     runs = tmp_path_factory.mktemp("runs")
     cfg = load_config(REPO / "configs/tiny.yaml", {"name": JOB, "train.eval_every": 0, "parallel.ep": 2,
-                                                   "api.token_file": str(runs / JOB / "api_token")})
+                                                   "api.token_file": str(runs / JOB / "api_token"),
+                                                   "checkpoint.dir": str(runs / "ckpt"),
+                                                   "checkpoint.every_n_steps": 0})
     controller = start_controller(cfg)
     training = Training(controller)
     training.start()
@@ -94,14 +97,20 @@ def test_auth_and_discovery(job):
     assert record == {"url": url, "token_file": str(runs / JOB / "api_token"), "job": JOB}
 
 
-def test_status_and_checkpoint_not_faked(job):
+def test_status_and_requested_checkpoint(job):
     job["training"].wait_steps(2)
     code, out, _ = cli("status", "--json", "--runs-dir", str(job["runs"]))
     s = json.loads(out)
     assert code == 0 and s["job"] == JOB and s["state"] == "running" and s["step"] >= 2
     assert s["topology"] == {"pp": 1, "ep": 2, "workers": 2, "device": "cpu"} and s["tokens_per_s"] > 0
-    code, _, err = cli("checkpoint", "--runs-dir", str(job["runs"]), "--job", JOB)
-    assert code == 1 and "501" in err and "not implemented" in err
+    from k3ray.runtime import checkpoint as ckpt
+
+    code, out, err = cli("checkpoint", "--runs-dir", str(job["runs"]), "--job", JOB)
+    assert code == 0, err
+    at = json.loads(out)["at_step"]
+    job["training"].wait_steps(at + 3)  # written at the next boundary, committed at the one after
+    manifest = ckpt.latest_verified(job["runs"] / "ckpt")
+    assert manifest is not None and manifest.step >= at and manifest.meta["ep"] == 2
 
 
 def _loads(job) -> dict[str, list[int]]:
@@ -164,7 +173,9 @@ def test_schemathesis_fuzz(job):
     url, training = job["url"], job["training"]
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     ops = [r.ok() for r in schema.get_all_operations()]
-    ops = [op for op in ops if op.path != "/v1/checkpoints"]  # 501 by design until durable checkpoints land
+    # a valid guards change (say max_abs_activation=1) makes every step trip, and the escalation ladder then stops
+    # the job by design, so "keeps training throughout" cannot hold for it; its validation is tested above
+    ops = [op for op in ops if op.path != "/v1/policies/guards"]
     start_steps = training.steps
 
     http = httpx.Client(timeout=10)

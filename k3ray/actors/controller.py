@@ -58,6 +58,7 @@ class Controller:
         self.pending_commit: tuple[int, dict] | None = None  # checkpoint parts being written: (step, meta)
         self.checkpoint_requested = False
         self.checkpoints: list[dict] = []  # committed: step, path, seconds
+        self.snapshot_seconds: list[float] = []
         self.pending_faults = list(enumerate(ft.faults))
         self.last_report: dict | None = None
         self.step = 0
@@ -188,7 +189,9 @@ class Controller:
         t0 = time.perf_counter()
         self.group.snapshot(step)
         self.snap_step, self.snap_guard = step, self.guard_state
-        self.snapshot_seconds = time.perf_counter() - t0
+        self.snapshot_seconds.append(time.perf_counter() - t0)
+        if self.metrics is not None:
+            self.metrics.record_snapshot(self.snapshot_seconds[-1])
 
     # -- durable checkpoints --------------------------------------------------------------------------------------
     def request_checkpoint(self) -> dict:
@@ -222,6 +225,8 @@ class Controller:
         self.checkpoints.append({"step": step, "path": str(path), "copy_seconds": meta["copy_seconds"],
                                  "wait_and_commit_seconds": time.perf_counter() - t0})
         log.info("checkpoint of step %d committed at %s", step, path)
+        if self.metrics is not None:
+            self.metrics.record_checkpoint(meta["copy_seconds"] + self.checkpoints[-1]["wait_and_commit_seconds"])
         for i, fault in self.pending_faults:
             if fault.kind == "corrupt_checkpoint" and fault.step <= step and i not in self.fired:
                 self.fired.add(i)
@@ -243,7 +248,8 @@ class Controller:
         ft = self.cfg.fault_tolerance
         t0 = time.perf_counter()
         skipped = [batch + i for i in range(ft.skip_growth ** (attempts - 1))]
-        incident = {"time": time.time(), "kind": "blowup", "step": step, "rule": trip.rule, "layer": trip.layer,
+        incident = {"time": time.time(), "kind": "blowup", "action": "rollback", "step": step, "rule": trip.rule,
+                    "layer": trip.layer,
                     "value": trip.value, "detail": trip.detail, "batch_ids": skipped, "attempt": attempts}
         self.incidents.append(incident)
         if attempts > ft.max_retries_per_step:
@@ -287,7 +293,9 @@ class Controller:
         self._replay(step)
         self.shrunk_at = step if new_ep < self.cfg.parallel.ep else None
         self.incidents.append({
-            "time": time.time(), "kind": "worker_lost", "step": step, "ranks": sorted(lost.ranks), "why": lost.why,
+            "time": time.time(), "kind": "worker_lost", "action": "reshard" if new_ep < old.ep else "restart",
+            "rule": "collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
+            "step": step, "ranks": sorted(lost.ranks), "why": lost.why,
             "ep": [old.ep, new_ep], "seconds": {
                 "gather_snapshots": t_gathered - t0, "replan": t_planned - t_gathered,
                 "rebuild_and_restore": t_restored - t_planned, "replay": time.perf_counter() - t_restored}})
