@@ -41,8 +41,6 @@ class ModelConfig(_Strict):
     attn_res_block: int = Field(0, ge=0, description="Block AttnRes block size (0 = off; K3 uses 12)")
     rope_theta: float = Field(10000.0, gt=0)
     norm_eps: float = Field(1e-6, gt=0)
-    situ_beta: float = Field(4.0, gt=0)
-    situ_beta_lin: float = Field(25.0, gt=0)
     balancing: Literal["quantile", "sign", "none"] = "quantile"
     sign_update_rate: float = Field(1e-3, gt=0)
     quantile_bins: int = Field(1000, ge=10)

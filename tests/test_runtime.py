@@ -124,3 +124,22 @@ def test_more_workers_than_cluster_fails_fast(ray_cluster):
     cfg = tiny(**{"parallel.pp": 4, "parallel.ep": 4})  # 16 workers on an 8-CPU cluster
     with pytest.raises(TopologyError, match="needs 16 CPU"):
         start_controller(cfg)
+
+
+def test_periodic_rebalance_rehomes_experts_without_changing_training(ray_cluster):
+    """The replication policy re-homes experts every N steps from the load history (shards move with their
+    optimizer moments): home loads get more even, losses stay those of a run that never moves anything."""
+    base = {"parallel.ep": 4, "model.dtype": "float64"}
+    moving = tiny(**base, **{"policies.replication.enabled": True, "policies.replication.every_n_steps": 3})
+    controller = start_controller(moving)
+    try:
+        reports = [ray.get(controller.train_step.remote(s), timeout=300) for s in range(7)]
+        incidents = ray.get(controller.get_incidents.remote())
+        home = ray.get(controller.placement.remote())["home"]
+    finally:
+        stop_controller(controller)
+    assert [i["kind"] for i in incidents].count("rebalance") >= 1
+    assert home != sorted(home)  # no longer the contiguous blocks
+    assert sorted(home) == sorted(e * 4 // 16 for e in range(16))  # still 4 experts per rank
+    still = run_distributed(tiny(**base), 7)
+    assert_close([r["loss"] for r in reports], [r["loss"] for r in still], 1e-9)

@@ -14,9 +14,10 @@ import ray
 import torch
 
 from k3ray.config import JobConfig
-from k3ray.policies import guards, recovery
+from k3ray.policies import guards, recovery, replication
 from k3ray.actors.worker import part_name
 from k3ray.runtime import checkpoint as ckpt
+from k3ray.runtime import shards
 from k3ray.runtime.group import TopologyError, WorkerGroup, WorkerLost, restore_sources
 from k3ray.runtime.step import StepReport, layer_maxvio
 
@@ -142,6 +143,10 @@ class Controller:
         self.batches[step] = batch
         self.step = step + 1
         self.last_report = report
+        self._track_load(report)
+        rp = self.cfg.policies.replication
+        if rp.enabled and self.step % rp.every_n_steps == 0:
+            self._rebalance()
         # -- control plane (issue 6): publish metrics, keep the per-step overhead --
         from k3ray.metrics import timed_publish
         self.metrics_overhead_s.append(timed_publish(self.metrics, self, self.last_report, time.perf_counter() - t0))
@@ -330,6 +335,34 @@ class Controller:
                                "seconds": time.perf_counter() - t0})
         self._transition(JobState.RUNNING, f"grown back to {self.group.size} workers")
 
+    def _track_load(self, report: dict) -> None:
+        now = torch.zeros(self.cfg.model.n_experts, dtype=torch.float64)
+        for rows in report["tokens_per_expert"].values():
+            now += torch.tensor(rows, dtype=torch.float64).sum(0)
+        decay = self.cfg.policies.replication.history_decay
+        prev = getattr(self, "load_history", None)
+        self.load_history = now if prev is None else decay * prev + (1 - decay) * now
+
+    def _rebalance(self) -> None:
+        """Persistent placement from the load history (the replication policy with one slot per expert: experts
+        re-homed, no extra copies), within the migration budget; MoonEP still balances each micro-batch on top.
+        Skipped while shrunk when the EP size does not divide the experts."""
+        E, R = self.cfg.model.n_experts, self.ep_size
+        if E % R:
+            return
+        per = E // R
+        current = torch.tensor(sorted(range(E), key=lambda e: (self.home[e], e)))  # physical slot -> expert
+        plan = replication.rebalance(self.load_history, R, E, moved_budget=self.cfg.policies.replication.moved_budget,
+                                     current=current)
+        new_home = [0] * E
+        for slot, e in enumerate(plan.physical_to_logical.tolist()):
+            new_home[e] = slot // per
+        moved = [e for e in range(E) if new_home[e] != self.home[e]]
+        if moved:
+            self._rehome(new_home)
+            self.incidents.append({"time": time.time(), "kind": "rebalance", "step": self.step, "moved": moved})
+            log.info("rebalance at step %d moved experts %s", self.step, moved)
+
     def _expert_load(self) -> torch.Tensor:
         load = torch.ones(self.cfg.model.n_experts, dtype=torch.float64)
         if self.last_report is not None:
@@ -387,8 +420,9 @@ class Controller:
 
     # -- placement and policies ----------------------------------------------------------------------------------
     def _apply_policies(self) -> None:
-        mp = self.cfg.policies.moonep
-        ray.get([w.set_policy.remote(mp.enabled, mp.slots_per_rank) for w in self._all()])
+        pol = self.cfg.policies
+        ray.get([w.set_policy.remote(pol.moonep.enabled, pol.moonep.slots_per_rank, pol.scheduling.enabled)
+                 for w in self._all()])
 
     POLICY_NAMES = ("moonep", "replication", "scheduling", "guards")
 
@@ -433,7 +467,7 @@ class Controller:
             return
         for name, pol in pending.items():
             setattr(self.cfg.policies, name, pol)
-        if "moonep" in pending:
+        if "moonep" in pending or "scheduling" in pending:
             self._apply_policies()
 
     def audit_log(self) -> list[dict]:
@@ -448,20 +482,24 @@ class Controller:
         new_home = list(self.home)
         for e in expert_ids:
             new_home[e] = dst_ep_rank
+        self._rehome(new_home)
+        return self.placement()
+
+    def _rehome(self, new_home: list[int]) -> None:
         ep = self.ep_size
         for row in (self._all()[p * ep:(p + 1) * ep] for p in range(self.cfg.parallel.pp)):
-            payloads = {}
-            for e in expert_ids:
-                src = self.home[e]
-                if src == dst_ep_rank:
+            imports: list[dict] = [{} for _ in range(ep)]
+            for src in range(ep):
+                leaving = [e for e in range(len(new_home)) if self.home[e] == src and new_home[e] != src]
+                if not leaving:
                     continue
-                for layer, payload in ray.get(row[src].export_shard.remote([e])).items():
-                    payloads.setdefault(layer, []).append(payload)
-            ray.get([w.set_placement.remote(new_home, payloads if r == dst_ep_rank else None)
-                     for r, w in enumerate(row)])
-        self.home = new_home
+                for layer, payload in ray.get(row[src].export_shard.remote(leaving)).items():
+                    for dst in sorted({new_home[e] for e in leaving}):
+                        part = shards.select_experts(payload, {e for e in leaving if new_home[e] == dst})
+                        imports[dst].setdefault(layer, []).append(part)
+            ray.get([w.set_placement.remote(new_home, imports[r] or None) for r, w in enumerate(row)])
+        self.home = list(new_home)
         self.group.home = list(new_home)
-        return self.placement()
 
     # -- views ---------------------------------------------------------------------------------------------------
     def status(self) -> dict:

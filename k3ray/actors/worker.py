@@ -62,8 +62,8 @@ class Worker:
         self.engine.set_placement(home, imports)
         return True
 
-    def set_policy(self, moonep_enabled: bool, slots_per_rank: int | None) -> bool:
-        self.engine.set_policy(moonep_enabled, slots_per_rank)
+    def set_policy(self, moonep_enabled: bool, slots_per_rank: int | None, scheduling_enabled: bool) -> bool:
+        self.engine.set_policy(moonep_enabled, slots_per_rank, scheduling_enabled)
         return True
 
     def set_lr_scale(self, scale: float) -> bool:

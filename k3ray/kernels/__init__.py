@@ -51,9 +51,12 @@ def grouped_expert_ffn(
     w2: torch.Tensor,
     group_ends: torch.Tensor,
     row_scale: torch.Tensor | None = None,
+    group_order: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """group_order: the order the persistent Triton kernel takes the groups in (the scheduling policy's, largest
+    first by default); the result does not depend on it, so the reference ignores it."""
     if _triton(x):
-        return _ffn.grouped_expert_ffn_triton(x, w1, w2, group_ends, row_scale)
+        return _ffn.grouped_expert_ffn_triton(x, w1, w2, group_ends, row_scale, group_order=group_order)
     return _ffn.grouped_expert_ffn_reference(x, w1, w2, group_ends, row_scale)
 
 

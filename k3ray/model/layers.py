@@ -117,14 +117,13 @@ class KDA(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """A dense SiTU-GLU FFN on the full-width residual stream."""
+    """A dense SiTU-GLU FFN on the full-width residual stream (K3's fixed constants, as the routed experts)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.beta, self.beta_lin = cfg.situ_beta, cfg.situ_beta_lin
         self.w_in = nn.Linear(cfg.d_model, 2 * cfg.shared_inner, bias=False)
         self.w_out = nn.Linear(cfg.shared_inner, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_in(x).chunk(2, dim=-1)
-        return self.w_out(situ_glu(gate, up, self.beta, self.beta_lin))
+        return self.w_out(situ_glu(gate, up))

@@ -237,8 +237,9 @@ class StageEngine:
                                  f"{sorted(mine)}")
         self._refresh_params()
 
-    def set_policy(self, moonep_enabled: bool, slots_per_rank: int | None) -> None:
+    def set_policy(self, moonep_enabled: bool, slots_per_rank: int | None, scheduling_enabled: bool) -> None:
         self.ctx.moonep_enabled, self.ctx.slots_per_rank = moonep_enabled, slots_per_rank
+        self.ctx.scheduling_enabled = scheduling_enabled
 
     def set_poison(self, layer: int | None) -> None:
         """Fault drill: make the routed output of `layer` (if this stage holds it) NaN until cleared with None."""

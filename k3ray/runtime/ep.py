@@ -19,7 +19,7 @@ from torch import nn
 
 from k3ray.kernels import grouped_expert_ffn, permute_rows, unpermute_rows
 from k3ray.model.moe import ExpertShard
-from k3ray.policies import moonep
+from k3ray.policies import moonep, scheduling
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -37,6 +37,7 @@ class Exchange:
     to_group: torch.Tensor  # received row i -> its row in the expert-grouped buffer
     from_group: torch.Tensor  # inverse permutation
     group_ends: torch.Tensor  # [G] int32
+    group_order: torch.Tensor | None  # order the expert GEMMs run in (scheduling policy), None = kernel default
     home_rows: list[int]  # per computed expert: row in my shard, or -1 for a received replica
     replica_rows: list[int]  # per computed expert: row in the received-weights buffer, or -1
     any_replicas: bool  # some rank computes a replica (then every rank joins the weight exchange)
@@ -76,7 +77,8 @@ class _ExpertExchange(torch.autograd.Function):
                 gw1, gw2 = picked[:, :n1].view(-1, *shape1), picked[:, n1:].view(-1, *shape2)
             else:
                 gw1, gw2 = w1_l[ex.home_rows], w2_l[ex.home_rows]
-            y = grouped_expert_ffn(recv_l.index_select(0, ex.from_group), gw1, gw2, ex.group_ends)
+            y = grouped_expert_ffn(recv_l.index_select(0, ex.from_group), gw1, gw2, ex.group_ends,
+                                   group_order=ex.group_order)
             y_recv = y.index_select(0, ex.to_group)
         ctx.graph = (y_recv, leaves) if build_graph else None
         return timer(all_to_all, y_recv.detach(), ex.in_splits, ex.out_splits, group)
@@ -108,6 +110,7 @@ class EPContext:
         self.home = home  # [E] int64 home rank of every expert (the placement table's view for this stage)
         self.moonep_enabled = True
         self.slots_per_rank: int | None = None
+        self.scheduling_enabled = True
         self.comm_seconds = 0.0  # time inside dispatch/combine collectives since the last reset
 
 
@@ -175,6 +178,8 @@ class ExpertParallelExperts(nn.Module):
         ex = Exchange(in_splits=in_splits, out_splits=out_splits, to_group=to_group.to(dev),
                       from_group=from_group.to(dev),
                       group_ends=rows_per_group.cumsum(0).to(device=dev, dtype=torch.int32),
+                      group_order=scheduling.schedule_order(rows_per_group).to(dev) if ctx.scheduling_enabled
+                      else None,
                       **self._weight_routes(groups, alloc))
         send_buf = permute_rows(h_TD, dest, flat.numel())
         back = _ExpertExchange.apply(send_buf, self.shard.w1, self.shard.w2, ex, ctx.group,
