@@ -1,6 +1,6 @@
 """Checkpoint I/O on this machine: how long the caller is blocked writing a part synchronously (write_part) vs
 asynchronously (clone + AsyncWriter.submit), how long the background write takes end to end, and how long
-verify (sha256 of the file) takes. Medians of --reps runs; writes results_checkpoint.md next to this script.
+verify (sha256 of the file) takes. Medians of --reps runs; prints the table as Markdown for benchmarks/RESULTS.md.
 
     python benchmarks/checkpoint_io.py [--sizes-mb 50 500] [--reps 3] [--dir /tmp]
 """
@@ -20,7 +20,6 @@ import torch
 from k3ray.runtime import checkpoint as ck
 
 DATE = "2026-11-29"
-OUT = Path(__file__).with_name("results_checkpoint.md")
 
 
 def make_state(mb: int) -> dict:
@@ -115,7 +114,7 @@ def main() -> None:
     table = "\n".join(lines)
     print(table)
 
-    OUT.write_text(f"""# Checkpoint I/O (k3ray.runtime.checkpoint)
+    print(f"""# Checkpoint I/O (k3ray.runtime.checkpoint)
 
 Date: {DATE}. Hardware: {lscpu_model()}; disk: the filesystem of `{args.dir}`. torch {torch.__version__},
 Python {platform.python_version()}. Medians of {args.reps} runs. Command: `python benchmarks/checkpoint_io.py`.
@@ -134,7 +133,6 @@ only (a fraction of the synchronous write), the write itself continues on the ba
 
 {table}
 """)
-    print(f"wrote {OUT}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,24 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_drill(args) -> int:
+    """Train with one fault injected and report what the job did about it."""
+    spec = {"kind": args.kind, "step": args.at_step}
+    if args.worker is not None:
+        spec["worker"] = args.worker
+    if args.layer is not None:
+        spec["layer"] = args.layer
+    args.set = args.set + [f"fault_tolerance.faults=[{json.dumps(spec)}]"]
+    cfg = _load(args)
+    from k3ray.runtime.driver import train_distributed
+
+    summary = train_distributed(cfg, args.steps or cfg.train.steps, address=args.address, progress=False)
+    report = {"drill": spec, "incidents": summary["incidents"], "topology": summary["topology"],
+              "final_loss": summary["final_loss"], "steps": summary["steps"]}
+    print(json.dumps(report, indent=None if args.json else 2, default=str))
+    return 0
+
+
 def cmd_config_show(args) -> int:
     from k3ray.model.params import model_totals
 
@@ -97,6 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--json", action="store_true", help="summary as one JSON line")
     t.set_defaults(func=cmd_train)
+
+    d = sub.add_parser("drill", help="fault drill: train with one injected fault and report the recovery")
+    d.add_argument("--config", required=True)
+    d.add_argument("--kind", required=True, choices=["kill_worker", "nan", "hang_collective", "corrupt_checkpoint"])
+    d.add_argument("--at-step", type=int, required=True, help="step to inject at")
+    d.add_argument("--worker", type=int, help="world rank (kill_worker, hang_collective)")
+    d.add_argument("--layer", type=int, help="layer (nan)")
+    d.add_argument("--steps", type=int)
+    d.add_argument("--address")
+    d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_drill, pp=None, ep=None)
 
     c = sub.add_parser("config", help="inspect configs")
     csub = c.add_subparsers(dest="config_command", required=True)

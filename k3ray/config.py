@@ -113,10 +113,13 @@ class ReplicationPolicy(_Strict):
 
 
 class SchedulingPolicy(_Strict):
+    """Order of the local expert GEMMs (largest first) and the cost model time(rows) = overhead + per_row * rows of
+    one expert on one of `sm_groups` lanes. Defaults: calibrated on an H200 for the K3 latent expert (K=3584,
+    I=2048, bf16; benchmarks/calibrate_schedule.py, benchmarks/RESULTS.md)."""
     enabled: bool = True
     sm_groups: int = Field(4, gt=0)
-    overhead_us: float = Field(5.0, ge=0)
-    per_row_us: float = Field(0.01, ge=0)
+    overhead_us: float = Field(14.9, ge=0)
+    per_row_us: float = Field(0.31, ge=0)
 
 
 class GuardPolicy(_Strict):

@@ -16,6 +16,10 @@ import pytest
 # reads it when it is imported: set it before any test module imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Without a GPU the Triton kernels run under Triton's interpreter; @triton.jit reads this when a kernel is defined,
+# so it must be set before any test module imports k3ray.kernels (and so triton).
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 

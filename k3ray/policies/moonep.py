@@ -20,7 +20,7 @@ ceil(E/R) for even homes whatever the routing. Donors only ever give home expert
 copy of the home expert's weights (one replica). Each step finishes one rank for good: at most R steps.
 Replicas: the rank-to-rank flow of any plan links all n ranks that are off target (unless a proper subset of their
 imbalances sums to zero), so any plan needs >= n - 1 replicas; on Zipf traces this one meets that bound
-(benchmarks/results_policies.md).
+(benchmarks/RESULTS.md).
 
 The loop runs in Python over per-rank lists (O(R log R + pieces)), the rest in numpy; the counts are moved to the
 host once (a sync on CUDA: the all-gathered counts are [R, E] ints, 229 KB at R=64) and the plan is returned on the

@@ -64,6 +64,9 @@ def train_distributed(cfg: JobConfig, steps: int, address: str | None = None, pr
         if start >= steps:
             return {"steps": 0, "resumed_from": start, "final_loss": None, "losses": []}
         summary = run_training(ControllerBackend(controller), cfg, steps - start, start_step=start, progress=progress)
+        status = ray.get(controller.status.remote())
+        summary["incidents"] = ray.get(controller.get_incidents.remote())
+        summary["topology"] = {"pp": status["pp"], "ep": status["ep"], "ep_configured": status["ep_configured"]}
         return {**summary, "resumed_from": start} if resume else summary
     finally:
         if controller is not None:

@@ -79,9 +79,10 @@ class WorkerGroup:
     def call(self, method: str, *args, timeout_s: float = 120.0) -> list:
         return ray.get([getattr(w, method).remote(*args) for w in self.workers], timeout=timeout_s)
 
-    def run_step(self, step: int, batch_index: int, timeout_s: float) -> list[dict]:
-        """Reports of every worker, or WorkerLost naming the dead (ActorDiedError) or hung (no answer within
-        timeout_s) workers. Survivors' errors caused by a dead peer (a reset collective) do not count as lost."""
+    def run_step(self, step: int, batch_index: int, timeout_s: float, grace_s: float = 5.0) -> list[dict]:
+        """Reports of every worker, or WorkerLost naming the dead (ActorDiedError) or hung workers. A worker is hung
+        when it gives no answer within timeout_s, or within grace_s after some peers have already failed (their
+        collectives timed out waiting for it). Survivors' errors caused by a lost peer do not count as lost."""
         futures = [w.train_step.remote(step, batch_index) for w in self.workers]
         index = {f: i for i, f in enumerate(futures)}
         reports: dict[int, dict] = {}
@@ -98,6 +99,7 @@ class WorkerGroup:
                 raise WorkerLost({i}, type(err).__name__) from None
             except RayTaskError as err:
                 errors[i] = err
+                deadline = min(deadline, time.monotonic() + grace_s)
         if pending:
             raise WorkerLost({index[f] for f in pending}, f"no answer within {timeout_s:g}s (hung collective?)")
         if errors:
