@@ -126,10 +126,11 @@ class Controller:
             batch = self._batch_for(step)
             if batch_index is not None and attempts == 0 and batch != batch_index:
                 raise ValueError(f"step {step}: batch {batch_index} requested, data order gives {batch}")
+            t_attempt = time.perf_counter()
             try:
                 report = self._run(step, batch)
             except WorkerLost as lost:
-                self._recover(step, lost)
+                self._recover(step, lost, detected_after=time.perf_counter() - t_attempt)
                 continue
             finally:
                 self._clear_transient_faults()
@@ -265,14 +266,15 @@ class Controller:
         self._transition(JobState.RECOVERING, f"rollback: {trip.rule} at step {step}")
         self.skip.update(skipped)
         ray.get([w.rollback.remote() for w in self._all()])
+        incident["restore_seconds"] = time.perf_counter() - t0
         if attempts >= 2:  # escalate: the same step keeps blowing up on fresh data
             self.lr_scale *= ft.lr_backoff
         ray.get([w.set_lr_scale.remote(self.lr_scale) for w in self._all()])
         self._replay(step)
-        incident["rollback_seconds"] = time.perf_counter() - t0
+        incident["rollback_seconds"] = time.perf_counter() - t0  # restore + replay since the snapshot
         self._transition(JobState.RUNNING, f"rolled back to step {self.snap_step}, skipping {skipped}")
 
-    def _recover(self, step: int, lost: WorkerLost) -> None:
+    def _recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
         """Rebuild a smaller topology from the survivors' snapshots, re-home the lost experts, replay to `step`."""
         t0 = time.perf_counter()
         self._transition(JobState.RECOVERING, str(lost))
@@ -302,8 +304,9 @@ class Controller:
             "rule": "collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
             "step": step, "ranks": sorted(lost.ranks), "why": lost.why,
             "ep": [old.ep, new_ep], "seconds": {
-                "gather_snapshots": t_gathered - t0, "replan": t_planned - t_gathered,
-                "rebuild_and_restore": t_restored - t_planned, "replay": time.perf_counter() - t_restored}})
+                "detection": detected_after, "gather_snapshots": t_gathered - t0, "replan": t_planned - t_gathered,
+                **self.group.launch_seconds, "launch_other": t_restored - t_planned - sum(self.group.launch_seconds.values()),
+                "replay": time.perf_counter() - t_restored}})
         self._transition(JobState.RUNNING, f"recovered on {new_ep * self.cfg.parallel.pp} workers")
 
     def _relaunch(self, ep: int, home: list[int], sources: dict) -> None:

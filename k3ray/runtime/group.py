@@ -35,6 +35,7 @@ class WorkerGroup:
         self.bundle = {"CPU": 1} if cfg.parallel.device == "cpu" else {"CPU": 1, "GPU": 1}
         self.pg = None
         self.workers: list = []  # world rank -> actor
+        self.launch_seconds: dict[str, float] = {}  # place, start workers, process groups, restore
 
     @property
     def size(self) -> int:
@@ -55,6 +56,7 @@ class WorkerGroup:
         if not ok:
             par = self.cfg.parallel
             raise TopologyError(f"parallel.pp={par.pp} x ep={self.ep}: {why}; lower pp/ep or add nodes")
+        t0 = time.perf_counter()
         self.pg = placement_group([dict(self.bundle) for _ in range(self.size)], strategy="PACK")
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
@@ -67,13 +69,17 @@ class WorkerGroup:
             num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
         ).remote(cfg_dict, r // self.ep, r % self.ep, self.home, self.ep) for r in range(self.size)]
         ip, port = ray.get(self.workers[0].rendezvous_address.remote(), timeout=timeout_s)
+        t1 = time.perf_counter()
         if ip == ray.util.get_node_ip_address() and len([n for n in ray.nodes() if n["Alive"]]) == 1:
             ip = "127.0.0.1"
         par = self.cfg.parallel
         backend = par.backend if par.backend != "auto" else ("nccl" if par.device == "cuda" else "gloo")
         ray.get([w.setup.remote(f"tcp://{ip}:{port}", backend) for w in self.workers], timeout=timeout_s)
+        t2 = time.perf_counter()
         if restore is not None:
             ray.get([w.restore.remote(*restore[r // self.ep]) for r, w in enumerate(self.workers)], timeout=timeout_s)
+        self.launch_seconds = {"place_and_start_workers": t1 - t0, "process_groups": t2 - t1,
+                               "restore": time.perf_counter() - t2}
         return backend
 
     def call(self, method: str, *args, timeout_s: float = 120.0) -> list:
