@@ -7,23 +7,11 @@ import logging
 import os
 import sys
 
-import yaml
-
-from k3ray.config import ConfigError, load_config
+from k3ray.config import ConfigError, JobConfig, load_config, parse_assignments
 
 
-def _overrides(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. parallel.ep=2")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
-def _load(args) -> "JobConfig":  # noqa: F821
-    overrides = _overrides(args.set)
+def _load(args) -> JobConfig:
+    overrides = parse_assignments(args.set)
     if getattr(args, "pp", None):
         overrides["parallel.pp"] = args.pp
     if getattr(args, "ep", None):

@@ -215,6 +215,17 @@ def parse_config(data: dict[str, Any], source: str = "<config>") -> JobConfig:
         raise ConfigError(_format_errors(err, source)) from None
 
 
+def parse_assignments(pairs: list[str], example: str = "parallel.ep=2") -> dict[str, Any]:
+    """['a.b=1', 'c=x'] -> {'a.b': 1, 'c': 'x'}, values parsed as YAML (true, 2, 1e-3, [1, 2])."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{pair!r}: expected KEY=VALUE, e.g. {example}")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
     """Set data['a']['b'] = value for dotted='a.b' (overrides from the command line)."""
     *parents, leaf = dotted.split(".")

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import httpx
-import yaml
+
+from k3ray.config import parse_assignments
 
 
 class ControlError(RuntimeError):
@@ -73,16 +74,6 @@ class Client:
         return r.json()
 
 
-def parse_assignments(pairs: list[str]) -> dict:
-    out = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ControlError(f"{pair!r}: expected KEY=VALUE, e.g. enabled=false or slots_per_rank=2")
-        out[key] = yaml.safe_load(value)
-    return out
-
-
 def _table(rows: list[list], header: list[str]) -> str:
     cells = [header] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
@@ -141,7 +132,7 @@ def cmd_policy_get(args) -> int:
 
 
 def cmd_policy_set(args) -> int:
-    change = Client.from_args(args).request("PUT", f"/v1/policies/{args.name}", parse_assignments(args.values))
+    change = Client.from_args(args).request("PUT", f"/v1/policies/{args.name}", parse_assignments(args.values, "enabled=false or slots_per_rank=2"))
     _show(args, change, lambda c: f"{c['policy']}: " + " ".join(f"{k}={v}" for k, v in c["value"].items())
           + f"  (applies at step {c['applies_at_step']})")
     return 0

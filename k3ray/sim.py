@@ -244,7 +244,6 @@ def _single_thread():
 def _split_over_copies(counts_re: torch.Tensor, placement_phy: torch.Tensor, log2phy: torch.Tensor,
                        logcnt: torch.Tensor) -> torch.Tensor:
     """[R, P]: each source rank's tokens of expert e split evenly over e's copies (first copies take the rest)."""
-    num_ranks = counts_re.shape[0]
     num_phys = placement_phy.numel()
     cnt = logcnt[placement_phy]                                                            # [P]
     copy_idx = (log2phy[placement_phy] < torch.arange(num_phys)[:, None]).logical_and(

@@ -47,9 +47,10 @@ def start_controller(cfg: JobConfig, resume: bool = False):
     return controller
 
 
-def stop_controller(controller) -> None:
+def stop_controller(controller, timeout_s: float = 600.0) -> None:
+    """Graceful stop (the final durable checkpoint included: tens of GB on GPU configs), then kill regardless."""
     try:
-        ray.get(controller.shutdown.remote(), timeout=30)
+        ray.get(controller.shutdown.remote(), timeout=timeout_s)
     finally:
         ray.kill(controller, no_restart=True)
 
