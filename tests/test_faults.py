@@ -116,3 +116,16 @@ def test_hung_collective_is_detected_and_recovered(ray_cluster):
     reports, incidents, status, _ = run(cfg, 4)
     assert incidents[0]["kind"] == "worker_lost" and "no answer" in incidents[0]["why"]
     assert status["ep"] == 1 and len(reports) == 4
+
+
+def test_lost_pipeline_stage_is_restarted_and_training_is_unchanged(ray_cluster):
+    """pp=2, ep=1: the worker holding stage 1 dies; nothing can absorb a whole stage, so the same grid restarts
+    on other resources from the neighbour's snapshot copy and replays; the run equals one that never failed."""
+    steps = 8
+    cfg = tiny(**{"parallel.pp": 2, "fault_tolerance.faults": [{"kind": "kill_worker", "step": 5, "worker": 1}]})
+    reports, incidents, status, params = run(cfg, steps)
+    assert [i["kind"] for i in incidents] == ["worker_lost"] and incidents[0]["action"] == "restart"
+    assert status["pp"] == 2 and status["ep"] == 1
+    clean_reports, _, _, clean_params = run(tiny(**{"parallel.pp": 2}), steps)
+    assert [r["loss"] for r in reports] == [r["loss"] for r in clean_reports]
+    assert max_diff(params, clean_params) == 0.0
