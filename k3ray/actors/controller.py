@@ -1,45 +1,30 @@
 """The Controller actor: one per job. Owns the topology, the placement table (expert -> EP rank, per stage) and
 the live policies; drives steps and merges the workers' reports. An explicit state machine: every transition is
-named in `JobState` and logged."""
+named in `JobState` (k3ray/runtime/resilience.py) and logged; failure handling and durable checkpoints are the
+Resilience and DurableCheckpoints mixins."""
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 import time
 
+import ray
 from pydantic import ValidationError
 
-import ray
-import torch
-
 from k3ray.config import JobConfig
-from k3ray.policies import guards, recovery, replication
-from k3ray.actors.worker import part_name
-from k3ray.runtime import checkpoint as ckpt
-from k3ray.runtime import shards
-from k3ray.runtime.group import TopologyError, WorkerGroup, WorkerLost, restore_sources
+from k3ray.policies import guards, recovery
+from k3ray.runtime.durable import DurableCheckpoints
+from k3ray.runtime.group import TopologyError, WorkerGroup, WorkerLost
+from k3ray.runtime.resilience import GuardError, JobState, Resilience
 from k3ray.runtime.step import StepReport, layer_maxvio
+
+__all__ = ["Controller", "GuardError", "JobState", "TopologyError"]
 
 log = logging.getLogger("k3ray.controller")
 
 
-class JobState(str, enum.Enum):
-    INITIALIZING = "initializing"
-    SCHEDULING = "scheduling"
-    RUNNING = "running"
-    RECOVERING = "recovering"
-    RESIZING = "resizing"
-    FINISHED = "finished"
-    ERRORED = "errored"
-
-
-class GuardError(RuntimeError):
-    """A blow-up the escalation ladder could not get past; the job stops with this report."""
-
-
 @ray.remote(num_cpus=0, max_concurrency=8)
-class Controller:
+class Controller(Resilience, DurableCheckpoints):
     def __init__(self, cfg_dict: dict):
         self.cfg = JobConfig.model_validate(cfg_dict)
         self.state = JobState.INITIALIZING
@@ -155,29 +140,6 @@ class Controller:
         # -- end control plane --
         return self.last_report
 
-    def _resume_sources(self) -> dict | None:
-        """Read the newest verified checkpoint (falling back past corrupt ones, loudly) and set the data order,
-        guard statistics and step from it. Experts reshard onto the configured EP size."""
-        root = self.cfg.checkpoint.dir
-        manifest = ckpt.latest_verified(root)
-        if manifest is None:
-            log.warning("--resume: no verified checkpoint under %s; starting from step 0", root)
-            return None
-        meta = manifest.meta
-        if meta["pp"] != self.cfg.parallel.pp:
-            raise ckpt.CheckpointError(f"{manifest.path}: written with parallel.pp={meta['pp']}, the config has "
-                                       f"pp={self.cfg.parallel.pp}; resume with the same pp")
-        states = {r: ckpt.load_part(root, manifest.step, part_name(r)) for r in range(meta["pp"] * meta["ep"])}
-        self.step = manifest.step
-        if meta["last_batch"] is not None:
-            self.batches[manifest.step - 1] = meta["last_batch"]
-        self.skip |= set(meta["skip"])
-        self.lr_scale = meta["lr_scale"]
-        self.guard_state = guards.GuardState(**{k: v for k, v in meta["guard_state"].items() if k != "history"})
-        self._transition(JobState.SCHEDULING, f"resuming from {manifest.path} (step {manifest.step}, "
-                                              f"ep {meta['ep']} -> {self.ep_size})")
-        return restore_sources(states, meta["pp"], meta["ep"])
-
     def _batch_for(self, step: int) -> int:
         """The next batch index after the previous step's, passing over skipped ones."""
         b = self.batches[step - 1] + 1 if step - 1 in self.batches else step
@@ -189,211 +151,6 @@ class Controller:
         timeout = self.cfg.parallel.collective_timeout_s + 30.0
         reports = self.group.run_step(step, batch, timeout)
         return self._merge(step, batch, reports).to_dict()
-
-    # -- resilience ----------------------------------------------------------------------------------------------
-    def _snapshot(self, step: int) -> None:
-        t0 = time.perf_counter()
-        self.group.snapshot(step)
-        self.snap_step, self.snap_guard = step, self.guard_state
-        self.snapshot_seconds.append(time.perf_counter() - t0)
-        if self.metrics is not None:
-            self.metrics.record_snapshot(self.snapshot_seconds[-1])
-
-    # -- durable checkpoints --------------------------------------------------------------------------------------
-    def request_checkpoint(self) -> dict:
-        """Ask for a durable checkpoint at the next step boundary."""
-        self.checkpoint_requested = True
-        return {"requested": True, "at_step": self.step, "dir": self.cfg.checkpoint.dir}
-
-    def _checkpoint_boundary(self, step: int) -> None:
-        """Commit the checkpoint whose parts were written since the last boundary; start a new one if due."""
-        self._commit_pending()
-        every = self.cfg.checkpoint.every_n_steps
-        if self.checkpoint_requested or (every and step > 0 and step % every == 0):
-            self.checkpoint_requested = False
-            t0 = time.perf_counter()
-            ray.get([w.save_checkpoint.remote(self.cfg.checkpoint.dir, step) for w in self._all()])
-            meta = {"step": step, "pp": self.cfg.parallel.pp, "ep": self.ep_size, "home": list(self.home),
-                    "last_batch": self.batches.get(step - 1), "skip": sorted(self.skip), "lr_scale": self.lr_scale,
-                    "guard_state": {k: v for k, v in vars(self.guard_state).items() if k != "history"},
-                    "job": self.cfg.name, "config": self.cfg.model_dump(mode="json"),
-                    "copy_seconds": time.perf_counter() - t0}
-            self.pending_commit = (step, meta)
-
-    def _commit_pending(self) -> None:
-        if self.pending_commit is None:
-            return
-        step, meta = self.pending_commit
-        self.pending_commit = None
-        t0 = time.perf_counter()
-        parts = [ckpt.PartInfo(**p) for ps in ray.get([w.checkpoint_parts.remote() for w in self._all()]) for p in ps]
-        path = ckpt.commit(self.cfg.checkpoint.dir, step, parts, meta, self.cfg.checkpoint.keep)
-        self.checkpoints.append({"step": step, "path": str(path), "copy_seconds": meta["copy_seconds"],
-                                 "wait_and_commit_seconds": time.perf_counter() - t0})
-        log.info("checkpoint of step %d committed at %s", step, path)
-        if self.metrics is not None:
-            self.metrics.record_checkpoint(meta["copy_seconds"] + self.checkpoints[-1]["wait_and_commit_seconds"])
-        for i, fault in self.pending_faults:
-            if fault.kind == "corrupt_checkpoint" and fault.step <= step and i not in self.fired:
-                self.fired.add(i)
-                victim = path / parts[0].name
-                victim.write_bytes(victim.read_bytes()[: parts[0].bytes // 2])
-                log.warning("fault drill: truncated %s", victim)
-
-    def list_checkpoints(self) -> list[dict]:
-        return list(self.checkpoints)
-
-    def _replay(self, until: int) -> None:
-        """Re-run the accepted steps snap_step .. until-1 on the batches they used (deterministic)."""
-        self.guard_state = self.snap_guard
-        for s in range(self.snap_step, until):
-            report = self._run(s, self.batches[s])
-            self.guard_state = guards.accept(report, self.guard_state)
-
-    def _rollback(self, step: int, batch: int, trip: guards.Trip, attempts: int) -> None:
-        ft = self.cfg.fault_tolerance
-        t0 = time.perf_counter()
-        skipped = [batch + i for i in range(ft.skip_growth ** (attempts - 1))]
-        incident = {"time": time.time(), "kind": "blowup", "action": "rollback", "step": step, "rule": trip.rule,
-                    "layer": trip.layer,
-                    "value": trip.value, "detail": trip.detail, "batch_ids": skipped, "attempt": attempts}
-        self.incidents.append(incident)
-        if attempts > ft.max_retries_per_step:
-            self._transition(JobState.ERRORED, f"step {step}: {attempts} guard trips")
-            raise GuardError(f"step {step}: guard tripped {attempts} times (last: {trip.rule} = {trip.value} "
-                             f"layer {trip.layer}; skipped batches {sorted(self.skip)}; lr scale {self.lr_scale}); "
-                             f"stopping. Incidents: {self.incidents[-attempts:]}")
-        self._transition(JobState.RECOVERING, f"rollback: {trip.rule} at step {step}")
-        self.skip.update(skipped)
-        ray.get([w.rollback.remote() for w in self._all()])
-        incident["restore_seconds"] = time.perf_counter() - t0
-        if attempts >= 2:  # escalate: the same step keeps blowing up on fresh data
-            self.lr_scale *= ft.lr_backoff
-        ray.get([w.set_lr_scale.remote(self.lr_scale) for w in self._all()])
-        self._replay(step)
-        incident["rollback_seconds"] = time.perf_counter() - t0  # restore + replay since the snapshot
-        self._transition(JobState.RUNNING, f"rolled back to step {self.snap_step}, skipping {skipped}")
-
-    def _recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
-        """Rebuild a smaller topology from the survivors' snapshots, re-home the lost experts, replay to `step`."""
-        t0 = time.perf_counter()
-        self._transition(JobState.RECOVERING, str(lost))
-        states = self.group.gather_snapshots(self.snap_step, lost.ranks)
-        old = self.group
-        if len(states) < old.size:
-            self._transition(JobState.ERRORED, "snapshots incomplete")
-            raise RuntimeError(f"{lost}: in-memory snapshots of step {self.snap_step} cover ranks "
-                               f"{sorted(states)} of {old.size}; restart with --resume from a checkpoint")
-        t_gathered = time.perf_counter()
-        lost_cols = {r % old.ep for r in lost.ranks}
-        if old.ep - len(lost_cols) >= 1:
-            load = self._expert_load()
-            home, _ = recovery.shrink(torch.tensor(old.home), lost_cols, load)
-            new_ep = old.ep - len(lost_cols)
-        else:  # nothing left in the EP dimension of some stage: restart the same grid on other resources
-            home, new_ep = torch.tensor(old.home), old.ep
-        sources = old.restore_sources(states)
-        old.close()
-        t_planned = time.perf_counter()
-        self._relaunch(new_ep, home.tolist(), sources)
-        t_restored = time.perf_counter()
-        self._replay(step)
-        self.shrunk_at = step if new_ep < self.cfg.parallel.ep else None
-        self.incidents.append({
-            "time": time.time(), "kind": "worker_lost", "action": "reshard" if new_ep < old.ep else "restart",
-            "rule": "collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
-            "step": step, "ranks": sorted(lost.ranks), "why": lost.why,
-            "ep": [old.ep, new_ep], "seconds": {
-                "detection": detected_after, "gather_snapshots": t_gathered - t0, "replan": t_planned - t_gathered,
-                **self.group.launch_seconds, "launch_other": t_restored - t_planned - sum(self.group.launch_seconds.values()),
-                "replay": time.perf_counter() - t_restored}})
-        self._transition(JobState.RUNNING, f"recovered on {new_ep * self.cfg.parallel.pp} workers")
-
-    def _relaunch(self, ep: int, home: list[int], sources: dict) -> None:
-        self.ep_size, self.home = ep, home
-        self.group = WorkerGroup(self.cfg, ep, home)
-        self.group.launch(120.0, restore=sources)
-        self._apply_policies()
-        ray.get([w.set_lr_scale.remote(self.lr_scale) for w in self._all()])
-        self.group.snapshot(self.snap_step)  # the new grid holds the same snapshot: a second loss is covered
-
-    def _maybe_grow_back(self, step: int) -> None:
-        full = self.cfg.parallel.ep
-        if self.shrunk_at is None or not self.cfg.fault_tolerance.grow_back or self.ep_size >= full:
-            return
-        if step - self.shrunk_at < self.cfg.fault_tolerance.grow_back_after_steps:
-            return
-        extra = WorkerGroup(self.cfg, full - self.ep_size, [0] * self.cfg.model.n_experts)
-        if not extra.fits(extra_cluster_free=True)[0]:
-            return
-        t0 = time.perf_counter()
-        self._transition(JobState.RESIZING, f"growing back to ep={full}")
-        self._snapshot(step)
-        old = self.group
-        sources = old.restore_sources(old.gather_snapshots(step, set()))
-        old.close()
-        self._relaunch(full, recovery.grow(self.cfg.model.n_experts, full).tolist(), sources)
-        self.shrunk_at = None
-        self.incidents.append({"time": time.time(), "kind": "grow_back", "step": step, "ep": [old.ep, full],
-                               "seconds": time.perf_counter() - t0})
-        self._transition(JobState.RUNNING, f"grown back to {self.group.size} workers")
-
-    def _track_load(self, report: dict) -> None:
-        now = torch.zeros(self.cfg.model.n_experts, dtype=torch.float64)
-        for rows in report["tokens_per_expert"].values():
-            now += torch.tensor(rows, dtype=torch.float64).sum(0)
-        decay = self.cfg.policies.replication.history_decay
-        prev = getattr(self, "load_history", None)
-        self.load_history = now if prev is None else decay * prev + (1 - decay) * now
-
-    def _rebalance(self) -> None:
-        """Persistent placement from the load history (the replication policy with one slot per expert: experts
-        re-homed, no extra copies), within the migration budget; MoonEP still balances each micro-batch on top.
-        Skipped while shrunk when the EP size does not divide the experts."""
-        E, R = self.cfg.model.n_experts, self.ep_size
-        if E % R:
-            return
-        per = E // R
-        current = torch.tensor(sorted(range(E), key=lambda e: (self.home[e], e)))  # physical slot -> expert
-        plan = replication.rebalance(self.load_history, R, E, moved_budget=self.cfg.policies.replication.moved_budget,
-                                     current=current)
-        new_home = [0] * E
-        for slot, e in enumerate(plan.physical_to_logical.tolist()):
-            new_home[e] = slot // per
-        moved = [e for e in range(E) if new_home[e] != self.home[e]]
-        if moved:
-            self._rehome(new_home)
-            self.incidents.append({"time": time.time(), "kind": "rebalance", "step": self.step, "moved": moved})
-            log.info("rebalance at step %d moved experts %s", self.step, moved)
-
-    def _expert_load(self) -> torch.Tensor:
-        load = torch.ones(self.cfg.model.n_experts, dtype=torch.float64)
-        if self.last_report is not None:
-            for rows in self.last_report["tokens_per_expert"].values():
-                load += torch.tensor(rows, dtype=torch.float64).sum(0)
-        return load
-
-    def _inject_fault(self, step: int) -> None:
-        """Fire the next drill due at this step (one per attempt: a drill listed twice hits the retry too)."""
-        for i, fault in self.pending_faults:
-            if fault.step != step or i in self.fired or fault.kind == "corrupt_checkpoint":  # that one: at commit
-                continue
-            self.fired.add(i)
-            log.warning("fault drill: %s at step %d", fault.kind, step)
-            workers = self._all()
-            if fault.kind == "kill_worker":
-                ray.kill(workers[fault.worker or 0], no_restart=True)
-            elif fault.kind == "nan":
-                ray.get([w.set_poison.remote(fault.layer or 0) for w in workers])
-                self.poisoned = True
-            elif fault.kind == "hang_collective":
-                ray.get(workers[fault.worker or 0].hang_at.remote(step))
-            return
-
-    def _clear_transient_faults(self) -> None:
-        if getattr(self, "poisoned", False):
-            self.poisoned = False
-            ray.get([w.set_poison.remote(None) for w in self._all()])
 
     def worker_states(self) -> list[dict]:
         """Every worker's current state (for inspection and tests)."""
@@ -487,22 +244,6 @@ class Controller:
             new_home[e] = dst_ep_rank
         self._rehome(new_home)
         return self.placement()
-
-    def _rehome(self, new_home: list[int]) -> None:
-        ep = self.ep_size
-        for row in (self._all()[p * ep:(p + 1) * ep] for p in range(self.cfg.parallel.pp)):
-            imports: list[dict] = [{} for _ in range(ep)]
-            for src in range(ep):
-                leaving = [e for e in range(len(new_home)) if self.home[e] == src and new_home[e] != src]
-                if not leaving:
-                    continue
-                for layer, payload in ray.get(row[src].export_shard.remote(leaving)).items():
-                    for dst in sorted({new_home[e] for e in leaving}):
-                        part = shards.select_experts(payload, {e for e in leaving if new_home[e] == dst})
-                        imports[dst].setdefault(layer, []).append(part)
-            ray.get([w.set_placement.remote(new_home, imports[r] or None) for r, w in enumerate(row)])
-        self.home = list(new_home)
-        self.group.home = list(new_home)
 
     # -- views ---------------------------------------------------------------------------------------------------
     def status(self) -> dict:
