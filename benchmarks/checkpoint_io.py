@@ -112,7 +112,6 @@ def main() -> None:
                      f"| {m['async_staged']:.3f} | {m['async_total']:.3f} "
                      f"| {m['verify']:.3f} | {fmb / m['sync']:.0f} | {fmb / m['verify']:.0f} |")
     table = "\n".join(lines)
-    print(table)
 
     print(f"""# Checkpoint I/O (k3ray.runtime.checkpoint)
 

@@ -1,7 +1,7 @@
 """AdamW, the learning-rate schedule and global-norm clipping, shared by the reference trainer and the workers.
 
 The optimizer keeps its state by parameter name, so expert shards can carry their rows of it when they move
-(`take_rows` / `put_rows`), and a worker can rebuild its parameters without losing moments.
+(`take_rows` / `set_state`), and a worker can rebuild its parameters without losing moments.
 """
 from __future__ import annotations
 
@@ -59,10 +59,3 @@ class AdamW:
             self.state.pop(name, None)
         else:
             self.state[name] = state
-
-    def state_dict(self) -> dict:
-        return {"steps": self.steps, "state": {n: {k: v.clone() for k, v in s.items()} for n, s in self.state.items()}}
-
-    def load_state_dict(self, sd: dict) -> None:
-        self.steps = sd["steps"]
-        self.state = {n: {k: v.clone() for k, v in s.items()} for n, s in sd["state"].items()}

@@ -30,7 +30,6 @@ class ReferenceTrainer:
         self.params = dict(self.model.named_parameters())
         self.opt = AdamW(cfg.optimizer)
         self.data = TokenData(cfg.data, cfg.train.seed)
-        self.lr_scale = 1.0
 
     def train_step(self, step: int, batch_index: int) -> StepReport:
         cfg, model = self.cfg, self.model
@@ -48,7 +47,7 @@ class ReferenceTrainer:
                 loss_sum += loss.detach()
         t1 = time.perf_counter()
         sq = sum(float(p.grad.float().square().sum()) for p in self.params.values() if p.grad is not None)
-        lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)
+        lr = lr_at(cfg.optimizer, step, cfg.train.steps)
         self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
         tpe, maxvio = {}, {}
         for layer, moe in model.moe_layers().items():
@@ -69,9 +68,6 @@ class ReferenceTrainer:
             losses.append(float(lm_loss(self.model(tokens[:, :-1]), tokens, 1.0)))
         self.model.reset_stats()
         return sum(losses) / len(losses)
-
-    def state(self) -> dict:
-        return {"model": self.model.state_dict(), "opt": self.opt.state_dict()}
 
 
 class Backend(Protocol):

@@ -58,7 +58,7 @@ def test_resume_after_killing_the_whole_job_reproduces_final_loss(ray_cluster, t
     assert summary["final_loss"] == want
 
 
-def test_truncated_newest_checkpoint_falls_back_and_experts_reshard(ray_cluster, tmp_path, caplog):
+def test_truncated_newest_checkpoint_falls_back_and_experts_reshard(ray_cluster, tmp_path):
     cfg = tiny(tmp_path, **{"parallel.ep": 2, "fault_tolerance.faults": [{"kind": "corrupt_checkpoint", "step": 8}]})
     controller = start_controller(cfg)
     try:

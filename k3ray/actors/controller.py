@@ -9,6 +9,7 @@ import threading
 import time
 
 import ray
+import torch
 from pydantic import ValidationError
 
 from k3ray.config import JobConfig
@@ -46,6 +47,8 @@ class Controller(Resilience, DurableCheckpoints):
         self.checkpoints: list[dict] = []  # committed: step, path, seconds
         self.snapshot_seconds: list[float] = []
         self.pending_faults = list(enumerate(ft.faults))
+        self.poisoned = False  # a NaN drill is armed on the workers for the current attempt
+        self.load_history: torch.Tensor | None = None  # [E] decayed tokens per expert, for rebalancing
         self.last_report: dict | None = None
         self.step = 0
         self.lock = threading.Lock()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from k3ray.policies.moonep import default_home
+
 
 def shrink(home: torch.Tensor, lost: set[int], load: torch.Tensor) -> tuple[torch.Tensor, dict[int, int]]:
     """Survivors keep their experts (renumbered densely); the lost ranks' experts go, heaviest first, to the
@@ -32,4 +34,4 @@ def shrink(home: torch.Tensor, lost: set[int], load: torch.Tensor) -> tuple[torc
 def grow(num_experts: int, num_ranks: int) -> torch.Tensor:
     """Back at full size: the configured contiguous homes (what a fresh job has), so a grown-back job and a job
     that never shrank place experts identically."""
-    return torch.arange(num_experts, dtype=torch.int64) * num_ranks // num_experts
+    return default_home(num_experts, num_ranks)

@@ -135,9 +135,6 @@ class WorkerGroup:
                 states.setdefault(snaps["peer"][0], snaps["peer"][2])
         return states
 
-    def restore_sources(self, states: dict[int, dict]) -> dict[int, tuple]:
-        return restore_sources(states, self.pp, self.ep)
-
     def close(self) -> None:
         for w in self.workers:
             ray.kill(w, no_restart=True)

@@ -13,7 +13,7 @@ import torch
 
 from k3ray.policies import guards, recovery, replication
 from k3ray.runtime import shards
-from k3ray.runtime.group import WorkerGroup, WorkerLost
+from k3ray.runtime.group import WorkerGroup, WorkerLost, restore_sources
 
 log = logging.getLogger("k3ray.controller")
 
@@ -90,7 +90,7 @@ class Resilience:
             new_ep = old.ep - len(lost_cols)
         else:  # nothing left in the EP dimension of some stage: restart the same grid on other resources
             home, new_ep = torch.tensor(old.home), old.ep
-        sources = old.restore_sources(states)
+        sources = restore_sources(states, old.pp, old.ep)
         old.close()
         t_planned = time.perf_counter()
         self._relaunch(new_ep, home.tolist(), sources)
@@ -128,7 +128,7 @@ class Resilience:
         self._transition(JobState.RESIZING, f"growing back to ep={full}")
         self._snapshot(step)
         old = self.group
-        sources = old.restore_sources(old.gather_snapshots(step, set()))
+        sources = restore_sources(old.gather_snapshots(step, set()), old.pp, old.ep)
         old.close()
         self._relaunch(full, recovery.grow(self.cfg.model.n_experts, full).tolist(), sources)
         self.shrunk_at = None
@@ -141,8 +141,7 @@ class Resilience:
         for rows in report["tokens_per_expert"].values():
             now += torch.tensor(rows, dtype=torch.float64).sum(0)
         decay = self.cfg.policies.replication.history_decay
-        prev = getattr(self, "load_history", None)
-        self.load_history = now if prev is None else decay * prev + (1 - decay) * now
+        self.load_history = now if self.load_history is None else decay * self.load_history + (1 - decay) * now
 
     def _rebalance(self) -> None:
         """Persistent placement from the load history (the replication policy with one slot per expert: experts
@@ -205,6 +204,6 @@ class Resilience:
             return
 
     def _clear_transient_faults(self) -> None:
-        if getattr(self, "poisoned", False):
+        if self.poisoned:
             self.poisoned = False
             ray.get([w.set_poison.remote(None) for w in self._all()])
