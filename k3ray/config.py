@@ -160,6 +160,7 @@ class CheckpointConfig(_Strict):
     every_n_steps: int = Field(0, ge=0, description="0 = only on request and at the end")
     keep: int = Field(3, gt=0)
     async_write: bool = True
+    at_end: bool = Field(True, description="write a final checkpoint when the job stops")
 
 
 class ApiConfig(_Strict):

@@ -1,13 +1,17 @@
 """AdamW, the learning-rate schedule and global-norm clipping, shared by the reference trainer and the workers.
 
 The optimizer keeps its state by parameter name, so expert shards can carry their rows of it when they move
-(`take_rows` / `set_state`), and a worker can rebuild its parameters without losing moments.
+(`take_rows` / `set_state`), and a worker can rebuild its parameters without losing moments. Parameters stored
+below fp32 (bf16 training) get an fp32 master copy in their state ("master"): the update is applied to it and the
+parameter is its rounding, so small updates are not lost to bf16's 8-bit mantissa. The arithmetic is torch's own
+multi-tensor Adam (`torch.optim.adam.adam`, decoupled weight decay; fused kernels on CUDA).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+from torch.optim.adam import adam
 
 from k3ray.config import OptimizerConfig
 
@@ -25,6 +29,19 @@ def clip_coefficient(total_sq_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
 
 
+def needs_master(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and torch.finfo(dtype).bits < 32
+
+
+def fresh_state(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The state of a parameter that has not been stepped yet: zero moments (fp32 or wider), and its fp32 master."""
+    wide = torch.float32 if needs_master(weight.dtype) else weight.dtype
+    state = {"m": torch.zeros_like(weight, dtype=wide), "v": torch.zeros_like(weight, dtype=wide)}
+    if needs_master(weight.dtype):
+        state["master"] = weight.detach().float().clone()
+    return state
+
+
 class AdamW:
     def __init__(self, cfg: OptimizerConfig):
         self.cfg = cfg
@@ -33,22 +50,34 @@ class AdamW:
 
     @torch.no_grad()
     def step(self, params: dict[str, torch.nn.Parameter], lr: float, grad_scale: float = 1.0) -> None:
+        """One AdamW step on every parameter with a gradient; grad_scale multiplies the gradients (clipping).
+        Weight decay applies to matrices only (ndim >= 2)."""
         self.steps += 1
-        b1, b2 = self.cfg.betas
-        bc1, bc2 = 1 - b1 ** self.steps, 1 - b2 ** self.steps
+        groups: dict[bool, list[tuple]] = {True: [], False: []}  # decayed? -> (param, target, grad, m, v)
         for name, p in params.items():
             if p.grad is None:
                 continue
-            g = p.grad.float() * grad_scale
             st = self.state.get(name)
             if st is None:
-                st = self.state[name] = {"m": torch.zeros_like(g), "v": torch.zeros_like(g)}
-            st["m"].mul_(b1).add_(g, alpha=1 - b1)
-            st["v"].mul_(b2).addcmul_(g, g, value=1 - b2)
-            update = (st["m"] / bc1) / ((st["v"] / bc2).sqrt() + self.cfg.eps)
-            if p.ndim >= 2 and self.cfg.weight_decay > 0:
-                p.mul_(1 - lr * self.cfg.weight_decay)
-            p.add_(update.to(p.dtype), alpha=-lr)
+                st = self.state[name] = fresh_state(p)
+            target = st.get("master", p)
+            grad = p.grad if p.grad.dtype == target.dtype else p.grad.to(target.dtype)
+            groups[p.ndim >= 2 and self.cfg.weight_decay > 0].append((p, target, grad, st["m"], st["v"]))
+        b1, b2 = self.cfg.betas
+        for decayed, entries in groups.items():
+            if not entries:
+                continue
+            low, targets, grads, ms, vs = (list(t) for t in zip(*entries))
+            if grad_scale != 1.0:
+                torch._foreach_mul_(grads, grad_scale)
+            fused = all(t.is_cuda for t in targets)
+            steps = [torch.tensor(float(self.steps - 1), device=t.device if fused else "cpu") for t in targets]
+            adam(targets, grads, ms, vs, [], steps, foreach=not fused, fused=fused, decoupled_weight_decay=True,
+                 amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=self.cfg.weight_decay if decayed else 0.0,
+                 eps=self.cfg.eps, maximize=False)
+            pairs = [(p, t) for p, t in zip(low, targets) if p is not t]
+            if pairs:  # bf16 parameters: the rounding of their fp32 masters
+                torch._foreach_copy_([p for p, _ in pairs], [t for _, t in pairs])
 
     def take_rows(self, name: str, rows: list[int]) -> dict[str, torch.Tensor] | None:
         st = self.state.get(name)

@@ -2,6 +2,8 @@
 continues, capacity returning grows the job back, a hung collective is detected. Every wait is bounded."""
 from __future__ import annotations
 
+import pytest
+
 import ray
 import torch
 
@@ -97,7 +99,8 @@ def test_killed_worker_is_resharded_and_matches_restart_on_survivors(ray_cluster
     clean = tiny(**{"parallel.ep": 4, "fault_tolerance.grow_back": False,
                     "fault_tolerance.faults": [{"kind": "kill_worker", "step": 4, "worker": 2}]})
     ref_reports, _, _, _ = run(clean, steps)
-    assert [r["loss"] for r in reports[k:]] == [r["loss"] for r in ref_reports[k:]]
+    # float64 all the way (moments too): equal up to summation-order ulps, e.g. from homes chosen by recent load
+    assert [r["loss"] for r in reports[k:]] == pytest.approx([r["loss"] for r in ref_reports[k:]], rel=1e-12, abs=0)
 
 
 def test_grows_back_when_capacity_returns(ray_cluster):

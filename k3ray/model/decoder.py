@@ -113,11 +113,17 @@ def _init_tensor(t: torch.Tensor, name: str, seed: int, cfg: ModelConfig) -> Non
 def init_stage_(stage: K3Stage, seed: int) -> None:
     """Initialise every parameter from (seed, its name); expert weights from (seed, layer, expert id)."""
     cfg = stage.cfg
-    for name, p in stage.named_parameters():
-        if not is_expert_param(name):
-            _init_tensor(p, name, seed, cfg)
+    init_dense_(stage, seed, cfg)
     for layer, shard in stage.expert_shards().items():
         init_shard_(shard, layer, seed, cfg)
+
+
+@torch.no_grad()
+def init_dense_(module: nn.Module, seed: int, cfg: ModelConfig, prefix: str = "") -> None:
+    """Initialise the non-expert parameters of any module (a stage, or one layer named by `prefix`)."""
+    for name, p in module.named_parameters():
+        if not is_expert_param(name):
+            _init_tensor(p, prefix + name, seed, cfg)
 
 
 @torch.no_grad()

@@ -21,7 +21,9 @@ def init_ray(address: str | None, min_cpus: int) -> bool:
     if address:
         ray.init(address=address, log_to_driver=logs)
     else:  # the embedded default: logical CPUs >= workers, so small machines still run every topology
-        ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False, log_to_driver=logs)
+        store_gb = os.environ.get("K3RAY_OBJECT_STORE_GB")  # snapshots live there: GPU jobs need tens of GB
+        ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False, log_to_driver=logs,
+                 object_store_memory=int(float(store_gb) * 2**30) if store_gb else None)
     return True
 
 

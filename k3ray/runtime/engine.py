@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_map_only
 from k3ray.dtypes import up32
 
 from k3ray.config import JobConfig
@@ -28,7 +29,7 @@ class StageEngine:
     worker loss (then homes may be uneven: 16 experts on 3 ranks)."""
 
     def __init__(self, cfg: JobConfig, pp_rank: int, ep_rank: int, home: list[int], ep_size: int,
-                 device: str = "cpu"):
+                 device: str = "cpu", init_weights: bool = True):
         self.cfg, self.pp_rank, self.ep_rank = cfg, pp_rank, ep_rank
         self.pp, self.ep = cfg.parallel.pp, ep_size
         self.device = torch.device(device)
@@ -38,6 +39,7 @@ class StageEngine:
         self.opt = AdamW(cfg.optimizer)
         self.lr_scale = 1.0
         self.ctx: EPContext | None = None
+        self.init_weights = init_weights  # False when a restore follows: initialising would be wasted time
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def init_process_groups(self, init_method: str, backend: str) -> None:
@@ -54,7 +56,7 @@ class StageEngine:
         mine = (self.home == self.ep_rank).nonzero().flatten().tolist()
         self.stage = build_stage(self.cfg.model, self.layers, mine, seed=self.cfg.train.seed,
                                  experts_factory=lambda layer, shard: ExpertParallelExperts(shard, self.ctx),
-                                 device=self.device)
+                                 device=self.device, init=self.init_weights)
         self._refresh_params()
 
     def _refresh_params(self) -> None:
@@ -247,20 +249,25 @@ class StageEngine:
             moe.poison = i == layer
 
     # -- whole-worker state (snapshots, checkpoints, restore onto another topology) ------------------------------
-    def state_dict(self) -> dict:
-        """CPU copies of everything this worker's training depends on: dense parameters and their AdamW moments,
-        expert shards (with theirs), router biases, optimizer step count, learning-rate scale."""
-        dense_opt = {n: {k: v.cpu().clone() for k, v in st.items()}
-                     for n, st in self.opt.state.items() if not is_expert_param(n)}
+    def state_tensors(self, dense: bool = True) -> dict:
+        """Everything this worker's training depends on, as the live tensors (no copies): dense parameters and
+        their optimizer state (left out with dense=False: every EP rank of a stage holds the same), expert shards
+        (with theirs), router biases, optimizer step count, learning-rate scale. Snapshots copy it aside;
+        `state_dict` copies it to the host."""
         return {
             "stage": self.pp_rank, "layers": list(self.layers),
-            "dense": {n: p.detach().cpu().clone() for n, p in self.dense.items()},
-            "opt_dense": dense_opt,
-            "experts": self.export_shard(),
-            "router_bias": {i: moe.router.bias.detach().cpu().clone() for i, moe in self.stage.moe_layers().items()},
+            "dense": {n: p.detach() for n, p in self.dense.items()} if dense else {},
+            "opt_dense": {n: dict(st) for n, st in self.opt.state.items() if dense and not is_expert_param(n)},
+            "experts": {layer: shards.export_experts(shard, self.opt, self._prefix(layer), shard.expert_ids, copy=False)
+                        for layer, shard in self.stage.expert_shards().items()},
+            "router_bias": {i: moe.router.bias.detach() for i, moe in self.stage.moe_layers().items()},
             "opt_steps": self.opt.steps,
             "lr_scale": self.lr_scale,
         }
+
+    def state_dict(self) -> dict:
+        """`state_tensors` copied to the host (checkpoints)."""
+        return tree_map_only(torch.Tensor, lambda t: t.cpu().clone(), self.state_tensors())
 
     @torch.no_grad()
     def load_state(self, dense_state: dict, expert_payloads: dict[int, list[dict]]) -> None:

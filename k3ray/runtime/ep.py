@@ -148,19 +148,20 @@ class ExpertParallelExperts(nn.Module):
         send = moonep.send_matrix(tpe_RE, alloc)  # [R_src, E, R_dst]
         self._account(tpe_RE, alloc)
 
-        # -- where each of my routes goes: destination rank, then its row in the send buffer (d-major, e-minor)
+        # -- where each of my routes goes: destination rank, then its row in the send buffer (d-major, e-minor).
+        # Per-route work stays on the device; only [E, R]-sized tables come from the host.
         dev = h_TD.device
         mine = send[me]  # [E, R]
         edges = mine.cumsum(1)  # [E, R] end of each destination's share inside expert e's block
         flat = idx_TK.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        sorted_e = flat[order].cpu()
-        local_cpu = local.cpu()
-        within = torch.arange(flat.numel()) - (local_cpu.cumsum(0) - local_cpu)[sorted_e]  # rank inside e's block
-        d = torch.searchsorted(edges[sorted_e], within[:, None], right=True).squeeze(1)
-        row_sorted = _positions(mine)[sorted_e, d] + within - (edges - mine)[sorted_e, d]
+        sorted_e = flat[order]
+        local_start = (local.cumsum(0) - local)
+        within = torch.arange(flat.numel(), device=dev) - local_start[sorted_e]  # rank inside e's block
+        edges_d, block_start_d = edges.to(dev), (_positions(mine) - (edges - mine)).to(dev)
+        d = torch.searchsorted(edges_d[sorted_e], within[:, None], right=True).squeeze(1)
         dest = torch.empty_like(flat)
-        dest[order] = row_sorted.to(dev)
+        dest[order] = block_start_d[sorted_e, d] + within
         dest = dest.view_as(idx_TK)
         in_splits, out_splits = mine.sum(0).tolist(), send[:, :, me].sum(1).tolist()
         # -- received rows come source-major, expert-minor; the expert FFN wants them grouped by expert
@@ -172,11 +173,12 @@ class ExpertParallelExperts(nn.Module):
         blk_len = recv_counts.reshape(-1)
         blk_dst = (group_start[None, :] + recv_counts.cumsum(0) - recv_counts).reshape(-1)
         blk_src = blk_len.cumsum(0) - blk_len
-        to_group = torch.repeat_interleave(blk_dst - blk_src, blk_len) + torch.arange(int(blk_len.sum()))
+        n_recv = int(blk_len.sum())
+        to_group = torch.repeat_interleave((blk_dst - blk_src).to(dev), blk_len.to(dev), output_size=n_recv) \
+            + torch.arange(n_recv, device=dev)
         from_group = torch.empty_like(to_group)
-        from_group[to_group] = torch.arange(to_group.numel())
-        ex = Exchange(in_splits=in_splits, out_splits=out_splits, to_group=to_group.to(dev),
-                      from_group=from_group.to(dev),
+        from_group[to_group] = torch.arange(n_recv, device=dev)
+        ex = Exchange(in_splits=in_splits, out_splits=out_splits, to_group=to_group, from_group=from_group,
                       group_ends=rows_per_group.cumsum(0).to(device=dev, dtype=torch.int32),
                       group_order=scheduling.schedule_order(rows_per_group).to(dev) if ctx.scheduling_enabled
                       else None,

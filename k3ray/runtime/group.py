@@ -1,15 +1,15 @@
 """WorkerGroup: the [pp][ep] grid of Worker actors of one topology, as plain library code the controller drives.
 
 It launches the grid inside a placement group, builds the process groups (rendezvous on world rank 0), runs a step
-and tells a dead or hung worker from the survivors' collateral errors, takes in-memory snapshots (each worker keeps
-its own and a copy of its neighbour's, world rank i -> i+1), and gathers them back after a loss.
+and tells a dead or hung worker from the survivors' collateral errors, and takes in-memory snapshots (into the object
+store, owned by the caller; each worker's neighbour, world rank i -> i+1, maps a copy).
 """
 from __future__ import annotations
 
 import time
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, GetTimeoutError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -50,8 +50,8 @@ class WorkerGroup:
                 return False, f"needs {need:g} {res} (one per worker) but the cluster has {have.get(res, 0):g}"
         return True, ""
 
-    def launch(self, timeout_s: float, restore: dict[int, tuple] | None = None) -> str:
-        """Place, create and connect the workers; restore[stage] = (dense_state_ref, expert_payloads_ref)."""
+    def launch(self, timeout_s: float, restore: dict[int, list] | None = None) -> str:
+        """Place, create and connect the workers; restore[stage] = that stage's old states (restore_sources)."""
         ok, why = self.fits()
         if not ok:
             par = self.cfg.parallel
@@ -67,7 +67,7 @@ class WorkerGroup:
         self.workers = [Worker.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
             num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0),
-        ).remote(cfg_dict, r // self.ep, r % self.ep, self.home, self.ep) for r in range(self.size)]
+        ).remote(cfg_dict, r // self.ep, r % self.ep, self.home, self.ep, restore is None) for r in range(self.size)]
         ip, port = ray.get(self.workers[0].rendezvous_address.remote(), timeout=timeout_s)
         t1 = time.perf_counter()
         if ip == ray.util.get_node_ip_address() and len([n for n in ray.nodes() if n["Alive"]]) == 1:
@@ -112,28 +112,19 @@ class WorkerGroup:
             raise next(iter(errors.values()))
         return [reports[i] for i in range(self.size)]
 
-    def snapshot(self, step: int) -> None:
-        """Every worker keeps the state to run `step` from, and its neighbour (world rank + 1) holds a copy."""
-        refs = [w.take_snapshot.remote(step) for w in self.workers]
+    def begin_snapshot(self, step: int) -> tuple[list, list]:
+        """Stage every worker's state to run `step` from (training stalls only for this), then ask for the bytes,
+        which arrive while the next step runs: per world rank, a reference to them (owned by the caller) and one
+        to their size (small: it tells when they have arrived, or that the worker died first)."""
+        ray.get([w.stage_snapshot.remote(step) for w in self.workers], timeout=300)
+        pairs = [w.snapshot.remote(step) for w in self.workers]
+        return [p[0] for p in pairs], [p[1] for p in pairs]
+
+    def hold_peer_snapshots(self, step: int, refs: list) -> None:
+        """Each snapshot's neighbour (world rank + 1, modulo this grid's size: the refs may be an older grid's) maps
+        it, so a copy survives the loss of its node."""
         ray.get([self.workers[(i + 1) % self.size].hold_peer_snapshot.remote(i, step, ref)
                  for i, ref in enumerate(refs)], timeout=300)
-
-    def gather_snapshots(self, step: int, lost: set[int]) -> dict[int, dict]:
-        """World rank -> its state at `step`, from survivors' own snapshots and the copies they hold of
-        neighbours (read through each worker's second thread, even while its training thread is stuck)."""
-        states: dict[int, dict] = {}
-        for i, w in enumerate(self.workers):
-            if i in lost:
-                continue
-            try:
-                snaps = ray.get(w.get_snapshots.remote(), timeout=60)
-            except (ActorDiedError, ActorUnavailableError, GetTimeoutError):
-                continue
-            if snaps["own"] is not None and snaps["own"][0] == step:
-                states[i] = snaps["own"][1]
-            if snaps["peer"] is not None and snaps["peer"][1] == step:
-                states.setdefault(snaps["peer"][0], snaps["peer"][2])
-        return states
 
     def close(self) -> None:
         for w in self.workers:
@@ -144,13 +135,9 @@ class WorkerGroup:
             self.pg = None
 
 
-def restore_sources(states: dict[int, dict], pp: int, ep: int) -> dict[int, tuple]:
-    """stage -> (dense state, {layer: [payloads of every old EP rank]}) from the states of an old pp x ep grid
-    (keyed by world rank), each put once in the object store. Any EP size can restore from them."""
-    out = {}
-    for p in range(pp):
-        ranks = [p * ep + e for e in range(ep)]
-        dense = states[ranks[0]]
-        payloads = {layer: [states[r]["experts"][layer] for r in ranks] for layer in dense["experts"]}
-        out[p] = (ray.put(dense), ray.put(payloads))
-    return out
+def restore_sources(states: dict[int, object], pp: int, ep: int) -> dict[int, list]:
+    """stage -> [the state of every EP rank of that stage in an old pp x ep grid], from states keyed by old world
+    rank: object-store references (snapshots) or values (checkpoint parts, put here once each). Any EP size can
+    restore from them (Worker.restore)."""
+    refs = {r: s if isinstance(s, ray.ObjectRef) else ray.put(s) for r, s in states.items()}
+    return {p: [refs[p * ep + e] for e in range(ep)] for p in range(pp)}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -32,19 +33,61 @@ class GuardError(RuntimeError):
     """A blow-up the escalation ladder could not get past; the job stops with this report."""
 
 
+@dataclass
+class Snapshot:
+    """The state of every worker of one grid at the boundary before `step`, in the object store (refs by world rank,
+    owned by the controller, so they outlive the workers)."""
+    step: int
+    guard: guards.GuardState
+    pp: int
+    ep: int
+    refs: list
+    size_refs: list  # world rank -> ref to the snapshot's size in bytes
+    started: float
+    stall_seconds: float  # training held up: staging on every worker
+    nbytes: int = 0  # all workers together, once committed
+
+    def sources(self) -> dict[int, list]:
+        return restore_sources(dict(enumerate(self.refs)), self.pp, self.ep)
+
+
 class Resilience:
-    def _snapshot(self, step: int) -> None:
+    def _snapshot(self, step: int, wait: bool = False) -> None:
+        """Start a snapshot of the state to run `step` from; it becomes the one to fall back on once every worker's
+        bytes have arrived (`_commit_snapshot`, after the step, or at once with wait=True)."""
+        self._commit_snapshot(wait=True)  # the previous one must be done: buffers are reused
         t0 = time.perf_counter()
-        self.group.snapshot(step)
-        self.snap_step, self.snap_guard = step, self.guard_state
-        self.snapshot_seconds.append(time.perf_counter() - t0)
+        refs, size_refs = self.group.begin_snapshot(step)
+        self.pending_snap = Snapshot(step, self.guard_state, self.cfg.parallel.pp, self.ep_size, refs, size_refs,
+                                     t0, time.perf_counter() - t0)
+        if wait:
+            self._commit_snapshot(wait=True)
+
+    def _commit_snapshot(self, wait: bool, timeout_s: float | None = None) -> None:
+        """Make the pending snapshot the committed one once all of it has arrived; raises if a worker died first."""
+        snap = self.pending_snap
+        if snap is None:
+            return
+        ready, _ = ray.wait(snap.size_refs, num_returns=len(snap.size_refs),
+                            timeout=(timeout_s if wait else 0), fetch_local=True)
+        if len(ready) < len(snap.size_refs):
+            return
+        snap.nbytes = sum(ray.get(snap.size_refs))
+        self.group.hold_peer_snapshots(snap.step, snap.refs)
+        self.snap, self.pending_snap = snap, None
+        self.snapshot_seconds.append(snap.stall_seconds)
+        self.snapshot_total_seconds.append(time.perf_counter() - snap.started)
         if self.metrics is not None:
-            self.metrics.record_snapshot(self.snapshot_seconds[-1])
+            self.metrics.record_snapshot(snap.stall_seconds)
+
+    def _snapshot_due(self, step: int) -> bool:
+        taken = {s.step for s in (self.snap, self.pending_snap) if s is not None}
+        return step % self.cfg.fault_tolerance.snapshot_every == 0 and step not in taken
 
     def _replay(self, until: int) -> None:
-        """Re-run the accepted steps snap_step .. until-1 on the batches they used (deterministic)."""
-        self.guard_state = self.snap_guard
-        for s in range(self.snap_step, until):
+        """Re-run the accepted steps snap.step .. until-1 on the batches they used (deterministic)."""
+        self.guard_state = self.snap.guard
+        for s in range(self.snap.step, until):
             report = self._run(s, self.batches[s])
             self.guard_state = guards.accept(report, self.guard_state)
 
@@ -63,25 +106,31 @@ class Resilience:
                              f"stopping. Incidents: {self.incidents[-attempts:]}")
         self._transition(JobState.RECOVERING, f"rollback: {trip.rule} at step {step}")
         self.skip.update(skipped)
-        ray.get([w.rollback.remote() for w in self._all()])
+        self._commit_snapshot(wait=True)  # one started at this step's boundary holds the state to go back to
+        sources = self.snap.sources()
+        ray.get([w.restore.remote(*sources[i // self.ep_size]) for i, w in enumerate(self._all())])
         incident["restore_seconds"] = time.perf_counter() - t0
         if attempts >= 2:  # escalate: the same step keeps blowing up on fresh data
             self.lr_scale *= ft.lr_backoff
         ray.get([w.set_lr_scale.remote(self.lr_scale) for w in self._all()])
         self._replay(step)
         incident["rollback_seconds"] = time.perf_counter() - t0  # restore + replay since the snapshot
-        self._transition(JobState.RUNNING, f"rolled back to step {self.snap_step}, skipping {skipped}")
+        self._transition(JobState.RUNNING, f"rolled back to step {self.snap.step}, skipping {skipped}")
 
     def _recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
         """Rebuild a smaller topology from the survivors' snapshots, re-home the lost experts, replay to `step`."""
         t0 = time.perf_counter()
         self._transition(JobState.RECOVERING, str(lost))
-        states = self.group.gather_snapshots(self.snap_step, lost.ranks)
         old = self.group
-        if len(states) < old.size:
-            self._transition(JobState.ERRORED, "snapshots incomplete")
-            raise RuntimeError(f"{lost}: in-memory snapshots of step {self.snap_step} cover ranks "
-                               f"{sorted(states)} of {old.size}; restart with --resume from a checkpoint")
+        try:  # a snapshot started at this boundary is the newest state, if every worker finished its part
+            self._commit_snapshot(wait=True, timeout_s=30.0)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pass
+        self.pending_snap = None  # what is still pending lacks a lost worker's part
+        if self.snap is None:
+            self._transition(JobState.ERRORED, "no snapshot yet")
+            raise RuntimeError(f"{lost} before the first snapshot completed; restart with --resume from a checkpoint")
+        sources = self.snap.sources()
         t_gathered = time.perf_counter()
         lost_cols = {r % old.ep for r in lost.ranks}
         if old.ep - len(lost_cols) >= 1:
@@ -90,7 +139,6 @@ class Resilience:
             new_ep = old.ep - len(lost_cols)
         else:  # nothing left in the EP dimension of some stage: restart the same grid on other resources
             home, new_ep = torch.tensor(old.home), old.ep
-        sources = restore_sources(states, old.pp, old.ep)
         old.close()
         t_planned = time.perf_counter()
         self._relaunch(new_ep, home.tolist(), sources)
@@ -102,7 +150,7 @@ class Resilience:
             "rule": "collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
             "step": step, "ranks": sorted(lost.ranks), "why": lost.why,
             "ep": [old.ep, new_ep], "seconds": {
-                "detection": detected_after, "gather_snapshots": t_gathered - t0, "replan": t_planned - t_gathered,
+                "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
                 **self.group.launch_seconds, "launch_other": t_restored - t_planned - sum(self.group.launch_seconds.values()),
                 "replay": time.perf_counter() - t_restored}})
         self._transition(JobState.RUNNING, f"recovered on {new_ep * self.cfg.parallel.pp} workers")
@@ -113,7 +161,7 @@ class Resilience:
         self.group.launch(120.0, restore=sources)
         self._apply_policies()
         ray.get([w.set_lr_scale.remote(self.lr_scale) for w in self._all()])
-        self.group.snapshot(self.snap_step)  # the new grid holds the same snapshot: a second loss is covered
+        self.group.hold_peer_snapshots(self.snap.step, self.snap.refs)  # re-pin on the new grid
 
     def _maybe_grow_back(self, step: int) -> None:
         full = self.cfg.parallel.ep
@@ -126,9 +174,9 @@ class Resilience:
             return
         t0 = time.perf_counter()
         self._transition(JobState.RESIZING, f"growing back to ep={full}")
-        self._snapshot(step)
+        self._snapshot(step, wait=True)
         old = self.group
-        sources = restore_sources(old.gather_snapshots(step, set()), old.pp, old.ep)
+        sources = self.snap.sources()
         old.close()
         self._relaunch(full, recovery.grow(self.cfg.model.n_experts, full).tolist(), sources)
         self.shrunk_at = None
@@ -193,6 +241,8 @@ class Resilience:
                 continue
             self.fired.add(i)
             log.warning("fault drill: %s at step %d", fault.kind, step)
+            if fault.kind in ("kill_worker", "hang_collective"):  # drills hit during the step, after the
+                self._commit_snapshot(wait=True)  # boundary's snapshot is in: their outcome is reproducible
             workers = self._all()
             if fault.kind == "kill_worker":
                 ray.kill(workers[fault.worker or 0], no_restart=True)

@@ -6,13 +6,19 @@ import torch
 from torch import nn
 
 from k3ray.model.moe import ExpertShard
-from k3ray.optim import AdamW
+from k3ray.optim import AdamW, fresh_state
 
 WEIGHTS = ("w1", "w2")
 
 
-def export_experts(shard: ExpertShard, opt: AdamW, prefix: str, expert_ids: list[int]) -> dict:
-    """{'expert_ids', 'w1', 'w2', 'opt': {'w1': {'m', 'v'} | None, ...}} for the given experts of this shard."""
+def export_experts(shard: ExpertShard, opt: AdamW, prefix: str, expert_ids: list[int], copy: bool = True) -> dict:
+    """{'expert_ids', 'w1', 'w2', 'opt': {'w1': {'m', 'v'[, 'master']} | None, ...}} for the given experts of this
+    shard: CPU copies, or (copy=False, all experts in shard order) the live tensors themselves."""
+    if not copy:
+        if list(expert_ids) != shard.expert_ids:
+            raise ValueError(f"{prefix}: a live export covers the whole shard {shard.expert_ids}, not {expert_ids}")
+        return {"expert_ids": list(expert_ids), **{w: getattr(shard, w).detach() for w in WEIGHTS},
+                "opt": {w: opt.state.get(f"{prefix}.{w}") for w in WEIGHTS}}
     rows = shard.rows_of(expert_ids)
     return {
         "expert_ids": list(expert_ids),
@@ -48,11 +54,10 @@ def set_experts(shard: ExpertShard, opt: AdamW, prefix: str, payloads: list[dict
         stacked = torch.cat([p[w] for p in parts])[order].to(device=device, dtype=dtype)
         setattr(shard, w, nn.Parameter(stacked))
         states = [p["opt"][w] for p in parts]
-        if any(s is not None for s in states):  # experts that arrive without moments start from zero moments
-            filled = [s if s is not None else {k: torch.zeros_like(p[w], dtype=torch.float32) for k in ("m", "v")}
-                      for s, p in zip(states, parts)]
-            opt.set_state(f"{prefix}.{w}", {k: torch.cat([f[k].float() for f in filled])[order].to(device)
-                                            for k in ("m", "v")})
+        if any(s is not None for s in states):  # experts that arrive without state start fresh (zero moments)
+            filled = [s if s is not None else fresh_state(p[w].to(dtype)) for s, p in zip(states, parts)]
+            opt.set_state(f"{prefix}.{w}", {k: torch.cat([f[k] for f in filled])[order].to(device)
+                                            for k in filled[0]})
         else:
             opt.set_state(f"{prefix}.{w}", None)
     shard.expert_ids = sorted(ids)

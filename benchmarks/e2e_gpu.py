@@ -1,0 +1,392 @@
+"""Issue 8: the end-to-end benchmark, every part on the same GPUs in one invocation (one process per GPU).
+
+Parts (--parts, in this order; each prints a table and writes <out>/<part>.json):
+  plain  the model's training step in one plain torch.distributed program (StageEngine driven directly, no Ray),
+         and the dense bf16 matmul peak measured in that run (for MFU);
+  k3ray  the same job through `k3ray`'s Controller and Worker actors on Ray: tokens/s, MFU, Ray overhead vs plain;
+  moe    the MoE layer alone (fwd+bwd, no shared experts) under router skew Zipf 0..1.5 (a bias -s*ln(e+1) on the
+         router logits), MoonEP on and off, and DeepSpeed-MoE (deepspeed.moe.layer.MoE, dropless) on the same
+         shapes and skew when deepspeed imports (benchmarks/carry_deepspeed.sh);
+  drill  kill one worker mid-run: the job continues on the survivors and grows back; MTTR and its split.
+
+    python benchmarks/e2e_gpu.py --config configs/gpu2.yaml --out /tmp/e2e          # on 2 GPUs
+    python benchmarks/e2e_gpu.py --config configs/tiny.yaml --set parallel.ep=2 --cpu  # plumbing check on CPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from k3ray.config import JobConfig, load_config, parse_assignments  # noqa: E402
+from k3ray.model.params import model_totals  # noqa: E402
+
+ZIPFS = (0.0, 0.5, 1.0, 1.2, 1.5)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_threads() -> None:
+    """The intra-op threads a k3ray Worker uses (K3RAY_THREADS_PER_WORKER), so the plain program is the same."""
+    torch.set_num_threads(max(1, int(os.environ.get("K3RAY_THREADS_PER_WORKER", "1"))))
+
+
+def flops_per_token(cfg: JobConfig) -> float:
+    """Training FLOPs per token: 6 x active parameters (matmuls) + causal attention (6 x layers x seq x heads x
+    head_dim: QK^T and AV, forward and backward, half the square)."""
+    m = cfg.model
+    return 6.0 * model_totals(m)["active_params"] + 6.0 * m.n_layers * cfg.data.seq_len * m.n_heads * m.head_dim
+
+
+def tokens_per_step(cfg: JobConfig, ep: int) -> int:
+    return cfg.data.seq_len * cfg.data.micro_batch_size * cfg.parallel.micro_batches * ep
+
+
+def matmul_peak_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float:
+    """Dense bf16 n^3 matmul TFLOP/s on this device, mean of `iters` after warm-up (the MFU denominator)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * n ** 3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+# -- plain torch.distributed --------------------------------------------------------------------------------------
+def _plain_rank(rank: int, cfg_dict: dict, steps: int, port: int, queue) -> None:
+    from k3ray.policies.moonep import default_home
+    from k3ray.runtime.engine import StageEngine
+
+    cfg = JobConfig.model_validate(cfg_dict)
+    ep, cuda = cfg.parallel.ep, cfg.parallel.device == "cuda"
+    set_threads()
+    if cuda:
+        torch.cuda.set_device(rank)
+    peak = matmul_peak_tflops(torch.device("cuda", rank)) if cuda else float("nan")
+    home = default_home(cfg.model.n_experts, ep).tolist()
+    engine = StageEngine(cfg, 0, rank, home, ep, "cuda" if cuda else "cpu")
+    engine.init_process_groups(f"tcp://127.0.0.1:{port}", "nccl" if cuda else "gloo")
+    times, reports = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        report = engine.train_step(step, step)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        reports.append({"loss": report["loss"], "timings": report["timings"]})
+    queue.put({"rank": rank, "peak_tflops": peak, "step_seconds": times, "reports": reports})
+    dist.destroy_process_group()
+
+
+def spawn(target, n: int, args: tuple, results: int) -> list:
+    """Run target(rank, *args, queue) in n fresh processes; the `results` objects they put on the queue. Raises
+    at once if a process dies first."""
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, q)) for r in range(n)]
+    for p in procs:
+        p.start()
+    out = []
+    while len(out) < results:
+        try:
+            out.append(q.get(timeout=5))
+        except queue_mod.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(f"{target.__name__}: a process exited with {dead}")
+    for p in procs:
+        p.join()
+    return out
+
+
+def part_plain(cfg: JobConfig, steps: int, warmup: int) -> dict:
+    results = sorted(spawn(_plain_rank, cfg.parallel.ep, (cfg.model_dump(), steps, free_port()), cfg.parallel.ep),
+                     key=lambda r: r["rank"])
+    step_s = [max(r["step_seconds"][i] for r in results) for i in range(steps)]  # slowest rank per step
+    med = _median(step_s[warmup:])
+    peak = _median([r["peak_tflops"] for r in results])
+    tokens = tokens_per_step(cfg, cfg.parallel.ep)
+    return {"step_seconds": step_s, "median_step_s": med, "tokens_per_s": tokens / med, "peak_tflops": peak,
+            "mfu": flops_per_token(cfg) * tokens / med / (peak * 1e12 * cfg.parallel.ep),
+            "losses": [r["loss"] for r in results[0]["reports"]], "timings": results[0]["reports"][-1]["timings"]}
+
+
+# -- k3ray on Ray -------------------------------------------------------------------------------------------------
+def _ray_job(cfg: JobConfig, steps: int, verbose: bool = False) -> tuple[list[float], list[dict], dict, list[dict],
+                                                                         dict]:
+    import ray
+
+    from k3ray.runtime.driver import init_ray, start_controller, stop_controller
+
+    init_ray(None, cfg.parallel.world_size)
+    controller = start_controller(cfg)
+    try:
+        times, reports = [], []
+        for step in range(steps):
+            t0 = time.perf_counter()
+            reports.append(ray.get(controller.train_step.remote(step)))
+            times.append(time.perf_counter() - t0)
+            if verbose:
+                print(f"step {step}: {times[-1]:.2f} s, loss {reports[-1]['loss']:.4f}", flush=True)
+        status = ray.get(controller.status.remote())
+        incidents = ray.get(controller.get_incidents.remote())
+        snaps = ray.get(controller.__ray_call__.remote(
+            lambda self: {"stall_s": list(self.snapshot_seconds), "total_s": list(self.snapshot_total_seconds),
+                          "bytes": self.snap.nbytes if self.snap is not None else 0}))
+        return times, reports, status, incidents, snaps
+    finally:
+        stop_controller(controller)
+        ray.shutdown()
+
+
+def part_k3ray(cfg: JobConfig, steps: int, warmup: int, plain: dict | None) -> dict:
+    times, reports, status, _, snaps = _ray_job(cfg, steps)
+    med = _median(times[warmup:])
+    tokens = tokens_per_step(cfg, cfg.parallel.ep)
+    out = {"step_seconds": times, "median_step_s": med, "tokens_per_s": tokens / med, "snapshots": snaps,
+           "losses": [r["loss"] for r in reports], "ep": status["ep"],
+           "worker_step_s": _median([r["timings"]["total"] for r in reports[warmup:]]),  # slowest worker's own time
+           "timings": reports[-1]["timings"]}
+    if plain is not None:
+        out["mfu"] = flops_per_token(cfg) * tokens / med / (plain["peak_tflops"] * 1e12 * cfg.parallel.ep)
+        out["ray_overhead"] = med / plain["median_step_s"] - 1
+    return out
+
+
+# -- the MoE layer under skew ---------------------------------------------------------------------------------------
+def _moe_rank(rank: int, cfg_dict: dict, tokens: int, iters: int, port: int, with_deepspeed: bool, queue) -> None:
+    from k3ray.dtypes import up32
+    from k3ray.model.decoder import init_dense_, init_shard_
+    from k3ray.model.moe import ExpertShard, LatentMoE
+    from k3ray.policies.moonep import default_home
+    from k3ray.runtime.ep import EPContext, ExpertParallelExperts
+
+    cfg = JobConfig.model_validate(cfg_dict)
+    m = cfg.model.model_copy(update={"n_shared": 0})
+    ep, cuda = cfg.parallel.ep, cfg.parallel.device == "cuda"
+    set_threads()
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ep)
+    dtype = getattr(torch, m.dtype)
+    home = default_home(m.n_experts, ep)
+    ctx = EPContext(dist.group.WORLD, rank, ep, home)
+    mine = (home == rank).nonzero().flatten().tolist()
+    shard = ExpertShard(mine, m.d_latent, m.expert_inner)
+    init_shard_(shard, 0, 0, m)
+    layer = LatentMoE(m, ExpertParallelExperts(shard, ctx))
+    init_dense_(layer, 0, m, prefix="blocks.0.moe.")
+    layer.to(device=device, dtype=dtype)
+    layer.router.bias.zero_()
+    skew = torch.zeros(m.n_experts, device=device)
+    router = layer.router
+    router.forward = lambda x: torch.sigmoid(up32(x) @ up32(router.weight).t() + skew)  # bias on the logits
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(tokens, m.d_model, generator=gen).to(device=device, dtype=dtype).requires_grad_(True)
+    with torch.no_grad():
+        logit_std = float((up32(x) @ up32(router.weight).t()).std())
+
+    def timed(fn) -> float:
+        for _ in range(3):
+            fn()
+        ts = []
+        for _ in range(iters):
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(ts)], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t) * 1e3
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        layer.experts.reset()
+        layer(x.view(1, tokens, -1)).float().square().mean().backward()
+
+    rows = []
+    for zipf in ZIPFS:
+        skew.copy_(-zipf * torch.log(torch.arange(m.n_experts, device=device, dtype=torch.float32) + 1))
+        for moonep_on in (False, True):
+            ctx.moonep_enabled = moonep_on
+            ms = timed(step)
+            load = layer.experts.rank_load.double()
+            tpe = layer.experts.tokens_per_rank_expert.sum(0).double()
+            rows.append({"system": "k3ray", "moonep": moonep_on, "zipf": zipf, "ms": ms,
+                         "tokens_per_s": tokens * ep / ms * 1e3,
+                         "max_rank_rows_over_mean": float(load.max() / load.mean()),
+                         "max_expert_tokens_over_mean": float(tpe.max() / tpe.mean())})
+    profile = None
+    if rank == 0:  # where one balanced fwd+bwd spends its time (top ops by device and by host time)
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        skew.zero_()
+        ctx.moonep_enabled = True
+        with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+        avg = prof.key_averages()
+        profile = {"by_device": avg.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                          row_limit=12, max_name_column_width=48),
+                   "by_host": avg.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48)}
+    else:  # rank 1 joins the profiled step's collectives
+        skew.zero_()
+        ctx.moonep_enabled = True
+        step()
+    if with_deepspeed:
+        from moe_deepspeed import deepspeed_moe_layer_ms
+
+        for zipf in ZIPFS:
+            r = deepspeed_moe_layer_ms(tokens, m.d_model, m.d_latent, m.expert_inner, m.n_experts, m.top_k, ep, zipf,
+                                       iters, 3, str(device), dtype, gate_std=logit_std)
+            rows.append({"system": "deepspeed", "moonep": None, "zipf": zipf, "ms": r["ms_median"],
+                         "tokens_per_s": r["tokens_per_s"], "max_rank_rows_over_mean": r["max_rank_tokens_over_mean"],
+                         "max_expert_tokens_over_mean": r["max_expert_tokens_over_mean"],
+                         "padded_rows_over_routed": r["padded_rows_over_routed"],
+                         "version": r["deepspeed_version"]})
+    if rank == 0:
+        queue.put({"rows": rows, "logit_std": logit_std, "tokens_per_rank": tokens, "profile": profile})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def part_moe(cfg: JobConfig, tokens: int, iters: int) -> dict:
+    import importlib.util
+
+    with_ds = importlib.util.find_spec("deepspeed") is not None
+    (out,) = spawn(_moe_rank, cfg.parallel.ep, (cfg.model_dump(), tokens, iters, free_port(), with_ds), 1)
+    rows = out["rows"]
+
+    def ms(system, moonep, zipf):
+        return next(r["ms"] for r in rows if r["system"] == system and r["moonep"] == moonep and r["zipf"] == zipf)
+
+    out["moonep_z15_over_z0"] = ms("k3ray", True, 1.5) / ms("k3ray", True, 0.0)
+    out["no_moonep_z15_over_z0"] = ms("k3ray", False, 1.5) / ms("k3ray", False, 0.0)
+    if with_ds:
+        out["vs_deepspeed_z12"] = ms("deepspeed", None, 1.2) / ms("k3ray", True, 1.2)
+    return out
+
+
+# -- fault drill --------------------------------------------------------------------------------------------------
+def part_drill(cfg: JobConfig, steps: int, kill_step: int) -> dict:
+    drill_cfg = JobConfig.model_validate({**cfg.model_dump(), "fault_tolerance": {
+        **cfg.fault_tolerance.model_dump(), "grow_back": True,
+        "faults": [{"kind": "kill_worker", "step": kill_step, "worker": cfg.parallel.ep - 1}]}})
+    print(f"drill: kill world rank {cfg.parallel.ep - 1} at step {kill_step}", flush=True)
+    times, reports, status, incidents, snaps = _ray_job(drill_cfg, steps, verbose=True)
+    lost = next(i for i in incidents if i["kind"] == "worker_lost")
+    grow = next((i for i in incidents if i["kind"] == "grow_back"), None)
+    return {"step_seconds": times, "incidents": incidents, "status_ep": status["ep"], "snapshots": snaps,
+            "ep_per_step": [len(r["rank_load"][next(iter(r["rank_load"]))]) if r.get("rank_load") else None
+                            for r in reports],
+            "mttr_s": times[kill_step], "lost": lost, "grow_back": grow}
+
+
+def print_table(title: str, rows: list[tuple]) -> None:
+    print(f"\n### {title}\n")
+    print("| " + " | ".join(str(c) for c in rows[0]) + " |")
+    print("|" + "---|" * len(rows[0]))
+    for r in rows[1:]:
+        print("| " + " | ".join(f"{c:.4g}" if isinstance(c, float) else str(c) for c in r) + " |")
+    sys.stdout.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/gpu2.yaml")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--parts", default="plain,k3ray,moe,drill")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--moe-tokens", type=int, default=16384, help="tokens per rank for the MoE layer part")
+    ap.add_argument("--moe-iters", type=int, default=10)
+    ap.add_argument("--drill-steps", type=int, default=16)
+    ap.add_argument("--drill-kill-step", type=int, default=7)
+    ap.add_argument("--out", default=os.environ.get("OUT", "runs/e2e"))
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config, parse_assignments(args.set))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = args.parts.split(",")
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpus": torch.cuda.device_count(),
+           "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "config": args.config, "set": args.set}
+    print(json.dumps(env))
+    results: dict = {}
+
+    def save(name: str, value: dict) -> None:
+        results[name] = value
+        (out / f"{name}.json").write_text(json.dumps(value, indent=1, default=str))
+
+    tokens = tokens_per_step(cfg, cfg.parallel.ep)
+    if "plain" in parts:
+        save("plain", part_plain(cfg, args.steps, args.warmup))
+    if "k3ray" in parts:
+        save("k3ray", part_k3ray(cfg, args.steps, args.warmup, results.get("plain")))
+    if "plain" in results or "k3ray" in results:
+        rows = [("program", "median step s", "tokens/s", "MFU", "vs plain")]
+        for name in ("plain", "k3ray"):
+            if name in results:
+                r = results[name]
+                rows.append((name, r["median_step_s"], r["tokens_per_s"], r.get("mfu", float("nan")),
+                             r["median_step_s"] / results["plain"]["median_step_s"] if "plain" in results else "-"))
+        print_table(f"training step, {tokens} tokens/step, {flops_per_token(cfg) / 1e9:.2f} GFLOP/token, "
+                    f"peak {results.get('plain', {}).get('peak_tflops', float('nan')):.0f} TFLOP/s per GPU", rows)
+    if "moe" in parts:
+        r = save("moe", part_moe(cfg, args.moe_tokens, args.moe_iters)) or results["moe"]
+        rows = [("system", "MoonEP", "Zipf", "ms fwd+bwd", "tokens/s", "max rank rows / mean", "max expert / mean")]
+        rows += [(x["system"], x["moonep"], x["zipf"], x["ms"], x["tokens_per_s"], x["max_rank_rows_over_mean"],
+                  x["max_expert_tokens_over_mean"]) for x in r["rows"]]
+        print_table(f"MoE layer, {r['tokens_per_rank']} tokens per rank (router logit std {r['logit_std']:.3f})", rows)
+        print({k: v for k, v in r.items() if k not in ("rows", "profile")})
+        print(r["profile"]["by_device"])
+        print(r["profile"]["by_host"])
+    if "drill" in parts:
+        r = save("drill", part_drill(cfg, args.drill_steps, args.drill_kill_step)) or results["drill"]
+        rows = [("event", "step", "ep", "seconds")]
+        rows.append(("worker lost -> resharded", r["lost"]["step"], str(r["lost"]["ep"]), r["mttr_s"]))
+        if r["grow_back"]:
+            rows.append(("grown back", r["grow_back"]["step"], str(r["grow_back"]["ep"]), r["grow_back"]["seconds"]))
+        print_table("fault drill", rows)
+        print(json.dumps(r["lost"]["seconds"]))
+        print("ep per step:", r["ep_per_step"])
+
+
+if __name__ == "__main__":
+    main()
