@@ -57,7 +57,7 @@ def main() -> None:
     step_s = statistics.median(plain[2:])
     snap_s = statistics.median(snaps)
     rows.append(("step time, no fault (median)", f"{step_s:.3f} s"))
-    rows.append(("snapshot (own + neighbour copy), median", f"{snap_s:.3f} s"))
+    rows.append(("snapshot: training stalled while staging, median", f"{snap_s:.3f} s"))
     rows.append(("snapshot overhead per step, every 5 steps", f"{100 * snap_s / 5 / step_s:.1f} %"))
     rows.append(("snapshot overhead per step, every 20 steps", f"{100 * snap_s / 20 / step_s:.1f} %"))
 
