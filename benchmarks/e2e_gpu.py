@@ -2,7 +2,8 @@
 
 Parts (--parts, in this order; each prints a table and writes <out>/<part>.json):
   plain  the model's training step in one plain torch.distributed program (StageEngine driven directly, no Ray),
-         and the dense bf16 matmul peak measured in that run (for MFU);
+         and the dense bf16 matmul peak measured in that run (for MFU); `plain_1gpu`: the same with each process
+         seeing only its own GPU (CUDA_VISIBLE_DEVICES), as Ray starts GPU workers;
   k3ray  the same job through `k3ray`'s Controller and Worker actors on Ray: tokens/s, MFU, Ray overhead vs plain;
   moe    the MoE layer alone (fwd+bwd, no shared experts) under router skew Zipf 0..1.5 (a bias -s*ln(e+1) on the
          router logits), MoonEP on and off, and DeepSpeed-MoE (deepspeed.moe.layer.MoE, dropless) on the same
@@ -77,16 +78,20 @@ def _median(xs: list[float]) -> float:
 
 
 # -- plain torch.distributed --------------------------------------------------------------------------------------
-def _plain_rank(rank: int, cfg_dict: dict, steps: int, port: int, queue) -> None:
+def _plain_rank(rank: int, cfg_dict: dict, steps: int, port: int, one_gpu_visible: bool, queue) -> None:
     from k3ray.policies.moonep import default_home
     from k3ray.runtime.engine import StageEngine
 
     cfg = JobConfig.model_validate(cfg_dict)
     ep, cuda = cfg.parallel.ep, cfg.parallel.device == "cuda"
     set_threads()
+    gpu = rank
+    if cuda and one_gpu_visible:  # as Ray starts its GPU workers: each process sees only its own device
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+        gpu = 0
     if cuda:
-        torch.cuda.set_device(rank)
-    peak = matmul_peak_tflops(torch.device("cuda", rank)) if cuda else float("nan")
+        torch.cuda.set_device(gpu)
+    peak = matmul_peak_tflops(torch.device("cuda", gpu)) if cuda else float("nan")
     home = default_home(cfg.model.n_experts, ep).tolist()
     engine = StageEngine(cfg, 0, rank, home, ep, "cuda" if cuda else "cpu")
     engine.init_process_groups(f"tcp://127.0.0.1:{port}", "nccl" if cuda else "gloo")
@@ -127,16 +132,21 @@ def spawn(target, n: int, args: tuple, results: int) -> list:
     return out
 
 
-def part_plain(cfg: JobConfig, steps: int, warmup: int) -> dict:
-    results = sorted(spawn(_plain_rank, cfg.parallel.ep, (cfg.model_dump(), steps, free_port()), cfg.parallel.ep),
-                     key=lambda r: r["rank"])
+def phase_medians(timings: list[dict]) -> dict:
+    return {k: _median([t[k] for t in timings]) for k in timings[0]} if timings else {}
+
+
+def part_plain(cfg: JobConfig, steps: int, warmup: int, one_gpu_visible: bool = False) -> dict:
+    results = sorted(spawn(_plain_rank, cfg.parallel.ep, (cfg.model_dump(), steps, free_port(), one_gpu_visible),
+                           cfg.parallel.ep), key=lambda r: r["rank"])
     step_s = [max(r["step_seconds"][i] for r in results) for i in range(steps)]  # slowest rank per step
     med = _median(step_s[warmup:])
     peak = _median([r["peak_tflops"] for r in results])
     tokens = tokens_per_step(cfg, cfg.parallel.ep)
     return {"step_seconds": step_s, "median_step_s": med, "tokens_per_s": tokens / med, "peak_tflops": peak,
             "mfu": flops_per_token(cfg) * tokens / med / (peak * 1e12 * cfg.parallel.ep),
-            "losses": [r["loss"] for r in results[0]["reports"]], "timings": results[0]["reports"][-1]["timings"]}
+            "losses": [r["loss"] for r in results[0]["reports"]],
+            "phases": phase_medians([r["timings"] for r in results[0]["reports"][warmup:]])}
 
 
 # -- k3ray on Ray -------------------------------------------------------------------------------------------------
@@ -174,7 +184,7 @@ def part_k3ray(cfg: JobConfig, steps: int, warmup: int, plain: dict | None) -> d
     out = {"step_seconds": times, "median_step_s": med, "tokens_per_s": tokens / med, "snapshots": snaps,
            "losses": [r["loss"] for r in reports], "ep": status["ep"],
            "worker_step_s": _median([r["timings"]["total"] for r in reports[warmup:]]),  # slowest worker's own time
-           "timings": reports[-1]["timings"]}
+           "phases": phase_medians([r["timings"] for r in reports[warmup:]])}
     if plain is not None:
         out["mfu"] = flops_per_token(cfg) * tokens / med / (plain["peak_tflops"] * 1e12 * cfg.parallel.ep)
         out["ray_overhead"] = med / plain["median_step_s"] - 1
@@ -355,17 +365,20 @@ def main(argv: list[str] | None = None) -> None:
         (out / f"{name}.json").write_text(json.dumps(value, indent=1, default=str))
 
     tokens = tokens_per_step(cfg, cfg.parallel.ep)
-    if "plain" in parts:
-        save("plain", part_plain(cfg, args.steps, args.warmup))
-    if "k3ray" in parts:
-        save("k3ray", part_k3ray(cfg, args.steps, args.warmup, results.get("plain")))
-    if "plain" in results or "k3ray" in results:
-        rows = [("program", "median step s", "tokens/s", "MFU", "vs plain")]
-        for name in ("plain", "k3ray"):
+    programs = ("plain", "plain_1gpu", "k3ray")  # plain_1gpu: each process sees only its GPU, as under Ray
+    for name in programs:
+        if name in parts and name == "k3ray":
+            save(name, part_k3ray(cfg, args.steps, args.warmup, results.get("plain")))
+        elif name in parts:
+            save(name, part_plain(cfg, args.steps, args.warmup, one_gpu_visible=name == "plain_1gpu"))
+    if any(name in results for name in programs):
+        rows = [("program", "median step s", "tokens/s", "MFU", "vs plain", "median phases s")]
+        for name in programs:
             if name in results:
                 r = results[name]
                 rows.append((name, r["median_step_s"], r["tokens_per_s"], r.get("mfu", float("nan")),
-                             r["median_step_s"] / results["plain"]["median_step_s"] if "plain" in results else "-"))
+                             r["median_step_s"] / results["plain"]["median_step_s"] if "plain" in results else "-",
+                             " ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())))
         print_table(f"training step, {tokens} tokens/step, {flops_per_token(cfg) / 1e9:.2f} GFLOP/token, "
                     f"peak {results.get('plain', {}).get('peak_tflops', float('nan')):.0f} TFLOP/s per GPU", rows)
     if "moe" in parts:
