@@ -75,6 +75,8 @@ class _ExpertExchange(torch.autograd.Function):
                 rows = [h if h >= 0 else local.shape[0] + r for h, r in zip(ex.home_rows, ex.replica_rows)]
                 picked = table[rows]
                 gw1, gw2 = picked[:, :n1].view(-1, *shape1), picked[:, n1:].view(-1, *shape2)
+            elif ex.home_rows == list(range(w1.shape[0])):  # the whole shard, in order: no copy
+                gw1, gw2 = w1_l, w2_l
             else:
                 gw1, gw2 = w1_l[ex.home_rows], w2_l[ex.home_rows]
             y = grouped_expert_ffn(recv_l.index_select(0, ex.from_group), gw1, gw2, ex.group_ends,
@@ -166,7 +168,10 @@ class ExpertParallelExperts(nn.Module):
         in_splits, out_splits = mine.sum(0).tolist(), send[:, :, me].sum(1).tolist()
         # -- received rows come source-major, expert-minor; the expert FFN wants them grouped by expert
         recv_counts = send[:, :, me]  # [R_src, E]
-        groups = (alloc[:, me] > 0).nonzero().flatten()  # experts this rank computes, ascending
+        computed, homed = alloc[:, me] > 0, ctx.home == me
+        if not (computed & ~homed).any():  # no replicas here: run every home expert (empty groups cost nothing),
+            computed = homed  # so the expert GEMMs read the shard in place instead of a gathered copy
+        groups = computed.nonzero().flatten()  # experts this rank computes, ascending
         rows_per_group = alloc[groups, me]
         group_start = torch.zeros(E, dtype=torch.int64)
         group_start[groups] = rows_per_group.cumsum(0) - rows_per_group
