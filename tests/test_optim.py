@@ -71,6 +71,9 @@ def test_expert_rows_carry_their_masters():
     assert set(payload["opt"]["w1"]) == {"m", "v", "master"}
     torch.testing.assert_close(payload["opt"]["w1"]["master"], opt.state["s.w1"]["master"][2:3])
     other = ExpertShard([5], 4, 3, dtype=torch.bfloat16)
+    with torch.no_grad():  # finite weights (torch.empty may hold NaN, and NaN != NaN)
+        other.w1.copy_(torch.randn(other.w1.shape))
+        other.w2.copy_(torch.randn(other.w2.shape))
     other_opt = AdamW(cfg)
     shards.set_experts(other, other_opt, "s", [payload], [5])  # expert 5 arrives with no state: fresh
     assert other.expert_ids == [2, 5]
