@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -33,14 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from k3ray.config import JobConfig, load_config, parse_assignments  # noqa: E402
 from k3ray.model.params import model_totals  # noqa: E402
+from moe_deepspeed import free_port, zipf_bias  # noqa: E402  (the same skew for both systems)
 
 ZIPFS = (0.0, 0.5, 1.0, 1.2, 1.5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def set_threads() -> None:
@@ -251,7 +245,7 @@ def _moe_rank(rank: int, cfg_dict: dict, tokens: int, iters: int, port: int, wit
 
     rows = []
     for zipf in ZIPFS:
-        skew.copy_(-zipf * torch.log(torch.arange(m.n_experts, device=device, dtype=torch.float32) + 1))
+        skew.copy_(zipf_bias(m.n_experts, zipf))
         for moonep_on in (False, True):
             ctx.moonep_enabled = moonep_on
             ms = timed(step)
@@ -262,11 +256,11 @@ def _moe_rank(rank: int, cfg_dict: dict, tokens: int, iters: int, port: int, wit
                          "max_rank_rows_over_mean": float(load.max() / load.mean()),
                          "max_expert_tokens_over_mean": float(tpe.max() / tpe.mean())})
     profile = None
+    skew.zero_()
+    ctx.moonep_enabled = True
     if rank == 0:  # where one balanced fwd+bwd spends its time (top ops by device and by host time)
         from torch.profiler import ProfilerActivity, profile as torch_profile
 
-        skew.zero_()
-        ctx.moonep_enabled = True
         with torch_profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             step()
             if cuda:
@@ -275,9 +269,7 @@ def _moe_rank(rank: int, cfg_dict: dict, tokens: int, iters: int, port: int, wit
         profile = {"by_device": avg.table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                           row_limit=12, max_name_column_width=48),
                    "by_host": avg.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48)}
-    else:  # rank 1 joins the profiled step's collectives
-        skew.zero_()
-        ctx.moonep_enabled = True
+    else:  # the other ranks join the profiled step's collectives
         step()
     if with_deepspeed:
         from moe_deepspeed import deepspeed_moe_layer_ms

@@ -253,7 +253,7 @@ def deepspeed_moe_layer_ms(tokens: int, d_model: int, d_latent: int, inner: int,
 
 # ----------------------------------------------------------------------------- launcher
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"--ep {args.ep} needs {args.ep} GPUs, found {torch.cuda.device_count()}")
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(args, _free_port()), nprocs=args.ep, join=True)
+    mp.spawn(_worker, args=(args, free_port()), nprocs=args.ep, join=True)
 
 
 if __name__ == "__main__":

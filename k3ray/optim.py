@@ -71,7 +71,8 @@ class AdamW:
             if grad_scale != 1.0:
                 torch._foreach_mul_(grads, grad_scale)
             fused = all(t.is_cuda for t in targets)
-            steps = [torch.tensor(float(self.steps - 1), device=t.device if fused else "cpu") for t in targets]
+            steps = list(torch.full((len(targets),), float(self.steps - 1),  # torch's adam advances these
+                                    device=targets[0].device if fused else "cpu").unbind())
             adam(targets, grads, ms, vs, [], steps, foreach=not fused, fused=fused, decoupled_weight_decay=True,
                  amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=self.cfg.weight_decay if decayed else 0.0,
                  eps=self.cfg.eps, maximize=False)

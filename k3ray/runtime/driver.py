@@ -21,10 +21,23 @@ def init_ray(address: str | None, min_cpus: int) -> bool:
     if address:
         ray.init(address=address, log_to_driver=logs)
     else:  # the embedded default: logical CPUs >= workers, so small machines still run every topology
-        store_gb = os.environ.get("K3RAY_OBJECT_STORE_GB")  # snapshots live there: GPU jobs need tens of GB
         ray.init(num_cpus=max(os.cpu_count() or 1, min_cpus), include_dashboard=False, log_to_driver=logs,
-                 object_store_memory=int(float(store_gb) * 2**30) if store_gb else None)
+                 object_store_memory=_object_store_bytes())
     return True
+
+
+def _object_store_bytes() -> int | None:
+    """K3RAY_OBJECT_STORE_GB for a local cluster (snapshots live in the object store: GPU jobs need tens of GB)."""
+    value = os.environ.get("K3RAY_OBJECT_STORE_GB")
+    if not value:
+        return None
+    try:
+        gb = float(value)
+    except ValueError:
+        gb = -1.0
+    if gb <= 0:
+        raise ValueError(f"K3RAY_OBJECT_STORE_GB={value!r}: expected a positive number of GiB")
+    return int(gb * 2**30)
 
 
 class ControllerBackend:

@@ -258,7 +258,7 @@ class StageEngine:
             "stage": self.pp_rank, "layers": list(self.layers),
             "dense": {n: p.detach() for n, p in self.dense.items()} if dense else {},
             "opt_dense": {n: dict(st) for n, st in self.opt.state.items() if dense and not is_expert_param(n)},
-            "experts": {layer: shards.export_experts(shard, self.opt, self._prefix(layer), shard.expert_ids, copy=False)
+            "experts": {layer: shards.live_payload(shard, self.opt, self._prefix(layer))
                         for layer, shard in self.stage.expert_shards().items()},
             "router_bias": {i: moe.router.bias.detach() for i, moe in self.stage.moe_layers().items()},
             "opt_steps": self.opt.steps,

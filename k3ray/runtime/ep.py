@@ -66,9 +66,10 @@ class _ExpertExchange(torch.autograd.Function):
         with torch.enable_grad() if build_graph else torch.no_grad():
             leaves = [t.detach().requires_grad_(build_graph) for t in (recv, w1, w2)]
             recv_l, w1_l, w2_l = leaves
-            if received is not None:
+            if received is not None:  # every rank joins the weight exchange once any rank computes a replica
                 received_l = received.detach().requires_grad_(build_graph)
                 leaves.append(received_l)
+            if any(r >= 0 for r in ex.replica_rows):  # replicas computed here: weights from shard + received
                 n1 = shape1.numel()
                 local = torch.cat([w1_l.flatten(1), w2_l.flatten(1)], dim=1)
                 table = torch.cat([local, received_l])

@@ -124,7 +124,7 @@ class Resilience:
         old = self.group
         try:  # a snapshot started at this boundary is the newest state, if every worker finished its part
             self._commit_snapshot(wait=True, timeout_s=30.0)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+        except ray.exceptions.RayError:  # a lost worker never delivered its part (or not in time)
             pass
         self.pending_snap = None  # what is still pending lacks a lost worker's part
         if self.snap is None:

@@ -11,14 +11,15 @@ from k3ray.optim import AdamW, fresh_state
 WEIGHTS = ("w1", "w2")
 
 
-def export_experts(shard: ExpertShard, opt: AdamW, prefix: str, expert_ids: list[int], copy: bool = True) -> dict:
+def live_payload(shard: ExpertShard, opt: AdamW, prefix: str) -> dict:
+    """The whole shard in payload form, as its live tensors (no copies): what snapshots stage."""
+    return {"expert_ids": list(shard.expert_ids), **{w: getattr(shard, w).detach() for w in WEIGHTS},
+            "opt": {w: opt.state.get(f"{prefix}.{w}") for w in WEIGHTS}}
+
+
+def export_experts(shard: ExpertShard, opt: AdamW, prefix: str, expert_ids: list[int]) -> dict:
     """{'expert_ids', 'w1', 'w2', 'opt': {'w1': {'m', 'v'[, 'master']} | None, ...}} for the given experts of this
-    shard: CPU copies, or (copy=False, all experts in shard order) the live tensors themselves."""
-    if not copy:
-        if list(expert_ids) != shard.expert_ids:
-            raise ValueError(f"{prefix}: a live export covers the whole shard {shard.expert_ids}, not {expert_ids}")
-        return {"expert_ids": list(expert_ids), **{w: getattr(shard, w).detach() for w in WEIGHTS},
-                "opt": {w: opt.state.get(f"{prefix}.{w}") for w in WEIGHTS}}
+    shard, as CPU copies."""
     rows = shard.rows_of(expert_ids)
     return {
         "expert_ids": list(expert_ids),
