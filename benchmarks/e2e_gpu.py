@@ -5,13 +5,16 @@ Parts (--parts, in this order; each prints a table and writes <out>/<part>.json)
          and the dense bf16 matmul peak measured in that run (for MFU); `plain_1gpu`: the same with each process
          seeing only its own GPU (CUDA_VISIBLE_DEVICES), as Ray starts GPU workers;
   k3ray  the same job through `k3ray`'s Controller and Worker actors on Ray: tokens/s, MFU, Ray overhead vs plain;
+  overhead  Ray's overhead settled by alternation: after one unmeasured warm-up run, pairs of plain_1gpu and k3ray
+         runs in ABBA order (plain, k3ray, k3ray, plain, ...) until --rounds pairs or --overhead-budget-s; the
+         overhead is the median over pairs of k3ray / plain - 1 (a pair shares the machine's state of the moment);
   moe    the MoE layer alone (fwd+bwd, no shared experts) under router skew Zipf 0..1.5 (a bias -s*ln(e+1) on the
          router logits), MoonEP on and off, and DeepSpeed-MoE (deepspeed.moe.layer.MoE, dropless) on the same
          shapes and skew when deepspeed imports (benchmarks/carry_deepspeed.sh);
   drill  kill one worker mid-run: the job continues on the survivors and grows back; MTTR and its split.
 
     python benchmarks/e2e_gpu.py --config configs/gpu2.yaml --out /tmp/e2e          # on 2 GPUs
-    python benchmarks/e2e_gpu.py --config configs/tiny.yaml --set parallel.ep=2 --cpu  # plumbing check on CPU
+    python benchmarks/e2e_gpu.py --config configs/tiny.yaml --set parallel.ep=2 --set parallel.device=cpu  # on CPU
 """
 from __future__ import annotations
 
@@ -185,6 +188,40 @@ def part_k3ray(cfg: JobConfig, steps: int, warmup: int, plain: dict | None) -> d
     return out
 
 
+def part_overhead(cfg: JobConfig, steps: int, warmup: int, rounds: int, budget_s: float, save) -> dict:
+    def summary(r: dict) -> dict:
+        keep = ("median_step_s", "tokens_per_s", "worker_step_s", "phases", "step_seconds")
+        return {k: r[k] for k in keep if k in r}
+
+    t_start = time.perf_counter()
+    part_plain(cfg, warmup + 2, warmup, one_gpu_visible=True)  # unmeasured: Triton cache, clocks, page cache
+    pairs: list[dict] = []
+    out: dict = {"steps": steps, "warmup": warmup, "pairs": pairs}
+    round_s = 0.0
+    for r in range(rounds):
+        if time.perf_counter() - t_start + round_s > budget_s:
+            break
+        t0 = time.perf_counter()
+        pair = {}
+        for name in (("plain", "k3ray") if r % 2 == 0 else ("k3ray", "plain")):
+            pair[name] = summary(part_k3ray(cfg, steps, warmup, None) if name == "k3ray" else
+                                 part_plain(cfg, steps, warmup, one_gpu_visible=True))
+        pair["first"] = "plain" if r % 2 == 0 else "k3ray"
+        pair["ratio"] = pair["k3ray"]["median_step_s"] / pair["plain"]["median_step_s"]
+        pair["ray_own_s"] = pair["k3ray"]["median_step_s"] - pair["k3ray"]["worker_step_s"]
+        pairs.append(pair)
+        round_s = time.perf_counter() - t0
+        print(f"overhead pair {r}: plain {pair['plain']['median_step_s']:.4f} s, k3ray "
+              f"{pair['k3ray']['median_step_s']:.4f} s, ratio {pair['ratio']:.4f} ({round_s:.0f} s)", flush=True)
+        ratios = [p["ratio"] for p in pairs]
+        out.update(ratios=ratios, median_overhead=_median(ratios) - 1, min_ratio=min(ratios), max_ratio=max(ratios),
+                   median_ray_own_s=_median([p["ray_own_s"] for p in pairs]),
+                   median_plain_step_s=_median([p["plain"]["median_step_s"] for p in pairs]),
+                   median_k3ray_step_s=_median([p["k3ray"]["median_step_s"] for p in pairs]))
+        save("overhead", out)  # after every pair: a run cut short still leaves its pairs
+    return out
+
+
 # -- the MoE layer under skew ---------------------------------------------------------------------------------------
 def _moe_rank(rank: int, cfg_dict: dict, tokens: int, iters: int, port: int, with_deepspeed: bool, queue) -> None:
     from k3ray.dtypes import up32
@@ -338,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--moe-tokens", type=int, default=16384, help="tokens per rank for the MoE layer part")
     ap.add_argument("--moe-iters", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=6, help="overhead part: at most this many plain/k3ray pairs")
+    ap.add_argument("--overhead-budget-s", type=float, default=400.0,
+                    help="overhead part: start no pair that would end after this many seconds")
     ap.add_argument("--drill-steps", type=int, default=16)
     ap.add_argument("--drill-kill-step", type=int, default=7)
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/e2e"))
@@ -382,6 +422,13 @@ def main(argv: list[str] | None = None) -> None:
         print({k: v for k, v in r.items() if k not in ("rows", "profile")})
         print(r["profile"]["by_device"])
         print(r["profile"]["by_host"])
+    if "overhead" in parts:
+        r = part_overhead(cfg, args.steps, args.warmup, args.rounds, args.overhead_budget_s, save)
+        rows = [("pair", "first", "plain median s", "k3ray median s", "k3ray worker s", "k3ray / plain")]
+        rows += [(i, p["first"], p["plain"]["median_step_s"], p["k3ray"]["median_step_s"],
+                  p["k3ray"]["worker_step_s"], p["ratio"]) for i, p in enumerate(r["pairs"])]
+        print_table(f"Ray overhead by alternation ({args.steps} steps a run, medians after {args.warmup})", rows)
+        print({k: v for k, v in r.items() if k != "pairs"})
     if "drill" in parts:
         r = save("drill", part_drill(cfg, args.drill_steps, args.drill_kill_step)) or results["drill"]
         rows = [("event", "step", "ep", "seconds")]

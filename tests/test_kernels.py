@@ -180,6 +180,69 @@ def test_grouped_ffn_no_grad_and_empty(poisoned):
     assert rel_err(y, grouped_expert_ffn_reference(x, w1, w2, ends)) < (1e-2 if CUDA else 1e-5)
     zero = torch.zeros_like(ends)
     assert grouped_expert_ffn_triton(x[:0], w1, w2, zero).shape == (0, x.shape[1])
+    leaves = [t.clone().requires_grad_() for t in (x[:0], w1, w2)]
+    grouped_expert_ffn_triton(*leaves, zero).sum().backward()
+    assert leaves[0].grad.shape == (0, x.shape[1])
+    assert torch.equal(leaves[1].grad, torch.zeros_like(w1)) and torch.equal(leaves[2].grad, torch.zeros_like(w2))
+
+
+def _compiled_variants(kernel) -> int | None:
+    """Compiled variants of a @triton.jit kernel on every device so far (None under the interpreter)."""
+    caches = getattr(kernel, "device_caches", None)
+    return None if caches is None else sum(len(entry[0]) for entry in caches.values())
+
+
+def test_grouped_ffn_compiles_once_whatever_the_load(poisoned, monkeypatch):
+    """Routing changes the group count and the rows every call; no kernel may compile a new variant for that
+    (a compile stalls a training step for seconds). Checked on every launch's compile-time constants, and on
+    CUDA on Triton's own cache of compiled kernels. The tile lookup scans the groups in blocks (4 here, so 9
+    groups take three blocks)."""
+    from k3ray.kernels import grouped_ffn, grouped_gemm
+
+    monkeypatch.setattr(grouped_ffn, "_BLOCK_G", 4)
+    names = [n for n in vars(grouped_gemm) if n.endswith("_kernel")]
+    constants: dict[str, set] = {}
+
+    class Recorded:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launch = self.kernel[grid]
+
+            def run(*args, **kwargs):
+                constants.setdefault(self.name, set()).add(tuple(sorted(kwargs.items())))
+                return launch(*args, **kwargs)
+            return run
+
+    kernels_by_name = {n: getattr(grouped_gemm, n) for n in names}
+    for name, kernel in kernels_by_name.items():
+        monkeypatch.setattr(grouped_gemm, name, Recorded(name, kernel))
+
+    def train_call(n_rows, n_groups, layout, w1, w2):
+        x, _, _, ends, s = ffn_inputs(n_rows, w1.shape[1], w2.shape[1], n_groups, layout, torch.float32, True)
+        leaves = [t.clone().requires_grad_() for t in (x, w1[:n_groups], w2[:n_groups], s)]
+        ref = [t.detach().clone().requires_grad_() for t in leaves]
+        y = grouped_expert_ffn_triton(*leaves[:3], ends, leaves[3])
+        y_ref = grouped_expert_ffn_reference(*ref[:3], ends, ref[3])
+        dy = torch.randn_like(y_ref)
+        y.backward(dy)
+        y_ref.backward(dy)
+        tol = 1e-2 if CUDA else 1e-5
+        assert rel_err(y, y_ref) < tol
+        for a, b in zip(leaves, ref):
+            assert rel_err(a.grad, b.grad) < tol
+
+    d, inner = 32, 32
+    w1 = torch.randn(9, d, 2 * inner, device=DEV) / d**0.5
+    w2 = torch.randn(9, inner, d, device=DEV) / inner**0.5
+    train_call(48, 3, "random", w1, w2)  # the first call compiles
+    before = {n: _compiled_variants(k) for n, k in kernels_by_name.items()}
+    for n_rows, n_groups, layout in [(7, 9, "random"), (50, 9, "empty_groups"), (33, 5, "one_group_all"),
+                                     (16, 1, "random")]:
+        train_call(n_rows, n_groups, layout, w1, w2)
+    assert constants and all(len(v) == 1 for v in constants.values()), constants
+    assert {n: _compiled_variants(k) for n, k in kernels_by_name.items()} == before
 
 
 # -------------------------------------------------------------------------------------------- permute / unpermute

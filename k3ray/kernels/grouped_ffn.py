@@ -56,6 +56,7 @@ USE_TMA = True  # forward kernels read operands through TMA descriptors where th
 _INTERPRET_CONFIG = (16, 16, 16, 2, 1, 1)
 _FP32_CONFIG = (64, 64, 32, 4, 4, 2)  # fp32 operands: the bf16 tiles would not fit in shared memory
 _NUM_SMS: dict[int, int] = {}
+_BLOCK_G = 128  # groups the tile lookup scans at a time (fixed: the kernels must not recompile as G changes)
 
 
 def _config(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
@@ -70,20 +71,21 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     )
 
 
-def _num_programs(device: torch.device, max_tiles: int) -> int:
-    """One program per SM (a few under the interpreter), never more than there can be tiles."""
+def _num_programs(device: torch.device) -> int:
+    """One program per SM (3 under the interpreter), whatever the tile count: NUM_PROGS is a compile-time constant,
+    so a count that followed the load would recompile the kernel; programs without a tile return at once."""
     if device.type != "cuda":
-        return max(1, min(3, max_tiles))
+        return 3
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _NUM_SMS:
         _NUM_SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return max(1, min(_NUM_SMS[idx], max_tiles))
+    return _NUM_SMS[idx]
 
 
 class _Schedule:
     """Largest-first (or given) group order and cumulative row-tile counts, all on the device (no host sync)."""
 
-    def __init__(self, group_ends: torch.Tensor, n_rows: int, group_order: torch.Tensor | None):
+    def __init__(self, group_ends: torch.Tensor, group_order: torch.Tensor | None):
         ends = group_ends.to(torch.int32)
         sizes = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
         if group_order is None:
@@ -91,9 +93,7 @@ class _Schedule:
         self.ends = ends.contiguous()
         self.order = group_order.to(device=ends.device, dtype=torch.int32).contiguous()
         self.sizes = sizes[self.order.long()]
-        self.n_rows = n_rows
         self.G = ends.numel()
-        self.block_g = triton.next_power_of_2(max(self.G, 2))
         self._cum: dict[tuple[int, int], torch.Tensor] = {}
 
     def cum(self, bm: int, nt: int) -> torch.Tensor:
@@ -102,19 +102,16 @@ class _Schedule:
             self._cum[key] = torch.cumsum((self.sizes + bm - 1) // bm * nt, 0).to(torch.int32)
         return self._cum[key]
 
-    def max_tiles(self, bm: int, nt: int) -> int:
-        return (triton.cdiv(self.n_rows, bm) + self.G) * nt
-
 
 def _launch_rowtiled(kernel, cfg, sched: _Schedule, n_out: int, k_dim: int, head, tail, tma=False, **flags):
     """Persistent launch of a row-tiled kernel: kernel(*head, cum, *tail, **constexprs)."""
     bm, bn, bk, gm, warps, stages = cfg
     nt = triton.cdiv(n_out, bn)
-    progs = _num_programs(sched.ends.device, sched.max_tiles(bm, nt))
+    progs = _num_programs(sched.ends.device)
     if not tma:
         flags.update(EVEN_K=k_dim % bk == 0, EVEN_N=n_out % bn == 0)
     kernel[(progs,)](
-        *head, sched.cum(bm, nt), *tail, BM=bm, BN=bn, BK=bk, GROUP_M=gm, BLOCK_G=sched.block_g,
+        *head, sched.cum(bm, nt), *tail, BM=bm, BN=bn, BK=bk, GROUP_M=gm, BLOCK_G=_BLOCK_G,
         NUM_PROGS=progs, DOT_F32=INTERPRET, num_warps=warps, num_stages=stages, **flags,
     )
 
@@ -124,9 +121,11 @@ def _ffn_forward(x, w1, w2, sched: _Schedule, row_scale, save_h: bool, beta: flo
     inner = w2.shape[1]
     act = torch.empty(n, inner, device=x.device, dtype=x.dtype)
     h = torch.empty(n, 2 * inner, device=x.device, dtype=x.dtype) if save_h else act
+    if n == 0:  # no rows: nothing to launch (and no kernel variant that only empty inputs would compile)
+        return x.new_empty(0, w2.shape[2]), act, h
     head = (act, h, sched.ends, sched.order)
     cfg = _config("up_tma", x)
-    if _tma_ok(x, w1) and n and d % cfg[2] == 0:
+    if _tma_ok(x, w1) and d % cfg[2] == 0:
         xd = TensorDescriptor.from_tensor(x, [cfg[0], cfg[2]])
         wd = TensorDescriptor.from_tensor(w1.view(-1, w1.shape[2]), [cfg[2], cfg[1]])
         _launch_rowtiled(gg.ffn_up_tma_kernel, cfg, sched, inner, d, (xd, wd, *head),
@@ -146,9 +145,11 @@ def _grouped_mm(a, b, sched: _Schedule, scale, name: str, transpose_b: bool):
     k_dim = a.shape[1]
     n_out = b.shape[1] if transpose_b else b.shape[2]
     out = torch.empty(a.shape[0], n_out, device=a.device, dtype=a.dtype)
+    if a.shape[0] == 0:
+        return out
     head = (out, scale if scale is not None else a, sched.ends, sched.order)
     tail = (k_dim, n_out, sched.G)
-    if not transpose_b and _tma_ok(a, b) and a.shape[0] and k_dim % _config(name + "_tma", a)[2] == 0:
+    if not transpose_b and _tma_ok(a, b) and k_dim % _config(name + "_tma", a)[2] == 0:
         cfg = _config(name + "_tma", a)
         ad = TensorDescriptor.from_tensor(a, [cfg[0], cfg[2]])
         bd = TensorDescriptor.from_tensor(b.view(-1, n_out), [cfg[2], cfg[1]])
@@ -164,10 +165,11 @@ def _grouped_mm(a, b, sched: _Schedule, scale, name: str, transpose_b: bool):
 def _wgrad(p, q, sched: _Schedule, out_dtype):
     """out[g] = p[rows_g]^T @ q[rows_g]: [G, p.shape[1], q.shape[1]]."""
     m1, m2 = p.shape[1], q.shape[1]
+    if p.shape[0] == 0:
+        return torch.zeros(sched.G, m1, m2, device=p.device, dtype=out_dtype)
     out = torch.empty(sched.G, m1, m2, device=p.device, dtype=out_dtype)
     bm, bn, bk, gm, warps, stages = _config("wgrad", p)
-    tiles = sched.G * triton.cdiv(m1, bm) * triton.cdiv(m2, bn)
-    progs = _num_programs(p.device, tiles)
+    progs = _num_programs(p.device)
     gg.grouped_wgrad_kernel[(progs,)](
         p, q, out, sched.ends, sched.order, m1, m2, sched.G, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
         m1 * m2, BM=bm, BN=bn, BK=bk, GROUP_M=gm, NUM_PROGS=progs, DOT_F32=INTERPRET, num_warps=warps,
@@ -179,7 +181,7 @@ def _wgrad(p, q, sched: _Schedule, out_dtype):
 class _GroupedFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, group_ends, row_scale, group_order, save_h):
-        sched = _Schedule(group_ends, x.shape[0], group_order)
+        sched = _Schedule(group_ends, group_order)
         y, act, h = _ffn_forward(x, w1, w2, sched, row_scale, save_h, 4.0, 25.0)
         if save_h:
             ctx.save_for_backward(x, w1, w2, row_scale, act, h)
@@ -196,12 +198,13 @@ class _GroupedFFN(torch.autograd.Function):
         dh = torch.empty(n, 2 * inner, device=x.device, dtype=x.dtype)
         has_scale = row_scale is not None
         ds = torch.zeros(n, device=x.device, dtype=torch.float32) if has_scale else dh
-        _launch_rowtiled(
-            gg.ffn_dh_kernel, _config("dh", dy), sched, inner, d,
-            (dy, w2, h, row_scale if has_scale else dy, dh, ds, sched.ends, sched.order),
-            (d, inner, sched.G, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(2), w2.stride(1), 4.0, 25.0),
-            HAS_SCALE=has_scale,
-        )
+        if n:
+            _launch_rowtiled(
+                gg.ffn_dh_kernel, _config("dh", dy), sched, inner, d,
+                (dy, w2, h, row_scale if has_scale else dy, dh, ds, sched.ends, sched.order),
+                (d, inner, sched.G, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(2), w2.stride(1), 4.0, 25.0),
+                HAS_SCALE=has_scale,
+            )
         dx = _grouped_mm(dh, w1, sched, None, "dx", transpose_b=True) if ctx.needs_input_grad[0] else None
         dw1 = _wgrad(x, dh, sched, w1.dtype) if ctx.needs_input_grad[1] else None
         dw2 = None

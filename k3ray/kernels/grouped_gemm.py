@@ -8,6 +8,9 @@ biggest groups are started first and the small ones fill the tail. `cum[j]` is t
 first j+1 groups of `order` (computed on the device: no host sync); inside a group the tiles are swizzled in
 bands of GROUP_M row tiles so a band's weight columns stay in L2.
 
+Compiled variants never depend on the loads: G is not specialised, and BLOCK_G and NUM_PROGS are fixed per device
+(grouped_ffn.py), so a kernel compiles once per model shape at the first step, never mid-run when routing shifts.
+
 DOT_F32 upcasts the dot operands to fp32: only for TRITON_INTERPRET, whose bf16 dot is wrong on CPU (triton 3.9).
 """
 from __future__ import annotations
@@ -21,10 +24,13 @@ from k3ray.kernels.situ_glu import situ_fwd, situ_fwd_bwd
 @triton.jit
 def _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM: tl.constexpr, GROUP_M: tl.constexpr,
               BLOCK_G: tl.constexpr):
-    """Flat tile index -> (group, first row, end row, row-tile index m, column-tile index n)."""
-    offs = tl.arange(0, BLOCK_G)
-    cum = tl.load(cum_ptr + offs, mask=offs < G, other=2147483647)
-    j = tl.sum((cum <= t).to(tl.int32), axis=0)
+    """Flat tile index -> (group, first row, end row, row-tile index m, column-tile index n). The group is found
+    by counting cum entries <= t, BLOCK_G at a time (a fixed block, so the kernel never recompiles as G changes)."""
+    j = 0
+    for c0 in range(0, G, BLOCK_G):
+        offs = c0 + tl.arange(0, BLOCK_G)
+        cum = tl.load(cum_ptr + offs, mask=offs < G, other=2147483647)
+        j += tl.sum((cum <= t).to(tl.int32), axis=0)
     base = tl.load(cum_ptr + j - 1, mask=j > 0, other=0)
     g = tl.load(order_ptr + j)
     start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
@@ -68,7 +74,7 @@ def _mainloop(a_ptr, b_ptr, rows, rmask, cols, cmask, K, sam, sak, sbk, sbn,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])
 def ffn_up_kernel(x_ptr, w1_ptr, a_ptr, h_ptr, ends_ptr, order_ptr, cum_ptr,
                   D, I, G, sxm, sxk, swg, swk, swn, beta, beta_lin,
                   SAVE_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -127,7 +133,7 @@ def ffn_up_kernel(x_ptr, w1_ptr, a_ptr, h_ptr, ends_ptr, order_ptr, cum_ptr,
             tl.store(hp + I, hu, mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])
 def grouped_mm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ends_ptr, order_ptr, cum_ptr,
                       K, NOUT, G, sam, sak, sbg, sbk, sbn,
                       HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -151,7 +157,7 @@ def grouped_mm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ends_ptr, order_ptr, cum_p
         tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])
 def ffn_dh_kernel(dy_ptr, w2_ptr, h_ptr, scale_ptr, dh_ptr, ds_ptr, ends_ptr, order_ptr, cum_ptr,
                   D, I, G, sym, syk, swg, swk, swn, beta, beta_lin,
                   HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -183,7 +189,7 @@ def ffn_dh_kernel(dy_ptr, w2_ptr, h_ptr, scale_ptr, dh_ptr, ds_ptr, ends_ptr, or
         tl.store(dp + I, (acc * dadu).to(dh_ptr.dtype.element_ty), mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])
 def grouped_wgrad_kernel(p_ptr, q_ptr, out_ptr, ends_ptr, order_ptr,
                          M1, M2, G, spm, spk, sqm, sqk, sog,
                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
@@ -230,7 +236,7 @@ def grouped_wgrad_kernel(p_ptr, q_ptr, out_ptr, ends_ptr, order_ptr,
 # Forward kernels with operands read through host-side tensor descriptors (Hopper TMA + wgmma pipelining). Row
 # tiles that run past their group read the next group's rows (rows past N read zeros); those rows are masked at the
 # store, so no row of another group is ever written. Needs K % BK == 0 and the weights viewed as 2-D [G*K, n_out].
-@triton.jit
+@triton.jit(do_not_specialize=["G"])
 def ffn_up_tma_kernel(x_desc, w1_desc, a_ptr, h_ptr, ends_ptr, order_ptr, cum_ptr, D, I, G, beta, beta_lin,
                       SAVE_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                       GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGS: tl.constexpr,
@@ -268,7 +274,7 @@ def ffn_up_tma_kernel(x_desc, w1_desc, a_ptr, h_ptr, ends_ptr, order_ptr, cum_pt
             tl.store(hp + I, hu, mask=omask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["G"])
 def grouped_mm_tma_kernel(a_desc, b_desc, c_ptr, scale_ptr, ends_ptr, order_ptr, cum_ptr, K, NOUT, G,
                           HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                           GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGS: tl.constexpr,

@@ -36,7 +36,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])  # row counts change every call: compile once
 def _gather_rows_kernel(x_ptr, src_ptr, w_ptr, out_ptr, y_ptr, dw_ptr, num_rows, D, K, sx, sy,
                         HAS_W: tl.constexpr, HAS_DOT: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
     """out[r] = w[src[r]] * x[src[r] // K] (0 if src[r] < 0); HAS_DOT: dw[src[r]] = <x[src[r] // K], y[r]>."""
@@ -64,7 +64,7 @@ def _gather_rows_kernel(x_ptr, src_ptr, w_ptr, out_ptr, y_ptr, dw_ptr, num_rows,
         tl.store(dw_ptr + route, dot.to(dw_ptr.dtype.element_ty), mask=valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])  # row counts change every call: compile once
 def _combine_kernel(y_ptr, dest_ptr, w_ptr, out_ptr, T, D, K, sy,
                     HAS_W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
     """out[t, cols] = sum_k w[t, k] * y[dest[t, k], cols] (fp32 sum; routes with dest < 0 skipped)."""

@@ -70,12 +70,12 @@ class _ExpertExchange(torch.autograd.Function):
                 received_l = received.detach().requires_grad_(build_graph)
                 leaves.append(received_l)
             if any(r >= 0 for r in ex.replica_rows):  # replicas computed here: weights from shard + received
+                # One gather per weight, so each is contiguous: the expert GEMMs then read it through TMA, the
+                # same compiled kernels as without replicas.
                 n1 = shape1.numel()
-                local = torch.cat([w1_l.flatten(1), w2_l.flatten(1)], dim=1)
-                table = torch.cat([local, received_l])
-                rows = [h if h >= 0 else local.shape[0] + r for h, r in zip(ex.home_rows, ex.replica_rows)]
-                picked = table[rows]
-                gw1, gw2 = picked[:, :n1].view(-1, *shape1), picked[:, n1:].view(-1, *shape2)
+                rows = [h if h >= 0 else w1.shape[0] + r for h, r in zip(ex.home_rows, ex.replica_rows)]
+                gw1 = torch.cat([w1_l.flatten(1), received_l[:, :n1]])[rows].view(-1, *shape1)
+                gw2 = torch.cat([w2_l.flatten(1), received_l[:, n1:]])[rows].view(-1, *shape2)
             elif ex.home_rows == list(range(w1.shape[0])):  # the whole shard, in order: no copy
                 gw1, gw2 = w1_l, w2_l
             else:
