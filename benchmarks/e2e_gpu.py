@@ -5,9 +5,9 @@ Parts (--parts, in this order; each prints a table and writes <out>/<part>.json)
          and the dense bf16 matmul peak measured in that run (for MFU); `plain_1gpu`: the same with each process
          seeing only its own GPU (CUDA_VISIBLE_DEVICES), as Ray starts GPU workers;
   k3ray  the same job through `k3ray`'s Controller and Worker actors on Ray: tokens/s, MFU, Ray overhead vs plain;
-  overhead  Ray's overhead settled by alternation: after one unmeasured warm-up run, pairs of plain_1gpu and k3ray
-         runs in ABBA order (plain, k3ray, k3ray, plain, ...) until --rounds pairs or --overhead-budget-s; the
-         overhead is the median over pairs of k3ray / plain - 1 (a pair shares the machine's state of the moment);
+  overhead  Ray's overhead with both programs alive on the same GPUs (plain_1gpu and k3ray), taking turns step by
+         step, who goes first alternating; the overhead is the median over steps of k3ray's / plain's step - 1,
+         both timed by the driver (order to the program -> its report back);
   moe    the MoE layer alone (fwd+bwd, no shared experts) under router skew Zipf 0..1.5 (a bias -s*ln(e+1) on the
          router logits), MoonEP on and off, and DeepSpeed-MoE (deepspeed.moe.layer.MoE, dropless) on the same
          shapes and skew when deepspeed imports (benchmarks/carry_deepspeed.sh);
@@ -75,7 +75,9 @@ def _median(xs: list[float]) -> float:
 
 
 # -- plain torch.distributed --------------------------------------------------------------------------------------
-def _plain_rank(rank: int, cfg_dict: dict, steps: int, port: int, one_gpu_visible: bool, queue) -> None:
+def _plain_server(rank: int, cfg_dict: dict, port: int, one_gpu_visible: bool, commands: list, queue) -> None:
+    """One rank of the plain program: build the engine, report ready, then run engine.train_step(step, step) for
+    each step number on its command queue until None."""
     from k3ray.policies.moonep import default_home
     from k3ray.runtime.engine import StageEngine
 
@@ -92,86 +94,159 @@ def _plain_rank(rank: int, cfg_dict: dict, steps: int, port: int, one_gpu_visibl
     home = default_home(cfg.model.n_experts, ep).tolist()
     engine = StageEngine(cfg, 0, rank, home, ep, "cuda" if cuda else "cpu")
     engine.init_process_groups(f"tcp://127.0.0.1:{port}", "nccl" if cuda else "gloo")
-    times, reports = [], []
-    for step in range(steps):
+    queue.put({"rank": rank, "peak_tflops": peak})
+    while (step := commands[rank].get()) is not None:
         t0 = time.perf_counter()
         report = engine.train_step(step, step)
         if cuda:
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        reports.append({"loss": report["loss"], "timings": report["timings"]})
-    queue.put({"rank": rank, "peak_tflops": peak, "step_seconds": times, "reports": reports})
+        queue.put({"rank": rank, "seconds": time.perf_counter() - t0, "loss": report["loss"],
+                   "timings": report["timings"],
+                   "reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0})
     dist.destroy_process_group()
 
 
-def spawn(target, n: int, args: tuple, results: int) -> list:
-    """Run target(rank, *args, queue) in n fresh processes; the `results` objects they put on the queue. Raises
-    at once if a process dies first."""
+def _get(queue, procs: list, name: str):
+    """The next object on the queue; raises at once if one of the processes died instead."""
     import queue as queue_mod
 
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, *args, q)) for r in range(n)]
-    for p in procs:
-        p.start()
-    out = []
-    while len(out) < results:
+    while True:
         try:
-            out.append(q.get(timeout=5))
+            return queue.get(timeout=5)
         except queue_mod.Empty:
             dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
             if dead:
                 for p in procs:
                     p.kill()
-                raise RuntimeError(f"{target.__name__}: a process exited with {dead}")
+                raise RuntimeError(f"{name}: a process exited with {dead}")
+
+
+def spawn(target, n: int, args: tuple, results: int) -> list:
+    """Run target(rank, *args, queue) in n fresh processes; the `results` objects they put on the queue."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, q)) for r in range(n)]
+    for p in procs:
+        p.start()
+    out = [_get(q, procs, target.__name__) for _ in range(results)]
     for p in procs:
         p.join()
     return out
+
+
+class PlainProgram:
+    """The plain torch.distributed program (StageEngine in one spawned process per EP rank, no Ray), kept alive
+    between steps so that it can take turns with k3ray on the same GPUs."""
+
+    def __init__(self, cfg: JobConfig, one_gpu_visible: bool):
+        ctx = mp.get_context("spawn")
+        self.n = cfg.parallel.ep
+        self.results = ctx.Queue()
+        self.commands = commands = [ctx.Queue() for _ in range(self.n)]
+        port = free_port()
+        self.procs = [ctx.Process(target=_plain_server, args=(r, cfg.model_dump(), port, one_gpu_visible, commands,
+                                                                  self.results)) for r in range(self.n)]
+        for p in self.procs:
+            p.start()
+        ready = [_get(self.results, self.procs, "plain") for _ in range(self.n)]
+        self.peak_tflops = _median([r["peak_tflops"] for r in ready])
+
+    def step(self, step: int) -> dict:
+        """Run one step on every rank: the slowest rank's own seconds, rank 0's loss and phase timings."""
+        for q in self.commands:
+            q.put(step)
+        reports = sorted((_get(self.results, self.procs, "plain") for _ in range(self.n)), key=lambda r: r["rank"])
+        return {"worker_seconds": max(r["seconds"] for r in reports), "loss": reports[0]["loss"],
+                "timings": reports[0]["timings"], "reserved_gb": max(r["reserved_gb"] for r in reports)}
+
+    def close(self) -> None:
+        for q in self.commands:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=60)
 
 
 def phase_medians(timings: list[dict]) -> dict:
     return {k: _median([t[k] for t in timings]) for k in timings[0]} if timings else {}
 
 
+def _run(program, steps: int) -> tuple[list[float], list[dict]]:
+    """Driver-measured seconds and reports of steps 0..steps-1."""
+    times, reports = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        reports.append(program.step(step))
+        times.append(time.perf_counter() - t0)
+    return times, reports
+
+
 def part_plain(cfg: JobConfig, steps: int, warmup: int, one_gpu_visible: bool = False) -> dict:
-    results = sorted(spawn(_plain_rank, cfg.parallel.ep, (cfg.model_dump(), steps, free_port(), one_gpu_visible),
-                           cfg.parallel.ep), key=lambda r: r["rank"])
-    step_s = [max(r["step_seconds"][i] for r in results) for i in range(steps)]  # slowest rank per step
-    med = _median(step_s[warmup:])
-    peak = _median([r["peak_tflops"] for r in results])
+    program = PlainProgram(cfg, one_gpu_visible)
+    try:
+        times, reports = _run(program, steps)
+    finally:
+        program.close()
+    med = _median(times[warmup:])
     tokens = tokens_per_step(cfg, cfg.parallel.ep)
-    return {"step_seconds": step_s, "median_step_s": med, "tokens_per_s": tokens / med, "peak_tflops": peak,
-            "mfu": flops_per_token(cfg) * tokens / med / (peak * 1e12 * cfg.parallel.ep),
-            "losses": [r["loss"] for r in results[0]["reports"]],
-            "phases": phase_medians([r["timings"] for r in results[0]["reports"][warmup:]])}
+    return {"step_seconds": times, "median_step_s": med, "tokens_per_s": tokens / med,
+            "peak_tflops": program.peak_tflops,
+            "mfu": flops_per_token(cfg) * tokens / med / (program.peak_tflops * 1e12 * cfg.parallel.ep),
+            "worker_step_s": _median([r["worker_seconds"] for r in reports[warmup:]]),
+            "losses": [r["loss"] for r in reports], "reserved_gb": reports[-1]["reserved_gb"],
+            "phases": phase_medians([r["timings"] for r in reports[warmup:]])}
 
 
 # -- k3ray on Ray -------------------------------------------------------------------------------------------------
+class RayProgram:
+    """The same job through k3ray's Controller and Worker actors on a local Ray cluster."""
+
+    def __init__(self, cfg: JobConfig):
+        from k3ray.runtime.driver import init_ray, start_controller
+
+        init_ray(None, cfg.parallel.world_size)
+        self.controller = start_controller(cfg)
+
+    def step(self, step: int) -> dict:
+        import ray
+
+        report = ray.get(self.controller.train_step.remote(step))
+        return {**report, "worker_seconds": report["timings"]["total"]}  # the slowest worker's own train_step
+
+    def call(self, fn):
+        import ray
+
+        return ray.get(self.controller.__ray_call__.remote(fn))
+
+    def close(self) -> None:
+        import ray
+
+        from k3ray.runtime.driver import stop_controller
+
+        try:
+            stop_controller(self.controller)
+        finally:
+            ray.shutdown()
+
+
 def _ray_job(cfg: JobConfig, steps: int, verbose: bool = False) -> tuple[list[float], list[dict], dict, list[dict],
                                                                          dict]:
-    import ray
-
-    from k3ray.runtime.driver import init_ray, start_controller, stop_controller
-
-    init_ray(None, cfg.parallel.world_size)
-    controller = start_controller(cfg)
+    program = RayProgram(cfg)
     try:
         times, reports = [], []
         for step in range(steps):
             t0 = time.perf_counter()
-            reports.append(ray.get(controller.train_step.remote(step)))
+            reports.append(program.step(step))
             times.append(time.perf_counter() - t0)
             if verbose:
                 print(f"step {step}: {times[-1]:.2f} s, loss {reports[-1]['loss']:.4f}", flush=True)
-        status = ray.get(controller.status.remote())
-        incidents = ray.get(controller.get_incidents.remote())
-        snaps = ray.get(controller.__ray_call__.remote(
+        status = program.call(lambda self: self.status())
+        incidents = program.call(lambda self: self.get_incidents())
+        snaps = program.call(
             lambda self: {"stall_s": list(self.snapshot_seconds), "total_s": list(self.snapshot_total_seconds),
-                          "bytes": self.snap.nbytes if self.snap is not None else 0}))
+                          "bytes": self.snap.nbytes if self.snap is not None else 0})
         return times, reports, status, incidents, snaps
     finally:
-        stop_controller(controller)
-        ray.shutdown()
+        program.close()
 
 
 def part_k3ray(cfg: JobConfig, steps: int, warmup: int, plain: dict | None) -> dict:
@@ -180,7 +255,7 @@ def part_k3ray(cfg: JobConfig, steps: int, warmup: int, plain: dict | None) -> d
     tokens = tokens_per_step(cfg, cfg.parallel.ep)
     out = {"step_seconds": times, "median_step_s": med, "tokens_per_s": tokens / med, "snapshots": snaps,
            "losses": [r["loss"] for r in reports], "ep": status["ep"],
-           "worker_step_s": _median([r["timings"]["total"] for r in reports[warmup:]]),  # slowest worker's own time
+           "worker_step_s": _median([r["worker_seconds"] for r in reports[warmup:]]),
            "phases": phase_medians([r["timings"] for r in reports[warmup:]])}
     if plain is not None:
         out["mfu"] = flops_per_token(cfg) * tokens / med / (plain["peak_tflops"] * 1e12 * cfg.parallel.ep)
@@ -188,38 +263,48 @@ def part_k3ray(cfg: JobConfig, steps: int, warmup: int, plain: dict | None) -> d
     return out
 
 
-def part_overhead(cfg: JobConfig, steps: int, warmup: int, rounds: int, budget_s: float, save) -> dict:
-    def summary(r: dict) -> dict:
-        keep = ("median_step_s", "tokens_per_s", "worker_step_s", "phases", "step_seconds")
-        return {k: r[k] for k in keep if k in r}
+def part_overhead(cfg: JobConfig, steps: int, warmup: int) -> dict:
+    """Ray's overhead with both programs alive on the same GPUs, taking turns step by step (who goes first
+    alternates), so that both see the machine in the same state: run-to-run drift cancels within each pair."""
+    plain = PlainProgram(cfg, one_gpu_visible=True)
+    try:
+        for step in range(warmup):  # compiles the kernels (Triton's disk cache) before Ray's workers start
+            plain.step(step)
+        k3ray = RayProgram(cfg)
+        try:
+            for step in range(warmup):
+                k3ray.step(step)
+            pairs, reserved_gb = [], 0.0
+            for i, step in enumerate(range(warmup, warmup + steps)):
+                pair = {"step": step, "first": "plain" if i % 2 == 0 else "k3ray"}
+                for name in (("plain", "k3ray") if i % 2 == 0 else ("k3ray", "plain")):
+                    program = plain if name == "plain" else k3ray
+                    t0 = time.perf_counter()
+                    report = program.step(step)
+                    pair[name] = {"seconds": time.perf_counter() - t0, "worker_seconds": report["worker_seconds"],
+                                  "loss": report["loss"], "timings": report["timings"]}
+                    reserved_gb = report.get("reserved_gb", reserved_gb)
+                pair["ratio"] = pair["k3ray"]["seconds"] / pair["plain"]["seconds"]
+                pairs.append(pair)
+        finally:
+            k3ray.close()
+    finally:
+        plain.close()
 
-    t_start = time.perf_counter()
-    part_plain(cfg, warmup + 2, warmup, one_gpu_visible=True)  # unmeasured: Triton cache, clocks, page cache
-    pairs: list[dict] = []
-    out: dict = {"steps": steps, "warmup": warmup, "pairs": pairs}
-    round_s = 0.0
-    for r in range(rounds):
-        if time.perf_counter() - t_start + round_s > budget_s:
-            break
-        t0 = time.perf_counter()
-        pair = {}
-        for name in (("plain", "k3ray") if r % 2 == 0 else ("k3ray", "plain")):
-            pair[name] = summary(part_k3ray(cfg, steps, warmup, None) if name == "k3ray" else
-                                 part_plain(cfg, steps, warmup, one_gpu_visible=True))
-        pair["first"] = "plain" if r % 2 == 0 else "k3ray"
-        pair["ratio"] = pair["k3ray"]["median_step_s"] / pair["plain"]["median_step_s"]
-        pair["ray_own_s"] = pair["k3ray"]["median_step_s"] - pair["k3ray"]["worker_step_s"]
-        pairs.append(pair)
-        round_s = time.perf_counter() - t0
-        print(f"overhead pair {r}: plain {pair['plain']['median_step_s']:.4f} s, k3ray "
-              f"{pair['k3ray']['median_step_s']:.4f} s, ratio {pair['ratio']:.4f} ({round_s:.0f} s)", flush=True)
-        ratios = [p["ratio"] for p in pairs]
-        out.update(ratios=ratios, median_overhead=_median(ratios) - 1, min_ratio=min(ratios), max_ratio=max(ratios),
-                   median_ray_own_s=_median([p["ray_own_s"] for p in pairs]),
-                   median_plain_step_s=_median([p["plain"]["median_step_s"] for p in pairs]),
-                   median_k3ray_step_s=_median([p["k3ray"]["median_step_s"] for p in pairs]))
-        save("overhead", out)  # after every pair: a run cut short still leaves its pairs
-    return out
+    def med(name: str, key: str) -> float:
+        return _median([p[name][key] for p in pairs])
+
+    ratios = [p["ratio"] for p in pairs]
+    return {"steps": steps, "warmup": warmup, "pairs": pairs, "median_overhead": _median(ratios) - 1,
+            "ratio_quartiles": statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios,
+            "plain_step_s": med("plain", "seconds"), "k3ray_step_s": med("k3ray", "seconds"),
+            "plain_worker_s": med("plain", "worker_seconds"), "k3ray_worker_s": med("k3ray", "worker_seconds"),
+            "ray_own_s": _median([p["k3ray"]["seconds"] - p["k3ray"]["worker_seconds"] for p in pairs]),
+            "worker_ratio": _median([p["k3ray"]["worker_seconds"] / p["plain"]["worker_seconds"] for p in pairs]),
+            "plain_phases": phase_medians([p["plain"]["timings"] for p in pairs]),
+            "k3ray_phases": phase_medians([p["k3ray"]["timings"] for p in pairs]),
+            "plain_reserved_gb": reserved_gb,  # both programs train the same model on the same batches:
+            "loss_max_rel_diff": max(abs(p["k3ray"]["loss"] / p["plain"]["loss"] - 1) for p in pairs)}
 
 
 # -- the MoE layer under skew ---------------------------------------------------------------------------------------
@@ -370,14 +455,11 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/gpu2.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    ap.add_argument("--parts", default="plain,k3ray,moe,drill")
+    ap.add_argument("--parts", default="plain,k3ray,overhead,moe,drill")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--moe-tokens", type=int, default=16384, help="tokens per rank for the MoE layer part")
     ap.add_argument("--moe-iters", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=6, help="overhead part: at most this many plain/k3ray pairs")
-    ap.add_argument("--overhead-budget-s", type=float, default=400.0,
-                    help="overhead part: start no pair that would end after this many seconds")
     ap.add_argument("--drill-steps", type=int, default=16)
     ap.add_argument("--drill-kill-step", type=int, default=7)
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/e2e"))
@@ -413,6 +495,17 @@ def main(argv: list[str] | None = None) -> None:
                              " ".join(f"{k} {v:.3f}" for k, v in r["phases"].items())))
         print_table(f"training step, {tokens} tokens/step, {flops_per_token(cfg) / 1e9:.2f} GFLOP/token, "
                     f"peak {results.get('plain', {}).get('peak_tflops', float('nan')):.0f} TFLOP/s per GPU", rows)
+    if "overhead" in parts:
+        r = save("overhead", part_overhead(cfg, args.steps, args.warmup)) or results["overhead"]
+        rows = [("program", "median step s (driver)", "median own step s (slowest rank)", "median phases s")]
+        for name in ("plain", "k3ray"):
+            rows.append((name, r[f"{name}_step_s"], r[f"{name}_worker_s"],
+                         " ".join(f"{k} {v:.3f}" for k, v in r[f"{name}_phases"].items())))
+        print_table(f"Ray overhead, programs taking turns for {args.steps} steps after {args.warmup} warm-up: "
+                    f"median k3ray/plain - 1 = {r['median_overhead']:+.2%} (quartiles of the ratio "
+                    f"{', '.join(f'{q:.4f}' for q in r['ratio_quartiles'])}); Ray's own {r['ray_own_s'] * 1e3:.1f} ms",
+                    rows)
+        print({k: v for k, v in r.items() if k != "pairs"})
     if "moe" in parts:
         r = save("moe", part_moe(cfg, args.moe_tokens, args.moe_iters)) or results["moe"]
         rows = [("system", "MoonEP", "Zipf", "ms fwd+bwd", "tokens/s", "max rank rows / mean", "max expert / mean")]
@@ -422,13 +515,6 @@ def main(argv: list[str] | None = None) -> None:
         print({k: v for k, v in r.items() if k not in ("rows", "profile")})
         print(r["profile"]["by_device"])
         print(r["profile"]["by_host"])
-    if "overhead" in parts:
-        r = part_overhead(cfg, args.steps, args.warmup, args.rounds, args.overhead_budget_s, save)
-        rows = [("pair", "first", "plain median s", "k3ray median s", "k3ray worker s", "k3ray / plain")]
-        rows += [(i, p["first"], p["plain"]["median_step_s"], p["k3ray"]["median_step_s"],
-                  p["k3ray"]["worker_step_s"], p["ratio"]) for i, p in enumerate(r["pairs"])]
-        print_table(f"Ray overhead by alternation ({args.steps} steps a run, medians after {args.warmup})", rows)
-        print({k: v for k, v in r.items() if k != "pairs"})
     if "drill" in parts:
         r = save("drill", part_drill(cfg, args.drill_steps, args.drill_kill_step)) or results["drill"]
         rows = [("event", "step", "ep", "seconds")]
