@@ -269,7 +269,13 @@ def part_overhead(cfg: JobConfig, steps: int, warmup: int) -> dict:
     plain = PlainProgram(cfg, one_gpu_visible=True)
     try:
         for step in range(warmup):  # compiles the kernels (Triton's disk cache) before Ray's workers start
-            plain.step(step)
+            reserved_gb = plain.step(step)["reserved_gb"]
+        if cfg.parallel.device == "cuda":  # both programs must fit on each GPU at once
+            total_gb = torch.cuda.get_device_properties(0).total_memory / 2**30
+            print(f"overhead: the plain program holds {reserved_gb:.1f} of {total_gb:.1f} GiB per GPU", flush=True)
+            if reserved_gb > 0.48 * total_gb:
+                raise RuntimeError(f"overhead: the plain program holds {reserved_gb:.1f} GiB of {total_gb:.1f}; "
+                                   "k3ray would not fit beside it")
         k3ray = RayProgram(cfg)
         try:
             for step in range(warmup):

@@ -114,9 +114,10 @@ class SnapshotStager:
         if self.staging is not None and self.staging.numel() >= nbytes:
             return self.staging
         self.staging = None
+        # Only memory nobody holds counts: blocks cached by the allocator are the next step's activations, so
+        # staging in them would push that step out of memory on a full device.
         free, _ = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        if free + cached < nbytes + self.headroom:
+        if free < nbytes + self.headroom:
             return None
         self.staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return self.staging
