@@ -119,6 +119,20 @@ def test_moved_shard_gives_identical_outputs(ray_cluster):
     assert abs(moved["loss"] - unmoved["loss"]) <= 1e-12 * abs(unmoved["loss"])
 
 
+def test_controller_and_workers_run_at_normal_priority(ray_cluster):
+    """Ray starts actors at nice 15; the processes on the step's critical path must not be deprioritised."""
+    import os
+
+    controller = start_controller(tiny(**{"parallel.ep": 2}))
+    try:
+        nice = ray.get(controller.__ray_call__.remote(
+            lambda self: [os.getpriority(os.PRIO_PROCESS, 0)]
+            + ray.get([w.__ray_call__.remote(lambda w: os.getpriority(os.PRIO_PROCESS, 0)) for w in self.group.workers])))
+    finally:
+        stop_controller(controller)
+    assert nice == [0, 0, 0]
+
+
 def test_more_workers_than_cluster_fails_fast(ray_cluster):
     from k3ray.runtime.group import TopologyError
 
