@@ -170,13 +170,15 @@ def phase_medians(timings: list[dict]) -> dict:
     return {k: _median([t[k] for t in timings]) for k in timings[0]} if timings else {}
 
 
-def _run(program, steps: int) -> tuple[list[float], list[dict]]:
+def _run(program, steps: int, verbose: bool = False) -> tuple[list[float], list[dict]]:
     """Driver-measured seconds and reports of steps 0..steps-1."""
     times, reports = [], []
     for step in range(steps):
         t0 = time.perf_counter()
         reports.append(program.step(step))
         times.append(time.perf_counter() - t0)
+        if verbose:
+            print(f"step {step}: {times[-1]:.2f} s, loss {reports[-1]['loss']:.4f}", flush=True)
     return times, reports
 
 
@@ -232,13 +234,7 @@ def _ray_job(cfg: JobConfig, steps: int, verbose: bool = False) -> tuple[list[fl
                                                                          dict]:
     program = RayProgram(cfg)
     try:
-        times, reports = [], []
-        for step in range(steps):
-            t0 = time.perf_counter()
-            reports.append(program.step(step))
-            times.append(time.perf_counter() - t0)
-            if verbose:
-                print(f"step {step}: {times[-1]:.2f} s, loss {reports[-1]['loss']:.4f}", flush=True)
+        times, reports = _run(program, steps, verbose)
         status = program.call(lambda self: self.status())
         incidents = program.call(lambda self: self.get_incidents())
         snaps = program.call(
