@@ -119,18 +119,26 @@ def test_moved_shard_gives_identical_outputs(ray_cluster):
     assert abs(moved["loss"] - unmoved["loss"]) <= 1e-12 * abs(unmoved["loss"])
 
 
-def test_controller_and_workers_run_at_normal_priority(ray_cluster):
-    """Ray starts actors at nice 15; the processes on the step's critical path must not be deprioritised."""
+def test_gpu_jobs_run_at_normal_priority(ray_cluster):
+    """Ray starts actors at nice 15. In a GPU job the controller (every step's critical path) and the workers (their
+    host thread feeds the GPU) run at normal priority; a CPU job keeps Ray's default."""
     import os
+
+    from k3ray.runtime.group import actor_runtime_env
+
+    def priority():
+        return os.getpriority(os.PRIO_PROCESS, 0)
 
     controller = start_controller(tiny(**{"parallel.ep": 2}))
     try:
         nice = ray.get(controller.__ray_call__.remote(
-            lambda self: [os.getpriority(os.PRIO_PROCESS, 0)]
-            + ray.get([w.__ray_call__.remote(lambda w: os.getpriority(os.PRIO_PROCESS, 0)) for w in self.group.workers])))
+            lambda self: [priority()] + ray.get([w.__ray_call__.remote(lambda w: priority())
+                                                 for w in self.group.workers])))
     finally:
         stop_controller(controller)
-    assert nice == [0, 0, 0]
+    assert nice == [15, 15, 15]
+    gpu_env = actor_runtime_env(tiny(**{"parallel.device": "cuda"}))
+    assert ray.get(ray.remote(priority).options(runtime_env=gpu_env).remote()) == 0
 
 
 def test_more_workers_than_cluster_fails_fast(ray_cluster):

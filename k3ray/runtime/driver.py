@@ -55,10 +55,10 @@ class ControllerBackend:
 
 def start_controller(cfg: JobConfig, resume: bool = False):
     from k3ray.actors.controller import Controller
-    from k3ray.runtime.group import NORMAL_PRIORITY
+    from k3ray.runtime.group import actor_runtime_env
 
     name = f"k3ray-{cfg.name}-{uuid.uuid4().hex[:8]}"
-    controller = Controller.options(name=name, runtime_env=NORMAL_PRIORITY).remote(cfg.model_dump())
+    controller = Controller.options(name=name, runtime_env=actor_runtime_env(cfg)).remote(cfg.model_dump())
     ray.get(controller.start.remote(resume=resume))
     return controller
 

@@ -16,10 +16,17 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from k3ray.actors.worker import Worker
 from k3ray.config import JobConfig
 
-# Ray starts actor processes at nice 15. A worker's host thread feeds its GPU (launches, the per-layer count sync)
-# and the controller sits on every step's critical path, so both run at normal priority: on a busy node, nice 15
+# Ray starts actor processes at nice 15. In a GPU job the controller sits on every step's critical path and a
+# worker's host thread feeds its GPU (launches, the per-layer count sync), so they run at normal priority: nice 15
 # cost 2 % of the step on 2 H200s (benchmarks/RESULTS.md). Ray's own job supervisor does the same.
 NORMAL_PRIORITY = {"env_vars": {"RAY_worker_niceness": "0"}}
+
+
+def actor_runtime_env(cfg: JobConfig) -> dict | None:
+    """The controller's and the workers' runtime env: normal priority for GPU jobs. CPU jobs keep Ray's default (and
+    workers inherit the controller's env), so their compute leaves Ray's own processes the CPU on small hosts: at
+    normal priority the CPU test suite ran 10 % slower on 2 cores."""
+    return NORMAL_PRIORITY if cfg.parallel.device == "cuda" else None
 
 
 class TopologyError(RuntimeError):
@@ -71,7 +78,7 @@ class WorkerGroup:
         cfg_dict = self.cfg.model_dump()
         self.workers = [Worker.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
-            num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0), runtime_env=NORMAL_PRIORITY,
+            num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0), runtime_env=actor_runtime_env(self.cfg),
         ).remote(cfg_dict, r // self.ep, r % self.ep, self.home, self.ep, restore is None) for r in range(self.size)]
         ip, port = ray.get(self.workers[0].rendezvous_address.remote(), timeout=timeout_s)
         t1 = time.perf_counter()
