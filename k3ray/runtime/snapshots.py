@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_map_only
 
 ALIGN = 64  # bytes; every tensor starts aligned, so dtype views of the byte buffer are legal
 
@@ -44,25 +45,19 @@ def layout(state: Any) -> tuple[Any, list[tuple[torch.Tensor, TensorSlot]], int]
     tensors: list[tuple[torch.Tensor, TensorSlot]] = []
     offset = 0
 
-    def walk(x):
+    def place(x: torch.Tensor) -> TensorSlot:
         nonlocal offset
-        if isinstance(x, torch.Tensor):
-            slot = TensorSlot(offset, str(x.dtype).removeprefix("torch."), tuple(x.shape))
-            tensors.append((x.detach(), slot))
-            offset += -(-x.numel() * x.element_size() // ALIGN) * ALIGN
-            return slot
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
-        return x
+        slot = TensorSlot(offset, str(x.dtype).removeprefix("torch."), tuple(x.shape))
+        tensors.append((x.detach(), slot))
+        offset += -(-x.numel() * x.element_size() // ALIGN) * ALIGN
+        return slot
 
-    return walk(state), tensors, offset
+    return tree_map_only(torch.Tensor, place, state), tensors, offset
 
 
 def _view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     dtype = getattr(torch, slot.dtype)
-    n = int(np.prod(slot.shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    n = int(np.prod(slot.shape, dtype=np.int64)) * dtype.itemsize
     return buf[slot.offset:slot.offset + n].view(dtype).view(slot.shape)
 
 
@@ -72,17 +67,7 @@ def unpack(packed: Packed) -> Any:
     with warnings.catch_warnings():  # torch warns that the object store's arrays are read-only; we only read them
         warnings.simplefilter("ignore", UserWarning)
         buf = torch.from_numpy(packed.data)
-
-    def walk(x):
-        if isinstance(x, TensorSlot):
-            return _view(buf, x)
-        if isinstance(x, dict):
-            return {k: walk(v) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(walk(v) for v in x)
-        return x
-
-    return walk(packed.tree)
+    return tree_map_only(TensorSlot, lambda slot: _view(buf, slot), packed.tree)
 
 
 def as_state(x: Any) -> Any:
