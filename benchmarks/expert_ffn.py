@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import time
 
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from k3ray.kernels import grouped_ffn
 from k3ray.kernels.grouped_ffn import grouped_expert_ffn_triton
@@ -167,6 +168,47 @@ def ffn_row(n_groups: int, n_rows: int, skew: str) -> dict:
     return row
 
 
+def host_us(fn, calls: int = 50) -> float:
+    """Host time of one call while the GPU is kept busy (its launches only queue): what a call costs the CPU."""
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # ~50 ms of GPU spin, longer than the host loop
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def kernel_row(n_groups: int, n_rows: int, skew: str) -> dict:
+    """GPU time of each Triton kernel alone (CUDA-graph replay, so no launch gaps), as TFLOP/s, and host time of a
+    forward call: ours and the torch._grouped_mm path."""
+    ends, sets = make_sets(n_rows, n_groups, group_sizes(n_rows, n_groups, skew))
+    x, w1, w2 = sets[0]
+    dy = torch.randn(n_rows, D, device=DEV, dtype=BF)
+    unit = 2 * n_rows * D * INNER  # FLOPs of one [rows, D] x [D, I] GEMM
+    tf = lambda mult, ms: mult * unit / ms / 1e9  # noqa: E731
+    graph = lambda fn: do_bench_cudagraph(fn, rep=200, return_mode="median")  # noqa: E731
+    ffn = grouped_ffn
+    sched = ffn._Schedule(ends, None, n_rows)
+    row = {"experts": n_groups, "skew": skew}
+    with torch.no_grad():
+        _, act, h = ffn._ffn_forward(x, w1, w2, sched, None, True, 4.0, 25.0)
+        ms_down = graph(lambda: ffn._grouped_mm(act, w2, sched, None, "down", False))
+        ms_fwd = graph(lambda: ffn._ffn_forward(x, w1, w2, sched, None, False, 4.0, 25.0))
+        row["up"] = tf(2, ms_fwd - ms_down)
+        row["down"] = tf(1, ms_down)
+        row["dh"] = tf(1, graph(lambda: ffn._ffn_dh(dy, w2, h, None, sched, 4.0, 25.0)))
+        row["dx"] = tf(2, graph(lambda: ffn._grouped_mm(h, w1, sched, None, "dx", True)))
+        row["dw1"] = tf(2, graph(lambda: ffn._wgrad(x, h, sched, w1.dtype)))
+        row["dw2"] = tf(1, graph(lambda: ffn._wgrad(act, dy, sched, w2.dtype)))
+        row["schedule_us"] = 1e3 * graph(lambda: ffn._Schedule(ends, None, n_rows).tiles(64))
+    ours, gmm = ours_fwd(ends), grouped_mm_path(ends, silu_mul)
+    row["host_us_ours"] = host_us(lambda: ours(x, w1, w2))
+    row["host_us_gmm"] = host_us(lambda: gmm(x, w1, w2))
+    return row
+
+
 def permute_rows_bench(n_tokens: int = 8192, k: int = 8) -> list[dict]:
     n_rows = n_tokens * k
     dest = torch.randperm(n_rows, device=DEV).reshape(n_tokens, k)
@@ -194,11 +236,11 @@ def permute_rows_bench(n_tokens: int = 8192, k: int = 8) -> list[dict]:
 
 
 CANDIDATES = {  # (BM, BN, BK, GROUP_M, num_warps, num_stages)
-    "up_tma": [(64, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 4, 4), (64, 256, 64, 4, 8, 3),
-               (128, 256, 64, 8, 8, 3)],
+    "up_tma": [(64, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 4, 4), (64, 256, 64, 4, 8, 3)],
     "down_tma": [(64, 256, 64, 8, 4, 4), (64, 256, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4)],
-    "dh": [(64, 128, 64, 8, 8, 4), (128, 128, 64, 8, 8, 3)],
-    "wgrad": [(256, 128, 32, 8, 8, 4), (128, 256, 32, 8, 8, 4)],
+    "dh_tma": [(64, 128, 64, 8, 8, 4), (64, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)],
+    "dx_tma": [(64, 256, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4)],
+    "wgrad": [(128, 256, 32, 8, 8, 4), (256, 128, 32, 8, 8, 4)],
 }
 TUNE_SHAPES = [(112, 32768, "balanced"), (14, 4096, "zipf1.2")]
 
@@ -211,7 +253,7 @@ def tune() -> None:
         problems.append((ends, sets, torch.randn(n_rows, D, device=DEV, dtype=BF)))
     for name, cands in CANDIDATES.items():
         fwd = name.startswith(("up", "down"))
-        grouped_ffn.USE_TMA = name not in ("up", "down")
+        grouped_ffn.USE_TMA = name not in ("up", "down", "dh", "dx")  # the pointer-load kernels
         times = {}
         for cfg in cands:
             grouped_ffn.CONFIGS[name] = cfg
@@ -237,24 +279,40 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     if args.tune:
         tune()
-    ceil = ceilings()
+    shapes = [(g, n, skew) for (g, n) in [(14, 4096), (112, 32768)] for skew in ("balanced", "zipf1.2")]
+    result = {"ceilings": ceilings()}
+    ceil = result["ceilings"]
     print(f"dense 8192^3 bf16 matmul: {ceil['matmul_tflops']:.0f} TFLOP/s; device copy: {ceil['copy_gbs']:.0f} GB/s")
-    rows = [ffn_row(g, n, skew) for (g, n) in [(14, 4096), (112, 32768)] for skew in ("balanced", "zipf1.2")]
-    mov = permute_rows_bench()
-    head = ("experts", "rows", "skew", "max_rows", "ours_fwd", "ours_fwd_ptr", "ours_bwd", "ours_fwd_bwd", "gmm_silu", "gmm_situ",
-            "gmm_fwd_bwd", "loop", "dense")
+
+    def save():
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**result, "configs": grouped_ffn.CONFIGS}, f, indent=1)
+
+    result["ffn"] = [ffn_row(*shape) for shape in shapes]
+    save()
+    head = ("experts", "rows", "skew", "max_rows", "ours_fwd", "ours_fwd_ptr", "ours_bwd", "ours_fwd_bwd", "gmm_silu",
+            "gmm_situ", "gmm_fwd_bwd", "loop", "dense")
     print("\nTFLOP/s (medians)")
     print("| " + " | ".join(head) + " | fwd/gmm_silu | fwd/dense | bwd/fwd |")
-    for r in rows:
+    for r in result["ffn"]:
         cells = [str(r[h]) if isinstance(r[h], (int, str)) else f"{r[h]:.0f}" for h in head]
         ratios = [r["ours_fwd"] / r["gmm_silu"], r["ours_fwd"] / r["dense"], r["ours_bwd"] / r["ours_fwd"]]
         print("| " + " | ".join(cells) + " | " + " | ".join(f"{x:.2f}" for x in ratios) + " |")
+
+    result["per_kernel"] = [kernel_row(*shape) for shape in shapes]
+    save()
+    print("\nper kernel, GPU time alone (graph replay), TFLOP/s; host time of one forward call")
+    keys = ("experts", "skew", "up", "down", "dh", "dx", "dw1", "dw2", "schedule_us", "host_us_ours", "host_us_gmm")
+    print("| " + " | ".join(keys) + " |")
+    for r in result["per_kernel"]:
+        print("| " + " | ".join(str(r[k]) if isinstance(r[k], (int, str)) else f"{r[k]:.0f}" for k in keys) + " |")
+
+    result["movement"] = permute_rows_bench()
+    save()
     print(f"\ndata movement, 8192 tokens x top-8 x {D} bf16 (copy ceiling {ceil['copy_gbs']:.0f} GB/s)")
-    for m in mov:
+    for m in result["movement"]:
         print(f"| {m['what']} | {m['ms'] * 1e3:.1f} us | {m['gbs']:.0f} GB/s | {m['gbs'] / ceil['copy_gbs']:.2f} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"ceilings": ceil, "ffn": rows, "movement": mov, "configs": grouped_ffn.CONFIGS}, f, indent=1)
 
 
 if __name__ == "__main__":

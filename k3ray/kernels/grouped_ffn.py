@@ -42,33 +42,43 @@ def grouped_expert_ffn_reference(
 # gradient is needed) then grouped_mm_kernel (down GEMM, row_scale epilogue). Backward (2x the forward FLOPs):
 # ffn_dh_kernel (dY @ W2^T with the SiTU-GLU gradient and d row_scale in its epilogue, activation recomputed from the
 # saved h), grouped_mm_kernel (dX = dH @ W1^T), grouped_wgrad_kernel twice (dW1 = X^T dH, dW2 = A^T (s * dY)).
-# Block configs: `CONFIGS[kernel]` = (BM, BN, BK, GROUP_M, num_warps, num_stages); benchmarks may overwrite them.
+# Block configs: `CONFIGS[kernel]` = (BM, BN, BK, GROUP_M, num_warps, num_stages), "_tma" for the TMA-descriptor
+# variant (used where the shapes allow); benchmarks may overwrite them.
 CONFIGS = {  # tuned on an H200 (benchmarks/expert_ffn.py --tune), bf16, D=3584, I=2048
     "up_tma": (64, 256, 64, 8, 8, 3),
     "down_tma": (64, 256, 64, 8, 4, 4),
+    "dh_tma": (64, 128, 64, 8, 8, 4),
+    "dx_tma": (64, 256, 64, 8, 4, 4),
     "up": (128, 128, 64, 8, 8, 3),
     "down": (64, 256, 64, 8, 8, 4),
     "dh": (64, 128, 64, 8, 8, 4),
     "dx": (128, 256, 64, 8, 8, 3),
-    "wgrad": (256, 128, 32, 8, 8, 4),
+    "wgrad": (128, 256, 32, 8, 8, 4),
 }
-USE_TMA = True  # forward kernels read operands through TMA descriptors where the shapes allow
+USE_TMA = True  # read operands through TMA descriptors where the shapes allow
 _INTERPRET_CONFIG = (16, 16, 16, 2, 1, 1)
 _FP32_CONFIG = (64, 64, 32, 4, 4, 2)  # fp32 operands: the bf16 tiles would not fit in shared memory
 _NUM_SMS: dict[int, int] = {}
-_BLOCK_G = 128  # groups the tile lookup scans at a time (fixed: the kernels must not recompile as G changes)
+_BLOCK_G = 128  # groups the schedule kernel ranks at a time (fixed: no recompile as G changes)
 
 
-def _config(name: str, t: torch.Tensor) -> tuple[int, int, int, int, int, int]:
+def _config(name: str, t: torch.Tensor) -> tuple[int, ...]:
     if INTERPRET:
         return _INTERPRET_CONFIG
     return CONFIGS[name] if t.element_size() <= 2 else _FP32_CONFIG
 
 
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    return USE_TMA and all(
+def _tma_config(name: str, k_dim: int, *tensors: torch.Tensor):
+    """(config, use TMA) for kernel `name`: TMA needs contiguous, 16-byte aligned operands and K % BK == 0."""
+    cfg = _config(name + "_tma", tensors[0])
+    ok = USE_TMA and k_dim % cfg[2] == 0 and all(
         t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors
     )
+    return (cfg, True) if ok else (_config(name, tensors[0]), False)
+
+
+def _desc(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(t, [rows, cols])
 
 
 def _num_programs(device: torch.device) -> int:
@@ -83,36 +93,42 @@ def _num_programs(device: torch.device) -> int:
 
 
 class _Schedule:
-    """Largest-first (or given) group order and cumulative row-tile counts, all on the device (no host sync)."""
+    """Row-tile tables (grouped_gemm.schedule_kernel), one per tile height, built on the device when first used:
+    one small launch each, no host sync."""
 
-    def __init__(self, group_ends: torch.Tensor, group_order: torch.Tensor | None):
-        ends = group_ends.to(torch.int32)
-        sizes = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
-        if group_order is None:
-            group_order = torch.argsort(sizes, descending=True, stable=True)
-        self.ends = ends.contiguous()
-        self.order = group_order.to(device=ends.device, dtype=torch.int32).contiguous()
-        self.sizes = sizes[self.order.long()]
-        self.G = ends.numel()
-        self._cum: dict[tuple[int, int], torch.Tensor] = {}
+    def __init__(self, group_ends: torch.Tensor, group_order: torch.Tensor | None, n_rows: int):
+        self.ends = group_ends.to(torch.int32).contiguous()
+        self.order_in = None if group_order is None else group_order.to(self.ends.device, torch.int32).contiguous()
+        self.G = self.ends.numel()
+        self.n_rows = n_rows
+        self._tiles: dict[int, tuple[torch.Tensor, int]] = {}
 
-    def cum(self, bm: int, nt: int) -> torch.Tensor:
-        key = (bm, nt)
-        if key not in self._cum:
-            self._cum[key] = torch.cumsum((self.sizes + bm - 1) // bm * nt, 0).to(torch.int32)
-        return self._cum[key]
+    def tiles(self, bm: int) -> tuple[torch.Tensor, int]:
+        """(table, MT) for BM-row tiles; layout in grouped_gemm's docstring."""
+        if bm not in self._tiles:
+            mt = self.n_rows // bm + self.G
+            tiles = torch.empty(2 * mt + 1 + self.G, device=self.ends.device, dtype=torch.int32)
+            order = self.order_in if self.order_in is not None else self.ends
+            gg.schedule_kernel[(self.G,)](self.ends, order, tiles, self.G, mt, BM=bm,
+                                          HAS_ORDER=self.order_in is not None, BLOCK=_BLOCK_G)
+            self._tiles[bm] = (tiles, mt)
+        return self._tiles[bm]
+
+    def order(self) -> torch.Tensor:
+        """[G] int32: the groups, first to last."""
+        tiles, mt = next(iter(self._tiles.values())) if self._tiles else self.tiles(64)
+        return tiles[2 * mt + 1:]
 
 
-def _launch_rowtiled(kernel, cfg, sched: _Schedule, n_out: int, k_dim: int, head, tail, tma=False, **flags):
-    """Persistent launch of a row-tiled kernel: kernel(*head, cum, *tail, **constexprs)."""
+def _launch_rowtiled(kernel, cfg, tma: bool, sched: _Schedule, n_out: int, k_dim: int, head, tail, **flags):
+    """Persistent launch of a row-tiled kernel: kernel(*head, tiles, ends, MT, *tail, **constexprs)."""
     bm, bn, bk, gm, warps, stages = cfg
-    nt = triton.cdiv(n_out, bn)
+    tiles, mt = sched.tiles(bm)
     progs = _num_programs(sched.ends.device)
-    if not tma:
-        flags.update(EVEN_K=k_dim % bk == 0, EVEN_N=n_out % bn == 0)
     kernel[(progs,)](
-        *head, sched.cum(bm, nt), *tail, BM=bm, BN=bn, BK=bk, GROUP_M=gm, BLOCK_G=_BLOCK_G,
-        NUM_PROGS=progs, DOT_F32=INTERPRET, num_warps=warps, num_stages=stages, **flags,
+        *head, tiles, sched.ends, mt, *tail, TMA=tma, BM=bm, BN=bn, BK=bk, GROUP_M=gm, NUM_PROGS=progs,
+        EVEN_K=k_dim % bk == 0, EVEN_N=n_out % bn == 0, DOT_F32=INTERPRET, num_warps=warps,
+        num_stages=stages, **flags,
     )
 
 
@@ -123,19 +139,10 @@ def _ffn_forward(x, w1, w2, sched: _Schedule, row_scale, save_h: bool, beta: flo
     h = torch.empty(n, 2 * inner, device=x.device, dtype=x.dtype) if save_h else act
     if n == 0:  # no rows: nothing to launch (and no kernel variant that only empty inputs would compile)
         return x.new_empty(0, w2.shape[2]), act, h
-    head = (act, h, sched.ends, sched.order)
-    cfg = _config("up_tma", x)
-    if _tma_ok(x, w1) and d % cfg[2] == 0:
-        xd = TensorDescriptor.from_tensor(x, [cfg[0], cfg[2]])
-        wd = TensorDescriptor.from_tensor(w1.view(-1, w1.shape[2]), [cfg[2], cfg[1]])
-        _launch_rowtiled(gg.ffn_up_tma_kernel, cfg, sched, inner, d, (xd, wd, *head),
-                         (d, inner, sched.G, beta, beta_lin), tma=True, SAVE_H=save_h)
-    else:
-        _launch_rowtiled(
-            gg.ffn_up_kernel, _config("up", x), sched, inner, d, (x, w1, *head),
-            (d, inner, sched.G, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2), beta, beta_lin),
-            SAVE_H=save_h,
-        )
+    cfg, tma = _tma_config("up", d, x, w1)
+    srcs = (_desc(x, cfg[0], cfg[2]), _desc(w1.view(-1, w1.shape[2]), cfg[2], cfg[1])) if tma else (x, w1)
+    _launch_rowtiled(gg.ffn_up_kernel, cfg, tma, sched, inner, d, (*srcs, act, h),
+                     (d, inner, x.stride(0), x.stride(1), *w1.stride(), beta, beta_lin), SAVE_H=save_h)
     y = _grouped_mm(act, w2, sched, row_scale, "down", transpose_b=False)
     return y, act, h
 
@@ -147,19 +154,36 @@ def _grouped_mm(a, b, sched: _Schedule, scale, name: str, transpose_b: bool):
     out = torch.empty(a.shape[0], n_out, device=a.device, dtype=a.dtype)
     if a.shape[0] == 0:
         return out
-    head = (out, scale if scale is not None else a, sched.ends, sched.order)
-    tail = (k_dim, n_out, sched.G)
-    if not transpose_b and _tma_ok(a, b) and k_dim % _config(name + "_tma", a)[2] == 0:
-        cfg = _config(name + "_tma", a)
-        ad = TensorDescriptor.from_tensor(a, [cfg[0], cfg[2]])
-        bd = TensorDescriptor.from_tensor(b.view(-1, n_out), [cfg[2], cfg[1]])
-        _launch_rowtiled(gg.grouped_mm_tma_kernel, cfg, sched, n_out, k_dim, (ad, bd, *head), tail, tma=True,
-                         HAS_SCALE=scale is not None)
-        return out
+    cfg, tma = _tma_config(name, k_dim, a, b)
+    srcs = (a, b)
+    if tma:
+        bm, bn, bk = cfg[:3]
+        b_desc = _desc(b.view(-1, k_dim), bn, bk) if transpose_b else _desc(b.view(-1, n_out), bk, bn)
+        srcs = (_desc(a, bm, bk), b_desc)
     sbg, sbk, sbn = (b.stride(0), b.stride(2), b.stride(1)) if transpose_b else b.stride()
-    _launch_rowtiled(gg.grouped_mm_kernel, _config(name, a), sched, n_out, k_dim, (a, b, *head),
-                     tail + (a.stride(0), a.stride(1), sbg, sbk, sbn), HAS_SCALE=scale is not None)
+    _launch_rowtiled(gg.grouped_mm_kernel, cfg, tma, sched, n_out, k_dim,
+                     (*srcs, out, scale if scale is not None else a),
+                     (k_dim, n_out, a.stride(0), a.stride(1), sbg, sbk, sbn),
+                     HAS_SCALE=scale is not None, TRANS_B=transpose_b)
     return out
+
+
+def _ffn_dh(dy, w2, h, row_scale, sched: _Schedule, beta: float, beta_lin: float):
+    """dh [N, 2I] (gradient of the pre-activations) and ds [N] fp32 (of row_scale; None without one)."""
+    n, d = dy.shape
+    inner = w2.shape[1]
+    dh = torch.empty(n, 2 * inner, device=dy.device, dtype=dy.dtype)
+    has_scale = row_scale is not None
+    ds = torch.zeros(n, device=dy.device, dtype=torch.float32) if has_scale else None
+    if n == 0:
+        return dh, ds
+    cfg, tma = _tma_config("dh", d, dy, w2)
+    srcs = (_desc(dy, cfg[0], cfg[2]), _desc(w2.view(-1, d), cfg[1], cfg[2])) if tma else (dy, w2)
+    _launch_rowtiled(gg.ffn_dh_kernel, cfg, tma, sched, inner, d,
+                     (*srcs, h, row_scale if has_scale else dy, dh, ds if has_scale else dh),
+                     (d, inner, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(2), w2.stride(1), beta, beta_lin),
+                     HAS_SCALE=has_scale)
+    return dh, ds
 
 
 def _wgrad(p, q, sched: _Schedule, out_dtype):
@@ -171,7 +195,7 @@ def _wgrad(p, q, sched: _Schedule, out_dtype):
     bm, bn, bk, gm, warps, stages = _config("wgrad", p)
     progs = _num_programs(p.device)
     gg.grouped_wgrad_kernel[(progs,)](
-        p, q, out, sched.ends, sched.order, m1, m2, sched.G, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
+        p, q, out, sched.ends, sched.order(), m1, m2, sched.G, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
         m1 * m2, BM=bm, BN=bn, BK=bk, GROUP_M=gm, NUM_PROGS=progs, DOT_F32=INTERPRET, num_warps=warps,
         num_stages=stages,
     )
@@ -180,12 +204,11 @@ def _wgrad(p, q, sched: _Schedule, out_dtype):
 
 class _GroupedFFN(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, w2, group_ends, row_scale, group_order, save_h):
-        sched = _Schedule(group_ends, group_order)
-        y, act, h = _ffn_forward(x, w1, w2, sched, row_scale, save_h, 4.0, 25.0)
-        if save_h:
-            ctx.save_for_backward(x, w1, w2, row_scale, act, h)
-            ctx.sched = sched
+    def forward(ctx, x, w1, w2, group_ends, row_scale, group_order):
+        sched = _Schedule(group_ends, group_order, x.shape[0])
+        y, act, h = _ffn_forward(x, w1, w2, sched, row_scale, True, 4.0, 25.0)
+        ctx.save_for_backward(x, w1, w2, row_scale, act, h)
+        ctx.sched = sched
         return y
 
     @staticmethod
@@ -193,26 +216,15 @@ class _GroupedFFN(torch.autograd.Function):
         x, w1, w2, row_scale, act, h = ctx.saved_tensors
         sched = ctx.sched
         dy = dy.contiguous()
-        n, d = x.shape
-        inner = w2.shape[1]
-        dh = torch.empty(n, 2 * inner, device=x.device, dtype=x.dtype)
-        has_scale = row_scale is not None
-        ds = torch.zeros(n, device=x.device, dtype=torch.float32) if has_scale else dh
-        if n:
-            _launch_rowtiled(
-                gg.ffn_dh_kernel, _config("dh", dy), sched, inner, d,
-                (dy, w2, h, row_scale if has_scale else dy, dh, ds, sched.ends, sched.order),
-                (d, inner, sched.G, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(2), w2.stride(1), 4.0, 25.0),
-                HAS_SCALE=has_scale,
-            )
+        dh, ds = _ffn_dh(dy, w2, h, row_scale, sched, 4.0, 25.0)
         dx = _grouped_mm(dh, w1, sched, None, "dx", transpose_b=True) if ctx.needs_input_grad[0] else None
         dw1 = _wgrad(x, dh, sched, w1.dtype) if ctx.needs_input_grad[1] else None
         dw2 = None
         if ctx.needs_input_grad[2]:
-            dys = (dy.float() * row_scale.float()[:, None]).to(dy.dtype) if has_scale else dy
+            dys = (dy.float() * row_scale.float()[:, None]).to(dy.dtype) if row_scale is not None else dy
             dw2 = _wgrad(act, dys, sched, w2.dtype)
-        dscale = ds.to(row_scale.dtype) if has_scale and ctx.needs_input_grad[4] else None
-        return dx, dw1, dw2, None, dscale, None, None
+        dscale = ds.to(row_scale.dtype) if ds is not None and ctx.needs_input_grad[4] else None
+        return dx, dw1, dw2, None, dscale, None
 
 
 def grouped_expert_ffn_triton(
@@ -231,5 +243,7 @@ def grouped_expert_ffn_triton(
     if row_scale is not None:
         row_scale = row_scale.contiguous()
     leaves = (x, w1, w2) if row_scale is None else (x, w1, w2, row_scale)
-    save_h = torch.is_grad_enabled() and any(t.requires_grad for t in leaves)
-    return _GroupedFFN.apply(x, w1, w2, group_ends, row_scale, group_order, save_h)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
+        return _GroupedFFN.apply(x, w1, w2, group_ends, row_scale, group_order)
+    sched = _Schedule(group_ends, group_order, x.shape[0])  # inference: no autograd node, nothing saved
+    return _ffn_forward(x, w1, w2, sched, row_scale, False, 4.0, 25.0)[0]

@@ -2,14 +2,22 @@
 
 Notation as grouped_ffn.py: N rows sorted by group, G groups, D input/output width, I inner width.
 
-All row-tiled kernels are persistent: NUM_PROGS programs walk a flat tile index t = pid, pid + NUM_PROGS, ...
-Tiles are laid out group after group in `order` (a permutation of the groups, largest first by default), so the
-biggest groups are started first and the small ones fill the tail. `cum[j]` is the cumulative tile count of the
-first j+1 groups of `order` (computed on the device: no host sync); inside a group the tiles are swizzled in
-bands of GROUP_M row tiles so a band's weight columns stay in L2.
+Row tiles. `schedule_kernel` lays out every group's BM-row tiles back to back, groups in `order` (largest first by
+default), into a table on the device (no host sync): tiles[i] = group of row tile i, tiles[MT + i] = its first row,
+tiles[2 MT] = the number of row tiles, tiles[2 MT + 1 + r] = the group of rank r. MT = N // BM + G bounds the count.
+The row-tiled kernels are persistent: NUM_PROGS programs walk a flat tile index t = pid, pid + NUM_PROGS, ...; t
+maps to (row tile, column tile) in bands of GROUP_M row tiles, so a band's weight columns stay in L2 and the biggest
+groups start first while the small ones fill the tail. The lookup is three loads, no loop. (Flattening the tile loop
+into the K loop, `tl.range(..., flatten=True)`, measured slower on an H200; Triton 3.6 has no warp specialization on
+Hopper.)
 
-Compiled variants never depend on the loads: G is not specialised, and BLOCK_G and NUM_PROGS are fixed per device
-(grouped_ffn.py), so a kernel compiles once per model shape at the first step, never mid-run when routing shifts.
+TMA: operands read through tensor descriptors (Hopper TMA + wgmma pipelining) when the host built them; otherwise
+plain pointer loads. Row tiles that run past their group read the next group's rows (rows past N read zeros); those
+rows are masked at the store, so no row of another group is ever written. Weights are viewed 2-D: [G*K, n_out], or
+[G*n_out, K] with TRANS_B (the tile is transposed in shared memory).
+
+Compiled variants never depend on the loads: G and MT are not specialised, NUM_PROGS is fixed per device and the
+schedule's BLOCK is fixed (grouped_ffn.py), so a kernel compiles once per model shape, never mid-run.
 
 DOT_F32 upcasts the dot operands to fp32: only for TRITON_INTERPRET, whose bf16 dot is wrong on CPU (triton 3.9).
 """
@@ -21,105 +29,163 @@ import triton.language as tl
 from k3ray.kernels.situ_glu import situ_fwd, situ_fwd_bwd
 
 
-@triton.jit
-def _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM: tl.constexpr, GROUP_M: tl.constexpr,
-              BLOCK_G: tl.constexpr):
-    """Flat tile index -> (group, first row, end row, row-tile index m, column-tile index n). The group is found
-    by counting cum entries <= t, BLOCK_G at a time (a fixed block, so the kernel never recompiles as G changes)."""
-    j = 0
-    for c0 in range(0, G, BLOCK_G):
-        offs = c0 + tl.arange(0, BLOCK_G)
-        cum = tl.load(cum_ptr + offs, mask=offs < G, other=2147483647)
-        j += tl.sum((cum <= t).to(tl.int32), axis=0)
-    base = tl.load(cum_ptr + j - 1, mask=j > 0, other=0)
-    g = tl.load(order_ptr + j)
+@triton.jit(do_not_specialize=["G", "MT"])
+def schedule_kernel(ends_ptr, order_ptr, tiles_ptr, G, MT, BM: tl.constexpr, HAS_ORDER: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """One program per group rank r (grid G). Its group: order[r] (HAS_ORDER) or group r, ranked then by size,
+    largest first (ties by index). Writes the group's row tiles after those of every group ranked before it."""
+    pid = tl.program_id(0)
+    if HAS_ORDER:
+        g = tl.load(order_ptr + pid)
+    else:
+        g = pid
     start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
-    end = tl.load(ends_ptr + g)
-    local = t - base
-    mt = (end - start + BM - 1) // BM
-    band = GROUP_M * NT
-    first_m = (local // band) * GROUP_M
-    rows_in_band = tl.minimum(mt - first_m, GROUP_M)
-    m = first_m + (local % band) % rows_in_band
-    n = (local % band) // rows_in_band
-    return g, start, end, m, n
+    size = tl.load(ends_ptr + g) - start
+    rank = 0
+    offset = 0
+    for c0 in range(0, G, BLOCK):
+        j = c0 + tl.arange(0, BLOCK)
+        valid = j < G
+        if HAS_ORDER:
+            k = tl.load(order_ptr + j, mask=valid, other=0)
+        else:
+            k = j
+        k_size = tl.load(ends_ptr + k, mask=valid, other=0) - tl.load(ends_ptr + k - 1, mask=valid & (k > 0), other=0)
+        if HAS_ORDER:
+            before = valid & (j < pid)
+        else:
+            before = valid & ((k_size > size) | ((k_size == size) & (k < g)))
+        rank += tl.sum(before.to(tl.int32), axis=0)
+        offset += tl.sum(tl.where(before, (k_size + BM - 1) // BM, 0), axis=0)
+    tl.store(tiles_ptr + 2 * MT + 1 + rank, g)
+    n_tiles = (size + BM - 1) // BM
+    for m0 in range(0, n_tiles, BLOCK):
+        m = m0 + tl.arange(0, BLOCK)
+        keep = m < n_tiles
+        tl.store(tiles_ptr + offset + m, tl.zeros([BLOCK], dtype=tl.int32) + g, mask=keep)
+        tl.store(tiles_ptr + MT + offset + m, start + m * BM, mask=keep)
+    if rank == G - 1:
+        tl.store(tiles_ptr + 2 * MT, offset + n_tiles)
 
 
 @triton.jit
-def _mainloop(a_ptr, b_ptr, rows, rmask, cols, cmask, K, sam, sak, sbk, sbn,
-              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-              DOT_F32: tl.constexpr):
-    """acc[BM, BN] = a[rows, :K] @ b[:K, cols] (b already offset to its group)."""
-    ks = tl.arange(0, BK)
-    ap = a_ptr + rows[:, None].to(tl.int64) * sam + ks[None, :] * sak
-    bp = b_ptr + ks[:, None] * sbk + cols[None, :].to(tl.int64) * sbn
+def _tile(t, tiles_ptr, ends_ptr, MT, total_m, NT, GROUP_M: tl.constexpr):
+    """Flat tile index -> (group, first row, group end row, column-tile index)."""
+    band = GROUP_M * NT
+    first = (t // band) * GROUP_M
+    in_band = tl.minimum(total_m - first, GROUP_M)
+    i = first + (t % band) % in_band
+    g = tl.load(tiles_ptr + i)
+    return g, tl.load(tiles_ptr + MT + i), tl.load(ends_ptr + g), (t % band) // in_band
+
+
+@triton.jit
+def _mainloop(a_src, b_src, row0, col0, rmask, cmask, g, K, NOUT, sam, sak, sbg, sbk, sbn,
+              BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, TRANS_B: tl.constexpr,
+              EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc[BM, BN] = a[row0:+BM, :K] @ b[g][:K, col0:+BN]. TMA: a_src, b_src are descriptors; otherwise pointers
+    with strides (b's through (sbg, sbk, sbn), which also express a transpose)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, K, BK):
-        if EVEN_K:
-            a = tl.load(ap, mask=rmask[:, None], other=0.0)
-            if EVEN_N:
-                b = tl.load(bp)
-            else:
-                b = tl.load(bp, mask=cmask[None, :], other=0.0)
+    if TMA:
+        if TRANS_B:
+            brow = g * NOUT + col0
         else:
-            kmask = (k0 + ks) < K
-            a = tl.load(ap, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            b = tl.load(bp, mask=kmask[:, None] & cmask[None, :], other=0.0)
-        if DOT_F32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc)
-        ap += BK * sak
-        bp += BK * sbk
+            brow = g * K
+        for k0 in range(0, K, BK):
+            a = a_src.load([row0, k0])
+            if TRANS_B:
+                b = b_src.load([brow, k0]).T
+            else:
+                b = b_src.load([brow + k0, col0])
+            if DOT_F32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+    else:
+        ks = tl.arange(0, BK)
+        rows = row0 + tl.arange(0, BM)
+        cols = col0 + tl.arange(0, BN)
+        ap = a_src + rows[:, None].to(tl.int64) * sam + ks[None, :] * sak
+        bp = b_src + g.to(tl.int64) * sbg + ks[:, None] * sbk + cols[None, :].to(tl.int64) * sbn
+        for k0 in range(0, K, BK):
+            if EVEN_K:
+                a = tl.load(ap, mask=rmask[:, None], other=0.0)
+                if EVEN_N:
+                    b = tl.load(bp)
+                else:
+                    b = tl.load(bp, mask=cmask[None, :], other=0.0)
+            else:
+                kmask = (k0 + ks) < K
+                a = tl.load(ap, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                b = tl.load(bp, mask=kmask[:, None] & cmask[None, :], other=0.0)
+            if DOT_F32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc)
+            ap += BK * sak
+            bp += BK * sbk
     return acc
 
 
-@triton.jit(do_not_specialize=["G"])
-def ffn_up_kernel(x_ptr, w1_ptr, a_ptr, h_ptr, ends_ptr, order_ptr, cum_ptr,
-                  D, I, G, sxm, sxk, swg, swk, swn, beta, beta_lin,
-                  SAVE_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGS: tl.constexpr,
+@triton.jit(do_not_specialize=["MT"])
+def ffn_up_kernel(x_src, w1_src, a_ptr, h_ptr, tiles_ptr, ends_ptr, MT,
+                  D, I, sxm, sxk, swg, swk, swn, beta, beta_lin,
+                  SAVE_H: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
     """a[rows, cols] = situ(x @ w1[g][:, cols], x @ w1[g][:, I + cols]); gate and up tiles share the x tile.
     SAVE_H also stores the pre-activations h [N, 2I] (bf16) for the backward."""
     pid = tl.program_id(0)
-    NT = (I + BN - 1) // BN
-    total = tl.load(cum_ptr + G - 1)
-    for t in range(pid, total, NUM_PROGS):
-        g, start, end, m, n = _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM, GROUP_M, BLOCK_G)
-        rows = start + m * BM + tl.arange(0, BM)
+    NT = tl.cdiv(I, BN)
+    total_m = tl.load(tiles_ptr + 2 * MT)
+    for t in range(pid, total_m * NT, NUM_PROGS):
+        g, row0, end, n = _tile(t, tiles_ptr, ends_ptr, MT, total_m, NT, GROUP_M)
+        rows = row0 + tl.arange(0, BM)
         rmask = rows < end
         cols = n * BN + tl.arange(0, BN)
         cmask = cols < I
-        ks = tl.arange(0, BK)
-        xp = x_ptr + rows[:, None].to(tl.int64) * sxm + ks[None, :] * sxk
-        wp = w1_ptr + g.to(tl.int64) * swg + ks[:, None] * swk + cols[None, :].to(tl.int64) * swn
-        up_off = I * swn
         acc_g = tl.zeros((BM, BN), dtype=tl.float32)
         acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            if EVEN_K:
-                xa = tl.load(xp, mask=rmask[:, None], other=0.0)
-                if EVEN_N:
-                    wg = tl.load(wp)
-                    wu = tl.load(wp + up_off)
+        if TMA:
+            wrow = g * D
+            for k0 in range(0, D, BK):
+                xa = x_src.load([row0, k0])
+                wg = w1_src.load([wrow + k0, n * BN])
+                wu = w1_src.load([wrow + k0, I + n * BN])
+                if DOT_F32:
+                    xa = xa.to(tl.float32)
+                    wg = wg.to(tl.float32)
+                    wu = wu.to(tl.float32)
+                acc_g = tl.dot(xa, wg, acc_g)
+                acc_u = tl.dot(xa, wu, acc_u)
+        else:
+            ks = tl.arange(0, BK)
+            xp = x_src + rows[:, None].to(tl.int64) * sxm + ks[None, :] * sxk
+            wp = w1_src + g.to(tl.int64) * swg + ks[:, None] * swk + cols[None, :].to(tl.int64) * swn
+            up_off = I * swn
+            for k0 in range(0, D, BK):
+                if EVEN_K:
+                    xa = tl.load(xp, mask=rmask[:, None], other=0.0)
+                    if EVEN_N:
+                        wg = tl.load(wp)
+                        wu = tl.load(wp + up_off)
+                    else:
+                        wg = tl.load(wp, mask=cmask[None, :], other=0.0)
+                        wu = tl.load(wp + up_off, mask=cmask[None, :], other=0.0)
                 else:
-                    wg = tl.load(wp, mask=cmask[None, :], other=0.0)
-                    wu = tl.load(wp + up_off, mask=cmask[None, :], other=0.0)
-            else:
-                kmask = (k0 + ks) < D
-                xa = tl.load(xp, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                wmask = kmask[:, None] & cmask[None, :]
-                wg = tl.load(wp, mask=wmask, other=0.0)
-                wu = tl.load(wp + up_off, mask=wmask, other=0.0)
-            if DOT_F32:
-                xa = xa.to(tl.float32)
-                wg = wg.to(tl.float32)
-                wu = wu.to(tl.float32)
-            acc_g = tl.dot(xa, wg, acc_g)
-            acc_u = tl.dot(xa, wu, acc_u)
-            xp += BK * sxk
-            wp += BK * swk
+                    kmask = (k0 + ks) < D
+                    xa = tl.load(xp, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                    wmask = kmask[:, None] & cmask[None, :]
+                    wg = tl.load(wp, mask=wmask, other=0.0)
+                    wu = tl.load(wp + up_off, mask=wmask, other=0.0)
+                if DOT_F32:
+                    xa = xa.to(tl.float32)
+                    wg = wg.to(tl.float32)
+                    wu = wu.to(tl.float32)
+                acc_g = tl.dot(xa, wg, acc_g)
+                acc_u = tl.dot(xa, wu, acc_u)
+                xp += BK * sxk
+                wp += BK * swk
         # Round the pre-activations to the storage dtype first, as the unfused path (and the backward) sees them.
         hg = acc_g.to(a_ptr.dtype.element_ty)
         hu = acc_u.to(a_ptr.dtype.element_ty)
@@ -133,49 +199,49 @@ def ffn_up_kernel(x_ptr, w1_ptr, a_ptr, h_ptr, ends_ptr, order_ptr, cum_ptr,
             tl.store(hp + I, hu, mask=omask)
 
 
-@triton.jit(do_not_specialize=["G"])
-def grouped_mm_kernel(a_ptr, b_ptr, c_ptr, scale_ptr, ends_ptr, order_ptr, cum_ptr,
-                      K, NOUT, G, sam, sak, sbg, sbk, sbn,
-                      HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGS: tl.constexpr,
+@triton.jit(do_not_specialize=["MT"])
+def grouped_mm_kernel(a_src, b_src, c_ptr, scale_ptr, tiles_ptr, ends_ptr, MT,
+                      K, NOUT, sam, sak, sbg, sbk, sbn,
+                      HAS_SCALE: tl.constexpr, TMA: tl.constexpr, TRANS_B: tl.constexpr, BM: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
                       EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
-    """c[rows] = (a[rows] @ b[g]) * scale[rows]; b[g] is [K, NOUT] through strides (sbk, sbn); c is [N, NOUT]."""
+    """c[rows] = (a[rows] @ b[g]) * scale[rows]; c is [N, NOUT]."""
     pid = tl.program_id(0)
-    NT = (NOUT + BN - 1) // BN
-    total = tl.load(cum_ptr + G - 1)
-    for t in range(pid, total, NUM_PROGS):
-        g, start, end, m, n = _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM, GROUP_M, BLOCK_G)
-        rows = start + m * BM + tl.arange(0, BM)
+    NT = tl.cdiv(NOUT, BN)
+    total_m = tl.load(tiles_ptr + 2 * MT)
+    for t in range(pid, total_m * NT, NUM_PROGS):
+        g, row0, end, n = _tile(t, tiles_ptr, ends_ptr, MT, total_m, NT, GROUP_M)
+        rows = row0 + tl.arange(0, BM)
         rmask = rows < end
         cols = n * BN + tl.arange(0, BN)
         cmask = cols < NOUT
-        acc = _mainloop(a_ptr, b_ptr + g.to(tl.int64) * sbg, rows, rmask, cols, cmask, K, sam, sak, sbk, sbn,
-                        BM, BN, BK, EVEN_K, EVEN_N, DOT_F32)
+        acc = _mainloop(a_src, b_src, row0, n * BN, rmask, cmask, g, K, NOUT, sam, sak, sbg, sbk, sbn,
+                        BM, BN, BK, TMA, TRANS_B, EVEN_K, EVEN_N, DOT_F32)
         if HAS_SCALE:
             acc = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
         cp = c_ptr + rows[:, None].to(tl.int64) * NOUT + cols[None, :]
         tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
-@triton.jit(do_not_specialize=["G"])
-def ffn_dh_kernel(dy_ptr, w2_ptr, h_ptr, scale_ptr, dh_ptr, ds_ptr, ends_ptr, order_ptr, cum_ptr,
-                  D, I, G, sym, syk, swg, swk, swn, beta, beta_lin,
-                  HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGS: tl.constexpr,
+@triton.jit(do_not_specialize=["MT"])
+def ffn_dh_kernel(dy_src, w2_src, h_ptr, scale_ptr, dh_ptr, ds_ptr, tiles_ptr, ends_ptr, MT,
+                  D, I, sym, syk, swg, swk, swn, beta, beta_lin,
+                  HAS_SCALE: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
     """dA0 = dy @ w2[g]^T (tile of [rows, cols of I]); epilogue: ds[rows] += sum(dA0 * act), dA = scale * dA0,
     dh[:, cols] = dA * dact/dg, dh[:, I + cols] = dA * dact/du (activation recomputed from the saved h)."""
     pid = tl.program_id(0)
-    NT = (I + BN - 1) // BN
-    total = tl.load(cum_ptr + G - 1)
-    for t in range(pid, total, NUM_PROGS):
-        g, start, end, m, n = _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM, GROUP_M, BLOCK_G)
-        rows = start + m * BM + tl.arange(0, BM)
+    NT = tl.cdiv(I, BN)
+    total_m = tl.load(tiles_ptr + 2 * MT)
+    for t in range(pid, total_m * NT, NUM_PROGS):
+        g, row0, end, n = _tile(t, tiles_ptr, ends_ptr, MT, total_m, NT, GROUP_M)
+        rows = row0 + tl.arange(0, BM)
         rmask = rows < end
         cols = n * BN + tl.arange(0, BN)
         cmask = cols < I
-        acc = _mainloop(dy_ptr, w2_ptr + g.to(tl.int64) * swg, rows, rmask, cols, cmask, D, sym, syk, swk, swn,
-                        BM, BN, BK, EVEN_K, EVEN_N, DOT_F32)
+        acc = _mainloop(dy_src, w2_src, row0, n * BN, rmask, cmask, g, D, I, sym, syk, swg, swk, swn,
+                        BM, BN, BK, TMA, True, EVEN_K, EVEN_N, DOT_F32)
         omask = rmask[:, None] & cmask[None, :]
         hp = h_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
         hg = tl.load(hp, mask=omask, other=0.0).to(tl.float32)
@@ -230,73 +296,3 @@ def grouped_wgrad_kernel(p_ptr, q_ptr, out_ptr, ends_ptr, order_ptr,
             qp += BK * sqm
         op = out_ptr + g.to(tl.int64) * sog + c1[:, None].to(tl.int64) * M2 + c2[None, :]
         tl.store(op, acc.to(out_ptr.dtype.element_ty), mask=m1[:, None] & m2[None, :])
-
-
-# ------------------------------------------------------------------------------------------------- TMA variants
-# Forward kernels with operands read through host-side tensor descriptors (Hopper TMA + wgmma pipelining). Row
-# tiles that run past their group read the next group's rows (rows past N read zeros); those rows are masked at the
-# store, so no row of another group is ever written. Needs K % BK == 0 and the weights viewed as 2-D [G*K, n_out].
-@triton.jit(do_not_specialize=["G"])
-def ffn_up_tma_kernel(x_desc, w1_desc, a_ptr, h_ptr, ends_ptr, order_ptr, cum_ptr, D, I, G, beta, beta_lin,
-                      SAVE_H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                      GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGS: tl.constexpr,
-                      DOT_F32: tl.constexpr):
-    pid = tl.program_id(0)
-    NT = (I + BN - 1) // BN
-    total = tl.load(cum_ptr + G - 1)
-    for t in range(pid, total, NUM_PROGS):
-        g, start, end, m, n = _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM, GROUP_M, BLOCK_G)
-        row0 = start + m * BM
-        wrow = g * D
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, D, BK):
-            xa = x_desc.load([row0, k0])
-            wg = w1_desc.load([wrow + k0, n * BN])
-            wu = w1_desc.load([wrow + k0, I + n * BN])
-            if DOT_F32:
-                xa = xa.to(tl.float32)
-                wg = wg.to(tl.float32)
-                wu = wu.to(tl.float32)
-            acc_g = tl.dot(xa, wg, acc_g)
-            acc_u = tl.dot(xa, wu, acc_u)
-        rows = row0 + tl.arange(0, BM)
-        cols = n * BN + tl.arange(0, BN)
-        omask = (rows < end)[:, None] & (cols < I)[None, :]
-        hg = acc_g.to(a_ptr.dtype.element_ty)
-        hu = acc_u.to(a_ptr.dtype.element_ty)
-        act = situ_fwd(hg.to(tl.float32), hu.to(tl.float32), beta, beta_lin)
-        r64 = rows[:, None].to(tl.int64)
-        tl.store(a_ptr + r64 * I + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=omask)
-        if SAVE_H:
-            hp = h_ptr + r64 * (2 * I) + cols[None, :]
-            tl.store(hp, hg, mask=omask)
-            tl.store(hp + I, hu, mask=omask)
-
-
-@triton.jit(do_not_specialize=["G"])
-def grouped_mm_tma_kernel(a_desc, b_desc, c_ptr, scale_ptr, ends_ptr, order_ptr, cum_ptr, K, NOUT, G,
-                          HAS_SCALE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                          GROUP_M: tl.constexpr, BLOCK_G: tl.constexpr, NUM_PROGS: tl.constexpr,
-                          DOT_F32: tl.constexpr):
-    pid = tl.program_id(0)
-    NT = (NOUT + BN - 1) // BN
-    total = tl.load(cum_ptr + G - 1)
-    for t in range(pid, total, NUM_PROGS):
-        g, start, end, m, n = _row_tile(t, cum_ptr, order_ptr, ends_ptr, G, NT, BM, GROUP_M, BLOCK_G)
-        row0 = start + m * BM
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            a = a_desc.load([row0, k0])
-            b = b_desc.load([g * K + k0, n * BN])
-            if DOT_F32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-        rows = row0 + tl.arange(0, BM)
-        cols = n * BN + tl.arange(0, BN)
-        rmask = rows < end
-        if HAS_SCALE:
-            acc = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
-        cp = c_ptr + rows[:, None].to(tl.int64) * NOUT + cols[None, :]
-        tl.store(cp, acc.to(c_ptr.dtype.element_ty), mask=rmask[:, None] & (cols < NOUT)[None, :])
