@@ -1,6 +1,6 @@
 """Routed-expert kernels on one GPU: grouped expert FFN TFLOP/s, permute/unpermute GB/s, histogram time.
 
-    python benchmarks/expert_ffn.py [--tune] [--json out.json]
+    python benchmarks/expert_ffn.py [--tune [KERNEL ...]] [--json out.json]
 
 Shapes: K = D = 3584 in/out, I = 2048 inner; 14 local experts (~4k rows) and 112 (~32k rows); balanced and Zipf 1.2
 rows per expert. FLOPs = 2*rows*K*2I + 2*rows*I*K forward, twice that backward. Timings: triton.testing.do_bench
@@ -11,7 +11,7 @@ Columns: ours = k3ray grouped_expert_ffn_triton (fused SiTU-GLU); grouped_mm = t
 separate torch ops (silu(g)*u as in K3_NOTES, and SiTU-GLU); loop = one matmul per expert (silu(g)*u); dense = all
 rows through one dense weight pair (silu(g)*u), the ceiling the grouped kernels are held to. ours_fwd reads the
 forward operands through TMA descriptors; ours_fwd_ptr is the same forward with plain pointer loads.
---tune sweeps the block configs of each Triton kernel on the 112-expert balanced shape first and keeps the fastest.
+--tune sweeps the block configs of each Triton kernel (timed alone) on TUNE_SHAPES first and keeps the fastest.
 """
 from __future__ import annotations
 
@@ -180,32 +180,49 @@ def host_us(fn, calls: int = 50) -> float:
     return us
 
 
+def kernel_calls(ends, x, w1, w2, dy) -> dict:
+    """Each Triton kernel of the FFN alone on one problem: name -> (call, FLOPs in units of one [N, D] x [D, I]
+    GEMM). Operands (act, h, the tile tables) are made first and the device synchronised, since graph benchmarks
+    run on a stream of their own."""
+    ffn = grouped_ffn
+    sched = ffn._Schedule(ends, None, x.shape[0])
+    with torch.no_grad():
+        _, act, h = ffn._ffn_forward(x, w1, w2, sched, None, True, 4.0, 25.0)
+    for bm in {c[0] for c in ffn.CONFIGS.values()} | {c[0] for cs in CANDIDATES.values() for c in cs}:
+        sched.tiles(bm)
+    torch.cuda.synchronize()
+    return {
+        "up": (lambda: ffn._ffn_up(x, w1, sched, INNER, False, 4.0, 25.0), 2),
+        "down": (lambda: ffn._grouped_mm(act, w2, sched, None, "down", False), 1),
+        "dh": (lambda: ffn._ffn_dh(dy, w2, h, None, sched, 4.0, 25.0), 1),
+        "dx": (lambda: ffn._grouped_mm(h, w1, sched, None, "dx", True), 2),
+        "dw1": (lambda: ffn._wgrad(x, h, sched, w1.dtype), 2),
+        "dw2": (lambda: ffn._wgrad(act, dy, sched, w2.dtype), 1),
+    }
+
+
+def graph_ms(fn) -> float:
+    return do_bench_cudagraph(fn, rep=200, return_mode="median")
+
+
 def kernel_row(n_groups: int, n_rows: int, skew: str) -> dict:
     """GPU time of each Triton kernel alone (CUDA-graph replay, so no launch gaps), as TFLOP/s, and host time of a
-    forward call: ours and the torch._grouped_mm path."""
+    forward call and of a forward+backward call: ours and the torch._grouped_mm path."""
     ends, sets = make_sets(n_rows, n_groups, group_sizes(n_rows, n_groups, skew))
     x, w1, w2 = sets[0]
     dy = torch.randn(n_rows, D, device=DEV, dtype=BF)
-    unit = 2 * n_rows * D * INNER  # FLOPs of one [rows, D] x [D, I] GEMM
-    tf = lambda mult, ms: mult * unit / ms / 1e9  # noqa: E731
-    graph = lambda fn: do_bench_cudagraph(fn, rep=200, return_mode="median")  # noqa: E731
-    ffn = grouped_ffn
-    sched = ffn._Schedule(ends, None, n_rows)
+    unit = 2 * n_rows * D * INNER
     row = {"experts": n_groups, "skew": skew}
     with torch.no_grad():
-        _, act, h = ffn._ffn_forward(x, w1, w2, sched, None, True, 4.0, 25.0)
-        ms_down = graph(lambda: ffn._grouped_mm(act, w2, sched, None, "down", False))
-        ms_fwd = graph(lambda: ffn._ffn_forward(x, w1, w2, sched, None, False, 4.0, 25.0))
-        row["up"] = tf(2, ms_fwd - ms_down)
-        row["down"] = tf(1, ms_down)
-        row["dh"] = tf(1, graph(lambda: ffn._ffn_dh(dy, w2, h, None, sched, 4.0, 25.0)))
-        row["dx"] = tf(2, graph(lambda: ffn._grouped_mm(h, w1, sched, None, "dx", True)))
-        row["dw1"] = tf(2, graph(lambda: ffn._wgrad(x, h, sched, w1.dtype)))
-        row["dw2"] = tf(1, graph(lambda: ffn._wgrad(act, dy, sched, w2.dtype)))
-        row["schedule_us"] = 1e3 * graph(lambda: ffn._Schedule(ends, None, n_rows).tiles(64))
+        for name, (call, mult) in kernel_calls(ends, x, w1, w2, dy).items():
+            row[name] = mult * unit / graph_ms(call) / 1e9
+        row["schedule_us"] = 1e3 * graph_ms(lambda: grouped_ffn._Schedule(ends, None, n_rows).tiles(64))
     ours, gmm = ours_fwd(ends), grouped_mm_path(ends, silu_mul)
     row["host_us_ours"] = host_us(lambda: ours(x, w1, w2))
     row["host_us_gmm"] = host_us(lambda: gmm(x, w1, w2))
+    ours_train, gmm_train = ours_fwd_bwd(ends, dy), grouped_mm_fwd_bwd(ends, dy)
+    row["host_us_ours_train"] = host_us(lambda: ours_train(x, w1, w2), calls=10)
+    row["host_us_gmm_train"] = host_us(lambda: gmm_train(x, w1, w2), calls=10)
     return row
 
 
@@ -236,49 +253,53 @@ def permute_rows_bench(n_tokens: int = 8192, k: int = 8) -> list[dict]:
 
 
 CANDIDATES = {  # (BM, BN, BK, GROUP_M, num_warps, num_stages)
-    "up_tma": [(64, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 4, 4), (64, 256, 64, 4, 8, 3)],
-    "down_tma": [(64, 256, 64, 8, 4, 4), (64, 256, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4)],
-    "dh_tma": [(64, 128, 64, 8, 8, 4), (64, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3)],
-    "dx_tma": [(64, 256, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4)],
-    "wgrad": [(128, 256, 32, 8, 8, 4), (256, 128, 32, 8, 8, 4)],
+    "up_tma": [(64, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3), (64, 128, 64, 8, 4, 4)],
+    "down_tma": [(64, 256, 64, 8, 4, 4), (64, 256, 64, 8, 8, 4), (128, 256, 64, 8, 8, 3)],
+    "dh_tma": [(64, 128, 64, 8, 8, 4), (64, 128, 64, 8, 4, 6), (64, 128, 64, 8, 4, 7), (64, 256, 64, 8, 8, 3),
+               (128, 128, 64, 8, 8, 4)],
+    "dx_tma": [(64, 256, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3)],
+    "wgrad": [(128, 256, 32, 8, 8, 4), (256, 128, 32, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4),
+              (128, 256, 32, 8, 8, 5)],
 }
 TUNE_SHAPES = [(112, 32768, "balanced"), (14, 4096, "zipf1.2")]
+KERNEL_OF = {"up_tma": ["up"], "down_tma": ["down"], "dh_tma": ["dh"], "dx_tma": ["dx"], "wgrad": ["dw1", "dw2"]}
 
 
-def tune() -> None:
-    """Per kernel, keep the candidate with the least summed (time / best time) over TUNE_SHAPES."""
+def tune(names) -> None:
+    """Per kernel (those in `names`, all when empty), keep the candidate with the least summed (time / best time) over TUNE_SHAPES, each kernel timed
+    alone (graph replay)."""
     problems = []
     for n_groups, n_rows, skew in TUNE_SHAPES:
         ends, sets = make_sets(n_rows, n_groups, group_sizes(n_rows, n_groups, skew))
-        problems.append((ends, sets, torch.randn(n_rows, D, device=DEV, dtype=BF)))
+        dy = torch.randn(n_rows, D, device=DEV, dtype=BF)
+        problems.append(kernel_calls(ends, *sets[0], dy))
     for name, cands in CANDIDATES.items():
-        fwd = name.startswith(("up", "down"))
-        grouped_ffn.USE_TMA = name not in ("up", "down", "dh", "dx")  # the pointer-load kernels
+        if names and name not in names:
+            continue
         times = {}
         for cfg in cands:
             grouped_ffn.CONFIGS[name] = cfg
             try:
-                times[cfg] = [bench([lambda s=s, f=(ours_fwd(e) if fwd else ours_fwd_bwd(e, dy)): f(*s)
-                                     for s in sets]) for e, sets, dy in problems]
+                with torch.no_grad():
+                    times[cfg] = [sum(graph_ms(calls[k][0]) for k in KERNEL_OF[name]) for calls in problems]
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for this config
                 print(f"tune {name} {cfg}: {type(e).__name__}")
                 continue
-            print(f"tune {name:8s} {cfg}: " + " / ".join(f"{t:.3f}" for t in times[cfg])
-                  + f" ms ({'fwd' if fwd else 'fwd+bwd'}; shapes {TUNE_SHAPES})")
+            print(f"tune {name:8s} {cfg}: " + " / ".join(f"{t:.3f}" for t in times[cfg]) + f" ms ({TUNE_SHAPES})")
         best = [min(t[i] for t in times.values()) for i in range(len(problems))]
         grouped_ffn.CONFIGS[name] = min(times, key=lambda c: sum(t / b for t, b in zip(times[c], best)))
-    grouped_ffn.USE_TMA = True
     print("tuned CONFIGS =", json.dumps(grouped_ffn.CONFIGS))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tune", action="store_true")
+    parser.add_argument("--tune", nargs="*", default=None, metavar="KERNEL",
+                        help=f"tune block configs first: all, or those named ({', '.join(CANDIDATES)})")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
-    if args.tune:
-        tune()
+    if args.tune is not None:
+        tune(args.tune)
     shapes = [(g, n, skew) for (g, n) in [(14, 4096), (112, 32768)] for skew in ("balanced", "zipf1.2")]
     result = {"ceilings": ceilings()}
     ceil = result["ceilings"]
@@ -302,8 +323,9 @@ def main() -> None:
 
     result["per_kernel"] = [kernel_row(*shape) for shape in shapes]
     save()
-    print("\nper kernel, GPU time alone (graph replay), TFLOP/s; host time of one forward call")
-    keys = ("experts", "skew", "up", "down", "dh", "dx", "dw1", "dw2", "schedule_us", "host_us_ours", "host_us_gmm")
+    print("\nper kernel, GPU time alone (graph replay), TFLOP/s; host time of one call (forward; forward+backward)")
+    keys = ("experts", "skew", "up", "down", "dh", "dx", "dw1", "dw2", "schedule_us", "host_us_ours", "host_us_gmm",
+            "host_us_ours_train", "host_us_gmm_train")
     print("| " + " | ".join(keys) + " |")
     for r in result["per_kernel"]:
         print("| " + " | ".join(str(r[k]) if isinstance(r[k], (int, str)) else f"{r[k]:.0f}" for k in keys) + " |")

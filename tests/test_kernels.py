@@ -359,6 +359,38 @@ def test_grouped_ffn_real_shape_bf16(poisoned, layout):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_backward_kernel_from_a_fresh_thread():
+    """Autograd runs the backward in a thread of its own. A thread whose first CUDA work is a Triton launch with TMA
+    descriptors must work (it failed with "invalid device context" once the allocator had its memory cached, so
+    that nothing else touched CUDA first). No poisoning here: its fill kernel would bind the context itself."""
+    import threading
+
+    from k3ray.kernels import grouped_ffn
+
+    x, w1, w2, ends, _ = ffn_inputs(512, 256, 128, 4, "random", torch.bfloat16, False)
+    dy = torch.randn_like(x)
+    sched = grouped_ffn._Schedule(ends, None, 512)
+    with torch.no_grad():
+        _, act, h = grouped_ffn._ffn_forward(x, w1, w2, sched, None, True, 4.0, 25.0)
+        want = grouped_ffn._ffn_dh(dy, w2, h, None, sched, 4.0, 25.0)[0]
+    torch.cuda.synchronize()
+    result = {}
+
+    def backward_thread():
+        try:
+            with torch.no_grad():
+                result["dh"] = grouped_ffn._ffn_dh(dy, w2, h, None, sched, 4.0, 25.0)[0]
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            result["error"] = e
+
+    thread = threading.Thread(target=backward_thread)
+    thread.start()
+    thread.join()
+    assert "error" not in result, result.get("error")
+    assert torch.equal(result["dh"], want)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 def test_permute_histogram_real_shape(poisoned):
     dest, num_rows = routes(4096, 8, 0.1)
     x = torch.randn(4096, 3584, device=DEV, dtype=torch.bfloat16)

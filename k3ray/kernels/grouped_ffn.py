@@ -7,6 +7,8 @@ group_ends [G] int32: cumulative end row of each group (torch._grouped_mm's `off
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -47,13 +49,13 @@ def grouped_expert_ffn_reference(
 CONFIGS = {  # tuned on an H200 (benchmarks/expert_ffn.py --tune), bf16, D=3584, I=2048
     "up_tma": (64, 256, 64, 8, 8, 3),
     "down_tma": (64, 256, 64, 8, 4, 4),
-    "dh_tma": (64, 128, 64, 8, 8, 4),
+    "dh_tma": (128, 128, 64, 8, 8, 4),
     "dx_tma": (64, 256, 64, 8, 4, 4),
     "up": (128, 128, 64, 8, 8, 3),
     "down": (64, 256, 64, 8, 8, 4),
     "dh": (64, 128, 64, 8, 8, 4),
     "dx": (128, 256, 64, 8, 8, 3),
-    "wgrad": (128, 256, 32, 8, 8, 4),
+    "wgrad": (128, 256, 32, 8, 8, 5),
 }
 USE_TMA = True  # read operands through TMA descriptors where the shapes allow
 _INTERPRET_CONFIG = (16, 16, 16, 2, 1, 1)
@@ -77,7 +79,32 @@ def _tma_config(name: str, k_dim: int, *tensors: torch.Tensor):
     return (cfg, True) if ok else (_config(name, tensors[0]), False)
 
 
+def _fast_act(t: torch.Tensor) -> bool:
+    """Hardware tanh in the SiTU-GLU epilogues: on the GPU, for 16-bit outputs (its ~2^-11 relative error is below
+    their rounding); fp32 keeps the exact formula."""
+    return not INTERPRET and t.element_size() <= 2
+
+
+_THREAD = threading.local()
+
+
+def _bind_cuda_context(device: torch.device) -> None:
+    """Triton encodes TMA descriptors through the driver API before its launch binds a context. A thread whose first
+    CUDA work is such a launch has none current and fails ("invalid device context"): autograd's backward thread,
+    when the caching allocator needs no new memory. Any runtime call binds the primary context; a stream query does
+    so without waiting. Once per thread and device."""
+    if device.type != "cuda":
+        return
+    bound = getattr(_THREAD, "bound", None)
+    if bound is None:
+        bound = _THREAD.bound = set()
+    if device.index not in bound:
+        torch.cuda.current_stream(device).query()
+        bound.add(device.index)
+
+
 def _desc(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    _bind_cuda_context(t.device)
     return TensorDescriptor.from_tensor(t, [rows, cols])
 
 
@@ -132,17 +159,23 @@ def _launch_rowtiled(kernel, cfg, tma: bool, sched: _Schedule, n_out: int, k_dim
     )
 
 
-def _ffn_forward(x, w1, w2, sched: _Schedule, row_scale, save_h: bool, beta: float, beta_lin: float):
+def _ffn_up(x, w1, sched: _Schedule, inner: int, save_h: bool, beta: float, beta_lin: float):
+    """act [N, I] = SiTU-GLU of the gate+up GEMM, and the pre-activations h [N, 2I] when save_h (else h is act)."""
     n, d = x.shape
-    inner = w2.shape[1]
     act = torch.empty(n, inner, device=x.device, dtype=x.dtype)
     h = torch.empty(n, 2 * inner, device=x.device, dtype=x.dtype) if save_h else act
     if n == 0:  # no rows: nothing to launch (and no kernel variant that only empty inputs would compile)
-        return x.new_empty(0, w2.shape[2]), act, h
+        return act, h
     cfg, tma = _tma_config("up", d, x, w1)
     srcs = (_desc(x, cfg[0], cfg[2]), _desc(w1.view(-1, w1.shape[2]), cfg[2], cfg[1])) if tma else (x, w1)
     _launch_rowtiled(gg.ffn_up_kernel, cfg, tma, sched, inner, d, (*srcs, act, h),
-                     (d, inner, x.stride(0), x.stride(1), *w1.stride(), beta, beta_lin), SAVE_H=save_h)
+                     (d, inner, x.stride(0), x.stride(1), *w1.stride(), beta, beta_lin), SAVE_H=save_h,
+                     FAST_ACT=_fast_act(x))
+    return act, h
+
+
+def _ffn_forward(x, w1, w2, sched: _Schedule, row_scale, save_h: bool, beta: float, beta_lin: float):
+    act, h = _ffn_up(x, w1, sched, w2.shape[1], save_h, beta, beta_lin)
     y = _grouped_mm(act, w2, sched, row_scale, "down", transpose_b=False)
     return y, act, h
 
@@ -182,22 +215,26 @@ def _ffn_dh(dy, w2, h, row_scale, sched: _Schedule, beta: float, beta_lin: float
     _launch_rowtiled(gg.ffn_dh_kernel, cfg, tma, sched, inner, d,
                      (*srcs, h, row_scale if has_scale else dy, dh, ds if has_scale else dh),
                      (d, inner, dy.stride(0), dy.stride(1), w2.stride(0), w2.stride(2), w2.stride(1), beta, beta_lin),
-                     HAS_SCALE=has_scale)
+                     HAS_SCALE=has_scale, FAST_ACT=_fast_act(dy))
     return dh, ds
 
 
 def _wgrad(p, q, sched: _Schedule, out_dtype):
-    """out[g] = p[rows_g]^T @ q[rows_g]: [G, p.shape[1], q.shape[1]]."""
+    """out[g] = p[rows_g]^T @ q[rows_g]: [G, p.shape[1], q.shape[1]]. Tiles never straddle two groups' blocks when
+    the block shape divides [M1, M2]; then the stores go through a TMA descriptor (asynchronous: the next tile's
+    loads start while this one's bulk store drains)."""
     m1, m2 = p.shape[1], q.shape[1]
     if p.shape[0] == 0:
         return torch.zeros(sched.G, m1, m2, device=p.device, dtype=out_dtype)
     out = torch.empty(sched.G, m1, m2, device=p.device, dtype=out_dtype)
     bm, bn, bk, gm, warps, stages = _config("wgrad", p)
+    tma_out = USE_TMA and m1 % bm == 0 and m2 % bn == 0 and (m2 * out.element_size()) % 16 == 0
+    out_dst = _desc(out.view(-1, m2), bm, bn) if tma_out else out
     progs = _num_programs(p.device)
     gg.grouped_wgrad_kernel[(progs,)](
-        p, q, out, sched.ends, sched.order(), m1, m2, sched.G, p.stride(0), p.stride(1), q.stride(0), q.stride(1),
-        m1 * m2, BM=bm, BN=bn, BK=bk, GROUP_M=gm, NUM_PROGS=progs, DOT_F32=INTERPRET, num_warps=warps,
-        num_stages=stages,
+        p, q, out_dst, sched.ends, sched.order(), m1, m2, sched.G, p.stride(0), p.stride(1), q.stride(0),
+        q.stride(1), m1 * m2, TMA_OUT=tma_out, BM=bm, BN=bn, BK=bk, GROUP_M=gm, NUM_PROGS=progs,
+        DOT_F32=INTERPRET, num_warps=warps, num_stages=stages,
     )
     return out
 

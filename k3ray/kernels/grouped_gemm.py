@@ -130,7 +130,7 @@ def _mainloop(a_src, b_src, row0, col0, rmask, cmask, g, K, NOUT, sam, sak, sbg,
 @triton.jit(do_not_specialize=["MT"])
 def ffn_up_kernel(x_src, w1_src, a_ptr, h_ptr, tiles_ptr, ends_ptr, MT,
                   D, I, sxm, sxk, swg, swk, swn, beta, beta_lin,
-                  SAVE_H: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  SAVE_H: tl.constexpr, FAST_ACT: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                   GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
     """a[rows, cols] = situ(x @ w1[g][:, cols], x @ w1[g][:, I + cols]); gate and up tiles share the x tile.
@@ -189,7 +189,7 @@ def ffn_up_kernel(x_src, w1_src, a_ptr, h_ptr, tiles_ptr, ends_ptr, MT,
         # Round the pre-activations to the storage dtype first, as the unfused path (and the backward) sees them.
         hg = acc_g.to(a_ptr.dtype.element_ty)
         hu = acc_u.to(a_ptr.dtype.element_ty)
-        act = situ_fwd(hg.to(tl.float32), hu.to(tl.float32), beta, beta_lin)
+        act = situ_fwd(hg.to(tl.float32), hu.to(tl.float32), beta, beta_lin, FAST_ACT)
         omask = rmask[:, None] & cmask[None, :]
         r64 = rows[:, None].to(tl.int64)
         tl.store(a_ptr + r64 * I + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=omask)
@@ -226,8 +226,8 @@ def grouped_mm_kernel(a_src, b_src, c_ptr, scale_ptr, tiles_ptr, ends_ptr, MT,
 @triton.jit(do_not_specialize=["MT"])
 def ffn_dh_kernel(dy_src, w2_src, h_ptr, scale_ptr, dh_ptr, ds_ptr, tiles_ptr, ends_ptr, MT,
                   D, I, sym, syk, swg, swk, swn, beta, beta_lin,
-                  HAS_SCALE: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
+                  HAS_SCALE: tl.constexpr, FAST_ACT: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
     """dA0 = dy @ w2[g]^T (tile of [rows, cols of I]); epilogue: ds[rows] += sum(dA0 * act), dA = scale * dA0,
     dh[:, cols] = dA * dact/dg, dh[:, I + cols] = dA * dact/du (activation recomputed from the saved h)."""
@@ -240,13 +240,13 @@ def ffn_dh_kernel(dy_src, w2_src, h_ptr, scale_ptr, dh_ptr, ds_ptr, tiles_ptr, e
         rmask = rows < end
         cols = n * BN + tl.arange(0, BN)
         cmask = cols < I
-        acc = _mainloop(dy_src, w2_src, row0, n * BN, rmask, cmask, g, D, I, sym, syk, swg, swk, swn,
-                        BM, BN, BK, TMA, True, EVEN_K, EVEN_N, DOT_F32)
         omask = rmask[:, None] & cmask[None, :]
         hp = h_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
-        hg = tl.load(hp, mask=omask, other=0.0).to(tl.float32)
-        hu = tl.load(hp + I, mask=omask, other=0.0).to(tl.float32)
-        act, dadg, dadu = situ_fwd_bwd(hg, hu, beta, beta_lin)
+        hg = tl.load(hp, mask=omask, other=0.0)  # issued before the main loop: its latency hides behind it
+        hu = tl.load(hp + I, mask=omask, other=0.0)
+        acc = _mainloop(dy_src, w2_src, row0, n * BN, rmask, cmask, g, D, I, sym, syk, swg, swk, swn,
+                        BM, BN, BK, TMA, True, EVEN_K, EVEN_N, DOT_F32)
+        act, dadg, dadu = situ_fwd_bwd(hg.to(tl.float32), hu.to(tl.float32), beta, beta_lin, FAST_ACT)
         if HAS_SCALE:
             tl.atomic_add(ds_ptr + rows, tl.sum(acc * act, axis=1), mask=rmask)
             acc = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
@@ -256,11 +256,12 @@ def ffn_dh_kernel(dy_src, w2_src, h_ptr, scale_ptr, dh_ptr, ds_ptr, tiles_ptr, e
 
 
 @triton.jit(do_not_specialize=["G"])
-def grouped_wgrad_kernel(p_ptr, q_ptr, out_ptr, ends_ptr, order_ptr,
+def grouped_wgrad_kernel(p_ptr, q_ptr, out_dst, ends_ptr, order_ptr,
                          M1, M2, G, spm, spk, sqm, sqk, sog,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                         TMA_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                          NUM_PROGS: tl.constexpr, DOT_F32: tl.constexpr):
-    """out[g] [M1, M2] = p[rows_g]^T @ q[rows_g] for every group (zeros for an empty group); out contiguous."""
+    """out[g] [M1, M2] = p[rows_g]^T @ q[rows_g] for every group (zeros for an empty group); out contiguous.
+    TMA_OUT: out_dst is a descriptor over out viewed [G*M1, M2] (BM | M1 and BN | M2), else a pointer."""
     pid = tl.program_id(0)
     T1 = (M1 + BM - 1) // BM
     T2 = (M2 + BN - 1) // BN
@@ -294,5 +295,8 @@ def grouped_wgrad_kernel(p_ptr, q_ptr, out_ptr, ends_ptr, order_ptr,
             acc = tl.dot(pt, q, acc)
             pp += BK * spm
             qp += BK * sqm
-        op = out_ptr + g.to(tl.int64) * sog + c1[:, None].to(tl.int64) * M2 + c2[None, :]
-        tl.store(op, acc.to(out_ptr.dtype.element_ty), mask=m1[:, None] & m2[None, :])
+        if TMA_OUT:
+            out_dst.store([g * M1 + i1 * BM, i2 * BN], acc.to(out_dst.dtype))
+        else:
+            op = out_dst + g.to(tl.int64) * sog + c1[:, None].to(tl.int64) * M2 + c2[None, :]
+            tl.store(op, acc.to(out_dst.dtype.element_ty), mask=m1[:, None] & m2[None, :])
