@@ -180,6 +180,8 @@ def test_grouped_ffn_no_grad_and_empty(poisoned):
     assert rel_err(y, grouped_expert_ffn_reference(x, w1, w2, ends)) < (1e-2 if CUDA else 1e-5)
     zero = torch.zeros_like(ends)
     assert grouped_expert_ffn_triton(x[:0], w1, w2, zero).shape == (0, x.shape[1])
+    with pytest.raises(ValueError, match="no groups"):
+        grouped_expert_ffn_triton(x, w1[:0], w2[:0], ends[:0])
     leaves = [t.clone().requires_grad_() for t in (x[:0], w1, w2)]
     grouped_expert_ffn_triton(*leaves, zero).sum().backward()
     assert leaves[0].grad.shape == (0, x.shape[1])

@@ -276,6 +276,8 @@ def grouped_expert_ffn_triton(
     """Same contract as `grouped_expert_ffn_reference`. group_order: permutation of the G groups giving the order in
     which the persistent kernels take their tiles (default: largest group first). Differentiable w.r.t. x, w1, w2,
     row_scale."""
+    if w1.shape[0] == 0 and x.shape[0] > 0:
+        raise ValueError(f"grouped_expert_ffn: x has {x.shape[0]} rows but there are no groups (w1 has 0 experts)")
     x = x.contiguous()
     if row_scale is not None:
         row_scale = row_scale.contiguous()
