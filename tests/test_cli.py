@@ -45,8 +45,13 @@ def test_ctrl_c_stops_the_job_and_its_actors(ray_cluster):
     import ray
     from ray.util.state import list_actors
 
-    cmd = _k3ray("train", "--config", "configs/tiny.yaml", "--steps", "100000", "--address", ray_cluster.address,
-                 "--no-progress", "--set", "parallel.ep=2", "--set", "train.eval_every=0", "--set", "name=ctrlc")
+    # As from a terminal's foreground: SIGINT at its default. A harness started in the background by a shell without
+    # job control ignores SIGINT, every child inherits that, and Python then installs no KeyboardInterrupt handler.
+    foreground = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                  "from k3ray.cli import main; sys.exit(main())")
+    cmd = [sys.executable, "-c", foreground, "train", "--config", "configs/tiny.yaml", "--steps", "100000",
+           "--address", ray_cluster.address, "--no-progress", "--set", "parallel.ep=2", "--set", "train.eval_every=0",
+           "--set", "name=ctrlc"]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     for line in job.stderr:  # log lines go to stderr; wait for the first step
