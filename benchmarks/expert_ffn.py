@@ -266,8 +266,8 @@ KERNEL_OF = {"up_tma": ["up"], "down_tma": ["down"], "dh_tma": ["dh"], "dx_tma":
 
 
 def tune(names) -> None:
-    """Per kernel (those in `names`, all when empty), keep the candidate with the least summed (time / best time) over TUNE_SHAPES, each kernel timed
-    alone (graph replay)."""
+    """Per kernel (those in `names`, all when empty), keep the candidate with the least summed (time / best time)
+    over TUNE_SHAPES, each kernel timed alone (graph replay)."""
     problems = []
     for n_groups, n_rows, skew in TUNE_SHAPES:
         ends, sets = make_sets(n_rows, n_groups, group_sizes(n_rows, n_groups, skew))

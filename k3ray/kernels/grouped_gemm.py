@@ -130,8 +130,8 @@ def _mainloop(a_src, b_src, row0, col0, rmask, cmask, g, K, NOUT, sam, sak, sbg,
 @triton.jit(do_not_specialize=["MT"])
 def ffn_up_kernel(x_src, w1_src, a_ptr, h_ptr, tiles_ptr, ends_ptr, MT,
                   D, I, sxm, sxk, swg, swk, swn, beta, beta_lin,
-                  SAVE_H: tl.constexpr, FAST_ACT: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                  GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
+                  SAVE_H: tl.constexpr, FAST_ACT: tl.constexpr, TMA: tl.constexpr, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
                   EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
     """a[rows, cols] = situ(x @ w1[g][:, cols], x @ w1[g][:, I + cols]); gate and up tiles share the x tile.
     SAVE_H also stores the pre-activations h [N, 2I] (bf16) for the backward."""
@@ -258,8 +258,8 @@ def ffn_dh_kernel(dy_src, w2_src, h_ptr, scale_ptr, dh_ptr, ds_ptr, tiles_ptr, e
 @triton.jit(do_not_specialize=["G"])
 def grouped_wgrad_kernel(p_ptr, q_ptr, out_dst, ends_ptr, order_ptr,
                          M1, M2, G, spm, spk, sqm, sqk, sog,
-                         TMA_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                         NUM_PROGS: tl.constexpr, DOT_F32: tl.constexpr):
+                         TMA_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, DOT_F32: tl.constexpr):
     """out[g] [M1, M2] = p[rows_g]^T @ q[rows_g] for every group (zeros for an empty group); out contiguous.
     TMA_OUT: out_dst is a descriptor over out viewed [G*M1, M2] (BM | M1 and BN | M2), else a pointer."""
     pid = tl.program_id(0)
