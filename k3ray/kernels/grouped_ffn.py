@@ -47,10 +47,10 @@ def grouped_expert_ffn_reference(
 # Block configs: `CONFIGS[kernel]` = (BM, BN, BK, GROUP_M, num_warps, num_stages), "_tma" for the TMA-descriptor
 # variant (used where the shapes allow); benchmarks may overwrite them.
 CONFIGS = {  # tuned on an H200 (benchmarks/expert_ffn.py --tune), bf16, D=3584, I=2048
-    "up_tma": (64, 256, 64, 8, 8, 3),
-    "down_tma": (64, 256, 64, 8, 4, 4),
-    "dh_tma": (128, 128, 64, 8, 8, 4),
-    "dx_tma": (64, 256, 64, 8, 4, 4),
+    "up_tma": (64, 256, 64, 4, 8, 3),
+    "down_tma": (64, 256, 64, 16, 4, 5),
+    "dh_tma": (64, 256, 64, 8, 8, 5),
+    "dx_tma": (64, 256, 64, 16, 4, 5),
     "up": (128, 128, 64, 8, 8, 3),
     "down": (64, 256, 64, 8, 8, 4),
     "dh": (64, 128, 64, 8, 8, 4),

@@ -80,12 +80,30 @@ def _tile(t, tiles_ptr, ends_ptr, MT, total_m, NT, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _mainloop(a_src, b_src, row0, col0, rmask, cmask, g, K, NOUT, sam, sak, sbg, sbk, sbn,
+def _dots(a, b, b2, acc, acc2, DUAL: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc += a @ b and, DUAL, acc2 += a @ b2 (the second weight tile shares the a tile)."""
+    if DOT_F32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+        b2 = b2.to(tl.float32)
+    acc = tl.dot(a, b, acc)
+    if DUAL:
+        acc2 = tl.dot(a, b2, acc2)
+    return acc, acc2
+
+
+@triton.jit
+def _mainloop(a_src, b_src, row0, col0, col2, rmask, cmask, g, K, NOUT, sam, sak, sbg, sbk, sbn,
               BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TMA: tl.constexpr, TRANS_B: tl.constexpr,
-              EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc[BM, BN] = a[row0:+BM, :K] @ b[g][:K, col0:+BN]. TMA: a_src, b_src are descriptors; otherwise pointers
-    with strides (b's through (sbg, sbk, sbn), which also express a transpose)."""
+              DUAL: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc[BM, BN] = a[row0:+BM, :K] @ b[g][:K, col0:+BN]; DUAL: also acc2 from b's columns col2:+BN,
+    sharing the a tile (else acc2 is acc). TMA: a_src, b_src are descriptors; otherwise pointers with strides (b's
+    through (sbg, sbk, sbn), which also express a transpose)."""
     acc = tl.zeros((BM, BN), dtype=tl.float32)
+    if DUAL:
+        acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+    else:
+        acc2 = acc
     if TMA:
         if TRANS_B:
             brow = g * NOUT + col0
@@ -97,34 +115,40 @@ def _mainloop(a_src, b_src, row0, col0, rmask, cmask, g, K, NOUT, sam, sak, sbg,
                 b = b_src.load([brow, k0]).T
             else:
                 b = b_src.load([brow + k0, col0])
-            if DOT_F32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+            b2 = b
+            if DUAL:
+                b2 = b_src.load([brow + k0, col2])
+            acc, acc2 = _dots(a, b, b2, acc, acc2, DUAL, DOT_F32)
     else:
         ks = tl.arange(0, BK)
         rows = row0 + tl.arange(0, BM)
         cols = col0 + tl.arange(0, BN)
         ap = a_src + rows[:, None].to(tl.int64) * sam + ks[None, :] * sak
         bp = b_src + g.to(tl.int64) * sbg + ks[:, None] * sbk + cols[None, :].to(tl.int64) * sbn
+        b2_off = (col2 - col0) * sbn
         for k0 in range(0, K, BK):
             if EVEN_K:
-                a = tl.load(ap, mask=rmask[:, None], other=0.0)
-                if EVEN_N:
-                    b = tl.load(bp)
-                else:
-                    b = tl.load(bp, mask=cmask[None, :], other=0.0)
+                amask = rmask[:, None]
+                bmask = cmask[None, :]
             else:
                 kmask = (k0 + ks) < K
-                a = tl.load(ap, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                b = tl.load(bp, mask=kmask[:, None] & cmask[None, :], other=0.0)
-            if DOT_F32:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
+                amask = rmask[:, None] & kmask[None, :]
+                bmask = kmask[:, None] & cmask[None, :]
+            a = tl.load(ap, mask=amask, other=0.0)
+            if EVEN_K and EVEN_N:
+                b = tl.load(bp)
+            else:
+                b = tl.load(bp, mask=bmask, other=0.0)
+            b2 = b
+            if DUAL:
+                if EVEN_K and EVEN_N:
+                    b2 = tl.load(bp + b2_off)
+                else:
+                    b2 = tl.load(bp + b2_off, mask=bmask, other=0.0)
+            acc, acc2 = _dots(a, b, b2, acc, acc2, DUAL, DOT_F32)
             ap += BK * sak
             bp += BK * sbk
-    return acc
+    return acc, acc2
 
 
 @triton.jit(do_not_specialize=["MT"])
@@ -144,48 +168,8 @@ def ffn_up_kernel(x_src, w1_src, a_ptr, h_ptr, tiles_ptr, ends_ptr, MT,
         rmask = rows < end
         cols = n * BN + tl.arange(0, BN)
         cmask = cols < I
-        acc_g = tl.zeros((BM, BN), dtype=tl.float32)
-        acc_u = tl.zeros((BM, BN), dtype=tl.float32)
-        if TMA:
-            wrow = g * D
-            for k0 in range(0, D, BK):
-                xa = x_src.load([row0, k0])
-                wg = w1_src.load([wrow + k0, n * BN])
-                wu = w1_src.load([wrow + k0, I + n * BN])
-                if DOT_F32:
-                    xa = xa.to(tl.float32)
-                    wg = wg.to(tl.float32)
-                    wu = wu.to(tl.float32)
-                acc_g = tl.dot(xa, wg, acc_g)
-                acc_u = tl.dot(xa, wu, acc_u)
-        else:
-            ks = tl.arange(0, BK)
-            xp = x_src + rows[:, None].to(tl.int64) * sxm + ks[None, :] * sxk
-            wp = w1_src + g.to(tl.int64) * swg + ks[:, None] * swk + cols[None, :].to(tl.int64) * swn
-            up_off = I * swn
-            for k0 in range(0, D, BK):
-                if EVEN_K:
-                    xa = tl.load(xp, mask=rmask[:, None], other=0.0)
-                    if EVEN_N:
-                        wg = tl.load(wp)
-                        wu = tl.load(wp + up_off)
-                    else:
-                        wg = tl.load(wp, mask=cmask[None, :], other=0.0)
-                        wu = tl.load(wp + up_off, mask=cmask[None, :], other=0.0)
-                else:
-                    kmask = (k0 + ks) < D
-                    xa = tl.load(xp, mask=rmask[:, None] & kmask[None, :], other=0.0)
-                    wmask = kmask[:, None] & cmask[None, :]
-                    wg = tl.load(wp, mask=wmask, other=0.0)
-                    wu = tl.load(wp + up_off, mask=wmask, other=0.0)
-                if DOT_F32:
-                    xa = xa.to(tl.float32)
-                    wg = wg.to(tl.float32)
-                    wu = wu.to(tl.float32)
-                acc_g = tl.dot(xa, wg, acc_g)
-                acc_u = tl.dot(xa, wu, acc_u)
-                xp += BK * sxk
-                wp += BK * swk
+        acc_g, acc_u = _mainloop(x_src, w1_src, row0, n * BN, I + n * BN, rmask, cmask, g, D, 2 * I, sxm, sxk, swg,
+                                 swk, swn, BM, BN, BK, TMA, False, True, EVEN_K, EVEN_N, DOT_F32)
         # Round the pre-activations to the storage dtype first, as the unfused path (and the backward) sees them.
         hg = acc_g.to(a_ptr.dtype.element_ty)
         hu = acc_u.to(a_ptr.dtype.element_ty)
@@ -215,8 +199,8 @@ def grouped_mm_kernel(a_src, b_src, c_ptr, scale_ptr, tiles_ptr, ends_ptr, MT,
         rmask = rows < end
         cols = n * BN + tl.arange(0, BN)
         cmask = cols < NOUT
-        acc = _mainloop(a_src, b_src, row0, n * BN, rmask, cmask, g, K, NOUT, sam, sak, sbg, sbk, sbn,
-                        BM, BN, BK, TMA, TRANS_B, EVEN_K, EVEN_N, DOT_F32)
+        acc, _ = _mainloop(a_src, b_src, row0, n * BN, n * BN, rmask, cmask, g, K, NOUT, sam, sak, sbg, sbk, sbn,
+                           BM, BN, BK, TMA, TRANS_B, False, EVEN_K, EVEN_N, DOT_F32)
         if HAS_SCALE:
             acc = acc * tl.load(scale_ptr + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
         cp = c_ptr + rows[:, None].to(tl.int64) * NOUT + cols[None, :]
@@ -240,12 +224,14 @@ def ffn_dh_kernel(dy_src, w2_src, h_ptr, scale_ptr, dh_ptr, ds_ptr, tiles_ptr, e
         rmask = rows < end
         cols = n * BN + tl.arange(0, BN)
         cmask = cols < I
+        acc, _ = _mainloop(dy_src, w2_src, row0, n * BN, n * BN, rmask, cmask, g, D, I, sym, syk, swg, swk, swn,
+                           BM, BN, BK, TMA, True, False, EVEN_K, EVEN_N, DOT_F32)
+        # h is loaded after the main loop: issued before it, it stays live through the loop (more registers), which
+        # measured slower with the 64x256 tiles that are fastest here.
         omask = rmask[:, None] & cmask[None, :]
         hp = h_ptr + rows[:, None].to(tl.int64) * (2 * I) + cols[None, :]
-        hg = tl.load(hp, mask=omask, other=0.0)  # issued before the main loop: its latency hides behind it
+        hg = tl.load(hp, mask=omask, other=0.0)
         hu = tl.load(hp + I, mask=omask, other=0.0)
-        acc = _mainloop(dy_src, w2_src, row0, n * BN, rmask, cmask, g, D, I, sym, syk, swg, swk, swn,
-                        BM, BN, BK, TMA, True, EVEN_K, EVEN_N, DOT_F32)
         act, dadg, dadu = situ_fwd_bwd(hg.to(tl.float32), hu.to(tl.float32), beta, beta_lin, FAST_ACT)
         if HAS_SCALE:
             tl.atomic_add(ds_ptr + rows, tl.sum(acc * act, axis=1), mask=rmask)
