@@ -3,7 +3,8 @@ machine: Triton compiles for a target without a GPU, and its bundled cuobjdump r
 
     python benchmarks/kernel_resources.py [KERNEL[=BM,BN,BK,GROUP_M,WARPS,STAGES] ...]
 
-Kernels: up (training forward: saves h), up_infer, down, dh, dx, wgrad; each at its `CONFIGS` entry unless given.
+Kernels: up (training forward: saves h), up_infer, down, dh, dx, wgrad; each at its `CONFIGS` entry unless given,
+with the flags the model runs them with (no row scale: routing weights are applied at the unpermute).
 Integer arguments get the specialisation a real launch at D=3584, I=2048 gives them (1 is a constant, multiples of
 16 are marked divisible by 16), which decides vector widths. A spill shows as STACK bytes and local loads/stores.
 """
@@ -85,7 +86,7 @@ def build(name: str, cfg) -> object:
                "dh_ptr": "*bf16", "ds_ptr": "*fp32", **ROWTILED, "D": "i32", "I": "i32", "sym": "i32",
                "syk": "i32", "swg": "i32", "swk": "i32", "swn": "i32", "beta": "fp32", "beta_lin": "fp32"}
         values = {**VALUES, "swg": INNER * D, "swk": 1, "swn": D}
-        return compile_sm90(gg.ffn_dh_kernel, sig, dict(HAS_SCALE=True, FAST_ACT=True, **tile), warps, stages,
+        return compile_sm90(gg.ffn_dh_kernel, sig, dict(HAS_SCALE=False, FAST_ACT=True, **tile), warps, stages,
                             values)
     if name == "wgrad":
         sig = {"p_ptr": "*bf16", "q_ptr": "*bf16", "out_dst": desc(bm, bn), "ends_ptr": "*i32", "order_ptr": "*i32",
