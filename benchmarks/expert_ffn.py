@@ -295,7 +295,7 @@ def tune(names) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tune", nargs="*", default=None, metavar="KERNEL",
+    parser.add_argument("--tune", nargs="*", default=None, metavar="KERNEL", choices=list(CANDIDATES),
                         help=f"tune block configs first: all, or those named ({', '.join(CANDIDATES)})")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()

@@ -69,14 +69,21 @@ def schedule_kernel(ends_ptr, order_ptr, tiles_ptr, G, MT, BM: tl.constexpr, HAS
 
 
 @triton.jit
+def _band(t, n_rows, n_cols, GROUP_M: tl.constexpr):
+    """Flat index over an [n_rows, n_cols] grid of tiles -> (row, column), walked in bands of GROUP_M rows (column by
+    column inside a band), so the tiles running at once share their column operand in L2."""
+    band = GROUP_M * n_cols
+    first = (t // band) * GROUP_M
+    in_band = tl.minimum(n_rows - first, GROUP_M)
+    return first + (t % band) % in_band, (t % band) // in_band
+
+
+@triton.jit
 def _tile(t, tiles_ptr, ends_ptr, MT, total_m, NT, GROUP_M: tl.constexpr):
     """Flat tile index -> (group, first row, group end row, column-tile index)."""
-    band = GROUP_M * NT
-    first = (t // band) * GROUP_M
-    in_band = tl.minimum(total_m - first, GROUP_M)
-    i = first + (t % band) % in_band
+    i, n = _band(t, total_m, NT, GROUP_M)
     g = tl.load(tiles_ptr + i)
-    return g, tl.load(tiles_ptr + MT + i), tl.load(ends_ptr + g), (t % band) // in_band
+    return g, tl.load(tiles_ptr + MT + i), tl.load(ends_ptr + g), n
 
 
 @triton.jit
@@ -258,11 +265,7 @@ def grouped_wgrad_kernel(p_ptr, q_ptr, out_dst, ends_ptr, order_ptr,
         g = tl.load(order_ptr + j)
         start = tl.load(ends_ptr + g - 1, mask=g > 0, other=0)
         end = tl.load(ends_ptr + g)
-        band = GROUP_M * T2
-        first = (local // band) * GROUP_M
-        in_band = tl.minimum(T1 - first, GROUP_M)
-        i1 = first + (local % band) % in_band
-        i2 = (local % band) // in_band
+        i1, i2 = _band(local, T1, T2, GROUP_M)
         c1 = i1 * BM + tl.arange(0, BM)
         c2 = i2 * BN + tl.arange(0, BN)
         m1 = c1 < M1
