@@ -6,7 +6,7 @@ One group holding every row (4096 and 32768 rows, multiples of every tile height
 tile counts fill the waves about as well as cuBLAS's own. Each Triton kernel is timed alone (CUDA-graph replay) in
 the committed config and in alternatives, and so is the cuBLAS GEMM of the same shape (torch.mm; the gate+up kernel
 against the [N, D] x [D, 2I] GEMM without activation). `x@W1 plain` is the same GEMM through the plain grouped GEMM
-kernel (no fused activation, no h store). The last table: the whole forward with one group against the dense path
+kernel (no fused activation, no h store). Then the whole forward with one group against the dense path
 (`expert_ffn.dense_path`); the same with 14 and 112 groups of 256 rows each (grouped, but no row padded: what
 streaming every expert's weights costs); and the padding factor rows / padded rows of the benchmark's grouped
 shapes, which bounds them: fwd / dense there is at most about padding factor x (fwd / dense, grouped, no padding).
@@ -34,6 +34,15 @@ KERNEL = {"up_tma": "up", "down_tma": "down", "dh_tma": "dh", "dx_tma": "dx"}
 def padding_factor(n_rows: int, n_groups: int, skew: str, bm: int = 64) -> float:
     sizes = ef.group_sizes(n_rows, n_groups, skew)
     return n_rows / float(((sizes + bm - 1) // bm).sum() * bm)
+
+
+def fwd_and_dense(ends, sets, n_rows: int) -> tuple[float, float]:
+    """Whole-forward TFLOP/s (eager, do_bench): ours, and the dense path on the same rows."""
+    flops = 3 * 2 * n_rows * ef.D * ef.INNER
+    fwd = ef.bench([lambda s=s: ef.ours_fwd(ends)(*s) for s in sets])
+    with torch.no_grad():
+        dense = ef.bench([lambda s=s: ef.dense_path(*s) for s in sets])
+    return flops / fwd / 1e9, flops / dense / 1e9
 
 
 def one_group(n_rows: int) -> dict:
@@ -75,10 +84,8 @@ def one_group(n_rows: int) -> dict:
                     grouped_ffn.CONFIGS[cfg_key] = committed
                 rows.append({"rows": n_rows, "kernel": kernel, "config": cfg, "committed": cfg == committed,
                              "ours": ours, "cublas": ref, "ratio": ours / ref})
-        fwd = ef.bench([lambda s=s: ef.ours_fwd(ends)(*s) for s in sets])
-        dense = ef.bench([lambda s=s: ef.dense_path(*s) for s in sets])
-    flops = 3 * unit
-    return {"rows": n_rows, "kernels": rows, "fwd": flops / fwd / 1e9, "dense": flops / dense / 1e9}
+    fwd, dense = fwd_and_dense(ends, sets, n_rows)
+    return {"rows": n_rows, "kernels": rows, "fwd": fwd, "dense": dense}
 
 
 def unpadded_groups(n_groups: int, rows_per_group: int = 256) -> dict:
@@ -86,11 +93,8 @@ def unpadded_groups(n_groups: int, rows_per_group: int = 256) -> dict:
     path on the same rows."""
     n_rows = n_groups * rows_per_group
     ends, sets = ef.make_sets(n_rows, n_groups, torch.full((n_groups,), rows_per_group))
-    flops = 3 * 2 * n_rows * ef.D * ef.INNER
-    fwd = ef.bench([lambda s=s: ef.ours_fwd(ends)(*s) for s in sets])
-    with torch.no_grad():
-        dense = ef.bench([lambda s=s: ef.dense_path(*s) for s in sets])
-    return {"groups": n_groups, "rows": n_rows, "fwd": flops / fwd / 1e9, "dense": flops / dense / 1e9}
+    fwd, dense = fwd_and_dense(ends, sets, n_rows)
+    return {"groups": n_groups, "rows": n_rows, "fwd": fwd, "dense": dense}
 
 
 def main() -> None:
