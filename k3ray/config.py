@@ -38,7 +38,6 @@ class ModelConfig(_Strict):
         default_factory=lambda: ["mla"], description="repeated over the layers; K3 uses kda, kda, kda, mla")
     max_seq_len: int = Field(gt=0)
     kda_head_dim: int = Field(128, gt=0)
-    attn_res_block: int = Field(0, ge=0, description="Block AttnRes block size (0 = off; K3 uses 12)")
     rope_theta: float = Field(10000.0, gt=0)
     norm_eps: float = Field(1e-6, gt=0)
     balancing: Literal["quantile", "sign", "none"] = "quantile"
@@ -113,13 +112,9 @@ class ReplicationPolicy(_Strict):
 
 
 class SchedulingPolicy(_Strict):
-    """Order of the local expert GEMMs (largest first) and the cost model time(rows) = overhead + per_row * rows of
-    one expert on one of `sm_groups` lanes. Defaults: calibrated on an H200 for the K3 latent expert (K=3584,
-    I=2048, bf16; benchmarks/calibrate_schedule.py, benchmarks/RESULTS.md)."""
+    """Order of the local expert GEMMs: largest first (LPT), so the SM groups of the persistent kernel finish close
+    together (k3ray.policies.scheduling)."""
     enabled: bool = True
-    sm_groups: int = Field(4, gt=0)
-    overhead_us: float = Field(14.9, ge=0)
-    per_row_us: float = Field(0.31, ge=0)
 
 
 class GuardPolicy(_Strict):
@@ -159,7 +154,6 @@ class CheckpointConfig(_Strict):
     dir: str = "runs/checkpoints"
     every_n_steps: int = Field(0, ge=0, description="0 = only on request and at the end")
     keep: int = Field(3, gt=0)
-    async_write: bool = True
     at_end: bool = Field(True, description="write a final checkpoint when the job stops")
 
 
@@ -168,6 +162,9 @@ class ApiConfig(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
     token_file: str | None = None
+
+
+POLICY_NAMES: tuple[str, ...] = tuple(PoliciesConfig.model_fields)  # the live policies, in one place
 
 
 class JobConfig(_Strict):
@@ -196,6 +193,11 @@ class JobConfig(_Strict):
     @property
     def global_batch_sequences(self) -> int:
         return self.parallel.ep * self.parallel.micro_batches * self.data.micro_batch_size
+
+    def step_tokens(self, ep: int | None = None) -> int:
+        """Tokens one step trains on with `ep` EP ranks (default: the configured size; fewer while shrunk)."""
+        ep = self.parallel.ep if ep is None else ep
+        return ep * self.parallel.micro_batches * self.data.micro_batch_size * self.data.seq_len
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

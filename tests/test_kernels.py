@@ -3,7 +3,8 @@
 Without a GPU every Triton kernel runs under TRITON_INTERPRET=1 on tiny CPU tensors (the variable is set below,
 before the kernel modules are (re)imported, since @triton.jit reads it when a kernel is defined). With a GPU the
 same tests run compiled on CUDA, plus real-shape bf16 checks against an fp32 reference (rel err < 1e-2).
-Inputs are fresh random draws each run; kernel outputs are allocated NaN-poisoned so unwritten elements fail.
+Inputs are random draws seeded per test (a failure reproduces); kernel outputs are allocated NaN-poisoned so
+unwritten elements fail.
 
 The interpreter rounds fp32 -> bf16 toward zero (triton 3.9), so its bf16 checks use a looser bound than the GPU's;
 exact-arithmetic checks use fp32.
@@ -44,6 +45,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     assert torch.isfinite(a).all(), "non-finite values (unwritten output?)"
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test draws its inputs from the same seed, so a failure reproduces."""
+    torch.manual_seed(0)
 
 
 @pytest.fixture

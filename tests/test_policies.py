@@ -321,3 +321,13 @@ def test_plan_on_cuda_matches_cpu():
     assert torch.equal(gpu.send(counts.cuda()).cpu(), cpu.send(counts))
     sched = scheduling.schedule(counts[0].cuda(), 4, scheduling.CostModel(5.0, 0.01))
     assert sched.group.is_cuda and sched.order.is_cuda
+
+
+def test_received_by_is_the_destination_column_of_the_send_matrix():
+    g = torch.Generator().manual_seed(3)
+    counts = torch.randint(0, 50, (4, 16), generator=g)
+    alloc = moonep.plan(counts).alloc
+    send = moonep.send_matrix(counts, alloc)
+    for rank in range(4):
+        assert torch.equal(moonep.received_by(counts, alloc, rank), send[:, :, rank])
+        assert torch.equal(moonep.send_matrix(counts, alloc, src=rank), send[rank])

@@ -14,7 +14,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3ray.kernels import grouped_gemm as gg
-from k3ray.kernels.situ_glu import INTERPRET, situ_glu_reference
+from k3ray.kernels.situ_glu import BETA, BETA_LIN, INTERPRET, situ_glu_reference
 
 
 def grouped_expert_ffn_reference(
@@ -243,7 +243,7 @@ class _GroupedFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, group_ends, row_scale, group_order):
         sched = _Schedule(group_ends, group_order, x.shape[0])
-        y, act, h = _ffn_forward(x, w1, w2, sched, row_scale, True, 4.0, 25.0)
+        y, act, h = _ffn_forward(x, w1, w2, sched, row_scale, True, BETA, BETA_LIN)
         ctx.save_for_backward(x, w1, w2, row_scale, act, h)
         ctx.sched = sched
         return y
@@ -253,7 +253,7 @@ class _GroupedFFN(torch.autograd.Function):
         x, w1, w2, row_scale, act, h = ctx.saved_tensors
         sched = ctx.sched
         dy = dy.contiguous()
-        dh, ds = _ffn_dh(dy, w2, h, row_scale, sched, 4.0, 25.0)
+        dh, ds = _ffn_dh(dy, w2, h, row_scale, sched, BETA, BETA_LIN)
         dx = _grouped_mm(dh, w1, sched, None, "dx", transpose_b=True) if ctx.needs_input_grad[0] else None
         dw1 = _wgrad(x, dh, sched, w1.dtype) if ctx.needs_input_grad[1] else None
         dw2 = None
@@ -285,4 +285,4 @@ def grouped_expert_ffn_triton(
     if torch.is_grad_enabled() and any(t.requires_grad for t in leaves):
         return _GroupedFFN.apply(x, w1, w2, group_ends, row_scale, group_order)
     sched = _Schedule(group_ends, group_order, x.shape[0])  # inference: no autograd node, nothing saved
-    return _ffn_forward(x, w1, w2, sched, row_scale, False, 4.0, 25.0)[0]
+    return _ffn_forward(x, w1, w2, sched, row_scale, False, BETA, BETA_LIN)[0]

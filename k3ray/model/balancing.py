@@ -59,10 +59,3 @@ def sign_bias(load_E: torch.Tensor, bias_E: torch.Tensor, rate: float) -> torch.
     """DeepSeek aux-loss-free baseline: b_j <- b_j + u * sign(mean_load - load_j)."""
     load = load_E.double()
     return bias_E + rate * torch.sign(load.mean() - load).to(bias_E.dtype)
-
-
-def max_violation(load_E: torch.Tensor) -> float:
-    """MaxVio = (max_j load_j - mean load) / mean load."""
-    load = load_E.double()
-    mean = load.mean()
-    return float((load.max() - mean) / mean) if mean > 0 else 0.0

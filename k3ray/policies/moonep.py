@@ -209,6 +209,17 @@ def send_matrix(tokens_per_expert: torch.Tensor, alloc: torch.Tensor, src: int |
     return send if src is None else send[0]
 
 
+def received_by(tokens_per_expert: torch.Tensor, alloc: torch.Tensor, dst: int) -> torch.Tensor:
+    """send[:, :, dst] as [R_src, E]: what one destination rank receives from every source; O(R*E) memory."""
+    counts = tokens_per_expert.to(torch.int64)
+    zero = counts.new_zeros(1, counts.shape[1])
+    src_edges = torch.cat([zero, counts.cumsum(0)])                                 # [R+1, E]
+    dst_edges = torch.cat([zero, alloc.to(torch.int64).T.cumsum(0)])                # [R+1, E]
+    lo = torch.maximum(src_edges[:-1], dst_edges[dst][None])                        # [R_src, E]
+    hi = torch.minimum(src_edges[1:], dst_edges[dst + 1][None])
+    return (hi - lo).clamp_(min=0)
+
+
 def rank_loads(alloc: torch.Tensor) -> torch.Tensor:
     """[R] token slots each rank computes under alloc [E, R]."""
     return alloc.sum(0)
@@ -229,9 +240,10 @@ def imbalance(loads: torch.Tensor) -> float:
     return float(loads.max() / mean) if mean > 0 else 1.0
 
 
-def maxvio(tokens_per_expert: torch.Tensor) -> float:
-    """MaxVio per expert: max_e(T_e / T_mean) - 1, T_e the expert's global count; accepts [R, E] or [E]."""
-    per_expert = tokens_per_expert.double()
+def maxvio(tokens_per_expert) -> float:
+    """MaxVio per expert: max_e(T_e / T_mean) - 1, T_e the expert's global count; accepts [R, E] or [E] (tensors or
+    nested lists). The one definition: step reports, metrics and the simulator use it."""
+    per_expert = torch.as_tensor(tokens_per_expert).double()
     if per_expert.dim() == 2:
         per_expert = per_expert.sum(0)
     mean = per_expert.mean()

@@ -1,7 +1,11 @@
-"""Where experts go when the EP dimension shrinks (a worker lost) or grows back: pure decisions over homes and loads.
+"""Where experts go when the EP dimension shrinks (a worker lost) or grows back, and whether to shrink or restart:
+pure decisions over homes and loads.
 
 home [E] int64: the EP rank each expert lives on. load [E]: recent tokens per expert (any scale)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -35,3 +39,27 @@ def grow(num_experts: int, num_ranks: int) -> torch.Tensor:
     """Back at full size: the configured contiguous homes (what a fresh job has), so a grown-back job and a job
     that never shrank place experts identically."""
     return default_home(num_experts, num_ranks)
+
+
+@dataclass(frozen=True)
+class LossDecision:
+    """`reshard`: carry on with `ep` EP ranks per stage (the survivors, experts re-homed to `home`); `restart`: a whole
+    EP column is gone (every rank of some stage), so the same grid starts again on other resources."""
+    action: Literal["reshard", "restart"]
+    ep: int
+    home: torch.Tensor
+
+
+def on_workers_lost(home: torch.Tensor, ep: int, lost_ranks: set[int], load: torch.Tensor) -> LossDecision:
+    """Shrink or restart after losing world ranks `lost_ranks` of a [pp][ep] grid (world rank = p * ep + e): an
+    EP rank is gone from every stage when any of its workers is."""
+    lost_cols = {r % ep for r in lost_ranks}
+    if ep - len(lost_cols) >= 1:
+        new_home, _ = shrink(home, lost_cols, load)
+        return LossDecision("reshard", ep - len(lost_cols), new_home)
+    return LossDecision("restart", ep, home.clone())
+
+
+def grow_back_due(step: int, shrunk_at: int | None, ep: int, full_ep: int, enabled: bool, after_steps: int) -> bool:
+    """Whether to try growing a shrunk job back to `full_ep` at the boundary of `step` (if the resources are free)."""
+    return enabled and shrunk_at is not None and ep < full_ep and step - shrunk_at >= after_steps
