@@ -109,7 +109,6 @@ class LatentMoE(nn.Module):
         self.w_up = nn.Linear(cfg.d_latent, cfg.d_model, bias=False)
         self.shared = nn.ModuleList(SharedExpert(cfg) for _ in range(cfg.n_shared))
         self.stats = RoutingStats()
-        self.poison = False  # fault drill: the routed output becomes NaN while set
 
     def forward(self, x_BSd: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -117,8 +116,6 @@ class LatentMoE(nn.Module):
         scores = self.router(x)
         idx, weight = select_experts(scores, self.router.bias, cfg.top_k)
         y_lat = self.experts(self.w_down(x), idx, weight)
-        if self.poison:
-            y_lat = y_lat * float("nan")
         with torch.no_grad():
             hist = None
             if cfg.balancing == "quantile":
