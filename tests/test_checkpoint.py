@@ -1,4 +1,4 @@
-"""k3ray.runtime.checkpoint: atomic parts, manifest-last commits, verification, fallback and retention."""
+"""k3ray.io.checkpoint: atomic parts, manifest-last commits, verification, fallback and retention."""
 from __future__ import annotations
 
 import json
@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from k3ray.runtime import checkpoint as ck
-from k3ray.runtime.checkpoint import CheckpointError, PartInfo
+from k3ray.io import checkpoint as ck
+from k3ray.io.checkpoint import CheckpointError, PartInfo
 
 
 def state(seed: int) -> dict:

@@ -7,7 +7,7 @@ import torch
 from k3ray.config import OptimizerConfig
 from k3ray.model.moe import ExpertShard
 from k3ray.optim import AdamW
-from k3ray.runtime import shards
+from k3ray.parallel import shards
 
 
 def _adamw_by_hand(p: torch.Tensor, grads: list[torch.Tensor], cfg: OptimizerConfig, lr: float, scale: float):

@@ -8,7 +8,7 @@ import torch
 
 from k3ray.config import load_config
 from k3ray.data import TokenData
-from k3ray.trainer import ReferenceTrainer
+from k3ray.parallel.reference import ReferenceTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny.yaml"

@@ -3,6 +3,20 @@
 Worker (p, e) runs pipeline stage p on its own micro-batches (dp rank e) and holds expert shard e of every MoE
 layer of stage p. World rank = p * ep + e. Process groups: the world (pipeline send/recv, loss and grad-norm
 reductions) and one EP group per stage (MoE all-to-alls, dense-gradient and balancing-statistics all-reduces).
+
+Why the schedule is our own 1F1B loop (`k3ray.parallel.pipeline`) rather than torch.distributed.pipelining's
+Schedule1F1B:
+- every EP rank of a stage must issue the MoE all-to-alls of a micro-batch (counts all-gather, MoonEP-planned
+  dispatch, replica weights, combine) in the same order relative to the pipeline's sends and receives. This loop
+  fixes that order (the same op list on every EP rank, a blocking receive before each op); pipelining batches its
+  P2P operations and decides itself when to wait on them, so their order against EP-group collectives would be a
+  detail of torch's implementation, and on gloo a collective queued behind an unfinished P2P is a hang;
+- the float64 equivalence tests pin the summation order of the loss and gradients to the single-process reference
+  (each micro-batch's loss scaled by 1/(ep * M) before backward, one flat dense-gradient all-reduce); pipelining
+  accumulates unscaled gradients and divides by the micro-batch count afterwards;
+- its stage is a module whose forward is a function of the received tensor only; ours also gathers routing
+  statistics and timings for the step report.
+The schedule itself stays a pure function (`one_f_one_b`) that tests can read.
 """
 from __future__ import annotations
 
@@ -12,16 +26,16 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
-from k3ray.dtypes import up32
 
-from k3ray.config import JobConfig
+from k3ray.config import JobConfig, PoliciesConfig
+from k3ray.dtypes import up32
 from k3ray.data import TokenData
 from k3ray.model.decoder import build_stage, is_expert_param, stage_layers
 from k3ray.optim import AdamW, clip_coefficient, lr_at
-from k3ray.runtime import shards
-from k3ray.runtime.ep import EPContext, ExpertParallelExperts
-from k3ray.runtime.pipeline import one_f_one_b
-from k3ray.runtime.step import activation_stats, lm_loss, update_router_bias
+from k3ray.parallel import shards
+from k3ray.parallel.ep import EPContext, ExpertParallelExperts
+from k3ray.parallel.pipeline import one_f_one_b
+from k3ray.parallel.step import activation_stats, lm_loss, update_router_bias
 
 
 class StageEngine:
@@ -49,7 +63,7 @@ class StageEngine:
                                 timeout=timeout)
         groups = [dist.new_group(list(range(p * self.ep, (p + 1) * self.ep)), timeout=timeout) for p in range(self.pp)]
         self.ep_group = groups[self.pp_rank]
-        self.ctx = EPContext(self.ep_group, self.ep_rank, self.ep, self.home)
+        self.ctx = EPContext(self.ep_group, self.ep_rank, self.ep, self.home, self.cfg.policies)
         self._build_stage()
 
     def _build_stage(self) -> None:
@@ -239,14 +253,9 @@ class StageEngine:
                                  f"{sorted(mine)}")
         self._refresh_params()
 
-    def set_policy(self, moonep_enabled: bool, slots_per_rank: int | None, scheduling_enabled: bool) -> None:
-        self.ctx.moonep_enabled, self.ctx.slots_per_rank = moonep_enabled, slots_per_rank
-        self.ctx.scheduling_enabled = scheduling_enabled
-
-    def set_poison(self, layer: int | None) -> None:
-        """Fault drill: make the routed output of `layer` (if this stage holds it) NaN until cleared with None."""
-        for i, moe in self.stage.moe_layers().items():
-            moe.poison = i == layer
+    def set_policies(self, policies: PoliciesConfig) -> None:
+        """The data-path policies from now on: the EP placement planner and the expert-GEMM order."""
+        self.ctx.set_policies(policies)
 
     # -- whole-worker state (snapshots, checkpoints, restore onto another topology) ------------------------------
     def state_tensors(self, dense: bool = True) -> dict:
@@ -265,9 +274,9 @@ class StageEngine:
             "lr_scale": self.lr_scale,
         }
 
-    def state_dict(self) -> dict:
+    def state_dict(self, dense: bool = True) -> dict:
         """`state_tensors` copied to the host (checkpoints)."""
-        return tree_map_only(torch.Tensor, lambda t: t.cpu().clone(), self.state_tensors())
+        return tree_map_only(torch.Tensor, lambda t: t.cpu().clone(), self.state_tensors(dense))
 
     @torch.no_grad()
     def load_state(self, dense_state: dict, expert_payloads: dict[int, list[dict]]) -> None:

@@ -2,7 +2,8 @@
 
 Notation: R EP ranks, E experts, K top-k, T local tokens, D = d_latent. Per micro-batch and MoE layer:
   1. all-gather tokens_per_expert [R, E] (every rank then holds the same counts);
-  2. plan alloc [E, R] (MoonEP when enabled, else every expert on its home rank) and send [R, E, R];
+  2. plan alloc [E, R] with the worker's Planner (k3ray.policies.planner: MoonEP when enabled, else every expert on
+     its home rank), and this rank's slices of the send matrix: what it sends [E, R] and receives [R, E];
   3. replica weights travel home -> computing rank (all-to-all; autograd returns their gradients home);
   4. routes are scattered straight into the send buffer (ordered by destination rank, then expert), all-to-all,
      regrouped by expert, the grouped expert FFN, then the reverse path and a weighted sum per token.
@@ -17,9 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from k3ray.config import PoliciesConfig
 from k3ray.kernels import grouped_expert_ffn, permute_rows, unpermute_rows
 from k3ray.model.moe import ExpertShard
-from k3ray.policies import moonep, scheduling
+from k3ray.policies import moonep
+from k3ray.policies.planner import Planner, build_gemm_order, build_planner
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -106,15 +109,18 @@ class _ExpertExchange(torch.autograd.Function):
 
 
 class EPContext:
-    """What the EP executors of one worker share: the group, this rank, expert homes and the live MoonEP policy."""
+    """What the EP executors of one worker share: the group, this rank, expert homes and the live data-path policies
+    (the placement planner and the expert-GEMM order, rebuilt from the policies config when they change)."""
 
-    def __init__(self, group, rank: int, num_ranks: int, home: torch.Tensor):
+    def __init__(self, group, rank: int, num_ranks: int, home: torch.Tensor, policies: PoliciesConfig | None = None):
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.home = home  # [E] int64 home rank of every expert (the placement table's view for this stage)
-        self.moonep_enabled = True
-        self.slots_per_rank: int | None = None
-        self.scheduling_enabled = True
+        self.set_policies(policies or PoliciesConfig())
         self.comm_seconds = 0.0  # time inside dispatch/combine collectives since the last reset
+
+    def set_policies(self, policies: PoliciesConfig) -> None:
+        self.planner: Planner = build_planner(policies)
+        self.gemm_order = build_gemm_order(policies)  # rows per group [G] -> GEMM order; None: the kernel's own
 
 
 def _positions(counts_ED: torch.Tensor) -> torch.Tensor:
@@ -143,18 +149,14 @@ class ExpertParallelExperts(nn.Module):
         gathered = [torch.empty_like(local) for _ in range(R)]
         self._timed(dist.all_gather, gathered, local, ctx.group)
         tpe_RE = torch.stack(gathered).cpu()  # the one host sync of the layer: splits live on the host
-        if ctx.moonep_enabled and R > 1:
-            alloc = moonep.plan(tpe_RE, ctx.slots_per_rank, ctx.home).alloc.cpu()
-        else:
-            alloc = torch.zeros(E, R, dtype=torch.int64)
-            alloc[torch.arange(E), ctx.home] = tpe_RE.sum(0)
-        send = moonep.send_matrix(tpe_RE, alloc)  # [R_src, E, R_dst]
+        alloc = ctx.planner.plan(tpe_RE, ctx.home)  # [E, R]
+        mine = moonep.send_matrix(tpe_RE, alloc, src=me)  # [E, R_dst] what I send
+        recv_counts = moonep.received_by(tpe_RE, alloc, me)  # [R_src, E] what I receive
         self._account(tpe_RE, alloc)
 
         # -- where each of my routes goes: destination rank, then its row in the send buffer (d-major, e-minor).
         # Per-route work stays on the device; only [E, R]-sized tables come from the host.
         dev = h_TD.device
-        mine = send[me]  # [E, R]
         edges = mine.cumsum(1)  # [E, R] end of each destination's share inside expert e's block
         flat = idx_TK.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -166,9 +168,8 @@ class ExpertParallelExperts(nn.Module):
         dest = torch.empty_like(flat)
         dest[order] = block_start_d[sorted_e, d] + within
         dest = dest.view_as(idx_TK)
-        in_splits, out_splits = mine.sum(0).tolist(), send[:, :, me].sum(1).tolist()
+        in_splits, out_splits = mine.sum(0).tolist(), recv_counts.sum(1).tolist()
         # -- received rows come source-major, expert-minor; the expert FFN wants them grouped by expert
-        recv_counts = send[:, :, me]  # [R_src, E]
         computed, homed = alloc[:, me] > 0, ctx.home == me
         if not (computed & ~homed).any():  # no replicas here: run every home expert (empty groups cost nothing),
             computed = homed  # so the expert GEMMs read the shard in place instead of a gathered copy
@@ -186,8 +187,7 @@ class ExpertParallelExperts(nn.Module):
         from_group[to_group] = torch.arange(n_recv, device=dev)
         ex = Exchange(in_splits=in_splits, out_splits=out_splits, to_group=to_group, from_group=from_group,
                       group_ends=rows_per_group.cumsum(0).to(device=dev, dtype=torch.int32),
-                      group_order=scheduling.schedule_order(rows_per_group).to(dev) if ctx.scheduling_enabled
-                      else None,
+                      group_order=None if ctx.gemm_order is None else ctx.gemm_order(rows_per_group).to(dev),
                       **self._weight_routes(groups, alloc))
         send_buf = permute_rows(h_TD, dest, flat.numel())
         back = _ExpertExchange.apply(send_buf, self.shard.w1, self.shard.w2, ex, ctx.group,

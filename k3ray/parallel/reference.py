@@ -1,22 +1,16 @@
-"""The single-process reference trainer (the ground truth the distributed runtime must reproduce) and the training
-loop shared by `k3ray train` in both modes: progress bar, a log line per step, evaluation, a final summary."""
+"""The single-process reference trainer: the whole model in one process, the ground truth the distributed runtime
+must reproduce (`k3ray train --single-process`)."""
 from __future__ import annotations
 
-import json
-import logging
 import time
-from typing import Protocol
 
 import torch
-from tqdm import tqdm
 
 from k3ray.config import JobConfig
 from k3ray.data import TokenData
 from k3ray.model.decoder import build_stage
 from k3ray.optim import AdamW, clip_coefficient, lr_at
-from k3ray.runtime.step import StepReport, activation_stats, layer_maxvio, lm_loss, update_router_bias
-
-log = logging.getLogger("k3ray")
+from k3ray.parallel.step import StepReport, activation_stats, lm_loss, update_router_bias
 
 
 class ReferenceTrainer:
@@ -49,15 +43,13 @@ class ReferenceTrainer:
         sq = sum(float(p.grad.float().square().sum()) for p in self.params.values() if p.grad is not None)
         lr = lr_at(cfg.optimizer, step, cfg.train.steps)
         self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
-        tpe, maxvio = {}, {}
+        tpe = {}
         for layer, moe in model.moe_layers().items():
             update_router_bias(cfg.model, moe, moe.stats.histogram, moe.stats.tokens_per_expert)
             tpe[layer] = [moe.stats.tokens_per_expert.tolist()]
-            maxvio[layer] = layer_maxvio(tpe[layer])
         t2 = time.perf_counter()
         return StepReport(step=step, batch_index=batch_index, loss=float(loss_sum), grad_norm=sq ** 0.5, lr=lr,
-                          tokens=ep * micro * cfg.data.micro_batch_size * cfg.data.seq_len,
-                          tokens_per_expert=tpe, maxvio=maxvio, activations=activation_stats(model),
+                          tokens=cfg.step_tokens(), tokens_per_expert=tpe, activations=activation_stats(model),
                           timings={"compute": t1 - t0, "optimizer": t2 - t1})
 
     @torch.no_grad()
@@ -68,47 +60,3 @@ class ReferenceTrainer:
             losses.append(float(lm_loss(self.model(tokens[:, :-1]), tokens, 1.0)))
         self.model.reset_stats()
         return sum(losses) / len(losses)
-
-
-class Backend(Protocol):
-    def train_step(self, step: int, batch_index: int) -> StepReport: ...
-    def evaluate(self) -> float: ...
-
-
-def run_training(backend: Backend, cfg: JobConfig, steps: int | None = None, start_step: int = 0,
-                 progress: bool = True, log_json: bool = False) -> dict:
-    """Drive `steps` steps through a backend (reference trainer or the Ray controller) and summarise."""
-    steps = cfg.train.steps if steps is None else steps
-    history: list[StepReport] = []
-    evals: dict[int, float] = {}
-    t_start = time.perf_counter()
-    if cfg.train.eval_every:
-        evals[start_step] = backend.evaluate()
-    bar = tqdm(range(start_step, start_step + steps), desc=cfg.name, disable=not progress, dynamic_ncols=True)
-    for step in bar:
-        t0 = time.perf_counter()
-        report = backend.train_step(step, step)
-        dt = time.perf_counter() - t0
-        history.append(report)
-        bar.set_postfix(loss=f"{report.loss:.3f}", tok_s=f"{report.tokens / dt:,.0f}", maxvio=f"{report.mean_maxvio:.3f}")
-        if step % cfg.train.log_every == 0:
-            line = {"step": step, "loss": round(report.loss, 5), "grad_norm": round(report.grad_norm, 4),
-                    "lr": report.lr, "tokens_per_s": round(report.tokens / dt, 1),
-                    "maxvio": round(report.mean_maxvio, 4), **{k: round(v, 4) for k, v in report.timings.items()}}
-            msg = json.dumps(line) if log_json else " ".join(f"{k}={v}" for k, v in line.items())
-            (tqdm.write(msg) if progress else log.info(msg))
-        done = step + 1 - start_step
-        if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == steps):
-            evals[step + 1] = backend.evaluate()
-    elapsed = time.perf_counter() - t_start
-    tokens = sum(r.tokens for r in history)
-    return {
-        "steps": steps,
-        "final_loss": history[-1].loss if history else None,
-        "val_loss": evals,
-        "tokens": tokens,
-        "seconds": elapsed,
-        "tokens_per_s": tokens / elapsed if elapsed else 0.0,
-        "final_maxvio": history[-1].mean_maxvio if history else None,
-        "losses": [r.loss for r in history],
-    }

@@ -9,9 +9,10 @@ import torch.nn.functional as F
 from k3ray.dtypes import up32
 
 from k3ray.config import ModelConfig
-from k3ray.model.balancing import max_violation, quantile_bias, sign_bias
+from k3ray.model.balancing import quantile_bias, sign_bias
 from k3ray.model.decoder import K3Stage
 from k3ray.model.moe import LatentMoE
+from k3ray.policies.moonep import maxvio
 
 
 def lm_loss(logits_BSV: torch.Tensor, tokens_BS1: torch.Tensor, scale: float) -> torch.Tensor:
@@ -57,10 +58,13 @@ class StepReport:
     tokens: int
     # layer -> [R][E] routes each EP rank sent to each expert this step
     tokens_per_expert: dict[int, list[list[int]]] = field(default_factory=dict)
-    maxvio: dict[int, float] = field(default_factory=dict)
+    maxvio: dict[int, float] = field(default_factory=dict)  # layer -> MaxVio, derived from tokens_per_expert
     activations: dict[int, dict[str, float]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds by phase
     rank_load: dict[int, list[int]] = field(default_factory=dict)  # layer -> tokens computed per EP rank
+
+    def __post_init__(self) -> None:
+        self.maxvio = {layer: maxvio(rows) for layer, rows in self.tokens_per_expert.items()}
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -68,7 +72,3 @@ class StepReport:
     @property
     def mean_maxvio(self) -> float:
         return sum(self.maxvio.values()) / max(len(self.maxvio), 1)
-
-
-def layer_maxvio(tokens_per_expert_RE: list[list[int]]) -> float:
-    return max_violation(torch.tensor(tokens_per_expert_RE).sum(0))
