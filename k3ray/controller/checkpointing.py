@@ -1,85 +1,81 @@
-"""Durable checkpoints of a running job, as a mixin of the Controller actor: every worker writes its part
-asynchronously at a step boundary, the controller commits the manifest at the next one (k3ray.runtime.checkpoint);
-`--resume` restores the newest verified checkpoint onto the configured EP size."""
+"""Durable checkpoints of a running job, owned by the controller: every worker writes its part asynchronously at a step
+boundary, the manifest is committed at the next one (k3ray.io.checkpoint); `--resume` restores the newest verified
+checkpoint onto the configured EP size.
+
+Interface: `resume` (before the workers start), `request`, `boundary` (every step boundary), `commit_pending`
+(before stopping), `committed` (what was written)."""
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Callable
 
-import ray
-
-from k3ray.actors.worker import part_name
-from k3ray.policies import guards
-from k3ray.runtime import checkpoint as ckpt
-from k3ray.runtime.group import restore_sources
-from k3ray.runtime.resilience import JobState
+from k3ray.config import CheckpointConfig
+from k3ray.controller.snapshots import restore_sources
+from k3ray.controller.worker import part_name
+from k3ray.io import checkpoint as ckpt
 
 log = logging.getLogger("k3ray.controller")
 
 
+@dataclass
+class Resumed:
+    """What a resume starts from: the checkpoint's step and metadata, and its parts by stage (`restore_sources`)."""
+    path: str
+    step: int
+    meta: dict
+    sources: dict[int, list]
+
+
 class DurableCheckpoints:
-    def _resume_sources(self) -> dict | None:
-        """Read the newest verified checkpoint (falling back past corrupt ones, loudly) and set the data order,
-        guard statistics and step from it. Experts reshard onto the configured EP size."""
-        root = self.cfg.checkpoint.dir
-        manifest = ckpt.latest_verified(root)
+    def __init__(self, cfg: CheckpointConfig, on_commit: list[Callable] | None = None):
+        self.cfg = cfg
+        self.pending: tuple[int, dict] | None = None  # parts being written: (step, manifest meta)
+        self.requested = False
+        self.committed: list[dict] = []  # step, path, seconds
+        self.on_commit = on_commit or []  # each called as f(step, path, parts, seconds) after a commit
+
+    def resume(self, pp: int) -> Resumed | None:
+        """The newest verified checkpoint (falling back past corrupt ones, loudly), or None when there is none."""
+        manifest = ckpt.latest_verified(self.cfg.dir)
         if manifest is None:
-            log.warning("--resume: no verified checkpoint under %s; starting from step 0", root)
+            log.warning("--resume: no verified checkpoint under %s; starting from step 0", self.cfg.dir)
             return None
         meta = manifest.meta
-        if meta["pp"] != self.cfg.parallel.pp:
+        if meta["pp"] != pp:
             raise ckpt.CheckpointError(f"{manifest.path}: written with parallel.pp={meta['pp']}, the config has "
-                                       f"pp={self.cfg.parallel.pp}; resume with the same pp")
-        states = {r: ckpt.load_part(root, manifest.step, part_name(r)) for r in range(meta["pp"] * meta["ep"])}
-        self.step = manifest.step
-        if meta["last_batch"] is not None:
-            self.batches[manifest.step - 1] = meta["last_batch"]
-        self.skip |= set(meta["skip"])
-        self.lr_scale = meta["lr_scale"]
-        self.guard_state = guards.GuardState(**{k: v for k, v in meta["guard_state"].items() if k != "history"})
-        self._transition(JobState.SCHEDULING, f"resuming from {manifest.path} (step {manifest.step}, "
-                                              f"ep {meta['ep']} -> {self.ep_size})")
-        return restore_sources(states, meta["pp"], meta["ep"])
+                                       f"pp={pp}; resume with the same pp")
+        states = {r: ckpt.load_part(self.cfg.dir, manifest.step, part_name(r)) for r in range(meta["pp"] * meta["ep"])}
+        return Resumed(str(manifest.path), manifest.step, meta, restore_sources(states, meta["pp"], meta["ep"]))
 
-    def request_checkpoint(self) -> dict:
+    def request(self, step: int) -> dict:
         """Ask for a durable checkpoint at the next step boundary."""
-        self.checkpoint_requested = True
-        return {"requested": True, "at_step": self.step, "dir": self.cfg.checkpoint.dir}
+        self.requested = True
+        return {"requested": True, "at_step": step, "dir": self.cfg.dir}
 
-    def _checkpoint_boundary(self, step: int) -> None:
-        """Commit the checkpoint whose parts were written since the last boundary; start a new one if due."""
-        self._commit_pending()
-        every = self.cfg.checkpoint.every_n_steps
-        if self.checkpoint_requested or (every and step > 0 and step % every == 0):
-            self.checkpoint_requested = False
+    def boundary(self, group, step: int, meta: Callable[[], dict]) -> None:
+        """Commit the checkpoint whose parts were written since the last boundary; start a new one if due. `meta()`
+        gives what the manifest records beside the parts (the controller's progress: data order, lr scale, ...)."""
+        self.commit_pending(group)
+        every = self.cfg.every_n_steps
+        if self.requested or (every and step > 0 and step % every == 0):
+            self.requested = False
             t0 = time.perf_counter()
-            ray.get([w.save_checkpoint.remote(self.cfg.checkpoint.dir, step) for w in self._all()])
-            meta = {"step": step, "pp": self.cfg.parallel.pp, "ep": self.ep_size, "home": list(self.home),
-                    "last_batch": self.batches.get(step - 1), "skip": sorted(self.skip), "lr_scale": self.lr_scale,
-                    "guard_state": {k: v for k, v in vars(self.guard_state).items() if k != "history"},
-                    "job": self.cfg.name, "config": self.cfg.model_dump(mode="json"),
-                    "copy_seconds": time.perf_counter() - t0}
-            self.pending_commit = (step, meta)
+            group.call("save_checkpoint", self.cfg.dir, step, timeout_s=None)
+            self.pending = (step, {**meta(), "step": step, "copy_seconds": time.perf_counter() - t0})
 
-    def _commit_pending(self) -> None:
-        if self.pending_commit is None:
+    def commit_pending(self, group) -> None:
+        if self.pending is None:
             return
-        step, meta = self.pending_commit
-        self.pending_commit = None
+        step, meta = self.pending
+        self.pending = None
         t0 = time.perf_counter()
-        parts = [ckpt.PartInfo(**p) for ps in ray.get([w.checkpoint_parts.remote() for w in self._all()]) for p in ps]
-        path = ckpt.commit(self.cfg.checkpoint.dir, step, parts, meta, self.cfg.checkpoint.keep)
-        self.checkpoints.append({"step": step, "path": str(path), "copy_seconds": meta["copy_seconds"],
-                                 "wait_and_commit_seconds": time.perf_counter() - t0})
+        parts = [ckpt.PartInfo(**p) for ps in group.call("checkpoint_parts", timeout_s=None) for p in ps]
+        path = ckpt.commit(self.cfg.dir, step, parts, meta, self.cfg.keep)
+        wait_and_commit = time.perf_counter() - t0
+        self.committed.append({"step": step, "path": str(path), "copy_seconds": meta["copy_seconds"],
+                               "wait_and_commit_seconds": wait_and_commit})
         log.info("checkpoint of step %d committed at %s", step, path)
-        if self.metrics is not None:
-            self.metrics.record_checkpoint(meta["copy_seconds"] + self.checkpoints[-1]["wait_and_commit_seconds"])
-        for i, fault in self.pending_faults:
-            if fault.kind == "corrupt_checkpoint" and fault.step <= step and i not in self.fired:
-                self.fired.add(i)
-                victim = path / parts[0].name
-                victim.write_bytes(victim.read_bytes()[: parts[0].bytes // 2])
-                log.warning("fault drill: truncated %s", victim)
-
-    def list_checkpoints(self) -> list[dict]:
-        return list(self.checkpoints)
+        for callback in self.on_commit:
+            callback(step, path, parts, meta["copy_seconds"] + wait_and_commit)

@@ -1,117 +1,133 @@
-"""The Controller actor: one per job. Owns the topology, the placement table (expert -> EP rank, per stage) and
-the live policies; drives steps and merges the workers' reports. An explicit state machine: every transition is
-named in `JobState` (k3ray/runtime/resilience.py) and logged; failure handling and durable checkpoints are the
-Resilience and DurableCheckpoints mixins."""
+"""The job controller: one per job. It owns the topology, the training progress (step, data order, skipped batches,
+learning-rate scale, guard statistics) and its parts, each with its own state:
+
+    machine      JobState and the transition table (k3ray.controller.state)
+    table        the expert placement table and load history (k3ray.controller.placement)
+    policies     live policies, queued changes and their audit (k3ray.controller.live_policies)
+    snapshots    in-memory snapshots (k3ray.controller.snapshots)
+    checkpoints  durable checkpoints (k3ray.controller.checkpointing)
+    drills       fault drills (k3ray.controller.drills)
+    group        the worker grid, the only part that talks to workers (k3ray.controller.worker_group)
+
+Decisions come from k3ray.policies (guards, the failure ladder, shrink-or-restart, re-homing); the controller
+carries them out. `Controller` is plain Python: its tests give it a fake worker group; `ControllerActor` is the same
+class as a Ray actor, which is how jobs run it.
+"""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 import ray
 import torch
-from pydantic import ValidationError
 
 from k3ray.config import JobConfig
-from k3ray.policies import guards, recovery
-from k3ray.runtime.durable import DurableCheckpoints
-from k3ray.runtime.group import TopologyError, WorkerGroup, WorkerLost
-from k3ray.runtime.resilience import GuardError, JobState, Resilience, Snapshot
-from k3ray.runtime.step import StepReport, layer_maxvio
-
-__all__ = ["Controller", "GuardError", "JobState", "TopologyError"]
+from k3ray.controller.callbacks import Callback
+from k3ray.controller.checkpointing import DurableCheckpoints, Resumed
+from k3ray.controller.drills import FaultInjector
+from k3ray.controller.live_policies import LivePolicies
+from k3ray.controller.placement import Placement
+from k3ray.controller.snapshots import Snapshots
+from k3ray.controller.state import JobState, StateMachine
+from k3ray.controller.worker_group import TopologyError, WorkerGroup, WorkerLost
+from k3ray.parallel.step import StepReport
+from k3ray.policies import guards, ladder, recovery
 
 log = logging.getLogger("k3ray.controller")
 
 
-@ray.remote(num_cpus=0, max_concurrency=8)
-class Controller(Resilience, DurableCheckpoints):
-    def __init__(self, cfg_dict: dict):
-        self.cfg = JobConfig.model_validate(cfg_dict)
-        self.state = JobState.INITIALIZING
-        self.transitions: list[tuple[float, str, str]] = []
-        self.group: WorkerGroup | None = None
-        self.ep_size = self.cfg.parallel.ep  # live EP size: smaller than configured while shrunk
-        self.home = recovery.grow(self.cfg.model.n_experts, self.cfg.parallel.ep).tolist()
-        ft = self.cfg.fault_tolerance
-        self.skip: set[int] = set(self.cfg.data.skip_batches)  # batch indices never trained on
+class GuardError(RuntimeError):
+    """A blow-up the failure ladder could not get past; the job stops with this report."""
+
+
+class Controller:
+    def __init__(self, cfg: JobConfig | dict, callbacks: list[Callback] = (), group_factory=WorkerGroup):
+        self.cfg = cfg if isinstance(cfg, JobConfig) else JobConfig.model_validate(cfg)
+        cfg = self.cfg
+        self.new_group = group_factory  # (cfg, ep, home) -> a worker group
+        self.group = None
+        self.callbacks = list(callbacks)
+        self.machine = StateMachine()
+        self.table = Placement(cfg)
+        self.policies = LivePolicies(cfg.policies)
+        self.snapshots = Snapshots(on_commit=lambda snap: self._notify("on_snapshot", snap.stall_seconds))
+        self.drills = FaultInjector(cfg.fault_tolerance.faults)
+        self.checkpoints = DurableCheckpoints(
+            cfg.checkpoint, on_commit=[self.drills.on_checkpoint, lambda *a: self._notify("on_checkpoint", *a)])
+        # training progress: what a replay, a snapshot or a checkpoint must reproduce
+        self.step = 0
+        self.skip: set[int] = set(cfg.data.skip_batches)  # batch indices never trained on
         self.batches: dict[int, int] = {}  # step -> batch index it trained on
-        self.snap: Snapshot | None = None  # the committed snapshot recovery falls back on
-        self.pending_snap: Snapshot | None = None  # started, bytes still arriving
         self.guard_state = guards.GuardState()
         self.lr_scale = 1.0
-        self.fired: set[int] = set()  # indices of fault drills already injected
-        self.shrunk_at: int | None = None
-        self.pending_commit: tuple[int, dict] | None = None  # checkpoint parts being written: (step, meta)
-        self.checkpoint_requested = False
-        self.checkpoints: list[dict] = []  # committed: step, path, seconds
-        self.snapshot_seconds: list[float] = []  # training stalled per snapshot
-        self.snapshot_total_seconds: list[float] = []  # start to committed
-        self.pending_faults = list(enumerate(ft.faults))
-        self.poisoned = False  # a NaN drill is armed on the workers for the current attempt
-        self.load_history: torch.Tensor | None = None  # [E] decayed tokens per expert, for rebalancing
+        self.shrunk_at: int | None = None  # step at which the job last shrank (None: at full size)
         self.last_report: dict | None = None
-        self.step = 0
-        self.lock = threading.Lock()
-        self.pending_policies: dict[str, object] = {}  # name -> validated policy, applied at the next step
-        self.audit: list[dict] = []
         self.incidents: list[dict] = []
-        # -- control plane (issue 6): API server, metrics --
-        self.api_server = None
-        self.api_url: str | None = None
-        self.metrics = None
-        self.metrics_overhead_s: list[float] = []
-        # -- end control plane --
 
-    def _transition(self, state: JobState, why: str = "") -> None:
-        log.info("state %s -> %s %s", self.state.value, state.value, why)
-        self.transitions.append((time.time(), state.value, why))
-        self.state = state
+    @property
+    def state(self) -> JobState:
+        return self.machine.state
+
+    @property
+    def transitions(self) -> list[tuple[float, str, str]]:
+        return self.machine.history
+
+    def _notify(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(*args)
 
     # -- topology ------------------------------------------------------------------------------------------------
     def start(self, placement_timeout_s: float = 60.0, resume: bool = False) -> dict:
-        cfg = self.cfg
-        par = cfg.parallel
-        self._transition(JobState.SCHEDULING, f"pp={par.pp} ep={par.ep}")
-        sources = self._resume_sources() if resume else None
-        self.group = WorkerGroup(cfg, self.ep_size, self.home)
+        par = self.cfg.parallel
+        why = f"pp={par.pp} ep={par.ep}"
+        resumed = self.checkpoints.resume(par.pp) if resume else None
+        if resumed is not None:
+            self._resume_from(resumed)
+            why += f", resuming from {resumed.path} (step {resumed.step}, ep {resumed.meta['ep']} -> {self.table.ep})"
+        self.machine.to(JobState.SCHEDULING, why)
+        self.group = self.new_group(self.cfg, self.table.ep, self.table.home)
         try:
-            backend = self.group.launch(placement_timeout_s, restore=sources)
+            backend = self.group.launch(placement_timeout_s, restore=None if resumed is None else resumed.sources)
         except TopologyError:
-            self._transition(JobState.ERRORED, "topology does not fit")
+            self.machine.to(JobState.ERRORED, "topology does not fit")
             raise
-        self._apply_policies()
-        if sources is not None:
-            ray.get([w.set_lr_scale.remote(self.lr_scale) for w in self._all()])
-        self._transition(JobState.RUNNING, f"{self.group.size} workers, backend {backend}")
-        # -- control plane (issue 6) --
-        from k3ray.metrics import JobMetrics
-        self.metrics = JobMetrics(cfg.name)
-        self.metrics.set_state(self.state.value)
-        if cfg.api.enabled:
-            from k3ray.api import start_control_api
-            self.api_server, record = start_control_api(self)
-            self.api_url = record["url"]
-        # -- end control plane --
+        self._push_policies()
+        if resumed is not None:
+            self.group.call("set_lr_scale", self.lr_scale)
+        self.machine.to(JobState.RUNNING, f"{self.group.size} workers, backend {backend}")
+        self._notify("on_start", self)
         return self.status()
 
-    def _all(self) -> list:
-        return self.group.workers if self.group is not None else []
+    def _resume_from(self, resumed: Resumed) -> None:
+        meta = resumed.meta
+        self.step = resumed.step
+        if meta["last_batch"] is not None:
+            self.batches[resumed.step - 1] = meta["last_batch"]
+        self.skip |= set(meta["skip"])
+        self.lr_scale = meta["lr_scale"]
+        self.guard_state = guards.GuardState(**{k: v for k, v in meta["guard_state"].items() if k != "history"})
+
+    def _progress(self, step: int) -> dict:
+        """What a checkpoint of the boundary before `step` records beside the workers' parts."""
+        return {"pp": self.cfg.parallel.pp, "ep": self.table.ep, "home": list(self.table.home),
+                "last_batch": self.batches.get(step - 1), "skip": sorted(self.skip), "lr_scale": self.lr_scale,
+                "guard_state": {k: v for k, v in vars(self.guard_state).items() if k != "history"},
+                "job": self.cfg.name, "config": self.cfg.model_dump(mode="json")}
 
     # -- steps ---------------------------------------------------------------------------------------------------
     def train_step(self, step: int, batch_index: int | None = None) -> dict:
         """Run `step` to an accepted report: snapshot on schedule, inject due fault drills, recover from lost
         workers, roll back and skip batches on a guard trip, grow back when capacity returns. `batch_index`, if
         given, must be the batch the controller's data order assigns (it owns the order because of skips)."""
-        t0 = time.perf_counter()  # control plane (issue 6)
+        t0 = time.perf_counter()
         self._apply_pending_policies(step)
         self._maybe_grow_back(step)
         if self._snapshot_due(step):
-            self._snapshot(step)
-        self._checkpoint_boundary(step)
+            self.snapshots.take(self.group, step, self.guard_state)
+        self.checkpoints.boundary(self.group, step, lambda: self._progress(step))
         attempts = 0
         while True:
-            self._inject_fault(step)
+            self.drills.before_attempt(self.group, step, settle=lambda: self.snapshots.commit(self.group, wait=True))
             batch = self._batch_for(step)
             if batch_index is not None and attempts == 0 and batch != batch_index:
                 raise ValueError(f"step {step}: batch {batch_index} requested, data order gives {batch}")
@@ -122,28 +138,24 @@ class Controller(Resilience, DurableCheckpoints):
                 self._recover(step, lost, detected_after=time.perf_counter() - t_attempt)
                 continue
             finally:
-                self._clear_transient_faults()
-            trip = guards.check(report, self.guard_state, self.cfg.policies.guards) \
-                if self.cfg.policies.guards.enabled else None
+                self.drills.after_attempt(self.group)
+            gp = self.cfg.policies.guards
+            trip = guards.check(report, self.guard_state, gp) if gp.enabled else None
             if trip is None:
                 break
             attempts += 1
             self._rollback(step, batch, trip, attempts)
         self.guard_state = guards.accept(report, self.guard_state)
-        self._commit_snapshot(wait=False)
+        self.snapshots.commit(self.group, wait=False)
         self.batches[step] = batch
         self.step = step + 1
         self.last_report = report
-        self._track_load(report)
+        self.table.track(report)
         rp = self.cfg.policies.replication
         if rp.enabled and self.step % rp.every_n_steps == 0:
             self._rebalance()
-        # -- control plane (issue 6): publish metrics, keep the per-step overhead --
-        from k3ray.metrics import timed_publish
-        self.metrics_overhead_s.append(timed_publish(self.metrics, self, self.last_report, time.perf_counter() - t0))
-        del self.metrics_overhead_s[:-1000]
-        # -- end control plane --
-        return self.last_report
+        self._notify("on_step", self, report, time.perf_counter() - t0)
+        return report
 
     def _batch_for(self, step: int) -> int:
         """The next batch index after the previous step's, passing over skipped ones."""
@@ -153,20 +165,11 @@ class Controller(Resilience, DurableCheckpoints):
         return b
 
     def _run(self, step: int, batch: int) -> dict:
-        timeout = self.cfg.parallel.collective_timeout_s + 30.0
-        reports = self.group.run_step(step, batch, timeout)
+        reports = self.group.run_step(step, batch, self.cfg.parallel.collective_timeout_s + 30.0)
         return self._merge(step, batch, reports).to_dict()
 
-    def worker_states(self) -> list[dict]:
-        """Every worker's current state (for inspection and tests)."""
-        return ray.get([w.state.remote() for w in self._all()])
-
-    def evaluate(self) -> float:
-        return ray.get([w.evaluate.remote() for w in self._all()])[0]
-
     def _merge(self, step: int, batch_index: int, reports: list[dict]) -> StepReport:
-        cfg = self.cfg
-        ep = self.ep_size
+        ep = self.table.ep
         tpe, rank_load, acts = {}, {}, {}
         for i, r in enumerate(reports):
             if i % ep == 0:  # every EP rank of a stage holds the same gathered counts
@@ -178,105 +181,182 @@ class Controller(Resilience, DurableCheckpoints):
         phases = reports[0]["timings"].keys()
         timings = {k: max(r["timings"][k] for r in reports) for k in phases}
         return StepReport(step=step, batch_index=batch_index, loss=reports[0]["loss"],
-                          grad_norm=reports[0]["grad_norm"], lr=reports[0]["lr"],
-                          tokens=ep * cfg.parallel.micro_batches * cfg.data.micro_batch_size * cfg.data.seq_len,
-                          tokens_per_expert=tpe, maxvio={k: layer_maxvio(v) for k, v in tpe.items()},
-                          activations=acts, timings=timings, rank_load=rank_load)
+                          grad_norm=reports[0]["grad_norm"], lr=reports[0]["lr"], tokens=self.cfg.step_tokens(ep),
+                          tokens_per_expert=tpe, activations=acts, timings=timings, rank_load=rank_load)
 
-    # -- placement and policies ----------------------------------------------------------------------------------
-    def _apply_policies(self) -> None:
-        pol = self.cfg.policies
-        ray.get([w.set_policy.remote(pol.moonep.enabled, pol.moonep.slots_per_rank, pol.scheduling.enabled)
-                 for w in self._all()])
+    def _snapshot_due(self, step: int) -> bool:
+        taken = {s.step for s in (self.snapshots.committed, self.snapshots.pending) if s is not None}
+        return step % self.cfg.fault_tolerance.snapshot_every == 0 and step not in taken
 
-    POLICY_NAMES = ("moonep", "replication", "scheduling", "guards")
+    def _replay(self, until: int) -> None:
+        """Re-run the accepted steps snap.step .. until-1 on the batches they used (deterministic)."""
+        snap = self.snapshots.committed
+        self.guard_state = snap.guard
+        for s in range(snap.step, until):
+            self.guard_state = guards.accept(self._run(s, self.batches[s]), self.guard_state)
 
-    def get_policies(self, name: str | None = None) -> dict:
-        """Live policies (with any change still waiting for the next step boundary applied on top)."""
-        with self.lock:
-            current = {n: getattr(self.cfg.policies, n).model_dump() for n in self.POLICY_NAMES}
-            for n, pol in self.pending_policies.items():
-                current[n] = pol.model_dump()
-        if name is None:
-            return current
-        if name not in current:
-            raise KeyError(f"unknown policy {name!r}; policies: {', '.join(self.POLICY_NAMES)}")
-        return current[name]
+    # -- failures: the controller carries out the policies' decisions ------------------------------------------------
+    def _rollback(self, step: int, batch: int, trip: guards.Trip, attempt: int) -> None:
+        t0 = time.perf_counter()
+        decision = ladder.on_trip(attempt, batch, self.lr_scale, self.cfg.fault_tolerance)
+        incident = {"time": time.time(), "kind": "blowup", "action": decision.action, "step": step,
+                    "rule": trip.rule, "layer": trip.layer, "value": trip.value, "detail": trip.detail,
+                    "batch_ids": list(decision.skip), "attempt": attempt}
+        self.incidents.append(incident)
+        if decision.action == "stop":
+            self.machine.to(JobState.ERRORED, f"step {step}: {attempt} guard trips")
+            raise GuardError(f"step {step}: guard tripped {attempt} times (last: {trip.rule} = {trip.value} "
+                             f"layer {trip.layer}; skipped batches {sorted(self.skip)}; lr scale {self.lr_scale}); "
+                             f"stopping. Incidents: {self.incidents[-attempt:]}")
+        self.machine.to(JobState.RECOVERING, f"rollback: {trip.rule} at step {step}")
+        self.skip.update(decision.skip)
+        self.snapshots.commit(self.group, wait=True)  # one started at this step's boundary holds the state to go to
+        self.group.restore(self.snapshots.committed.sources())
+        incident["restore_seconds"] = time.perf_counter() - t0
+        self.lr_scale = decision.lr_scale
+        self.group.call("set_lr_scale", self.lr_scale)
+        self._replay(step)
+        incident["rollback_seconds"] = time.perf_counter() - t0  # restore + replay since the snapshot
+        self.machine.to(JobState.RUNNING, f"rolled back to step {self.snapshots.committed.step}, skipping "
+                                          f"{list(decision.skip)}")
 
-    def set_policy(self, name: str, params: dict, source: str = "python") -> dict:
-        """Validate a change to one policy and queue it for the next step boundary. Raises KeyError for an unknown
-        policy and ValueError naming the field for a bad value; nothing changes then."""
-        if name not in self.POLICY_NAMES:
-            raise KeyError(f"unknown policy {name!r}; policies: {', '.join(self.POLICY_NAMES)}")
-        with self.lock:
-            base = self.pending_policies.get(name) or getattr(self.cfg.policies, name)
-            try:
-                new = type(base).model_validate({**base.model_dump(), **params})
-            except ValidationError as err:
-                fields = "; ".join(f"{name}.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-                raise ValueError(fields) from None
-            self.pending_policies[name] = new
-            entry = {"time": time.time(), "policy": name, "params": params, "source": source,
-                     "requested_at_step": self.step, "applies_at_step": self.step, "applied": False}
-            self.audit.append(entry)
-        log.info("policy %s change %s from %s queued for step %d", name, params, source, self.step)
-        return {"policy": name, "value": new.model_dump(), "applies_at_step": self.step}
+    def _recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
+        """Rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`."""
+        t0 = time.perf_counter()
+        self.machine.to(JobState.RECOVERING, str(lost))
+        old = self.group
+        try:  # a snapshot started at this boundary is the newest state, if every worker finished its part
+            self.snapshots.commit(old, wait=True, timeout_s=30.0)
+        except WorkerLost:  # a lost worker never delivered its part
+            pass
+        self.snapshots.drop_pending()  # what is still pending lacks a lost worker's part
+        snap = self.snapshots.committed
+        if snap is None:
+            self.machine.to(JobState.ERRORED, "no snapshot yet")
+            raise RuntimeError(f"{lost} before the first snapshot completed; restart with --resume from a checkpoint")
+        t_gathered = time.perf_counter()
+        decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks,
+                                            self.table.expert_load(self.last_report))
+        old.close()
+        t_planned = time.perf_counter()
+        self._relaunch(decision.ep, decision.home.tolist(), snap.sources())
+        t_restored = time.perf_counter()
+        self._replay(step)
+        self.shrunk_at = step if decision.ep < self.cfg.parallel.ep else None
+        launch = self.group.launch_seconds
+        self.incidents.append({
+            "time": time.time(), "kind": "worker_lost", "action": decision.action,
+            "rule": "collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
+            "step": step, "ranks": sorted(lost.ranks), "why": lost.why, "ep": [old.ep, decision.ep], "seconds": {
+                "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
+                **launch, "launch_other": t_restored - t_planned - sum(launch.values()),
+                "replay": time.perf_counter() - t_restored}})
+        self.machine.to(JobState.RUNNING, f"recovered on {decision.ep * self.cfg.parallel.pp} workers")
+
+    def _relaunch(self, ep: int, home: list[int], sources: dict) -> None:
+        self.table.reset(ep, home)
+        self.group = self.new_group(self.cfg, ep, home)
+        self.group.launch(120.0, restore=sources)
+        self._push_policies()
+        self.group.call("set_lr_scale", self.lr_scale)
+        snap = self.snapshots.committed
+        self.group.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
+
+    def _maybe_grow_back(self, step: int) -> None:
+        ft, full = self.cfg.fault_tolerance, self.cfg.parallel.ep
+        if not recovery.grow_back_due(step, self.shrunk_at, self.table.ep, full, ft.grow_back,
+                                      ft.grow_back_after_steps):
+            return
+        extra = self.new_group(self.cfg, full - self.table.ep, [0] * self.cfg.model.n_experts)
+        if not extra.fits(extra_cluster_free=True)[0]:
+            return
+        t0 = time.perf_counter()
+        self.machine.to(JobState.RESIZING, f"growing back to ep={full}")
+        self.snapshots.take(self.group, step, self.guard_state, wait=True)
+        old = self.group
+        old.close()
+        self._relaunch(full, recovery.grow(self.cfg.model.n_experts, full).tolist(), self.snapshots.committed.sources())
+        self.shrunk_at = None
+        self.incidents.append({"time": time.time(), "kind": "grow_back", "step": step, "ep": [old.ep, full],
+                               "seconds": time.perf_counter() - t0})
+        self.machine.to(JobState.RUNNING, f"grown back to {self.group.size} workers")
+
+    def _rebalance(self) -> None:
+        moved = self.table.rebalance(self.group)
+        if moved:
+            self.incidents.append({"time": time.time(), "kind": "rebalance", "step": self.step, "moved": moved})
+            log.info("rebalance at step %d moved experts %s", self.step, moved)
+
+    # -- policies and placement ----------------------------------------------------------------------------------
+    def _push_policies(self) -> None:
+        self.group.call("set_policies", self.cfg.policies.model_dump())
 
     def _apply_pending_policies(self, step: int) -> None:
-        with self.lock:
-            pending, self.pending_policies = self.pending_policies, {}
-            for entry in self.audit:
-                if not entry["applied"] and entry["policy"] in pending:
-                    entry.update(applied=True, applies_at_step=step)
-        if not pending:
-            return
-        for name, pol in pending.items():
-            setattr(self.cfg.policies, name, pol)
-        if "moonep" in pending or "scheduling" in pending:
-            self._apply_policies()
+        if self.policies.take_pending(step):
+            self._push_policies()
+
+    def get_policies(self, name: str | None = None) -> dict:
+        return self.policies.get(name)
+
+    def set_policy(self, name: str, params: dict, source: str = "python") -> dict:
+        return self.policies.set(name, params, source, self.step)
 
     def audit_log(self) -> list[dict]:
-        with self.lock:
-            return [dict(e) for e in self.audit]
-
-    def get_incidents(self) -> list[dict]:
-        return list(self.incidents)
+        return self.policies.audit_log()
 
     def move_experts(self, expert_ids: list[int], dst_ep_rank: int) -> dict:
         """Move experts' shards (weights and optimizer moments, every layer) to another EP rank of each stage."""
-        new_home = list(self.home)
+        new_home = list(self.table.home)
         for e in expert_ids:
             new_home[e] = dst_ep_rank
-        self._rehome(new_home)
+        self.table.rehome(self.group, new_home)
         return self.placement()
+
+    def request_checkpoint(self) -> dict:
+        return self.checkpoints.request(self.step)
 
     # -- views ---------------------------------------------------------------------------------------------------
     def status(self) -> dict:
         par = self.cfg.parallel
-        return {"name": self.cfg.name, "state": self.state.value, "step": self.step, "pp": par.pp,
-                "ep": self.ep_size, "ep_configured": par.ep, "workers": par.pp * self.ep_size, "device": par.device,
-                "skipped_batches": sorted(self.skip), "lr_scale": self.lr_scale,
-                "loss": None if self.last_report is None else self.last_report["loss"],
-                "api_url": self.api_url,  # control plane (issue 6)
-                "tokens_per_s": None if self.metrics is None else self.metrics.tokens_per_s,  # control plane
-                "transitions": [{"time": t, "state": s, "why": w} for t, s, w in self.transitions]}
+        out = {"name": self.cfg.name, "state": self.state.value, "step": self.step, "pp": par.pp,
+               "ep": self.table.ep, "ep_configured": par.ep, "workers": par.pp * self.table.ep, "device": par.device,
+               "skipped_batches": sorted(self.skip), "lr_scale": self.lr_scale,
+               "loss": None if self.last_report is None else self.last_report["loss"],
+               "api_url": None, "tokens_per_s": None,
+               "transitions": [{"time": t, "state": s, "why": w} for t, s, w in self.transitions]}
+        for callback in self.callbacks:
+            out.update(callback.status())
+        return out
 
     def placement(self) -> dict:
-        experts_of = {r: [e for e, h in enumerate(self.home) if h == r] for r in range(self.ep_size)}
-        return {"home": list(self.home), "experts_of_ep_rank": experts_of,
-                "rank_load": None if self.last_report is None else self.last_report["rank_load"]}
+        return self.table.view(self.last_report)
+
+    def get_incidents(self) -> list[dict]:
+        return list(self.incidents)
+
+    def list_checkpoints(self) -> list[dict]:
+        return list(self.checkpoints.committed)
+
+    def worker_states(self) -> list[dict]:
+        """Every worker's current state (for inspection and tests)."""
+        return self.group.call("state")
+
+    def evaluate(self) -> float:
+        return self.group.call("evaluate", timeout_s=None)[0]
 
     def shutdown(self) -> None:
         if self.group is not None and self.state == JobState.RUNNING and self.step > 0:
-            if self.cfg.checkpoint.at_end and not any(c["step"] == self.step for c in self.checkpoints):
-                self.checkpoint_requested = True
-                self._checkpoint_boundary(self.step)
-            self._commit_pending()
-        if self.api_server is not None:  # control plane (issue 6)
-            self.api_server.stop()
-            self.api_server = None
+            if self.cfg.checkpoint.at_end and not any(c["step"] == self.step for c in self.checkpoints.committed):
+                self.checkpoints.request(self.step)
+                self.checkpoints.boundary(self.group, self.step, lambda: self._progress(self.step))
+            self.checkpoints.commit_pending(self.group)
+        self._notify("on_shutdown", self)
         if self.group is not None:
             self.group.close()
             self.group = None
-        if self.state not in (JobState.ERRORED,):
-            self._transition(JobState.FINISHED)
+        if not self.machine.done:
+            self.machine.to(JobState.FINISHED)
+
+
+# The same class as a Ray actor: one per job, threaded so the control API's calls run beside the step loop.
+ControllerActor = ray.remote(num_cpus=0, max_concurrency=8)(Controller)

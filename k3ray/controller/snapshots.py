@@ -8,9 +8,11 @@ A snapshot is taken in two parts so that training stalls only for the first:
      a `Packed` whose bytes are one numpy array. Returned from a Ray actor method, it is written once into the
      node's object store, owned by the caller (the controller): it outlives the worker that took it, and any
      worker can read it back without a copy (numpy is zero-copy in Ray).
+The controller keeps the committed snapshot and the pending one (`Snapshots`).
 """
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -137,3 +139,71 @@ class SnapshotStager:
                 host[:nbytes].copy_(self.staging[:nbytes], non_blocking=True)
             self.stream.synchronize()
         return Packed(tree, host[:nbytes].numpy())
+
+
+def restore_sources(states: dict[int, Any], pp: int, ep: int) -> dict[int, list]:
+    """stage -> [the state of every EP rank of that stage in an old pp x ep grid], from states keyed by old world rank
+    (snapshot references or checkpoint parts). Any EP size can restore from them (Worker.restore)."""
+    return {p: [states[p * ep + e] for e in range(ep)] for p in range(pp)}
+
+
+@dataclass
+class Snapshot:
+    """The state of every worker of one grid at the boundary before `step`, in the object store (refs by world rank,
+    owned by the controller, so they outlive the workers), with what the controller needs to go back to it."""
+    step: int
+    guard: Any  # the guards' running statistics at that boundary
+    pp: int
+    ep: int
+    refs: list
+    size_refs: list  # world rank -> ref to the snapshot's size in bytes
+    started: float
+    stall_seconds: float  # training held up: staging on every worker
+    nbytes: int = 0  # all workers together, once committed
+
+    def sources(self) -> dict[int, list]:
+        return restore_sources(dict(enumerate(self.refs)), self.pp, self.ep)
+
+
+class Snapshots:
+    """The controller's in-memory snapshots: the committed one that recovery falls back on, and at most one pending
+    (started at a step boundary, bytes still arriving while the next step runs).
+
+    Interface: `take` at a boundary, `commit` after the step (or at once), `drop_pending` when a worker is lost,
+    `committed` to restore from; `stall_seconds` / `total_seconds` per committed snapshot for the benchmarks."""
+
+    def __init__(self, on_commit=None):
+        self.committed: Snapshot | None = None
+        self.pending: Snapshot | None = None
+        self.stall_seconds: list[float] = []  # training stalled per snapshot
+        self.total_seconds: list[float] = []  # start to committed
+        self.on_commit = on_commit  # called with each committed Snapshot (metrics)
+
+    def take(self, group, step: int, guard: Any, wait: bool = False) -> None:
+        """Start a snapshot of the state to run `step` from; it becomes the one to fall back on once every worker's
+        bytes have arrived (`commit`, after the step, or at once with wait=True)."""
+        self.commit(group, wait=True)  # the previous one must be done: buffers are reused
+        t0 = time.perf_counter()
+        refs, size_refs = group.begin_snapshot(step)
+        self.pending = Snapshot(step, guard, group.pp, group.ep, refs, size_refs, t0, time.perf_counter() - t0)
+        if wait:
+            self.commit(group, wait=True)
+
+    def commit(self, group, wait: bool, timeout_s: float | None = None) -> None:
+        """Make the pending snapshot the committed one once all of it has arrived (WorkerLost if a worker died first)."""
+        snap = self.pending
+        if snap is None:
+            return
+        nbytes = group.snapshot_bytes(snap.size_refs, timeout_s if wait else 0)
+        if nbytes is None:
+            return
+        snap.nbytes = nbytes
+        group.hold_peer_snapshots(snap.step, snap.refs)
+        self.committed, self.pending = snap, None
+        self.stall_seconds.append(snap.stall_seconds)
+        self.total_seconds.append(time.perf_counter() - snap.started)
+        if self.on_commit is not None:
+            self.on_commit(snap)
+
+    def drop_pending(self) -> None:
+        self.pending = None

@@ -1,18 +1,18 @@
 """The Worker actor: one per device, a thin holder of a StageEngine (pipeline stage p, expert shard e) and of its
-snapshot buffers (k3ray.runtime.snapshots).
+snapshot buffers (k3ray.controller.snapshots).
 
 Threaded (two calls at once): a snapshot's device-to-host copy runs beside the next training step."""
 from __future__ import annotations
 
 import os
 import socket
-import time
 
 import ray
 import torch
 
-from k3ray.config import JobConfig
-from k3ray.runtime.snapshots import Packed, SnapshotStager, as_state
+from k3ray.config import JobConfig, PoliciesConfig
+from k3ray.controller.snapshots import Packed, SnapshotStager, as_state
+from k3ray.io.checkpoint import AsyncWriter
 
 
 def part_name(world_rank: int) -> str:
@@ -23,7 +23,7 @@ def part_name(world_rank: int) -> str:
 class Worker:
     def __init__(self, cfg_dict: dict, pp_rank: int, ep_rank: int, home: list[int], ep_size: int,
                  init_weights: bool = True):
-        from k3ray.runtime.engine import StageEngine
+        from k3ray.parallel.engine import StageEngine  # here: the controller's process never loads the model
 
         cfg = JobConfig.model_validate(cfg_dict)
         torch.set_num_threads(max(1, int(os.environ.get("K3RAY_THREADS_PER_WORKER", "1"))))
@@ -31,8 +31,7 @@ class Worker:
         self.engine = StageEngine(cfg, pp_rank, ep_rank, home, ep_size, device, init_weights)
         self.stager: SnapshotStager | None = None  # made on the first snapshot
         self.peer_snapshots: dict[int, tuple[int, Packed]] = {}  # world rank -> (step, its snapshot)
-        self.hang_at_step: int | None = None
-        self.writer = None  # checkpoint AsyncWriter, made on first use
+        self.writer: AsyncWriter | None = None  # made on first use
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port, for the process-group rendezvous (asked of world rank 0)."""
@@ -48,9 +47,6 @@ class Worker:
         return True
 
     def train_step(self, step: int, batch_index: int) -> dict:
-        if self.hang_at_step == step:  # fault drill: a collective that never completes
-            self.hang_at_step = None
-            time.sleep(10**6)
         return self.engine.train_step(step, batch_index)
 
     def evaluate(self) -> float:
@@ -63,21 +59,12 @@ class Worker:
         self.engine.set_placement(home, imports)
         return True
 
-    def set_policy(self, moonep_enabled: bool, slots_per_rank: int | None, scheduling_enabled: bool) -> bool:
-        self.engine.set_policy(moonep_enabled, slots_per_rank, scheduling_enabled)
+    def set_policies(self, policies: dict) -> bool:
+        self.engine.set_policies(PoliciesConfig.model_validate(policies))
         return True
 
     def set_lr_scale(self, scale: float) -> bool:
         self.engine.lr_scale = scale
-        return True
-
-    # -- fault drills --------------------------------------------------------------------------------------------
-    def set_poison(self, layer: int | None) -> bool:
-        self.engine.set_poison(layer)
-        return True
-
-    def hang_at(self, step: int) -> bool:
-        self.hang_at_step = step
         return True
 
     # -- snapshots -----------------------------------------------------------------------------------------------
@@ -112,12 +99,12 @@ class Worker:
 
     # -- durable checkpoints --------------------------------------------------------------------------------------
     def save_checkpoint(self, root: str, step: int) -> bool:
-        """Copy the state now (training may go on) and write it in the background as this rank's part."""
-        from k3ray.runtime.checkpoint import AsyncWriter
-
+        """Copy the state now (training may go on) and write it in the background as this rank's part. The dense
+        state goes into EP rank 0's part only: every EP rank of a stage holds the same, and restores read rank 0's."""
         self.writer = self.writer or AsyncWriter()
         engine = self.engine
-        self.writer.submit(root, step, part_name(engine.pp_rank * engine.ep + engine.ep_rank), engine.state_dict())
+        self.writer.submit(root, step, part_name(engine.pp_rank * engine.ep + engine.ep_rank),
+                           engine.state_dict(dense=engine.ep_rank == 0))
         return True
 
     def checkpoint_parts(self) -> list[dict]:

@@ -1,4 +1,5 @@
-"""WorkerGroup: the [pp][ep] grid of Worker actors of one topology, as plain library code the controller drives.
+"""WorkerGroup: the [pp][ep] grid of Worker actors of one topology; the only part of the controller that talks to
+workers (the controller itself is Ray-free, and its tests drive it with a fake group of the same interface).
 
 It launches the grid inside a placement group, builds the process groups (rendezvous on world rank 0), runs a step
 and tells a dead or hung worker from the survivors' collateral errors, and takes in-memory snapshots (into the object
@@ -9,11 +10,11 @@ from __future__ import annotations
 import time
 
 import ray
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayTaskError
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from k3ray.actors.worker import Worker
+from k3ray.controller.worker import Worker
 from k3ray.config import JobConfig
 
 # Ray starts actor processes at nice 15. In a GPU job the controller sits on every step's critical path and a
@@ -63,7 +64,7 @@ class WorkerGroup:
         return True, ""
 
     def launch(self, timeout_s: float, restore: dict[int, list] | None = None) -> str:
-        """Place, create and connect the workers; restore[stage] = that stage's old states (restore_sources)."""
+        """Place, create and connect the workers; restore[stage] = that stage's old states (`restore_sources`)."""
         ok, why = self.fits()
         if not ok:
             par = self.cfg.parallel
@@ -89,13 +90,32 @@ class WorkerGroup:
         ray.get([w.setup.remote(f"tcp://{ip}:{port}", backend) for w in self.workers], timeout=timeout_s)
         t2 = time.perf_counter()
         if restore is not None:
-            ray.get([w.restore.remote(*restore[r // self.ep]) for r, w in enumerate(self.workers)], timeout=timeout_s)
+            self.restore(restore, timeout_s)
         self.launch_seconds = {"place_and_start_workers": t1 - t0, "process_groups": t2 - t1,
                                "restore": time.perf_counter() - t2}
         return backend
 
     def call(self, method: str, *args, timeout_s: float = 120.0) -> list:
+        """Every worker's `method(*args)`, in world-rank order."""
         return ray.get([getattr(w, method).remote(*args) for w in self.workers], timeout=timeout_s)
+
+    def call_each(self, method: str, args: dict[int, tuple], timeout_s: float = 120.0) -> dict[int, object]:
+        """`method(*args[r])` on world rank r, for the ranks in `args`."""
+        refs = {r: getattr(self.workers[r], method).remote(*a) for r, a in args.items()}
+        return dict(zip(refs, ray.get(list(refs.values()), timeout=timeout_s)))
+
+    def restore(self, sources: dict[int, list], timeout_s: float = 300.0) -> None:
+        """Every worker loads its stage's state from `sources` (stage -> old states, snapshot refs or checkpoint
+        parts; a part is put into the object store once, not once per reader)."""
+        refs = {p: [s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in states] for p, states in sources.items()}
+        ray.get([w.restore.remote(*refs[r // self.ep]) for r, w in enumerate(self.workers)], timeout=timeout_s)
+
+    def run_on(self, ranks: list[int], fn, *args) -> list:
+        """`fn(worker, *args)` inside the given workers' processes (fault drills)."""
+        return ray.get([self.workers[r].__ray_call__.remote(fn, *args) for r in ranks], timeout=120)
+
+    def kill(self, rank: int) -> None:
+        ray.kill(self.workers[rank], no_restart=True)
 
     def run_step(self, step: int, batch_index: int, timeout_s: float, grace_s: float = 5.0) -> list[dict]:
         """Reports of every worker, or WorkerLost naming the dead (ActorDiedError) or hung workers. A worker is hung
@@ -132,11 +152,25 @@ class WorkerGroup:
         pairs = [w.snapshot.remote(step) for w in self.workers]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
+    def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int | None:
+        """The total size once every part of a snapshot has arrived (None while some have not, after waiting up to
+        timeout_s; 0 waits not at all). WorkerLost if a worker died before delivering its part."""
+        ready, _ = ray.wait(size_refs, num_returns=len(size_refs), timeout=timeout_s, fetch_local=True)
+        if len(ready) < len(size_refs):
+            return None
+        try:
+            return sum(ray.get(size_refs))
+        except RayError as err:
+            raise WorkerLost(set(), f"a snapshot part was lost: {type(err).__name__}") from None
+
     def hold_peer_snapshots(self, step: int, refs: list) -> None:
         """Each snapshot's neighbour (world rank + 1, modulo this grid's size: the refs may be an older grid's) maps
         it, so a copy survives the loss of its node."""
-        ray.get([self.workers[(i + 1) % self.size].hold_peer_snapshot.remote(i, step, ref)
-                 for i, ref in enumerate(refs)], timeout=300)
+        try:
+            ray.get([self.workers[(i + 1) % self.size].hold_peer_snapshot.remote(i, step, ref)
+                     for i, ref in enumerate(refs)], timeout=300)
+        except RayError as err:
+            raise WorkerLost(set(), f"a worker died holding snapshots: {type(err).__name__}") from None
 
     def close(self) -> None:
         for w in self.workers:
@@ -145,11 +179,3 @@ class WorkerGroup:
         if self.pg is not None:
             remove_placement_group(self.pg)
             self.pg = None
-
-
-def restore_sources(states: dict[int, object], pp: int, ep: int) -> dict[int, list]:
-    """stage -> [the state of every EP rank of that stage in an old pp x ep grid], from states keyed by old world
-    rank: object-store references (snapshots) or values (checkpoint parts, put here once each). Any EP size can
-    restore from them (Worker.restore)."""
-    refs = {r: s if isinstance(s, ray.ObjectRef) else ray.put(s) for r, s in states.items()}
-    return {p: [refs[p * ep + e] for e in range(ep)] for p in range(pp)}

@@ -1,0 +1,88 @@
+"""The placement table the controller owns: which EP rank is home to each expert (the same for every stage), the live
+EP size, and the decayed per-expert load that periodic re-homing plans from (k3ray.policies.replication).
+
+Interface: `track` every accepted step, `expert_load` for recovery decisions, `rebalance` on schedule, `rehome` to
+move experts (shards travel with their optimizer moments), `reset` after a resize, `view` for status."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from k3ray.config import JobConfig
+from k3ray.parallel import shards
+from k3ray.policies import recovery, replication
+
+log = logging.getLogger("k3ray.controller")
+
+
+class Placement:
+    def __init__(self, cfg: JobConfig):
+        self.cfg = cfg
+        self.ep = cfg.parallel.ep  # live EP size: smaller than configured while shrunk
+        self.home: list[int] = recovery.grow(cfg.model.n_experts, cfg.parallel.ep).tolist()
+        self.load_history: torch.Tensor | None = None  # [E] decayed tokens per expert
+
+    def reset(self, ep: int, home: list[int]) -> None:
+        self.ep, self.home = ep, list(home)
+
+    def track(self, report: dict) -> None:
+        decay = self.cfg.policies.replication.history_decay
+        now = _expert_totals(report, self.cfg.model.n_experts)
+        self.load_history = now if self.load_history is None else decay * self.load_history + (1 - decay) * now
+
+    def expert_load(self, last_report: dict | None) -> torch.Tensor:
+        """[E] tokens per expert in the last step, plus one (so unused experts still count)."""
+        load = torch.ones(self.cfg.model.n_experts, dtype=torch.float64)
+        return load if last_report is None else load + _expert_totals(last_report, self.cfg.model.n_experts)
+
+    def rebalance(self, group) -> list[int]:
+        """Persistent placement from the load history (the replication policy with one slot per expert: experts
+        re-homed, no extra copies), within the migration budget; MoonEP still balances each micro-batch on top.
+        Skipped while shrunk when the EP size does not divide the experts. Returns the experts moved."""
+        E, R = self.cfg.model.n_experts, self.ep
+        if E % R:
+            return []
+        per = E // R
+        current = torch.tensor(sorted(range(E), key=lambda e: (self.home[e], e)))  # physical slot -> expert
+        plan = replication.rebalance(self.load_history, R, E, moved_budget=self.cfg.policies.replication.moved_budget,
+                                     current=current)
+        new_home = [0] * E
+        for slot, e in enumerate(plan.physical_to_logical.tolist()):
+            new_home[e] = slot // per
+        moved = [e for e in range(E) if new_home[e] != self.home[e]]
+        if moved:
+            self.rehome(group, new_home)
+        return moved
+
+    def rehome(self, group, new_home: list[int]) -> None:
+        """Move every expert whose home changes, in every stage: its rows leave the old home's shard (weights and
+        optimizer moments) and join the new home's."""
+        ep = self.ep
+        for p in range(self.cfg.parallel.pp):
+            imports: list[dict] = [{} for _ in range(ep)]
+            leaving = {src: [e for e in range(len(new_home)) if self.home[e] == src and new_home[e] != src]
+                       for src in range(ep)}
+            exported = group.call_each("export_shard", {p * ep + src: (ids,) for src, ids in leaving.items() if ids})
+            for rank, payloads in exported.items():
+                ids = leaving[rank - p * ep]
+                for layer, payload in payloads.items():
+                    for dst in sorted({new_home[e] for e in ids}):
+                        part = shards.select_experts(payload, {e for e in ids if new_home[e] == dst})
+                        imports[dst].setdefault(layer, []).append(part)
+            group.call_each("set_placement", {p * ep + r: (new_home, imports[r] or None) for r in range(ep)})
+        self.home = list(new_home)
+        group.home = list(new_home)
+
+    def view(self, last_report: dict | None) -> dict:
+        experts_of = {r: [e for e, h in enumerate(self.home) if h == r] for r in range(self.ep)}
+        return {"home": list(self.home), "experts_of_ep_rank": experts_of,
+                "rank_load": None if last_report is None else last_report["rank_load"]}
+
+
+def _expert_totals(report: dict, num_experts: int) -> torch.Tensor:
+    """[E] tokens routed to each expert over every MoE layer of a step report."""
+    total = torch.zeros(num_experts, dtype=torch.float64)
+    for rows in report["tokens_per_expert"].values():
+        total += torch.tensor(rows, dtype=torch.float64).sum(0)
+    return total

@@ -1,0 +1,217 @@
+"""The controller's logic without Ray: its state machine, rollback, the failure ladder's escalation, shrink-or-restart
+and growing back, driven against a fake worker group in milliseconds (the real group is covered by test_faults.py).
+
+The fake group's "model" is the tuple of batches it has trained on, so a rollback that replays exactly is visible as
+the same tuple a run that never saw the bad batch ends with."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from k3ray.config import load_config
+from k3ray.controller.controller import Controller, GuardError
+from k3ray.controller.state import TRANSITIONS, IllegalTransition, JobState, StateMachine
+from k3ray.controller.worker_group import TopologyError, WorkerLost
+from k3ray.policies import ladder, recovery
+
+
+class Cluster:
+    """What the fake groups share: capacity in workers, batches that blow up, losses to inject, calls seen."""
+
+    def __init__(self, capacity: int = 8, nan_batches=(), lose: dict[int, int] | None = None):
+        self.capacity, self.nan_batches = capacity, set(nan_batches)
+        self.lose = dict(lose or {})  # step -> world rank that dies during it (once)
+        self.calls: list[tuple] = []
+        self.groups: list[FakeGroup] = []
+
+    def group(self, cfg, ep: int, home: list[int]) -> "FakeGroup":
+        g = FakeGroup(self, cfg, ep, home)
+        self.groups.append(g)
+        return g
+
+
+class FakeGroup:
+    """The WorkerGroup interface over in-memory workers that all hold the same state: the batches trained on."""
+
+    def __init__(self, cluster: Cluster, cfg, ep: int, home: list[int]):
+        self.cluster, self.cfg, self.pp, self.ep, self.home = cluster, cfg, cfg.parallel.pp, ep, list(home)
+        self.trained: tuple[int, ...] = ()
+        self.launch_seconds: dict[str, float] = {}
+        self.alive = False
+
+    @property
+    def size(self) -> int:
+        return self.pp * self.ep
+
+    def fits(self, extra_cluster_free: bool = False) -> tuple[bool, str]:
+        used = sum(g.size for g in self.cluster.groups if g.alive) if extra_cluster_free else 0
+        return self.size + used <= self.cluster.capacity, "too small"
+
+    def launch(self, timeout_s: float, restore: dict | None = None) -> str:
+        if not self.fits()[0]:
+            raise TopologyError(f"needs {self.size} workers")
+        self.alive = True
+        if restore is not None:
+            self.restore(restore)
+        return "fake"
+
+    def restore(self, sources: dict, timeout_s: float = 0) -> None:
+        assert set(sources) == set(range(self.pp))
+        self.trained = sources[0][0]
+
+    def run_step(self, step: int, batch: int, timeout_s: float) -> list[dict]:
+        rank = self.cluster.lose.pop(step, None)
+        if rank is not None:
+            raise WorkerLost({rank}, "ActorDiedError")
+        self.trained += (batch,)
+        loss = math.nan if batch in self.cluster.nan_batches else 10.0 / len(self.trained)
+        E = self.cfg.model.n_experts
+        report = {"loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_expert": {0: [[1] * E] * self.ep},
+                  "rank_load": {0: [E] * self.ep}, "timings": {"compute": 0.0},
+                  "activations": {0: {"routed_maxabs": 1.0, "routed_rms": 1.0, "resid_maxabs": 1.0}}}
+        return [report] * self.size
+
+    def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
+        self.cluster.calls.append((method, *args))
+        if method == "state":
+            return [self.trained] * self.size
+        if method == "checkpoint_parts":
+            return [[] for _ in range(self.size)]
+        return [True] * self.size
+
+    def begin_snapshot(self, step: int) -> tuple[list, list]:
+        return [self.trained] * self.size, [1] * self.size
+
+    def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int:
+        return sum(size_refs)
+
+    def hold_peer_snapshots(self, step: int, refs: list) -> None:
+        pass
+
+    def close(self) -> None:
+        self.alive = False
+
+
+def config(**overrides):
+    base = {"train.eval_every": 0, "fault_tolerance.snapshot_every": 4, "policies.guards.warmup_steps": 100,
+            "api.enabled": False, "checkpoint.at_end": False}
+    return load_config("configs/tiny.yaml", {**base, **overrides})
+
+
+def run(cluster: Cluster, steps: int, **overrides) -> Controller:
+    ctrl = Controller(config(**overrides), group_factory=cluster.group)
+    ctrl.start()
+    for s in range(steps):
+        ctrl.train_step(s)
+    return ctrl
+
+
+def states(ctrl: Controller) -> list[str]:
+    return [s for _, s, _ in ctrl.transitions]
+
+
+def test_every_transition_is_checked_against_the_table():
+    machine = StateMachine()
+    machine.to(JobState.SCHEDULING, "start")
+    with pytest.raises(IllegalTransition, match="scheduling -> recovering"):
+        machine.to(JobState.RECOVERING)
+    machine.to(JobState.RUNNING)
+    machine.to(JobState.FINISHED)
+    assert machine.done and [s for _, s, _ in machine.history] == ["scheduling", "running", "finished"]
+    assert all(not TRANSITIONS[s] for s in (JobState.FINISHED, JobState.ERRORED))  # final states
+
+
+def test_steps_run_through_scheduling_running_finished():
+    cluster = Cluster()
+    ctrl = run(cluster, 3, **{"parallel.ep": 2})
+    ctrl.shutdown()
+    assert states(ctrl) == ["scheduling", "running", "finished"]
+    assert cluster.groups[-1].trained == (0, 1, 2) and not cluster.groups[-1].alive
+
+
+def test_topology_that_does_not_fit_errors():
+    ctrl = Controller(config(**{"parallel.ep": 4}), group_factory=Cluster(capacity=2).group)
+    with pytest.raises(TopologyError):
+        ctrl.start()
+    assert ctrl.state == JobState.ERRORED
+
+
+def test_blowup_rolls_back_and_equals_a_run_that_skipped_the_batch():
+    cluster = Cluster(nan_batches={6})
+    ctrl = run(cluster, 10, **{"parallel.ep": 2})
+    (incident,) = ctrl.incidents
+    assert incident["kind"] == "blowup" and incident["rule"] == "nonfinite_loss" and incident["batch_ids"] == [6]
+    assert states(ctrl) == ["scheduling", "running", "recovering", "running"]
+    clean = Cluster()
+    run(clean, 10, **{"parallel.ep": 2, "data.skip_batches": [6]})
+    assert cluster.groups[-1].trained == clean.groups[-1].trained == (0, 1, 2, 3, 4, 5, 7, 8, 9, 10)
+
+
+def test_repeated_blowups_escalate_skip_more_lower_lr_then_stop():
+    cluster = Cluster(nan_batches=range(5, 100))
+    ctrl = Controller(config(**{"fault_tolerance.max_retries_per_step": 2}), group_factory=cluster.group)
+    ctrl.start()
+    for s in range(5):
+        ctrl.train_step(s)
+    with pytest.raises(GuardError, match="guard tripped 3 times"):
+        ctrl.train_step(5)
+    assert [i["batch_ids"] for i in ctrl.incidents] == [[5], [6, 7], [8, 9, 10, 11]]
+    assert [i["action"] for i in ctrl.incidents] == ["rollback", "rollback", "stop"]
+    assert [c[1] for c in cluster.calls if c[0] == "set_lr_scale"] == [1.0, 0.5]
+    assert ctrl.state == JobState.ERRORED and ctrl.status()["lr_scale"] == 0.5
+    ctrl.shutdown()
+    assert ctrl.state == JobState.ERRORED  # stays errored: no transition out of it
+
+
+def test_lost_worker_shrinks_rehomes_replays_then_grows_back():
+    cluster = Cluster(capacity=4, lose={6: 2})
+    ctrl = run(cluster, 7, **{"parallel.ep": 4, "fault_tolerance.grow_back_after_steps": 2})
+    (lost,) = ctrl.incidents
+    assert lost["kind"] == "worker_lost" and lost["action"] == "reshard" and lost["ep"] == [4, 3]
+    home = ctrl.placement()["home"]
+    assert sorted(set(home)) == [0, 1, 2] and home[:8] == [0] * 4 + [1] * 4  # survivors keep theirs
+    assert cluster.groups[-1].trained == tuple(range(7))  # replayed from the step-4 snapshot, then step 6
+    assert ctrl.status()["ep"] == 3
+    cluster.capacity = 7  # 3 running + 4 free: the full grid fits again
+    ctrl.train_step(7)
+    ctrl.train_step(8)
+    assert [i["kind"] for i in ctrl.incidents] == ["worker_lost", "grow_back"]
+    assert ctrl.status()["ep"] == 4 and ctrl.placement()["home"] == recovery.grow(16, 4).tolist()
+    assert states(ctrl) == ["scheduling", "running", "recovering", "running", "resizing", "running"]
+
+
+def test_lost_stage_restarts_the_same_grid():
+    cluster = Cluster(lose={5: 1})
+    ctrl = run(cluster, 6, **{"parallel.pp": 2, "parallel.ep": 1})
+    (lost,) = ctrl.incidents
+    assert lost["action"] == "restart" and lost["ep"] == [1, 1]
+    assert cluster.groups[-1].trained == tuple(range(6))
+
+
+def test_policy_change_reaches_the_workers_at_the_next_step():
+    cluster = Cluster()
+    ctrl = run(cluster, 1, **{"parallel.ep": 2})
+    ctrl.set_policy("moonep", {"enabled": False}, "test")
+    pushed = [c[1] for c in cluster.calls if c[0] == "set_policies"]
+    assert len(pushed) == 1 and pushed[0]["moonep"]["enabled"] is True
+    ctrl.train_step(1)
+    pushed = [c[1] for c in cluster.calls if c[0] == "set_policies"]
+    assert pushed[-1]["moonep"]["enabled"] is False and ctrl.audit_log()[-1]["applies_at_step"] == 1
+
+
+def test_failure_ladder_decisions():
+    ft = config().fault_tolerance  # skip_growth 2, lr_backoff 0.5, max_retries_per_step 3
+    assert ladder.on_trip(1, 10, 1.0, ft) == ladder.TripDecision("rollback", (10,), 1.0)
+    assert ladder.on_trip(2, 10, 1.0, ft) == ladder.TripDecision("rollback", (10, 11), 0.5)
+    assert ladder.on_trip(4, 10, 0.25, ft).action == "stop"
+
+
+def test_shrink_or_restart_decisions():
+    home = recovery.grow(8, 4)
+    load = torch.ones(8)
+    shrunk = recovery.on_workers_lost(home, 4, {5}, load)  # world rank 5 of a pp=2 x ep=4 grid: EP rank 1
+    assert shrunk.action == "reshard" and shrunk.ep == 3 and sorted(set(shrunk.home.tolist())) == [0, 1, 2]
+    restart = recovery.on_workers_lost(recovery.grow(8, 1), 1, {1}, load)
+    assert restart.action == "restart" and restart.ep == 1
