@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from k3ray.runtime import checkpoint as ck
+from k3ray.io import checkpoint as ck
 
 DATE = "2026-11-29"
 
@@ -113,7 +113,7 @@ def main() -> None:
                      f"| {m['verify']:.3f} | {fmb / m['sync']:.0f} | {fmb / m['verify']:.0f} |")
     table = "\n".join(lines)
 
-    print(f"""# Checkpoint I/O (k3ray.runtime.checkpoint)
+    print(f"""# Checkpoint I/O (k3ray.io.checkpoint)
 
 Date: {DATE}. Hardware: {lscpu_model()}; disk: the filesystem of `{args.dir}`. torch {torch.__version__},
 Python {platform.python_version()}. Medians of {args.reps} runs. Command: `python benchmarks/checkpoint_io.py`.

@@ -17,7 +17,7 @@ import httpx
 import ray
 
 from k3ray.config import load_config
-from k3ray.runtime.driver import init_ray, start_controller, stop_controller
+from k3ray.control.driver import init_ray, start_controller, stop_controller
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,10 +65,10 @@ def main() -> None:
             get_ms.append((time.perf_counter() - t0) * 1e3)
         for i in range(args.requests // 2):
             t0 = time.perf_counter()
-            client.put("/v1/policies/scheduling", json={"sm_groups": 4 + i % 2}).raise_for_status()
+            client.put("/v1/policies/scheduling", json={"enabled": i % 2 == 0}).raise_for_status()
             put_ms.append((time.perf_counter() - t0) * 1e3)
         loaded_steps = list(step_s[n_before:])
-        overhead = ray.get(controller.__ray_call__.remote(lambda self: list(self.metrics_overhead_s)))
+        overhead = ray.get(controller.__ray_call__.remote(lambda self: [s for c in self.callbacks for s in getattr(c, "overhead_s", [])]))
     finally:
         halt.set()
         thread.join(timeout=120)

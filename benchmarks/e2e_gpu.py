@@ -79,7 +79,7 @@ def _plain_server(rank: int, cfg_dict: dict, port: int, one_gpu_visible: bool, c
     """One rank of the plain program: build the engine, report ready, then run engine.train_step(step, step) for
     each step number on its command queue until None."""
     from k3ray.policies.moonep import default_home
-    from k3ray.runtime.engine import StageEngine
+    from k3ray.parallel.engine import StageEngine
 
     cfg = JobConfig.model_validate(cfg_dict)
     ep, cuda = cfg.parallel.ep, cfg.parallel.device == "cuda"
@@ -203,7 +203,7 @@ class RayProgram:
     """The same job through k3ray's Controller and Worker actors on a local Ray cluster."""
 
     def __init__(self, cfg: JobConfig):
-        from k3ray.runtime.driver import init_ray, start_controller
+        from k3ray.control.driver import init_ray, start_controller
 
         init_ray(None, cfg.parallel.world_size)
         self.controller = start_controller(cfg)
@@ -222,7 +222,7 @@ class RayProgram:
     def close(self) -> None:
         import ray
 
-        from k3ray.runtime.driver import stop_controller
+        from k3ray.control.driver import stop_controller
 
         try:
             stop_controller(self.controller)
@@ -238,8 +238,8 @@ def _ray_job(cfg: JobConfig, steps: int, verbose: bool = False) -> tuple[list[fl
         status = program.call(lambda self: self.status())
         incidents = program.call(lambda self: self.get_incidents())
         snaps = program.call(
-            lambda self: {"stall_s": list(self.snapshot_seconds), "total_s": list(self.snapshot_total_seconds),
-                          "bytes": self.snap.nbytes if self.snap is not None else 0})
+            lambda self: {"stall_s": list(self.snapshots.stall_seconds), "total_s": list(self.snapshots.total_seconds),
+                          "bytes": self.snapshots.committed.nbytes if self.snapshots.committed is not None else 0})
         return times, reports, status, incidents, snaps
     finally:
         program.close()
@@ -315,7 +315,8 @@ def _moe_rank(rank: int, cfg_dict: dict, tokens: int, iters: int, port: int, wit
     from k3ray.model.decoder import init_dense_, init_shard_
     from k3ray.model.moe import ExpertShard, LatentMoE
     from k3ray.policies.moonep import default_home
-    from k3ray.runtime.ep import EPContext, ExpertParallelExperts
+    from k3ray.parallel.ep import EPContext, ExpertParallelExperts
+    from k3ray.policies.planner import HomePlanner, MoonEPPlanner
 
     cfg = JobConfig.model_validate(cfg_dict)
     m = cfg.model.model_copy(update={"n_shared": 0})
@@ -371,7 +372,7 @@ def _moe_rank(rank: int, cfg_dict: dict, tokens: int, iters: int, port: int, wit
     for zipf in ZIPFS:
         skew.copy_(zipf_bias(m.n_experts, zipf))
         for moonep_on in (False, True):
-            ctx.moonep_enabled = moonep_on
+            ctx.planner = MoonEPPlanner(None) if moonep_on else HomePlanner()
             ms = timed(step)
             load = layer.experts.rank_load.double()
             tpe = layer.experts.tokens_per_rank_expert.sum(0).double()
@@ -381,7 +382,7 @@ def _moe_rank(rank: int, cfg_dict: dict, tokens: int, iters: int, port: int, wit
                          "max_expert_tokens_over_mean": float(tpe.max() / tpe.mean())})
     profile = None
     skew.zero_()
-    ctx.moonep_enabled = True
+    ctx.planner = MoonEPPlanner(None)
     if rank == 0:  # where one balanced fwd+bwd spends its time (top ops by device and by host time)
         from torch.profiler import ProfilerActivity, profile as torch_profile
 

@@ -12,7 +12,7 @@ import time
 import ray
 
 from k3ray.config import load_config
-from k3ray.runtime.driver import init_ray, start_controller, stop_controller
+from k3ray.control.driver import init_ray, start_controller, stop_controller
 
 
 def run(overrides: dict, steps: int) -> tuple[list[float], list[dict], list[float]]:
@@ -25,7 +25,7 @@ def run(overrides: dict, steps: int) -> tuple[list[float], list[dict], list[floa
             ray.get(controller.train_step.remote(s), timeout=600)
             times.append(time.perf_counter() - t0)
         incidents = ray.get(controller.get_incidents.remote())
-        snaps = ray.get(controller.__ray_call__.remote(lambda self: list(self.snapshot_seconds)))
+        snaps = ray.get(controller.__ray_call__.remote(lambda self: list(self.snapshots.stall_seconds)))
         return times, incidents, snaps
     finally:
         stop_controller(controller)

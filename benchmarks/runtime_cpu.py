@@ -15,8 +15,8 @@ import time
 import ray
 
 from k3ray.config import load_config
-from k3ray.runtime.driver import init_ray, start_controller, stop_controller
-from k3ray.trainer import ReferenceTrainer
+from k3ray.control.driver import init_ray, start_controller, stop_controller
+from k3ray.parallel.reference import ReferenceTrainer
 
 
 def median_tokens_per_s(times: list[float], tokens: int, warmup: int = 2) -> float:
@@ -55,7 +55,7 @@ def main() -> None:
     rows.append(("Ray runtime pp=2 ep=2 (4 workers)", median_tokens_per_s(times, tokens), breakdown))
 
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "k3ray.cli", "train", "--config", "configs/tiny.yaml", "--steps", "1",
+    out = subprocess.run([sys.executable, "-m", "k3ray.control.cli", "train", "--config", "configs/tiny.yaml", "--steps", "1",
                           "--set", "train.eval_every=0", "--no-progress", "--json"], capture_output=True, text=True)
     wall = time.perf_counter() - t0
     summary = json.loads(out.stdout.strip().splitlines()[-1])["summary"]

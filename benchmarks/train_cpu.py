@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from k3ray.config import load_config
-from k3ray.trainer import ReferenceTrainer
+from k3ray.parallel.reference import ReferenceTrainer
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -52,7 +52,7 @@ class Training(threading.Thread):
 @pytest.fixture(scope="module")
 def job(ray_cluster, tmp_path_factory):
     import ray
-    from k3ray.runtime.driver import start_controller, stop_controller
+    from k3ray.control.driver import start_controller, stop_controller
 
     runs = tmp_path_factory.mktemp("runs")
     cfg = load_config(REPO / "configs/tiny.yaml", {"name": JOB, "train.eval_every": 0, "parallel.ep": 2,
@@ -74,7 +74,7 @@ def job(ray_cluster, tmp_path_factory):
 
 
 def cli(*argv: str) -> tuple[int, str, str]:
-    from k3ray.cli import main
+    from k3ray.control.cli import main
 
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -103,7 +103,7 @@ def test_status_and_requested_checkpoint(job):
     s = json.loads(out)
     assert code == 0 and s["job"] == JOB and s["state"] == "running" and s["step"] >= 2
     assert s["topology"] == {"pp": 1, "ep": 2, "workers": 2, "device": "cpu"} and s["tokens_per_s"] > 0
-    from k3ray.runtime import checkpoint as ckpt
+    from k3ray.io import checkpoint as ckpt
 
     code, out, err = cli("checkpoint", "--runs-dir", str(job["runs"]), "--job", JOB)
     assert code == 0, err

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from k3ray.cli import main
+from k3ray.control.cli import main
 from k3ray.config import ConfigError, JobConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]

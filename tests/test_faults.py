@@ -8,7 +8,7 @@ import ray
 import torch
 
 from k3ray.config import load_config
-from k3ray.runtime.driver import start_controller, stop_controller
+from k3ray.control.driver import start_controller, stop_controller
 
 
 def tiny(**overrides):

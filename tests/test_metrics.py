@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from k3ray.config import load_config
-from k3ray.dashboards import all_dashboards, export, panel_queries
-from k3ray.metrics import SPECS
+from k3ray.control.dashboards import all_dashboards, export, panel_queries
+from k3ray.control.metrics import SPECS
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = "metricstest"
@@ -121,7 +121,7 @@ def _instant(prom: str, expr: str) -> list:
 
 def test_every_dashboard_query_returns_data(ray_cluster, prometheus):
     import ray
-    from k3ray.runtime.driver import start_controller, stop_controller
+    from k3ray.control.driver import start_controller, stop_controller
 
     cfg = load_config(REPO / "configs/tiny.yaml", {"name": JOB, "train.eval_every": 0, "api.enabled": False})
     controller = start_controller(cfg)

@@ -1,4 +1,5 @@
-"""The job's control API: a FastAPI app served by uvicorn in a daemon thread of the Controller actor's process.
+"""The job's control API: a FastAPI app served by uvicorn in a daemon thread of the Controller actor's process,
+started and stopped by `ApiCallback` (a controller callback).
 
 Handlers call the controller object directly (same process). Bearer-token auth on everything but /healthz: the
 token is generated per job and written to a 0600 file; a 0600 `control.json` beside it ({"url", "token_file",
@@ -26,6 +27,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, create_model
 
 from k3ray.config import PoliciesConfig
+from k3ray.controller.callbacks import Callback
 
 log = logging.getLogger("k3ray.api")
 
@@ -246,3 +248,24 @@ def start_control_api(ctrl) -> tuple[ApiServer, dict]:
     write_private(token_file.parent / "control.json", json.dumps(record) + "\n")
     log.info("control API for job %s at %s (token in %s)", cfg.name, server.url, token_file)
     return server, record
+
+
+class ApiCallback(Callback):
+    """Serves the control API while the job runs (when `api.enabled`)."""
+
+    def __init__(self):
+        self.server: ApiServer | None = None
+        self.url: str | None = None
+
+    def on_start(self, ctrl) -> None:
+        if ctrl.cfg.api.enabled:
+            self.server, record = start_control_api(ctrl)
+            self.url = record["url"]
+
+    def on_shutdown(self, ctrl) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def status(self) -> dict:
+        return {"api_url": self.url}

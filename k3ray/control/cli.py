@@ -1,4 +1,5 @@
-"""`k3ray` command line: train, config show, plan (the K3-scale simulator), submit (Ray Jobs)."""
+"""`k3ray` command line: train, drill, config show, plan (the K3-scale simulator), submit and job (Ray Jobs), and
+the control commands of a running job (status, placement, policy, incidents, audit, checkpoint, dashboards)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +9,7 @@ import os
 import sys
 
 from k3ray.config import ConfigError, JobConfig, load_config, parse_assignments
+from k3ray.control import client, jobs
 
 
 def _load(args) -> JobConfig:
@@ -23,11 +25,12 @@ def cmd_train(args) -> int:
     cfg = _load(args)
     steps = args.steps or cfg.train.steps
     if args.single_process:
-        from k3ray.trainer import ReferenceTrainer, run_training
+        from k3ray.control.driver import run_training
+        from k3ray.parallel.reference import ReferenceTrainer
 
         summary = run_training(ReferenceTrainer(cfg), cfg, steps, progress=not args.no_progress)
     else:
-        from k3ray.runtime.driver import train_distributed
+        from k3ray.control.driver import train_distributed
 
         summary = train_distributed(cfg, steps, address=args.address, progress=not args.no_progress,
                                     resume=args.resume)
@@ -45,7 +48,7 @@ def cmd_drill(args) -> int:
         spec["layer"] = args.layer
     args.set = args.set + [f"fault_tolerance.faults=[{json.dumps(spec)}]"]
     cfg = _load(args)
-    from k3ray.runtime.driver import train_distributed
+    from k3ray.control.driver import train_distributed
 
     summary = train_distributed(cfg, args.steps or cfg.train.steps, address=args.address, progress=False)
     report = {"drill": spec, "incidents": summary["incidents"], "topology": summary["topology"],
@@ -81,10 +84,19 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def cmd_submit(args) -> int:
-    from k3ray.runtime.jobs import submit_command
+def _control_args(p: argparse.ArgumentParser) -> None:
+    """How a control command finds its job's API."""
+    p.add_argument("--job", help="job name (default: the newest job under --runs-dir)")
+    p.add_argument("--runs-dir", default=os.environ.get("K3RAY_RUNS_DIR", "runs"), help="where jobs write control.json")
+    p.add_argument("--url", help="control API URL (instead of --job)")
+    p.add_argument("--token-file", help="file holding the bearer token (else K3RAY_TOKEN)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
+    p.add_argument("--json", action="store_true", help="JSON output for scripts")
 
-    return submit_command(args)
+
+def _ray_jobs_address(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=os.environ.get("RAY_DASHBOARD_ADDRESS", "http://127.0.0.1:8265"),
+                   help="Ray dashboard (Jobs API) address")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -134,19 +146,54 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
-    s = sub.add_parser("submit", help="Ray Jobs: submit, status, logs, stop")
-    s.add_argument("action", choices=["submit", "status", "logs", "stop"])
-    s.add_argument("job_id", nargs="?", help="submission id (status, logs, stop)")
-    s.add_argument("--address", default=os.environ.get("RAY_DASHBOARD_ADDRESS", "http://127.0.0.1:8265"))
-    s.add_argument("--config", help="config to train (submit)")
+    s = sub.add_parser("submit", help="submit `k3ray train --config X` to a cluster as a Ray job; prints the job id")
+    s.add_argument("--config", required=True, help="config to train")
     s.add_argument("--steps", type=int)
     s.add_argument("--working-dir", default=".")
-    s.add_argument("--wait", action="store_true", help="submit: follow the logs until the job ends")
-    s.set_defaults(func=cmd_submit)
+    s.add_argument("--wait", action="store_true", help="follow the job until it ends, then print its logs")
+    _ray_jobs_address(s)
+    s.set_defaults(func=jobs.cmd_submit)
 
-    from k3ray.control_cli import add_control_commands  # status, placement, policy, incidents, checkpoint, dashboards
+    j = sub.add_parser("job", help="a submitted Ray job: status, logs, stop")
+    j.add_argument("action", choices=["status", "logs", "stop"])
+    j.add_argument("job_id", help="submission id (printed by k3ray submit)")
+    _ray_jobs_address(j)
+    j.set_defaults(func=jobs.cmd_job)
 
-    add_control_commands(sub)
+    for name, func, help_ in [("status", client.cmd_status, "live job status: step, loss, tokens/s, topology, state"),
+                              ("placement", client.cmd_placement, "expert placement and per-rank load"),
+                              ("incidents", client.cmd_incidents, "the job's incident log"),
+                              ("audit", client.cmd_audit, "every policy change: what, when, from where"),
+                              ("checkpoint", client.cmd_checkpoint, "request a durable checkpoint now")]:
+        cp = sub.add_parser(name, help=help_)
+        _control_args(cp)
+        cp.set_defaults(func=func)
+
+    pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")
+    psub = pol.add_subparsers(dest="policy_command", required=True)
+    get = psub.add_parser("get", help="show all policies or one")
+    get.add_argument("name", nargs="?")
+    _control_args(get)
+    get.set_defaults(func=client.cmd_policy_get)
+    put = psub.add_parser("set", help="change fields of one policy: k3ray policy set moonep enabled=false")
+    put.add_argument("name")
+    put.add_argument("values", nargs="+", metavar="KEY=VALUE", help="values are YAML: true, 2, 0.5, null")
+    _control_args(put)
+    put.set_defaults(func=client.cmd_policy_set)
+
+    dash = sub.add_parser("dashboards", help="Grafana dashboards generated from code")
+    dsub = dash.add_subparsers(dest="dashboards_command", required=True)
+    exp = dsub.add_parser("export", help="write dashboard JSON and provisioning YAML to DIR")
+    exp.add_argument("dir")
+    exp.add_argument("--json", action="store_true")
+    exp.set_defaults(func=client.cmd_dashboards_export)
+    push = dsub.add_parser("push", help="upload the dashboards to a Grafana server")
+    push.add_argument("--url", required=True, help="Grafana URL, e.g. http://localhost:3000")
+    push.add_argument("--token", help="Grafana service-account token (else GRAFANA_TOKEN)")
+    push.add_argument("--datasource-uid", default="prometheus")
+    push.add_argument("--folder-uid", default=None)
+    push.add_argument("--json", action="store_true")
+    push.set_defaults(func=client.cmd_dashboards_push)
     return p
 
 
@@ -160,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"k3ray: {err}", file=sys.stderr)
         return 2
+    except client.ControlError as err:
+        print(f"k3ray: {err}", file=sys.stderr)
+        return err.code
     except KeyboardInterrupt:
         print("k3ray: interrupted", file=sys.stderr)
         return 130

@@ -1,18 +1,17 @@
 """`k3ray status | placement | policy get/set | incidents | checkpoint | audit | dashboards export/push`: the control
-API's command line. A job is found through `runs/<job>/control.json` (written 0600 by the job: url, token_file) with
+API's client and these commands' handlers (the parser is k3ray.control.cli's). A job is found through `runs/<job>/control.json` (written 0600 by the job: url, token_file) with
 `--job NAME` (default: the newest job under --runs-dir), or given by `--url` plus `--token-file` / `K3RAY_TOKEN`.
 Tables for people, `--json` for scripts; an HTTP error prints the API's message and exits 2 (4xx) or 1 (5xx)."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import httpx
 
 from k3ray.config import parse_assignments
+from k3ray.control.dashboards import all_dashboards, export
 
 
 class ControlError(RuntimeError):
@@ -154,8 +153,6 @@ def cmd_checkpoint(args) -> int:
 
 
 def cmd_dashboards_export(args) -> int:
-    from k3ray.dashboards import export
-
     paths = export(Path(args.dir))
     _show(args, [str(p) for p in paths], lambda ps: "\n".join(ps))
     return 0
@@ -164,8 +161,6 @@ def cmd_dashboards_export(args) -> int:
 def cmd_dashboards_push(args) -> int:
     from grafana_client import GrafanaApi
 
-    from k3ray.dashboards import all_dashboards
-
     api = GrafanaApi.from_url(args.url, credential=args.token or os.environ.get("GRAFANA_TOKEN"))
     done = []
     for dash in all_dashboards(args.datasource_uid).values():
@@ -173,61 +168,3 @@ def cmd_dashboards_push(args) -> int:
         done.append({"uid": dash["uid"], "url": res.get("url")})
     _show(args, done, _events_text)
     return 0
-
-
-def _guarded(func):
-    """`func` with ControlError turned into a message on stderr and its exit code."""
-    def run(args) -> int:
-        try:
-            return func(args)
-        except ControlError as err:
-            print(f"k3ray: {err}", file=sys.stderr)
-            return err.code
-    return run
-
-
-def _job_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--job", help="job name (default: the newest job under --runs-dir)")
-    p.add_argument("--runs-dir", default=os.environ.get("K3RAY_RUNS_DIR", "runs"), help="where jobs write control.json")
-    p.add_argument("--url", help="control API URL (instead of --job)")
-    p.add_argument("--token-file", help="file holding the bearer token (else K3RAY_TOKEN)")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per request")
-    p.add_argument("--json", action="store_true", help="JSON output for scripts")
-
-
-def add_control_commands(sub) -> None:
-    """Register the control subcommands on the `k3ray` parser's subparsers."""
-    for name, func, help_ in [("status", cmd_status, "live job status: step, loss, tokens/s, topology, state"),
-                              ("placement", cmd_placement, "expert placement and per-rank load"),
-                              ("incidents", cmd_incidents, "the job's incident log"),
-                              ("audit", cmd_audit, "every policy change: what, when, from where"),
-                              ("checkpoint", cmd_checkpoint, "request a durable checkpoint now")]:
-        p = sub.add_parser(name, help=help_)
-        _job_args(p)
-        p.set_defaults(func=_guarded(func))
-
-    pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")
-    psub = pol.add_subparsers(dest="policy_command", required=True)
-    get = psub.add_parser("get", help="show all policies or one")
-    get.add_argument("name", nargs="?")
-    _job_args(get)
-    get.set_defaults(func=_guarded(cmd_policy_get))
-    put = psub.add_parser("set", help="change fields of one policy: k3ray policy set moonep enabled=false")
-    put.add_argument("name")
-    put.add_argument("values", nargs="+", metavar="KEY=VALUE", help="values are YAML: true, 2, 0.5, null")
-    _job_args(put)
-    put.set_defaults(func=_guarded(cmd_policy_set))
-
-    d = sub.add_parser("dashboards", help="Grafana dashboards generated from code")
-    dsub = d.add_subparsers(dest="dashboards_command", required=True)
-    exp = dsub.add_parser("export", help="write dashboard JSON and provisioning YAML to DIR")
-    exp.add_argument("dir")
-    exp.add_argument("--json", action="store_true")
-    exp.set_defaults(func=_guarded(cmd_dashboards_export))
-    push = dsub.add_parser("push", help="upload the dashboards to a Grafana server")
-    push.add_argument("--url", required=True, help="Grafana URL, e.g. http://localhost:3000")
-    push.add_argument("--token", help="Grafana service-account token (else GRAFANA_TOKEN)")
-    push.add_argument("--datasource-uid", default="prometheus")
-    push.add_argument("--folder-uid", default=None)
-    push.add_argument("--json", action="store_true")
-    push.set_defaults(func=_guarded(cmd_dashboards_push))

@@ -1,15 +1,27 @@
-"""`k3ray train` on Ray: join (--address / RAY_ADDRESS) or start a local cluster, start the job's Controller, run
-the shared training loop through it, and always clean up (Ctrl-C included: workers killed, no orphans)."""
+"""`k3ray train`: the training loop shared by both modes (progress bar, a log line per step, evaluation, a final
+summary) over a backend, either the single-process reference or a job on Ray: join (--address / RAY_ADDRESS) or
+start a local cluster, start the job's Controller with the control API and metrics as its callbacks, drive the loop
+through it, and always clean up (Ctrl-C included: workers killed, no orphans)."""
 from __future__ import annotations
 
+import json
+import logging
 import os
+import time
 import uuid
+from typing import Protocol
 
 import ray
+from tqdm import tqdm
 
 from k3ray.config import JobConfig
-from k3ray.runtime.step import StepReport
-from k3ray.trainer import run_training
+from k3ray.control.api import ApiCallback
+from k3ray.control.metrics import MetricsCallback
+from k3ray.controller.controller import ControllerActor
+from k3ray.controller.worker_group import actor_runtime_env
+from k3ray.parallel.step import StepReport
+
+log = logging.getLogger("k3ray")
 
 
 def init_ray(address: str | None, min_cpus: int) -> bool:
@@ -40,6 +52,50 @@ def _object_store_bytes() -> int | None:
     return int(gb * 2**30)
 
 
+class Backend(Protocol):
+    def train_step(self, step: int, batch_index: int) -> StepReport: ...
+    def evaluate(self) -> float: ...
+
+
+def run_training(backend: Backend, cfg: JobConfig, steps: int | None = None, start_step: int = 0,
+                 progress: bool = True, log_json: bool = False) -> dict:
+    """Drive `steps` steps through a backend (reference trainer or the Ray controller) and summarise."""
+    steps = cfg.train.steps if steps is None else steps
+    history: list[StepReport] = []
+    evals: dict[int, float] = {}
+    t_start = time.perf_counter()
+    if cfg.train.eval_every:
+        evals[start_step] = backend.evaluate()
+    bar = tqdm(range(start_step, start_step + steps), desc=cfg.name, disable=not progress, dynamic_ncols=True)
+    for step in bar:
+        t0 = time.perf_counter()
+        report = backend.train_step(step, step)
+        dt = time.perf_counter() - t0
+        history.append(report)
+        bar.set_postfix(loss=f"{report.loss:.3f}", tok_s=f"{report.tokens / dt:,.0f}", maxvio=f"{report.mean_maxvio:.3f}")
+        if step % cfg.train.log_every == 0:
+            line = {"step": step, "loss": round(report.loss, 5), "grad_norm": round(report.grad_norm, 4),
+                    "lr": report.lr, "tokens_per_s": round(report.tokens / dt, 1),
+                    "maxvio": round(report.mean_maxvio, 4), **{k: round(v, 4) for k, v in report.timings.items()}}
+            msg = json.dumps(line) if log_json else " ".join(f"{k}={v}" for k, v in line.items())
+            (tqdm.write(msg) if progress else log.info(msg))
+        done = step + 1 - start_step
+        if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == steps):
+            evals[step + 1] = backend.evaluate()
+    elapsed = time.perf_counter() - t_start
+    tokens = sum(r.tokens for r in history)
+    return {
+        "steps": steps,
+        "final_loss": history[-1].loss if history else None,
+        "val_loss": evals,
+        "tokens": tokens,
+        "seconds": elapsed,
+        "tokens_per_s": tokens / elapsed if elapsed else 0.0,
+        "final_maxvio": history[-1].mean_maxvio if history else None,
+        "losses": [r.loss for r in history],
+    }
+
+
 class ControllerBackend:
     """The Controller actor seen as a training backend (train_step/evaluate) for `run_training`."""
 
@@ -54,11 +110,10 @@ class ControllerBackend:
 
 
 def start_controller(cfg: JobConfig, resume: bool = False):
-    from k3ray.actors.controller import Controller
-    from k3ray.runtime.group import actor_runtime_env
-
+    """The job's Controller actor, started (workers up, control API serving, metrics exported)."""
     name = f"k3ray-{cfg.name}-{uuid.uuid4().hex[:8]}"
-    controller = Controller.options(name=name, runtime_env=actor_runtime_env(cfg)).remote(cfg.model_dump())
+    controller = ControllerActor.options(name=name, runtime_env=actor_runtime_env(cfg)).remote(
+        cfg.model_dump(), [ApiCallback(), MetricsCallback()])
     ray.get(controller.start.remote(resume=resume))
     return controller
 

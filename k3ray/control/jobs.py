@@ -1,11 +1,10 @@
-"""`k3ray submit`: a thin wrapper over Ray's JobSubmissionClient (submit, status, logs, stop).
+"""`k3ray submit` and `k3ray job status|logs|stop`: a thin wrapper over Ray's JobSubmissionClient.
 
 Clusters started by `ray start` on Ray >= 2.5x use token auth; the client reads the token from ~/.ray/auth_token
-when RAY_AUTH_MODE=token, which k3ray.cli sets before Ray is imported whenever that file exists."""
+when RAY_AUTH_MODE=token, which k3ray.control.cli sets before Ray is imported whenever that file exists."""
 from __future__ import annotations
 
 import shlex
-import sys
 import time
 
 
@@ -15,31 +14,30 @@ def _client(address: str):
     return JobSubmissionClient(address)
 
 
-def submit_command(args) -> int:
+def cmd_submit(args) -> int:
+    """`k3ray submit --config X`: submit `k3ray train` as a Ray job; print its id (and with --wait, its logs)."""
     client = _client(args.address)
-    if args.action == "submit":
-        if not args.config:
-            print("k3ray submit: --config is required to submit", file=sys.stderr)
-            return 2
-        entrypoint = f"k3ray train --config {shlex.quote(args.config)} --no-progress"
-        if args.steps:
-            entrypoint += f" --steps {args.steps}"
-        job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": args.working_dir})
-        print(job_id)
-        if args.wait:
-            status = wait(client, job_id)
-            print(client.get_job_logs(job_id))
-            print(f"{job_id}: {status}")
-            return 0 if status == "SUCCEEDED" else 1
+    entrypoint = f"k3ray train --config {shlex.quote(args.config)} --no-progress"
+    if args.steps:
+        entrypoint += f" --steps {args.steps}"
+    job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": args.working_dir})
+    print(job_id)
+    if not args.wait:
         return 0
-    if not args.job_id:
-        print(f"k3ray submit {args.action}: a job id is required", file=sys.stderr)
-        return 2
+    status = wait(client, job_id)
+    print(client.get_job_logs(job_id))
+    print(f"{job_id}: {status}")
+    return 0 if status == "SUCCEEDED" else 1
+
+
+def cmd_job(args) -> int:
+    """`k3ray job status|logs|stop JOB_ID`."""
+    client = _client(args.address)
     if args.action == "status":
         print(client.get_job_status(args.job_id).value)
     elif args.action == "logs":
         print(client.get_job_logs(args.job_id))
-    elif args.action == "stop":
+    else:
         print("stopped" if client.stop_job(args.job_id) else "not running")
     return 0
 

@@ -2,12 +2,13 @@
 
 Prometheus conventions: `k3ray_` prefix, base units (seconds, ratios, tokens), `_total` for counters, and bounded
 label sets only: k3ray_job (the job name; `job` is Prometheus' own label), layer (model layers), rank (EP ranks),
-phase (step phases), rule (INCIDENT_RULES), policy (the four policies), state (JobState values), le (buckets). Per-expert load is a per-layer histogram of
+phase (step phases), rule (INCIDENT_RULES), policy (POLICY_NAMES), state (JobState values), le (buckets). Per-expert load is a per-layer histogram of
 load / mean load, never one series per expert.
 
-The controller calls `JobMetrics.publish` once per step with the merged report; it also folds in what changed in the
-controller since the last step (policy changes, incidents, state transitions). Reliability counters are exported
-at zero from the start so dashboards show 0 rather than "no data" before the first incident.
+`MetricsCallback` hooks them into the controller (k3ray.controller.callbacks): `JobMetrics.publish` once per step
+with the merged report, folding in what changed in the controller since the last step (policy changes, incidents,
+state transitions). Reliability counters are exported at zero from the start so dashboards show 0 rather than
+"no data" before the first incident.
 """
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import time
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from k3ray.config import POLICY_NAMES
+from k3ray.controller.callbacks import Callback
+from k3ray.controller.state import JobState
+
 PHASES = ("compute", "dispatch_combine", "pipeline_wait", "optimizer", "step")
-POLICIES = ("moonep", "replication", "scheduling", "guards")
 INCIDENT_RULES = ("nonfinite_loss", "nonfinite_grad", "activation", "loss_spike", "grad_norm_spike", "worker_lost",
                   "collective_timeout", "other")
-STATES = ("initializing", "scheduling", "running", "recovering", "resizing", "finished", "errored")
+STATES = tuple(s.value for s in JobState)
 EXPERT_LOAD_BUCKETS = [0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0]
 STEP_SECONDS_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0]
 
@@ -56,7 +60,7 @@ SPECS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "k3ray_job_state": ("gauge", "1 for the job's current state, 0 for the others", ("state",)),
 }
 _ZERO_COUNTERS = {"k3ray_incidents_total": [{"rule": r} for r in INCIDENT_RULES],
-                  "k3ray_policy_changes_total": [{"policy": p} for p in POLICIES],
+                  "k3ray_policy_changes_total": [{"policy": p} for p in POLICY_NAMES],
                   "k3ray_rollbacks_total": [{}], "k3ray_recoveries_total": [{}], "k3ray_recovery_seconds_total": [{}],
                   "k3ray_snapshots_total": [{}], "k3ray_snapshot_seconds_total": [{}],
                   "k3ray_checkpoints_total": [{}], "k3ray_checkpoint_seconds_total": [{}]}
@@ -172,9 +176,31 @@ class JobMetrics:
         self.m["k3ray_checkpoint_seconds_total"].inc(max(seconds, 1e-9))
 
 
-def timed_publish(metrics: JobMetrics, ctrl, report: dict, wall_s: float) -> float:
-    """Publish one step and return the seconds it took (the per-step metrics overhead)."""
-    t0 = time.perf_counter()
-    metrics.publish(report, wall_s)
-    metrics.sync(ctrl)
-    return time.perf_counter() - t0
+class MetricsCallback(Callback):
+    """The job's metrics as a controller callback; keeps the per-step publishing overhead (benchmarks read it)."""
+
+    def __init__(self):
+        self.metrics: JobMetrics | None = None  # made in the controller's process, on start
+        self.overhead_s: list[float] = []
+
+    def on_start(self, ctrl) -> None:
+        self.metrics = JobMetrics(ctrl.cfg.name)
+        self.metrics.set_state(ctrl.state.value)
+
+    def on_step(self, ctrl, report: dict, wall_s: float) -> None:
+        t0 = time.perf_counter()
+        self.metrics.publish(report, wall_s)
+        self.metrics.sync(ctrl)
+        self.overhead_s.append(time.perf_counter() - t0)
+        del self.overhead_s[:-1000]
+
+    def on_snapshot(self, stall_s: float) -> None:
+        if self.metrics is not None:
+            self.metrics.record_snapshot(stall_s)
+
+    def on_checkpoint(self, step: int, path, parts: list, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.record_checkpoint(seconds)
+
+    def status(self) -> dict:
+        return {"tokens_per_s": None if self.metrics is None else self.metrics.tokens_per_s}
