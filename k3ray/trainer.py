@@ -93,7 +93,7 @@ def run_training(backend: Backend, cfg: JobConfig, steps: int | None = None, sta
         bar.set_postfix(loss=f"{report.loss:.3f}", tok_s=f"{report.tokens / dt:,.0f}", maxvio=f"{report.mean_maxvio:.3f}")
         if step % cfg.train.log_every == 0:
             line = {"step": step, "loss": round(report.loss, 5), "grad_norm": round(report.grad_norm, 4),
-                    "lr": report.lr, "tokens_per_s": round(report.tokens / dt, 1),
+                    "lr": float(f"{report.lr:.4g}"), "tokens_per_s": round(report.tokens / dt, 1),
                     "maxvio": round(report.mean_maxvio, 4), **{k: round(v, 4) for k, v in report.timings.items()}}
             msg = json.dumps(line) if log_json else " ".join(f"{k}={v}" for k, v in line.items())
             (tqdm.write(msg) if progress else log.info(msg))

@@ -59,7 +59,11 @@ def start_controller(cfg: JobConfig, resume: bool = False):
 
     name = f"k3ray-{cfg.name}-{uuid.uuid4().hex[:8]}"
     controller = Controller.options(name=name, runtime_env=actor_runtime_env(cfg)).remote(cfg.model_dump())
-    ray.get(controller.start.remote(resume=resume))
+    try:
+        ray.get(controller.start.remote(resume=resume))
+    except BaseException:
+        ray.kill(controller, no_restart=True)  # a controller that could not start owns nothing worth a shutdown
+        raise
     return controller
 
 
@@ -72,12 +76,17 @@ def stop_controller(controller, timeout_s: float = 600.0) -> None:
 
 
 def train_distributed(cfg: JobConfig, steps: int, address: str | None = None, progress: bool = True,
-                      resume: bool = False) -> dict:
+                      resume: bool = False, announce=None) -> dict:
+    """Run the job to `steps`; `announce(status, cfg)` is called once the workers run (the CLI prints where the
+    job writes and how to steer it)."""
     started = init_ray(address, cfg.parallel.world_size)
     controller = None
     try:
         controller = start_controller(cfg, resume=resume)
-        start = ray.get(controller.status.remote())["step"]
+        status = ray.get(controller.status.remote())
+        start = status["step"]
+        if announce is not None:
+            announce(status, cfg)
         if start >= steps:
             return {"steps": 0, "resumed_from": start, "final_loss": None, "losses": []}
         summary = run_training(ControllerBackend(controller), cfg, steps - start, start_step=start, progress=progress)

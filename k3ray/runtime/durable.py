@@ -27,9 +27,10 @@ class DurableCheckpoints:
             log.warning("--resume: no verified checkpoint under %s; starting from step 0", root)
             return None
         meta = manifest.meta
-        if meta["pp"] != self.cfg.parallel.pp:
-            raise ckpt.CheckpointError(f"{manifest.path}: written with parallel.pp={meta['pp']}, the config has "
-                                       f"pp={self.cfg.parallel.pp}; resume with the same pp")
+        mismatches = ckpt.shape_mismatches(meta["config"], self.cfg.model_dump(mode="json"))
+        if mismatches:
+            raise ckpt.CheckpointError(f"{manifest.path} does not fit the config ({'; '.join(mismatches)}): "
+                                       f"resume with the config it was written with")
         states = {r: ckpt.load_part(root, manifest.step, part_name(r)) for r in range(meta["pp"] * meta["ep"])}
         self.step = manifest.step
         if meta["last_batch"] is not None:
