@@ -46,7 +46,8 @@ def _triton(t: torch.Tensor) -> bool:
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)
 
 
-def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = _situ.BETA, beta_lin: float = _situ.BETA_LIN) -> torch.Tensor:
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = _situ.BETA,
+              beta_lin: float = _situ.BETA_LIN) -> torch.Tensor:
     if _triton(gate):
         return _situ.situ_glu_triton(gate, up, beta, beta_lin)
     return _situ.situ_glu_reference(gate, up, beta, beta_lin)
