@@ -2,11 +2,14 @@
 every N steps, a readable summary) and errors as one line with where to look, never a traceback."""
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import select
+import struct
 import subprocess
 import sys
+import termios
 import time
 
 from conftest import REPO
@@ -15,8 +18,9 @@ from conftest import REPO
 def run_in_terminal(args: list[str], timeout_s: float = 300) -> tuple[int, str]:
     """Run `python -m k3ray.cli ARGS` with stdout and stderr on a pseudo-terminal; return (exit code, output)."""
     leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a new pty is 0 columns wide
     proc = subprocess.Popen([sys.executable, "-m", "k3ray.cli", *args], cwd=REPO, stdin=subprocess.DEVNULL,
-                            stdout=follower, stderr=follower, env={**os.environ, "COLUMNS": "160"})
+                            stdout=follower, stderr=follower)
     os.close(follower)
     chunks, deadline = [], time.time() + timeout_s
     while time.time() < deadline:
