@@ -1,4 +1,4 @@
-"""Kernels of the routed-expert path. Each public function picks the Triton kernel on CUDA tensors and the torch
+"""Kernels of the routed-expert path and of KDA. Each public function picks the Triton kernel on CUDA tensors and the torch
 reference elsewhere; K3RAY_KERNELS=reference forces the reference everywhere (K3RAY_KERNELS=triton forces Triton,
 e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at import; `set_backend` changes it later.
 
@@ -9,6 +9,12 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | permute_rows(x, dest, num_rows) | permute.*_reference | permute.*_triton | x |
 | unpermute_rows(y, dest, weights) | permute.*_reference | permute.*_triton | y, weights |
 | score_histogram(values, lo, hi, bins) | histogram.*_reference | histogram.*_triton | - |
+| kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.kda_chunk_reference | kda.kda_chunk_fla | all |
+| kda_decode(same) | kda.kda_recurrent_reference | kda.kda_recurrent_fla (fla-core) | - |
+| kda_context_parallel(q, k, v, g, beta, group) | kda.kda_context_parallel_reference | kda.kda_context_parallel_fla | all |
+
+KDA's fast path is fla-core's Triton kernels (`pip install .[kda]`), taken on CUDA tensors when fla imports and the
+backend is not 'reference'; without fla, CUDA tensors take the torch reference too.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ import torch
 
 from k3ray.kernels import grouped_ffn as _ffn
 from k3ray.kernels import histogram as _hist
+from k3ray.kernels import kda as _kda
 from k3ray.kernels import permute as _perm
 from k3ray.kernels import situ_glu as _situ
 
@@ -78,4 +85,32 @@ def score_histogram(values: torch.Tensor, lo: float, hi: float, bins: int) -> to
     return _hist.score_histogram_reference(values, lo, hi, bins)
 
 
-__all__ = ["situ_glu", "grouped_expert_ffn", "permute_rows", "unpermute_rows", "score_histogram", "set_backend"]
+def _fla(t: torch.Tensor) -> bool:
+    return _backend != "reference" and t.is_cuda and _kda.fla_ops() is not None
+
+
+def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """KDA for training and prefill (see kernels/kda.py for shapes): fla's chunk_kda, or the torch reference (the
+    chunked one for sequences longer than one chunk). Returns (o, final state or None)."""
+    if _fla(q):
+        return _kda.kda_chunk_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+    ref = _kda.kda_chunk_reference if q.shape[1] > _kda.CHUNK else _kda.kda_recurrent_reference
+    return ref(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+
+
+def kda_decode(q, k, v, g, beta, initial_state=None, output_final_state=True, cu_seqlens=None):
+    """KDA for decoding a few tokens from state slots: fla's fused_recurrent_kda, or the recurrent reference."""
+    if _fla(q):
+        return _kda.kda_recurrent_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+    return _kda.kda_recurrent_reference(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+
+
+def kda_context_parallel(q, k, v, g, beta, group):
+    """KDA over a sequence split contiguously across the ranks of `group`; returns this rank's o."""
+    if _fla(q):
+        return _kda.kda_context_parallel_fla(q, k, v, g, beta, group)
+    return _kda.kda_context_parallel_reference(q, k, v, g, beta, group)
+
+
+__all__ = ["situ_glu", "grouped_expert_ffn", "permute_rows", "unpermute_rows", "score_histogram", "kda_attention",
+           "kda_decode", "kda_context_parallel", "set_backend"]

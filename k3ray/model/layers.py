@@ -1,4 +1,5 @@
 """Dense K3 blocks: RMSNorm, RoPE, the gated MLA attention, KDA (Kimi Delta Attention) and the shared expert.
+The KDA recurrence and its references live in kernels/kda.py.
 
 Shapes: B batch, S sequence, d model width, H heads, h head dim, r MLA latent KV width.
 """
@@ -8,9 +9,14 @@ import torch
 import torch.nn.functional as F
 from k3ray.dtypes import up32
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import situ_glu
+from k3ray.kernels import kda_attention, situ_glu
+
+# Causal attention on CUDA: flash first (benchmarks/attention_gpu.py compares the backends on an H200).
+MLA_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                     SDPBackend.MATH]
 
 
 class RMSNorm(nn.Module):
@@ -60,33 +66,20 @@ class GatedMLA(nn.Module):
         q = rope(self.w_q(x_BSd).view(heads), self.theta)
         k = rope(self.w_uk(c).view(heads), self.theta)
         v = self.w_uv(c).view(heads)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if x_BSd.is_cuda:
+            with sdpa_kernel(MLA_CUDA_BACKENDS, set_priority=True):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         o = o.transpose(1, 2).reshape(B, S, -1)
         return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
 
 
-def kda_recurrent(q, k, v, log_alpha, beta):
-    """Kimi Delta Attention, recurrent form (the reference; chunked GPU kernels come from fla-core).
-
-    S_t = (I - beta_t k_t k_t^T) Diag(alpha_t) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t.
-    q, k, log_alpha: [B, S, H, h]; v: [B, S, H, hv]; beta: [B, S, H]. Returns o [B, S, H, hv]. fp32 state.
-    """
-    B, S, H, h = q.shape
-    state = q.new_zeros(B, H, h, v.shape[-1], dtype=torch.float32)
-    alpha, q, k, v, beta = up32(log_alpha).exp(), up32(q), up32(k), up32(v), up32(beta)
-    outs = []
-    for t in range(S):
-        kt, bt = k[:, t], beta[:, t, :, None]
-        state = alpha[:, t, :, :, None] * state
-        kS = torch.einsum("bhk,bhkv->bhv", kt, state)
-        state = state + bt[..., None] * kt[..., None] * (v[:, t] - kS)[:, :, None, :]
-        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-    return torch.stack(outs, dim=1)
-
-
 class KDA(nn.Module):
     """KDA layer: L2-normalised q, k; per-channel forget gate alpha = exp(-softplus(.)) from a low-rank projection;
-    beta = sigmoid(W_b x); per-head RMSNorm of the output, a sigmoid output gate, then W_o."""
+    beta = sigmoid(W_b x); per-head RMSNorm of the output, a sigmoid output gate, then W_o. The recurrence is
+    `kernels.kda_attention`: fla-core's chunk_kda on CUDA, the torch reference elsewhere (kernels/kda.py)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -111,7 +104,7 @@ class KDA(nn.Module):
         v = self.w_v(x_BSd).view(heads)
         log_alpha = -F.softplus(self.w_a_up(self.w_a_down(x_BSd))).view(heads)
         beta = torch.sigmoid(up32(self.w_b(x_BSd)))
-        o = kda_recurrent(q, k, v, log_alpha, beta).to(x_BSd.dtype)
+        o = kda_attention(q, k, v, log_alpha, beta)[0].to(x_BSd.dtype)
         o = self.o_norm(o).reshape(B, S, -1)
         return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
 
