@@ -13,7 +13,7 @@ from torch.func import functional_call
 from k3ray.config import load_config
 from k3ray.model.balancing import quantile_bias, quantile_histogram, select_experts, sign_bias
 from k3ray.model.decoder import build_stage, new_shard
-from k3ray.model.layers import kda_recurrent
+from k3ray.kernels.kda import kda_recurrent_reference
 from k3ray.model.moe import LatentMoE, LocalExperts
 from k3ray.policies.moonep import maxvio
 
@@ -152,7 +152,7 @@ def test_bias_never_changes_combine_weights(seed, bias_scale, tokens, experts, d
 # KDA
 
 
-def test_kda_recurrent_matches_explicit_matrices():
+def test_kda_recurrent_reference_matches_explicit_matrices():
     B, S, H, h, hv = 2, 6, 2, 4, 3
     g = torch.Generator().manual_seed(0)
     q = torch.nn.functional.normalize(torch.randn(B, S, H, h, generator=g, dtype=torch.float64), dim=-1)
@@ -160,7 +160,7 @@ def test_kda_recurrent_matches_explicit_matrices():
     v = torch.randn(B, S, H, hv, generator=g, dtype=torch.float64)
     log_alpha = -torch.nn.functional.softplus(torch.randn(B, S, H, h, generator=g, dtype=torch.float64))
     beta = torch.sigmoid(torch.randn(B, S, H, generator=g, dtype=torch.float64))
-    out = kda_recurrent(q, k, v, log_alpha, beta)
+    out, _ = kda_recurrent_reference(q, k, v, log_alpha, beta)
     assert out.dtype == torch.float64 and out.shape == (B, S, H, hv)
     eye = torch.eye(h, dtype=torch.float64)
     expected = torch.empty(B, S, H, hv, dtype=torch.float64)
