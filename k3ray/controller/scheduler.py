@@ -50,7 +50,8 @@ class Request:
     pages: list[int] = field(default_factory=list)
     slot: int = -1
     cached: int = 0  # tokens of `ids` whose cache entries the workers hold
-    finish: str | None = None  # 'stop', 'length', 'cancelled'
+    finish: str | None = None  # 'stop', 'length', 'cancelled', 'error'
+    error: str = ""
     token_times: list[float] = field(default_factory=list)  # wall time of each generated token
     generator: object = None
 
@@ -105,6 +106,16 @@ class Scheduler:
             self.waiting.remove(req)
         elif rid not in self.in_flight:  # else its caches are freed when the iteration it is in completes
             self._release(req)
+
+    def fail_all(self, message: str) -> list[Request]:
+        """End every request with finish 'error' (an iteration failed: the caches may be inconsistent)."""
+        failed = list(self.waiting) + list(self.running.values())
+        for req in failed:
+            req.finish, req.error = "error", message
+            if req.rank >= 0 and req.slot >= 0:
+                self._release(req)
+        self.waiting, self.in_flight = [], set()
+        return failed
 
     def forget(self, rid: int) -> None:
         self.requests.pop(rid, None)

@@ -17,7 +17,7 @@ from torch import nn
 from k3ray.config import ModelConfig
 from k3ray.model.cache import IterationCache
 from k3ray.model.layers import KDA, GatedMLA, RMSNorm
-from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts
+from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts, maxabs
 
 ExpertsFactory = Callable[[int, ExpertShard], nn.Module]
 """(layer, shard) -> the module computing that layer's routed experts."""
@@ -39,7 +39,7 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), cache)
         x = x + self.moe(self.moe_norm(x))
         with torch.no_grad():
-            m = up32(x.detach().abs().amax())
+            m = up32(maxabs(x.detach()))
             self.resid_maxabs = m if self.resid_maxabs is None else torch.maximum(self.resid_maxabs, m)
         return x
 

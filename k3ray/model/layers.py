@@ -88,7 +88,7 @@ class GatedMLA(nn.Module):
             else:
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
             o = o.transpose(1, 2)
-        o = o.reshape(B, S, -1)
+        o = o.flatten(2)  # [B, S, H*h]; also for zero tokens
         return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
 
 
@@ -125,7 +125,7 @@ class KDA(nn.Module):
             o = cache.kda(q, k, v, log_alpha, beta).to(x_BSd.dtype)
         else:
             o = kda_attention(q, k, v, log_alpha, beta)[0].to(x_BSd.dtype)
-        o = self.o_norm(o).reshape(B, S, -1)
+        o = self.o_norm(o).flatten(2)
         return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
 
 
