@@ -111,15 +111,16 @@ def test_cancel_frees_pages_and_slots_and_spares_the_others(model):
 
 
 def test_limits_and_overload(model):
-    sched, _ = engine(model, pages=8, max_waiting=2)
+    sched, _ = engine(model, pages=8, slots=1, max_waiting=2)  # 1 admitted at the next iteration + 2 queued
     with pytest.raises(ValueError, match="prompt"):
         sched.submit(encode("x" * model.cfg.max_seq_len), SamplingParams())
     with pytest.raises(ValueError, match="max_tokens"):
         sched.submit(encode("x"), SamplingParams(max_tokens=1000))
     sched.submit(encode("a"), SamplingParams())
     sched.submit(encode("b"), SamplingParams())
+    sched.submit(encode("c"), SamplingParams())
     with pytest.raises(Overloaded):
-        sched.submit(encode("c"), SamplingParams())
+        sched.submit(encode("d"), SamplingParams())
 
 
 def test_stop_strings_and_tokenizer():

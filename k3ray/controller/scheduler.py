@@ -35,7 +35,7 @@ class EngineLimits:
     max_seq_len: int  # context length: prompt + generated tokens
     dp: int = 1  # data-parallel ranks (requests are spread over them)
     token_budget: int = 64  # tokens per iteration and rank (decode tokens + prefill chunks)
-    max_waiting: int = 64  # queued requests beyond which submit answers Overloaded
+    max_waiting: int = 64  # queued requests (beyond those a free slot will take) past which submit is Overloaded
     pools: PoolSizes = field(default_factory=lambda: PoolSizes(pages=64, page_size=16, slots=16))
 
 
@@ -90,8 +90,9 @@ class Scheduler:
                              f"{L.max_seq_len} tokens")
         if self._pages_for(len(prompt), params) > L.pools.pages:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than a rank has ({L.pools.pages})")
-        if len(self.waiting) >= L.max_waiting:
-            raise Overloaded(f"{len(self.waiting)} requests waiting (limit {L.max_waiting})")
+        free_slots = sum(len(p.free_slots) for p in self.ranks)  # admitted at the next iteration: not queued
+        if len(self.waiting) >= L.max_waiting + free_slots:
+            raise Overloaded(f"{len(self.waiting) - free_slots} requests waiting (limit {L.max_waiting})")
         req = Request(next(self._ids), list(prompt), params, self.clock(), generator=params.generator())
         self.waiting.append(req)
         self.requests[req.id] = req

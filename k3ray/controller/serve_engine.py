@@ -56,7 +56,7 @@ class GridExecutor:
 @ray.remote
 class ServingEngine:
     def __init__(self, checkpoint: str, pp: int, ep: int, serve_overrides: dict | None = None,
-                 launch_timeout_s: float = 300.0):
+                 launch_timeout_s: float = 300.0, observers: list | None = None):
         weights = serving_weights(checkpoint)
         self.cfg = cfg = serving_config(weights.config, pp, ep, serve_overrides)
         self.model_name, self.step = cfg.name, weights.step
@@ -72,7 +72,8 @@ class ServingEngine:
         self.updates: dict[int, asyncio.Event] = {}
         self.loop_task: asyncio.Task | None = None
         self.iterations, self.tokens_out, self.started = 0, 0, time.time()
-        self.observers: list = []  # callables(changed requests, scheduler, iteration seconds), e.g. metrics
+        # called as f(changed requests, scheduler, iteration seconds) after every iteration (metrics)
+        self.observers: list = observers or []
         log.info("serving %s step %d from %s on pp=%d x ep=%d", cfg.name, weights.step, weights.path, pp, ep)
 
     def ready(self) -> dict:
