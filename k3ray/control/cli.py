@@ -63,10 +63,12 @@ def cmd_serve(args) -> int:
 
     from k3ray.control.driver import init_ray
     from k3ray.control.serve import start_serving, stop_serving
+    from k3ray.control.serve_metrics import ServeMetrics
 
     overrides = {k.removeprefix("serve."): v for k, v in parse_assignments(args.set, "serve.max_waiting=32").items()}
     init_ray(args.address, args.pp * args.ep)
-    engine, info = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.replicas)
+    engine, info = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.replicas,
+                                 observers=[ServeMetrics(args.name)])
     print(json.dumps({"serving": info["model"], "step": info["step"], "url": f"http://{args.host}:{args.port}/v1"}),
           flush=True)
     try:
@@ -154,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--ep", type=int, default=1, help="EP ranks per stage (each also serves its own requests)")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--name", default="serve", help="the k3ray_job label of the serving metrics")
     sv.add_argument("--replicas", type=int, default=1, help="HTTP ingress replicas (scale apart from the engine)")
     sv.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS or a local one)")
     sv.add_argument("--set", action="append", default=[], metavar="serve.KEY=VALUE",
@@ -200,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
         cp = sub.add_parser(name, help=help_)
         _control_args(cp)
         cp.set_defaults(func=func)
+        if name == "status":
+            cp.add_argument("--serve", metavar="URL", help="the serving view of a `k3ray serve` endpoint instead")
 
     pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")
     psub = pol.add_subparsers(dest="policy_command", required=True)

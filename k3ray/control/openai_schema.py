@@ -22,6 +22,7 @@ class _Request(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: dict | None = None  # {"include_usage": true}: a last chunk with the usage
     n: int = Field(1, ge=1, le=1, description="one choice per request")
 
     @field_validator("stop")
@@ -93,6 +94,11 @@ def chat_chunk(rid: str, model: str, text: str | None, finish: str | None, first
     delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text is not None else {})
     return {"id": rid, "object": "chat.completion.chunk", "created": _now(), "model": model,
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def usage_chunk(rid: str, model: str, chat: bool, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": _now(),
+            "model": model, "choices": [], "usage": use}
 
 
 def model_list(model: str, created: int) -> dict:

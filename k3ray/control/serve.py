@@ -63,6 +63,12 @@ class OpenAIIngress:
             return _error(503, f"engine unavailable: {type(err).__name__}", kind="server_error")
         return {"status": "ok", "model": self.model}
 
+    @app.get("/v1/stats")
+    async def stats(self):
+        """The serving view (`k3ray status --serve URL`): requests, pages, tokens generated."""
+        info = {k: self.info[k] for k in ("model", "step", "pp", "ep")}
+        return {**info, **(await self.engine.stats.remote())}
+
     @app.get("/v1/models")
     async def models(self):
         return oa.model_list(self.model, self.created)
@@ -94,7 +100,9 @@ class OpenAIIngress:
             return _error(400, first["message"], param="prompt")
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
-            return StreamingResponse(self._events(stream, rid, chat), media_type="text/event-stream")
+            with_usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._events(stream, rid, chat, len(ids) if with_usage else None),
+                                     media_type="text/event-stream")
         return await self._whole(stream, rid, chat, len(ids))
 
     def _validate(self, body: bytes, chat: bool):
@@ -150,9 +158,9 @@ class OpenAIIngress:
         use = oa.usage(prompt_tokens, len(tokens))
         return JSONResponse((oa.chat_completion if chat else oa.completion)(rid, self.model, text, finish, use))
 
-    async def _events(self, stream, rid: str, chat: bool):
+    async def _events(self, stream, rid: str, chat: bool, usage_prompt_tokens: int | None):
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        finish = None
+        finish, generated = None, 0
 
         def sse(obj: dict) -> str:
             return f"data: {json.dumps(obj)}\n\n"
@@ -166,11 +174,14 @@ class OpenAIIngress:
                     yield sse(oa.error(item["message"], "server_error"))
                     break
                 finish = item["finish"]
+                generated += len(item["tokens"])
                 text = decoder.decode(bytes(item["tokens"]), final=finish is not None)
                 if chat:
                     yield sse(oa.chat_chunk(rid, self.model, text if text else None, finish))
                 else:
                     yield sse(oa.completion_chunk(rid, self.model, text, finish))
+            if usage_prompt_tokens is not None:
+                yield sse(oa.usage_chunk(rid, self.model, chat, oa.usage(usage_prompt_tokens, generated)))
             yield "data: [DONE]\n\n"
         finally:
             if finish is None:

@@ -79,6 +79,7 @@ class Scheduler:
         self.requests: dict[int, Request] = {}  # every request not yet forgotten (`forget`)
         self.in_flight: set[int] = set()  # requests in the plans being run
         self._ids = itertools.count()
+        self.rank_tokens = [0] * limits.dp  # tokens each rank has run (prefill and decode), since the start
 
     # -- requests ------------------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
@@ -148,6 +149,7 @@ class Scheduler:
             plan.seqs.append(SeqChunk(req.cached, n, req.pages, req.slot))
             reqs.append(req)
             budget[req.rank] -= n
+            self.rank_tokens[req.rank] += n
 
         running = sorted(self.running.values(), key=lambda r: (r.cached < len(r.prompt), r.arrival))
         for req in running:  # decoding first (one token each), then prompt chunks
@@ -208,4 +210,5 @@ class Scheduler:
         return {"waiting": len(self.waiting), "running": len(self.running),
                 "pages_used": sum(L.pages - len(p.free_pages) for p in self.ranks),
                 "pages_total": L.pages * self.limits.dp,
-                "slots_used": sum(L.slots - len(p.free_slots) for p in self.ranks)}
+                "slots_used": sum(L.slots - len(p.free_slots) for p in self.ranks),
+                "tokens_per_rank": list(self.rank_tokens)}

@@ -72,7 +72,8 @@ class ServingEngine:
         self.updates: dict[int, asyncio.Event] = {}
         self.loop_task: asyncio.Task | None = None
         self.iterations, self.tokens_out, self.started = 0, 0, time.time()
-        # called as f(changed requests, scheduler, iteration seconds) after every iteration (metrics)
+        # observers.iteration(changed requests, scheduler, seconds) after every iteration, .expert_load(workers'
+        # counts) every .expert_load_every iterations: metrics (k3ray.control.serve_metrics)
         self.observers: list = observers or []
         log.info("serving %s step %d from %s on pp=%d x ep=%d", cfg.name, weights.step, weights.path, pp, ep)
 
@@ -149,8 +150,12 @@ class ServingEngine:
             for req in changed:
                 if req.id in self.updates:
                     self.updates[req.id].set()
-            for observe in self.observers:
-                observe(changed, self.sched, time.perf_counter() - t0)
+            for observer in self.observers:
+                observer.iteration(changed, self.sched, time.perf_counter() - t0)
+            if self.observers and self.iterations % self.observers[0].expert_load_every == 0:
+                loads = await asyncio.gather(*(w.expert_load.remote() for w in self.group.workers))
+                for observer in self.observers:
+                    observer.expert_load(loads)
 
     def expert_load(self) -> list[dict]:
         return self.group.call("expert_load")
