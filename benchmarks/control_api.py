@@ -34,7 +34,8 @@ def main() -> None:
     args = ap.parse_args()
 
     runs = Path(tempfile.mkdtemp(prefix="k3ray-bench-"))
-    cfg = load_config(REPO / "configs/tiny.yaml", {"name": "bench", "train.eval_every": 0, "parallel.ep": args.ep,
+    cfg = load_config(REPO / "configs/tiny.yaml", {"name": "bench", "train.eval_every": 0, "parallel.pp": 1,
+                                                   "parallel.ep": args.ep,
                                                    "api.token_file": str(runs / "bench" / "api_token")})
     init_ray(None, cfg.parallel.world_size)
     controller = start_controller(cfg)
@@ -68,7 +69,8 @@ def main() -> None:
             client.put("/v1/policies/scheduling", json={"enabled": i % 2 == 0}).raise_for_status()
             put_ms.append((time.perf_counter() - t0) * 1e3)
         loaded_steps = list(step_s[n_before:])
-        overhead = ray.get(controller.__ray_call__.remote(lambda self: [s for c in self.callbacks for s in getattr(c, "overhead_s", [])]))
+        overhead = ray.get(controller.__ray_call__.remote(
+            lambda self: [s for c in self.callbacks for s in getattr(c, "overhead_s", [])]))
     finally:
         halt.set()
         thread.join(timeout=120)

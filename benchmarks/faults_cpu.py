@@ -16,7 +16,7 @@ from k3ray.control.driver import init_ray, start_controller, stop_controller
 
 
 def run(overrides: dict, steps: int) -> tuple[list[float], list[dict], list[float]]:
-    cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "parallel.ep": 4, **overrides})
+    cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "parallel.pp": 1, "parallel.ep": 4, **overrides})
     controller = start_controller(cfg)
     try:
         times = []

@@ -30,7 +30,7 @@ def main() -> None:
     over = {"train.eval_every": 0, "train.steps": args.steps}
     rows = []
 
-    cfg = load_config("configs/tiny.yaml", {**over, "parallel.ep": 2})
+    cfg = load_config("configs/tiny.yaml", {**over, "parallel.pp": 1, "parallel.ep": 2})
     ref = ReferenceTrainer(cfg)
     times = []
     for s in range(args.steps):
@@ -55,7 +55,7 @@ def main() -> None:
     rows.append(("Ray runtime pp=2 ep=2 (4 workers)", median_tokens_per_s(times, tokens), breakdown))
 
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "k3ray.control.cli", "train", "--config", "configs/tiny.yaml", "--steps", "1",
+    out = subprocess.run([sys.executable, "-m", "k3ray", "train", "--config", "configs/tiny.yaml", "--steps", "1",
                           "--set", "train.eval_every=0", "--no-progress", "--json"], capture_output=True, text=True)
     wall = time.perf_counter() - t0
     summary = json.loads(out.stdout.strip().splitlines()[-1])["summary"]

@@ -27,8 +27,8 @@ PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self"
 
 
 def train_checkpoint(root: str) -> None:
-    cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "checkpoint.dir": root,
-                                            "checkpoint.every_n_steps": 4})
+    cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "parallel.pp": 1, "parallel.ep": 1,
+                                            "checkpoint.dir": root, "checkpoint.every_n_steps": 4})
     controller = start_controller(cfg)
     try:
         for s in range(4):

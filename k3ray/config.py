@@ -7,7 +7,7 @@ d_latent routed-expert width, I expert inner width, L layers.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -19,6 +19,25 @@ class ConfigError(ValueError):
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        """YAML's `true` is not a number: pydantic would read it as 1."""
+        if isinstance(data, dict):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and field.annotation is not bool \
+                        and bool not in get_args(field.annotation):
+                    raise ValueError(f"{name}: expected {_type_name(field.annotation)}, got {str(value).lower()}")
+        return data
+
+
+def _type_name(annotation: Any) -> str:
+    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
+
+
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class ModelConfig(_Strict):
@@ -83,7 +102,7 @@ class DataConfig(_Strict):
 
 class OptimizerConfig(_Strict):
     lr: float = Field(1e-3, gt=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
     eps: float = Field(1e-8, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     warmup_steps: int = Field(10, ge=0)
@@ -95,7 +114,7 @@ class TrainConfig(_Strict):
     seed: int = 0
     eval_every: int = Field(50, ge=0)
     eval_batches: int = Field(4, gt=0)
-    log_every: int = Field(1, gt=0)
+    log_every: int = Field(25, gt=0)  # steps between log lines (the progress bar shows every step)
 
 
 class MoonEPPolicy(_Strict):
@@ -182,7 +201,8 @@ POLICY_NAMES: tuple[str, ...] = tuple(PoliciesConfig.model_fields)  # the live p
 
 
 class JobConfig(_Strict):
-    name: str = "k3ray"
+    name: str = Field("k3ray", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+                      description="names runs/<name>/: letters, digits, '_', '.', '-', no path separators")
     model: ModelConfig
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     data: DataConfig
@@ -203,7 +223,22 @@ class JobConfig(_Strict):
             raise ValueError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}")
         if self.data.seq_len > m.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        for i, fault in enumerate(self.fault_tolerance.faults):
+            if fault.worker is not None and fault.worker >= p.world_size:
+                raise ValueError(f"fault_tolerance.faults[{i}].worker={fault.worker}: the job has world ranks "
+                                 f"0..{p.world_size - 1}")
+            if fault.layer is not None and fault.layer >= m.n_layers:
+                raise ValueError(f"fault_tolerance.faults[{i}].layer={fault.layer}: the model has layers "
+                                 f"0..{m.n_layers - 1}")
         return self
+
+    def with_paths_from(self, cwd: Path) -> "JobConfig":
+        """Relative paths made absolute against `cwd`, the directory the user ran the command in: the controller
+        and workers run elsewhere (a Ray worker's directory), and must write where the user will look."""
+        token_file = self.api.token_file or str(Path("runs") / self.name / "api_token")
+        return self.model_copy(update={
+            "checkpoint": self.checkpoint.model_copy(update={"dir": str(cwd / self.checkpoint.dir)}),
+            "api": self.api.model_copy(update={"token_file": str(cwd / token_file)})})
 
     @property
     def global_batch_sequences(self) -> int:
@@ -240,7 +275,10 @@ def parse_assignments(pairs: list[str], example: str = "parallel.ep=2") -> dict[
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ConfigError(f"{pair!r}: expected KEY=VALUE, e.g. {example}")
-        out[key] = yaml.safe_load(value)
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{pair!r}: the value is not valid YAML ({str(err).splitlines()[0]})") from None
     return out
 
 

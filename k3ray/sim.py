@@ -90,7 +90,10 @@ class Trace:
         kind, _, arg = spec.partition(":")
         self.kind = kind
         if kind in ("uniform", "zipf", "dirichlet", "hot-shift"):
-            self.arg = float(arg) if arg else {"zipf": 1.2, "dirichlet": 1.0, "hot-shift": 4.0}.get(kind, 0.0)
+            try:
+                self.arg = float(arg) if arg else {"zipf": 1.2, "dirichlet": 1.0, "hot-shift": 4.0}.get(kind, 0.0)
+            except ValueError:
+                raise ValueError(f"trace {spec!r}: {arg!r} is not a number") from None
             self._static = None if kind == "hot-shift" else inclusion_probs(self._popularity(0), top_k)
         elif Path(spec).suffix in (".pt", ".json"):
             self.kind = "file"

@@ -3,6 +3,7 @@ metrics export port, so Jobs and Prometheus tests talk to the same cluster as th
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -16,6 +17,14 @@ import pytest
 # reads it when it is imported: set it before any test module imports ray.
 os.environ.setdefault("RAY_AUTH_MODE", "token")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# `ray start` in token mode needs a token; only a local `ray.init()` creates one (~/.ray/auth_token). On a fresh
+# machine give the session's cluster, its clients and every subprocess a token of their own.
+if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
+        or (Path.home() / ".ray" / "auth_token").exists()):
+    _token = Path(tempfile.mkdtemp(prefix="k3ray-auth-")) / "auth_token"
+    _token.write_text(secrets.token_hex(32))
+    _token.chmod(0o600)
+    os.environ["RAY_AUTH_TOKEN_PATH"] = str(_token)
 # Without a GPU the Triton kernels run under Triton's interpreter; @triton.jit reads this when a kernel is defined,
 # so it must be set before any test module imports k3ray.kernels (and so triton).
 if not __import__("torch").cuda.is_available():

@@ -55,7 +55,7 @@ def job(ray_cluster, tmp_path_factory):
     from k3ray.control.driver import start_controller, stop_controller
 
     runs = tmp_path_factory.mktemp("runs")
-    cfg = load_config(REPO / "configs/tiny.yaml", {"name": JOB, "train.eval_every": 0, "parallel.ep": 2,
+    cfg = load_config(REPO / "configs/tiny.yaml", {"name": JOB, "train.eval_every": 0, "parallel.pp": 1, "parallel.ep": 2,
                                                    "api.token_file": str(runs / JOB / "api_token"),
                                                    "checkpoint.dir": str(runs / "ckpt"),
                                                    "checkpoint.every_n_steps": 0})

@@ -16,7 +16,7 @@ from conftest import REPO
 from k3ray.config import load_config
 from k3ray.control.driver import start_controller, stop_controller
 
-BASE = {"train.eval_every": 0, "model.dtype": "float64", "checkpoint.every_n_steps": 4}
+BASE = {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "model.dtype": "float64", "checkpoint.every_n_steps": 4}
 
 
 def tiny(tmp_path, **overrides):

@@ -32,8 +32,8 @@ def _k3ray(*args: str) -> list[str]:
 def test_drill_kills_a_worker_and_reports_the_recovery(ray_cluster):
     cmd = _k3ray("drill", "--config", "configs/tiny.yaml", "--kind", "kill_worker", "--at-step", "3", "--worker", "1",
                  "--steps", "6", "--address", ray_cluster.address, "--json",
-                 "--set", "parallel.ep=2", "--set", "train.eval_every=0", "--set", "fault_tolerance.snapshot_every=2",
-                 "--set", "fault_tolerance.grow_back=false")
+                 "--set", "parallel.pp=1", "--set", "parallel.ep=2", "--set", "train.eval_every=0",
+                 "--set", "fault_tolerance.snapshot_every=2", "--set", "fault_tolerance.grow_back=false")
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
@@ -50,7 +50,7 @@ def test_ctrl_c_stops_the_job_and_its_actors(ray_cluster):
     foreground = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
                   "from k3ray.control.cli import main; sys.exit(main())")
     cmd = [sys.executable, "-c", foreground, "train", "--config", "configs/tiny.yaml", "--steps", "100000",
-           "--address", ray_cluster.address, "--no-progress", "--set", "parallel.ep=2", "--set", "train.eval_every=0",
+           "--address", ray_cluster.address, "--no-progress", "--pp", "1", "--ep", "2", "--set", "train.eval_every=0",
            "--set", "name=ctrlc"]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
@@ -63,7 +63,7 @@ def test_ctrl_c_stops_the_job_and_its_actors(ray_cluster):
     assert "interrupted" in err
 
     def alive() -> list:  # no other job runs now: any live controller or worker would be this job's orphan
-        return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        return [a for a in list_actors(address=ray_cluster.address, filters=[("state", "=", "ALIVE")], limit=1000)
                 if a.class_name in ("Controller", "Worker")]
 
     deadline = time.time() + 60

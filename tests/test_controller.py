@@ -96,7 +96,7 @@ class FakeGroup:
 
 def config(**overrides):
     base = {"train.eval_every": 0, "fault_tolerance.snapshot_every": 4, "policies.guards.warmup_steps": 100,
-            "api.enabled": False, "checkpoint.at_end": False}
+            "api.enabled": False, "checkpoint.at_end": False, "parallel.pp": 1, "parallel.ep": 1}
     return load_config("configs/tiny.yaml", {**base, **overrides})
 
 

@@ -12,7 +12,7 @@ from k3ray.control.driver import start_controller, stop_controller
 
 
 def tiny(**overrides):
-    base = {"train.eval_every": 0, "train.steps": 20, "model.dtype": "float64", "parallel.collective_timeout_s": 10,
+    base = {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "train.steps": 20, "model.dtype": "float64", "parallel.collective_timeout_s": 10,
             "fault_tolerance.snapshot_every": 4, "policies.guards.warmup_steps": 100}
     return load_config("configs/tiny.yaml", {**base, **overrides})
 

@@ -123,7 +123,7 @@ def test_every_dashboard_query_returns_data(ray_cluster, prometheus):
     import ray
     from k3ray.control.driver import start_controller, stop_controller
 
-    cfg = load_config(REPO / "configs/tiny.yaml", {"name": JOB, "train.eval_every": 0, "api.enabled": False})
+    cfg = load_config(REPO / "configs/tiny.yaml", {"name": JOB, "train.eval_every": 0, "api.enabled": False, "parallel.pp": 1, "parallel.ep": 1})
     controller = start_controller(cfg)
     halt, steps, errors = threading.Event(), [0], []
 

@@ -13,7 +13,7 @@ STEPS = 20
 
 
 def tiny(**overrides):
-    return load_config("configs/tiny.yaml", {"train.eval_every": 0, "train.steps": STEPS, **overrides})
+    return load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "train.steps": STEPS, **overrides})
 
 
 @pytest.fixture(scope="module")

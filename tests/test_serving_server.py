@@ -50,8 +50,9 @@ SERVE = {"page_size": 4, "pages_per_rank": 96, "slots_per_rank": 6, "token_budge
 @pytest.fixture(scope="module")
 def checkpoint(ray_cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("serve") / "ckpt"
-    cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "model.dtype": "float64", "parallel.ep": 2,
-                                            "checkpoint.dir": str(root), "checkpoint.every_n_steps": 3})
+    cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "model.dtype": "float64", "parallel.pp": 1,
+                                            "parallel.ep": 2, "checkpoint.dir": str(root),
+                                            "checkpoint.every_n_steps": 3})
     controller = start_controller(cfg)
     try:
         for s in range(4):

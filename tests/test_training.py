@@ -15,7 +15,7 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 
 def test_batches_are_replayable_and_distinct():
-    cfg = load_config(TINY)
+    cfg = load_config(TINY, {"parallel.ep": 1})
     data = TokenData(cfg.data, cfg.train.seed)
     first = data.batch(7, 0, 1)
     assert first.shape == (cfg.data.micro_batch_size, cfg.data.seq_len + 1) and first.dtype == torch.int64
@@ -37,7 +37,7 @@ def one_thread():
 
 
 def test_tiny_training_lowers_validation_loss_by_30_percent(one_thread):
-    cfg = load_config(TINY, {"train.steps": 200})
+    cfg = load_config(TINY, {"train.steps": 200, "parallel.ep": 1})
     trainer = ReferenceTrainer(cfg)
     before = trainer.evaluate()
     losses = [trainer.train_step(step, step).loss for step in range(cfg.train.steps)]

@@ -210,7 +210,12 @@ class ApiServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # accepted sockets inherit it: without, a response written in two parts waits ~40 ms on delayed ACKs
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.bind((host, port))
+        try:
+            self.sock.bind((host, port))
+        except OSError as err:
+            self.sock.close()
+            raise OSError(err.errno, f"api.host={host} api.port={port}: cannot listen there ({err.strerror}); "
+                                     f"pick another port or 0 for a free one") from None
         self.host, self.port = host, self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},

@@ -6,24 +6,98 @@ import argparse
 import json
 import logging
 import os
+import socket
 import sys
+import tempfile
+import traceback
+from pathlib import Path
 
 from k3ray.config import ConfigError, JobConfig, load_config, parse_assignments
 from k3ray.control import client, jobs
 
+log = logging.getLogger("k3ray")
+
 
 def _load(args) -> JobConfig:
     overrides = parse_assignments(args.set)
-    if getattr(args, "pp", None):
+    if getattr(args, "pp", None) is not None:
         overrides["parallel.pp"] = args.pp
-    if getattr(args, "ep", None):
+    if getattr(args, "ep", None) is not None:
         overrides["parallel.ep"] = args.ep
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides).with_paths_from(Path.cwd())
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be positive")
+    return value
+
+
+class UsageError(Exception):
+    """Bad input found before anything ran (an unreachable --address, ...): one line, exit 2."""
+
+
+def _check_address(address: str | None) -> None:
+    """Fail fast on a HOST:PORT nobody answers on; ray.init would retry for minutes, printing warnings."""
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address or address == "auto" or "://" in address:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(f"--address {address!r}: expected HOST:PORT of a Ray cluster's GCS, e.g. 127.0.0.1:6379")
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as err:
+        raise UsageError(f"--address {address}: no Ray cluster answers there ({err.strerror or err}); start one "
+                         f"with `ray start --head` or leave out --address for a local cluster") from None
+
+
+def _announce(status: dict, cfg: JobConfig) -> None:
+    """What a person needs once the job runs: where it writes and how to steer it."""
+    lines = [f"k3ray: job {cfg.name!r}: {status['workers']} workers (pp {status['pp']} x ep {status['ep']}) "
+             f"on {cfg.parallel.device}, from step {status['step']}",
+             f"  run dir      {Path(cfg.api.token_file).parent}  (control.json, api_token)",
+             f"  checkpoints  {cfg.checkpoint.dir}"]
+    if status.get("api_url"):
+        lines += [f"  control API  {status['api_url']}  (token: {cfg.api.token_file})",
+                  f"  steer it     k3ray status --job {cfg.name} | k3ray policy get moonep --job {cfg.name} | "
+                  f"k3ray policy set moonep enabled=false --job {cfg.name}"]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _format_summary(summary: dict) -> str:
+    """The end of a run, for a person."""
+    steps, secs = summary["steps"], summary.get("seconds") or 0.0
+    losses = summary.get("losses") or []
+    lines = [f"k3ray: done: {steps} steps in {secs:.1f} s, {summary.get('tokens_per_s', 0.0):,.0f} tokens/s"]
+    if "resumed_from" in summary:
+        lines[0] += f" (resumed from step {summary['resumed_from']})"
+    if losses:
+        lines.append(f"  loss         {losses[0]:.4f} -> {losses[-1]:.4f} (final)")
+    if summary.get("val_loss"):
+        vals = sorted(summary["val_loss"].items())
+        lines.append(f"  val loss     {vals[0][1]:.4f} at step {vals[0][0]} -> {vals[-1][1]:.4f} at step {vals[-1][0]}")
+    if summary.get("final_maxvio") is not None:
+        lines.append(f"  MaxVio       {summary['final_maxvio']:.3f} (last step, mean over MoE layers)")
+    topo = summary.get("topology")
+    if topo:
+        lines.append(f"  workers      pp {topo['pp']} x ep {topo['ep']} (configured ep {topo['ep_configured']})")
+    if "incidents" in summary:
+        kinds: dict[str, int] = {}
+        for incident in summary["incidents"]:
+            kinds[incident["kind"]] = kinds.get(incident["kind"], 0) + 1
+        text = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "none"
+        lines.append(f"  incidents    {text}")
+    return "\n".join(lines)
 
 
 def cmd_train(args) -> int:
     cfg = _load(args)
-    steps = args.steps or cfg.train.steps
+    steps = cfg.train.steps if args.steps is None else args.steps
     if args.single_process:
         from k3ray.control.driver import run_training
         from k3ray.parallel.reference import ReferenceTrainer
@@ -32,10 +106,14 @@ def cmd_train(args) -> int:
     else:
         from k3ray.control.driver import train_distributed
 
+        _check_address(args.address)
         summary = train_distributed(cfg, steps, address=args.address, progress=not args.no_progress,
-                                    resume=args.resume)
-    summary.pop("losses", None)
-    print(json.dumps({"summary": summary}, indent=None if args.json else 2, default=str))
+                                    resume=args.resume, announce=None if args.json else _announce)
+    if args.json:
+        summary.pop("losses", None)
+        print(json.dumps({"summary": summary}, default=str))
+    else:
+        print(_format_summary(summary))
     return 0
 
 
@@ -100,8 +178,11 @@ def cmd_plan(args) -> int:
     from k3ray.sim import format_table, run_simulation
 
     cfg = load_config(args.config)
-    result = run_simulation(cfg, ranks=args.ranks, trace=args.trace, steps=args.steps, layers=args.layers,
-                            tokens_per_rank=args.tokens_per_rank, seed=args.seed, progress=not args.json)
+    try:
+        result = run_simulation(cfg, ranks=args.ranks, trace=args.trace, steps=args.steps, layers=args.layers,
+                                tokens_per_rank=args.tokens_per_rank, seed=args.seed, progress=not args.json)
+    except ValueError as err:  # a trace spec or file that does not fit
+        raise UsageError(f"plan: {err}") from None
     print(json.dumps(result.to_json()) if args.json else format_table(result))
     return 0
 
@@ -127,15 +208,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a config (local Ray cluster unless --address/RAY_ADDRESS)")
     t.add_argument("--config", required=True)
-    t.add_argument("--steps", type=int, help="override train.steps")
+    t.add_argument("--steps", type=_positive_int, help="override train.steps")
     t.add_argument("--single-process", action="store_true", help="the reference trainer: one process, no Ray")
     t.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else start a local cluster)")
-    t.add_argument("--pp", type=int, help="override parallel.pp")
-    t.add_argument("--ep", type=int, help="override parallel.ep")
+    t.add_argument("--pp", type=_positive_int, help="override parallel.pp")
+    t.add_argument("--ep", type=_positive_int, help="override parallel.ep")
     t.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config field")
     t.add_argument("--no-progress", action="store_true")
-    t.add_argument("--json", action="store_true", help="summary as one JSON line")
+    t.add_argument("--json", action="store_true", help="summary as one JSON line instead of text")
     t.set_defaults(func=cmd_train)
 
     d = sub.add_parser("drill", help="fault drill: train with one injected fault and report the recovery")
@@ -144,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--at-step", type=int, required=True, help="step to inject at")
     d.add_argument("--worker", type=int, help="world rank (kill_worker, hang_collective)")
     d.add_argument("--layer", type=int, help="layer (nan)")
-    d.add_argument("--steps", type=int)
+    d.add_argument("--steps", type=_positive_int)
     d.add_argument("--address")
     d.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     d.add_argument("--json", action="store_true")
@@ -172,18 +253,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="simulate expert placement policies at scale, without weights")
     pl.add_argument("--config", required=True)
-    pl.add_argument("--ranks", type=int, default=64)
+    pl.add_argument("--ranks", type=_positive_int, default=64)
     pl.add_argument("--trace", default="zipf:1.2", help="uniform | zipf:A | dirichlet:A | hot-shift | FILE")
-    pl.add_argument("--steps", type=int, default=4)
-    pl.add_argument("--layers", type=int, help="simulate only the first N layers")
-    pl.add_argument("--tokens-per-rank", type=int, default=4096)
+    pl.add_argument("--steps", type=_positive_int, default=4)
+    pl.add_argument("--layers", type=_positive_int, help="simulate only the first N layers")
+    pl.add_argument("--tokens-per-rank", type=_positive_int, default=4096)
     pl.add_argument("--seed", type=int, default=0)
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("submit", help="submit `k3ray train --config X` to a cluster as a Ray job; prints the job id")
     s.add_argument("--config", required=True, help="config to train")
-    s.add_argument("--steps", type=int)
+    s.add_argument("--steps", type=_positive_int)
     s.add_argument("--working-dir", default=".")
     s.add_argument("--wait", action="store_true", help="follow the job until it ends, then print its logs")
     _ray_jobs_address(s)
@@ -241,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as err:
+    except (ConfigError, UsageError) as err:
         print(f"k3ray: {err}", file=sys.stderr)
         return 2
     except client.ControlError as err:
@@ -250,6 +331,25 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("k3ray: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # noqa: BLE001 - the user gets one line; the traceback goes to a file
+        return _report_failure(err)
+
+
+def _report_failure(err: BaseException) -> int:
+    """One line naming what failed and where the details are; never a traceback on the console."""
+    import ray.exceptions
+
+    cause = err
+    while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
+        cause = cause.cause  # the error raised inside the actor, without Ray's wrapping
+    message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    kind = {"CheckpointError": "checkpoint", "GuardError": "training stopped", "TopologyError": "topology",
+            "WorkerLost": "workers lost"}.get(type(cause).__name__, type(cause).__name__)
+    Path("runs").mkdir(exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", prefix="error-", suffix=".log", dir="runs", delete=False) as f:
+        f.write("".join(traceback.format_exception(err)))
+    print(f"k3ray: {kind}: {message} (details: {os.path.relpath(f.name)})", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

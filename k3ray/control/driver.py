@@ -75,7 +75,7 @@ def run_training(backend: Backend, cfg: JobConfig, steps: int | None = None, sta
         bar.set_postfix(loss=f"{report.loss:.3f}", tok_s=f"{report.tokens / dt:,.0f}", maxvio=f"{report.mean_maxvio:.3f}")
         if step % cfg.train.log_every == 0:
             line = {"step": step, "loss": round(report.loss, 5), "grad_norm": round(report.grad_norm, 4),
-                    "lr": report.lr, "tokens_per_s": round(report.tokens / dt, 1),
+                    "lr": float(f"{report.lr:.4g}"), "tokens_per_s": round(report.tokens / dt, 1),
                     "maxvio": round(report.mean_maxvio, 4), **{k: round(v, 4) for k, v in report.timings.items()}}
             msg = json.dumps(line) if log_json else " ".join(f"{k}={v}" for k, v in line.items())
             (tqdm.write(msg) if progress else log.info(msg))
@@ -114,7 +114,11 @@ def start_controller(cfg: JobConfig, resume: bool = False):
     name = f"k3ray-{cfg.name}-{uuid.uuid4().hex[:8]}"
     controller = ControllerActor.options(name=name, runtime_env=actor_runtime_env(cfg)).remote(
         cfg.model_dump(), [ApiCallback(), MetricsCallback()])
-    ray.get(controller.start.remote(resume=resume))
+    try:
+        ray.get(controller.start.remote(resume=resume))
+    except BaseException:
+        ray.kill(controller, no_restart=True)  # a controller that could not start owns nothing worth a shutdown
+        raise
     return controller
 
 
@@ -127,12 +131,17 @@ def stop_controller(controller, timeout_s: float = 600.0) -> None:
 
 
 def train_distributed(cfg: JobConfig, steps: int, address: str | None = None, progress: bool = True,
-                      resume: bool = False) -> dict:
+                      resume: bool = False, announce=None) -> dict:
+    """Run the job to `steps`; `announce(status, cfg)` is called once the workers run (the CLI prints where the
+    job writes and how to steer it)."""
     started = init_ray(address, cfg.parallel.world_size)
     controller = None
     try:
         controller = start_controller(cfg, resume=resume)
-        start = ray.get(controller.status.remote())["step"]
+        status = ray.get(controller.status.remote())
+        start = status["step"]
+        if announce is not None:
+            announce(status, cfg)
         if start >= steps:
             return {"steps": 0, "resumed_from": start, "final_loss": None, "losses": []}
         summary = run_training(ControllerBackend(controller), cfg, steps - start, start_step=start, progress=progress)

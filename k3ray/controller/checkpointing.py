@@ -38,16 +38,18 @@ class DurableCheckpoints:
         self.committed: list[dict] = []  # step, path, seconds
         self.on_commit = on_commit or []  # each called as f(step, path, parts, seconds) after a commit
 
-    def resume(self, pp: int) -> Resumed | None:
-        """The newest verified checkpoint (falling back past corrupt ones, loudly), or None when there is none."""
+    def resume(self, job: dict) -> Resumed | None:
+        """The newest verified checkpoint (falling back past corrupt ones, loudly), or None when there is none.
+        `job` is the running job's config (a JobConfig JSON dump): a checkpoint whose shapes differ is an error."""
         manifest = ckpt.latest_verified(self.cfg.dir)
         if manifest is None:
             log.warning("--resume: no verified checkpoint under %s; starting from step 0", self.cfg.dir)
             return None
         meta = manifest.meta
-        if meta["pp"] != pp:
-            raise ckpt.CheckpointError(f"{manifest.path}: written with parallel.pp={meta['pp']}, the config has "
-                                       f"pp={pp}; resume with the same pp")
+        mismatches = ckpt.shape_mismatches(meta["config"], job)
+        if mismatches:
+            raise ckpt.CheckpointError(f"{manifest.path} does not fit the config ({'; '.join(mismatches)}): "
+                                       f"resume with the config it was written with")
         states = {r: ckpt.load_part(self.cfg.dir, manifest.step, part_name(r)) for r in range(meta["pp"] * meta["ep"])}
         return Resumed(str(manifest.path), manifest.step, meta, restore_sources(states, meta["pp"], meta["ep"]))
 

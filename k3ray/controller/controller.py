@@ -80,7 +80,7 @@ class Controller:
     def start(self, placement_timeout_s: float = 60.0, resume: bool = False) -> dict:
         par = self.cfg.parallel
         why = f"pp={par.pp} ep={par.ep}"
-        resumed = self.checkpoints.resume(par.pp) if resume else None
+        resumed = self.checkpoints.resume(self.cfg.model_dump(mode="json")) if resume else None
         if resumed is not None:
             self._resume_from(resumed)
             why += f", resuming from {resumed.path} (step {resumed.step}, ep {resumed.meta['ep']} -> {self.table.ep})"

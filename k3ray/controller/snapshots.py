@@ -190,7 +190,8 @@ class Snapshots:
             self.commit(group, wait=True)
 
     def commit(self, group, wait: bool, timeout_s: float | None = None) -> None:
-        """Make the pending snapshot the committed one once all of it has arrived (WorkerLost if a worker died first)."""
+        """Make the pending snapshot the committed one once all of it has arrived (WorkerLost if a worker died
+        first)."""
         snap = self.pending
         if snap is None:
             return

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["CheckpointError", "PartInfo", "Manifest", "AsyncWriter", "write_part", "commit", "list_committed",
-           "verify", "latest_verified", "load_part", "step_dir", "FORMAT_VERSION"]
+           "verify", "latest_verified", "load_part", "step_dir", "shape_mismatches", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -349,6 +349,18 @@ def latest_verified(root: str | os.PathLike) -> Manifest | None:
     for step, e in failures:
         log.warning("checkpoint step %d failed verification: %s; %s", step, e, target)
     return found
+
+
+def shape_mismatches(stored: dict, current: dict) -> list[str]:
+    """The fields that decide tensor shapes (every `model.*` field and `parallel.pp`) on which a checkpoint's
+    stored config and the current one differ, as 'field: checkpoint X, config Y'. Both are JobConfig dumps."""
+    out = []
+    for section, keys in (("model", None), ("parallel", ("pp",))):
+        old, new = stored.get(section, {}), current.get(section, {})
+        for key in keys or sorted(new):  # a field the schema no longer has decides no shape
+            if old.get(key) != new.get(key):
+                out.append(f"{section}.{key}: checkpoint {old.get(key)!r}, config {new.get(key)!r}")
+    return out
 
 
 def load_part(root: str | os.PathLike, step: int, name: str, map_location="cpu") -> dict:

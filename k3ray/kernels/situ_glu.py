@@ -21,7 +21,8 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 BETA, BETA_LIN = 4.0, 25.0  # K3's SiTU-GLU constants; every kernel and reference takes its defaults from here
 
 
-def situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float = BETA, beta_lin: float = BETA_LIN) -> torch.Tensor:
+def situ_glu_reference(gate: torch.Tensor, up: torch.Tensor, beta: float = BETA,
+                       beta_lin: float = BETA_LIN) -> torch.Tensor:
     """gate, up: [..., I] -> [..., I] in gate's dtype."""
     g = up32(gate)
     u = up32(up)
@@ -118,7 +119,8 @@ class _SituGlu(torch.autograd.Function):
         return dg, du, None, None
 
 
-def situ_glu_triton(gate: torch.Tensor, up: torch.Tensor, beta: float = BETA, beta_lin: float = BETA_LIN) -> torch.Tensor:
+def situ_glu_triton(gate: torch.Tensor, up: torch.Tensor, beta: float = BETA,
+                    beta_lin: float = BETA_LIN) -> torch.Tensor:
     """Same contract as `situ_glu_reference`; differentiable w.r.t. gate and up."""
     if gate.numel() == 0:
         return situ_glu_reference(gate, up, beta, beta_lin)

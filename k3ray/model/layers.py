@@ -19,8 +19,10 @@ from k3ray.kernels import kda_attention, situ_glu
 if TYPE_CHECKING:
     from k3ray.model.cache import IterationCache
 
-# Causal attention on CUDA: flash first (benchmarks/attention_gpu.py compares the backends on an H200).
-MLA_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+# Causal attention on CUDA: cuDNN's flash attention first, then FlashAttention-2 (on an H200, bf16, 32 heads of 128,
+# the MLA layer's forward + backward is 1.3x / 1.5x / 1.6x faster with cuDNN at 4k / 32k / 128k tokens:
+# benchmarks/attention_gpu.py, RESULTS.md).
+MLA_CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                      SDPBackend.MATH]
 
 
