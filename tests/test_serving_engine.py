@@ -130,4 +130,5 @@ def test_stop_strings_and_tokenizer():
     assert decode(visible_ids(out, sp, 0)) == "x = 1"
     assert decode(visible_ids(encode("ab") + [0], SamplingParams(), 0)) == "ab"
     assert decode(encode("héllo")[:2]) == "h\ufffd"
-    assert chat_prompt([("system", "be brief"), ("user", "hi")]) == "### system\nbe brief\n### user\nhi\n### assistant\n"
+    want = "### system\nbe brief\n### user\nhi\n### assistant\n"
+    assert chat_prompt([("system", "be brief"), ("user", "hi")]) == want
