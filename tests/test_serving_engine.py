@@ -132,3 +132,10 @@ def test_stop_strings_and_tokenizer():
     assert decode(encode("héllo")[:2]) == "h\ufffd"
     want = "### system\nbe brief\n### user\nhi\n### assistant\n"
     assert chat_prompt([("system", "be brief"), ("user", "hi")]) == want
+
+
+def test_serve_cli_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
+    from k3ray.control.cli import main
+
+    assert main(["serve", "--checkpoint", str(tmp_path)]) == 2
+    assert "no verified checkpoint" in capsys.readouterr().err

@@ -6,9 +6,7 @@ Same conventions as k3ray.control.metrics: base units, `_total` counters, bounde
 load / mean load, collected from the workers every `expert_load_every` iterations."""
 from __future__ import annotations
 
-from ray.util.metrics import Counter, Gauge, Histogram
-
-from k3ray.control.metrics import EXPERT_LOAD_BUCKETS
+from k3ray.control.metrics import EXPERT_LOAD_BUCKETS, build_metric
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
 FINISH = ("stop", "length", "cancelled", "error")
@@ -30,17 +28,8 @@ SERVE_SPECS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 
 
 def _build(name: str, job: str):
-    kind, desc, tags = SERVE_SPECS[name]
-    keys = ("k3ray_job",) + tags
-    if kind == "gauge":
-        metric = Gauge(name, desc, tag_keys=keys)
-    elif kind == "counter":
-        metric = Counter(name, desc, tag_keys=keys)
-    else:
-        buckets = EXPERT_LOAD_BUCKETS if name == "k3ray_serve_expert_load_ratio" else LATENCY_BUCKETS
-        metric = Histogram(name, desc, boundaries=buckets, tag_keys=keys)
-    metric.set_default_tags({"k3ray_job": job})
-    return metric
+    buckets = EXPERT_LOAD_BUCKETS if name == "k3ray_serve_expert_load_ratio" else LATENCY_BUCKETS
+    return build_metric(name, SERVE_SPECS[name], job, buckets)
 
 
 class ServeMetrics:
