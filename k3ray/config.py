@@ -193,8 +193,6 @@ class ServeConfig(_Strict):
     max_waiting: int = Field(64, ge=0, description="queued requests beyond which new ones get 429")
     max_tokens: int = Field(256, gt=0, description="largest max_tokens a request may ask for")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
-    host: str = "127.0.0.1"
-    port: int = Field(8000, ge=0, le=65535)
 
 
 POLICY_NAMES: tuple[str, ...] = tuple(PoliciesConfig.model_fields)  # the live policies, in one place

@@ -30,8 +30,9 @@ log = logging.getLogger("k3ray.serve")
 
 
 def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None = None) -> JobConfig:
-    """The training job's config on the serving grid (pp x ep), with `serve.*` overrides."""
-    cfg = JobConfig.model_validate(train_config)
+    """The training job's config on the serving grid (pp x ep), with `serve.*` overrides (a `serve` section the
+    checkpoint carries is the training job's default, not a serving choice: it is dropped)."""
+    cfg = JobConfig.model_validate({k: v for k, v in train_config.items() if k != "serve"})
     par = cfg.parallel.model_copy(update={"pp": pp, "ep": ep})
     serve = cfg.serve.model_copy(update=overrides or {})
     return JobConfig.model_validate({**cfg.model_dump(), "parallel": par.model_dump(), "serve": serve.model_dump()})
@@ -47,10 +48,6 @@ class GridExecutor:
         g = self.group
         refs = [w.serve_step.remote(plans[r % g.ep]) for r, w in enumerate(g.workers)]
         return {e: refs[(g.pp - 1) * g.ep + e] for e in range(g.ep)}
-
-    def run(self, plans: dict) -> dict:
-        refs = self.submit(plans)
-        return dict(zip(refs, ray.get(list(refs.values()))))
 
 
 @ray.remote
