@@ -183,6 +183,18 @@ class ApiConfig(_Strict):
     token_file: str | None = None
 
 
+class ServeConfig(_Strict):
+    """`k3ray serve`: cache pools per data-parallel rank (every EP rank of a stage serves its own requests), the
+    iteration's token budget, and the limits the front door enforces."""
+    page_size: int = Field(16, gt=0, description="tokens per latent-KV page")
+    pages_per_rank: int = Field(256, gt=0, description="latent-KV pages per data-parallel rank")
+    slots_per_rank: int = Field(16, gt=0, description="KDA state slots per rank: its running requests at most")
+    token_budget: int = Field(128, gt=0, description="tokens per iteration and rank (decode + prefill chunks)")
+    max_waiting: int = Field(64, ge=0, description="queued requests beyond which new ones get 429")
+    max_tokens: int = Field(256, gt=0, description="largest max_tokens a request may ask for")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
+
+
 POLICY_NAMES: tuple[str, ...] = tuple(PoliciesConfig.model_fields)  # the live policies, in one place
 
 
@@ -198,6 +210,7 @@ class JobConfig(_Strict):
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
 
     @model_validator(mode="after")
     def _check_topology(self) -> "JobConfig":

@@ -70,3 +70,33 @@ class TokenData:
 
     def val_batch(self, i: int) -> torch.Tensor:
         return self._windows(self.val, f"val/{i}")
+
+
+# -- the tokenizer: bytes are tokens --------------------------------------------------------------------------------
+EOS = 0
+"""The NUL byte that separates files in the corpus ends a generation (finish_reason "stop")."""
+
+
+def encode(text: str) -> list[int]:
+    """Token ids of a text: its UTF-8 bytes."""
+    return list(text.encode("utf-8"))
+
+
+def decode(ids: list[int]) -> str:
+    """Text of token ids. Byte sequences that are not UTF-8 (a multi-byte character cut by max_tokens, or a model
+    that emits stray bytes) become U+FFFD."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def chat_prompt(messages: list[tuple[str, str]]) -> str:
+    """The chat template. Each message (role, content) becomes a header line and its content, then the assistant's
+    header opens the reply:
+
+        ### system\\n{content}\\n### user\\n{content}\\n### assistant\\n
+
+    The tiny models are trained on source code only, so the template is plain text a byte-level model can continue;
+    stopping at "\\n### " (pass it in `stop`) ends the reply where the next turn would begin."""
+    return "".join(f"### {role}\n{content}\n" for role, content in messages) + "### assistant\n"

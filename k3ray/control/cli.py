@@ -135,6 +135,32 @@ def cmd_drill(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Serve a checkpoint until Ctrl-C."""
+    import time
+
+    from k3ray.control.driver import init_ray
+    from k3ray.control.serve import start_serving, stop_serving
+    from k3ray.control.serve_metrics import ServeMetrics
+    from k3ray.io import checkpoint as ckpt
+
+    overrides = {k.removeprefix("serve."): v for k, v in parse_assignments(args.set, "serve.max_waiting=32").items()}
+    if ckpt.latest_verified(args.checkpoint) is None:  # here, before any actor starts: a readable error
+        raise ConfigError(f"--checkpoint {args.checkpoint}: no verified checkpoint there (train with "
+                          f"checkpoint.every_n_steps, or run `k3ray checkpoint` on a running job)")
+    init_ray(args.address, args.pp * args.ep)
+    engine, info = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.replicas,
+                                 observers=[ServeMetrics(args.name)])
+    print(json.dumps({"serving": info["model"], "step": info["step"], "url": f"http://{args.host}:{args.port}/v1"}),
+          flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        stop_serving(engine)
+    return 0
+
+
 def cmd_config_show(args) -> int:
     from k3ray.model.params import model_totals
 
@@ -209,6 +235,19 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_drill, pp=None, ep=None)
 
+    sv = sub.add_parser("serve", help="serve a durable checkpoint: OpenAI-compatible HTTP API through Ray Serve")
+    sv.add_argument("--checkpoint", required=True, help="runs/<job>/checkpoints: the newest verified one is served")
+    sv.add_argument("--pp", type=int, default=1, help="pipeline stages of the serving grid")
+    sv.add_argument("--ep", type=int, default=1, help="EP ranks per stage (each also serves its own requests)")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--name", default="serve", help="the k3ray_job label of the serving metrics")
+    sv.add_argument("--replicas", type=int, default=1, help="HTTP ingress replicas (scale apart from the engine)")
+    sv.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS or a local one)")
+    sv.add_argument("--set", action="append", default=[], metavar="serve.KEY=VALUE",
+                    help="serving limits and pools, e.g. serve.max_waiting=32 serve.token_budget=256")
+    sv.set_defaults(func=cmd_serve)
+
     c = sub.add_parser("config", help="inspect configs")
     csub = c.add_subparsers(dest="config_command", required=True)
     show = csub.add_parser("show", help="derived totals: parameters, active parameters, dispatch volume")
@@ -249,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
         cp = sub.add_parser(name, help=help_)
         _control_args(cp)
         cp.set_defaults(func=func)
+        if name == "status":
+            cp.add_argument("--serve", metavar="URL", help="the serving view of a `k3ray serve` endpoint instead")
 
     pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")
     psub = pol.add_subparsers(dest="policy_command", required=True)

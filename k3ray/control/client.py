@@ -113,8 +113,31 @@ def _events_text(events: list[dict]) -> str:
 
 
 def cmd_status(args) -> int:
+    if getattr(args, "serve", None):
+        _show(args, _serving_stats(args.serve, args.timeout), _serving_text)
+        return 0
     _show(args, Client.from_args(args).request("GET", "/v1/status"), _status_text)
     return 0
+
+
+def _serving_stats(url: str, timeout: float) -> dict:
+    try:
+        r = httpx.get(f"{url.rstrip('/')}/v1/stats", timeout=timeout)
+    except httpx.HTTPError as err:
+        raise ControlError(f"{url}: cannot reach the serving endpoint ({type(err).__name__}); is `k3ray serve` "
+                           f"up?") from None
+    if r.status_code != 200:
+        raise ControlError(f"{url}/v1/stats: HTTP {r.status_code}: {r.text[:200]}")
+    return r.json()
+
+
+def _serving_text(s: dict) -> str:
+    return "\n".join([f"model      {s['model']} (checkpoint step {s['step']})",
+                      f"grid       pp={s['pp']} ep={s['ep']}",
+                      f"requests   running={s['running']} waiting={s['waiting']}",
+                      f"kv pages   {s['pages_used']}/{s['pages_total']}   state slots used {s['slots_used']}",
+                      f"generated  {s['tokens_out']:,} tokens in {s['iterations']:,} iterations "
+                      f"({s['tokens_out'] / max(s['uptime_s'], 1e-9):,.1f} tokens/s since start)"])
 
 
 def cmd_placement(args) -> int:

@@ -1,6 +1,6 @@
-"""Grafana dashboards generated from code: overview, experts, reliability, plus provisioning YAML for the Prometheus
-datasource and the dashboards. `export(dir)` writes them (`k3ray dashboards export DIR`); the committed copies live
-in `dashboards/`. Every query uses the `ray_`-prefixed names Ray exports for k3ray.control.metrics.SPECS and the
+"""Grafana dashboards generated from code: overview, experts, reliability, serving, plus provisioning YAML for the
+Prometheus datasource and the dashboards. `export(dir)` writes them (`k3ray dashboards export DIR`); the committed
+copies live in `dashboards/`. Every query uses the `ray_`-prefixed names Ray exports for k3ray.control.metrics.SPECS and the
 `$job` variable (label k3ray_job)."""
 from __future__ import annotations
 
@@ -116,7 +116,32 @@ def reliability(ds_uid: str = DATASOURCE_UID) -> dict:
     ], ds_uid)
 
 
+def serving(ds_uid: str = DATASOURCE_UID) -> dict:
+    """`k3ray serve`: latency, load, cache use, per-expert served load (k3ray.control.serve_metrics)."""
+    def quantiles(metric: str) -> list[tuple[str, str]]:
+        return [(f"histogram_quantile({p}, sum by (le) (rate(ray_{metric}_bucket{{{SEL}}}[$__rate_interval])))",
+                 f"p{int(p * 100)}") for p in (0.5, 0.99)]
+
+    return dashboard("k3ray-serving", "k3ray / serving", [
+        panel("Time to first token p50 / p99", quantiles("k3ray_serve_ttft_seconds"), unit="s"),
+        panel("Inter-token latency p50 / p99", quantiles("k3ray_serve_inter_token_seconds"), unit="s"),
+        panel("Output tokens per second", [
+            (f"rate(ray_k3ray_serve_output_tokens_total{{{SEL}}}[$__rate_interval])", "{{k3ray_job}}")]),
+        panel("Requests running / waiting", [(q("k3ray_serve_requests"), "{{state}}")]),
+        panel("Queue depth", [(q("k3ray_serve_queue_depth"), "waiting")], w=8),
+        panel("KV pages used", [(q("k3ray_serve_kv_pages_used"), "used"), (q("k3ray_serve_kv_pages_total"), "total")],
+              w=8),
+        panel("Finished requests by reason (5m)", [
+            (f"sum by (finish) (increase(ray_k3ray_serve_requests_total{{{SEL}}}[5m]))", "{{finish}}")], w=8),
+        panel("Iteration time p50 / p99", quantiles("k3ray_serve_iteration_seconds"), unit="s"),
+        panel("Served expert load / mean", [
+            (f"sum by (le) (increase(ray_k3ray_serve_expert_load_ratio_bucket{{{SEL}}}[$__rate_interval]))",
+             "{{le}}")], kind="heatmap", options={"calculate": False, "cellGap": 1}),
+    ], ds_uid)
+
+
 def all_dashboards(ds_uid: str = DATASOURCE_UID) -> dict[str, dict]:
+    """The training job's dashboards (their queries are checked against a training job's Prometheus)."""
     return {d["uid"]: d for d in (overview(ds_uid), experts(ds_uid), reliability(ds_uid))}
 
 
@@ -139,7 +164,7 @@ def panel_queries(dash: dict) -> list[tuple[str, str]]:
 def export(out: Path, ds_uid: str = DATASOURCE_UID) -> list[Path]:
     """Write <out>/<uid>.json for each dashboard and the provisioning YAML; returns the paths written."""
     written = []
-    for uid, dash in all_dashboards(ds_uid).items():
+    for uid, dash in {**all_dashboards(ds_uid), "k3ray-serving": serving(ds_uid)}.items():
         path = out / f"{uid}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dash, indent=2) + "\n")

@@ -66,18 +66,23 @@ _ZERO_COUNTERS = {"k3ray_incidents_total": [{"rule": r} for r in INCIDENT_RULES]
                   "k3ray_checkpoints_total": [{}], "k3ray_checkpoint_seconds_total": [{}]}
 
 
-def _build(name: str, job: str):
-    kind, desc, tags = SPECS[name]
+def build_metric(name: str, spec: tuple[str, str, tuple[str, ...]], job: str, buckets: list[float] | None = None):
+    """One metric from its (kind, description, tag keys) spec, tagged with the job."""
+    kind, desc, tags = spec
     keys = ("k3ray_job",) + tags
     if kind == "gauge":
         metric = Gauge(name, desc, tag_keys=keys)
     elif kind == "counter":
         metric = Counter(name, desc, tag_keys=keys)
     else:
-        buckets = EXPERT_LOAD_BUCKETS if name == "k3ray_expert_load_ratio" else STEP_SECONDS_BUCKETS
         metric = Histogram(name, desc, boundaries=buckets, tag_keys=keys)
     metric.set_default_tags({"k3ray_job": job})
     return metric
+
+
+def _build(name: str, job: str):
+    buckets = EXPERT_LOAD_BUCKETS if name == "k3ray_expert_load_ratio" else STEP_SECONDS_BUCKETS
+    return build_metric(name, SPECS[name], job, buckets)
 
 
 class JobMetrics:

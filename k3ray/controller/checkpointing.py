@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from k3ray.config import CheckpointConfig
 from k3ray.controller.snapshots import restore_sources
 from k3ray.controller.worker import part_name
@@ -81,3 +83,35 @@ class DurableCheckpoints:
         log.info("checkpoint of step %d committed at %s", step, path)
         for callback in self.on_commit:
             callback(step, path, parts, meta["copy_seconds"] + wait_and_commit)
+
+
+@dataclass
+class ServingWeights:
+    """The weights of a durable checkpoint merged out of its grid, for serving on any pp x ep: every stage's dense
+    parameters and router biases by name, every layer's experts in one payload (no optimizer state). Workers keep
+    the names of their stage and the experts homed on them (`shards.load_weights`)."""
+    path: str
+    step: int
+    config: dict  # the training job's config
+    state: dict
+
+
+def serving_weights(root: str) -> ServingWeights:
+    manifest = ckpt.latest_verified(root)
+    if manifest is None:
+        raise ckpt.CheckpointError(f"{root}: no verified checkpoint (train with checkpoint.every_n_steps, or "
+                                   f"`k3ray checkpoint` on a running job)")
+    meta = manifest.meta
+    state = {"dense": {}, "opt_dense": {}, "router_bias": {}, "experts": {}, "opt_steps": 0, "lr_scale": 1.0}
+    for r in range(meta["pp"] * meta["ep"]):
+        part = ckpt.load_part(root, manifest.step, part_name(r))
+        state["dense"].update(part["dense"])
+        state["router_bias"].update(part["router_bias"])
+        for layer, payload in part["experts"].items():
+            state["experts"].setdefault(layer, []).append(payload)
+    for layer, payloads in state["experts"].items():
+        ids = [e for p in payloads for e in p["expert_ids"]]
+        order = sorted(range(len(ids)), key=ids.__getitem__)
+        state["experts"][layer] = {"expert_ids": sorted(ids), "opt": {"w1": None, "w2": None},
+                                   **{w: torch.cat([p[w] for p in payloads])[order] for w in ("w1", "w2")}}
+    return ServingWeights(str(manifest.path), manifest.step, meta["config"], state)

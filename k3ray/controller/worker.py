@@ -113,3 +113,23 @@ class Worker:
 
     def state(self) -> dict:
         return self.engine.state_dict()
+
+    # -- serving ---------------------------------------------------------------------------------------------------
+    def serve_init(self, pages: int, page_size: int, slots: int) -> bool:
+        """Cache pools for serving beside the stage this worker holds (loaded by `restore`)."""
+        from k3ray.model.cache import new_pools
+        from k3ray.parallel.serving import StageServer
+
+        e = self.engine
+        pools = new_pools(e.cfg.model, e.layers, pages, page_size, slots, e.device)
+        rank = e.pp_rank * e.ep + e.ep_rank
+        self.server = StageServer(e.stage, pools, e.device, rank - e.ep if e.pp_rank > 0 else None,
+                                  rank + e.ep if e.pp_rank < e.pp - 1 else None)
+        return True
+
+    def serve_step(self, plan) -> torch.Tensor | None:
+        """This worker's part of a serving iteration: its rank's plan (k3ray.parallel.serving.RankPlan)."""
+        return self.server.step(plan)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        return self.server.expert_load()

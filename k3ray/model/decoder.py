@@ -15,8 +15,9 @@ from k3ray.dtypes import up32
 from torch import nn
 
 from k3ray.config import ModelConfig
+from k3ray.model.cache import IterationCache
 from k3ray.model.layers import KDA, GatedMLA, RMSNorm
-from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts
+from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts, maxabs
 
 ExpertsFactory = Callable[[int, ExpertShard], nn.Module]
 """(layer, shard) -> the module computing that layer's routed experts."""
@@ -25,24 +26,30 @@ ExpertsFactory = Callable[[int, ExpertShard], nn.Module]
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, experts: nn.Module):
         super().__init__()
+        self.layer = layer
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = KDA(cfg) if cfg.layer_kind(layer) == "kda" else GatedMLA(cfg)
         self.moe_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.moe = LatentMoE(cfg, experts)
         self.resid_maxabs: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
+        if cache is not None:
+            cache.layer = self.layer
+        x = x + self.attn(self.attn_norm(x), cache)
         x = x + self.moe(self.moe_norm(x))
         with torch.no_grad():
-            m = up32(x.detach().abs().amax())
+            m = up32(maxabs(x.detach()))
             self.resid_maxabs = m if self.resid_maxabs is None else torch.maximum(self.resid_maxabs, m)
         return x
 
 
 class K3Stage(nn.Module):
     """Layers [first_layer, last_layer) of the decoder. forward: token ids [B, S] (first stage) or hidden [B, S, d]
-    -> hidden [B, S, d], or logits [B, S, V] on the last stage."""
+    -> hidden [B, S, d], or logits [B, S, V] on the last stage.
+
+    With an inference cache (k3ray.model.cache): token ids [1, T] or hidden [1, T, d], the iteration's new tokens of
+    N sequences packed, -> hidden [1, T, d], or on the last stage the logits of each sequence's last token [N, V]."""
 
     def __init__(self, cfg: ModelConfig, layers: range, experts: dict[int, ExpertShard],
                  experts_factory: ExpertsFactory | None = None):
@@ -55,12 +62,14 @@ class K3Stage(nn.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if self.is_last else None
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.is_last else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
         for block in self.blocks.values():
-            x = block(x)
+            x = block(x, cache)
         if self.lm_head is not None:
+            if cache is not None:  # only each sequence's last position is sampled from
+                x = x[0, cache.last_rows]
             x = self.lm_head(self.final_norm(x))
         return x
 

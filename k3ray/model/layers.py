@@ -5,6 +5,8 @@ Shapes: B batch, S sequence, d model width, H heads, h head dim, r MLA latent KV
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from k3ray.dtypes import up32
@@ -13,6 +15,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3ray.config import ModelConfig
 from k3ray.kernels import kda_attention, situ_glu
+
+if TYPE_CHECKING:
+    from k3ray.model.cache import IterationCache
 
 # Causal attention on CUDA: cuDNN's flash attention first, then FlashAttention-2 (on an H200, bf16, 32 heads of 128,
 # the MLA layer's forward + backward is 1.3x / 1.5x / 1.6x faster with cuDNN at 4k / 32k / 128k tokens:
@@ -33,11 +38,12 @@ class RMSNorm(nn.Module):
         return F.rms_norm(up32(x), (x.shape[-1],), up32(self.weight), self.eps).to(x.dtype)
 
 
-def rope(x_BSHh: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding over the last dim (pairs of halves)."""
+def rope(x_BSHh: torch.Tensor, theta: float, positions_S: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary position embedding over the last dim (pairs of halves), at positions 0..S-1 or the given ones."""
     seq, half = x_BSHh.shape[1], x_BSHh.shape[-1] // 2
     freqs = theta ** (-torch.arange(half, device=x_BSHh.device, dtype=torch.float32) / half)
-    angles = torch.arange(seq, device=x_BSHh.device, dtype=torch.float32)[:, None] * freqs  # [S, h/2]
+    pos = torch.arange(seq, device=x_BSHh.device) if positions_S is None else positions_S
+    angles = pos.to(torch.float32)[:, None] * freqs  # [S, h/2]
     cos, sin = angles.cos()[None, :, None], angles.sin()[None, :, None]
     x1, x2 = up32(x_BSHh).chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x_BSHh.dtype)
@@ -61,20 +67,30 @@ class GatedMLA(nn.Module):
         self.w_g = nn.Linear(d, hd, bias=False)
         self.w_o = nn.Linear(hd, d, bias=False)
 
-    def forward(self, x_BSd: torch.Tensor) -> torch.Tensor:
+    def up(self, c_BSr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (with RoPE at positions 0..S-1) and values [B, S, H, h] from latents."""
+        heads = c_BSr.shape[:2] + (self.n_heads, self.head_dim)
+        return rope(self.w_uk(c_BSr).view(heads), self.theta), self.w_uv(c_BSr).view(heads)
+
+    def forward(self, x_BSd: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
+        """Training: x [B, S, d]. With a cache: x [1, T, d], the iteration's new tokens of every sequence packed
+        (their latents go into the cache's pages; attention reads each sequence's whole context from there)."""
         B, S, _ = x_BSd.shape
         heads = (B, S, self.n_heads, self.head_dim)
         c = self.kv_norm(self.w_dkv(x_BSd))
-        q = rope(self.w_q(x_BSd).view(heads), self.theta)
-        k = rope(self.w_uk(c).view(heads), self.theta)
-        v = self.w_uv(c).view(heads)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if x_BSd.is_cuda:
-            with sdpa_kernel(MLA_CUDA_BACKENDS, set_priority=True):
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        q = rope(self.w_q(x_BSd).view(heads), self.theta, None if cache is None else cache.positions)
+        if cache is not None:
+            o = cache.mla_attention(q, c, self.up)
         else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        o = o.transpose(1, 2).reshape(B, S, -1)
+            k, v = self.up(c)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if x_BSd.is_cuda:
+                with sdpa_kernel(MLA_CUDA_BACKENDS, set_priority=True):
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o = o.transpose(1, 2)
+        o = o.flatten(2)  # [B, S, H*h]; also for zero tokens
         return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
 
 
@@ -98,7 +114,8 @@ class KDA(nn.Module):
         self.w_g = nn.Linear(d, hd, bias=False)
         self.w_o = nn.Linear(hd, d, bias=False)
 
-    def forward(self, x_BSd: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSd: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
+        """Training: x [B, S, d]. With a cache: x [1, T, d] packed sequences, each continuing from its state slot."""
         B, S, _ = x_BSd.shape
         heads = (B, S, self.n_heads, self.head_dim)
         q = F.normalize(up32(self.w_q(x_BSd).view(heads)), dim=-1)
@@ -106,8 +123,11 @@ class KDA(nn.Module):
         v = self.w_v(x_BSd).view(heads)
         log_alpha = -F.softplus(self.w_a_up(self.w_a_down(x_BSd))).view(heads)
         beta = torch.sigmoid(up32(self.w_b(x_BSd)))
-        o = kda_attention(q, k, v, log_alpha, beta)[0].to(x_BSd.dtype)
-        o = self.o_norm(o).reshape(B, S, -1)
+        if cache is not None:
+            o = cache.kda(q, k, v, log_alpha, beta).to(x_BSd.dtype)
+        else:
+            o = kda_attention(q, k, v, log_alpha, beta)[0].to(x_BSd.dtype)
+        o = self.o_norm(o).flatten(2)
         return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
 
 

@@ -70,6 +70,11 @@ class Router(nn.Module):
         return torch.sigmoid(up32(x_Td) @ up32(self.weight).t())
 
 
+def maxabs(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as a 0-d tensor; 0 for an empty t (a serving iteration can give a rank no tokens)."""
+    return t.abs().amax() if t.numel() else t.new_zeros(())
+
+
 class RoutingStats:
     """Per-step routing statistics of one MoE layer, kept on the device (no host sync per layer)."""
 
@@ -92,7 +97,7 @@ class RoutingStats:
             self.histogram = self._add(self.histogram, histogram)
         self.tokens_per_expert = self._add(self.tokens_per_expert, tokens_per_expert)
         r = up32(routed.detach())
-        m = r.abs().amax()
+        m = maxabs(r)
         self.routed_maxabs = m if self.routed_maxabs is None else torch.maximum(self.routed_maxabs, m)
         self.routed_sumsq = self._add(self.routed_sumsq, r.square().sum())
         self.routed_count += r.numel()

@@ -229,15 +229,12 @@ class StageEngine:
         return float(t) / n
 
     # -- expert shards -------------------------------------------------------------------------------------------
-    def _prefix(self, layer: int) -> str:
-        return f"blocks.{layer}.moe.experts.shard"
-
     def export_shard(self, expert_ids: list[int] | None = None) -> dict[int, dict]:
         """layer -> payload for the given experts (default: all this worker holds) of every MoE layer."""
         out = {}
         for layer, shard in self.stage.expert_shards().items():
             ids = shard.expert_ids if expert_ids is None else expert_ids
-            out[layer] = shards.export_experts(shard, self.opt, self._prefix(layer), ids)
+            out[layer] = shards.export_experts(shard, self.opt, shards.shard_prefix(layer), ids)
         return out
 
     def set_placement(self, home: list[int], imports: dict[int, list[dict]] | None = None) -> None:
@@ -247,7 +244,7 @@ class StageEngine:
         for layer, shard in self.stage.expert_shards().items():
             keep = [e for e in shard.expert_ids if e in mine]
             payloads = (imports or {}).get(layer, [])
-            shards.set_experts(shard, self.opt, self._prefix(layer), payloads, keep)
+            shards.set_experts(shard, self.opt, shards.shard_prefix(layer), payloads, keep)
             if set(shard.expert_ids) != mine:
                 raise ValueError(f"layer {layer}: rank {self.ep_rank} holds {shard.expert_ids}, placement says "
                                  f"{sorted(mine)}")
@@ -267,7 +264,7 @@ class StageEngine:
             "stage": self.pp_rank, "layers": list(self.layers),
             "dense": {n: p.detach() for n, p in self.dense.items()} if dense else {},
             "opt_dense": {n: dict(st) for n, st in self.opt.state.items() if dense and not is_expert_param(n)},
-            "experts": {layer: shards.live_payload(shard, self.opt, self._prefix(layer))
+            "experts": {layer: shards.live_payload(shard, self.opt, shards.shard_prefix(layer))
                         for layer, shard in self.stage.expert_shards().items()},
             "router_bias": {i: moe.router.bias.detach() for i, moe in self.stage.moe_layers().items()},
             "opt_steps": self.opt.steps,
@@ -282,8 +279,6 @@ class StageEngine:
     def load_state(self, dense_state: dict, expert_payloads: dict[int, list[dict]]) -> None:
         """Restore from a stage's dense state (any EP rank's: they are identical) and the expert payloads of the
         stage's layers (from any number of old shards; only the experts homed here are kept)."""
-        for n, p in self.dense.items():
-            p.copy_(dense_state["dense"][n].to(p.device))
         for n in list(self.opt.state):
             if not is_expert_param(n):
                 del self.opt.state[n]
@@ -291,13 +286,6 @@ class StageEngine:
             self.opt.state[n] = {k: v.to(self.device).clone() for k, v in st.items()}
         self.opt.steps = dense_state["opt_steps"]
         self.lr_scale = dense_state["lr_scale"]
-        for i, moe in self.stage.moe_layers().items():
-            moe.router.bias.copy_(dense_state["router_bias"][i].to(moe.router.bias.device))
         mine = set((self.home == self.ep_rank).nonzero().flatten().tolist())
-        for layer, shard in self.stage.expert_shards().items():
-            parts = [shards.select_experts(p, mine) for p in expert_payloads[layer]]
-            shards.set_experts(shard, self.opt, self._prefix(layer), [p for p in parts if p["expert_ids"]], [])
-            if set(shard.expert_ids) != mine:
-                raise ValueError(f"layer {layer}: restore gave experts {shard.expert_ids}, placement says "
-                                 f"{sorted(mine)}")
+        shards.load_weights(self.stage, self.opt, dense_state, expert_payloads, mine)
         self._refresh_params()

@@ -1,5 +1,5 @@
-"""The single-process reference trainer: the whole model in one process, the ground truth the distributed runtime
-must reproduce (`k3ray train --single-process`)."""
+"""The single-process references: the trainer (the whole model in one process, the ground truth the distributed
+runtime must reproduce, `k3ray train --single-process`) and generation (what serving must reproduce)."""
 from __future__ import annotations
 
 import time
@@ -7,8 +7,9 @@ import time
 import torch
 
 from k3ray.config import JobConfig
-from k3ray.data import TokenData
-from k3ray.model.decoder import build_stage
+from k3ray.data import EOS, TokenData
+from k3ray.model.decoder import K3Stage, build_stage
+from k3ray.model.sampling import SamplingParams, finish_reason, next_token
 from k3ray.optim import AdamW, clip_coefficient, lr_at
 from k3ray.parallel.step import StepReport, activation_stats, lm_loss, update_router_bias
 
@@ -60,3 +61,18 @@ class ReferenceTrainer:
             losses.append(float(lm_loss(self.model(tokens[:, :-1]), tokens, 1.0)))
         self.model.reset_stats()
         return sum(losses) / len(losses)
+
+
+@torch.no_grad()
+def generate_reference(model: K3Stage, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
+    """The ground truth of serving: one request alone, the plain full-sequence forward for every token (no cache).
+    Returns the generated ids (as sampled, end-of-text and stop bytes included) and the finish reason."""
+    out: list[int] = []
+    generator = params.generator()
+    while True:
+        logits = model(torch.tensor([prompt_ids + out], device=model.embed.weight.device))[0, -1]
+        out.append(next_token(logits, params, generator))
+        reason = finish_reason(out, params, EOS, model.cfg.max_seq_len - len(prompt_ids) - len(out))
+        if reason is not None:
+            model.reset_stats()
+            return out, reason

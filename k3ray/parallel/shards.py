@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3ray.model.decoder import K3Stage, is_expert_param
 from k3ray.model.moe import ExpertShard
 from k3ray.optim import AdamW, fresh_state
 
@@ -62,3 +63,26 @@ def set_experts(shard: ExpertShard, opt: AdamW, prefix: str, payloads: list[dict
         else:
             opt.set_state(f"{prefix}.{w}", None)
     shard.expert_ids = sorted(ids)
+
+
+def shard_prefix(layer: int) -> str:
+    """The optimizer-state name of a layer's expert shard."""
+    return f"blocks.{layer}.moe.experts.shard"
+
+
+@torch.no_grad()
+def load_weights(stage: K3Stage, opt: AdamW, dense_state: dict, expert_payloads: dict[int, list[dict]],
+                 mine: set[int]) -> None:
+    """Set a stage's dense parameters and router biases from a stage state (any that holds its layers' names), and
+    its expert shards to the experts in `mine`, taken from payloads of any number of old shards."""
+    for n, p in stage.named_parameters():
+        if not is_expert_param(n):
+            p.copy_(dense_state["dense"][n].to(p.device))
+    for i, moe in stage.moe_layers().items():
+        moe.router.bias.copy_(dense_state["router_bias"][i].to(moe.router.bias.device))
+    for layer, shard in stage.expert_shards().items():
+        parts = [select_experts(p, mine) for p in expert_payloads[layer]]
+        set_experts(shard, opt, shard_prefix(layer), [p for p in parts if p["expert_ids"]], [])
+        if set(shard.expert_ids) != mine:
+            raise ValueError(f"layer {layer}: restore gave experts {shard.expert_ids}, placement says "
+                             f"{sorted(mine)}")

@@ -1,0 +1,210 @@
+"""`k3ray serve`: an OpenAI-compatible front door through Ray Serve (FastAPI ingress) to the serving engine actor
+(k3ray.controller.serve_engine), which drives the worker grid.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent events, ending in
+`data: [DONE]`), GET /v1/models, GET /health. Ingress replicas scale apart from the engine (`--replicas`).
+
+Limits, enforced here before the engine sees a request: max_tokens <= serve.max_tokens; prompt + max_tokens within
+the model's context (max_seq_len); the engine's queue holds serve.max_waiting requests, beyond that 429 with
+Retry-After. Bad input (malformed JSON, bytes that are not UTF-8, an unknown model, a field out of range, a prompt
+longer than the context) is a 4xx whose message names the field; it never reaches the engine. A client that goes
+away cancels its request (Serve cancels the handler; the handler cancels the engine's stream, which frees the
+request's pages and slot).
+
+Chat: messages are rendered with the byte tokenizer's template (k3ray.data.chat_prompt) and "\\n### " is added to
+the stop strings, so a reply ends where the next turn's header would begin.
+"""
+# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
+
+import codecs
+import json
+import logging
+import time
+
+import ray
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+
+from k3ray.control import openai_schema as oa
+from k3ray.data import chat_prompt, encode
+
+log = logging.getLogger("k3ray.serve")
+CHAT_STOP = "\n### "
+DEFAULT_MAX_TOKENS = 16
+
+app = FastAPI(title="k3ray serve")
+
+
+def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+           code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(oa.error(message, kind, param, code), status_code=status, headers=headers)
+
+
+class BadRequest(Exception):
+    def __init__(self, response: JSONResponse):
+        self.response = response
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, engine, info: dict):
+        self.engine, self.info = engine, info
+        self.model, self.created = info["model"], int(time.time())
+        self.max_seq_len, self.limits = info["max_seq_len"], info["serve"]
+
+    @app.get("/health")
+    async def health(self):
+        try:
+            await self.engine.stats.remote()
+        except ray.exceptions.RayError as err:
+            return _error(503, f"engine unavailable: {type(err).__name__}", kind="server_error")
+        return {"status": "ok", "model": self.model}
+
+    @app.get("/v1/stats")
+    async def stats(self):
+        """The serving view (`k3ray status --serve URL`): requests, pages, tokens generated."""
+        info = {k: self.info[k] for k in ("model", "step", "pp", "ep")}
+        return {**info, **(await self.engine.stats.remote())}
+
+    @app.get("/v1/models")
+    async def models(self):
+        return oa.model_list(self.model, self.created)
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self._serve(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self._serve(request, chat=True)
+
+    # -- one request -------------------------------------------------------------------------------------------------
+    async def _serve(self, request: Request, chat: bool):
+        try:
+            req, ids, sampling = self._validate(await request.body(), chat)
+        except BadRequest as bad:
+            return bad.response
+        stream = self.engine.generate.options(num_returns="streaming").remote(ids, sampling)
+        try:
+            first = await (await stream.__anext__())
+        except BaseException:
+            ray.cancel(stream)
+            raise
+        if first.get("error") == "overloaded":
+            return _error(429, f"overloaded: {first['message']}; retry later", kind="rate_limit_error",
+                          code="overloaded", headers={"Retry-After": str(self.limits["retry_after_s"])})
+        if "error" in first:
+            return _error(400, first["message"], param="prompt")
+        rid = oa.new_id("chatcmpl" if chat else "cmpl")
+        if req.stream:
+            with_usage = bool((req.stream_options or {}).get("include_usage"))
+            return StreamingResponse(self._events(stream, rid, chat, len(ids) if with_usage else None),
+                                     media_type="text/event-stream")
+        return await self._whole(stream, rid, chat, len(ids))
+
+    def _validate(self, body: bytes, chat: bool):
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise BadRequest(_error(400, f"body: not UTF-8 (invalid byte at offset {err.start})", "body"))
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise BadRequest(_error(400, f"body: malformed JSON ({err.msg} at line {err.lineno} column "
+                                         f"{err.colno})", "body"))
+        try:
+            req = (oa.ChatRequest if chat else oa.CompletionRequest).model_validate(data)
+        except ValidationError as err:
+            first = err.errors()[0]
+            param = ".".join(str(x) for x in first["loc"]) or "body"
+            raise BadRequest(_error(400, f"{param}: {first['msg']}", param))
+        if req.model != self.model:
+            raise BadRequest(_error(404, f"model: unknown model {req.model!r}; this server serves {self.model!r}",
+                                    "model", code="model_not_found"))
+        prompt = chat_prompt([(m.role, m.content) for m in req.messages]) if chat else req.prompt
+        field = "messages" if chat else "prompt"
+        ids = encode(prompt)
+        max_tokens = req.max_tokens or min(DEFAULT_MAX_TOKENS, self.max_seq_len - len(ids))
+        if not ids:
+            raise BadRequest(_error(400, f"{field}: empty", field))
+        if len(ids) >= self.max_seq_len:
+            raise BadRequest(_error(400, f"{field}: {len(ids)} tokens; the context is {self.max_seq_len} tokens, "
+                                         f"prompt and completion together", field, code="context_length_exceeded"))
+        if max_tokens > self.limits["max_tokens"]:
+            raise BadRequest(_error(400, f"max_tokens: {max_tokens} exceeds this server's limit of "
+                                         f"{self.limits['max_tokens']}", "max_tokens"))
+        if len(ids) + max_tokens > self.max_seq_len:
+            raise BadRequest(_error(400, f"max_tokens: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed "
+                                         f"the context of {self.max_seq_len} tokens", "max_tokens",
+                                    code="context_length_exceeded"))
+        return req, ids, req.sampling(max_tokens, (CHAT_STOP,) if chat else ())
+
+    async def _whole(self, stream, rid: str, chat: bool, prompt_tokens: int):
+        tokens, finish = [], None
+        try:
+            async for ref in stream:
+                item = await ref
+                if "error" in item:
+                    return _error(500, item["message"], kind="server_error")
+                tokens += item["tokens"]
+                finish = item["finish"]
+        finally:  # the client went away (Serve cancels this handler): stop generating, free the caches
+            if finish is None:
+                ray.cancel(stream)
+        text = bytes(tokens).decode("utf-8", errors="replace")
+        use = oa.usage(prompt_tokens, len(tokens))
+        return JSONResponse((oa.chat_completion if chat else oa.completion)(rid, self.model, text, finish, use))
+
+    async def _events(self, stream, rid: str, chat: bool, usage_prompt_tokens: int | None):
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        finish, generated = None, 0
+
+        def sse(obj: dict) -> str:
+            return f"data: {json.dumps(obj)}\n\n"
+
+        try:
+            if chat:
+                yield sse(oa.chat_chunk(rid, self.model, "", None, first=True))
+            async for ref in stream:
+                item = await ref
+                if "error" in item:
+                    yield sse(oa.error(item["message"], "server_error"))
+                    break
+                finish = item["finish"]
+                generated += len(item["tokens"])
+                text = decoder.decode(bytes(item["tokens"]), final=finish is not None)
+                if chat:
+                    yield sse(oa.chat_chunk(rid, self.model, text if text else None, finish))
+                else:
+                    yield sse(oa.completion_chunk(rid, self.model, text, finish))
+            if usage_prompt_tokens is not None:
+                yield sse(oa.usage_chunk(rid, self.model, chat, oa.usage(usage_prompt_tokens, generated)))
+            yield "data: [DONE]\n\n"
+        finally:
+            if finish is None:
+                ray.cancel(stream)
+
+
+def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.0.1", port: int = 8000,
+                  serve_overrides: dict | None = None, replicas: int = 1, observers: list | None = None):
+    """Start the engine (workers loaded from the checkpoint) and the HTTP front door; returns (engine, info)."""
+    from k3ray.controller.serve_engine import ServingEngine
+
+    engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve_overrides, observers=observers)
+    info = ray.get(engine.ready.remote())
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(OpenAIIngress.options(num_replicas=replicas).bind(engine, info), name="k3ray", route_prefix="/",
+              blocking=False)
+    log.info("serving %s (step %d) at http://%s:%d/v1", info["model"], info["step"], host, port)
+    return engine, info
+
+
+def stop_serving(engine) -> None:
+    serve.delete("k3ray")
+    try:
+        ray.get(engine.shutdown.remote(), timeout=120)
+    finally:
+        ray.kill(engine, no_restart=True)

@@ -1,0 +1,84 @@
+"""Serving metrics through `ray.util.metrics` (exported as `ray_k3ray_serve_*`), published by the serving engine
+actor after every iteration (`ServeMetrics` is one of its observers; it builds the metrics in the engine's process).
+
+Same conventions as k3ray.control.metrics: base units, `_total` counters, bounded labels: k3ray_job, state
+(running, waiting), finish (stop, length, cancelled, error), layer. Per-expert load is a per-layer histogram of
+load / mean load, collected from the workers every `expert_load_every` iterations."""
+from __future__ import annotations
+
+from k3ray.control.metrics import EXPERT_LOAD_BUCKETS, build_metric
+
+LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
+FINISH = ("stop", "length", "cancelled", "error")
+
+SERVE_SPECS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "k3ray_serve_ttft_seconds": ("histogram", "time from a request's arrival to its first token", ()),
+    "k3ray_serve_inter_token_seconds": ("histogram", "time between consecutive tokens of a request", ()),
+    "k3ray_serve_iteration_seconds": ("histogram", "one engine iteration (schedule, grid forward, sample)", ()),
+    "k3ray_serve_queue_depth": ("gauge", "requests waiting for a state slot", ()),
+    "k3ray_serve_requests": ("gauge", "requests by state", ("state",)),
+    "k3ray_serve_kv_pages_used": ("gauge", "latent-KV pages held by requests, all ranks", ()),
+    "k3ray_serve_kv_pages_total": ("gauge", "latent-KV pages, all ranks", ()),
+    "k3ray_serve_tokens_per_second": ("gauge", "output tokens per second over the last iteration", ()),
+    "k3ray_serve_output_tokens_total": ("counter", "tokens generated", ()),
+    "k3ray_serve_requests_total": ("counter", "requests finished, by finish reason", ("finish",)),
+    "k3ray_serve_expert_load_ratio": ("histogram", "per-expert served load / mean load, one observation per expert "
+                                      "and collection", ("layer",)),
+}
+
+
+def _build(name: str, job: str):
+    buckets = EXPERT_LOAD_BUCKETS if name == "k3ray_serve_expert_load_ratio" else LATENCY_BUCKETS
+    return build_metric(name, SERVE_SPECS[name], job, buckets)
+
+
+class ServeMetrics:
+    """An observer of the serving engine: `iteration` after each iteration, `expert_load` with the workers' counts."""
+
+    def __init__(self, job: str, expert_load_every: int = 50):
+        self.job, self.expert_load_every = job, expert_load_every
+        self.m: dict | None = None  # built on first use, in the engine actor's process
+
+    def _metrics(self) -> dict:
+        if self.m is None:
+            self.m = {name: _build(name, self.job) for name in SERVE_SPECS}
+            for finish in FINISH:  # Counter.inc refuses 0: export the series at 0 from the start
+                self.m["k3ray_serve_requests_total"]._record(0.0, tags={"finish": finish})
+            self.m["k3ray_serve_output_tokens_total"]._record(0.0, tags={})
+        return self.m
+
+    def iteration(self, changed: list, sched, seconds: float) -> None:
+        m = self._metrics()
+        tokens = 0
+        for req in changed:
+            if req.token_times and req.finish != "cancelled" and req.finish != "error":
+                tokens += 1
+                if len(req.token_times) == 1:
+                    m["k3ray_serve_ttft_seconds"].observe(req.token_times[0] - req.arrival)
+                else:
+                    m["k3ray_serve_inter_token_seconds"].observe(req.token_times[-1] - req.token_times[-2])
+            if req.finish is not None:
+                m["k3ray_serve_requests_total"].inc(tags={"finish": req.finish})
+        if tokens:
+            m["k3ray_serve_output_tokens_total"].inc(tokens)
+        u = sched.usage()
+        m["k3ray_serve_iteration_seconds"].observe(seconds)
+        m["k3ray_serve_queue_depth"].set(u["waiting"])
+        m["k3ray_serve_requests"].set(u["running"], tags={"state": "running"})
+        m["k3ray_serve_requests"].set(u["waiting"], tags={"state": "waiting"})
+        m["k3ray_serve_kv_pages_used"].set(u["pages_used"])
+        m["k3ray_serve_kv_pages_total"].set(u["pages_total"])
+        m["k3ray_serve_tokens_per_second"].set(tokens / seconds if seconds > 0 else 0.0)
+
+    def expert_load(self, per_worker: list[dict[int, list[int]]]) -> None:
+        """Workers' routed-token counts by layer and expert since the last collection."""
+        m, totals = self._metrics(), {}
+        for worker in per_worker:
+            for layer, counts in worker.items():
+                acc = totals.setdefault(layer, [0] * len(counts))
+                totals[layer] = [a + c for a, c in zip(acc, counts)]
+        for layer, load in totals.items():
+            mean = sum(load) / len(load)
+            if mean > 0:
+                for x in load:
+                    m["k3ray_serve_expert_load_ratio"].observe(x / mean, tags={"layer": str(layer)})

@@ -1,0 +1,214 @@
+"""The serving engine's scheduler (Ray-free): the request table, iteration-level continuous batching with chunked
+prefill under a token budget, and the allocation of KV pages and KDA state slots.
+
+Every iteration, per data-parallel rank: first one token for each running request that is decoding, then the next
+prompt chunk of requests still prefilling, then new requests admitted in arrival order, while the rank's token
+budget lasts. A request is admitted onto the rank with the most free pages once that rank has a free state slot and
+pages for its whole possible length (prompt + max_tokens, capped by the context): it then never waits for memory
+mid-generation, and nothing is ever preempted. A request lives on one rank until it finishes; its pages and slot
+return to the rank's free lists when it finishes or is cancelled.
+
+A request's state is its prompt and the tokens generated so far (`Request.ids`); the caches on the workers can be
+rebuilt from it by prefilling again.
+
+Interface: `submit`, `cancel`, `schedule` -> plans by rank, `complete(plans, logits by rank)`; `step` runs both
+with a synchronous executor (tests, the single-process engine).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from k3ray.data import EOS
+from k3ray.model.cache import SeqChunk
+from k3ray.model.sampling import SamplingParams, finish_reason, next_token
+from k3ray.parallel.serving import PoolSizes, RankPlan
+
+
+class Overloaded(RuntimeError):
+    """The waiting queue is full; try again later."""
+
+
+@dataclass
+class EngineLimits:
+    max_seq_len: int  # context length: prompt + generated tokens
+    dp: int = 1  # data-parallel ranks (requests are spread over them)
+    token_budget: int = 64  # tokens per iteration and rank (decode tokens + prefill chunks)
+    max_waiting: int = 64  # queued requests (beyond those a free slot will take) past which submit is Overloaded
+    pools: PoolSizes = field(default_factory=lambda: PoolSizes(pages=64, page_size=16, slots=16))
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float
+    out: list[int] = field(default_factory=list)
+    rank: int = -1
+    pages: list[int] = field(default_factory=list)
+    slot: int = -1
+    cached: int = 0  # tokens of `ids` whose cache entries the workers hold
+    finish: str | None = None  # 'stop', 'length', 'cancelled', 'error'
+    error: str = ""
+    token_times: list[float] = field(default_factory=list)  # wall time of each generated token
+    generator: object = None
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt + self.out
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None
+
+
+class _RankPool:
+    def __init__(self, sizes: PoolSizes):
+        self.free_pages = list(range(sizes.pages))
+        self.free_slots = list(range(sizes.slots))
+
+
+class Scheduler:
+    def __init__(self, limits: EngineLimits, clock=time.monotonic):
+        self.limits, self.clock = limits, clock
+        self.ranks = [_RankPool(limits.pools) for _ in range(limits.dp)]
+        self.waiting: list[Request] = []
+        self.running: dict[int, Request] = {}
+        self.requests: dict[int, Request] = {}  # every request not yet forgotten (`forget`)
+        self.in_flight: set[int] = set()  # requests in the plans being run
+        self._ids = itertools.count()
+        self.rank_tokens = [0] * limits.dp  # tokens each rank has run (prefill and decode), since the start
+
+    # -- requests ------------------------------------------------------------------------------------------------
+    def submit(self, prompt: list[int], params: SamplingParams) -> Request:
+        L = self.limits
+        if not prompt:
+            raise ValueError("prompt: empty")
+        if len(prompt) >= L.max_seq_len:
+            raise ValueError(f"prompt: {len(prompt)} tokens leave no room to generate in the context of "
+                             f"{L.max_seq_len} tokens")
+        if self._pages_for(len(prompt), params) > L.pools.pages:
+            raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than a rank has ({L.pools.pages})")
+        free_slots = sum(len(p.free_slots) for p in self.ranks)  # admitted at the next iteration: not queued
+        if len(self.waiting) >= L.max_waiting + free_slots:
+            raise Overloaded(f"{len(self.waiting) - free_slots} requests waiting (limit {L.max_waiting})")
+        req = Request(next(self._ids), list(prompt), params, self.clock(), generator=params.generator())
+        self.waiting.append(req)
+        self.requests[req.id] = req
+        return req
+
+    def cancel(self, rid: int) -> None:
+        req = self.requests.get(rid)
+        if req is None or req.done:
+            return
+        req.finish = "cancelled"
+        if req in self.waiting:
+            self.waiting.remove(req)
+        elif rid not in self.in_flight:  # else its caches are freed when the iteration it is in completes
+            self._release(req)
+
+    def fail_all(self, message: str) -> list[Request]:
+        """End every request with finish 'error' (an iteration failed: the caches may be inconsistent)."""
+        failed = list(self.waiting) + list(self.running.values())
+        for req in failed:
+            req.finish, req.error = "error", message
+            if req.rank >= 0 and req.slot >= 0:
+                self._release(req)
+        self.waiting, self.in_flight = [], set()
+        return failed
+
+    def forget(self, rid: int) -> None:
+        self.requests.pop(rid, None)
+
+    def _pages_for(self, prompt_len: int, params: SamplingParams) -> int:
+        tokens = min(prompt_len + params.max_tokens, self.limits.max_seq_len)
+        return -(-tokens // self.limits.pools.page_size)
+
+    def _release(self, req: Request) -> None:
+        pool = self.ranks[req.rank]
+        pool.free_pages += req.pages
+        pool.free_slots.append(req.slot)
+        req.pages, req.slot = [], -1
+        self.running.pop(req.id, None)
+
+    # -- iterations ----------------------------------------------------------------------------------------------
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> dict[int, tuple[RankPlan, list[Request]]]:
+        """This iteration's plan of every rank (also ranks with nothing to do: they join the EP exchanges)."""
+        budget = [self.limits.token_budget] * self.limits.dp
+        plans = {r: (RankPlan(), []) for r in range(self.limits.dp)}
+
+        def add(req: Request, n: int) -> None:
+            plan, reqs = plans[req.rank]
+            plan.tokens += req.ids[req.cached:req.cached + n]
+            plan.seqs.append(SeqChunk(req.cached, n, req.pages, req.slot))
+            reqs.append(req)
+            budget[req.rank] -= n
+            self.rank_tokens[req.rank] += n
+
+        running = sorted(self.running.values(), key=lambda r: (r.cached < len(r.prompt), r.arrival))
+        for req in running:  # decoding first (one token each), then prompt chunks
+            n = min(len(req.ids) - req.cached, budget[req.rank])
+            if n > 0:
+                add(req, n)
+        while self.waiting:
+            req = self.waiting[0]
+            rank = self._admit_rank(req)
+            if rank is None or budget[rank] <= 0:
+                break
+            self.waiting.pop(0)
+            pool = self.ranks[rank]
+            need = self._pages_for(len(req.prompt), req.params)
+            req.rank, req.slot = rank, pool.free_slots.pop(0)
+            req.pages, pool.free_pages = pool.free_pages[:need], pool.free_pages[need:]
+            self.running[req.id] = req
+            add(req, min(len(req.prompt), budget[rank]))
+        self.in_flight = {req.id for _, reqs in plans.values() for req in reqs}
+        return plans
+
+    def _admit_rank(self, req: Request) -> int | None:
+        need = self._pages_for(len(req.prompt), req.params)
+        fits = [r for r, p in enumerate(self.ranks) if p.free_slots and len(p.free_pages) >= need]
+        return max(fits, key=lambda r: len(self.ranks[r].free_pages)) if fits else None
+
+    def complete(self, plans: dict[int, tuple[RankPlan, list[Request]]], logits: dict[int, object]) -> list[Request]:
+        """Take an iteration's logits (rank -> [N, V], one row per sequence of the plan): sample where a sequence
+        reached its last known token, finish and free what ended. Returns the requests that got a token or
+        finished."""
+        now, changed = self.clock(), []
+        for rank, (plan, reqs) in plans.items():
+            for row, (chunk, req) in enumerate(zip(plan.seqs, reqs)):
+                req.cached += chunk.n
+                if req.done:  # cancelled while in flight
+                    self._release(req)
+                    changed.append(req)
+                    continue
+                if req.cached < len(req.ids):
+                    continue  # a prompt chunk short of the end: nothing to sample yet
+                req.out.append(next_token(logits[rank][row], req.params, req.generator))
+                req.token_times.append(now)
+                req.finish = finish_reason(req.out, req.params, EOS, self.limits.max_seq_len - len(req.ids))
+                if req.done:
+                    self._release(req)
+                changed.append(req)
+        self.in_flight = set()
+        return changed
+
+    def step(self, executor) -> list[Request]:
+        """One iteration with a synchronous executor: executor.run({rank: RankPlan}) -> {rank: logits}."""
+        plans = self.schedule()
+        return self.complete(plans, executor.run({r: p for r, (p, _) in plans.items()}))
+
+    # -- what it holds -------------------------------------------------------------------------------------------
+    def usage(self) -> dict:
+        L = self.limits.pools
+        return {"waiting": len(self.waiting), "running": len(self.running),
+                "pages_used": sum(L.pages - len(p.free_pages) for p in self.ranks),
+                "pages_total": L.pages * self.limits.dp,
+                "slots_used": sum(L.slots - len(p.free_slots) for p in self.ranks),
+                "tokens_per_rank": list(self.rank_tokens)}

@@ -1,0 +1,101 @@
+"""Inference caches of one pipeline stage, as SGLang keeps them for K3: two pools.
+
+- Gated MLA: the latent KV c = RMSNorm(W_dkv x) [r] of every past token, in fixed-size pages
+  (`latent[layer]`: [pages, page_size, r]). The layer applies RoPE after the up-projections (k = rope(W_uk c)), so
+  the latent alone reproduces the training forward exactly: k and v are recomputed from it with each position's
+  rotation. (K3 proper caches kv_rank + the decoupled rope dims; this model has no decoupled rope key.)
+- KDA: the recurrent state S [H, K, V] of every sequence, one fixed slot per sequence (`state[layer]`:
+  [slots, H, K, V], fp32, float64 for float64 models); its size does not grow with the context.
+
+`IterationCache` is one iteration's view of the pools: N sequences whose new tokens are packed into one row
+(positions, cu_seqlens), each with its page table and state slot. The layers read it through `mla_attention` and
+`kda`; sequences with start 0 begin from an empty state whatever their slot held before.
+
+Shapes: T packed tokens of the iteration, N sequences, H heads, h head dim, r kv_rank, P page size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from k3ray.config import ModelConfig
+from k3ray.kernels import kda_attention, kda_decode
+
+
+@dataclass
+class CachePools:
+    page_size: int
+    latent: dict[int, torch.Tensor]  # MLA layer -> [pages, P, r]
+    state: dict[int, torch.Tensor]  # KDA layer -> [slots, H, K, V]
+
+
+def new_pools(cfg: ModelConfig, layers: range, pages: int, page_size: int, slots: int, device=None) -> CachePools:
+    dtype = getattr(torch, cfg.dtype)
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    latent, state = {}, {}
+    for layer in layers:
+        if cfg.layer_kind(layer) == "mla":
+            latent[layer] = torch.zeros(pages, page_size, cfg.kv_rank, dtype=dtype, device=device)
+        else:
+            h = cfg.kda_head_dim
+            state[layer] = torch.zeros(slots, cfg.n_heads, h, h, dtype=state_dtype, device=device)
+    return CachePools(page_size, latent, state)
+
+
+@dataclass
+class SeqChunk:
+    """One sequence's part of an iteration: `n` new tokens at positions start .. start+n-1."""
+    start: int
+    n: int
+    pages: list[int]  # page table, covering at least start + n tokens
+    slot: int  # KDA state slot
+
+
+class IterationCache:
+    def __init__(self, pools: CachePools, seqs: list[SeqChunk], device=None):
+        self.pools, self.seqs = pools, seqs
+        P = pools.page_size
+        lens = [s.n for s in seqs]
+        self.cu_seqlens = torch.tensor([0] + lens, dtype=torch.int64, device=device).cumsum(0)
+        self.positions = torch.cat([torch.arange(s.start, s.start + s.n) for s in seqs]).to(device) if seqs \
+            else torch.zeros(0, dtype=torch.int64, device=device)
+        # flat row (page * P + offset) of every position each sequence has after this iteration
+        rows = [torch.tensor(s.pages, dtype=torch.int64)[torch.arange(s.start + s.n) // P] * P
+                + torch.arange(s.start + s.n) % P for s in seqs]
+        self.read_rows = [r.to(device) for r in rows]
+        self.write_rows = torch.cat([r[s.start:] for r, s in zip(rows, seqs)]).to(device) if seqs \
+            else torch.zeros(0, dtype=torch.int64, device=device)
+        self.slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=device)
+        self.fresh = torch.tensor([s.start == 0 for s in seqs], dtype=torch.bool, device=device)
+        self.last_rows = (self.cu_seqlens[1:] - 1) if seqs else self.cu_seqlens[:0]
+        self.layer = -1  # set by each block before its attention runs
+
+    def mla_attention(self, q_1THh: torch.Tensor, c_1Tr: torch.Tensor, up) -> torch.Tensor:
+        """Store this iteration's latents, then causal attention of each sequence's new queries over its whole
+        cached context. up(c [1, L, r]) -> (k, v) [1, L, H, h] with RoPE at positions 0..L-1. Returns [1, T, H, h]."""
+        pool = self.pools.latent[self.layer]
+        flat = pool.view(-1, pool.shape[-1])
+        flat[self.write_rows] = c_1Tr[0]
+        outs = []
+        for i, s in enumerate(self.seqs):
+            k, v = up(flat[self.read_rows[i]][None])
+            q = q_1THh[:, self.cu_seqlens[i]:self.cu_seqlens[i + 1]]
+            L = s.start + s.n
+            mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(s.start, L, device=q.device)[:, None]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+            outs.append(o.transpose(1, 2))
+        return torch.cat(outs, dim=1) if outs else q_1THh.new_zeros(q_1THh.shape)
+
+    def kda(self, q, k, v, g, beta) -> torch.Tensor:
+        """KDA over the packed sequences from their slots' states; the final states go back into the slots. Pure
+        decode iterations (one token per sequence) take the recurrent kernel, others the chunked one."""
+        if not self.seqs:
+            return v.new_zeros(v.shape)
+        pool = self.pools.state[self.layer]
+        s0 = pool[self.slots].masked_fill(self.fresh[:, None, None, None], 0.0)
+        kernel = kda_decode if all(s.n == 1 for s in self.seqs) else kda_attention
+        o, s1 = kernel(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=self.cu_seqlens)
+        pool[self.slots] = s1.to(pool.dtype)
+        return o

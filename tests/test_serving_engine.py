@@ -1,0 +1,141 @@
+"""The serving engine without Ray: continuous batching with chunked prefill over paged latent KV and KDA state slots
+reproduces the single-process reference generation (a plain full forward per token, no cache) token for token;
+seeded sampling gives the same text whatever shares the batch; pages and slots come back on finish and cancel.
+
+float64 so that batching (other summation orders) cannot flip an argmax."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3ray.config import load_config
+from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
+from k3ray.data import chat_prompt, decode, encode
+from k3ray.model.decoder import build_stage
+from k3ray.model.sampling import SamplingParams, visible_ids
+from k3ray.parallel.reference import generate_reference
+from k3ray.parallel.serving import LocalExecutor, PoolSizes
+
+TEXTS = ["def ", "import os\n", "class Foo(object):\n    def __init__(self", "x", "for i in range(10):\n",
+         "# Copyright 2001 Python Software Foundation\n\"\"\"Utilities for ", "return ", "if __name__ == '__main__':\n",
+         "    while True:\n        line = f.readline()\n        if not line:\n            break\n", "@property\n",
+         "try:\n    import _thread\nexcept ImportError:\n", "s", "def f(a, b=1, *args, **kw):\n    \"\"\"",
+         "with open(path) as f:\n", "print(", "lambda x: x + 1\n", chat_prompt([("user", "hi")])]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)  # tiny tensors: more threads only contend on a shared CPU
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64"}).model
+    return build_stage(cfg, range(cfg.n_layers), seed=3)
+
+
+def engine(model, budget=24, pages=48, page_size=4, slots=8, max_waiting=64):
+    sizes = PoolSizes(pages=pages, page_size=page_size, slots=slots)
+    limits = EngineLimits(max_seq_len=model.cfg.max_seq_len, token_budget=budget, max_waiting=max_waiting,
+                          pools=sizes)
+    return Scheduler(limits), LocalExecutor(model, sizes)
+
+
+def run(sched, executor, submit_at: dict[int, list] | None = None) -> int:
+    """Iterate until idle; submit_at[i] = [(prompt, params), ...] submitted before iteration i. Returns iterations."""
+    submit_at, i, reqs = submit_at or {}, 0, []
+    while sched.has_work or any(k >= i for k in submit_at):
+        for prompt, params in submit_at.get(i, []):
+            reqs.append(sched.submit(prompt, params))
+        sched.step(executor)
+        i += 1
+    return i
+
+
+def test_batched_engine_equals_reference_greedy(model):
+    """17 requests of 1..73 prompt bytes and 3..24 new tokens, arriving over time, 24-token budget (prompts are
+    prefilled in chunks beside other requests' decode steps), 4-token pages."""
+    params = [SamplingParams(max_tokens=3 + (7 * i) % 22, stop=("\n\n",) if i % 5 == 0 else ()) for i in
+              range(len(TEXTS))]
+    prompts = [encode(t) for t in TEXTS]
+    want = [generate_reference(model, p, sp) for p, sp in zip(prompts, params)]
+    sched, ex = engine(model)
+    arrivals = {}
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        arrivals.setdefault(0 if i < 10 else 2 * i, []).append((p, sp))
+    iterations = run(sched, ex, arrivals)
+    reqs = sorted(sched.requests.values(), key=lambda r: r.id)
+    assert len(reqs) == len(TEXTS) >= 16
+    for r, (ids, reason) in zip(reqs, want):
+        assert (r.out, r.finish) == (ids, reason), f"request {r.id} ({TEXTS[r.id]!r})"
+    assert any(w[1] == "length" for w in want)
+    assert max(len(p) for p in prompts) > 24  # some prompt needed more than one chunk
+    assert iterations < sum(len(w[0]) for w in want)  # requests really shared iterations
+    assert sched.usage()["pages_used"] == 0 and sched.usage()["slots_used"] == 0
+
+
+def test_seeded_sampling_is_the_same_in_any_batch(model):
+    """Same seed, same tokens: alone, among other requests, with another token budget; and as the reference."""
+    sp = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=100 + i) for i in range(3)]
+    prompts = [encode(TEXTS[i]) for i in (0, 5, 9)]
+    want = [generate_reference(model, p, s)[0] for p, s in zip(prompts, sp)]
+    others = [(encode(t), SamplingParams(max_tokens=8, temperature=1.0, seed=7)) for t in TEXTS[10:16]]
+    for budget, extra in ((64, []), (8, others), (17, others[:3])):
+        sched, ex = engine(model, budget=budget)
+        run(sched, ex, {0: extra[:2] + list(zip(prompts, sp)) + extra[2:]})
+        got = {tuple(r.prompt): r.out for r in sched.requests.values() if r.params in sp}
+        assert [got[tuple(p)] for p in prompts] == want, f"budget {budget}, {len(extra)} other requests"
+    assert len({tuple(w) for w in want}) == 3
+    unseeded = SamplingParams(max_tokens=12, temperature=0.9, seed=101)
+    assert generate_reference(model, prompts[0], unseeded)[0] != want[0]  # the seed matters
+
+
+def test_cancel_frees_pages_and_slots_and_spares_the_others(model):
+    sched, ex = engine(model)
+    keep = sched.submit(encode(TEXTS[2]), SamplingParams(max_tokens=10))
+    gone = [sched.submit(encode(t), SamplingParams(max_tokens=40)) for t in TEXTS[3:6]]
+    queued = sched.submit(encode("y"), SamplingParams(max_tokens=5))
+    sched.step(ex)
+    sched.step(ex)
+    used = sched.usage()["pages_used"]
+    assert used > 0 and gone[0].out
+    plans = sched.schedule()  # cancel one request while its iteration is in flight: freed when it completes
+    sched.cancel(gone[0].id)
+    assert sched.usage()["pages_used"] == used
+    sched.complete(plans, ex.run({r: p for r, (p, _) in plans.items()}))
+    sched.cancel(gone[1].id)  # between iterations: freed at once
+    sched.cancel(queued.id)  # still waiting
+    sched.cancel(gone[2].id)
+    assert gone[0].finish == gone[1].finish == queued.finish == "cancelled"
+    assert sched.usage()["slots_used"] == 1
+    while sched.has_work:
+        sched.step(ex)
+    assert keep.out == generate_reference(model, keep.prompt, keep.params)[0]
+    usage = sched.usage()
+    assert (usage["waiting"], usage["running"], usage["pages_used"], usage["slots_used"]) == (0, 0, 0, 0)
+
+
+def test_limits_and_overload(model):
+    sched, _ = engine(model, pages=8, slots=1, max_waiting=2)  # 1 admitted at the next iteration + 2 queued
+    with pytest.raises(ValueError, match="prompt"):
+        sched.submit(encode("x" * model.cfg.max_seq_len), SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        sched.submit(encode("x"), SamplingParams(max_tokens=1000))
+    sched.submit(encode("a"), SamplingParams())
+    sched.submit(encode("b"), SamplingParams())
+    sched.submit(encode("c"), SamplingParams())
+    with pytest.raises(Overloaded):
+        sched.submit(encode("d"), SamplingParams())
+
+
+def test_stop_strings_and_tokenizer():
+    sp = SamplingParams(stop=("\n#",))
+    out = encode("x = 1\n# next")
+    assert decode(visible_ids(out, sp, 0)) == "x = 1"
+    assert decode(visible_ids(encode("ab") + [0], SamplingParams(), 0)) == "ab"
+    assert decode(encode("héllo")[:2]) == "h\ufffd"
+    want = "### system\nbe brief\n### user\nhi\n### assistant\n"
+    assert chat_prompt([("system", "be brief"), ("user", "hi")]) == want
+
+
+def test_serve_cli_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
+    from k3ray.control.cli import main
+
+    assert main(["serve", "--checkpoint", str(tmp_path)]) == 2
+    assert "no verified checkpoint" in capsys.readouterr().err
