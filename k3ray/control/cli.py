@@ -122,6 +122,10 @@ def cmd_drill(args) -> int:
     spec = {"kind": args.kind, "step": args.at_step}
     if args.worker is not None:
         spec["worker"] = args.worker
+    if args.workers:
+        spec["workers"] = [int(w) for w in args.workers.split(",")]
+    if args.at != "step":
+        spec["at"] = args.at
     if args.layer is not None:
         spec["layer"] = args.layer
     args.set = args.set + [f"fault_tolerance.faults=[{json.dumps(spec)}]"]
@@ -202,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kind", required=True, choices=["kill_worker", "nan", "hang_collective", "corrupt_checkpoint"])
     d.add_argument("--at-step", type=int, required=True, help="step to inject at")
     d.add_argument("--worker", type=int, help="world rank (kill_worker, hang_collective)")
+    d.add_argument("--workers", help="kill_worker: several world ranks at once, e.g. 1,2")
+    d.add_argument("--at", default="step", choices=["step", "boundary", "after_step", "relaunch"],
+                   help="kill_worker: during the step, at its boundary, after it, or in the next grid launched")
     d.add_argument("--layer", type=int, help="layer (nan)")
     d.add_argument("--steps", type=_positive_int)
     d.add_argument("--address")

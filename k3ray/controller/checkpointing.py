@@ -3,7 +3,7 @@ boundary, the manifest is committed at the next one (k3ray.io.checkpoint); `--re
 checkpoint onto the configured EP size.
 
 Interface: `resume` (before the workers start), `request`, `boundary` (every step boundary), `commit_pending`
-(before stopping), `committed` (what was written)."""
+(before stopping), `abandon_pending` (its writers were lost), `committed` (what was written)."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +14,7 @@ from typing import Callable
 from k3ray.config import CheckpointConfig
 from k3ray.controller.snapshots import restore_sources
 from k3ray.controller.worker import part_name
+from k3ray.controller.worker_group import WorkerLost
 from k3ray.io import checkpoint as ckpt
 
 log = logging.getLogger("k3ray.controller")
@@ -29,12 +30,14 @@ class Resumed:
 
 
 class DurableCheckpoints:
-    def __init__(self, cfg: CheckpointConfig, on_commit: list[Callable] | None = None):
+    def __init__(self, cfg: CheckpointConfig, on_commit: list[Callable] | None = None,
+                 on_incident: Callable[..., dict] | None = None):
         self.cfg = cfg
         self.pending: tuple[int, dict] | None = None  # parts being written: (step, manifest meta)
         self.requested = False
         self.committed: list[dict] = []  # step, path, seconds
         self.on_commit = on_commit or []  # each called as f(step, path, parts, seconds) after a commit
+        self.on_incident = on_incident or (lambda kind, **fields: fields)  # records an incident
 
     def resume(self, job: dict) -> Resumed | None:
         """The newest verified checkpoint (falling back past corrupt ones, loudly), or None when there is none.
@@ -68,12 +71,18 @@ class DurableCheckpoints:
             self.pending = (step, {**meta(), "step": step, "copy_seconds": time.perf_counter() - t0})
 
     def commit_pending(self, group) -> None:
+        """Commit the pending checkpoint once every writer has finished its part; a writer lost first abandons it
+        (WorkerLost is raised on for the controller to recover)."""
         if self.pending is None:
             return
         step, meta = self.pending
-        self.pending = None
         t0 = time.perf_counter()
-        parts = [ckpt.PartInfo(**p) for ps in group.call("checkpoint_parts", timeout_s=None) for p in ps]
+        try:
+            parts = [ckpt.PartInfo(**p) for ps in group.call("checkpoint_parts", timeout_s=None) for p in ps]
+        except WorkerLost as lost:
+            self.abandon_pending(str(lost))
+            raise
+        self.pending = None
         path = ckpt.commit(self.cfg.dir, step, parts, meta, self.cfg.keep)
         wait_and_commit = time.perf_counter() - t0
         self.committed.append({"step": step, "path": str(path), "copy_seconds": meta["copy_seconds"],
@@ -81,3 +90,16 @@ class DurableCheckpoints:
         log.info("checkpoint of step %d committed at %s", step, path)
         for callback in self.on_commit:
             callback(step, path, parts, meta["copy_seconds"] + wait_and_commit)
+
+    def abandon_pending(self, why: str) -> None:
+        """Drop the pending checkpoint, whose writers are gone: committing it would miss their parts. The previous
+        checkpoint stays the newest; a new one is asked for at the next boundary (written by the new grid)."""
+        if self.pending is None:
+            return
+        step = self.pending[0]
+        self.pending = None
+        self.requested = True
+        newest = self.committed[-1]["step"] if self.committed else None
+        log.warning("checkpoint of step %d abandoned (%s); the newest checkpoint stays step %s; writing another at "
+                    "the next step boundary", step, why, newest)
+        self.on_incident("checkpoint_abandoned", step=step, why=why, newest=newest)

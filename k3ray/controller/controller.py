@@ -53,7 +53,8 @@ class Controller:
         self.snapshots = Snapshots(on_commit=lambda snap: self._notify("on_snapshot", snap.stall_seconds))
         self.drills = FaultInjector(cfg.fault_tolerance.faults)
         self.checkpoints = DurableCheckpoints(
-            cfg.checkpoint, on_commit=[self.drills.on_checkpoint, lambda *a: self._notify("on_checkpoint", *a)])
+            cfg.checkpoint, on_commit=[self.drills.on_checkpoint, lambda *a: self._notify("on_checkpoint", *a)],
+            on_incident=self._incident)
         # training progress: what a replay, a snapshot or a checkpoint must reproduce
         self.step = 0
         self.skip: set[int] = set(cfg.data.skip_batches)  # batch indices never trained on
@@ -118,44 +119,60 @@ class Controller:
     def train_step(self, step: int, batch_index: int | None = None) -> dict:
         """Run `step` to an accepted report: snapshot on schedule, inject due fault drills, recover from lost
         workers, roll back and skip batches on a guard trip, grow back when capacity returns. `batch_index`, if
-        given, must be the batch the controller's data order assigns (it owns the order because of skips)."""
+        given, must be the batch the controller's data order assigns (it owns the order because of skips).
+
+        A worker lost anywhere in here (the boundary's policy push, grow-back, snapshot or checkpoint, the step,
+        a rollback) is recovered from, and the boundary is done again on the new grid."""
         t0 = time.perf_counter()
+        attempts, at_boundary = 0, True
+        while True:
+            t_attempt = time.perf_counter()
+            try:
+                if at_boundary:
+                    self._boundary(step)
+                    at_boundary = False
+                self.drills.before_attempt(self.group, step,
+                                           settle=lambda: self.snapshots.commit(self.group, wait=True))
+                batch = self._batch_for(step)
+                if batch_index is not None and attempts == 0 and batch != batch_index:
+                    raise ValueError(f"step {step}: batch {batch_index} requested, data order gives {batch}")
+                try:
+                    report = self._run(step, batch)
+                finally:
+                    self.drills.after_attempt(self.group)
+                gp = self.cfg.policies.guards
+                trip = guards.check(report, self.guard_state, gp) if gp.enabled else None
+                if trip is None:
+                    break
+                attempts += 1
+                self._rollback(step, batch, trip, attempts)
+            except WorkerLost as lost:
+                self._recover(step, lost, detected_after=time.perf_counter() - t_attempt)
+                at_boundary = True
+        self.guard_state = guards.accept(report, self.guard_state)
+        self.batches[step] = batch
+        self.step = step + 1
+        self.last_report = report
+        self.table.track(report)
+        self.drills.kill_at(self.group, step, "after_step")
+        try:
+            self.snapshots.commit(self.group, wait=False)
+            rp = self.cfg.policies.replication
+            if rp.enabled and self.step % rp.every_n_steps == 0:
+                self._rebalance()
+        except WorkerLost as lost:  # after the step: the state to recover is the boundary before self.step
+            self._recover(self.step, lost, detected_after=0.0)
+        self._notify("on_step", self, report, time.perf_counter() - t0)
+        return report
+
+    def _boundary(self, step: int) -> None:
+        """What happens between steps: queued policy changes, growing back, the snapshot and checkpoint due."""
+        self.drills.kill_at(self.group, step, "boundary")
         self._apply_pending_policies(step)
         self._maybe_grow_back(step)
         if self._snapshot_due(step):
             self.snapshots.take(self.group, step, self.guard_state)
         self.checkpoints.boundary(self.group, step, lambda: self._progress(step))
-        attempts = 0
-        while True:
-            self.drills.before_attempt(self.group, step, settle=lambda: self.snapshots.commit(self.group, wait=True))
-            batch = self._batch_for(step)
-            if batch_index is not None and attempts == 0 and batch != batch_index:
-                raise ValueError(f"step {step}: batch {batch_index} requested, data order gives {batch}")
-            t_attempt = time.perf_counter()
-            try:
-                report = self._run(step, batch)
-            except WorkerLost as lost:
-                self._recover(step, lost, detected_after=time.perf_counter() - t_attempt)
-                continue
-            finally:
-                self.drills.after_attempt(self.group)
-            gp = self.cfg.policies.guards
-            trip = guards.check(report, self.guard_state, gp) if gp.enabled else None
-            if trip is None:
-                break
-            attempts += 1
-            self._rollback(step, batch, trip, attempts)
-        self.guard_state = guards.accept(report, self.guard_state)
-        self.snapshots.commit(self.group, wait=False)
-        self.batches[step] = batch
-        self.step = step + 1
-        self.last_report = report
-        self.table.track(report)
-        rp = self.cfg.policies.replication
-        if rp.enabled and self.step % rp.every_n_steps == 0:
-            self._rebalance()
-        self._notify("on_step", self, report, time.perf_counter() - t0)
-        return report
 
     def _batch_for(self, step: int) -> int:
         """The next batch index after the previous step's, passing over skipped ones."""
@@ -221,15 +238,17 @@ class Controller:
                                           f"{list(decision.skip)}")
 
     def _recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
-        """Rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`."""
+        """Rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`. A worker lost
+        during this (the new grid's launch, restore or replay) starts it again from the new, smaller grid."""
         t0 = time.perf_counter()
         self.machine.to(JobState.RECOVERING, str(lost))
         old = self.group
         try:  # a snapshot started at this boundary is the newest state, if every worker finished its part
-            self.snapshots.commit(old, wait=True, timeout_s=30.0)
+            self.snapshots.commit(old, wait=True, timeout_s=30.0, hold=False)  # the new grid holds the copies
         except WorkerLost:  # a lost worker never delivered its part
             pass
         self.snapshots.drop_pending()  # what is still pending lacks a lost worker's part
+        self.checkpoints.abandon_pending(str(lost))  # its writers are gone: the new grid writes it again
         snap = self.snapshots.committed
         if snap is None:
             self.machine.to(JobState.ERRORED, "no snapshot yet")
@@ -239,24 +258,37 @@ class Controller:
                                             self.table.expert_load(self.last_report))
         old.close()
         t_planned = time.perf_counter()
-        self._relaunch(decision.ep, decision.home.tolist(), snap.sources())
-        t_restored = time.perf_counter()
-        self._replay(step)
+        incident = self._incident(
+            "worker_lost", action=decision.action, step=step, ranks=sorted(lost.ranks), why=lost.why,
+            rule="collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
+            ep=[old.ep, decision.ep], replayed_steps=[snap.step, step])
+        try:
+            self._relaunch(decision.ep, decision.home.tolist(), snap.sources())
+            t_restored = time.perf_counter()
+            self._replay(step)
+        except WorkerLost as again:
+            incident["outcome"] = f"interrupted: {again}"
+            self._recover(step, again, detected_after=0.0)
+            return
         self.shrunk_at = step if decision.ep < self.cfg.parallel.ep else None
         launch = self.group.launch_seconds
-        self.incidents.append({
-            "time": time.time(), "kind": "worker_lost", "action": decision.action,
-            "rule": "collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
-            "step": step, "ranks": sorted(lost.ranks), "why": lost.why, "ep": [old.ep, decision.ep], "seconds": {
-                "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
-                **launch, "launch_other": t_restored - t_planned - sum(launch.values()),
-                "replay": time.perf_counter() - t_restored}})
+        incident["seconds"] = {
+            "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
+            **launch, "launch_other": t_restored - t_planned - sum(launch.values()),
+            "replay": time.perf_counter() - t_restored}
         self.machine.to(JobState.RUNNING, f"recovered on {decision.ep * self.cfg.parallel.pp} workers")
+
+    def _incident(self, kind: str, **fields) -> dict:
+        """Record an incident (the incident log, `k3ray incidents`, the metrics read it); returns it for updates."""
+        incident = {"time": time.time(), "kind": kind, **fields}
+        self.incidents.append(incident)
+        return incident
 
     def _relaunch(self, ep: int, home: list[int], sources: dict) -> None:
         self.table.reset(ep, home)
         self.group = self.new_group(self.cfg, ep, home)
         self.group.launch(120.0, restore=sources)
+        self.drills.kill_at(self.group, self.step, "relaunch")
         self._push_policies()
         self.group.call("set_lr_scale", self.lr_scale)
         snap = self.snapshots.committed
@@ -277,14 +309,13 @@ class Controller:
         old.close()
         self._relaunch(full, recovery.grow(self.cfg.model.n_experts, full).tolist(), self.snapshots.committed.sources())
         self.shrunk_at = None
-        self.incidents.append({"time": time.time(), "kind": "grow_back", "step": step, "ep": [old.ep, full],
-                               "seconds": time.perf_counter() - t0})
+        self._incident("grow_back", step=step, ep=[old.ep, full], seconds=time.perf_counter() - t0)
         self.machine.to(JobState.RUNNING, f"grown back to {self.group.size} workers")
 
     def _rebalance(self) -> None:
         moved = self.table.rebalance(self.group)
         if moved:
-            self.incidents.append({"time": time.time(), "kind": "rebalance", "step": self.step, "moved": moved})
+            self._incident("rebalance", step=self.step, moved=moved)
             log.info("rebalance at step %d moved experts %s", self.step, moved)
 
     # -- policies and placement ----------------------------------------------------------------------------------
@@ -342,20 +373,41 @@ class Controller:
         return self.group.call("state")
 
     def evaluate(self) -> float:
-        return self.group.call("evaluate", timeout_s=None)[0]
+        while True:
+            try:
+                return self.group.call("evaluate", timeout_s=None)[0]
+            except WorkerLost as lost:
+                self._recover(self.step, lost, detected_after=0.0)
 
     def shutdown(self) -> None:
-        if self.group is not None and self.state == JobState.RUNNING and self.step > 0:
-            if self.cfg.checkpoint.at_end and not any(c["step"] == self.step for c in self.checkpoints.committed):
-                self.checkpoints.request(self.step)
-                self.checkpoints.boundary(self.group, self.step, lambda: self._progress(self.step))
-            self.checkpoints.commit_pending(self.group)
-        self._notify("on_shutdown", self)
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-        if not self.machine.done:
-            self.machine.to(JobState.FINISHED)
+        try:
+            if self.group is not None and self.state == JobState.RUNNING and self.step > 0:
+                self._final_checkpoint()
+        finally:
+            self._notify("on_shutdown", self)
+            if self.group is not None:
+                self.group.close()
+                self.group = None
+            if not self.machine.done:
+                self.machine.to(JobState.FINISHED)
+
+    def _final_checkpoint(self) -> None:
+        """Commit the pending checkpoint and write the final one (`checkpoint.at_end`); a worker lost meanwhile is
+        recovered from once and the checkpoint written by the new grid."""
+        for attempt in (1, 2):
+            try:
+                final = self.cfg.checkpoint.at_end and not any(c["step"] == self.step
+                                                               for c in self.checkpoints.committed)
+                if final or self.checkpoints.requested:
+                    self.checkpoints.request(self.step)
+                    self.checkpoints.boundary(self.group, self.step, lambda: self._progress(self.step))
+                self.checkpoints.commit_pending(self.group)
+                return
+            except WorkerLost as lost:
+                if attempt == 2:
+                    log.warning("no final checkpoint: %s", lost)
+                    return
+                self._recover(self.step, lost, detected_after=0.0)
 
 
 # The same class as a Ray actor: one per job, threaded so the control API's calls run beside the step loop.
