@@ -179,6 +179,8 @@ class CheckpointConfig(_Strict):
     every_n_steps: int = Field(0, ge=0, description="0 = only on request and at the end")
     keep: int = Field(3, gt=0)
     at_end: bool = Field(True, description="write a final checkpoint when the job stops")
+    max_failures_in_a_row: int = Field(3, gt=0, description="failed checkpoint writes (read-only or full disk) the "
+                                                            "job trains on through before it stops")
 
 
 class ApiConfig(_Strict):

@@ -12,6 +12,7 @@ import torch
 
 from k3ray.config import load_config
 from k3ray.controller.controller import Controller, GuardError
+from k3ray.controller.worker import part_name
 from k3ray.controller.state import TRANSITIONS, IllegalTransition, JobState, StateMachine
 from k3ray.controller.worker_group import TopologyError, WorkerLost
 from k3ray.io import checkpoint as ckpt
@@ -71,7 +72,8 @@ class FakeGroup:
     def restore(self, sources: dict, timeout_s: float = 0) -> None:
         self._die("restore")
         assert set(sources) == set(range(self.pp))
-        self.trained = sources[0][0]
+        state = sources[0][0]  # a snapshot (the tuple) or a checkpoint part (written by save_checkpoint)
+        self.trained = tuple(state["trained"].tolist()) if isinstance(state, dict) else state
 
     def run_step(self, step: int, batch: int, timeout_s: float) -> list[dict]:
         rank = self.cluster.lose.pop(step, None)
@@ -92,7 +94,7 @@ class FakeGroup:
             return [self.trained] * self.size
         if method == "save_checkpoint":  # real parts on disk, so that commits and their verification are real
             root, step = args
-            self.parts = [ckpt.write_part(root, step, f"rank{r}", {"trained": torch.tensor(self.trained)})
+            self.parts = [ckpt.write_part(root, step, part_name(r), {"trained": torch.tensor(self.trained)})
                           for r in range(self.size)]
         if method == "checkpoint_parts":
             parts, self.parts = getattr(self, "parts", []), []
@@ -284,8 +286,8 @@ def test_worker_lost_on_a_checkpoint_step_abandons_the_commit_and_the_new_grid_w
     assert [i["kind"] for i in ctrl.incidents] == ["checkpoint_abandoned", "worker_lost"]
     assert ctrl.incidents[0]["step"] == 5 and ctrl.incidents[0]["newest"] is None
     manifest = ckpt.verify(tmp_path, 5)
-    assert list(manifest.parts) == ["rank0"]  # written by the one survivor, not the lost grid
-    assert torch.load(tmp_path / "step_000000005" / "rank0")["trained"].tolist() == list(range(5))
+    assert list(manifest.parts) == [part_name(0)]  # written by the one survivor, not the lost grid
+    assert torch.load(tmp_path / "step_000000005" / part_name(0))["trained"].tolist() == list(range(5))
 
 
 def test_writer_lost_before_the_commit_keeps_the_previous_checkpoint_newest(tmp_path):
@@ -331,3 +333,93 @@ def test_final_checkpoint_survives_a_writer_lost_at_shutdown(tmp_path):
     ctrl.shutdown()
     assert ckpt.list_committed(tmp_path) == [5] and ctrl.state == JobState.FINISHED
     assert [i["kind"] for i in ctrl.incidents] == ["checkpoint_abandoned", "worker_lost"]
+
+
+# -- durable checkpoints: failed writes, damaged checkpoints, resume ------------------------------------------------
+def test_failed_checkpoint_writes_warn_train_on_and_stop_only_after_the_limit(tmp_path):
+    blocked = tmp_path / "ckpt"
+    blocked.write_text("a file where the checkpoint directory should be")  # every write fails (also as root)
+    cluster = Cluster()
+    ctrl = Controller(config(**{"checkpoint.dir": str(blocked), "checkpoint.every_n_steps": 2,
+                                "checkpoint.max_failures_in_a_row": 3}), group_factory=cluster.group)
+    ctrl.start()
+    warned = [w for s in range(6) for w in ctrl.train_step(s).get("warnings", [])]
+    assert len(warned) == 2 and all("could not be written" in w for w in warned)  # steps 2 and 4, shown to the driver
+    assert "(2/3 failures in a row)" in warned[1]
+    failed = [i for i in ctrl.incidents if i["kind"] == "checkpoint_write_failed"]
+    assert [i["step"] for i in failed] == [2, 4] and failed[0]["newest"] is None
+    with pytest.raises(ckpt.CheckpointError, match="3 checkpoint writes failed in a row"):
+        ctrl.train_step(6)
+
+
+def test_a_write_that_works_again_resets_the_failure_count(tmp_path):
+    blocked = tmp_path / "ckpt"
+    blocked.write_text("")
+    cluster = Cluster()
+    ctrl = Controller(config(**{"checkpoint.dir": str(blocked), "checkpoint.every_n_steps": 2,
+                                "checkpoint.max_failures_in_a_row": 2}), group_factory=cluster.group)
+    ctrl.start()
+    for s in range(3):
+        ctrl.train_step(s)
+    blocked.unlink()  # the disk has room again
+    for s in range(3, 7):
+        ctrl.train_step(s)
+    assert ckpt.list_committed(blocked) == [4] and ctrl.checkpoints.failures_in_a_row == 0
+    assert [i["step"] for i in ctrl.incidents if i["kind"] == "checkpoint_write_failed"] == [2]
+
+
+def checkpointed(tmp_path, steps: int = 9, **overrides) -> None:
+    """A job that committed checkpoints at steps 4 and 8 under tmp_path."""
+    ctrl = run(Cluster(), steps, **{"checkpoint.dir": str(tmp_path), "checkpoint.every_n_steps": 4, **overrides})
+    ctrl.shutdown()
+    assert ckpt.list_committed(tmp_path) == [4, 8]
+
+
+def resume(tmp_path, fresh: bool = False, **overrides) -> tuple[Controller, dict, Cluster]:
+    cluster = Cluster()
+    ctrl = Controller(config(**{"checkpoint.dir": str(tmp_path), "checkpoint.every_n_steps": 4, **overrides}),
+                      group_factory=cluster.group)
+    return ctrl, ctrl.start(resume=True, fresh=fresh), cluster
+
+
+@pytest.mark.parametrize("damage", ["truncate_part", "delete_manifest"])
+def test_resume_past_a_damaged_newest_checkpoint_warns_and_moves_it_aside(tmp_path, damage):
+    checkpointed(tmp_path)
+    step8 = tmp_path / "step_000000008"
+    if damage == "truncate_part":
+        (step8 / part_name(0)).write_bytes((step8 / part_name(0)).read_bytes()[:10])
+    else:
+        (step8 / "manifest.json").unlink()
+    ctrl, status, cluster = resume(tmp_path)
+    assert status["step"] == 4 and cluster.groups[-1].trained == (0, 1, 2, 3)
+    (warning,) = status["warnings"]  # for the driver's console
+    assert warning.startswith("checkpoint step 8 is damaged") and "resuming from step 4" in warning
+    (incident,) = ctrl.incidents
+    assert incident["kind"] == incident["rule"] == "checkpoint_damaged" and incident["step"] == 8
+    assert not step8.exists() and incident["moved_to"].startswith(str(step8) + ".damaged-")
+    for s in range(4, 9):  # the resumed run writes step 8 anew, beside the damaged one
+        ctrl.train_step(s)
+    ctrl.shutdown()
+    assert ckpt.list_committed(tmp_path) == [4, 8] and len(list(tmp_path.glob("step_000000008.damaged-*"))) == 1
+
+
+def test_resume_with_nothing_verifiable_fails_unless_fresh(tmp_path):
+    checkpointed(tmp_path)
+    for step in (4, 8):
+        part = tmp_path / f"step_{step:09d}" / part_name(0)
+        part.write_bytes(b"x" + part.read_bytes()[1:])
+    with pytest.raises(ckpt.CheckpointError, match="no verified checkpoint under .*; add --fresh to start from step 0"):
+        resume(tmp_path)
+    assert ckpt.list_committed(tmp_path) == []  # both moved aside, nothing deleted
+    assert len(list(tmp_path.glob("step_*.damaged-*"))) == 2
+    ctrl, status, _ = resume(tmp_path, fresh=True)
+    assert status["step"] == 0 and "starting from step 0 (--fresh)" in status["warnings"][-1]
+
+
+def test_resume_with_declared_safe_changes_is_noted(tmp_path):
+    checkpointed(tmp_path)
+    ctrl, status, _ = resume(tmp_path, **{"optimizer.lr": 1e-4, "train.steps": 50})
+    assert status["step"] == 8
+    (noted,) = [i for i in ctrl.incidents if i["kind"] == "resumed_with_changes"]
+    assert any(c.startswith("optimizer.lr:") for c in noted["changed"])
+    assert any(c.startswith("train.steps:") for c in noted["changed"])

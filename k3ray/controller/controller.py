@@ -64,6 +64,7 @@ class Controller:
         self.shrunk_at: int | None = None  # step at which the job last shrank (None: at full size)
         self.last_report: dict | None = None
         self.incidents: list[dict] = []
+        self._warned = 0  # checkpoint warnings handed to the driver so far
 
     @property
     def state(self) -> JobState:
@@ -78,10 +79,12 @@ class Controller:
             getattr(callback, hook)(*args)
 
     # -- topology ------------------------------------------------------------------------------------------------
-    def start(self, placement_timeout_s: float = 60.0, resume: bool = False) -> dict:
+    def start(self, placement_timeout_s: float = 60.0, resume: bool = False, fresh: bool = False) -> dict:
+        """Launch the workers (from the newest verified checkpoint with `resume`; `fresh`: from step 0 when none
+        verifies). The status it returns carries the checkpoint warnings for the driver to show."""
         par = self.cfg.parallel
         why = f"pp={par.pp} ep={par.ep}"
-        resumed = self.checkpoints.resume(self.cfg.model_dump(mode="json")) if resume else None
+        resumed = self.checkpoints.resume(self.cfg.model_dump(mode="json"), fresh) if resume else None
         if resumed is not None:
             self._resume_from(resumed)
             why += f", resuming from {resumed.path} (step {resumed.step}, ep {resumed.meta['ep']} -> {self.table.ep})"
@@ -97,7 +100,13 @@ class Controller:
             self.group.call("set_lr_scale", self.lr_scale)
         self.machine.to(JobState.RUNNING, f"{self.group.size} workers, backend {backend}")
         self._notify("on_start", self)
-        return self.status()
+        return {**self.status(), "warnings": self._new_warnings()}
+
+    def _new_warnings(self) -> list[str]:
+        """Checkpoint warnings not yet handed to the driver (which shows them on the user's console)."""
+        new = self.checkpoints.warnings[self._warned:]
+        self._warned += len(new)
+        return new
 
     def _resume_from(self, resumed: Resumed) -> None:
         meta = resumed.meta
@@ -163,7 +172,8 @@ class Controller:
         except WorkerLost as lost:  # after the step: the state to recover is the boundary before self.step
             self._recover(self.step, lost, detected_after=0.0)
         self._notify("on_step", self, report, time.perf_counter() - t0)
-        return report
+        warnings = self._new_warnings()
+        return {**report, "warnings": warnings} if warnings else report
 
     def _boundary(self, step: int) -> None:
         """What happens between steps: queued policy changes, growing back, the snapshot and checkpoint due."""
@@ -198,7 +208,7 @@ class Controller:
         phases = reports[0]["timings"].keys()
         timings = {k: max(r["timings"][k] for r in reports) for k in phases}
         return StepReport(step=step, batch_index=batch_index, loss=reports[0]["loss"],
-                          grad_norm=reports[0]["grad_norm"], lr=reports[0]["lr"], tokens=self.cfg.step_tokens(ep),
+                          grad_norm=reports[0]["grad_norm"], lr=reports[0]["lr"], tokens=self.cfg.step_tokens(),
                           tokens_per_expert=tpe, activations=acts, timings=timings, rank_load=rank_load)
 
     def _snapshot_due(self, step: int) -> bool:
@@ -261,7 +271,9 @@ class Controller:
         incident = self._incident(
             "worker_lost", action=decision.action, step=step, ranks=sorted(lost.ranks), why=lost.why,
             rule="collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
-            ep=[old.ep, decision.ep], replayed_steps=[snap.step, step])
+            ep=[old.ep, decision.ep], replayed_steps=[snap.step, step],
+            dp_ranks_per_ep_rank=[recovery.dp_ranks_of(e, decision.ep, self.cfg.parallel.ep)
+                                  for e in range(decision.ep)])
         try:
             self._relaunch(decision.ep, decision.home.tolist(), snap.sources())
             t_restored = time.perf_counter()

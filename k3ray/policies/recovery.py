@@ -35,6 +35,13 @@ def shrink(home: torch.Tensor, lost: set[int], load: torch.Tensor) -> tuple[torc
     return new_home, renumber
 
 
+def dp_ranks_of(ep_rank: int, ep: int, dp: int) -> list[int]:
+    """The data-parallel ranks (of `dp`, the configured EP size) whose micro-batches EP rank `ep_rank` of a grid with
+    `ep` live EP ranks runs: d with d % ep == ep_rank. At full size each runs its own; shrunk, the survivors take
+    over the lost ranks' micro-batches, so the global batch, and with it the result, stays that of the full grid."""
+    return list(range(ep_rank, dp, ep))
+
+
 def grow(num_experts: int, num_ranks: int) -> torch.Tensor:
     """Back at full size: the configured contiguous homes (what a fresh job has), so a grown-back job and a job
     that never shrank place experts identically."""
