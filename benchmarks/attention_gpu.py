@@ -2,8 +2,8 @@
 
 Rows (bf16, one sequence of T tokens, d_model 4096, H = 32 heads of 128, MLA kv_rank 512, as configs/gpu2.yaml):
   KDA layer        k3ray's KDA (projections, L2 norms, gate, fla-core's chunk_kda, output norm and gate, W_o);
-  MLA layer        k3ray's gated MLA, SDPA with the layer's backend order (flash first), and with cuDNN or the
-                   memory-efficient backend first, for comparison;
+  MLA layer        k3ray's gated MLA through SDPA with FlashAttention-2 (flash), cuDNN (the layer's default) or
+                   the memory-efficient backend first;
   chunk_kda / SDPA the attention ops alone (q, k, v already projected), fla's chunk_kda and causal SDPA (flash).
 Times are medians of CUDA-event timings of forward + backward after warm-up; tokens/s = T / time.
 
@@ -84,10 +84,13 @@ def sdpa_op_step(xs, dy, backends):
 
 
 MLA_ORDERS = {
-    "flash": layers.MLA_CUDA_BACKENDS,
+    "flash": [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "cudnn": [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
     "efficient": [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH],
 }
+
+
+LAYER_ORDER = layers.MLA_CUDA_BACKENDS
 
 
 def main(argv=None) -> None:
@@ -136,7 +139,7 @@ def main(argv=None) -> None:
             except Exception as e:  # one failing row (e.g. out of memory) must not lose the others
                 row = {"T": T, "what": name, "error": f"{type(e).__name__}: {str(e)[:200]}"}
             finally:
-                layers.MLA_CUDA_BACKENDS = MLA_ORDERS["flash"]
+                layers.MLA_CUDA_BACKENDS = LAYER_ORDER
                 fn = layer = x = xs = dy = None
             rows.append(row)
             print(json.dumps(row), flush=True)

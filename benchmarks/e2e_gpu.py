@@ -46,10 +46,15 @@ def set_threads() -> None:
 
 
 def flops_per_token(cfg: JobConfig) -> float:
-    """Training FLOPs per token: 6 x active parameters (matmuls) + causal attention (6 x layers x seq x heads x
-    head_dim: QK^T and AV, forward and backward, half the square)."""
+    """Training FLOPs per token: 6 x active parameters (matmuls) + attention: per MLA layer causal softmax
+    attention (6 x seq x heads x head_dim: QK^T and AV, forward and backward, half the square), per KDA layer the
+    recurrent form's state products (k^T S, the k v^T update, q^T S: 3 x 2 x heads x d_k x d_v forward, x3 with
+    the backward), independent of the sequence length."""
     m = cfg.model
-    return 6.0 * model_totals(m)["active_params"] + 6.0 * m.n_layers * cfg.data.seq_len * m.n_heads * m.head_dim
+    kinds = [m.layer_kind(layer) for layer in range(m.n_layers)]
+    mla = 6.0 * kinds.count("mla") * cfg.data.seq_len * m.n_heads * m.head_dim
+    kda = 18.0 * kinds.count("kda") * m.n_heads * m.kda_head_dim ** 2
+    return 6.0 * model_totals(m)["active_params"] + mla + kda
 
 
 def tokens_per_step(cfg: JobConfig, ep: int) -> int:

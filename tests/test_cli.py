@@ -63,7 +63,7 @@ def test_ctrl_c_stops_the_job_and_its_actors(ray_cluster):
     assert "interrupted" in err
 
     def alive() -> list:  # no other job runs now: any live controller or worker would be this job's orphan
-        return [a for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        return [a for a in list_actors(address=ray_cluster.address, filters=[("state", "=", "ALIVE")], limit=1000)
                 if a.class_name in ("Controller", "Worker")]
 
     deadline = time.time() + 60

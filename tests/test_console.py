@@ -2,21 +2,25 @@
 every N steps, a readable summary) and errors as one line with where to look, never a traceback."""
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import select
+import struct
 import subprocess
 import sys
+import termios
 import time
 
 from conftest import REPO
 
 
 def run_in_terminal(args: list[str], timeout_s: float = 300) -> tuple[int, str]:
-    """Run `python -m k3ray.control.cli ARGS` with stdout and stderr on a pseudo-terminal; return (exit code, output)."""
+    """Run `python -m k3ray ARGS` with stdout and stderr on a pseudo-terminal; return (exit code, output)."""
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "k3ray.control.cli", *args], cwd=REPO, stdin=subprocess.DEVNULL,
-                            stdout=follower, stderr=follower, env={**os.environ, "COLUMNS": "160"})
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a new pty is 0 columns wide
+    proc = subprocess.Popen([sys.executable, "-m", "k3ray", *args], cwd=REPO, stdin=subprocess.DEVNULL,
+                            stdout=follower, stderr=follower)
     os.close(follower)
     chunks, deadline = [], time.time() + timeout_s
     while time.time() < deadline:
@@ -60,10 +64,10 @@ def test_train_in_a_terminal_shows_api_bar_log_lines_and_summary(ray_cluster, tm
 def test_resume_with_another_model_size_fails_with_one_line(ray_cluster, tmp_path):
     common = ["--address", ray_cluster.address, "--no-progress", "--pp", "1", "--ep", "1",
               "--set", "train.eval_every=0", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "name=resize"]
-    first = subprocess.run([sys.executable, "-m", "k3ray.control.cli", "train", "--config", "configs/tiny.yaml",
+    first = subprocess.run([sys.executable, "-m", "k3ray", "train", "--config", "configs/tiny.yaml",
                             "--steps", "2", "--json", *common], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]
-    wider = subprocess.run([sys.executable, "-m", "k3ray.control.cli", "train", "--config", "configs/tiny.yaml", "--steps", "4",
+    wider = subprocess.run([sys.executable, "-m", "k3ray", "train", "--config", "configs/tiny.yaml", "--steps", "4",
                             "--resume", "--set", "model.d_model=96", *common], cwd=REPO, capture_output=True,
                            text=True, timeout=300)
     assert wider.returncode == 1
@@ -83,7 +87,7 @@ def test_bad_cli_input_is_one_line_without_traceback():
         (["train", "--config", "configs/missing.yaml"], "configs/missing.yaml"),
     ]
     for args, want in cases:
-        done = subprocess.run([sys.executable, "-m", "k3ray.control.cli", *args], cwd=REPO, capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-m", "k3ray", *args], cwd=REPO, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 2, (args, done.stderr)
         assert want in done.stderr and "Traceback" not in done.stderr, (args, done.stderr)

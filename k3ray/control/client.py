@@ -1,7 +1,8 @@
 """`k3ray status | placement | policy get/set | incidents | checkpoint | audit | dashboards export/push`: the control
-API's client and these commands' handlers (the parser is k3ray.control.cli's). A job is found through `runs/<job>/control.json` (written 0600 by the job: url, token_file) with
-`--job NAME` (default: the newest job under --runs-dir), or given by `--url` plus `--token-file` / `K3RAY_TOKEN`.
-Tables for people, `--json` for scripts; an HTTP error prints the API's message and exits 2 (4xx) or 1 (5xx)."""
+API's client and these commands' handlers (the parser is k3ray.control.cli's). A job is found through
+`runs/<job>/control.json` (written 0600 by the job: url, token_file) with `--job NAME` (default: the newest job under
+--runs-dir), or given by `--url` plus `--token-file` / `K3RAY_TOKEN`. Tables for people, `--json` for scripts; an
+HTTP error prints the API's message and exits 2 (4xx) or 1 (5xx)."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,6 @@
-"""Grafana dashboards generated from code: overview, experts, reliability, plus provisioning YAML for the
-Prometheus datasource and the dashboards. `export(dir)` writes them (`k3ray dashboards export DIR`); the committed
-copies live in `dashboards/`. Every query uses the `ray_`-prefixed names Ray exports for k3ray.control.metrics.SPECS and the
+"""Grafana dashboards generated from code: overview, experts, reliability, plus provisioning YAML for the Prometheus
+datasource and the dashboards. `export(dir)` writes them (`k3ray dashboards export DIR`); the committed copies live
+in `dashboards/`. Every query uses the `ray_`-prefixed names Ray exports for k3ray.control.metrics.SPECS and the
 `$job` variable (label k3ray_job)."""
 from __future__ import annotations
 

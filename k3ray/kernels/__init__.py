@@ -1,4 +1,4 @@
-"""Kernels of the routed-expert path and of KDA. Each public function picks the Triton kernel on CUDA tensors and the torch
+"""Kernels of the routed-expert path and KDA. Each public function picks the Triton kernel on CUDA tensors and the torch
 reference elsewhere; K3RAY_KERNELS=reference forces the reference everywhere (K3RAY_KERNELS=triton forces Triton,
 e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at import; `set_backend` changes it later.
 
@@ -9,9 +9,9 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | permute_rows(x, dest, num_rows) | permute.*_reference | permute.*_triton | x |
 | unpermute_rows(y, dest, weights) | permute.*_reference | permute.*_triton | y, weights |
 | score_histogram(values, lo, hi, bins) | histogram.*_reference | histogram.*_triton | - |
-| kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.kda_chunk_reference | kda.kda_chunk_fla | all |
-| kda_decode(same) | kda.kda_recurrent_reference | kda.kda_recurrent_fla (fla-core) | - |
-| kda_context_parallel(q, k, v, g, beta, group) | kda.kda_context_parallel_reference | kda.kda_context_parallel_fla | all |
+| kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.*_reference | kda.*chunk_fla | all |
+| kda_decode(same) | kda.kda_recurrent_reference | kda.kda_recurrent_fla | - |
+| kda_context_parallel(q, k, v, g, beta, group) | kda.*_context_parallel_reference | kda.*_context_parallel_fla | all |
 
 KDA's fast path is fla-core's Triton kernels (`pip install .[kda]`), taken on CUDA tensors when fla imports and the
 backend is not 'reference'; without fla, CUDA tensors take the torch reference too.

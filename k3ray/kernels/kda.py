@@ -12,7 +12,7 @@ None) and takes (q, k, v, g, beta, initial_state=None, output_final_state=False,
 | function | what |
 |---|---|
 | kda_recurrent_reference | per-token recurrence, fp32 state (the ground truth) |
-| kda_chunk_reference | the same math as fla's chunk_kda: chunks of 64, the WY/UT form inside a chunk, a scan over chunks |
+| kda_chunk_reference | the math of fla's chunk_kda: chunks of 64, the WY/UT form inside a chunk, a scan over chunks |
 | kda_chunk_fla | fla.ops.kda.chunk_kda (training and prefill; forward and backward) |
 | kda_recurrent_fla | fla.ops.kda.fused_recurrent_kda (decoding from a state slot) |
 | kda_context_parallel_reference / _fla | a sequence split over the ranks of a process group (below) |

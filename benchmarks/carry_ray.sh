@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Pack Ray (and what k3ray needs besides it) for the offline GPU machine: one xz tarball of an unpacked
+# site-packages folder in the git-ignored .carry/ (the device tool's `carry` takes it along).
+#
+# Run HERE (network + pip):   bash benchmarks/carry_ray.sh            -> .carry/ray/site.tar.xz (~30 MB)
+# On the GPU machine:          mkdir -p /tmp/site && tar -xJf .carry/ray/site.tar.xz -C /tmp/site
+#                              export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0
+#                              python3 benchmarks/e2e_gpu.py --config configs/gpu2.yaml --parts plain,k3ray
+#
+# The GPU image (Python 3.12) already has torch, triton, numpy, einops, click, filelock, msgpack, packaging,
+# protobuf, pyyaml, requests, aiohttp, grpcio, prometheus-client (device KINDS.md); this adds Ray's remaining
+# core dependencies (jsonschema and its helpers), pydantic for k3ray.config, and fla-core for KDA. Ray's Java jars
+# and its libraries k3ray does not use (rllib, tune, data, llm) are left out to keep the tarball small.
+# Env overrides: CARRY_DIR (default .carry/ray), RAY_VERSION (default 2.60.0).
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CARRY_DIR="${CARRY_DIR:-$REPO/.carry/ray}"
+RAY_VERSION="${RAY_VERSION:-2.60.0}"
+PINS=(
+    "ray==$RAY_VERSION" jsonschema jsonschema-specifications referencing rpds-py attrs
+    pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions
+    fla-core==0.6.0
+)
+
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+pipq() { python3 -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
+pipq download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d "$WORK/wheels" "${PINS[@]}"
+
+# Unpack every wheel into one folder (pip --target's layout), keeping the files' mode bits (raylet, gcs_server).
+python3 - "$WORK/wheels" "$WORK/site" <<'PY'
+import os, pathlib, sys, zipfile
+site = pathlib.Path(sys.argv[2])
+for whl in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
+    with zipfile.ZipFile(whl) as z:
+        for info in z.infolist():
+            path = z.extract(info, site)
+            mode = info.external_attr >> 16
+            if mode & 0o777:
+                os.chmod(path, mode & 0o777)
+PY
+rm -rf "$WORK"/site/ray/jars "$WORK"/site/ray/rllib "$WORK"/site/ray/tune "$WORK"/site/ray/data "$WORK"/site/ray/llm
+
+mkdir -p "$CARRY_DIR"
+tar -C "$WORK/site" -cJf "$CARRY_DIR/site.tar.xz" .
+ls "$WORK/wheels"
+du -h "$CARRY_DIR/site.tar.xz"
+# What Ray's metadata asks for that is neither packed here nor in the GPU image (check before relying on it):
+python3 - "$WORK/site" <<'EOF'
+import pathlib, re, sys
+site = pathlib.Path(sys.argv[1])
+meta = next(site.glob("ray-*.dist-info/METADATA")).read_text()
+core = [re.split(r"[ ;<>=!~\[(]", l.split(":", 1)[1].strip())[0] for l in meta.splitlines()
+        if l.startswith("Requires-Dist:") and "extra ==" not in l]
+packed = {p.name.split("-")[0].lower().replace("_", "-") for p in site.glob("*.dist-info")}
+image = {"click", "filelock", "msgpack", "packaging", "protobuf", "pyyaml", "requests", "aiohttp", "grpcio",
+         "prometheus-client", "numpy"}
+missing = [c for c in core if c.lower().replace("_", "-") not in packed | image]
+print("[carry] ray core requirements:", ", ".join(core))
+print("[carry] neither packed nor in the image:", ", ".join(missing) or "none")
+EOF
