@@ -28,6 +28,7 @@ class Cluster:
         self.lose = dict(lose or {})  # step -> world rank that dies during it (once)
         self.die_in = dict(die_in or {})  # method -> (its n-th call, counted from 1; world ranks that die in it)
         self.seen: dict[str, int] = {}  # method -> calls so far
+        self.phantom = 0  # workers' worth of a lost node Ray still reports alive (until a placement fails)
         self.calls: list[tuple] = []
         self.groups: list[FakeGroup] = []
 
@@ -61,8 +62,12 @@ class FakeGroup:
         if n == nth:
             raise WorkerLost(set(ranks), f"ActorDiedError in {method}")
 
+    def capacity(self) -> int:
+        return self.cluster.capacity + self.cluster.phantom - sum(g.size for g in self.cluster.groups if g.alive)
+
     def launch(self, timeout_s: float, restore: dict | None = None) -> str:
         if not self.fits()[0]:
+            self.cluster.phantom = 0  # the placement waited in vain: now Ray reports the node dead
             raise TopologyError(f"needs {self.size} workers")
         self.alive = True
         if restore is not None:
@@ -423,3 +428,42 @@ def test_resume_with_declared_safe_changes_is_noted(tmp_path):
     (noted,) = [i for i in ctrl.incidents if i["kind"] == "resumed_with_changes"]
     assert any(c.startswith("optimizer.lr:") for c in noted["changed"])
     assert any(c.startswith("train.steps:") for c in noted["changed"])
+
+
+# -- a node lost: what is left decides the grid --------------------------------------------------------------------
+def test_node_loss_shrinks_to_what_the_alive_nodes_hold_then_grows_back():
+    """ep=4 over two nodes of 2 workers each; the second node dies: both its ranks are lost together and the grid
+    shrinks to the 2 workers the first node holds; when a node joins again, the job grows back."""
+    cluster = Cluster(capacity=4)
+    ctrl = Controller(config(**{"parallel.ep": 4, "fault_tolerance.grow_back_after_steps": 2}),
+                      group_factory=cluster.group)
+    ctrl.start()
+    for s in range(6):
+        ctrl.train_step(s)
+    cluster.capacity, cluster.lose = 2, {6: 2}  # the node holding ranks 2 and 3 is gone (rank 2 reported first)
+    ctrl.train_step(6)
+    assert ctrl.status()["ep"] == 2 and ctrl.incidents[-1]["ep"] == [4, 2]
+    cluster.capacity = 6  # a node of 2 CPUs... and 2 more: room for the full grid beside the running one
+    for s in range(7, 10):
+        ctrl.train_step(s)
+    assert ctrl.status()["ep"] == 4 and [i["kind"] for i in ctrl.incidents] == ["worker_lost", "grow_back"]
+    assert cluster.groups[-1].trained == tuple(range(10))
+
+
+def test_a_lost_node_not_yet_reported_dead_fails_the_placement_and_the_plan_retries_smaller():
+    cluster = Cluster(capacity=4)
+    ctrl = run(cluster, 6, **{"parallel.ep": 4, "fault_tolerance.grow_back": False})
+    cluster.capacity, cluster.phantom = 2, 2  # Ray still counts the lost node's two workers
+    cluster.lose = {6: 3}
+    ctrl.train_step(6)
+    tried, done = ctrl.incidents
+    assert tried["ep"] == [4, 3] and tried["outcome"].startswith("did not fit")
+    assert done["ep"] == [4, 2] and "seconds" in done and ctrl.status()["ep"] == 2
+    assert cluster.groups[-1].trained == tuple(range(7))
+
+
+def test_plan_keeps_only_the_survivors_that_fit():
+    home = recovery.grow(8, 4)
+    d = recovery.on_workers_lost(home, 4, {3}, torch.ones(8), max_ep=2)
+    assert d.action == "reshard" and d.ep == 2 and sorted(set(d.home.tolist())) == [0, 1]
+    assert d.home.tolist()[:4] == [0, 0, 1, 1]  # survivors 0 and 1 keep their experts

@@ -264,24 +264,37 @@ class Controller:
             self.machine.to(JobState.ERRORED, "no snapshot yet")
             raise RuntimeError(f"{lost} before the first snapshot completed; restart with --resume from a checkpoint")
         t_gathered = time.perf_counter()
-        decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks,
-                                            self.table.expert_load(self.last_report))
         old.close()
-        t_planned = time.perf_counter()
-        incident = self._incident(
-            "worker_lost", action=decision.action, step=step, ranks=sorted(lost.ranks), why=lost.why,
-            rule="collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
-            ep=[old.ep, decision.ep], replayed_steps=[snap.step, step],
-            dp_ranks_per_ep_rank=[recovery.dp_ranks_of(e, decision.ep, self.cfg.parallel.ep)
-                                  for e in range(decision.ep)])
-        try:
-            self._relaunch(decision.ep, decision.home.tolist(), snap.sources())
-            t_restored = time.perf_counter()
-            self._replay(step)
-        except WorkerLost as again:
-            incident["outcome"] = f"interrupted: {again}"
-            self._recover(step, again, detected_after=0.0)
-            return
+        for attempt in range(1, 4):
+            # the plan fits the alive nodes; a node lost but not yet reported dead fails the placement: plan again
+            max_ep = self.new_group(self.cfg, 1, old.home).capacity() // self.cfg.parallel.pp
+            if max_ep < 1:
+                self.machine.to(JobState.ERRORED, "nothing fits the alive nodes")
+                raise TopologyError(f"{lost}: the alive nodes hold no {self.cfg.parallel.pp}-stage grid")
+            decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks,
+                                                self.table.expert_load(self.last_report), max_ep=max_ep)
+            t_planned = time.perf_counter()
+            incident = self._incident(
+                "worker_lost", action=decision.action, step=step, ranks=sorted(lost.ranks), why=lost.why,
+                rule="collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
+                ep=[old.ep, decision.ep], replayed_steps=[snap.step, step],
+                dp_ranks_per_ep_rank=[recovery.dp_ranks_of(e, decision.ep, self.cfg.parallel.ep)
+                                      for e in range(decision.ep)])
+            try:
+                self._relaunch(decision.ep, decision.home.tolist(), snap.sources(), placement_timeout_s=60.0)
+                t_restored = time.perf_counter()
+                self._replay(step)
+                break
+            except TopologyError as err:
+                incident["outcome"] = f"did not fit: {err}"
+                if attempt == 3:
+                    self.machine.to(JobState.ERRORED, str(err))
+                    raise
+                self.group.close()
+            except WorkerLost as again:
+                incident["outcome"] = f"interrupted: {again}"
+                self._recover(step, again, detected_after=0.0)
+                return
         self.shrunk_at = step if decision.ep < self.cfg.parallel.ep else None
         launch = self.group.launch_seconds
         incident["seconds"] = {
@@ -296,10 +309,10 @@ class Controller:
         self.incidents.append(incident)
         return incident
 
-    def _relaunch(self, ep: int, home: list[int], sources: dict) -> None:
+    def _relaunch(self, ep: int, home: list[int], sources: dict, placement_timeout_s: float = 120.0) -> None:
         self.table.reset(ep, home)
         self.group = self.new_group(self.cfg, ep, home)
-        self.group.launch(120.0, restore=sources)
+        self.group.launch(placement_timeout_s, restore=sources)
         self.drills.kill_at(self.group, self.step, "relaunch")
         self._push_policies()
         self.group.call("set_lr_scale", self.lr_scale)

@@ -1,10 +1,11 @@
 """WorkerGroup: the [pp][ep] grid of Worker actors of one topology; the only part of the controller that talks to
 workers (the controller itself is Ray-free, and its tests drive it with a fake group of the same interface).
 
-It launches the grid inside a placement group, builds the process groups (rendezvous on world rank 0), runs steps and
-takes in-memory snapshots (into the object store, owned by the caller; each worker's neighbour, world rank i -> i+1,
-maps a copy). Every call to workers goes through one failure path (`_gather`): a dead or hung worker, whatever the
-call, becomes WorkerLost naming every lost rank, told apart from the survivors' collateral errors.
+It launches the grid inside a placement group on alive nodes, builds the process groups (rendezvous on world rank 0),
+runs steps and takes in-memory snapshots (into the object store, owned by the caller; a worker on another node maps a
+copy of each). Every call to workers goes through one failure path (`_gather`): a dead or hung worker, whatever the
+call, becomes WorkerLost naming every lost rank (all of a lost node's at once), told apart from the survivors'
+collateral errors.
 """
 from __future__ import annotations
 
@@ -31,6 +32,20 @@ def actor_runtime_env(cfg: JobConfig) -> dict | None:
     return NORMAL_PRIORITY if cfg.parallel.device == "cuda" else None
 
 
+def alive_resources(free: bool) -> dict[str, float]:
+    """Resources of the nodes Ray reports alive, in total or (free) what is unused of them: a lost node's resources
+    stay in ray.cluster_resources() for a while, so placement must not count on them."""
+    have: dict[str, float] = {}
+    for node in ray.nodes():
+        if node["Alive"]:
+            for res, amount in node["Resources"].items():
+                have[res] = have.get(res, 0) + amount
+    if free:
+        available = ray.available_resources()
+        have = {res: min(amount, available.get(res, 0)) for res, amount in have.items()}
+    return have
+
+
 class TopologyError(RuntimeError):
     """The cluster cannot hold the requested topology."""
 
@@ -49,6 +64,7 @@ class WorkerGroup:
         self.bundle = {"CPU": 1} if cfg.parallel.device == "cpu" else {"CPU": 1, "GPU": 1}
         self.pg = None
         self.workers: list = []  # world rank -> actor
+        self.nodes: list[str] = []  # world rank -> Ray node id
         self.launch_seconds: dict[str, float] = {}  # place, start workers, process groups, restore
 
     @property
@@ -56,13 +72,18 @@ class WorkerGroup:
         return self.pp * self.ep
 
     def fits(self, extra_cluster_free: bool = False) -> tuple[bool, str]:
-        """Whether the cluster can hold this grid (in total, or in what is free right now)."""
-        have = ray.available_resources() if extra_cluster_free else ray.cluster_resources()
+        """Whether the cluster's alive nodes can hold this grid (in total, or in what is free right now)."""
+        have = alive_resources(free=extra_cluster_free)
         for res, amount in self.bundle.items():
             need = amount * self.size
             if have.get(res, 0) < need:
                 return False, f"needs {need:g} {res} (one per worker) but the cluster has {have.get(res, 0):g}"
         return True, ""
+
+    def capacity(self) -> int:
+        """How many workers the alive nodes can hold in total (a shrunk grid is planned to fit it)."""
+        have = alive_resources(free=False)
+        return int(min(have.get(res, 0) // amount for res, amount in self.bundle.items()))
 
     def launch(self, timeout_s: float, restore: dict[int, list] | None = None) -> str:
         """Place, create and connect the workers; restore[stage] = that stage's old states (`restore_sources`)."""
@@ -77,6 +98,7 @@ class WorkerGroup:
             self.close()
             raise TopologyError(f"could not place {self.size} workers ({self.bundle} each) within {timeout_s:g}s: "
                                 f"resources are busy")
+        self.nodes = [ray.util.placement_group_table(self.pg)["bundles_to_node_id"][r] for r in range(self.size)]
         cfg_dict = self.cfg.model_dump()
         self.workers = [Worker.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
@@ -98,67 +120,72 @@ class WorkerGroup:
 
     def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
         """Every worker's `method(*args)`, in world-rank order."""
-        out = self.call_each(method, {r: args for r in range(self.size)}, timeout_s)
-        return [out[r] for r in range(self.size)]
+        return self._gather([(r, getattr(w, method).remote(*args)) for r, w in enumerate(self.workers)], timeout_s,
+                            method)
 
     def call_each(self, method: str, args: dict[int, tuple], timeout_s: float | None = 120.0) -> dict[int, object]:
         """`method(*args[r])` on world rank r, for the ranks in `args`."""
-        return self._gather({r: getattr(self.workers[r], method).remote(*a) for r, a in args.items()}, timeout_s,
-                            method)
+        ranks = list(args)
+        out = self._gather([(r, getattr(self.workers[r], method).remote(*args[r])) for r in ranks], timeout_s, method)
+        return dict(zip(ranks, out))
 
     def restore(self, sources: dict[int, list], timeout_s: float = 300.0) -> None:
         """Every worker loads its stage's state from `sources` (stage -> old states, snapshot refs or checkpoint
         parts; a part is put into the object store once, not once per reader)."""
         refs = {p: [s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in states] for p, states in sources.items()}
-        self._gather({r: w.restore.remote(*refs[r // self.ep]) for r, w in enumerate(self.workers)}, timeout_s,
+        self._gather([(r, w.restore.remote(*refs[r // self.ep])) for r, w in enumerate(self.workers)], timeout_s,
                      "restore")
 
     def run_on(self, ranks: list[int], fn, *args) -> list:
         """`fn(worker, *args)` inside the given workers' processes (fault drills)."""
-        out = self._gather({r: self.workers[r].__ray_call__.remote(fn, *args) for r in ranks}, 120.0, "drill")
-        return [out[r] for r in ranks]
+        return self._gather([(r, self.workers[r].__ray_call__.remote(fn, *args)) for r in ranks], 120.0, "drill")
 
-    def _gather(self, refs: dict[int, ray.ObjectRef], timeout_s: float | None, what: str,
-                grace_s: float = 5.0) -> dict[int, object]:
-        """The one failure path of every call to workers: their results by world rank, or WorkerLost naming every
-        dead or hung worker. A dead worker (RayActorError) is lost at once, together with every other worker a
-        ping finds dead (a lost node takes all of its ranks). A worker is hung when it gives no answer within
-        timeout_s, or within grace_s after some peers have already failed (their collectives timed out waiting for
-        it). Survivors' errors caused by a lost peer (RayTaskError) do not count as lost."""
-        index = {ref: r for r, ref in refs.items()}
+    def _gather(self, calls: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what: str,
+                grace_s: float = 5.0) -> list:
+        """The one failure path of every call to workers: the results of (world rank, call) in order, or WorkerLost
+        naming every dead or hung worker. A dead worker (RayActorError) is lost at once, together with every other
+        worker a ping finds dead or whose node Ray reports lost (a lost node takes all of its ranks). A worker is
+        hung when it gives no answer within timeout_s, or within grace_s after some peers have already failed
+        (their collectives timed out waiting for it). Survivors' errors caused by a lost peer (RayTaskError) do not
+        count as lost."""
+        index = {ref: i for i, (_, ref) in enumerate(calls)}
         results: dict[int, object] = {}
         errors: dict[int, Exception] = {}
-        pending = list(refs.values())
+        pending = [ref for _, ref in calls]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             ready, pending = ray.wait(pending, num_returns=1, timeout=left)
             if not ready:
                 break
-            r = index[ready[0]]
+            i = index[ready[0]]
             try:
-                results[r] = ray.get(ready[0])
+                results[i] = ray.get(ready[0])
             except RayActorError as err:
-                dead = {r} | self.dead_ranks(exclude=set(results))
-                raise WorkerLost(dead, f"{type(err).__name__} in {what}") from None
+                answered = {calls[j][0] for j in results}
+                raise WorkerLost({calls[i][0]} | self.dead_ranks(exclude=answered),
+                                 f"{type(err).__name__} in {what}") from None
             except RayTaskError as err:
-                errors[r] = err
+                errors[i] = err
                 deadline = time.monotonic() + grace_s if deadline is None else min(deadline,
                                                                                    time.monotonic() + grace_s)
         if pending:
-            hung = {index[f] for f in pending} | self.dead_ranks(exclude=set(results))
+            answered = {calls[j][0] for j in results}
+            hung = {calls[index[f]][0] for f in pending} | self.dead_ranks(exclude=answered)
             raise WorkerLost(hung, f"no answer to {what} within {timeout_s if not errors else grace_s:g}s "
                                    f"(hung collective or silent node?)")
         if errors:
             raise next(iter(errors.values()))
-        return results
+        return [results[i] for i in range(len(calls))]
 
     def dead_ranks(self, exclude: set[int] = frozenset(), timeout_s: float = 2.0) -> set[int]:
-        """World ranks whose actor Ray reports dead or unreachable: each worker answers a ping on its second
-        thread even mid-step, so a ping that fails names a lost worker; one that is merely slow does not."""
-        pings = {w.__ray_ready__.remote(): r for r, w in enumerate(self.workers) if r not in exclude}
+        """World ranks whose node Ray reports lost, or whose actor it reports dead or unreachable: each worker
+        answers a ping on its second thread even mid-step, so a ping that fails names a lost worker; one that is
+        merely slow does not."""
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+        dead = {r for r, node in enumerate(self.nodes) if node not in alive and r not in exclude}
+        pings = {w.__ray_ready__.remote(): r for r, w in enumerate(self.workers) if r not in exclude | dead}
         ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
-        dead = set()
         for ref in ready:
             try:
                 ray.get(ref)
@@ -171,9 +198,8 @@ class WorkerGroup:
 
     def run_step(self, step: int, batch_index: int, timeout_s: float) -> list[dict]:
         """Reports of every worker, in world-rank order (WorkerLost: see `_gather`)."""
-        out = self._gather({r: w.train_step.remote(step, batch_index) for r, w in enumerate(self.workers)},
-                           timeout_s, f"step {step}")
-        return [out[r] for r in range(self.size)]
+        return self._gather([(r, w.train_step.remote(step, batch_index)) for r, w in enumerate(self.workers)],
+                            timeout_s, f"step {step}")
 
     def begin_snapshot(self, step: int) -> tuple[list, list]:
         """Stage every worker's state to run `step` from (training stalls only for this), then ask for the bytes,
@@ -189,14 +215,20 @@ class WorkerGroup:
         ready, _ = ray.wait(size_refs, num_returns=len(size_refs), timeout=timeout_s, fetch_local=True)
         if len(ready) < len(size_refs):
             return None
-        return sum(self._gather(dict(enumerate(size_refs)), 0, "snapshot").values())
+        return sum(self._gather(list(enumerate(size_refs)), 0, "snapshot"))
 
     def hold_peer_snapshots(self, step: int, refs: list) -> None:
-        """Each snapshot's neighbour (world rank + 1, modulo this grid's size: the refs may be an older grid's) maps
-        it, so a copy survives the loss of its node."""
-        holders = {(i + 1) % self.size: i for i in range(len(refs))}
-        self._gather({h: self.workers[h].hold_peer_snapshot.remote(i, step, refs[i]) for h, i in holders.items()},
-                     300, "hold_peer_snapshots")
+        """Each snapshot part (by old world rank: the refs may be an older grid's) is mapped by a worker on another
+        node than the one holding it, the next such rank after its own (placement-aware neighbour), so a copy
+        survives the loss of that node; on one node, simply the next rank."""
+        where = ray.experimental.get_object_locations(refs)
+        calls = []
+        for i, ref in enumerate(refs):
+            holding = set(where.get(ref, {}).get("node_ids") or [])
+            order = [(i + k) % self.size for k in range(1, self.size + 1)]
+            holder = next((r for r in order if self.nodes and self.nodes[r] not in holding), order[0])
+            calls.append((holder, self.workers[holder].hold_peer_snapshot.remote(i, step, ref)))
+        self._gather(calls, 300, "hold_peer_snapshots")
 
     def close(self) -> None:
         for w in self.workers:

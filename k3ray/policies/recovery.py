@@ -57,13 +57,22 @@ class LossDecision:
     home: torch.Tensor
 
 
-def on_workers_lost(home: torch.Tensor, ep: int, lost_ranks: set[int], load: torch.Tensor) -> LossDecision:
+def on_workers_lost(home: torch.Tensor, ep: int, lost_ranks: set[int], load: torch.Tensor,
+                    max_ep: int | None = None) -> LossDecision:
     """Shrink or restart after losing world ranks `lost_ranks` of a [pp][ep] grid (world rank = p * ep + e): an
-    EP rank is gone from every stage when any of its workers is."""
+    EP rank is gone from every stage when any of its workers is. `max_ep`: the most EP ranks the alive nodes hold
+    (after a node loss fewer than the survivors): the highest-numbered survivors beyond it are let go too."""
     lost_cols = {r % ep for r in lost_ranks}
-    if ep - len(lost_cols) >= 1:
-        new_home, _ = shrink(home, lost_cols, load)
-        return LossDecision("reshard", ep - len(lost_cols), new_home)
+    cap = ep if max_ep is None else max_ep
+    if cap < 1:
+        raise ValueError(f"no EP rank fits the alive nodes (max_ep={max_ep})")
+    survivors = [c for c in range(ep) if c not in lost_cols]
+    if survivors:
+        keep = survivors[:cap]
+        new_home, _ = shrink(home, set(range(ep)) - set(keep), load)
+        return LossDecision("reshard", len(keep), new_home)
+    if cap < ep:  # every EP rank lost and fewer fit: start again smaller from the snapshot
+        return LossDecision("reshard", cap, grow(home.numel(), cap))
     return LossDecision("restart", ep, home.clone())
 
 
