@@ -355,6 +355,9 @@ def test_failed_checkpoint_writes_warn_train_on_and_stop_only_after_the_limit(tm
     assert [i["step"] for i in failed] == [2, 4] and failed[0]["newest"] is None
     with pytest.raises(ckpt.CheckpointError, match="3 checkpoint writes failed in a row"):
         ctrl.train_step(6)
+    assert ctrl.state == JobState.ERRORED
+    ctrl.shutdown()  # stops the workers without a second error that would hide the first
+    assert not cluster.groups[-1].alive
 
 
 def test_a_write_that_works_again_resets_the_failure_count(tmp_path):

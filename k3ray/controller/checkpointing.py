@@ -141,9 +141,9 @@ class DurableCheckpoints:
         self.pending = None
         self.requested = True
         newest = self.committed[-1]["step"] if self.committed else None
-        log.warning("checkpoint of step %d abandoned (%s); the newest checkpoint stays step %s; writing another at "
-                    "the next step boundary", step, why, newest)
-        self.on_incident("checkpoint_abandoned", rule="checkpoint_abandoned", step=step, why=why, newest=newest)
+        self._warn("checkpoint_abandoned", f"checkpoint of step {step} abandoned ({why}); the newest checkpoint stays "
+                                           f"step {newest}; writing another at the next step boundary",
+                   step=step, why=why, newest=newest)
 
     def _failed(self, step: int, err: Exception) -> None:
         """A write that failed: a warning and an incident; the previous checkpoint stays the newest. The job stops

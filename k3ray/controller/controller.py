@@ -30,6 +30,7 @@ from k3ray.controller.placement import Placement
 from k3ray.controller.snapshots import Snapshots
 from k3ray.controller.state import JobState, StateMachine
 from k3ray.controller.worker_group import TopologyError, WorkerGroup, WorkerLost
+from k3ray.io.checkpoint import CheckpointError
 from k3ray.parallel.step import StepReport
 from k3ray.policies import guards, ladder, recovery
 
@@ -138,7 +139,11 @@ class Controller:
             t_attempt = time.perf_counter()
             try:
                 if at_boundary:
-                    self._boundary(step)
+                    try:
+                        self._boundary(step)
+                    except CheckpointError:  # checkpoint.max_failures_in_a_row writes failed: the job stops
+                        self.machine.to(JobState.ERRORED, "checkpoint writes keep failing")
+                        raise
                     at_boundary = False
                 self.drills.before_attempt(self.group, step,
                                            settle=lambda: self.snapshots.commit(self.group, wait=True))
@@ -405,9 +410,13 @@ class Controller:
                 self._recover(self.step, lost, detected_after=0.0)
 
     def shutdown(self) -> None:
+        """Commit the pending checkpoint, write the final one, stop the workers. Never raises for a checkpoint:
+        the job may be stopping because of an error, which a second one must not mask."""
         try:
             if self.group is not None and self.state == JobState.RUNNING and self.step > 0:
                 self._final_checkpoint()
+        except CheckpointError as err:
+            log.warning("no final checkpoint: %s", err)
         finally:
             self._notify("on_shutdown", self)
             if self.group is not None:
