@@ -12,6 +12,7 @@ import uuid
 from typing import Protocol
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
 from k3ray.config import JobConfig
@@ -121,7 +122,10 @@ def _show_warnings(warnings: list[str]) -> None:
 def start_controller(cfg: JobConfig, resume: bool = False, fresh: bool = False):
     """The job's Controller actor, started (workers up, control API serving, metrics exported)."""
     name = f"k3ray-{cfg.name}-{uuid.uuid4().hex[:8]}"
-    controller = ControllerActor.options(name=name, runtime_env=actor_runtime_env(cfg)).remote(
+    # on the driver's node: a lost worker node must not take the job's controller (and its snapshots' owner) with it
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    controller = ControllerActor.options(name=name, runtime_env=actor_runtime_env(cfg),
+                                         scheduling_strategy=here).remote(
         cfg.model_dump(), [ApiCallback(), MetricsCallback()])
     try:
         status = ray.get(controller.start.remote(resume=resume, fresh=fresh))
