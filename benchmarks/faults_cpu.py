@@ -7,8 +7,15 @@ snapshot overhead per step, and a hung collective's detection time.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
+import socket
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import ray
 
@@ -62,29 +69,57 @@ def mttr_rows(label: str, times: list[float], incidents: list[dict], k: int) -> 
     return rows
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_raylet(temp_dir: str, *args: str) -> None:
+    """`ray start` with ports of its own (other clusters may share this machine)."""
+    ports = [f"--{name}={_free_port()}" for name in ("metrics-export-port", "dashboard-agent-listen-port",
+                                                     "dashboard-agent-grpc-port", "runtime-env-agent-port")]
+    subprocess.run([shutil.which("ray"), "start", "--temp-dir", temp_dir, "--node-ip-address", "127.0.0.1",
+                    "--disable-usage-stats", *ports, *args], check=True, timeout=300, capture_output=True)
+
+
+def _kill(temp_dir: str, only_raylet: bool) -> None:
+    """SIGKILL the processes of the node living under temp_dir (only its raylet: a lost node)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if temp_dir.encode() in cmd and (not only_raylet or b"raylet" in cmd.split(b"\0")[0]):
+                try:
+                    os.kill(int(entry.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
 def node_loss(steps: int, k: int) -> list[tuple[str, str]]:
-    """4 workers, 2 on the head and 2 on a second raylet of this machine; its raylet SIGKILLed before step k."""
-    from ray.cluster_utils import Cluster
+    """4 workers, 2 on a head of their own and 2 on a second raylet of this machine (`ray start`, own temp dirs);
+    the second raylet is SIGKILLed before step k."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 8})
-    ray.init(address=cluster.address, log_to_driver=False)
-    node = cluster.add_node(num_cpus=2)
-    cluster.wait_for_nodes()
-    blocker = placement_group([{"CPU": 6}], strategy="STRICT_PACK")  # 2 head CPUs left: 2 workers there
-    ray.get(blocker.ready(), timeout=120)
-
-    def kill(s: int) -> None:
-        if s == k:
-            cluster.remove_node(node, allow_graceful=False)  # SIGKILL: the raylet and its workers
-
+    head, node = tempfile.mkdtemp(prefix="k3ray-bench-head-"), tempfile.mkdtemp(prefix="k3ray-bench-node-")
+    port = _free_port()
     try:
+        _start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
+        _start_raylet(node, "--address", f"127.0.0.1:{port}", "--num-cpus", "2")
+        while sum(n["Alive"] for n in ray.nodes()) < 2:
+            time.sleep(0.5)
+        blocker = placement_group([{"CPU": 6}], strategy="STRICT_PACK")  # 2 head CPUs left: 2 workers there
+        ray.get(blocker.ready(), timeout=120)
         times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False}, steps,
-                                  before_step=kill)
-    finally:
+                                  before_step=lambda s: s == k and _kill(node, only_raylet=True))
         remove_placement_group(blocker)
+    finally:
         ray.shutdown()
-        cluster.shutdown()
+        for d in (node, head):
+            _kill(d, only_raylet=False)
     return mttr_rows("node lost (raylet SIGKILL)", times, incidents, k)
 
 
