@@ -125,13 +125,20 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _rank_list(text: str) -> list[int]:
+    try:
+        return [int(w) for w in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected world ranks separated by commas, e.g. 1,2") from None
+
+
 def cmd_drill(args) -> int:
     """Train with one fault injected and report what the job did about it."""
     spec = {"kind": args.kind, "step": args.at_step}
     if args.worker is not None:
         spec["worker"] = args.worker
     if args.workers:
-        spec["workers"] = [int(w) for w in args.workers.split(",")]
+        spec["workers"] = args.workers
     if args.at != "step":
         spec["at"] = args.at
     if args.layer is not None:
@@ -216,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kind", required=True, choices=["kill_worker", "nan", "hang_collective", "corrupt_checkpoint"])
     d.add_argument("--at-step", type=int, required=True, help="step to inject at")
     d.add_argument("--worker", type=int, help="world rank (kill_worker, hang_collective)")
-    d.add_argument("--workers", help="kill_worker: several world ranks at once, e.g. 1,2")
+    d.add_argument("--workers", type=_rank_list, help="kill_worker: several world ranks at once, e.g. 1,2")
     d.add_argument("--at", default="step", choices=["step", "boundary", "after_step", "relaunch"],
                    help="kill_worker: during the step, at its boundary, after it, or in the next grid launched")
     d.add_argument("--layer", type=int, help="layer (nan)")
