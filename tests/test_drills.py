@@ -2,7 +2,7 @@
 and in random controller states; every drilled run must end with the float64 losses of the unfailed run (survivors
 take over the lost ranks' micro-batches, so the global batch never changes; bound as in test_faults).
 
-Seeds are printed; K3RAY_DRILL_SEED=<seed> replays one drill, K3RAY_DRILLS=<n> runs more."""
+Seeds are printed; K3RAY_DRILL_SEED=<seed>[,<seed>...] replays drills, K3RAY_DRILLS=<n> runs more random ones."""
 from __future__ import annotations
 
 import os
@@ -55,7 +55,7 @@ def plan(seed: int) -> dict:
 
 def seeds() -> list[int]:
     if os.environ.get("K3RAY_DRILL_SEED"):
-        return [int(os.environ["K3RAY_DRILL_SEED"])]
+        return [int(seed) for seed in os.environ["K3RAY_DRILL_SEED"].split(",")]
     return [random.randrange(2**31) for _ in range(int(os.environ.get("K3RAY_DRILLS", "3")))]
 
 
