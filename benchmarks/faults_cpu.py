@@ -1,13 +1,21 @@
-"""Fault tolerance on the tiny config (pp=1, ep=4, CPU): MTTR of a killed worker split into its phases, rollback
-time after a NaN blow-up, snapshot overhead per step, and a hung collective's detection time.
+"""Fault tolerance on the tiny config (pp=1, ep=4, CPU): MTTR of a killed worker and of a lost node (a second raylet
+on this machine whose raylet is SIGKILLed between steps) split into their phases, rollback time after a NaN blow-up,
+snapshot overhead per step, and a hung collective's detection time.
 
-    python benchmarks/faults_cpu.py [--steps 14]
+    python benchmarks/faults_cpu.py [--steps 14] [--only worker,node]
 """
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import signal
+import socket
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import ray
 
@@ -15,12 +23,14 @@ from k3ray.config import load_config
 from k3ray.control.driver import init_ray, start_controller, stop_controller
 
 
-def run(overrides: dict, steps: int) -> tuple[list[float], list[dict], list[float]]:
+def run(overrides: dict, steps: int, before_step=None) -> tuple[list[float], list[dict], list[float]]:
     cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "parallel.pp": 1, "parallel.ep": 4, **overrides})
     controller = start_controller(cfg)
     try:
         times = []
         for s in range(steps):
+            if before_step is not None:
+                before_step(s)
             t0 = time.perf_counter()
             ray.get(controller.train_step.remote(s), timeout=600)
             times.append(time.perf_counter() - t0)
@@ -45,48 +55,119 @@ def guard_check_us() -> float:
     return (time.perf_counter() - t0) * 1e3  # us per call (1000 calls)
 
 
+def mttr_rows(label: str, times: list[float], incidents: list[dict], k: int) -> list[tuple[str, str]]:
+    lost = next(i for i in incidents if i["kind"] == "worker_lost")
+    phases = lost["seconds"]
+    mttr = times[k]  # from the step's start (the worker is already dead) to the resumed step's report
+    first, until = lost["replayed_steps"]
+    rows = [(f"MTTR: {label} -> first resumed step (ranks {lost['ranks']}, ep {lost['ep'][0]} -> {lost['ep'][1]})",
+             f"{mttr:.2f} s")]
+    for name, value in phases.items():
+        rows.append((f"  {name}", f"{value:.2f} s" + (f" ({until - first} steps since the snapshot)"
+                                                     if name == "replay" else "")))
+    rows.append(("  the resumed step itself", f"{mttr - sum(phases.values()):.2f} s"))
+    return rows
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_raylet(temp_dir: str, *args: str) -> None:
+    """`ray start` with ports of its own (other clusters may share this machine)."""
+    ports = [f"--{name}={_free_port()}" for name in ("metrics-export-port", "dashboard-agent-listen-port",
+                                                     "dashboard-agent-grpc-port", "runtime-env-agent-port")]
+    subprocess.run([shutil.which("ray"), "start", "--temp-dir", temp_dir, "--node-ip-address", "127.0.0.1",
+                    "--disable-usage-stats", *ports, *args], check=True, timeout=300, capture_output=True)
+
+
+def _kill(temp_dir: str, only_raylet: bool) -> None:
+    """SIGKILL the processes of the node living under temp_dir (only its raylet: a lost node)."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if temp_dir.encode() in cmd and (not only_raylet or b"raylet" in cmd.split(b"\0")[0]):
+                try:
+                    os.kill(int(entry.name), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def node_loss(steps: int, k: int) -> list[tuple[str, str]]:
+    """4 workers, 2 on a head of their own and 2 on a second raylet of this machine (`ray start`, own temp dirs);
+    the second raylet is SIGKILLed before step k."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    head, node = tempfile.mkdtemp(prefix="k3ray-bench-head-"), tempfile.mkdtemp(prefix="k3ray-bench-node-")
+    port = _free_port()
+    try:
+        _start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
+        _start_raylet(node, "--address", f"127.0.0.1:{port}", "--num-cpus", "2")
+        while sum(n["Alive"] for n in ray.nodes()) < 2:
+            time.sleep(0.5)
+        blocker = placement_group([{"CPU": 6}], strategy="STRICT_PACK")  # 2 head CPUs left: 2 workers there
+        ray.get(blocker.ready(), timeout=120)
+        times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False}, steps,
+                                  before_step=lambda s: s == k and _kill(node, only_raylet=True))
+        remove_placement_group(blocker)
+    finally:
+        ray.shutdown()
+        for d in (node, head):
+            _kill(d, only_raylet=False)
+    return mttr_rows("node lost (raylet SIGKILL)", times, incidents, k)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--only", default="plain,worker,nan,hang,node")
     args = ap.parse_args()
-    init_ray(None, 8)
+    only = set(args.only.split(","))
     k = 7
     rows = []
+    init_ray(None, 8)
 
-    plain, _, snaps = run({"fault_tolerance.snapshot_every": 5}, args.steps)
-    step_s = statistics.median(plain[2:])
-    snap_s = statistics.median(snaps)
-    rows.append(("step time, no fault (median)", f"{step_s:.3f} s"))
-    rows.append(("snapshot: training stalled while staging, median", f"{snap_s:.3f} s"))
-    rows.append(("snapshot overhead per step, every 5 steps", f"{100 * snap_s / 5 / step_s:.1f} %"))
-    rows.append(("snapshot overhead per step, every 20 steps", f"{100 * snap_s / 20 / step_s:.1f} %"))
+    if "plain" in only:
+        plain, _, snaps = run({"fault_tolerance.snapshot_every": 5}, args.steps)
+        step_s = statistics.median(plain[2:])
+        snap_s = statistics.median(snaps)
+        rows.append(("step time, no fault (median)", f"{step_s:.3f} s"))
+        rows.append(("snapshot: training stalled while staging, median", f"{snap_s:.3f} s"))
+        rows.append(("snapshot overhead per step, every 5 steps", f"{100 * snap_s / 5 / step_s:.1f} %"))
+        rows.append(("snapshot overhead per step, every 20 steps", f"{100 * snap_s / 20 / step_s:.1f} %"))
 
-    times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
-                               "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]}, args.steps)
-    lost = next(i for i in incidents if i["kind"] == "worker_lost")
-    phases = lost["seconds"]
-    replayed = k - 5
-    mttr = times[k]  # from the step's start (the worker is already dead) to the resumed step's report
-    rows.append(("MTTR: kill -> first resumed step (ep 4 -> 3)", f"{mttr:.2f} s"))
-    for name, value in phases.items():
-        rows.append((f"  {name}", f"{value:.2f} s" + (f" ({replayed} steps since the snapshot)" if name == "replay"
-                                                         else "")))
-    rows.append(("  the resumed step itself", f"{mttr - sum(phases.values()):.2f} s"))
+    if "worker" in only:
+        times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
+                                   "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]},
+                                  args.steps)
+        rows += mttr_rows("worker killed", times, incidents, k)
 
-    times, incidents, _ = run({"fault_tolerance.snapshot_every": 5,
-                               "fault_tolerance.faults": [{"kind": "nan", "step": k, "layer": 1}]}, args.steps)
-    blow = next(i for i in incidents if i["kind"] == "blowup")
-    rows.append((f"rollback after NaN (rule {blow['rule']}): restore the snapshot", f"{blow['restore_seconds']:.2f} s"))
-    rows.append((f"  restore + replay of the {k - 5} steps since the snapshot", f"{blow['rollback_seconds']:.2f} s"))
-    rows.append(("  step with the blow-up, end to end", f"{times[k]:.2f} s"))
+    if "nan" in only:
+        times, incidents, _ = run({"fault_tolerance.snapshot_every": 5,
+                                   "fault_tolerance.faults": [{"kind": "nan", "step": k, "layer": 1}]}, args.steps)
+        blow = next(i for i in incidents if i["kind"] == "blowup")
+        rows.append((f"rollback after NaN (rule {blow['rule']}): restore the snapshot",
+                     f"{blow['restore_seconds']:.2f} s"))
+        rows.append((f"  restore + replay of the {k - 5} steps since the snapshot", f"{blow['rollback_seconds']:.2f} s"))
+        rows.append(("  step with the blow-up, end to end", f"{times[k]:.2f} s"))
 
-    times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
-                               "parallel.collective_timeout_s": 5,
-                               "fault_tolerance.faults": [{"kind": "hang_collective", "step": k, "worker": 1}]},
-                              k + 2)
-    rows.append(("hung collective (timeout 5 s): step end to end", f"{times[k]:.2f} s"))
+    if "hang" in only:
+        times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
+                                   "parallel.collective_timeout_s": 5,
+                                   "fault_tolerance.faults": [{"kind": "hang_collective", "step": k, "worker": 1}]},
+                                  k + 2)
+        rows.append(("hung collective (timeout 5 s): step end to end", f"{times[k]:.2f} s"))
     ray.shutdown()
     rows.append(("guard check per step (pure function on the merged report)", f"{guard_check_us():.1f} us"))
+
+    if "node" in only:
+        rows += node_loss(k + 2, k)
 
     width = max(len(r[0]) for r in rows)
     for name, value in rows:

@@ -156,7 +156,12 @@ class FaultSpec(_Strict):
     kind: Literal["kill_worker", "nan", "hang_collective", "corrupt_checkpoint"]
     step: int = Field(ge=0)
     worker: int | None = Field(None, ge=0)
+    workers: list[int] = Field(default_factory=list, description="kill_worker: these world ranks at once")
     layer: int | None = Field(None, ge=0)
+    at: Literal["step", "boundary", "after_step", "relaunch"] = Field(
+        "step", description="kill_worker: during the step, at its boundary (before the snapshot, checkpoint, policy "
+                            "push, grow-back), after it (the next call meets it: an evaluation), or in the next grid "
+                            "launched at or after the step (a recovery or grow-back under way)")
 
 
 class FaultToleranceConfig(_Strict):
@@ -174,6 +179,8 @@ class CheckpointConfig(_Strict):
     every_n_steps: int = Field(0, ge=0, description="0 = only on request and at the end")
     keep: int = Field(3, gt=0)
     at_end: bool = Field(True, description="write a final checkpoint when the job stops")
+    max_failures_in_a_row: int = Field(3, gt=0, description="failed checkpoint writes (read-only or full disk) the "
+                                                            "job trains on through before it stops")
 
 
 class ApiConfig(_Strict):
@@ -222,9 +229,10 @@ class JobConfig(_Strict):
         if self.data.seq_len > m.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         for i, fault in enumerate(self.fault_tolerance.faults):
-            if fault.worker is not None and fault.worker >= p.world_size:
-                raise ValueError(f"fault_tolerance.faults[{i}].worker={fault.worker}: the job has world ranks "
-                                 f"0..{p.world_size - 1}")
+            for w in [fault.worker, *fault.workers]:
+                if w is not None and not 0 <= w < p.world_size:
+                    raise ValueError(f"fault_tolerance.faults[{i}].worker={w}: the job has world ranks "
+                                     f"0..{p.world_size - 1}")
             if fault.layer is not None and fault.layer >= m.n_layers:
                 raise ValueError(f"fault_tolerance.faults[{i}].layer={fault.layer}: the model has layers "
                                  f"0..{m.n_layers - 1}")

@@ -98,3 +98,49 @@ def stop_cluster(temp_dir: str) -> None:
         while ours() and time.time() < deadline:
             time.sleep(0.2)
     shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def extra_nodes(ray_cluster):
+    """Raylets joining the session's cluster on this machine (`join(num_cpus)` -> the node's temp dir); `kill(dir)`
+    SIGKILLs that node's raylet (a lost node: its workers die with it). Teardown kills only these nodes' processes."""
+    import signal
+    import time
+
+    import ray
+
+    dirs: list[str] = []
+
+    def alive() -> int:
+        return sum(n["Alive"] for n in ray.nodes())
+
+    def join(num_cpus: int = 2) -> str:
+        temp_dir = tempfile.mkdtemp(prefix="k3ray-node-", dir="/tmp")
+        before = alive()
+        subprocess.run([shutil.which("ray"), "start", "--address", ray_cluster.address, "--temp-dir", temp_dir,
+                        "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
+                        "--metrics-export-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+                        "--dashboard-agent-grpc-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
+                        "--disable-usage-stats"], check=True, env=dict(os.environ), timeout=180, capture_output=True)
+        dirs.append(temp_dir)
+        deadline = time.time() + 60
+        while alive() <= before and time.time() < deadline:
+            time.sleep(0.5)
+        return temp_dir
+
+    def kill(temp_dir: str) -> None:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    cmd = (entry / "cmdline").read_bytes()
+                except OSError:
+                    continue
+                if temp_dir.encode() in cmd and b"raylet" in cmd.split(b"\0")[0]:
+                    os.kill(int(entry.name), signal.SIGKILL)
+
+    join.kill = kill
+    try:
+        yield join
+    finally:
+        for d in dirs:
+            stop_cluster(d)

@@ -12,17 +12,23 @@ import torch
 
 from k3ray.config import load_config
 from k3ray.controller.controller import Controller, GuardError
+from k3ray.controller.worker import part_name
 from k3ray.controller.state import TRANSITIONS, IllegalTransition, JobState, StateMachine
 from k3ray.controller.worker_group import TopologyError, WorkerLost
+from k3ray.io import checkpoint as ckpt
 from k3ray.policies import ladder, recovery
 
 
 class Cluster:
     """What the fake groups share: capacity in workers, batches that blow up, losses to inject, calls seen."""
 
-    def __init__(self, capacity: int = 8, nan_batches=(), lose: dict[int, int] | None = None):
+    def __init__(self, capacity: int = 8, nan_batches=(), lose: dict[int, int] | None = None,
+                 die_in: dict[str, tuple[int, set[int]]] | None = None):
         self.capacity, self.nan_batches = capacity, set(nan_batches)
         self.lose = dict(lose or {})  # step -> world rank that dies during it (once)
+        self.die_in = dict(die_in or {})  # method -> (its n-th call, counted from 1; world ranks that die in it)
+        self.seen: dict[str, int] = {}  # method -> calls so far
+        self.phantom = 0  # workers' worth of a lost node Ray still reports alive (until a placement fails)
         self.calls: list[tuple] = []
         self.groups: list[FakeGroup] = []
 
@@ -49,8 +55,19 @@ class FakeGroup:
         used = sum(g.size for g in self.cluster.groups if g.alive) if extra_cluster_free else 0
         return self.size + used <= self.cluster.capacity, "too small"
 
+    def _die(self, method: str) -> None:
+        """Workers die in this call when the test asked for it (once)."""
+        n = self.cluster.seen[method] = self.cluster.seen.get(method, 0) + 1
+        nth, ranks = self.cluster.die_in.get(method, (0, set()))
+        if n == nth:
+            raise WorkerLost(set(ranks), f"ActorDiedError in {method}")
+
+    def capacity(self) -> int:
+        return self.cluster.capacity + self.cluster.phantom - sum(g.size for g in self.cluster.groups if g.alive)
+
     def launch(self, timeout_s: float, restore: dict | None = None) -> str:
         if not self.fits()[0]:
+            self.cluster.phantom = 0  # the placement waited in vain: now Ray reports the node dead
             raise TopologyError(f"needs {self.size} workers")
         self.alive = True
         if restore is not None:
@@ -58,8 +75,10 @@ class FakeGroup:
         return "fake"
 
     def restore(self, sources: dict, timeout_s: float = 0) -> None:
+        self._die("restore")
         assert set(sources) == set(range(self.pp))
-        self.trained = sources[0][0]
+        state = sources[0][0]  # a snapshot (the tuple) or a checkpoint part (written by save_checkpoint)
+        self.trained = tuple(state["trained"].tolist()) if isinstance(state, dict) else state
 
     def run_step(self, step: int, batch: int, timeout_s: float) -> list[dict]:
         rank = self.cluster.lose.pop(step, None)
@@ -75,20 +94,30 @@ class FakeGroup:
 
     def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
         self.cluster.calls.append((method, *args))
+        self._die(method)
         if method == "state":
             return [self.trained] * self.size
+        if method == "save_checkpoint":  # real parts on disk, so that commits and their verification are real
+            root, step = args
+            self.parts = [ckpt.write_part(root, step, part_name(r), {"trained": torch.tensor(self.trained)})
+                          for r in range(self.size)]
         if method == "checkpoint_parts":
-            return [[] for _ in range(self.size)]
+            parts, self.parts = getattr(self, "parts", []), []
+            return [[p.to_json()] for p in parts]
+        if method == "evaluate":
+            return [float(len(self.trained))] * self.size
         return [True] * self.size
 
     def begin_snapshot(self, step: int) -> tuple[list, list]:
+        self._die("begin_snapshot")
         return [self.trained] * self.size, [1] * self.size
 
     def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int:
+        self._die("snapshot_bytes")
         return sum(size_refs)
 
     def hold_peer_snapshots(self, step: int, refs: list) -> None:
-        pass
+        self._die("hold_peer_snapshots")
 
     def close(self) -> None:
         self.alive = False
@@ -215,3 +244,229 @@ def test_shrink_or_restart_decisions():
     assert shrunk.action == "reshard" and shrunk.ep == 3 and sorted(set(shrunk.home.tolist())) == [0, 1, 2]
     restart = recovery.on_workers_lost(recovery.grow(8, 1), 1, {1}, load)
     assert restart.action == "restart" and restart.ep == 1
+
+
+# -- a worker lost in any controller state -----------------------------------------------------------------------
+def clean_run(steps: int, **overrides) -> tuple[int, ...]:
+    cluster = Cluster()
+    run(cluster, steps, **overrides)
+    return cluster.groups[-1].trained
+
+
+@pytest.mark.parametrize("method, nth", [
+    ("set_policies", 2),          # a policy change pushed at a step boundary
+    ("begin_snapshot", 2),        # taking the step-4 snapshot
+    ("snapshot_bytes", 2),        # its bytes arriving after the step
+    ("hold_peer_snapshots", 2),   # the neighbours mapping their copies
+])
+def test_worker_lost_at_a_boundary_is_recovered_and_changes_nothing(method, nth):
+    cluster = Cluster(capacity=4, die_in={method: (nth, {1})})
+    ctrl = Controller(config(**{"parallel.ep": 2, "fault_tolerance.grow_back": False}), group_factory=cluster.group)
+    ctrl.start()
+    for s in range(8):
+        if s == 3:
+            ctrl.set_policy("moonep", {"enabled": False}, "test")  # pushed at the boundary of step 4
+        ctrl.train_step(s)
+    (lost,) = [i for i in ctrl.incidents if i["kind"] == "worker_lost"]
+    assert lost["ranks"] == [1] and method in lost["why"] and lost["ep"] == [2, 1]
+    assert ctrl.state == JobState.RUNNING and ctrl.status()["ep"] == 1
+    assert cluster.groups[-1].trained == clean_run(8, **{"parallel.ep": 2}) == tuple(range(8))
+
+
+def test_worker_lost_during_evaluation_is_recovered_then_evaluates():
+    cluster = Cluster(capacity=4, die_in={"evaluate": (1, {0})})
+    ctrl = run(cluster, 6, **{"parallel.ep": 2})
+    assert ctrl.evaluate() == 6.0  # the fake's "evaluation": how many batches the restored grid has trained on
+    (lost,) = ctrl.incidents
+    assert lost["kind"] == "worker_lost" and "evaluate" in lost["why"] and lost["replayed_steps"] == [4, 6]
+    assert cluster.groups[-1].trained == tuple(range(6))
+
+
+def test_worker_lost_on_a_checkpoint_step_abandons_the_commit_and_the_new_grid_writes_it(tmp_path):
+    """The pending checkpoint's writers are gone: it is abandoned (never committed with missing parts) and the
+    recovered grid writes the same step again."""
+    cluster = Cluster(capacity=4, lose={5: 1})
+    ctrl = run(cluster, 8, **{"parallel.ep": 2, "checkpoint.dir": str(tmp_path), "checkpoint.every_n_steps": 5,
+                              "fault_tolerance.grow_back": False})
+    assert [i["kind"] for i in ctrl.incidents] == ["checkpoint_abandoned", "worker_lost"]
+    assert ctrl.incidents[0]["step"] == 5 and ctrl.incidents[0]["newest"] is None
+    manifest = ckpt.verify(tmp_path, 5)
+    assert list(manifest.parts) == [part_name(0)]  # written by the one survivor, not the lost grid
+    assert torch.load(tmp_path / "step_000000005" / part_name(0))["trained"].tolist() == list(range(5))
+
+
+def test_writer_lost_before_the_commit_keeps_the_previous_checkpoint_newest(tmp_path):
+    # checkpoint_parts: 1st call commits step 2's, 2nd (at the boundary of 5) would commit step 4's
+    cluster = Cluster(capacity=4, die_in={"checkpoint_parts": (2, {0})})
+    ctrl = run(cluster, 7, **{"parallel.ep": 2, "checkpoint.dir": str(tmp_path), "checkpoint.every_n_steps": 2,
+                              "fault_tolerance.grow_back": False})
+    abandoned = [i for i in ctrl.incidents if i["kind"] == "checkpoint_abandoned"]
+    assert [(i["step"], i["newest"]) for i in abandoned] == [(4, 2)]
+    assert 4 not in ckpt.list_committed(tmp_path)
+    assert ckpt.list_committed(tmp_path) == [2, 5]  # 5: written by the new grid at the boundary it recovered at
+    assert cluster.groups[-1].trained == tuple(range(7))
+
+
+def test_second_loss_during_recovery_restarts_it_on_the_smaller_grid():
+    cluster = Cluster(capacity=4, lose={6: 3}, die_in={"restore": (1, {1})})  # the 3-worker grid loses rank 1
+    ctrl = run(cluster, 8, **{"parallel.ep": 4, "fault_tolerance.grow_back": False})
+    first, second = ctrl.incidents
+    assert first["ep"] == [4, 3] and first["outcome"].startswith("interrupted: lost world ranks [1]")
+    assert second["ep"] == [3, 2] and second["ranks"] == [1] and "seconds" in second
+    assert states(ctrl) == ["scheduling", "running", "recovering", "recovering", "running"]
+    assert ctrl.status()["ep"] == 2 and cluster.groups[-1].trained == tuple(range(8))
+
+
+def test_worker_lost_while_growing_back_recovers_shrunk():
+    cluster = Cluster(capacity=4, lose={6: 2})
+    ctrl = run(cluster, 7, **{"parallel.ep": 4, "fault_tolerance.grow_back_after_steps": 2})
+    cluster.capacity = 7
+    cluster.die_in = {"restore": (cluster.seen["restore"] + 1, {3})}  # the grown-back grid's restore
+    cluster.seen.setdefault("restore", 0)
+    ctrl.train_step(7)
+    ctrl.train_step(8)
+    kinds = [i["kind"] for i in ctrl.incidents]
+    assert kinds == ["worker_lost", "worker_lost"] and ctrl.incidents[1]["ep"] == [4, 3]
+    assert states(ctrl)[-3:] == ["resizing", "recovering", "running"]
+    assert cluster.groups[-1].trained == tuple(range(9))
+
+
+def test_final_checkpoint_survives_a_writer_lost_at_shutdown(tmp_path):
+    cluster = Cluster(capacity=4, die_in={"checkpoint_parts": (1, {1})})
+    ctrl = run(cluster, 5, **{"parallel.ep": 2, "checkpoint.dir": str(tmp_path), "checkpoint.at_end": True,
+                              "fault_tolerance.grow_back": False})
+    ctrl.shutdown()
+    assert ckpt.list_committed(tmp_path) == [5] and ctrl.state == JobState.FINISHED
+    assert [i["kind"] for i in ctrl.incidents] == ["checkpoint_abandoned", "worker_lost"]
+
+
+# -- durable checkpoints: failed writes, damaged checkpoints, resume ------------------------------------------------
+def test_failed_checkpoint_writes_warn_train_on_and_stop_only_after_the_limit(tmp_path):
+    blocked = tmp_path / "ckpt"
+    blocked.write_text("a file where the checkpoint directory should be")  # every write fails (also as root)
+    cluster = Cluster()
+    ctrl = Controller(config(**{"checkpoint.dir": str(blocked), "checkpoint.every_n_steps": 2,
+                                "checkpoint.max_failures_in_a_row": 3}), group_factory=cluster.group)
+    ctrl.start()
+    warned = [w for s in range(6) for w in ctrl.train_step(s).get("warnings", [])]
+    assert len(warned) == 2 and all("could not be written" in w for w in warned)  # steps 2 and 4, shown to the driver
+    assert "(2/3 failures in a row)" in warned[1]
+    failed = [i for i in ctrl.incidents if i["kind"] == "checkpoint_write_failed"]
+    assert [i["step"] for i in failed] == [2, 4] and failed[0]["newest"] is None
+    with pytest.raises(ckpt.CheckpointError, match="3 checkpoint writes failed in a row"):
+        ctrl.train_step(6)
+    assert ctrl.state == JobState.ERRORED
+    ctrl.shutdown()  # stops the workers without a second error that would hide the first
+    assert not cluster.groups[-1].alive
+
+
+def test_a_write_that_works_again_resets_the_failure_count(tmp_path):
+    blocked = tmp_path / "ckpt"
+    blocked.write_text("")
+    cluster = Cluster()
+    ctrl = Controller(config(**{"checkpoint.dir": str(blocked), "checkpoint.every_n_steps": 2,
+                                "checkpoint.max_failures_in_a_row": 2}), group_factory=cluster.group)
+    ctrl.start()
+    for s in range(3):
+        ctrl.train_step(s)
+    blocked.unlink()  # the disk has room again
+    for s in range(3, 7):
+        ctrl.train_step(s)
+    assert ckpt.list_committed(blocked) == [4] and ctrl.checkpoints.failures_in_a_row == 0
+    assert [i["step"] for i in ctrl.incidents if i["kind"] == "checkpoint_write_failed"] == [2]
+
+
+def checkpointed(tmp_path, steps: int = 9, **overrides) -> None:
+    """A job that committed checkpoints at steps 4 and 8 under tmp_path."""
+    ctrl = run(Cluster(), steps, **{"checkpoint.dir": str(tmp_path), "checkpoint.every_n_steps": 4, **overrides})
+    ctrl.shutdown()
+    assert ckpt.list_committed(tmp_path) == [4, 8]
+
+
+def resume(tmp_path, fresh: bool = False, **overrides) -> tuple[Controller, dict, Cluster]:
+    cluster = Cluster()
+    ctrl = Controller(config(**{"checkpoint.dir": str(tmp_path), "checkpoint.every_n_steps": 4, **overrides}),
+                      group_factory=cluster.group)
+    return ctrl, ctrl.start(resume=True, fresh=fresh), cluster
+
+
+@pytest.mark.parametrize("damage", ["truncate_part", "delete_manifest"])
+def test_resume_past_a_damaged_newest_checkpoint_warns_and_moves_it_aside(tmp_path, damage):
+    checkpointed(tmp_path)
+    step8 = tmp_path / "step_000000008"
+    if damage == "truncate_part":
+        (step8 / part_name(0)).write_bytes((step8 / part_name(0)).read_bytes()[:10])
+    else:
+        (step8 / "manifest.json").unlink()
+    ctrl, status, cluster = resume(tmp_path)
+    assert status["step"] == 4 and cluster.groups[-1].trained == (0, 1, 2, 3)
+    (warning,) = status["warnings"]  # for the driver's console
+    assert warning.startswith("checkpoint step 8 is damaged") and "resuming from step 4" in warning
+    (incident,) = ctrl.incidents
+    assert incident["kind"] == incident["rule"] == "checkpoint_damaged" and incident["step"] == 8
+    assert not step8.exists() and incident["moved_to"].startswith(str(step8) + ".damaged-")
+    for s in range(4, 9):  # the resumed run writes step 8 anew, beside the damaged one
+        ctrl.train_step(s)
+    ctrl.shutdown()
+    assert ckpt.list_committed(tmp_path) == [4, 8] and len(list(tmp_path.glob("step_000000008.damaged-*"))) == 1
+
+
+def test_resume_with_nothing_verifiable_fails_unless_fresh(tmp_path):
+    checkpointed(tmp_path)
+    for step in (4, 8):
+        part = tmp_path / f"step_{step:09d}" / part_name(0)
+        part.write_bytes(b"x" + part.read_bytes()[1:])
+    with pytest.raises(ckpt.CheckpointError, match="no verified checkpoint under .*; add --fresh to start from step 0"):
+        resume(tmp_path)
+    assert ckpt.list_committed(tmp_path) == []  # both moved aside, nothing deleted
+    assert len(list(tmp_path.glob("step_*.damaged-*"))) == 2
+    ctrl, status, _ = resume(tmp_path, fresh=True)
+    assert status["step"] == 0 and "starting from step 0 (--fresh)" in status["warnings"][-1]
+
+
+def test_resume_with_declared_safe_changes_is_noted(tmp_path):
+    checkpointed(tmp_path)
+    ctrl, status, _ = resume(tmp_path, **{"optimizer.lr": 1e-4, "train.steps": 50})
+    assert status["step"] == 8
+    (noted,) = [i for i in ctrl.incidents if i["kind"] == "resumed_with_changes"]
+    assert any(c.startswith("optimizer.lr:") for c in noted["changed"])
+    assert any(c.startswith("train.steps:") for c in noted["changed"])
+
+
+# -- a node lost: what is left decides the grid --------------------------------------------------------------------
+def test_node_loss_shrinks_to_what_the_alive_nodes_hold_then_grows_back():
+    """ep=4 over two nodes of 2 workers each; the second node dies: both its ranks are lost together and the grid
+    shrinks to the 2 workers the first node holds; when a node joins again, the job grows back."""
+    cluster = Cluster(capacity=4)
+    ctrl = Controller(config(**{"parallel.ep": 4, "fault_tolerance.grow_back_after_steps": 2}),
+                      group_factory=cluster.group)
+    ctrl.start()
+    for s in range(6):
+        ctrl.train_step(s)
+    cluster.capacity, cluster.lose = 2, {6: 2}  # the node holding ranks 2 and 3 is gone (rank 2 reported first)
+    ctrl.train_step(6)
+    assert ctrl.status()["ep"] == 2 and ctrl.incidents[-1]["ep"] == [4, 2]
+    cluster.capacity = 6  # a node of 2 CPUs... and 2 more: room for the full grid beside the running one
+    for s in range(7, 10):
+        ctrl.train_step(s)
+    assert ctrl.status()["ep"] == 4 and [i["kind"] for i in ctrl.incidents] == ["worker_lost", "grow_back"]
+    assert cluster.groups[-1].trained == tuple(range(10))
+
+
+def test_a_lost_node_not_yet_reported_dead_fails_the_placement_and_the_plan_retries_smaller():
+    cluster = Cluster(capacity=4)
+    ctrl = run(cluster, 6, **{"parallel.ep": 4, "fault_tolerance.grow_back": False})
+    cluster.capacity, cluster.phantom = 2, 2  # Ray still counts the lost node's two workers
+    cluster.lose = {6: 3}
+    ctrl.train_step(6)
+    tried, done = ctrl.incidents
+    assert tried["ep"] == [4, 3] and tried["outcome"].startswith("did not fit")
+    assert done["ep"] == [4, 2] and "seconds" in done and ctrl.status()["ep"] == 2
+    assert cluster.groups[-1].trained == tuple(range(7))
+
+
+def test_plan_keeps_only_the_survivors_that_fit():
+    home = recovery.grow(8, 4)
+    d = recovery.on_workers_lost(home, 4, {3}, torch.ones(8), max_ep=2)
+    assert d.action == "reshard" and d.ep == 2 and sorted(set(d.home.tolist())) == [0, 1]
+    assert d.home.tolist()[:4] == [0, 0, 1, 1]  # survivors 0 and 1 keep their experts

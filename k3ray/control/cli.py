@@ -92,6 +92,14 @@ def _format_summary(summary: dict) -> str:
             kinds[incident["kind"]] = kinds.get(incident["kind"], 0) + 1
         text = ", ".join(f"{n} {k}" for k, n in kinds.items()) or "none"
         lines.append(f"  incidents    {text}")
+        for i in summary["incidents"]:
+            if i["kind"] == "worker_lost":
+                first, until = i["replayed_steps"]
+                lines.append(f"    step {i['step']}: lost world ranks {i['ranks']} ({i['why']}), ep {i['ep'][0]} -> "
+                             f"{i['ep'][1]}, replayed steps {first}..{until - 1} ({until - first}), micro-batches of DP "
+                             f"ranks per EP rank {i['dp_ranks_per_ep_rank']} (global batch unchanged)")
+            elif i["kind"] == "checkpoint_abandoned":
+                lines.append(f"    step {i['step']}: checkpoint abandoned ({i['why']}), newest stays {i['newest']}")
     return "\n".join(lines)
 
 
@@ -108,7 +116,7 @@ def cmd_train(args) -> int:
 
         _check_address(args.address)
         summary = train_distributed(cfg, steps, address=args.address, progress=not args.no_progress,
-                                    resume=args.resume, announce=None if args.json else _announce)
+                                    resume=args.resume, fresh=args.fresh, announce=None if args.json else _announce)
     if args.json:
         summary.pop("losses", None)
         print(json.dumps({"summary": summary}, default=str))
@@ -117,11 +125,22 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _rank_list(text: str) -> list[int]:
+    try:
+        return [int(w) for w in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected world ranks separated by commas, e.g. 1,2") from None
+
+
 def cmd_drill(args) -> int:
     """Train with one fault injected and report what the job did about it."""
     spec = {"kind": args.kind, "step": args.at_step}
     if args.worker is not None:
         spec["worker"] = args.worker
+    if args.workers:
+        spec["workers"] = args.workers
+    if args.at != "step":
+        spec["at"] = args.at
     if args.layer is not None:
         spec["layer"] = args.layer
     args.set = args.set + [f"fault_tolerance.faults=[{json.dumps(spec)}]"]
@@ -218,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--pp", type=_positive_int, help="override parallel.pp")
     t.add_argument("--ep", type=_positive_int, help="override parallel.ep")
     t.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
+    t.add_argument("--fresh", action="store_true", help="with --resume: start from step 0 when no checkpoint "
+                                                         "verifies (without it, that is an error)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config field")
     t.add_argument("--no-progress", action="store_true")
     t.add_argument("--json", action="store_true", help="summary as one JSON line instead of text")
@@ -228,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--kind", required=True, choices=["kill_worker", "nan", "hang_collective", "corrupt_checkpoint"])
     d.add_argument("--at-step", type=int, required=True, help="step to inject at")
     d.add_argument("--worker", type=int, help="world rank (kill_worker, hang_collective)")
+    d.add_argument("--workers", type=_rank_list, help="kill_worker: several world ranks at once, e.g. 1,2")
+    d.add_argument("--at", default="step", choices=["step", "boundary", "after_step", "relaunch"],
+                   help="kill_worker: during the step, at its boundary, after it, or in the next grid launched")
     d.add_argument("--layer", type=int, help="layer (nan)")
     d.add_argument("--steps", type=_positive_int)
     d.add_argument("--address")

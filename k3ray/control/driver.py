@@ -12,6 +12,7 @@ import uuid
 from typing import Protocol
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
 from k3ray.config import JobConfig
@@ -103,22 +104,35 @@ class ControllerBackend:
         self.controller = controller
 
     def train_step(self, step: int, batch_index: int) -> StepReport:
-        return StepReport(**ray.get(self.controller.train_step.remote(step)))  # the controller owns data order
+        report = ray.get(self.controller.train_step.remote(step))  # the controller owns data order
+        _show_warnings(report.pop("warnings", []))
+        return StepReport(**report)
 
     def evaluate(self) -> float:
         return ray.get(self.controller.evaluate.remote())
 
 
-def start_controller(cfg: JobConfig, resume: bool = False):
+def _show_warnings(warnings: list[str]) -> None:
+    """What the controller wants the user to see (checkpoint fallbacks, damaged or failed checkpoints), on the
+    driver's console: a warning line each."""
+    for message in warnings:
+        log.warning("%s", message)
+
+
+def start_controller(cfg: JobConfig, resume: bool = False, fresh: bool = False):
     """The job's Controller actor, started (workers up, control API serving, metrics exported)."""
     name = f"k3ray-{cfg.name}-{uuid.uuid4().hex[:8]}"
-    controller = ControllerActor.options(name=name, runtime_env=actor_runtime_env(cfg)).remote(
+    # on the driver's node: a lost worker node must not take the job's controller (and its snapshots' owner) with it
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    controller = ControllerActor.options(name=name, runtime_env=actor_runtime_env(cfg),
+                                         scheduling_strategy=here).remote(
         cfg.model_dump(), [ApiCallback(), MetricsCallback()])
     try:
-        ray.get(controller.start.remote(resume=resume))
+        status = ray.get(controller.start.remote(resume=resume, fresh=fresh))
     except BaseException:
         ray.kill(controller, no_restart=True)  # a controller that could not start owns nothing worth a shutdown
         raise
+    _show_warnings(status.get("warnings", []))
     return controller
 
 
@@ -131,13 +145,13 @@ def stop_controller(controller, timeout_s: float = 600.0) -> None:
 
 
 def train_distributed(cfg: JobConfig, steps: int, address: str | None = None, progress: bool = True,
-                      resume: bool = False, announce=None) -> dict:
+                      resume: bool = False, fresh: bool = False, announce=None) -> dict:
     """Run the job to `steps`; `announce(status, cfg)` is called once the workers run (the CLI prints where the
     job writes and how to steer it)."""
     started = init_ray(address, cfg.parallel.world_size)
     controller = None
     try:
-        controller = start_controller(cfg, resume=resume)
+        controller = start_controller(cfg, resume=resume, fresh=fresh)
         status = ray.get(controller.status.remote())
         start = status["step"]
         if announce is not None:

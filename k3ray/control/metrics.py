@@ -22,7 +22,8 @@ from k3ray.controller.state import JobState
 
 PHASES = ("compute", "dispatch_combine", "pipeline_wait", "optimizer", "step")
 INCIDENT_RULES = ("nonfinite_loss", "nonfinite_grad", "activation", "loss_spike", "grad_norm_spike", "worker_lost",
-                  "collective_timeout", "other")
+                  "collective_timeout", "checkpoint_damaged", "checkpoint_none", "checkpoint_abandoned",
+                  "checkpoint_write_failed", "resumed_with_changes", "other")
 STATES = tuple(s.value for s in JobState)
 EXPERT_LOAD_BUCKETS = [0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0]
 STEP_SECONDS_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0]

@@ -3,7 +3,7 @@ boundary, the manifest is committed at the next one (k3ray.io.checkpoint); `--re
 checkpoint onto the configured EP size.
 
 Interface: `resume` (before the workers start), `request`, `boundary` (every step boundary), `commit_pending`
-(before stopping), `committed` (what was written)."""
+(before stopping), `abandon_pending` (its writers were lost), `committed` (what was written)."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +16,7 @@ import torch
 from k3ray.config import CheckpointConfig
 from k3ray.controller.snapshots import restore_sources
 from k3ray.controller.worker import part_name
+from k3ray.controller.worker_group import WorkerLost
 from k3ray.io import checkpoint as ckpt
 
 log = logging.getLogger("k3ray.controller")
@@ -31,27 +32,55 @@ class Resumed:
 
 
 class DurableCheckpoints:
-    def __init__(self, cfg: CheckpointConfig, on_commit: list[Callable] | None = None):
+    def __init__(self, cfg: CheckpointConfig, on_commit: list[Callable] | None = None,
+                 on_incident: Callable[..., dict] | None = None):
         self.cfg = cfg
         self.pending: tuple[int, dict] | None = None  # parts being written: (step, manifest meta)
         self.requested = False
         self.committed: list[dict] = []  # step, path, seconds
         self.on_commit = on_commit or []  # each called as f(step, path, parts, seconds) after a commit
+        self.on_incident = on_incident or (lambda kind, **fields: fields)  # records an incident
+        self.warnings: list[str] = []  # what the driver shows on the console (fallbacks, failed writes)
+        self.failures_in_a_row = 0  # failed writes since the last commit
 
-    def resume(self, job: dict) -> Resumed | None:
-        """The newest verified checkpoint (falling back past corrupt ones, loudly), or None when there is none.
-        `job` is the running job's config (a JobConfig JSON dump): a checkpoint whose shapes differ is an error."""
-        manifest = ckpt.latest_verified(self.cfg.dir)
+    def resume(self, job: dict, fresh: bool = False) -> Resumed | None:
+        """The newest verified checkpoint. Every newer step dir that does not verify is moved aside (so the resumed
+        run never writes over it) and reported: a warning, an incident, and in `warnings` for the driver to show.
+        Nothing verifiable is an error, unless `fresh` (then None: start from step 0). `job` is the running job's
+        config (a JobConfig JSON dump): a checkpoint whose shapes differ is an error; declared-safe changes (the
+        fields `ckpt.shape_mismatches` does not look at, e.g. optimizer.lr, train.steps) are noted."""
+        manifest, problems = ckpt.scan(self.cfg.dir)
+        target = f"resuming from step {manifest.step}" if manifest else "nothing older verifies"
+        for step, why in problems:
+            aside = ckpt.move_aside(self.cfg.dir, step)
+            self._warn("checkpoint_damaged", f"checkpoint step {step} is damaged ({why}); moved aside to {aside}; "
+                                             f"{target}", step=step, why=why, moved_to=str(aside))
         if manifest is None:
-            log.warning("--resume: no verified checkpoint under %s; starting from step 0", self.cfg.dir)
-            return None
+            if fresh:
+                self._warn("checkpoint_none", f"--resume: no verified checkpoint under {self.cfg.dir}; starting "
+                                              f"from step 0 (--fresh)")
+                return None
+            raise ckpt.CheckpointError(f"--resume: no verified checkpoint under {self.cfg.dir}; add --fresh to "
+                                       f"start from step 0")
         meta = manifest.meta
         mismatches = ckpt.shape_mismatches(meta["config"], job)
         if mismatches:
             raise ckpt.CheckpointError(f"{manifest.path} does not fit the config ({'; '.join(mismatches)}): "
                                        f"resume with the config it was written with")
+        changed = _changed_fields(meta["config"], job)
+        if changed:
+            log.warning("resuming from %s with changed settings (none changes a tensor shape): %s", manifest.path,
+                        "; ".join(changed))
+            self.on_incident("resumed_with_changes", step=manifest.step, rule="resumed_with_changes",
+                             changed=changed)
         states = {r: ckpt.load_part(self.cfg.dir, manifest.step, part_name(r)) for r in range(meta["pp"] * meta["ep"])}
         return Resumed(str(manifest.path), manifest.step, meta, restore_sources(states, meta["pp"], meta["ep"]))
+
+    def _warn(self, kind: str, message: str, **fields) -> None:
+        """A checkpoint problem the user must see: logged here, an incident, and kept for the driver's console."""
+        log.warning("%s", message)
+        self.warnings.append(message)
+        self.on_incident(kind, rule=kind, message=message, **fields)
 
     def request(self, step: int) -> dict:
         """Ask for a durable checkpoint at the next step boundary."""
@@ -66,23 +95,84 @@ class DurableCheckpoints:
         if self.requested or (every and step > 0 and step % every == 0):
             self.requested = False
             t0 = time.perf_counter()
-            group.call("save_checkpoint", self.cfg.dir, step, timeout_s=None)
+            try:
+                group.call("save_checkpoint", self.cfg.dir, step, timeout_s=None)
+            except WorkerLost:
+                raise
+            except Exception as err:  # noqa: BLE001 - whatever a write raises (read-only, full disk), training goes on
+                self._failed(step, err)
+                return
             self.pending = (step, {**meta(), "step": step, "copy_seconds": time.perf_counter() - t0})
 
     def commit_pending(self, group) -> None:
+        """Commit the pending checkpoint once every writer has finished its part; a writer lost first abandons it
+        (WorkerLost is raised on for the controller to recover)."""
         if self.pending is None:
             return
         step, meta = self.pending
-        self.pending = None
         t0 = time.perf_counter()
-        parts = [ckpt.PartInfo(**p) for ps in group.call("checkpoint_parts", timeout_s=None) for p in ps]
-        path = ckpt.commit(self.cfg.dir, step, parts, meta, self.cfg.keep)
+        try:
+            parts = [ckpt.PartInfo(**p) for ps in group.call("checkpoint_parts", timeout_s=None) for p in ps]
+        except WorkerLost as lost:
+            self.abandon_pending(str(lost))
+            raise
+        except Exception as err:  # noqa: BLE001 - a part that could not be written
+            self.pending = None
+            self._failed(step, err)
+            return
+        self.pending = None
+        try:
+            path = ckpt.commit(self.cfg.dir, step, parts, meta, self.cfg.keep)
+        except (ckpt.CheckpointError, OSError) as err:
+            self._failed(step, err)
+            return
+        self.failures_in_a_row = 0
         wait_and_commit = time.perf_counter() - t0
         self.committed.append({"step": step, "path": str(path), "copy_seconds": meta["copy_seconds"],
                                "wait_and_commit_seconds": wait_and_commit})
         log.info("checkpoint of step %d committed at %s", step, path)
         for callback in self.on_commit:
             callback(step, path, parts, meta["copy_seconds"] + wait_and_commit)
+
+    def abandon_pending(self, why: str) -> None:
+        """Drop the pending checkpoint, whose writers are gone: committing it would miss their parts. The previous
+        checkpoint stays the newest; a new one is asked for at the next boundary (written by the new grid)."""
+        if self.pending is None:
+            return
+        step = self.pending[0]
+        self.pending = None
+        self.requested = True
+        newest = self.committed[-1]["step"] if self.committed else None
+        self._warn("checkpoint_abandoned", f"checkpoint of step {step} abandoned ({why}); the newest checkpoint stays "
+                                           f"step {newest}; writing another at the next step boundary",
+                   step=step, why=why, newest=newest)
+
+    def _failed(self, step: int, err: Exception) -> None:
+        """A write that failed: a warning and an incident; the previous checkpoint stays the newest. The job stops
+        (CheckpointError) only after `max_failures_in_a_row` of them."""
+        self.failures_in_a_row += 1
+        limit = self.cfg.max_failures_in_a_row
+        why = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        newest = self.committed[-1]["step"] if self.committed else None
+        self._warn("checkpoint_write_failed", f"checkpoint of step {step} could not be written under {self.cfg.dir} "
+                                              f"({why}); the newest checkpoint stays step {newest} "
+                                              f"({self.failures_in_a_row}/{limit} failures in a row)",
+                   step=step, why=why, newest=newest)
+        if self.failures_in_a_row >= limit:
+            raise ckpt.CheckpointError(f"{self.cfg.dir}: {limit} checkpoint writes failed in a row (last: {why}); "
+                                       f"stopping. Free space or make the directory writable, then --resume")
+
+
+def _changed_fields(stored: dict, current: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` for every leaf that differs between two config dumps."""
+    out = []
+    for key in sorted(set(stored) | set(current)):
+        a, b = stored.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _changed_fields(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: {a!r} -> {b!r}")
+    return out
 
 
 @dataclass

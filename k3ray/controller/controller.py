@@ -10,7 +10,7 @@ learning-rate scale, guard statistics) and its parts, each with its own state:
     group        the worker grid, the only part that talks to workers (k3ray.controller.worker_group)
 
 Decisions come from k3ray.policies (guards, the failure ladder, shrink-or-restart, re-homing); the controller
-carries them out. `Controller` is plain Python: its tests give it a fake worker group; `ControllerActor` is the same
+carries them out (the failure paths: k3ray.controller.failures). `Controller` is plain Python: its tests give it a fake worker group; `ControllerActor` is the same
 class as a Ray actor, which is how jobs run it.
 """
 from __future__ import annotations
@@ -19,28 +19,25 @@ import logging
 import time
 
 import ray
-import torch
 
 from k3ray.config import JobConfig
 from k3ray.controller.callbacks import Callback
 from k3ray.controller.checkpointing import DurableCheckpoints, Resumed
 from k3ray.controller.drills import FaultInjector
+from k3ray.controller.failures import FailurePaths, GuardError  # noqa: F401 - GuardError: part of this API
 from k3ray.controller.live_policies import LivePolicies
 from k3ray.controller.placement import Placement
 from k3ray.controller.snapshots import Snapshots
 from k3ray.controller.state import JobState, StateMachine
 from k3ray.controller.worker_group import TopologyError, WorkerGroup, WorkerLost
+from k3ray.io.checkpoint import CheckpointError
 from k3ray.parallel.step import StepReport
-from k3ray.policies import guards, ladder, recovery
+from k3ray.policies import guards
 
 log = logging.getLogger("k3ray.controller")
 
 
-class GuardError(RuntimeError):
-    """A blow-up the failure ladder could not get past; the job stops with this report."""
-
-
-class Controller:
+class Controller(FailurePaths):
     def __init__(self, cfg: JobConfig | dict, callbacks: list[Callback] = (), group_factory=WorkerGroup):
         self.cfg = cfg if isinstance(cfg, JobConfig) else JobConfig.model_validate(cfg)
         cfg = self.cfg
@@ -53,7 +50,8 @@ class Controller:
         self.snapshots = Snapshots(on_commit=lambda snap: self._notify("on_snapshot", snap.stall_seconds))
         self.drills = FaultInjector(cfg.fault_tolerance.faults)
         self.checkpoints = DurableCheckpoints(
-            cfg.checkpoint, on_commit=[self.drills.on_checkpoint, lambda *a: self._notify("on_checkpoint", *a)])
+            cfg.checkpoint, on_commit=[self.drills.on_checkpoint, lambda *a: self._notify("on_checkpoint", *a)],
+            on_incident=self._incident)
         # training progress: what a replay, a snapshot or a checkpoint must reproduce
         self.step = 0
         self.skip: set[int] = set(cfg.data.skip_batches)  # batch indices never trained on
@@ -63,6 +61,7 @@ class Controller:
         self.shrunk_at: int | None = None  # step at which the job last shrank (None: at full size)
         self.last_report: dict | None = None
         self.incidents: list[dict] = []
+        self._warned = 0  # checkpoint warnings handed to the driver so far
 
     @property
     def state(self) -> JobState:
@@ -77,10 +76,12 @@ class Controller:
             getattr(callback, hook)(*args)
 
     # -- topology ------------------------------------------------------------------------------------------------
-    def start(self, placement_timeout_s: float = 60.0, resume: bool = False) -> dict:
+    def start(self, placement_timeout_s: float = 60.0, resume: bool = False, fresh: bool = False) -> dict:
+        """Launch the workers (from the newest verified checkpoint with `resume`; `fresh`: from step 0 when none
+        verifies). The status it returns carries the checkpoint warnings for the driver to show."""
         par = self.cfg.parallel
         why = f"pp={par.pp} ep={par.ep}"
-        resumed = self.checkpoints.resume(self.cfg.model_dump(mode="json")) if resume else None
+        resumed = self.checkpoints.resume(self.cfg.model_dump(mode="json"), fresh) if resume else None
         if resumed is not None:
             self._resume_from(resumed)
             why += f", resuming from {resumed.path} (step {resumed.step}, ep {resumed.meta['ep']} -> {self.table.ep})"
@@ -96,7 +97,13 @@ class Controller:
             self.group.call("set_lr_scale", self.lr_scale)
         self.machine.to(JobState.RUNNING, f"{self.group.size} workers, backend {backend}")
         self._notify("on_start", self)
-        return self.status()
+        return {**self.status(), "warnings": self._new_warnings()}
+
+    def _new_warnings(self) -> list[str]:
+        """Checkpoint warnings not yet handed to the driver (which shows them on the user's console)."""
+        new = self.checkpoints.warnings[self._warned:]
+        self._warned += len(new)
+        return new
 
     def _resume_from(self, resumed: Resumed) -> None:
         meta = resumed.meta
@@ -118,44 +125,65 @@ class Controller:
     def train_step(self, step: int, batch_index: int | None = None) -> dict:
         """Run `step` to an accepted report: snapshot on schedule, inject due fault drills, recover from lost
         workers, roll back and skip batches on a guard trip, grow back when capacity returns. `batch_index`, if
-        given, must be the batch the controller's data order assigns (it owns the order because of skips)."""
+        given, must be the batch the controller's data order assigns (it owns the order because of skips).
+
+        A worker lost anywhere in here (the boundary's policy push, grow-back, snapshot or checkpoint, the step,
+        a rollback) is recovered from, and the boundary is done again on the new grid."""
         t0 = time.perf_counter()
+        attempts, at_boundary = 0, True
+        while True:
+            t_attempt = time.perf_counter()
+            try:
+                if at_boundary:
+                    try:
+                        self._boundary(step)
+                    except CheckpointError:  # checkpoint.max_failures_in_a_row writes failed: the job stops
+                        self.machine.to(JobState.ERRORED, "checkpoint writes keep failing")
+                        raise
+                    at_boundary = False
+                self.drills.before_attempt(self.group, step,
+                                           settle=lambda: self.snapshots.commit(self.group, wait=True))
+                batch = self._batch_for(step)
+                if batch_index is not None and attempts == 0 and batch != batch_index:
+                    raise ValueError(f"step {step}: batch {batch_index} requested, data order gives {batch}")
+                try:
+                    report = self._run(step, batch)
+                finally:
+                    self.drills.after_attempt(self.group)
+                gp = self.cfg.policies.guards
+                trip = guards.check(report, self.guard_state, gp) if gp.enabled else None
+                if trip is None:
+                    break
+                attempts += 1
+                self._rollback(step, batch, trip, attempts)
+            except WorkerLost as lost:
+                self._recover(step, lost, detected_after=time.perf_counter() - t_attempt)
+                at_boundary = True
+        self.guard_state = guards.accept(report, self.guard_state)
+        self.batches[step] = batch
+        self.step = step + 1
+        self.last_report = report
+        self.table.track(report)
+        self.drills.kill_at(self.group, step, "after_step")
+        try:
+            self.snapshots.commit(self.group, wait=False)
+            rp = self.cfg.policies.replication
+            if rp.enabled and self.step % rp.every_n_steps == 0:
+                self._rebalance()
+        except WorkerLost as lost:  # after the step: the state to recover is the boundary before self.step
+            self._recover(self.step, lost, detected_after=0.0)
+        self._notify("on_step", self, report, time.perf_counter() - t0)
+        warnings = self._new_warnings()
+        return {**report, "warnings": warnings} if warnings else report
+
+    def _boundary(self, step: int) -> None:
+        """What happens between steps: queued policy changes, growing back, the snapshot and checkpoint due."""
+        self.drills.kill_at(self.group, step, "boundary")
         self._apply_pending_policies(step)
         self._maybe_grow_back(step)
         if self._snapshot_due(step):
             self.snapshots.take(self.group, step, self.guard_state)
         self.checkpoints.boundary(self.group, step, lambda: self._progress(step))
-        attempts = 0
-        while True:
-            self.drills.before_attempt(self.group, step, settle=lambda: self.snapshots.commit(self.group, wait=True))
-            batch = self._batch_for(step)
-            if batch_index is not None and attempts == 0 and batch != batch_index:
-                raise ValueError(f"step {step}: batch {batch_index} requested, data order gives {batch}")
-            t_attempt = time.perf_counter()
-            try:
-                report = self._run(step, batch)
-            except WorkerLost as lost:
-                self._recover(step, lost, detected_after=time.perf_counter() - t_attempt)
-                continue
-            finally:
-                self.drills.after_attempt(self.group)
-            gp = self.cfg.policies.guards
-            trip = guards.check(report, self.guard_state, gp) if gp.enabled else None
-            if trip is None:
-                break
-            attempts += 1
-            self._rollback(step, batch, trip, attempts)
-        self.guard_state = guards.accept(report, self.guard_state)
-        self.snapshots.commit(self.group, wait=False)
-        self.batches[step] = batch
-        self.step = step + 1
-        self.last_report = report
-        self.table.track(report)
-        rp = self.cfg.policies.replication
-        if rp.enabled and self.step % rp.every_n_steps == 0:
-            self._rebalance()
-        self._notify("on_step", self, report, time.perf_counter() - t0)
-        return report
 
     def _batch_for(self, step: int) -> int:
         """The next batch index after the previous step's, passing over skipped ones."""
@@ -181,110 +209,17 @@ class Controller:
         phases = reports[0]["timings"].keys()
         timings = {k: max(r["timings"][k] for r in reports) for k in phases}
         return StepReport(step=step, batch_index=batch_index, loss=reports[0]["loss"],
-                          grad_norm=reports[0]["grad_norm"], lr=reports[0]["lr"], tokens=self.cfg.step_tokens(ep),
+                          grad_norm=reports[0]["grad_norm"], lr=reports[0]["lr"], tokens=self.cfg.step_tokens(),
                           tokens_per_expert=tpe, activations=acts, timings=timings, rank_load=rank_load)
 
     def _snapshot_due(self, step: int) -> bool:
         taken = {s.step for s in (self.snapshots.committed, self.snapshots.pending) if s is not None}
         return step % self.cfg.fault_tolerance.snapshot_every == 0 and step not in taken
 
-    def _replay(self, until: int) -> None:
-        """Re-run the accepted steps snap.step .. until-1 on the batches they used (deterministic)."""
-        snap = self.snapshots.committed
-        self.guard_state = snap.guard
-        for s in range(snap.step, until):
-            self.guard_state = guards.accept(self._run(s, self.batches[s]), self.guard_state)
-
-    # -- failures: the controller carries out the policies' decisions ------------------------------------------------
-    def _rollback(self, step: int, batch: int, trip: guards.Trip, attempt: int) -> None:
-        t0 = time.perf_counter()
-        decision = ladder.on_trip(attempt, batch, self.lr_scale, self.cfg.fault_tolerance)
-        incident = {"time": time.time(), "kind": "blowup", "action": decision.action, "step": step,
-                    "rule": trip.rule, "layer": trip.layer, "value": trip.value, "detail": trip.detail,
-                    "batch_ids": list(decision.skip), "attempt": attempt}
-        self.incidents.append(incident)
-        if decision.action == "stop":
-            self.machine.to(JobState.ERRORED, f"step {step}: {attempt} guard trips")
-            raise GuardError(f"step {step}: guard tripped {attempt} times (last: {trip.rule} = {trip.value} "
-                             f"layer {trip.layer}; skipped batches {sorted(self.skip)}; lr scale {self.lr_scale}); "
-                             f"stopping. Incidents: {self.incidents[-attempt:]}")
-        self.machine.to(JobState.RECOVERING, f"rollback: {trip.rule} at step {step}")
-        self.skip.update(decision.skip)
-        self.snapshots.commit(self.group, wait=True)  # one started at this step's boundary holds the state to go to
-        self.group.restore(self.snapshots.committed.sources())
-        incident["restore_seconds"] = time.perf_counter() - t0
-        self.lr_scale = decision.lr_scale
-        self.group.call("set_lr_scale", self.lr_scale)
-        self._replay(step)
-        incident["rollback_seconds"] = time.perf_counter() - t0  # restore + replay since the snapshot
-        self.machine.to(JobState.RUNNING, f"rolled back to step {self.snapshots.committed.step}, skipping "
-                                          f"{list(decision.skip)}")
-
-    def _recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
-        """Rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`."""
-        t0 = time.perf_counter()
-        self.machine.to(JobState.RECOVERING, str(lost))
-        old = self.group
-        try:  # a snapshot started at this boundary is the newest state, if every worker finished its part
-            self.snapshots.commit(old, wait=True, timeout_s=30.0)
-        except WorkerLost:  # a lost worker never delivered its part
-            pass
-        self.snapshots.drop_pending()  # what is still pending lacks a lost worker's part
-        snap = self.snapshots.committed
-        if snap is None:
-            self.machine.to(JobState.ERRORED, "no snapshot yet")
-            raise RuntimeError(f"{lost} before the first snapshot completed; restart with --resume from a checkpoint")
-        t_gathered = time.perf_counter()
-        decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks,
-                                            self.table.expert_load(self.last_report))
-        old.close()
-        t_planned = time.perf_counter()
-        self._relaunch(decision.ep, decision.home.tolist(), snap.sources())
-        t_restored = time.perf_counter()
-        self._replay(step)
-        self.shrunk_at = step if decision.ep < self.cfg.parallel.ep else None
-        launch = self.group.launch_seconds
-        self.incidents.append({
-            "time": time.time(), "kind": "worker_lost", "action": decision.action,
-            "rule": "collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
-            "step": step, "ranks": sorted(lost.ranks), "why": lost.why, "ep": [old.ep, decision.ep], "seconds": {
-                "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
-                **launch, "launch_other": t_restored - t_planned - sum(launch.values()),
-                "replay": time.perf_counter() - t_restored}})
-        self.machine.to(JobState.RUNNING, f"recovered on {decision.ep * self.cfg.parallel.pp} workers")
-
-    def _relaunch(self, ep: int, home: list[int], sources: dict) -> None:
-        self.table.reset(ep, home)
-        self.group = self.new_group(self.cfg, ep, home)
-        self.group.launch(120.0, restore=sources)
-        self._push_policies()
-        self.group.call("set_lr_scale", self.lr_scale)
-        snap = self.snapshots.committed
-        self.group.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
-
-    def _maybe_grow_back(self, step: int) -> None:
-        ft, full = self.cfg.fault_tolerance, self.cfg.parallel.ep
-        if not recovery.grow_back_due(step, self.shrunk_at, self.table.ep, full, ft.grow_back,
-                                      ft.grow_back_after_steps):
-            return
-        extra = self.new_group(self.cfg, full - self.table.ep, [0] * self.cfg.model.n_experts)
-        if not extra.fits(extra_cluster_free=True)[0]:
-            return
-        t0 = time.perf_counter()
-        self.machine.to(JobState.RESIZING, f"growing back to ep={full}")
-        self.snapshots.take(self.group, step, self.guard_state, wait=True)
-        old = self.group
-        old.close()
-        self._relaunch(full, recovery.grow(self.cfg.model.n_experts, full).tolist(), self.snapshots.committed.sources())
-        self.shrunk_at = None
-        self.incidents.append({"time": time.time(), "kind": "grow_back", "step": step, "ep": [old.ep, full],
-                               "seconds": time.perf_counter() - t0})
-        self.machine.to(JobState.RUNNING, f"grown back to {self.group.size} workers")
-
     def _rebalance(self) -> None:
         moved = self.table.rebalance(self.group)
         if moved:
-            self.incidents.append({"time": time.time(), "kind": "rebalance", "step": self.step, "moved": moved})
+            self._incident("rebalance", step=self.step, moved=moved)
             log.info("rebalance at step %d moved experts %s", self.step, moved)
 
     # -- policies and placement ----------------------------------------------------------------------------------
@@ -342,20 +277,45 @@ class Controller:
         return self.group.call("state")
 
     def evaluate(self) -> float:
-        return self.group.call("evaluate", timeout_s=None)[0]
+        while True:
+            try:
+                return self.group.call("evaluate", timeout_s=None)[0]
+            except WorkerLost as lost:
+                self._recover(self.step, lost, detected_after=0.0)
 
     def shutdown(self) -> None:
-        if self.group is not None and self.state == JobState.RUNNING and self.step > 0:
-            if self.cfg.checkpoint.at_end and not any(c["step"] == self.step for c in self.checkpoints.committed):
-                self.checkpoints.request(self.step)
-                self.checkpoints.boundary(self.group, self.step, lambda: self._progress(self.step))
-            self.checkpoints.commit_pending(self.group)
-        self._notify("on_shutdown", self)
-        if self.group is not None:
-            self.group.close()
-            self.group = None
-        if not self.machine.done:
-            self.machine.to(JobState.FINISHED)
+        """Commit the pending checkpoint, write the final one, stop the workers. Never raises for a checkpoint:
+        the job may be stopping because of an error, which a second one must not mask."""
+        try:
+            if self.group is not None and self.state == JobState.RUNNING and self.step > 0:
+                self._final_checkpoint()
+        except CheckpointError as err:
+            log.warning("no final checkpoint: %s", err)
+        finally:
+            self._notify("on_shutdown", self)
+            if self.group is not None:
+                self.group.close()
+                self.group = None
+            if not self.machine.done:
+                self.machine.to(JobState.FINISHED)
+
+    def _final_checkpoint(self) -> None:
+        """Commit the pending checkpoint and write the final one (`checkpoint.at_end`); a worker lost meanwhile is
+        recovered from once and the checkpoint written by the new grid."""
+        for attempt in (1, 2):
+            try:
+                final = self.cfg.checkpoint.at_end and not any(c["step"] == self.step
+                                                               for c in self.checkpoints.committed)
+                if final or self.checkpoints.requested:
+                    self.checkpoints.request(self.step)
+                    self.checkpoints.boundary(self.group, self.step, lambda: self._progress(self.step))
+                self.checkpoints.commit_pending(self.group)
+                return
+            except WorkerLost as lost:
+                if attempt == 2:
+                    log.warning("no final checkpoint: %s", lost)
+                    return
+                self._recover(self.step, lost, detected_after=0.0)
 
 
 # The same class as a Ray actor: one per job, threaded so the control API's calls run beside the step loop.

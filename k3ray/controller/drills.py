@@ -39,23 +39,39 @@ class FaultInjector:
         self.poisoned = False  # a NaN drill is armed on the workers for the current attempt
 
     def before_attempt(self, group, step: int, settle) -> None:
-        """Fire the next drill due at this step. `settle()` waits for the boundary's snapshot first, so that drills
-        that hit during the step (kill, hang) have a reproducible outcome."""
+        """Fire the next drill due during this step. `settle()` waits for the boundary's snapshot first, so that
+        drills that hit during the step (kill, hang) have a reproducible outcome."""
         for i, fault in self.pending:
-            if fault.step != step or i in self.fired or fault.kind == "corrupt_checkpoint":  # that one: at commit
-                continue
+            if fault.step != step or i in self.fired or fault.kind == "corrupt_checkpoint" or fault.at != "step":
+                continue  # corrupt_checkpoint: at commit; other kills: where `at` says
             self.fired.add(i)
             log.warning("fault drill: %s at step %d", fault.kind, step)
             if fault.kind in ("kill_worker", "hang_collective"):
                 settle()
             if fault.kind == "kill_worker":
-                group.kill(fault.worker or 0)
+                self._kill(group, fault)
             elif fault.kind == "nan":
                 group.run_on(list(range(group.size)), _poison, fault.layer or 0)
                 self.poisoned = True
             elif fault.kind == "hang_collective":
                 group.run_on([fault.worker or 0], _hang)
             return
+
+    def kill_at(self, group, step: int, at: str) -> None:
+        """Fire the kill_worker drills due at this point: `at` is "boundary" (of `step`), "after_step" (`step` done)
+        or "relaunch" (a new grid just launched at the boundary of `step`)."""
+        for i, fault in self.pending:
+            due = fault.step <= step if at == "relaunch" else fault.step == step
+            if fault.kind == "kill_worker" and fault.at == at and due and i not in self.fired:
+                self.fired.add(i)
+                log.warning("fault drill: kill_worker %s at step %d", at, step)
+                self._kill(group, fault)
+
+    @staticmethod
+    def _kill(group, fault) -> None:
+        for rank in fault.workers or [fault.worker or 0]:
+            if rank < group.size:  # a smaller grid than the drill was written for has no such rank
+                group.kill(rank)
 
     def after_attempt(self, group) -> None:
         if self.poisoned:

@@ -189,9 +189,9 @@ class Snapshots:
         if wait:
             self.commit(group, wait=True)
 
-    def commit(self, group, wait: bool, timeout_s: float | None = None) -> None:
+    def commit(self, group, wait: bool, timeout_s: float | None = None, hold: bool = True) -> None:
         """Make the pending snapshot the committed one once all of it has arrived (WorkerLost if a worker died
-        first)."""
+        first). hold=False leaves out the neighbours' copies (a recovery: the new grid takes them)."""
         snap = self.pending
         if snap is None:
             return
@@ -199,7 +199,8 @@ class Snapshots:
         if nbytes is None:
             return
         snap.nbytes = nbytes
-        group.hold_peer_snapshots(snap.step, snap.refs)
+        if hold:
+            group.hold_peer_snapshots(snap.step, snap.refs)
         self.committed, self.pending = snap, None
         self.stall_seconds.append(snap.stall_seconds)
         self.total_seconds.append(time.perf_counter() - snap.started)

@@ -5,6 +5,7 @@ and keeps it in `history` (the status view, the metrics and the dashboards read 
 
     initializing -> scheduling -> running <-> recovering      (a rollback, or a lost worker replaced)
                                   running <-> resizing        (growing back to the configured size)
+                     resizing, recovering -> recovering       (a worker lost while growing back or recovering)
     any live state -> errored (the job cannot go on) | finished (stopped)
 """
 from __future__ import annotations
@@ -31,8 +32,8 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     S.INITIALIZING: frozenset({S.SCHEDULING, S.ERRORED, S.FINISHED}),
     S.SCHEDULING: frozenset({S.RUNNING, S.ERRORED, S.FINISHED}),
     S.RUNNING: frozenset({S.RECOVERING, S.RESIZING, S.ERRORED, S.FINISHED}),
-    S.RECOVERING: frozenset({S.RUNNING, S.ERRORED, S.FINISHED}),
-    S.RESIZING: frozenset({S.RUNNING, S.ERRORED, S.FINISHED}),
+    S.RECOVERING: frozenset({S.RUNNING, S.RECOVERING, S.ERRORED, S.FINISHED}),
+    S.RESIZING: frozenset({S.RUNNING, S.RECOVERING, S.ERRORED, S.FINISHED}),
     S.FINISHED: frozenset(),
     S.ERRORED: frozenset(),
 }

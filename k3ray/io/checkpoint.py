@@ -9,7 +9,8 @@ Every file lands through `<file>.tmp` + flush + fsync + `os.replace`, and the di
 the manifest, so a crash leaves either the previous checkpoint or the complete new one, never a half-written
 file under a final name. The manifest records each part's size and sha256; `verify` rechecks both, and
 `latest_verified` falls back to the newest step that passes. Readers never modify or delete anything: a corrupt
-checkpoint stays on disk for inspection. Only `commit` deletes (retention), and only other steps.
+checkpoint stays on disk for inspection (a resume moves it aside with `move_aside`, so that the resumed run does not
+write over it). Only `commit` deletes (retention), and only other steps.
 
 Typical use: every worker calls `write_part` (or `AsyncWriter.submit`) and returns its PartInfo; the controller
 calls `commit` with all of them and the run's metadata; on restart `latest_verified(root)` says where to resume
@@ -31,7 +32,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["CheckpointError", "PartInfo", "Manifest", "AsyncWriter", "write_part", "commit", "list_committed",
-           "verify", "latest_verified", "load_part", "step_dir", "shape_mismatches", "FORMAT_VERSION"]
+           "verify", "latest_verified", "scan", "move_aside", "load_part", "step_dir", "shape_mismatches",
+           "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -334,21 +336,48 @@ def verify(root: str | os.PathLike, step: int) -> Manifest:
     return m
 
 
-def latest_verified(root: str | os.PathLike) -> Manifest | None:
-    """Newest committed step that verifies; a warning on logger 'k3ray.checkpoint' for each newer one that does
-    not. None when nothing verifies or root is missing. Failed checkpoints are left on disk untouched."""
-    failures: list[tuple[int, CheckpointError]] = []
+def scan(root: str | os.PathLike) -> tuple[Manifest | None, list[tuple[int, str]]]:
+    """(newest committed step that verifies or None, [(step, what is wrong)] for every newer step dir that does not:
+    a committed one that fails verification, or one holding parts but no manifest, an interrupted write or a deleted
+    manifest). Modifies nothing."""
+    dirs = _step_dirs(Path(root))
+    problems: list[tuple[int, str]] = []
     found = None
-    for step in reversed(list_committed(root)):
+    for step in sorted(dirs, reverse=True):
+        if not (dirs[step] / MANIFEST).is_file():
+            if any(f.is_file() and not f.name.endswith(".tmp") for f in dirs[step].iterdir()):
+                problems.append((step, f"{dirs[step].name}: parts without {MANIFEST} (an interrupted write or a "
+                                       f"deleted manifest)"))
+            continue
         try:
             found = verify(root, step)
             break
         except CheckpointError as e:
-            failures.append((step, e))
+            problems.append((step, str(e)))
+    return found, problems
+
+
+def latest_verified(root: str | os.PathLike) -> Manifest | None:
+    """Newest committed step that verifies; a warning on logger 'k3ray.checkpoint' for each newer one that does
+    not. None when nothing verifies or root is missing. Failed checkpoints are left on disk untouched."""
+    found, problems = scan(root)
     target = f"falling back to step {found.step}" if found else "no checkpoint verifies"
-    for step, e in failures:
-        log.warning("checkpoint step %d failed verification: %s; %s", step, e, target)
+    for step, why in problems:
+        log.warning("checkpoint step %d failed verification: %s; %s", step, why, target)
     return found
+
+
+def move_aside(root: str | os.PathLike, step: int) -> Path:
+    """Rename a damaged step dir to `step_<N>.damaged-<UTC time>` (kept for inspection, never written to again,
+    invisible to readers and retention). Returns the new path."""
+    d = step_dir(root, step)
+    target = d.with_name(f"{d.name}.damaged-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}")
+    n = 1
+    while target.exists():
+        target = target.with_name(f"{target.name.split('~')[0]}~{n}")
+        n += 1
+    os.replace(d, target)
+    return target
 
 
 def shape_mismatches(stored: dict, current: dict) -> list[str]:

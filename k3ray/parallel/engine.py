@@ -36,11 +36,14 @@ from k3ray.parallel import shards
 from k3ray.parallel.ep import EPContext, ExpertParallelExperts
 from k3ray.parallel.pipeline import one_f_one_b
 from k3ray.parallel.step import activation_stats, lm_loss, update_router_bias
+from k3ray.policies import recovery
 
 
 class StageEngine:
     """ep_size is the live number of EP ranks, which differs from cfg.parallel.ep while the job runs shrunk after a
-    worker loss (then homes may be uneven: 16 experts on 3 ranks)."""
+    worker loss (then homes may be uneven: 16 experts on 3 ranks). The data-parallel width stays cfg.parallel.ep
+    whatever the live size: EP rank e runs the micro-batches of every DP rank d with d % ep_size == e (`dp_ranks`),
+    so a shrunk job trains on the same global batch as the full one."""
 
     def __init__(self, cfg: JobConfig, pp_rank: int, ep_rank: int, home: list[int], ep_size: int,
                  device: str = "cpu", init_weights: bool = True):
@@ -81,11 +84,24 @@ class StageEngine:
     def _rank(self, pp_rank: int) -> int:
         return pp_rank * self.ep + self.ep_rank
 
+    @property
+    def dp_ranks(self) -> list[int]:
+        """The data-parallel ranks whose micro-batches this EP rank runs: its own at full size; while shrunk, also
+        those of lost ranks. Their micro-batch m is run as one micro-batch (rows concatenated), so every EP rank of
+        a stage still runs M micro-batches and issues the same MoE collectives."""
+        return recovery.dp_ranks_of(self.ep_rank, self.ep, self.cfg.parallel.ep)
+
+    def _tokens(self, batch_index: int, micro: int) -> torch.Tensor:
+        parts = [self.data.batch(batch_index, d, micro) for d in self.dp_ranks]
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
+
     # -- one step ------------------------------------------------------------------------------------------------
     def train_step(self, step: int, batch_index: int) -> dict:
         cfg, stage = self.cfg, self.stage
         M = cfg.parallel.micro_batches
-        scale = 1.0 / (self.ep * M)
+        dp = self.dp_ranks
+        # a micro-batch of k DP ranks' rows is the mean over all of them: times k, it counts as k micro-batches
+        scale = len(dp) / (cfg.parallel.ep * M)
         timings = {"compute": 0.0, "pipeline_wait": 0.0}
         self.ctx.comm_seconds = 0.0
         stage.reset_stats()
@@ -93,7 +109,7 @@ class StageEngine:
             moe.experts.reset()
         for p in self.params.values():
             p.grad = None
-        shape = (cfg.data.micro_batch_size, cfg.data.seq_len, cfg.model.d_model)
+        shape = (len(dp) * cfg.data.micro_batch_size, cfg.data.seq_len, cfg.model.d_model)
         dtype = getattr(torch, cfg.model.dtype)
         saved: dict[int, tuple] = {}
         pending = []
@@ -101,7 +117,7 @@ class StageEngine:
         t_step = time.perf_counter()
         for op, m in one_f_one_b(M, self.pp_rank, self.pp):
             if op == "F":
-                tokens = self.data.batch(batch_index, self.ep_rank, m).to(self.device)
+                tokens = self._tokens(batch_index, m)
                 if stage.is_first:
                     x = tokens[:, :-1]
                 else:

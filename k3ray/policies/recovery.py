@@ -35,6 +35,13 @@ def shrink(home: torch.Tensor, lost: set[int], load: torch.Tensor) -> tuple[torc
     return new_home, renumber
 
 
+def dp_ranks_of(ep_rank: int, ep: int, dp: int) -> list[int]:
+    """The data-parallel ranks (of `dp`, the configured EP size) whose micro-batches EP rank `ep_rank` of a grid with
+    `ep` live EP ranks runs: d with d % ep == ep_rank. At full size each runs its own; shrunk, the survivors take
+    over the lost ranks' micro-batches, so the global batch, and with it the result, stays that of the full grid."""
+    return list(range(ep_rank, dp, ep))
+
+
 def grow(num_experts: int, num_ranks: int) -> torch.Tensor:
     """Back at full size: the configured contiguous homes (what a fresh job has), so a grown-back job and a job
     that never shrank place experts identically."""
@@ -50,13 +57,22 @@ class LossDecision:
     home: torch.Tensor
 
 
-def on_workers_lost(home: torch.Tensor, ep: int, lost_ranks: set[int], load: torch.Tensor) -> LossDecision:
+def on_workers_lost(home: torch.Tensor, ep: int, lost_ranks: set[int], load: torch.Tensor,
+                    max_ep: int | None = None) -> LossDecision:
     """Shrink or restart after losing world ranks `lost_ranks` of a [pp][ep] grid (world rank = p * ep + e): an
-    EP rank is gone from every stage when any of its workers is."""
+    EP rank is gone from every stage when any of its workers is. `max_ep`: the most EP ranks the alive nodes hold
+    (after a node loss fewer than the survivors): the highest-numbered survivors beyond it are let go too."""
     lost_cols = {r % ep for r in lost_ranks}
-    if ep - len(lost_cols) >= 1:
-        new_home, _ = shrink(home, lost_cols, load)
-        return LossDecision("reshard", ep - len(lost_cols), new_home)
+    cap = ep if max_ep is None else max_ep
+    if cap < 1:
+        raise ValueError(f"no EP rank fits the alive nodes (max_ep={max_ep})")
+    survivors = [c for c in range(ep) if c not in lost_cols]
+    if survivors:
+        keep = survivors[:cap]
+        new_home, _ = shrink(home, set(range(ep)) - set(keep), load)
+        return LossDecision("reshard", len(keep), new_home)
+    if cap < ep:  # every EP rank lost and fewer fit: start again smaller from the snapshot
+        return LossDecision("reshard", cap, grow(home.numel(), cap))
     return LossDecision("restart", ep, home.clone())
 
 

@@ -1,0 +1,143 @@
+"""The controller's failure paths, carrying out the policies' decisions: roll back on a guard trip, recover from lost
+workers (in any state, again if a worker is lost during the recovery), grow back when capacity returns. A part of
+`Controller` (k3ray.controller.controller), kept in its own file; it uses the controller's state and parts."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from k3ray.controller.state import JobState
+from k3ray.controller.worker_group import TopologyError, WorkerLost
+from k3ray.policies import guards, ladder, recovery
+
+log = logging.getLogger("k3ray.controller")
+
+
+class GuardError(RuntimeError):
+    """A blow-up the failure ladder could not get past; the job stops with this report."""
+
+
+class FailurePaths:
+    def _replay(self, until: int) -> None:
+        """Re-run the accepted steps snap.step .. until-1 on the batches they used (deterministic)."""
+        snap = self.snapshots.committed
+        self.guard_state = snap.guard
+        for s in range(snap.step, until):
+            self.guard_state = guards.accept(self._run(s, self.batches[s]), self.guard_state)
+
+    def _rollback(self, step: int, batch: int, trip: guards.Trip, attempt: int) -> None:
+        t0 = time.perf_counter()
+        decision = ladder.on_trip(attempt, batch, self.lr_scale, self.cfg.fault_tolerance)
+        incident = {"time": time.time(), "kind": "blowup", "action": decision.action, "step": step,
+                    "rule": trip.rule, "layer": trip.layer, "value": trip.value, "detail": trip.detail,
+                    "batch_ids": list(decision.skip), "attempt": attempt}
+        self.incidents.append(incident)
+        if decision.action == "stop":
+            self.machine.to(JobState.ERRORED, f"step {step}: {attempt} guard trips")
+            raise GuardError(f"step {step}: guard tripped {attempt} times (last: {trip.rule} = {trip.value} "
+                             f"layer {trip.layer}; skipped batches {sorted(self.skip)}; lr scale {self.lr_scale}); "
+                             f"stopping. Incidents: {self.incidents[-attempt:]}")
+        self.machine.to(JobState.RECOVERING, f"rollback: {trip.rule} at step {step}")
+        self.skip.update(decision.skip)
+        self.snapshots.commit(self.group, wait=True)  # one started at this step's boundary holds the state to go to
+        self.group.restore(self.snapshots.committed.sources())
+        incident["restore_seconds"] = time.perf_counter() - t0
+        self.lr_scale = decision.lr_scale
+        self.group.call("set_lr_scale", self.lr_scale)
+        self._replay(step)
+        incident["rollback_seconds"] = time.perf_counter() - t0  # restore + replay since the snapshot
+        self.machine.to(JobState.RUNNING, f"rolled back to step {self.snapshots.committed.step}, skipping "
+                                          f"{list(decision.skip)}")
+
+    def _recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
+        """Rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`. A worker lost
+        during this (the new grid's launch, restore or replay) starts it again from the new, smaller grid."""
+        t0 = time.perf_counter()
+        self.machine.to(JobState.RECOVERING, str(lost))
+        old = self.group
+        try:  # a snapshot started at this boundary is the newest state, if every worker finished its part
+            self.snapshots.commit(old, wait=True, timeout_s=30.0, hold=False)  # the new grid holds the copies
+        except WorkerLost:  # a lost worker never delivered its part
+            pass
+        self.snapshots.drop_pending()  # what is still pending lacks a lost worker's part
+        self.checkpoints.abandon_pending(str(lost))  # its writers are gone: the new grid writes it again
+        snap = self.snapshots.committed
+        if snap is None:
+            self.machine.to(JobState.ERRORED, "no snapshot yet")
+            raise RuntimeError(f"{lost} before the first snapshot completed; restart with --resume from a checkpoint")
+        t_gathered = time.perf_counter()
+        old.close()
+        for attempt in range(1, 4):
+            # the plan fits the alive nodes; a node lost but not yet reported dead fails the placement: plan again
+            max_ep = self.new_group(self.cfg, 1, old.home).capacity() // self.cfg.parallel.pp
+            if max_ep < 1:
+                self.machine.to(JobState.ERRORED, "nothing fits the alive nodes")
+                raise TopologyError(f"{lost}: the alive nodes hold no {self.cfg.parallel.pp}-stage grid")
+            decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks,
+                                                self.table.expert_load(self.last_report), max_ep=max_ep)
+            t_planned = time.perf_counter()
+            incident = self._incident(
+                "worker_lost", action=decision.action, step=step, ranks=sorted(lost.ranks), why=lost.why,
+                rule="collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
+                ep=[old.ep, decision.ep], replayed_steps=[snap.step, step],
+                dp_ranks_per_ep_rank=[recovery.dp_ranks_of(e, decision.ep, self.cfg.parallel.ep)
+                                      for e in range(decision.ep)])
+            try:
+                self._relaunch(decision.ep, decision.home.tolist(), snap.sources(), placement_timeout_s=60.0)
+                t_restored = time.perf_counter()
+                self._replay(step)
+                break
+            except TopologyError as err:
+                incident["outcome"] = f"did not fit: {err}"
+                if attempt == 3:
+                    self.machine.to(JobState.ERRORED, str(err))
+                    raise
+                self.group.close()
+            except WorkerLost as again:
+                incident["outcome"] = f"interrupted: {again}"
+                self._recover(step, again, detected_after=0.0)
+                return
+        self.shrunk_at = step if decision.ep < self.cfg.parallel.ep else None
+        launch = self.group.launch_seconds
+        incident["seconds"] = {
+            "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
+            **launch, "launch_other": t_restored - t_planned - sum(launch.values()),
+            "replay": time.perf_counter() - t_restored}
+        self.machine.to(JobState.RUNNING, f"recovered on {decision.ep * self.cfg.parallel.pp} workers")
+
+    def _incident(self, kind: str, **fields) -> dict:
+        """Record an incident (the incident log, `k3ray incidents`, the metrics read it); returns it for updates."""
+        incident = {"time": time.time(), "kind": kind, **fields}
+        self.incidents.append(incident)
+        return incident
+
+    def _relaunch(self, ep: int, home: list[int], sources: dict, placement_timeout_s: float = 120.0) -> None:
+        self.table.reset(ep, home)
+        self.group = self.new_group(self.cfg, ep, home)
+        self.group.launch(placement_timeout_s, restore=sources)
+        self.drills.kill_at(self.group, self.step, "relaunch")
+        self._push_policies()
+        self.group.call("set_lr_scale", self.lr_scale)
+        snap = self.snapshots.committed
+        self.group.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
+
+    def _maybe_grow_back(self, step: int) -> None:
+        ft, full = self.cfg.fault_tolerance, self.cfg.parallel.ep
+        if not recovery.grow_back_due(step, self.shrunk_at, self.table.ep, full, ft.grow_back,
+                                      ft.grow_back_after_steps):
+            return
+        extra = self.new_group(self.cfg, full - self.table.ep, [0] * self.cfg.model.n_experts)
+        if not extra.fits(extra_cluster_free=True)[0]:
+            return
+        t0 = time.perf_counter()
+        self.machine.to(JobState.RESIZING, f"growing back to ep={full}")
+        self.snapshots.take(self.group, step, self.guard_state, wait=True)
+        old = self.group
+        old.close()
+        self._relaunch(full, recovery.grow(self.cfg.model.n_experts, full).tolist(), self.snapshots.committed.sources())
+        self.shrunk_at = None
+        self._incident("grow_back", step=step, ep=[old.ep, full], seconds=time.perf_counter() - t0)
+        self.machine.to(JobState.RUNNING, f"grown back to {self.group.size} workers")
+
