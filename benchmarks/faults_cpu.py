@@ -1,26 +1,22 @@
-"""Fault tolerance on the tiny config (pp=1, ep=4, CPU): MTTR of a killed worker and of a lost node (a second raylet
-on this machine whose raylet is SIGKILLed between steps) split into their phases, rollback time after a NaN blow-up,
-snapshot overhead per step, and a hung collective's detection time.
+"""Fault tolerance on the tiny config (pp=1, ep=4, CPU): MTTR of a killed worker, of a lost node (a second raylet on
+this machine whose raylet is SIGKILLed between steps) and of a silent node (that raylet and its workers SIGSTOPped),
+split into their phases (medians over --repeat runs, with the range), rollback time after a NaN blow-up, snapshot
+overhead per step, and a hung collective's detection time.
 
-    python benchmarks/faults_cpu.py [--steps 14] [--only worker,node]
+    python benchmarks/faults_cpu.py [--steps 14] [--only worker,node,silent] [--repeat 3]
 """
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
-from pathlib import Path
 
 import ray
 
 from k3ray.config import load_config
 from k3ray.control.driver import init_ray, start_controller, stop_controller
+from k3ray.control.local_nodes import free_port, kill_node, silence_node, start_raylet, stop_node
 
 
 def run(overrides: dict, steps: int, before_step=None) -> tuple[list[float], list[dict], list[float]]:
@@ -55,78 +51,66 @@ def guard_check_us() -> float:
     return (time.perf_counter() - t0) * 1e3  # us per call (1000 calls)
 
 
-def mttr_rows(label: str, times: list[float], incidents: list[dict], k: int) -> list[tuple[str, str]]:
-    lost = next(i for i in incidents if i["kind"] == "worker_lost")
-    phases = lost["seconds"]
-    mttr = times[k]  # from the step's start (the worker is already dead) to the resumed step's report
-    first, until = lost["replayed_steps"]
-    rows = [(f"MTTR: {label} -> first resumed step (ranks {lost['ranks']}, ep {lost['ep'][0]} -> {lost['ep'][1]})",
-             f"{mttr:.2f} s")]
-    for name, value in phases.items():
-        rows.append((f"  {name}", f"{value:.2f} s" + (f" ({until - first} steps since the snapshot)"
-                                                     if name == "replay" else "")))
-    rows.append(("  the resumed step itself", f"{mttr - sum(phases.values()):.2f} s"))
+def mttr_rows(label: str, runs: list[tuple[list[float], list[dict]]], k: int) -> list[tuple[str, str]]:
+    """Median (min-max) over the runs of the MTTR (from the start of step k, the worker already lost, to its
+    report) and of each recovery phase."""
+    losts = [next(i for i in incidents if i["kind"] == "worker_lost") for _, incidents in runs]
+    mttrs = [times[k] for times, _ in runs]
+    phases = {name: [lost["seconds"][name] for lost in losts] for name in losts[0]["seconds"]}
+    phases["the resumed step itself"] = [m - sum(lost["seconds"].values()) for m, lost in zip(mttrs, losts)]
+    first, until = losts[0]["replayed_steps"]
+
+    def fmt(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
+
+    lost = losts[0]
+    rows = [(f"MTTR: {label} -> first resumed step (ranks {lost['ranks']}, ep {lost['ep'][0]} -> {lost['ep'][1]}; "
+             f"median of {len(runs)})", fmt(mttrs))]
+    for name, values in phases.items():
+        rows.append((f"  {name}" + (f" ({until - first} steps since the snapshot)" if name == "replay" else ""),
+                     fmt(values)))
     return rows
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_raylet(temp_dir: str, *args: str) -> None:
-    """`ray start` with ports of its own (other clusters may share this machine)."""
-    ports = [f"--{name}={_free_port()}" for name in ("metrics-export-port", "dashboard-agent-listen-port",
-                                                     "dashboard-agent-grpc-port", "runtime-env-agent-port")]
-    subprocess.run([shutil.which("ray"), "start", "--temp-dir", temp_dir, "--node-ip-address", "127.0.0.1",
-                    "--disable-usage-stats", *ports, *args], check=True, timeout=300, capture_output=True)
-
-
-def _kill(temp_dir: str, only_raylet: bool) -> None:
-    """SIGKILL the processes of the node living under temp_dir (only its raylet: a lost node)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if temp_dir.encode() in cmd and (not only_raylet or b"raylet" in cmd.split(b"\0")[0]):
-                try:
-                    os.kill(int(entry.name), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-
-def node_loss(steps: int, k: int) -> list[tuple[str, str]]:
-    """4 workers, 2 on a head of their own and 2 on a second raylet of this machine (`ray start`, own temp dirs);
-    the second raylet is SIGKILLed before step k."""
+def node_runs(how: str, steps: int, k: int, repeat: int) -> list[tuple[list[float], list[dict]]]:
+    """4 workers, 2 on a head of their own and 2 on a second raylet of this machine, which is lost before step k
+    (how: "kill" its raylet, or "silence" it); a fresh second raylet for every run."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    head, node = tempfile.mkdtemp(prefix="k3ray-bench-head-"), tempfile.mkdtemp(prefix="k3ray-bench-node-")
-    port = _free_port()
+    head = tempfile.mkdtemp(prefix="k3ray-bench-head-")
+    port = free_port()
+    runs = []
     try:
-        _start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")
+        start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
-        _start_raylet(node, "--address", f"127.0.0.1:{port}", "--num-cpus", "2")
-        while sum(n["Alive"] for n in ray.nodes()) < 2:
-            time.sleep(0.5)
-        blocker = placement_group([{"CPU": 6}], strategy="STRICT_PACK")  # 2 head CPUs left: 2 workers there
-        ray.get(blocker.ready(), timeout=120)
-        times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False}, steps,
-                                  before_step=lambda s: s == k and _kill(node, only_raylet=True))
-        remove_placement_group(blocker)
+        for _ in range(repeat):
+            node = tempfile.mkdtemp(prefix="k3ray-bench-node-")
+            alive = sum(n["Alive"] for n in ray.nodes())
+            start_raylet(node, "--address", f"127.0.0.1:{port}", "--num-cpus", "2")
+            while sum(n["Alive"] for n in ray.nodes()) <= alive:
+                time.sleep(0.5)
+            blocker = placement_group([{"CPU": 6}], strategy="STRICT_PACK")  # 2 head CPUs left: 2 workers there
+            ray.get(blocker.ready(), timeout=120)
+            lose = kill_node if how == "kill" else silence_node
+            try:
+                times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
+                                           "parallel.collective_timeout_s": 10}, steps,
+                                          before_step=lambda s: s == k and lose(node))
+                runs.append((times, incidents))
+            finally:
+                remove_placement_group(blocker)
+                stop_node(node)
     finally:
         ray.shutdown()
-        for d in (node, head):
-            _kill(d, only_raylet=False)
-    return mttr_rows("node lost (raylet SIGKILL)", times, incidents, k)
+        stop_node(head)
+    return runs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=14)
-    ap.add_argument("--only", default="plain,worker,nan,hang,node")
+    ap.add_argument("--only", default="plain,worker,nan,hang,node,silent")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per MTTR figure (the median is reported)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     k = 7
@@ -143,10 +127,10 @@ def main() -> None:
         rows.append(("snapshot overhead per step, every 20 steps", f"{100 * snap_s / 20 / step_s:.1f} %"))
 
     if "worker" in only:
-        times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
-                                   "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]},
-                                  args.steps)
-        rows += mttr_rows("worker killed", times, incidents, k)
+        runs = [run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
+                     "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]}, args.steps)[:2]
+                for _ in range(args.repeat)]
+        rows += mttr_rows("worker killed", runs, k)
 
     if "nan" in only:
         times, incidents, _ = run({"fault_tolerance.snapshot_every": 5,
@@ -167,7 +151,9 @@ def main() -> None:
     rows.append(("guard check per step (pure function on the merged report)", f"{guard_check_us():.1f} us"))
 
     if "node" in only:
-        rows += node_loss(k + 2, k)
+        rows += mttr_rows("node lost (raylet SIGKILL)", node_runs("kill", k + 2, k, args.repeat), k)
+    if "silent" in only:
+        rows += mttr_rows("silent node (raylet and workers SIGSTOP)", node_runs("silence", k + 2, k, args.repeat), k)
 
     width = max(len(r[0]) for r in rows)
     for name, value in rows:
