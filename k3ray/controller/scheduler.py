@@ -9,7 +9,8 @@ mid-generation, and nothing is ever preempted. A request lives on one rank until
 return to the rank's free lists when it finishes or is cancelled.
 
 A request's state is its prompt and the tokens generated so far (`Request.ids`); the caches on the workers can be
-rebuilt from it by prefilling again.
+rebuilt from it by prefilling again (`reset`, after the grid holding them was lost): the next token then comes from
+the same logits, so greedy and seeded outputs are those of an undisturbed run.
 
 Interface: `submit`, `cancel`, `schedule` -> plans by rank, `complete(plans, logits by rank)`; `step` runs both
 with a synchronous executor (tests, the single-process engine).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from k3ray.data import EOS
 from k3ray.model.cache import SeqChunk
@@ -119,6 +120,20 @@ class Scheduler:
         self.waiting, self.in_flight = [], set()
         return failed
 
+    def reset(self, dp: int) -> list[Request]:
+        """The workers' caches are gone (a new grid of `dp` data-parallel ranks): every unfinished admitted request
+        goes back to the head of the queue, in arrival order, to be prefilled again from its prompt and the tokens
+        generated so far; its output so far stands. Returns the requeued requests."""
+        requeued = sorted((r for r in self.running.values() if not r.done), key=lambda r: r.arrival)
+        for req in requeued:
+            req.rank, req.pages, req.slot, req.cached = -1, [], -1, 0
+        self.limits = replace(self.limits, dp=dp)
+        self.ranks = [_RankPool(self.limits.pools) for _ in range(dp)]
+        self.rank_tokens = (self.rank_tokens + [0] * dp)[:dp]
+        self.running, self.in_flight = {}, set()
+        self.waiting = requeued + self.waiting
+        return requeued
+
     def forget(self, rid: int) -> None:
         self.requests.pop(rid, None)
 
@@ -167,7 +182,7 @@ class Scheduler:
             req.rank, req.slot = rank, pool.free_slots.pop(0)
             req.pages, pool.free_pages = pool.free_pages[:need], pool.free_pages[need:]
             self.running[req.id] = req
-            add(req, min(len(req.prompt), budget[rank]))
+            add(req, min(len(req.ids), budget[rank]))  # a requeued request (`reset`) also re-prefills its output
         self.in_flight = {req.id for _, reqs in plans.values() for req in reqs}
         return plans
 
