@@ -30,6 +30,26 @@ def _hang(worker) -> None:
     worker.engine.stage.register_forward_pre_hook(lambda mod, args: time.sleep(10**6))
 
 
+def inject(group, kind: str, ranks: list[int], layer: int | None = None) -> None:
+    """Fault `kind` into the given world ranks of a worker group, now: kill_worker (the actors die), nan (the routed
+    output of MoE layer `layer`, default 0, becomes NaN on every worker, until `clear`), hang_collective."""
+    if kind == "kill_worker":
+        for rank in ranks:
+            if rank < group.size:  # a smaller grid than the drill was written for has no such rank
+                group.kill(rank)
+    elif kind == "nan":
+        group.run_on(list(range(group.size)), _poison, layer or 0)
+    elif kind == "hang_collective":
+        group.run_on(ranks, _hang)
+    else:
+        raise ValueError(f"drill kind: {kind!r} is not one of kill_worker, nan, hang_collective")
+
+
+def clear(group) -> None:
+    """Remove the nan drills' hooks from every worker."""
+    group.run_on(list(range(group.size)), _poison, None)
+
+
 class FaultInjector:
     """Fires each configured drill once at its step: one per attempt, so a drill listed twice hits the retry too."""
 
@@ -48,13 +68,8 @@ class FaultInjector:
             log.warning("fault drill: %s at step %d", fault.kind, step)
             if fault.kind in ("kill_worker", "hang_collective"):
                 settle()
-            if fault.kind == "kill_worker":
-                self._kill(group, fault)
-            elif fault.kind == "nan":
-                group.run_on(list(range(group.size)), _poison, fault.layer or 0)
-                self.poisoned = True
-            elif fault.kind == "hang_collective":
-                group.run_on([fault.worker or 0], _hang)
+            inject(group, fault.kind, fault.workers or [fault.worker or 0], fault.layer)
+            self.poisoned = fault.kind == "nan"
             return
 
     def kill_at(self, group, step: int, at: str) -> None:
@@ -65,18 +80,12 @@ class FaultInjector:
             if fault.kind == "kill_worker" and fault.at == at and due and i not in self.fired:
                 self.fired.add(i)
                 log.warning("fault drill: kill_worker %s at step %d", at, step)
-                self._kill(group, fault)
-
-    @staticmethod
-    def _kill(group, fault) -> None:
-        for rank in fault.workers or [fault.worker or 0]:
-            if rank < group.size:  # a smaller grid than the drill was written for has no such rank
-                group.kill(rank)
+                inject(group, "kill_worker", fault.workers or [fault.worker or 0])
 
     def after_attempt(self, group) -> None:
         if self.poisoned:
             self.poisoned = False
-            group.run_on(list(range(group.size)), _poison, None)
+            clear(group)
 
     def on_checkpoint(self, step: int, path, parts: list, seconds: float) -> None:
         """Truncate the first part of the first checkpoint committed at or after a corrupt_checkpoint drill's step."""
