@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from k3ray.config import load_config
+from k3ray.controller.drills import poison_token
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.data import chat_prompt, decode, encode
 from k3ray.model.decoder import build_stage
@@ -141,6 +142,35 @@ def test_requests_whose_caches_were_lost_are_prefilled_again_and_end_as_undistur
             assert r.out[:len(before[r.id])] == before[r.id]
     assert cancelled.finish == "cancelled"
     assert sched.usage()["slots_used"] == 0
+
+
+def test_a_request_that_blows_up_fails_alone(model):
+    """The embedding of one byte becomes NaN (a drill's hook): the one request whose prompt holds it, prefilled in
+    chunks beside the others, fails with an error naming the guard; every other request ends as the reference, also
+    those that reuse the pages and slot it held."""
+    poison = ord("~")
+    texts = [t for t in TEXTS if "~" not in t][:8]
+    params = SamplingParams(max_tokens=10)
+    want = [generate_reference(model, encode(t), params)[0] for t in texts]
+    assert all(poison not in w for w in want)
+    sched, ex = engine(model, budget=16, pages=24, slots=2)  # few: the others reuse the failed one's slot and pages
+    handle = poison_token(model, poison)
+    held: dict[int, set[int]] = {}  # request -> pages it held
+    try:
+        reqs = [sched.submit(encode(t), params) for t in texts[:2]]
+        bad = sched.submit(encode("x = 1\n" * 4 + "~ = 2\n"), params)
+        reqs += [sched.submit(encode(t), params) for t in texts[2:]]
+        while sched.has_work:
+            sched.step(ex)
+            for r in sched.running.values():
+                held.setdefault(r.id, set()).update(r.pages)
+    finally:
+        handle.remove()
+    assert bad.finish == "error" and bad.trip.rule == "activation" and bad.trip.detail == "not finite"
+    assert "blew up" in bad.error and bad.out == []
+    assert [r.out for r in reqs] == want
+    assert any(held[r.id] & held[bad.id] for r in reqs if r.id > bad.id)
+    assert sched.usage()["pages_used"] == 0
 
 
 def test_limits_and_overload(model):

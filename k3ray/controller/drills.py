@@ -25,28 +25,48 @@ def _poison(worker, layer: int | None) -> None:
             worker.drill_hooks.append(moe.experts.register_forward_hook(lambda mod, args, out: out * float("nan")))
 
 
+def poison_token(stage, token: int):
+    """The embedding of `token` becomes NaN in `stage` (if it is the first), so exactly the sequences holding that
+    token blow up. Returns the hook's handle (None on other stages)."""
+    if stage.embed is None:
+        return None
+
+    def hook(mod, args, out):
+        return out.masked_fill((args[0] == token)[..., None], float("nan"))
+
+    return stage.embed.register_forward_hook(hook)
+
+
+def _poison_token(worker, token: int) -> None:
+    handle = poison_token(worker.engine.stage, token)
+    worker.drill_hooks = getattr(worker, "drill_hooks", []) + ([handle] if handle is not None else [])
+
+
 def _hang(worker) -> None:
     """Inside a worker: its next forward never returns, so its peers' collectives wait on it (a hung collective)."""
     worker.engine.stage.register_forward_pre_hook(lambda mod, args: time.sleep(10**6))
 
 
-def inject(group, kind: str, ranks: list[int], layer: int | None = None) -> None:
+def inject(group, kind: str, ranks: list[int], layer: int | None = None, token: int | None = None) -> None:
     """Fault `kind` into the given world ranks of a worker group, now: kill_worker (the actors die), nan (the routed
-    output of MoE layer `layer`, default 0, becomes NaN on every worker, until `clear`), hang_collective."""
+    output of MoE layer `layer`, default 0, becomes NaN on every worker, until `clear`), nan_token (the embedding of
+    byte `token` becomes NaN, until `clear`: the requests holding it blow up, serving), hang_collective."""
     if kind == "kill_worker":
         for rank in ranks:
             if rank < group.size:  # a smaller grid than the drill was written for has no such rank
                 group.kill(rank)
     elif kind == "nan":
         group.run_on(list(range(group.size)), _poison, layer or 0)
+    elif kind == "nan_token":
+        group.run_on(list(range(group.size)), _poison_token, token)
     elif kind == "hang_collective":
         group.run_on(ranks, _hang)
     else:
-        raise ValueError(f"drill kind: {kind!r} is not one of kill_worker, nan, hang_collective")
+        raise ValueError(f"drill kind: {kind!r} is not one of kill_worker, nan, nan_token, hang_collective")
 
 
 def clear(group) -> None:
-    """Remove the nan drills' hooks from every worker."""
+    """Remove the nan and nan_token drills' hooks from every worker."""
     group.run_on(list(range(group.size)), _poison, None)
 
 

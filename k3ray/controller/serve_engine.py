@@ -24,7 +24,7 @@ import ray
 
 from k3ray.config import JobConfig
 from k3ray.controller.checkpointing import serving_weights
-from k3ray.controller.drills import inject
+from k3ray.controller.drills import clear, inject
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.controller.serve_grid import ServingGrid
 from k3ray.controller.worker_group import WorkerLost
@@ -53,7 +53,8 @@ class ServingEngine:
         self.model_name, self.step = cfg.name, weights.step
         sc = cfg.serve
         sizes = PoolSizes(sc.pages_per_rank, sc.page_size, sc.slots_per_rank)
-        self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, ep, sc.token_budget, sc.max_waiting, sizes))
+        self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, ep, sc.token_budget, sc.max_waiting, sizes,
+                                            cfg.policies.guards))
         self.grid = ServingGrid(cfg, weights.state, sizes, launch_timeout_s)
         self.grid.launch(ep)
         self.incidents: list[dict] = []
@@ -129,12 +130,20 @@ class ServingEngine:
             t0 = time.perf_counter()
             plans = self.sched.schedule()
             try:
-                logits = await self._on_grid(self.grid.run, {r: p for r, (p, _) in plans.items()})
+                outputs = await self._on_grid(self.grid.run, {r: p for r, (p, _) in plans.items()})
             except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
                 log.exception("serving iteration failed")
                 changed = self.sched.fail_all(f"the iteration failed: {type(err).__name__}: {err}")
+                self._incident("iteration_failed", action="failed every request", requests=len(changed),
+                               why=f"{type(err).__name__}: {err}")
             else:
-                changed = [] if logits is None else self.sched.complete(plans, logits)
+                changed = [] if outputs is None else self.sched.complete(plans, outputs)
+            for req in changed:
+                if req.trip is not None:
+                    log.warning("serving: request %d stopped by the guards (%s %s: %g)", req.id, req.trip.rule,
+                                req.trip.detail, req.trip.value)
+                    self._incident("blowup", action="failed the request", request=req.id, rule=req.trip.rule,
+                                   value=req.trip.value, detail=req.trip.detail)
             self.iterations += 1
             self.tokens_out += sum(1 for r in changed if r.finish != "cancelled")
             self._note_gap(changed)
@@ -155,9 +164,7 @@ class ServingEngine:
             return await asyncio.to_thread(fn, *args)
         except WorkerLost as lost:
             t0 = time.perf_counter()
-            incident = {"time": time.time(), "kind": "worker_lost", "iteration": self.iterations,
-                        "requests": len(self.sched.running)}
-            self.incidents.append(incident)
+            incident = self._incident("worker_lost", requests=len(self.sched.running))
             incident.update(await asyncio.to_thread(self.grid.recover, lost))
             incident["requeued"] = len(self.sched.reset(self.grid.ep))
             self.gap_from = (incident, t0)
@@ -172,15 +179,24 @@ class ServingEngine:
             incident["seconds"]["to_next_token"] = time.perf_counter() - t0
             self.gap_from = None
 
+    def _incident(self, kind: str, **fields) -> dict:
+        """Record an incident (`incident_log`: the front door's /v1/incidents, `k3ray incidents --serve`)."""
+        incident = {"time": time.time(), "kind": kind, "iteration": self.iterations, **fields}
+        self.incidents.append(incident)
+        return incident
+
     def incident_log(self) -> list[dict]:
         return list(self.incidents)
 
     def expert_load(self) -> list[dict]:
         return self.grid.expert_load()
 
-    def drill(self, kind: str, workers: list[int], layer: int | None = None) -> bool:
-        """Inject a fault into the grid now (k3ray.controller.drills.inject)."""
-        inject(self.grid.group, kind, workers, layer)
+    def drill(self, kind: str, workers: list[int] = (), layer: int | None = None, token: int | None = None) -> bool:
+        """Inject a fault into the grid now (k3ray.controller.drills.inject); kind 'clear' removes the NaN hooks."""
+        if kind == "clear":
+            clear(self.grid.group)
+        else:
+            inject(self.grid.group, kind, list(workers), layer, token)
         return True
 
     def shutdown(self) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from k3ray.config import JobConfig
 from k3ray.controller.worker_group import TopologyError, WorkerGroup, WorkerLost
-from k3ray.parallel.serving import PoolSizes
+from k3ray.parallel.serving import PoolSizes, StageOutput
 from k3ray.policies import recovery
 
 log = logging.getLogger("k3ray.serve")
@@ -52,9 +52,10 @@ class ServingGrid:
         self.group.call("serve_init", s.pages, s.page_size, s.slots)
         return {**self.group.launch_seconds, "cache_pools": time.perf_counter() - t0}
 
-    def run(self, plans: dict) -> dict:
-        """One iteration: rank -> RankPlan in, rank -> the last stage's answer out (WorkerLost if a worker is)."""
-        return self.group.serve_step(plans, self.cfg.parallel.collective_timeout_s)
+    def run(self, plans: dict) -> dict[int, StageOutput]:
+        """One iteration: rank -> RankPlan in, rank -> its stages' merged answer out (WorkerLost if a worker is)."""
+        outs = self.group.serve_step(plans, self.cfg.parallel.collective_timeout_s)
+        return {e: StageOutput.merge(stages) for e, stages in outs.items()}
 
     def expert_load(self) -> list[dict[int, list[int]]]:
         """Every worker's routed-token counts (layer -> [E]) since the last call; kept for re-homing too."""

@@ -203,10 +203,10 @@ class WorkerGroup:
 
     def serve_step(self, plans: dict, timeout_s: float) -> dict:
         """One serving iteration: worker (p, e) runs data-parallel rank e's plan (k3ray.parallel.serving.RankPlan);
-        the last stage's answers by rank (WorkerLost: see `_gather`)."""
+        each rank's stages' answers in pipeline order (WorkerLost: see `_gather`)."""
         out = self._gather([(r, w.serve_step.remote(plans[r % self.ep])) for r, w in enumerate(self.workers)],
                            timeout_s, "serve_step")
-        return {e: out[(self.pp - 1) * self.ep + e] for e in range(self.ep)}
+        return {e: out[e::self.ep] for e in range(self.ep)}
 
     def begin_snapshot(self, step: int) -> tuple[list, list]:
         """Stage every worker's state to run `step` from (training stalls only for this), then ask for the bytes,
