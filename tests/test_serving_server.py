@@ -6,7 +6,8 @@ load) behind Ray Serve, and spoken to with the real `openai` client.
   data-parallel request placement and the EP exchange with MoonEP must not change a token);
 - seeded sampling gives the same text alone and under concurrent load;
 - bad input gets a 4xx naming the field, and the server keeps serving;
-- past the queue limit requests get 429 with Retry-After; clients that disconnect free their pages."""
+- past the queue limit requests get 429 with Retry-After; clients that disconnect free their pages;
+- a request whose activations blow up fails alone, with an error naming the guard, and is an incident."""
 from __future__ import annotations
 
 import asyncio
@@ -190,6 +191,39 @@ def test_overload_answers_429_and_disconnects_free_pages(server):
         time.sleep(0.5)
     assert stats["running"] == stats["waiting"] == stats["pages_used"] == 0, stats
     assert stats["tokens_out"] - before < accepted * body["max_tokens"] // 2  # hung-up requests stopped early
+
+
+def test_a_request_that_blows_up_fails_alone_and_is_an_incident(server, reference):
+    """A drill makes the embedding of one byte NaN: the requests holding it fail with an error naming the guard
+    (streaming and not), the requests around them return the reference's text, and `k3ray incidents --serve` lists
+    the blow-ups."""
+    engine, info, url = server
+    model = info["model"]
+    poison = "`"
+    others = [p for p in PROMPTS if poison not in p][:6]
+    want = [reference(p, max_tokens=8) for p in others]
+    assert all(poison not in text for text, _ in want)
+    ray.get(engine.drill.remote("nan_token", token=ord(poison)))
+
+    async def run():
+        api = client(url)
+        calls = [complete(api, model, f"x = {poison}ls{poison}\n", stream, max_tokens=8, temperature=0)
+                 for stream in (True, False)]
+        calls += [complete(api, model, p, i % 2 == 0, max_tokens=8, temperature=0) for i, p in enumerate(others)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        ray.get(engine.drill.remote("clear"))
+    for bad in got[:2]:
+        assert isinstance(bad, openai.APIError) and "blew up" in str(bad), bad
+    assert got[2:] == want
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["incidents", "--serve", url, "--json"]) == 0
+    blowups = [i for i in json.loads(out.getvalue()) if i["kind"] == "blowup"]
+    assert len(blowups) == 2 and all(i["rule"] == "activation" and i["detail"] == "not finite" for i in blowups)
 
 
 def test_serving_metrics_are_exported(ray_cluster, server):

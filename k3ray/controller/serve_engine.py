@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import ray
@@ -142,8 +143,9 @@ class ServingEngine:
                 if req.trip is not None:
                     log.warning("serving: request %d stopped by the guards (%s %s: %g)", req.id, req.trip.rule,
                                 req.trip.detail, req.trip.value)
+                    value = req.trip.value if math.isfinite(req.trip.value) else str(req.trip.value)  # JSON-able
                     self._incident("blowup", action="failed the request", request=req.id, rule=req.trip.rule,
-                                   value=req.trip.value, detail=req.trip.detail)
+                                   value=value, detail=req.trip.detail)
             self.iterations += 1
             self.tokens_out += sum(1 for r in changed if r.finish != "cancelled")
             self._note_gap(changed)
