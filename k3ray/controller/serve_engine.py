@@ -59,7 +59,7 @@ class ServingEngine:
         self.grid = ServingGrid(cfg, weights.state, sizes, launch_timeout_s)
         self.grid.launch(ep)
         self.incidents: list[dict] = []
-        self.gap_from: tuple[dict, float] | None = None  # (incident, when) until the next token after a recovery
+        self.gap_from: tuple[dict, float] | None = None  # (incident, when the loss was found) until the next token
         self.wake: asyncio.Event | None = None
         self.updates: dict[int, asyncio.Event] = {}
         self.loop_task: asyncio.Task | None = None
@@ -147,15 +147,23 @@ class ServingEngine:
                     self._incident("blowup", action="failed the request", request=req.id, rule=req.trip.rule,
                                    value=value, detail=req.trip.detail)
             self.iterations += 1
-            self.tokens_out += sum(1 for r in changed if r.finish != "cancelled")
-            self._note_gap(changed)
+            got_token = [r for r in changed if r.finish not in ("cancelled", "error")]
+            self.tokens_out += len(got_token)
+            if got_token and self.gap_from is not None:  # the serving gap: the loss found -> the next token
+                incident, t_found = self.gap_from
+                incident["seconds"]["to_next_token"] = time.perf_counter() - t_found
+                self.gap_from = None
             for req in changed:
                 if req.id in self.updates:
                     self.updates[req.id].set()
             for observer in self.observers:
                 observer.iteration(changed, self.sched, time.perf_counter() - t0)
             if self.observers and self.iterations % self.observers[0].expert_load_every == 0:
-                loads = await self._on_grid(self.grid.expert_load)
+                try:
+                    loads = await self._on_grid(self.grid.expert_load)
+                except Exception:  # noqa: BLE001 - a failed recovery: the next iteration fails what is running
+                    log.exception("collecting the expert load failed")
+                    loads = None
                 for observer in self.observers if loads is not None else ():
                     observer.expert_load(loads)
 
@@ -166,20 +174,17 @@ class ServingEngine:
             return await asyncio.to_thread(fn, *args)
         except WorkerLost as lost:
             t0 = time.perf_counter()
-            incident = self._incident("worker_lost", requests=len(self.sched.running))
-            incident.update(await asyncio.to_thread(self.grid.recover, lost))
+            incident = self._incident("worker_lost", requests=len(self.sched.running), ranks=sorted(lost.ranks))
+            try:
+                incident.update(await asyncio.to_thread(self.grid.recover, lost))
+            except Exception as err:
+                incident["outcome"] = f"not recovered: {type(err).__name__}: {err}"
+                raise
             incident["requeued"] = len(self.sched.reset(self.grid.ep))
             self.gap_from = (incident, t0)
             log.warning("serving: recovered on pp=%d x ep=%d in %.2fs, %d requests to prefill again", self.grid.pp,
                         self.grid.ep, time.perf_counter() - t0, incident["requeued"])
             return None
-
-    def _note_gap(self, changed: list) -> None:
-        """The serving gap of the last recovery: from the loss being found to the next token of any request."""
-        if self.gap_from is not None and any(r.token_times and r.finish != "cancelled" for r in changed):
-            incident, t0 = self.gap_from
-            incident["seconds"]["to_next_token"] = time.perf_counter() - t0
-            self.gap_from = None
 
     def _incident(self, kind: str, **fields) -> dict:
         """Record an incident (`incident_log`: the front door's /v1/incidents, `k3ray incidents --serve`)."""
