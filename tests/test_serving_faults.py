@@ -74,7 +74,10 @@ def test_killed_worker_every_request_completes_as_undisturbed(engine, serving_re
     assert [i["kind"] for i in incidents] == ["worker_lost"]
     lost = incidents[0]
     assert lost["ranks"] == [2] and lost["ep"] == [2, 1] and lost["requeued"] >= 8
-    gap = min(at for s in streams for at, item in s.items if at > t_kill and item.get("tokens")) - t_kill
-    print(f"\nserving gap (kill -> next token at the client): {gap:.2f}s; engine phases: {lost['seconds']}")
+    times = sorted(at for s in streams for at, item in s.items if item.get("tokens"))
+    start = max(i for i, t in enumerate(times) if t <= t_kill)
+    gap = max(b - a for a, b in zip(times[start:], times[start + 1:]))
+    print(f"\nserving gap (longest stretch without a token from the kill on): {gap:.2f}s; engine: {lost['seconds']}")
+    assert gap >= lost["seconds"]["total"]  # the stall is the recovery's, seen by the clients
     stats = ray.get(engine.stats.remote())
     assert (stats["ep"], stats["running"], stats["pages_used"]) == (1, 0, 0)
