@@ -32,7 +32,7 @@ class Cluster:
         self.calls: list[tuple] = []
         self.groups: list[FakeGroup] = []
 
-    def group(self, cfg, ep: int, home: list[int]) -> "FakeGroup":
+    def group(self, cfg, ep: int, home: list[int], avoid_nodes: frozenset[str] = frozenset()) -> "FakeGroup":
         g = FakeGroup(self, cfg, ep, home)
         self.groups.append(g)
         return g
@@ -244,6 +244,14 @@ def test_shrink_or_restart_decisions():
     assert shrunk.action == "reshard" and shrunk.ep == 3 and sorted(set(shrunk.home.tolist())) == [0, 1, 2]
     restart = recovery.on_workers_lost(recovery.grow(8, 1), 1, {1}, load)
     assert restart.action == "restart" and restart.ep == 1
+
+
+def test_silent_nodes_are_those_whose_every_rank_hung():
+    nodes = ["a", "a", "b", "b"]
+    assert recovery.silent_nodes(nodes, {2, 3}) == {"b"}
+    assert recovery.silent_nodes(nodes, {1, 2, 3}) == {"b"}  # a's rank 0 answered: a hung worker, not a node
+    assert recovery.silent_nodes(nodes, {3}) == set()
+    assert recovery.silent_nodes(nodes, {0, 1, 2, 3}) == set()  # every node silent: evidence against none
 
 
 # -- a worker lost in any controller state -----------------------------------------------------------------------

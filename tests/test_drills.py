@@ -20,10 +20,7 @@ STEPS, SNAPSHOT_EVERY, CHECKPOINT_EVERY = 8, 3, 3
 # where a kill lands: the state the controller is in when it meets the dead worker
 STATES = ("step", "snapshot", "checkpoint_commit", "evaluation", "policy_change", "grow_back", "recovery")
 NODE_STATES = ("step", "snapshot", "checkpoint_commit", "evaluation", "policy_change")  # a node dies between steps
-# Whole-node drills in random states are opt-in (K3RAY_DRILL_KINDS=worker,two_workers,node): one failed when the
-# job's controller itself was found on the killed raylet (two raylets share 127.0.0.1 here), a known open problem;
-# node loss during a step is covered by tests/test_nodes.py.
-KINDS = tuple(os.environ.get("K3RAY_DRILL_KINDS", "worker,two_workers").split(","))
+KINDS = tuple(os.environ.get("K3RAY_DRILL_KINDS", "worker,two_workers,node").split(","))
 
 
 def tiny(tmp_path, faults=()):

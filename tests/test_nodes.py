@@ -1,7 +1,13 @@
-"""A lost node on a cluster of two raylets on this machine: every rank it held is lost at once, the grid shrinks to
-what the alive nodes hold, the snapshot copies held on the other node restore it, and the run's losses are those of
-a run that never failed; when a node joins again the job grows back."""
+"""Lost nodes on a cluster of two raylets on this machine. A killed node: every rank it held is lost at once, the grid
+shrinks to what the alive nodes hold, the snapshot copies held on the other node restore it, and the run's losses
+are those of a run that never failed; when a node joins again the job grows back. A silent node (its raylet and
+workers stopped, not dead: Ray still reports it alive): the step timeout finds its ranks, placement avoids it, and the
+losses are again the unfailed run's."""
 from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
 
 import pytest
 import ray
@@ -9,6 +15,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from k3ray.config import load_config
 from k3ray.control.driver import start_controller, stop_controller
+
+STEPS = 9
 
 
 def tiny(**overrides):
@@ -18,35 +26,93 @@ def tiny(**overrides):
     return load_config("configs/tiny.yaml", {**base, **overrides})
 
 
-def test_lost_node_shrinks_restores_from_copies_elsewhere_and_grows_back(ray_cluster, extra_nodes):
-    steps = 9
+@pytest.fixture(scope="module")
+def unfailed_losses(ray_cluster) -> list[float]:
     reference = start_controller(tiny())
     try:
-        want = [ray.get(reference.train_step.remote(s), timeout=600)["loss"] for s in range(steps)]
+        return [ray.get(reference.train_step.remote(s), timeout=600)["loss"] for s in range(STEPS)]
     finally:
         stop_controller(reference)
 
+
+@pytest.fixture
+def split_grid(extra_nodes):
+    """A second node of 2 CPUs, and the head's CPUs but 2 blocked, so the 4 workers sit 2 on each node."""
     head_cpus = int(ray.cluster_resources()["CPU"])
     node = extra_nodes(2)
-    # leave 2 CPUs of the head free, so the 4 workers sit 2 on the head and 2 on the new node
     blocker = placement_group([{"CPU": head_cpus - 2}], strategy="STRICT_PACK")
     ray.get(blocker.ready(), timeout=120)
+    try:
+        yield node
+    finally:
+        remove_placement_group(blocker)
+
+
+def test_lost_node_shrinks_restores_from_copies_elsewhere_and_grows_back(unfailed_losses, split_grid, extra_nodes):
     controller = start_controller(tiny())
     try:
         losses = [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(6)]
-        extra_nodes.kill(node)  # the node and its 2 workers are gone, between steps
+        extra_nodes.kill(split_grid)  # the node and its 2 workers are gone, between steps
         losses.append(ray.get(controller.train_step.remote(6), timeout=600)["loss"])
         lost = ray.get(controller.get_incidents.remote())[0]
         assert lost["kind"] == "worker_lost" and len(lost["ranks"]) == 2 and lost["ep"][-1] == 2, lost
         assert ray.get(controller.status.remote())["ep"] == 2
         extra_nodes(2)  # capacity returns: the job grows back at the next boundary
-        losses += [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(7, steps)]
+        losses += [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(7, STEPS)]
         incidents = ray.get(controller.get_incidents.remote())
         status = ray.get(controller.status.remote())
     finally:
         stop_controller(controller)
-        remove_placement_group(blocker)
     assert [i["kind"] for i in incidents if i["kind"] in ("worker_lost", "grow_back")][-1] == "grow_back"
     assert status["ep"] == 4
     # survivors ran the lost ranks' micro-batches: the trajectory is the unfailed run's (see test_faults for the bound)
-    assert losses == pytest.approx(want, rel=1e-12, abs=0)
+    assert losses == pytest.approx(unfailed_losses, rel=1e-12, abs=0)
+
+
+def node_processes(temp_dir: str) -> list[int]:
+    """The node's raylet and every process under it (its workers: their command lines no longer name the dir)."""
+    children: dict[int, list[int]] = {}
+    raylet = None
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(entry.name))
+        if temp_dir.encode() in cmd and b"raylet" in cmd.split(b"\0")[0]:
+            raylet = int(entry.name)
+    assert raylet is not None, f"no raylet under {temp_dir}"
+    tree, todo = [], [raylet]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def test_silent_node_is_found_by_the_step_timeout_and_avoided(unfailed_losses, split_grid, extra_nodes):
+    controller = start_controller(tiny())  # grow-back on: it must not count on the silent node's CPUs
+    frozen = node_processes(split_grid)
+    try:
+        losses = [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(5)]
+        for pid in frozen:  # the node goes silent: no process of it answers, none has died
+            os.kill(pid, signal.SIGSTOP)
+        losses += [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(5, STEPS)]
+        incidents = ray.get(controller.get_incidents.remote())
+        status = ray.get(controller.status.remote())
+    finally:
+        stop_controller(controller)
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    lost = [i for i in incidents if i["kind"] == "worker_lost"]
+    assert len(lost) == 1 and lost[0]["rule"] == "collective_timeout" and len(lost[0]["ranks"]) == 2, incidents
+    assert status["ep"] == 2 and lost[0]["silent_nodes"] and not [i for i in incidents if i["kind"] == "grow_back"]
+    # found by the step's collective timeout (10 s) plus the grace for the silent ranks, not by Ray's node health check
+    assert lost[0]["seconds"]["detection"] < 20, lost[0]["seconds"]
+    assert losses == pytest.approx(unfailed_losses, rel=1e-12, abs=0)

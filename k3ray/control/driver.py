@@ -122,8 +122,9 @@ def _show_warnings(warnings: list[str]) -> None:
 def start_controller(cfg: JobConfig, resume: bool = False, fresh: bool = False):
     """The job's Controller actor, started (workers up, control API serving, metrics exported)."""
     name = f"k3ray-{cfg.name}-{uuid.uuid4().hex[:8]}"
-    # on the driver's node: a lost worker node must not take the job's controller (and its snapshots' owner) with it
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # on the driver's node, hard: a lost worker node must not take the job's controller (and its snapshots' owner)
+    # with it, and a soft affinity lets the driver's raylet spill the actor to another node
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     controller = ControllerActor.options(name=name, runtime_env=actor_runtime_env(cfg),
                                          scheduling_strategy=here).remote(
         cfg.model_dump(), [ApiCallback(), MetricsCallback()])

@@ -41,7 +41,7 @@ class Controller(FailurePaths):
     def __init__(self, cfg: JobConfig | dict, callbacks: list[Callback] = (), group_factory=WorkerGroup):
         self.cfg = cfg if isinstance(cfg, JobConfig) else JobConfig.model_validate(cfg)
         cfg = self.cfg
-        self.new_group = group_factory  # (cfg, ep, home) -> a worker group
+        self.new_group = group_factory  # (cfg, ep, home, avoid_nodes) -> a worker group
         self.group = None
         self.callbacks = list(callbacks)
         self.machine = StateMachine()
@@ -61,6 +61,7 @@ class Controller(FailurePaths):
         self.shrunk_at: int | None = None  # step at which the job last shrank (None: at full size)
         self.last_report: dict | None = None
         self.incidents: list[dict] = []
+        self.avoid_nodes: set[str] = set()  # nodes found silent (Ray may still report them alive): never placed on
         self._warned = 0  # checkpoint warnings handed to the driver so far
 
     @property
@@ -86,7 +87,7 @@ class Controller(FailurePaths):
             self._resume_from(resumed)
             why += f", resuming from {resumed.path} (step {resumed.step}, ep {resumed.meta['ep']} -> {self.table.ep})"
         self.machine.to(JobState.SCHEDULING, why)
-        self.group = self.new_group(self.cfg, self.table.ep, self.table.home)
+        self.group = self._new_group(self.table.ep, self.table.home)
         try:
             backend = self.group.launch(placement_timeout_s, restore=None if resumed is None else resumed.sources)
         except TopologyError:

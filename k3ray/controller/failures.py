@@ -67,11 +67,13 @@ class FailurePaths:
         if snap is None:
             self.machine.to(JobState.ERRORED, "no snapshot yet")
             raise RuntimeError(f"{lost} before the first snapshot completed; restart with --resume from a checkpoint")
+        silent = recovery.silent_nodes(old.nodes, lost.ranks) if lost.hung else set()
+        self.avoid_nodes |= silent
         t_gathered = time.perf_counter()
         old.close()
         for attempt in range(1, 4):
             # the plan fits the alive nodes; a node lost but not yet reported dead fails the placement: plan again
-            max_ep = self.new_group(self.cfg, 1, old.home).capacity() // self.cfg.parallel.pp
+            max_ep = self._new_group(1, old.home).capacity() // self.cfg.parallel.pp
             if max_ep < 1:
                 self.machine.to(JobState.ERRORED, "nothing fits the alive nodes")
                 raise TopologyError(f"{lost}: the alive nodes hold no {self.cfg.parallel.pp}-stage grid")
@@ -80,7 +82,7 @@ class FailurePaths:
             t_planned = time.perf_counter()
             incident = self._incident(
                 "worker_lost", action=decision.action, step=step, ranks=sorted(lost.ranks), why=lost.why,
-                rule="collective_timeout" if lost.why.startswith("no answer") else "worker_lost",
+                rule="collective_timeout" if lost.hung else "worker_lost", silent_nodes=sorted(silent),
                 ep=[old.ep, decision.ep], replayed_steps=[snap.step, step],
                 dp_ranks_per_ep_rank=[recovery.dp_ranks_of(e, decision.ep, self.cfg.parallel.ep)
                                       for e in range(decision.ep)])
@@ -107,6 +109,9 @@ class FailurePaths:
             "replay": time.perf_counter() - t_restored}
         self.machine.to(JobState.RUNNING, f"recovered on {decision.ep * self.cfg.parallel.pp} workers")
 
+    def _new_group(self, ep: int, home: list[int]):
+        return self.new_group(self.cfg, ep, home, frozenset(self.avoid_nodes))
+
     def _incident(self, kind: str, **fields) -> dict:
         """Record an incident (the incident log, `k3ray incidents`, the metrics read it); returns it for updates."""
         incident = {"time": time.time(), "kind": kind, **fields}
@@ -115,7 +120,7 @@ class FailurePaths:
 
     def _relaunch(self, ep: int, home: list[int], sources: dict, placement_timeout_s: float = 120.0) -> None:
         self.table.reset(ep, home)
-        self.group = self.new_group(self.cfg, ep, home)
+        self.group = self._new_group(ep, home)
         self.group.launch(placement_timeout_s, restore=sources)
         self.drills.kill_at(self.group, self.step, "relaunch")
         self._push_policies()
@@ -128,7 +133,7 @@ class FailurePaths:
         if not recovery.grow_back_due(step, self.shrunk_at, self.table.ep, full, ft.grow_back,
                                       ft.grow_back_after_steps):
             return
-        extra = self.new_group(self.cfg, full - self.table.ep, [0] * self.cfg.model.n_experts)
+        extra = self._new_group(full - self.table.ep, [0] * self.cfg.model.n_experts)
         if not extra.fits(extra_cluster_free=True)[0]:
             return
         t0 = time.perf_counter()

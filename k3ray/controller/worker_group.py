@@ -32,12 +32,12 @@ def actor_runtime_env(cfg: JobConfig) -> dict | None:
     return NORMAL_PRIORITY if cfg.parallel.device == "cuda" else None
 
 
-def alive_resources(free: bool) -> dict[str, float]:
-    """Resources of the nodes Ray reports alive, in total or (free) what is unused of them: a lost node's resources
-    stay in ray.cluster_resources() for a while, so placement must not count on them."""
+def alive_resources(free: bool, avoid_nodes: frozenset[str] = frozenset()) -> dict[str, float]:
+    """Resources of the nodes Ray reports alive (but avoid_nodes), in total or (free) what is unused of them: a lost
+    node's resources stay in ray.cluster_resources() for a while, so placement must not count on them."""
     have: dict[str, float] = {}
     for node in ray.nodes():
-        if node["Alive"]:
+        if node["Alive"] and node["NodeID"] not in avoid_nodes:
             for res, amount in node["Resources"].items():
                 have[res] = have.get(res, 0) + amount
     if free:
@@ -51,16 +51,19 @@ class TopologyError(RuntimeError):
 
 
 class WorkerLost(RuntimeError):
-    """Workers died or hung (in any call to them); `ranks` are their world ranks, every one found lost."""
+    """Workers died or hung (in any call to them); `ranks` are their world ranks, every one found lost; `hung`: found
+    by a timeout (some gave no answer) rather than by Ray reporting them dead."""
 
-    def __init__(self, ranks: set[int], why: str):
+    def __init__(self, ranks: set[int], why: str, hung: bool = False):
         super().__init__(f"lost world ranks {sorted(ranks)}: {why}")
-        self.ranks, self.why = ranks, why
+        self.ranks, self.why, self.hung = ranks, why, hung
 
 
 class WorkerGroup:
-    def __init__(self, cfg: JobConfig, ep: int, home: list[int]):
+    def __init__(self, cfg: JobConfig, ep: int, home: list[int], avoid_nodes: frozenset[str] = frozenset()):
+        """avoid_nodes: nodes found silent, which Ray may still report alive: neither counted nor placed on."""
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
+        self.avoid_nodes = frozenset(avoid_nodes)
         self.bundle = {"CPU": 1} if cfg.parallel.device == "cpu" else {"CPU": 1, "GPU": 1}
         self.pg = None
         self.workers: list = []  # world rank -> actor
@@ -73,7 +76,7 @@ class WorkerGroup:
 
     def fits(self, extra_cluster_free: bool = False) -> tuple[bool, str]:
         """Whether the cluster's alive nodes can hold this grid (in total, or in what is free right now)."""
-        have = alive_resources(free=extra_cluster_free)
+        have = alive_resources(extra_cluster_free, self.avoid_nodes)
         for res, amount in self.bundle.items():
             need = amount * self.size
             if have.get(res, 0) < need:
@@ -82,7 +85,7 @@ class WorkerGroup:
 
     def capacity(self) -> int:
         """How many workers the alive nodes can hold in total (a shrunk grid is planned to fit it)."""
-        have = alive_resources(free=False)
+        have = alive_resources(False, self.avoid_nodes)
         return int(min(have.get(res, 0) // amount for res, amount in self.bundle.items()))
 
     def launch(self, timeout_s: float, restore: dict[int, list] | None = None) -> str:
@@ -92,7 +95,11 @@ class WorkerGroup:
             par = self.cfg.parallel
             raise TopologyError(f"parallel.pp={par.pp} x ep={self.ep}: {why}; lower pp/ep or add nodes")
         t0 = time.perf_counter()
-        self.pg = placement_group([dict(self.bundle) for _ in range(self.size)], strategy="PACK")
+        # Ray labels every node with its id; a label selector keeps the bundles off the silent nodes
+        avoid = [{"ray.io/node-id": f"!in({','.join(sorted(self.avoid_nodes))})"}] * self.size if self.avoid_nodes \
+            else None
+        self.pg = placement_group([dict(self.bundle) for _ in range(self.size)], strategy="PACK",
+                                  bundle_label_selector=avoid)
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             self.close()
@@ -173,7 +180,7 @@ class WorkerGroup:
             answered = {calls[j][0] for j in results}
             hung = {calls[index[f]][0] for f in pending} | self.dead_ranks(exclude=answered)
             raise WorkerLost(hung, f"no answer to {what} within {timeout_s if not errors else grace_s:g}s "
-                                   f"(hung collective or silent node?)")
+                                   f"(hung collective or silent node?)", hung=True)
         if errors:
             raise next(iter(errors.values()))
         return [results[i] for i in range(len(calls))]
