@@ -86,3 +86,47 @@ def extra_nodes(ray_cluster):
     finally:
         for d in dirs:
             stop_node(d)
+
+
+@pytest.fixture(scope="session")
+def serving_checkpoint(ray_cluster, tmp_path_factory) -> str:
+    """A durable checkpoint of the tiny model in float64, trained 4 steps on pp=1 x ep=2 (serving tests load it onto
+    other grids)."""
+    import ray
+
+    from k3ray.config import load_config
+    from k3ray.control.driver import start_controller, stop_controller
+
+    root = tmp_path_factory.mktemp("serve") / "ckpt"
+    cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "model.dtype": "float64", "parallel.pp": 1,
+                                            "parallel.ep": 2, "checkpoint.dir": str(root),
+                                            "checkpoint.every_n_steps": 3})
+    controller = start_controller(cfg)
+    try:
+        for s in range(4):
+            ray.get(controller.train_step.remote(s), timeout=300)
+    finally:
+        stop_controller(controller)
+    return str(root)
+
+
+@pytest.fixture(scope="session")
+def serving_reference(serving_checkpoint):
+    """The single-process reference generation from `serving_checkpoint`: (prompt ids, SamplingParams) ->
+    (generated ids, finish reason)."""
+    import torch
+
+    from k3ray.controller.checkpointing import serving_weights
+    from k3ray.controller.serve_engine import serving_config
+    from k3ray.model.decoder import build_stage
+    from k3ray.optim import AdamW
+    from k3ray.parallel import shards
+    from k3ray.parallel.reference import generate_reference
+
+    torch.set_num_threads(1)
+    w = serving_weights(serving_checkpoint)
+    cfg = serving_config(w.config, 1, 1)
+    model = build_stage(cfg.model, range(cfg.model.n_layers), init=False)
+    shards.load_weights(model, AdamW(cfg.optimizer), w.state, {i: [w.state["experts"][i]] for i in model.layers},
+                        set(range(cfg.model.n_experts)))
+    return lambda prompt_ids, params: generate_reference(model, prompt_ids, params)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from k3ray.config import load_config
+from k3ray.controller.drills import poison_token
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.data import chat_prompt, decode, encode
 from k3ray.model.decoder import build_stage
@@ -109,6 +110,67 @@ def test_cancel_frees_pages_and_slots_and_spares_the_others(model):
     assert keep.out == generate_reference(model, keep.prompt, keep.params)[0]
     usage = sched.usage()
     assert (usage["waiting"], usage["running"], usage["pages_used"], usage["slots_used"]) == (0, 0, 0, 0)
+
+
+def test_requests_whose_caches_were_lost_are_prefilled_again_and_end_as_undisturbed(model):
+    """Mid-generation the caches are lost (a new executor: empty pools) and the data-parallel width changes: every
+    unfinished request is requeued and prefilled again from prompt + output so far; greedy and seeded outputs equal
+    the reference, and the tokens before the loss stand (none lost, none repeated)."""
+    params = [SamplingParams(max_tokens=14, seed=40 + i, temperature=0.8 if i % 2 else 0.0) for i in range(9)]
+    prompts = [encode(t) for t in TEXTS[:9]]
+    want = [generate_reference(model, p, sp)[0] for p, sp in zip(prompts, params)]
+    sched, ex = engine(model, slots=6)  # 6 slots: 3 requests wait, and after the loss 3 wait again
+    reqs = [sched.submit(p, sp) for p, sp in zip(prompts, params)]
+    for _ in range(6):
+        sched.step(ex)
+    before = {r.id: list(r.out) for r in reqs}
+    assert sum(1 for r in reqs if r.out and not r.done) >= 4
+    plans = sched.schedule()  # lost with the iteration in flight: its plans are never completed
+    cancelled = plans[0][1][0]
+    sched.cancel(cancelled.id)
+    admitted = [r for r in sched.running.values() if r is not cancelled]
+    requeued = sched.reset(dp=1)
+    assert sched.waiting[:len(requeued)] == requeued == sorted(admitted, key=lambda r: r.arrival)
+    assert len(requeued) >= 4 and len(sched.waiting) > len(requeued)
+    assert all(r.cached == 0 and r.slot == -1 for r in requeued) and sched.usage()["pages_used"] == 0
+    _, fresh = engine(model, slots=6)
+    while sched.has_work:
+        sched.step(fresh)
+    for r, w in zip(reqs, want):
+        if r is not cancelled:
+            assert r.out == w, f"request {r.id}"
+            assert r.out[:len(before[r.id])] == before[r.id]
+    assert cancelled.finish == "cancelled"
+    assert sched.usage()["slots_used"] == 0
+
+
+def test_a_request_that_blows_up_fails_alone(model):
+    """The embedding of one byte becomes NaN (a drill's hook): the one request whose prompt holds it, prefilled in
+    chunks beside the others, fails with an error naming the guard; every other request ends as the reference, also
+    those that reuse the pages and slot it held."""
+    poison = ord("~")
+    texts = [t for t in TEXTS if "~" not in t][:8]
+    params = SamplingParams(max_tokens=10)
+    want = [generate_reference(model, encode(t), params)[0] for t in texts]
+    assert all(poison not in w for w in want)
+    sched, ex = engine(model, budget=16, pages=24, slots=2)  # few: the others reuse the failed one's slot and pages
+    handle = poison_token(model, poison)
+    held: dict[int, set[int]] = {}  # request -> pages it held
+    try:
+        reqs = [sched.submit(encode(t), params) for t in texts[:2]]
+        bad = sched.submit(encode("x = 1\n" * 4 + "~ = 2\n"), params)
+        reqs += [sched.submit(encode(t), params) for t in texts[2:]]
+        while sched.has_work:
+            sched.step(ex)
+            for r in sched.running.values():
+                held.setdefault(r.id, set()).update(r.pages)
+    finally:
+        handle.remove()
+    assert bad.finish == "error" and bad.trip.rule == "activation" and bad.trip.detail == "not finite"
+    assert "blew up" in bad.error and bad.out == []
+    assert [r.out for r in reqs] == want
+    assert any(held[r.id] & held[bad.id] for r in reqs if r.id > bad.id)
+    assert sched.usage()["pages_used"] == 0
 
 
 def test_limits_and_overload(model):

@@ -6,7 +6,8 @@ load) behind Ray Serve, and spoken to with the real `openai` client.
   data-parallel request placement and the EP exchange with MoonEP must not change a token);
 - seeded sampling gives the same text alone and under concurrent load;
 - bad input gets a 4xx naming the field, and the server keeps serving;
-- past the queue limit requests get 429 with Retry-After; clients that disconnect free their pages."""
+- past the queue limit requests get 429 with Retry-After; clients that disconnect free their pages;
+- a request whose activations blow up fails alone, with an error naming the guard, and is an incident."""
 from __future__ import annotations
 
 import asyncio
@@ -19,22 +20,13 @@ import httpx
 import openai
 import pytest
 import ray
-import torch
 
 from conftest import free_port
-from k3ray.config import load_config
 from k3ray.control.cli import main
-from k3ray.control.driver import start_controller, stop_controller
 from k3ray.control.serve import CHAT_STOP, start_serving, stop_serving
 from k3ray.control.serve_metrics import SERVE_SPECS, ServeMetrics
-from k3ray.controller.checkpointing import serving_weights
-from k3ray.controller.serve_engine import serving_config
 from k3ray.data import EOS, chat_prompt, decode, encode
-from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams, visible_ids
-from k3ray.optim import AdamW
-from k3ray.parallel import shards
-from k3ray.parallel.reference import generate_reference
 
 PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in d.items():\n", "return ",
            "# -*- coding: utf-8 -*-\n\"\"\"Support for ", "if not path:\n    raise ValueError(", "@classmethod\n",
@@ -48,24 +40,9 @@ SERVE = {"page_size": 4, "pages_per_rank": 96, "slots_per_rank": 6, "token_budge
 
 
 @pytest.fixture(scope="module")
-def checkpoint(ray_cluster, tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve") / "ckpt"
-    cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "model.dtype": "float64", "parallel.pp": 1,
-                                            "parallel.ep": 2, "checkpoint.dir": str(root),
-                                            "checkpoint.every_n_steps": 3})
-    controller = start_controller(cfg)
-    try:
-        for s in range(4):
-            ray.get(controller.train_step.remote(s), timeout=300)
-    finally:
-        stop_controller(controller)
-    return str(root)
-
-
-@pytest.fixture(scope="module")
-def server(checkpoint):
+def server(serving_checkpoint):
     port = free_port()
-    engine, info = start_serving(checkpoint, pp=2, ep=2, port=port, serve_overrides=SERVE,
+    engine, info = start_serving(serving_checkpoint, pp=2, ep=2, port=port, serve_overrides=SERVE,
                                  observers=[ServeMetrics(METRICS_JOB, expert_load_every=5)])
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
@@ -82,17 +59,10 @@ def server(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def reference(checkpoint):
-    torch.set_num_threads(1)
-    w = serving_weights(checkpoint)
-    cfg = serving_config(w.config, 1, 1)
-    model = build_stage(cfg.model, range(cfg.model.n_layers), init=False)
-    shards.load_weights(model, AdamW(cfg.optimizer), w.state, {i: [w.state["experts"][i]] for i in model.layers},
-                        set(range(cfg.model.n_experts)))
-
+def reference(serving_reference):
     def generate(prompt: str, **params) -> tuple[str, str]:
         sp = SamplingParams(**params)
-        out, reason = generate_reference(model, encode(prompt), sp)
+        out, reason = serving_reference(encode(prompt), sp)
         return decode(visible_ids(out, sp, EOS)), reason
 
     return generate
@@ -221,6 +191,39 @@ def test_overload_answers_429_and_disconnects_free_pages(server):
         time.sleep(0.5)
     assert stats["running"] == stats["waiting"] == stats["pages_used"] == 0, stats
     assert stats["tokens_out"] - before < accepted * body["max_tokens"] // 2  # hung-up requests stopped early
+
+
+def test_a_request_that_blows_up_fails_alone_and_is_an_incident(server, reference):
+    """A drill makes the embedding of one byte NaN: the requests holding it fail with an error naming the guard
+    (streaming and not), the requests around them return the reference's text, and `k3ray incidents --serve` lists
+    the blow-ups."""
+    engine, info, url = server
+    model = info["model"]
+    poison = "`"
+    others = [p for p in PROMPTS if poison not in p][:6]
+    want = [reference(p, max_tokens=8) for p in others]
+    assert all(poison not in text for text, _ in want)
+    ray.get(engine.drill.remote("nan_token", token=ord(poison)))
+
+    async def run():
+        api = client(url)
+        calls = [complete(api, model, f"x = {poison}ls{poison}\n", stream, max_tokens=8, temperature=0)
+                 for stream in (True, False)]
+        calls += [complete(api, model, p, i % 2 == 0, max_tokens=8, temperature=0) for i, p in enumerate(others)]
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    try:
+        got = asyncio.run(run())
+    finally:
+        ray.get(engine.drill.remote("clear"))
+    for bad in got[:2]:
+        assert isinstance(bad, openai.APIError) and "blew up" in str(bad), bad
+    assert got[2:] == want
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["incidents", "--serve", url, "--json"]) == 0
+    blowups = [i for i in json.loads(out.getvalue()) if i["kind"] == "blowup"]
+    assert len(blowups) == 2 and all(i["rule"] == "activation" and i["detail"] == "not finite" for i in blowups)
 
 
 def test_serving_metrics_are_exported(ray_cluster, server):

@@ -312,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         cp = sub.add_parser(name, help=help_)
         _control_args(cp)
         cp.set_defaults(func=func)
-        if name == "status":
-            cp.add_argument("--serve", metavar="URL", help="the serving view of a `k3ray serve` endpoint instead")
+        if name in ("status", "incidents"):
+            cp.add_argument("--serve", metavar="URL", help=f"the {name} of a `k3ray serve` endpoint instead")
 
     pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")
     psub = pol.add_subparsers(dest="policy_command", required=True)

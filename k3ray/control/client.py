@@ -120,14 +120,14 @@ def cmd_status(args) -> int:
     return 0
 
 
-def _serving_stats(url: str, timeout: float) -> dict:
+def _serving_stats(url: str, timeout: float, path: str = "/v1/stats"):
     try:
-        r = httpx.get(f"{url.rstrip('/')}/v1/stats", timeout=timeout)
+        r = httpx.get(f"{url.rstrip('/')}{path}", timeout=timeout)
     except httpx.HTTPError as err:
         raise ControlError(f"{url}: cannot reach the serving endpoint ({type(err).__name__}); is `k3ray serve` "
                            f"up?") from None
     if r.status_code != 200:
-        raise ControlError(f"{url}/v1/stats: HTTP {r.status_code}: {r.text[:200]}")
+        raise ControlError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
     return r.json()
 
 
@@ -162,6 +162,9 @@ def cmd_policy_set(args) -> int:
 
 
 def cmd_incidents(args) -> int:
+    if getattr(args, "serve", None):
+        _show(args, _serving_stats(args.serve, args.timeout, "/v1/incidents"), _events_text)
+        return 0
     _show(args, Client.from_args(args).request("GET", "/v1/incidents"), _events_text)
     return 0
 

@@ -2,7 +2,7 @@
 (k3ray.controller.serve_engine), which drives the worker grid.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent events, ending in
-`data: [DONE]`), GET /v1/models, GET /health. Ingress replicas scale apart from the engine (`--replicas`).
+`data: [DONE]`), GET /v1/models, GET /health, GET /v1/stats and /v1/incidents (the serving view and incident log). Ingress replicas scale apart from the engine (`--replicas`).
 
 Limits, enforced here before the engine sees a request: max_tokens <= serve.max_tokens; prompt + max_tokens within
 the model's context (max_seq_len); the engine's queue holds serve.max_waiting requests, beyond that 429 with
@@ -68,6 +68,11 @@ class OpenAIIngress:
         """The serving view (`k3ray status --serve URL`): requests, pages, tokens generated."""
         info = {k: self.info[k] for k in ("model", "step", "pp", "ep")}
         return {**info, **(await self.engine.stats.remote())}
+
+    @app.get("/v1/incidents")
+    async def incidents(self):
+        """The engine's incident log (`k3ray incidents --serve URL`): lost workers, requests stopped by the guards."""
+        return await self.engine.incident_log.remote()
 
     @app.get("/v1/models")
     async def models(self):

@@ -25,9 +25,49 @@ def _poison(worker, layer: int | None) -> None:
             worker.drill_hooks.append(moe.experts.register_forward_hook(lambda mod, args, out: out * float("nan")))
 
 
+def poison_token(stage, token: int):
+    """The embedding of `token` becomes NaN in `stage` (if it is the first), so exactly the sequences holding that
+    token blow up. Returns the hook's handle (None on other stages)."""
+    if stage.embed is None:
+        return None
+
+    def hook(mod, args, out):
+        return out.masked_fill((args[0] == token)[..., None], float("nan"))
+
+    return stage.embed.register_forward_hook(hook)
+
+
+def _poison_token(worker, token: int) -> None:
+    handle = poison_token(worker.engine.stage, token)
+    worker.drill_hooks = getattr(worker, "drill_hooks", []) + ([handle] if handle is not None else [])
+
+
 def _hang(worker) -> None:
     """Inside a worker: its next forward never returns, so its peers' collectives wait on it (a hung collective)."""
     worker.engine.stage.register_forward_pre_hook(lambda mod, args: time.sleep(10**6))
+
+
+def inject(group, kind: str, ranks: list[int], layer: int | None = None, token: int | None = None) -> None:
+    """Fault `kind` into the given world ranks of a worker group, now: kill_worker (the actors die), nan (the routed
+    output of MoE layer `layer`, default 0, becomes NaN on every worker, until `clear`), nan_token (the embedding of
+    byte `token` becomes NaN, until `clear`: the requests holding it blow up, serving), hang_collective."""
+    if kind == "kill_worker":
+        for rank in ranks:
+            if rank < group.size:  # a smaller grid than the drill was written for has no such rank
+                group.kill(rank)
+    elif kind == "nan":
+        group.run_on(list(range(group.size)), _poison, layer or 0)
+    elif kind == "nan_token":
+        group.run_on(list(range(group.size)), _poison_token, token)
+    elif kind == "hang_collective":
+        group.run_on(ranks, _hang)
+    else:
+        raise ValueError(f"drill kind: {kind!r} is not one of kill_worker, nan, nan_token, hang_collective")
+
+
+def clear(group) -> None:
+    """Remove the nan and nan_token drills' hooks from every worker."""
+    group.run_on(list(range(group.size)), _poison, None)
 
 
 class FaultInjector:
@@ -48,13 +88,8 @@ class FaultInjector:
             log.warning("fault drill: %s at step %d", fault.kind, step)
             if fault.kind in ("kill_worker", "hang_collective"):
                 settle()
-            if fault.kind == "kill_worker":
-                self._kill(group, fault)
-            elif fault.kind == "nan":
-                group.run_on(list(range(group.size)), _poison, fault.layer or 0)
-                self.poisoned = True
-            elif fault.kind == "hang_collective":
-                group.run_on([fault.worker or 0], _hang)
+            inject(group, fault.kind, fault.workers or [fault.worker or 0], fault.layer)
+            self.poisoned = fault.kind == "nan"
             return
 
     def kill_at(self, group, step: int, at: str) -> None:
@@ -65,18 +100,12 @@ class FaultInjector:
             if fault.kind == "kill_worker" and fault.at == at and due and i not in self.fired:
                 self.fired.add(i)
                 log.warning("fault drill: kill_worker %s at step %d", at, step)
-                self._kill(group, fault)
-
-    @staticmethod
-    def _kill(group, fault) -> None:
-        for rank in fault.workers or [fault.worker or 0]:
-            if rank < group.size:  # a smaller grid than the drill was written for has no such rank
-                group.kill(rank)
+                inject(group, "kill_worker", fault.workers or [fault.worker or 0])
 
     def after_attempt(self, group) -> None:
         if self.poisoned:
             self.poisoned = False
-            group.run_on(list(range(group.size)), _poison, None)
+            clear(group)
 
     def on_checkpoint(self, step: int, path, parts: list, seconds: float) -> None:
         """Truncate the first part of the first checkpoint committed at or after a corrupt_checkpoint drill's step."""

@@ -9,21 +9,24 @@ mid-generation, and nothing is ever preempted. A request lives on one rank until
 return to the rank's free lists when it finishes or is cancelled.
 
 A request's state is its prompt and the tokens generated so far (`Request.ids`); the caches on the workers can be
-rebuilt from it by prefilling again.
+rebuilt from it by prefilling again (`reset`, after the grid holding them was lost): the next token then comes from
+the same logits, so greedy and seeded outputs are those of an undisturbed run.
 
-Interface: `submit`, `cancel`, `schedule` -> plans by rank, `complete(plans, logits by rank)`; `step` runs both
+Interface: `submit`, `cancel`, `schedule` -> plans by rank, `complete(plans, answers by rank)`; `step` runs both
 with a synchronous executor (tests, the single-process engine).
 """
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from k3ray.config import GuardPolicy
 from k3ray.data import EOS
 from k3ray.model.cache import SeqChunk
 from k3ray.model.sampling import SamplingParams, finish_reason, next_token
-from k3ray.parallel.serving import PoolSizes, RankPlan
+from k3ray.parallel.serving import PoolSizes, RankPlan, StageOutput
+from k3ray.policies import guards
 
 
 class Overloaded(RuntimeError):
@@ -37,6 +40,7 @@ class EngineLimits:
     token_budget: int = 64  # tokens per iteration and rank (decode tokens + prefill chunks)
     max_waiting: int = 64  # queued requests (beyond those a free slot will take) past which submit is Overloaded
     pools: PoolSizes = field(default_factory=lambda: PoolSizes(pages=64, page_size=16, slots=16))
+    guards: GuardPolicy = field(default_factory=GuardPolicy)  # a sequence that trips them fails alone
 
 
 @dataclass
@@ -52,6 +56,7 @@ class Request:
     cached: int = 0  # tokens of `ids` whose cache entries the workers hold
     finish: str | None = None  # 'stop', 'length', 'cancelled', 'error'
     error: str = ""
+    trip: guards.Trip | None = None  # the guard that stopped it (finish 'error')
     token_times: list[float] = field(default_factory=list)  # wall time of each generated token
     generator: object = None
 
@@ -119,6 +124,20 @@ class Scheduler:
         self.waiting, self.in_flight = [], set()
         return failed
 
+    def reset(self, dp: int) -> list[Request]:
+        """The workers' caches are gone (a new grid of `dp` data-parallel ranks): every unfinished admitted request
+        goes back to the head of the queue, in arrival order, to be prefilled again from its prompt and the tokens
+        generated so far; its output so far stands. Returns the requeued requests."""
+        requeued = sorted((r for r in self.running.values() if not r.done), key=lambda r: r.arrival)
+        for req in requeued:
+            req.rank, req.pages, req.slot, req.cached = -1, [], -1, 0
+        self.limits = replace(self.limits, dp=dp)
+        self.ranks = [_RankPool(self.limits.pools) for _ in range(dp)]
+        self.rank_tokens = (self.rank_tokens + [0] * dp)[:dp]
+        self.running, self.in_flight = {}, set()
+        self.waiting = requeued + self.waiting
+        return requeued
+
     def forget(self, rid: int) -> None:
         self.requests.pop(rid, None)
 
@@ -167,7 +186,7 @@ class Scheduler:
             req.rank, req.slot = rank, pool.free_slots.pop(0)
             req.pages, pool.free_pages = pool.free_pages[:need], pool.free_pages[need:]
             self.running[req.id] = req
-            add(req, min(len(req.prompt), budget[rank]))
+            add(req, min(len(req.ids), budget[rank]))  # a requeued request (`reset`) also re-prefills its output
         self.in_flight = {req.id for _, reqs in plans.values() for req in reqs}
         return plans
 
@@ -176,21 +195,33 @@ class Scheduler:
         fits = [r for r, p in enumerate(self.ranks) if p.free_slots and len(p.free_pages) >= need]
         return max(fits, key=lambda r: len(self.ranks[r].free_pages)) if fits else None
 
-    def complete(self, plans: dict[int, tuple[RankPlan, list[Request]]], logits: dict[int, object]) -> list[Request]:
-        """Take an iteration's logits (rank -> [N, V], one row per sequence of the plan): sample where a sequence
-        reached its last known token, finish and free what ended. Returns the requests that got a token or
+    def complete(self, plans: dict[int, tuple[RankPlan, list[Request]]], outputs: dict[int, StageOutput]
+                 ) -> list[Request]:
+        """Take an iteration's answers (rank -> StageOutput: logits [N, V] and max-abs [N], one row per sequence of
+        the plan): a sequence that tripped the guards fails alone (finish 'error', `trip` set); where a sequence
+        reached its last known token, sample; finish and free what ended. Returns the requests that got a token or
         finished."""
         now, changed = self.clock(), []
         for rank, (plan, reqs) in plans.items():
+            out = outputs[rank]
+            trips = guards.check_sequences(out.maxabs.tolist(), self.limits.guards)
             for row, (chunk, req) in enumerate(zip(plan.seqs, reqs)):
                 req.cached += chunk.n
                 if req.done:  # cancelled while in flight
                     self._release(req)
                     changed.append(req)
                     continue
+                if row in trips:
+                    trip = trips[row]
+                    req.finish, req.trip = "error", trip
+                    req.error = (f"stopped: this request's activations blew up ({trip.rule} {trip.detail}: "
+                                 f"{trip.value:g}); other requests are unaffected")
+                    self._release(req)
+                    changed.append(req)
+                    continue
                 if req.cached < len(req.ids):
                     continue  # a prompt chunk short of the end: nothing to sample yet
-                req.out.append(next_token(logits[rank][row], req.params, req.generator))
+                req.out.append(next_token(out.logits[row], req.params, req.generator))
                 req.token_times.append(now)
                 req.finish = finish_reason(req.out, req.params, EOS, self.limits.max_seq_len - len(req.ids))
                 if req.done:
@@ -200,7 +231,7 @@ class Scheduler:
         return changed
 
     def step(self, executor) -> list[Request]:
-        """One iteration with a synchronous executor: executor.run({rank: RankPlan}) -> {rank: logits}."""
+        """One iteration with a synchronous executor: executor.run({rank: RankPlan}) -> {rank: StageOutput}."""
         plans = self.schedule()
         return self.complete(plans, executor.run({r: p for r, (p, _) in plans.items()}))
 

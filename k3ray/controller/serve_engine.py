@@ -8,23 +8,30 @@ Requests stream: `generate` is an async generator (a Ray streaming call); its fi
 was accepted, then one item per iteration in which it got tokens, the last one with the finish reason. Cancelling
 the call (a client that went away) cancels the request and frees its pages and slot. The iteration loop runs while
 there is work: schedule, every worker's `serve_step` (the last stage's answers are the logits), complete.
+
+Lost workers (k3ray.controller.serve_grid): the grid is rebuilt from the weights the engine holds and every
+unfinished request is prefilled again from its prompt and the tokens generated so far; its stream goes on from the
+next token, none lost or repeated. Each loss is an incident (`incident_log`), with its phases and the serving gap
+(the loss found -> the next token of any request).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import ray
 
 from k3ray.config import JobConfig
 from k3ray.controller.checkpointing import serving_weights
+from k3ray.controller.drills import clear, inject
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
-from k3ray.controller.worker_group import WorkerGroup
+from k3ray.controller.serve_grid import ServingGrid
+from k3ray.controller.worker_group import WorkerLost
 from k3ray.data import EOS
 from k3ray.model.sampling import SamplingParams, visible_ids
 from k3ray.parallel.serving import PoolSizes
-from k3ray.policies import recovery
 
 log = logging.getLogger("k3ray.serve")
 
@@ -38,18 +45,6 @@ def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None 
     return JobConfig.model_validate({**cfg.model_dump(), "parallel": par.model_dump(), "serve": serve.model_dump()})
 
 
-class GridExecutor:
-    """One iteration on the grid: worker (p, e) gets rank e's plan; the logits come from the last stage."""
-
-    def __init__(self, group: WorkerGroup):
-        self.group = group
-
-    def submit(self, plans: dict) -> dict[int, ray.ObjectRef]:
-        g = self.group
-        refs = [w.serve_step.remote(plans[r % g.ep]) for r, w in enumerate(g.workers)]
-        return {e: refs[(g.pp - 1) * g.ep + e] for e in range(g.ep)}
-
-
 @ray.remote
 class ServingEngine:
     def __init__(self, checkpoint: str, pp: int, ep: int, serve_overrides: dict | None = None,
@@ -59,12 +54,12 @@ class ServingEngine:
         self.model_name, self.step = cfg.name, weights.step
         sc = cfg.serve
         sizes = PoolSizes(sc.pages_per_rank, sc.page_size, sc.slots_per_rank)
-        self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, ep, sc.token_budget, sc.max_waiting, sizes))
-        self.group = WorkerGroup(cfg, ep, recovery.grow(cfg.model.n_experts, ep).tolist())
-        ref = ray.put(weights.state)  # once: every worker reads its part of the same object
-        self.group.launch(launch_timeout_s, restore={p: [ref] for p in range(pp)})
-        self.group.call("serve_init", sizes.pages, sizes.page_size, sizes.slots)
-        self.executor = GridExecutor(self.group)
+        self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, ep, sc.token_budget, sc.max_waiting, sizes,
+                                            cfg.policies.guards))
+        self.grid = ServingGrid(cfg, weights.state, sizes, launch_timeout_s)
+        self.grid.launch(ep)
+        self.incidents: list[dict] = []
+        self.gap_from: tuple[dict, float] | None = None  # (incident, when the loss was found) until the next token
         self.wake: asyncio.Event | None = None
         self.updates: dict[int, asyncio.Event] = {}
         self.loop_task: asyncio.Task | None = None
@@ -75,12 +70,13 @@ class ServingEngine:
         log.info("serving %s step %d from %s on pp=%d x ep=%d", cfg.name, weights.step, weights.path, pp, ep)
 
     def ready(self) -> dict:
-        return {"model": self.model_name, "step": self.step, "pp": self.group.pp, "ep": self.group.ep,
+        return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
                 "max_seq_len": self.cfg.model.max_seq_len, "serve": self.cfg.serve.model_dump()}
 
     def stats(self) -> dict:
         return {**self.sched.usage(), "iterations": self.iterations, "tokens_out": self.tokens_out,
-                "uptime_s": time.time() - self.started}
+                "uptime_s": time.time() - self.started, "pp": self.grid.pp, "ep": self.grid.ep,
+                "incidents": len(self.incidents)}
 
     async def generate(self, prompt: list[int], params: dict):
         """Stream a request: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'}, then items
@@ -135,28 +131,81 @@ class ServingEngine:
             t0 = time.perf_counter()
             plans = self.sched.schedule()
             try:
-                refs = self.executor.submit({r: p for r, (p, _) in plans.items()})
-                logits = dict(zip(refs, await asyncio.gather(*refs.values())))
+                outputs = await self._on_grid(self.grid.run, {r: p for r, (p, _) in plans.items()})
             except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
                 log.exception("serving iteration failed")
                 changed = self.sched.fail_all(f"the iteration failed: {type(err).__name__}: {err}")
+                self._incident("iteration_failed", action="failed every request", requests=len(changed),
+                               why=f"{type(err).__name__}: {err}")
             else:
-                changed = self.sched.complete(plans, logits)
+                changed = [] if outputs is None else self.sched.complete(plans, outputs)
+            for req in changed:
+                if req.trip is not None:
+                    log.warning("serving: request %d stopped by the guards (%s %s: %g)", req.id, req.trip.rule,
+                                req.trip.detail, req.trip.value)
+                    value = req.trip.value if math.isfinite(req.trip.value) else str(req.trip.value)  # JSON-able
+                    self._incident("blowup", action="failed the request", request=req.id, rule=req.trip.rule,
+                                   value=value, detail=req.trip.detail)
             self.iterations += 1
-            self.tokens_out += sum(1 for r in changed if r.finish != "cancelled")
+            got_token = [r for r in changed if r.finish not in ("cancelled", "error")]
+            self.tokens_out += len(got_token)
+            if got_token and self.gap_from is not None:  # the serving gap: the loss found -> the next token
+                incident, t_found = self.gap_from
+                incident["seconds"]["to_next_token"] = time.perf_counter() - t_found
+                self.gap_from = None
             for req in changed:
                 if req.id in self.updates:
                     self.updates[req.id].set()
             for observer in self.observers:
                 observer.iteration(changed, self.sched, time.perf_counter() - t0)
             if self.observers and self.iterations % self.observers[0].expert_load_every == 0:
-                loads = await asyncio.gather(*(w.expert_load.remote() for w in self.group.workers))
-                for observer in self.observers:
+                try:
+                    loads = await self._on_grid(self.grid.expert_load)
+                except Exception:  # noqa: BLE001 - a failed recovery: the next iteration fails what is running
+                    log.exception("collecting the expert load failed")
+                    loads = None
+                for observer in self.observers if loads is not None else ():
                     observer.expert_load(loads)
 
+    async def _on_grid(self, fn, *args):
+        """fn(*args) off the event loop (requests keep arriving and leaving meanwhile). None when workers were lost:
+        the grid is then rebuilt and every unfinished request requeued, to be prefilled again (no request fails)."""
+        try:
+            return await asyncio.to_thread(fn, *args)
+        except WorkerLost as lost:
+            t0 = time.perf_counter()
+            incident = self._incident("worker_lost", requests=len(self.sched.running), ranks=sorted(lost.ranks))
+            try:
+                incident.update(await asyncio.to_thread(self.grid.recover, lost))
+            except Exception as err:
+                incident["outcome"] = f"not recovered: {type(err).__name__}: {err}"
+                raise
+            incident["requeued"] = len(self.sched.reset(self.grid.ep))
+            self.gap_from = (incident, t0)
+            log.warning("serving: recovered on pp=%d x ep=%d in %.2fs, %d requests to prefill again", self.grid.pp,
+                        self.grid.ep, time.perf_counter() - t0, incident["requeued"])
+            return None
+
+    def _incident(self, kind: str, **fields) -> dict:
+        """Record an incident (`incident_log`: the front door's /v1/incidents, `k3ray incidents --serve`)."""
+        incident = {"time": time.time(), "kind": kind, "iteration": self.iterations, **fields}
+        self.incidents.append(incident)
+        return incident
+
+    def incident_log(self) -> list[dict]:
+        return list(self.incidents)
+
     def expert_load(self) -> list[dict]:
-        return self.group.call("expert_load")
+        return self.grid.expert_load()
+
+    def drill(self, kind: str, workers: list[int] = (), layer: int | None = None, token: int | None = None) -> bool:
+        """Inject a fault into the grid now (k3ray.controller.drills.inject); kind 'clear' removes the NaN hooks."""
+        if kind == "clear":
+            clear(self.grid.group)
+        else:
+            inject(self.grid.group, kind, list(workers), layer, token)
+        return True
 
     def shutdown(self) -> bool:
-        self.group.close()
+        self.grid.close()
         return True

@@ -127,8 +127,9 @@ class Worker:
                                   rank + e.ep if e.pp_rank < e.pp - 1 else None)
         return True
 
-    def serve_step(self, plan) -> torch.Tensor | None:
-        """This worker's part of a serving iteration: its rank's plan (k3ray.parallel.serving.RankPlan)."""
+    def serve_step(self, plan):
+        """This worker's part of a serving iteration: its rank's plan (k3ray.parallel.serving.RankPlan) in, a
+        StageOutput out."""
         return self.server.step(plan)
 
     def expert_load(self) -> dict[int, list[int]]:

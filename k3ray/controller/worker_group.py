@@ -208,6 +208,13 @@ class WorkerGroup:
         return self._gather([(r, w.train_step.remote(step, batch_index)) for r, w in enumerate(self.workers)],
                             timeout_s, f"step {step}")
 
+    def serve_step(self, plans: dict, timeout_s: float) -> dict:
+        """One serving iteration: worker (p, e) runs data-parallel rank e's plan (k3ray.parallel.serving.RankPlan);
+        each rank's stages' answers in pipeline order (WorkerLost: see `_gather`)."""
+        out = self._gather([(r, w.serve_step.remote(plans[r % self.ep])) for r, w in enumerate(self.workers)],
+                           timeout_s, "serve_step")
+        return {e: out[e::self.ep] for e in range(self.ep)}
+
     def begin_snapshot(self, step: int) -> tuple[list, list]:
         """Stage every worker's state to run `step` from (training stalls only for this), then ask for the bytes,
         which arrive while the next step runs: per world rank, a reference to them (owned by the caller) and one

@@ -71,6 +71,19 @@ class IterationCache:
         self.fresh = torch.tensor([s.start == 0 for s in seqs], dtype=torch.bool, device=device)
         self.last_rows = (self.cu_seqlens[1:] - 1) if seqs else self.cu_seqlens[:0]
         self.layer = -1  # set by each block before its attention runs
+        self.seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens, dtype=torch.int64)
+                                                    ).to(device)
+        # [N] the largest |residual| of each sequence's tokens this iteration (inf: something not finite), for the
+        # serving guards, which stop only the sequences that blew up
+        self.maxabs = torch.zeros(len(seqs), dtype=torch.float64, device=device)
+
+    def note_activations(self, x_1Td: torch.Tensor) -> None:
+        """Fold a block's output (the residual stream) into each sequence's max-abs."""
+        if not self.seqs:
+            return
+        m = x_1Td[0].detach().abs().amax(-1).double()
+        m = torch.where(torch.isfinite(m), m, torch.inf)
+        self.maxabs = self.maxabs.scatter_reduce(0, self.seq_of_token, m, "amax")
 
     def mla_attention(self, q_1THh: torch.Tensor, c_1Tr: torch.Tensor, up) -> torch.Tensor:
         """Store this iteration's latents, then causal attention of each sequence's new queries over its whole

@@ -38,6 +38,8 @@ class Block(nn.Module):
             cache.layer = self.layer
         x = x + self.attn(self.attn_norm(x), cache)
         x = x + self.moe(self.moe_norm(x))
+        if cache is not None:
+            cache.note_activations(x)
         with torch.no_grad():
             m = up32(maxabs(x.detach()))
             self.resid_maxabs = m if self.resid_maxabs is None else torch.maximum(self.resid_maxabs, m)

@@ -5,7 +5,8 @@ Worker (p, e) holds stage p and the caches of the requests that the engine place
 request lives on one rank: its latent pages and KDA slot are there, on every stage). Every iteration, every worker
 runs `StageServer.step` with its rank's `RankPlan`, also when that plan is empty: the MoE layers' expert-parallel
 exchanges span the stage's EP group, so every EP rank joins them, with zero tokens if need be. Stage p receives the
-hidden states from (p-1, e) and sends its own to (p+1, e); the last stage returns the logits.
+hidden states from (p-1, e) and sends its own to (p+1, e); the last stage returns the logits. Every stage also
+returns each sequence's largest activation, so that a sequence that blew up can be stopped alone.
 """
 from __future__ import annotations
 
@@ -26,6 +27,19 @@ class RankPlan:
 
 
 @dataclass
+class StageOutput:
+    """A stage's answer to an iteration: the logits [N, V] (last stage; None elsewhere) and each sequence's largest
+    |activation| in the stage [N] (inf where anything, the logits included, is not finite)."""
+    logits: torch.Tensor | None
+    maxabs: torch.Tensor
+
+    @staticmethod
+    def merge(stages: list[StageOutput]) -> StageOutput:
+        """One data-parallel rank's answer from its stages' (in pipeline order)."""
+        return StageOutput(stages[-1].logits, torch.stack([s.maxabs for s in stages]).amax(0))
+
+
+@dataclass
 class PoolSizes:
     """Cache pools of every worker: latent pages of page_size tokens, and KDA state slots (one per running
     request of the rank)."""
@@ -42,8 +56,8 @@ class StageServer:
         self.dtype = next(stage.parameters()).dtype
 
     @torch.no_grad()
-    def step(self, plan: RankPlan) -> torch.Tensor | None:
-        """Run this stage on the plan: logits [N, V] (float, on the host) on the last stage, None elsewhere."""
+    def step(self, plan: RankPlan) -> StageOutput:
+        """Run this stage on the plan: logits [N, V] (on the host) on the last stage, and every stage's max-abs."""
         cache = IterationCache(self.pools, plan.seqs, self.device)
         T = len(plan.tokens)
         if self.stage.is_first:
@@ -56,8 +70,9 @@ class StageServer:
         if not self.stage.is_last:
             if T:
                 dist.send(out.contiguous(), self.next_rank)
-            return None
-        return out.cpu()
+            return StageOutput(None, cache.maxabs.cpu())
+        logits = out.cpu()
+        return StageOutput(logits, torch.where(torch.isfinite(logits).all(-1), cache.maxabs.cpu(), torch.inf))
 
     def expert_load(self) -> dict[int, list[int]]:
         """layer -> routes this worker's tokens sent to each expert since the last call (then reset)."""
@@ -76,5 +91,5 @@ class LocalExecutor:
         pools = new_pools(model.cfg, model.layers, sizes.pages, sizes.page_size, sizes.slots, device)
         self.server = StageServer(model, pools, device)
 
-    def run(self, plans: dict[int, RankPlan]) -> dict[int, torch.Tensor]:
+    def run(self, plans: dict[int, RankPlan]) -> dict[int, StageOutput]:
         return {0: self.server.step(plans[0])}

@@ -4,6 +4,7 @@ Rules (thresholds from `GuardPolicy`): non-finite loss or gradient norm; per-lay
 (routed-expert output or residual stream); loss spike (a z-score against an exponential moving mean/variance, or a
 ratio to the largest loss seen, as Megatron's spiky-loss check); grad-norm spike (ratio to its moving mean). Spike
 rules arm after `warmup_steps` accepted steps. The controller carries out the decision (roll back, skip the batch).
+Serving checks each sequence of an iteration on its own (`check_sequences`): only those that blew up are stopped.
 """
 from __future__ import annotations
 
@@ -54,6 +55,20 @@ def check(report: dict, state: GuardState, policy: GuardPolicy) -> Trip | None:
     if state.grad_norm_mean > 0 and gnorm > policy.grad_norm_spike_ratio * state.grad_norm_mean:
         return Trip("grad_norm_spike", gnorm, detail=f"{gnorm / state.grad_norm_mean:.1f}x its moving mean")
     return None
+
+
+def check_sequences(maxabs: list[float], policy: GuardPolicy) -> dict[int, Trip]:
+    """Serving: row -> trip for the sequences of an iteration whose largest activation (the residual stream, or
+    their logits when not finite) is not finite or over the limit."""
+    if not policy.enabled:
+        return {}
+    trips = {}
+    for row, value in enumerate(maxabs):
+        if not math.isfinite(value):
+            trips[row] = Trip("activation", value, detail="not finite")
+        elif value > policy.max_abs_activation:
+            trips[row] = Trip("activation", value, detail=f"over {policy.max_abs_activation:g}")
+    return trips
 
 
 def accept(report: dict, state: GuardState, decay: float = 0.9) -> GuardState:

@@ -1,0 +1,102 @@
+"""The serving engine's worker grid (plain Python, owned by the ServingEngine actor): launch it from the loaded
+checkpoint, run iterations on it, and rebuild it when workers are lost.
+
+The checkpoint's weights are put into the object store once and held here for as long as the engine lives, so any
+grid launched later (after a loss, any pp x ep) loads from them without reading the checkpoint again. A lost worker
+comes out of the one failure path of every call to workers (`WorkerGroup._gather` -> WorkerLost); what to do is
+training's decision (`recovery.on_workers_lost`: carry on with the surviving EP columns, the lost experts re-homed
+by load, or the same grid again when a whole column of every stage is gone). The grid is then launched anew: every
+cache was on the old one, so the engine's scheduler prefills every unfinished request again (`Scheduler.reset`).
+
+load [E]: routed tokens per expert served since the engine started (summed over layers), plus one.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import ray
+import torch
+
+from k3ray.config import JobConfig
+from k3ray.controller.worker_group import TopologyError, WorkerGroup, WorkerLost
+from k3ray.parallel.serving import PoolSizes, StageOutput
+from k3ray.policies import recovery
+
+log = logging.getLogger("k3ray.serve")
+
+
+class ServingGrid:
+    def __init__(self, cfg: JobConfig, weights_state: dict, sizes: PoolSizes, launch_timeout_s: float = 300.0):
+        self.cfg, self.sizes, self.launch_timeout_s = cfg, sizes, launch_timeout_s
+        self.weights = ray.put(weights_state)  # once: every worker of every grid reads its part of this object
+        self.load = torch.ones(cfg.model.n_experts, dtype=torch.float64)
+        self.group: WorkerGroup | None = None
+
+    @property
+    def pp(self) -> int:
+        return self.cfg.parallel.pp
+
+    @property
+    def ep(self) -> int:
+        return self.group.ep
+
+    def launch(self, ep: int, home: list[int] | None = None) -> dict[str, float]:
+        """A grid of pp x ep workers holding the checkpoint's weights (experts homed by `home`, contiguous blocks by
+        default) with empty cache pools. Returns the launch's phases in seconds."""
+        home = recovery.grow(self.cfg.model.n_experts, ep).tolist() if home is None else home
+        self.group = WorkerGroup(self.cfg, ep, home)
+        self.group.launch(self.launch_timeout_s, restore={p: [self.weights] for p in range(self.pp)})
+        t0 = time.perf_counter()
+        s = self.sizes
+        self.group.call("serve_init", s.pages, s.page_size, s.slots)
+        return {**self.group.launch_seconds, "cache_pools": time.perf_counter() - t0}
+
+    def run(self, plans: dict) -> dict[int, StageOutput]:
+        """One iteration: rank -> RankPlan in, rank -> its stages' merged answer out (WorkerLost if a worker is)."""
+        outs = self.group.serve_step(plans, self.cfg.parallel.collective_timeout_s)
+        return {e: StageOutput.merge(stages) for e, stages in outs.items()}
+
+    def expert_load(self) -> list[dict[int, list[int]]]:
+        """Every worker's routed-token counts (layer -> [E]) since the last call; kept for re-homing too."""
+        loads = self.group.call("expert_load")
+        for worker in loads:
+            for counts in worker.values():
+                self.load += torch.tensor(counts, dtype=torch.float64)
+        return loads
+
+    def recover(self, lost: WorkerLost, attempts: int = 3) -> dict:
+        """Replace the grid that lost workers by the one the recovery policy decides on, loaded from the held
+        weights (a worker lost meanwhile starts the decision again from the grid being launched). Returns the
+        incident's fields: lost ranks, EP size before and after, phases in seconds."""
+        t0 = time.perf_counter()
+        old = self.group
+        incident = {"ranks": sorted(lost.ranks), "why": lost.why, "ep": [old.ep]}
+        old.close()
+        for attempt in range(1, attempts + 1):
+            max_ep = old.capacity() // self.pp
+            if max_ep < 1:
+                raise TopologyError(f"{lost}: the alive nodes hold no {self.pp}-stage grid")
+            decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, max_ep=max_ep)
+            t_planned = time.perf_counter()
+            log.warning("serving: %s; relaunching on pp=%d x ep=%d (%s)", lost, self.pp, decision.ep, decision.action)
+            try:
+                phases = self.launch(decision.ep, decision.home.tolist())
+                break
+            except WorkerLost as again:  # lost in the grid being launched: decide again from that grid
+                old, lost = self.group, again
+            except TopologyError:  # a node lost but not yet reported dead failed the placement: plan again
+                if attempt == attempts:
+                    raise
+            self.group.close()
+            incident.setdefault("interrupted", []).append(str(lost))
+        else:
+            raise TopologyError(f"serving grid: {attempts} relaunches interrupted, the last by {lost}")
+        incident["ep"].append(decision.ep)
+        incident["action"] = decision.action
+        incident["seconds"] = {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}
+        return incident
+
+    def close(self) -> None:
+        if self.group is not None:
+            self.group.close()
