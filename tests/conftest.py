@@ -58,6 +58,29 @@ def ray_cluster():
         stop_node(temp_dir)
 
 
+UNFAILED_STEPS = 10
+
+
+@pytest.fixture(scope="session")
+def unfailed_ep4_losses(ray_cluster, tmp_path_factory) -> list[float]:
+    """The float64 losses of the first UNFAILED_STEPS steps of an unfailed run of the tiny model on pp=1 x ep=4 (no
+    evaluation): the trajectory the node and drill tests must reproduce (snapshot, checkpoint, timeout and grow-back
+    settings do not change it), run once per session."""
+    import ray
+
+    from k3ray.config import load_config
+    from k3ray.control.driver import start_controller, stop_controller
+
+    cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 4, "train.eval_every": 0,
+                                            "model.dtype": "float64", "checkpoint.at_end": False,
+                                            "checkpoint.dir": str(tmp_path_factory.mktemp("unfailed"))})
+    controller = start_controller(cfg)
+    try:
+        return [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(UNFAILED_STEPS)]
+    finally:
+        stop_controller(controller)
+
+
 @pytest.fixture
 def extra_nodes(ray_cluster):
     """Raylets joining the session's cluster on this machine (`join(num_cpus)` -> the node's temp dir; lose one with
