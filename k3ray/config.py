@@ -166,6 +166,8 @@ class FaultSpec(_Strict):
 
 class FaultToleranceConfig(_Strict):
     snapshot_every: int = Field(5, gt=0)
+    spares: int = Field(0, ge=0, description="hot spares: standby workers (each holding its own device) that take "
+                                             "lost ranks' places without a process start; 0 = none")
     max_retries_per_step: int = Field(3, ge=0)
     skip_growth: int = Field(2, ge=1, description="batches skipped grow by this factor on a repeated trip")
     lr_backoff: float = Field(0.5, gt=0, le=1)
