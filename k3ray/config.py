@@ -265,8 +265,20 @@ def _format_errors(err: ValidationError, source: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
+        name, sep, rest = msg.partition(": ")
+        if sep and name.isidentifier() and e["loc"] and name in _section_fields(e["loc"]):  # a section's own check
+            field, msg = f"{field}.{name}", rest
         lines.append(f"  {field}: {msg}")
     return "\n".join(lines)
+
+
+def _section_fields(loc: tuple) -> set[str]:
+    """The field names of the config section at `loc` (empty where loc is not a section)."""
+    model: Any = JobConfig
+    for part in loc:
+        annotation = getattr(model, "model_fields", {}).get(part)
+        model = getattr(annotation, "annotation", None)
+    return set(getattr(model, "model_fields", {}))
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>") -> JobConfig:
