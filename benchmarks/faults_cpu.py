@@ -2,7 +2,10 @@
 on this machine whose raylet is SIGKILLed between steps) split into their phases, rollback time after a NaN blow-up,
 snapshot overhead per step, and a hung collective's detection time.
 
-    python benchmarks/faults_cpu.py [--steps 14] [--only worker,node]
+    python benchmarks/faults_cpu.py [--steps 14] [--only worker,node] [--repeat 3] [--spares 1] [--snapshot-every 5]
+
+--repeat runs the worker kill that many times (a fresh job each) and prints the medians, each run's figure in
+brackets; --spares and --snapshot-every set fault_tolerance.spares and .snapshot_every for the worker kill.
 """
 from __future__ import annotations
 
@@ -55,17 +58,32 @@ def guard_check_us() -> float:
     return (time.perf_counter() - t0) * 1e3  # us per call (1000 calls)
 
 
-def mttr_rows(label: str, times: list[float], incidents: list[dict], k: int) -> list[tuple[str, str]]:
+def mttr_split(times: list[float], incidents: list[dict], k: int) -> tuple[dict, dict[str, float]]:
+    """(the worker_lost incident, MTTR and its phases in seconds) of one run that lost workers at step k."""
     lost = next(i for i in incidents if i["kind"] == "worker_lost")
-    phases = lost["seconds"]
     mttr = times[k]  # from the step's start (the worker is already dead) to the resumed step's report
+    return lost, {"MTTR": mttr, **lost["seconds"], "resumed step": mttr - sum(lost["seconds"].values())}
+
+
+def mttr_rows(label: str, runs: list[tuple[dict, dict[str, float]]]) -> list[tuple[str, str]]:
+    """The median of each phase over the runs, each run's figure in brackets when there are several."""
+    lost = runs[0][0]
     first, until = lost["replayed_steps"]
-    rows = [(f"MTTR: {label} -> first resumed step (ranks {lost['ranks']}, ep {lost['ep'][0]} -> {lost['ep'][1]})",
-             f"{mttr:.2f} s")]
-    for name, value in phases.items():
-        rows.append((f"  {name}", f"{value:.2f} s" + (f" ({until - first} steps since the snapshot)"
-                                                     if name == "replay" else "")))
-    rows.append(("  the resumed step itself", f"{mttr - sum(phases.values()):.2f} s"))
+    spares = f", {len(lost['spares_used'])} hot spares used" if lost.get("spares_used") else ""
+    names = list(dict.fromkeys(name for _, split in runs for name in split))
+    rows = []
+    for name in names:
+        values = [split.get(name, 0.0) for _, split in runs]
+        figure = f"{statistics.median(values):.2f} s" + (
+            f" ({', '.join(f'{v:.2f}' for v in values)})" if len(values) > 1 else "")
+        if name == "MTTR":
+            name = (f"MTTR: {label} -> first resumed step (ranks {lost['ranks']}, ep {lost['ep'][0]} -> "
+                    f"{lost['ep'][1]}{spares}), median of {len(runs)}")
+        elif name == "replay":
+            name, figure = "  replay", figure + f" ({until - first} steps since the snapshot)"
+        else:
+            name = f"  {name}"
+        rows.append((name, figure))
     return rows
 
 
@@ -120,13 +138,16 @@ def node_loss(steps: int, k: int) -> list[tuple[str, str]]:
         ray.shutdown()
         for d in (node, head):
             _kill(d, only_raylet=False)
-    return mttr_rows("node lost (raylet SIGKILL)", times, incidents, k)
+    return mttr_rows("node lost (raylet SIGKILL)", [mttr_split(times, incidents, k)])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--only", default="plain,worker,nan,hang,node")
+    ap.add_argument("--repeat", type=int, default=1, help="worker kills to run (medians)")
+    ap.add_argument("--spares", type=int, default=0, help="fault_tolerance.spares for the worker kill")
+    ap.add_argument("--snapshot-every", type=int, default=5, help="fault_tolerance.snapshot_every, worker kill")
     args = ap.parse_args()
     only = set(args.only.split(","))
     k = 7
@@ -143,10 +164,14 @@ def main() -> None:
         rows.append(("snapshot overhead per step, every 20 steps", f"{100 * snap_s / 20 / step_s:.1f} %"))
 
     if "worker" in only:
-        times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
-                                   "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]},
-                                  args.steps)
-        rows += mttr_rows("worker killed", times, incidents, k)
+        runs = []
+        for _ in range(args.repeat):
+            times, incidents, _ = run({"fault_tolerance.snapshot_every": args.snapshot_every,
+                                       "fault_tolerance.spares": args.spares, "fault_tolerance.grow_back": False,
+                                       "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]},
+                                      min(args.steps, k + 2))
+            runs.append(mttr_split(times, incidents, k))
+        rows += mttr_rows("worker killed", runs)
 
     if "nan" in only:
         times, incidents, _ = run({"fault_tolerance.snapshot_every": 5,
