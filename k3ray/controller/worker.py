@@ -56,11 +56,14 @@ class Worker:
         return True
 
     def stand_by(self) -> bool:
-        """Leave the grid held (its process groups, its engine's memory) and wait on standby."""
+        """Leave the grid held (its process groups, its engine's memory, the checkpoint parts it was writing: their
+        checkpoint is abandoned) and wait on standby."""
         if self.engine is not None:
             self.engine.leave_process_groups()
         self.engine = self.server = None
         self.peer_snapshots = {}
+        if self.writer is not None:
+            self.writer.forget()
         return True
 
     def rendezvous_address(self) -> tuple[str, int]:
