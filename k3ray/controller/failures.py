@@ -85,7 +85,7 @@ class FailurePaths:
                 self._regroup(lost.ranks, decision, snap.sources())
             else:
                 old.close()
-                decision, incident, t_planned = self._relaunch_smaller(old, lost, load, fields, snap)
+                decision, incident, t_planned = self._launch_anew(old, lost, load, fields, snap)
             t_restored = time.perf_counter()
             self._replay(step)
         except WorkerLost as again:
@@ -110,7 +110,7 @@ class FailurePaths:
             dp_ranks_per_ep_rank=[recovery.dp_ranks_of(e, decision.ep, self.cfg.parallel.ep)
                                   for e in range(decision.ep)])
 
-    def _relaunch_smaller(self, old, lost: WorkerLost, load, fields: dict, snap):
+    def _launch_anew(self, old, lost: WorkerLost, load, fields: dict, snap):
         """Launch the grid that fits the alive nodes (planning again, smaller, when a node lost but not yet reported
         dead fails the placement). Returns (decision, incident, when it was planned)."""
         for attempt in range(1, 4):
