@@ -70,6 +70,7 @@ class FailurePaths:
             raise RuntimeError(f"{lost} before the first snapshot completed; restart with --resume from a checkpoint")
         silent = recovery.silent_nodes(old.nodes, lost.ranks) if lost.hung else set()
         self.avoid_nodes |= silent
+        old.avoid_nodes = frozenset(self.avoid_nodes)  # no spare on a silent node either
         t_gathered = time.perf_counter()
         load = self.table.expert_load(self.last_report)
         spares = old.spares_ready() if self.cfg.fault_tolerance.spares else 0
