@@ -62,7 +62,8 @@ def mttr_split(times: list[float], incidents: list[dict], k: int) -> tuple[dict,
     """(the worker_lost incident, MTTR and its phases in seconds) of one run that lost workers at step k."""
     lost = next(i for i in incidents if i["kind"] == "worker_lost")
     mttr = times[k]  # from the step's start (the worker is already dead) to the resumed step's report
-    return lost, {"MTTR": mttr, **lost["seconds"], "resumed step": mttr - sum(lost["seconds"].values())}
+    return lost, {"MTTR": mttr, **lost["seconds"], "resumed step": mttr - sum(lost["seconds"].values()),
+                  "(for scale: a step before the kill, median)": statistics.median(times[1:k])}
 
 
 def mttr_rows(label: str, runs: list[tuple[dict, dict[str, float]]]) -> list[tuple[str, str]]:
