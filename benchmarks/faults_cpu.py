@@ -1,29 +1,27 @@
-"""Fault tolerance on the tiny config (pp=1, ep=4, CPU): MTTR of a killed worker and of a lost node (a second raylet
-on this machine whose raylet is SIGKILLed between steps) split into their phases, rollback time after a NaN blow-up,
-snapshot overhead per step, and a hung collective's detection time.
+"""Fault tolerance on the tiny config (pp=1, ep=4, CPU): MTTR of a killed worker, of a lost node (a second raylet on
+this machine whose raylet is SIGKILLed between steps) and of a silent node (that raylet and its workers SIGSTOPped),
+split into their phases, rollback time after a NaN blow-up, snapshot overhead per step, and a hung collective's
+detection time.
 
-    python benchmarks/faults_cpu.py [--steps 14] [--only worker,node] [--repeat 3] [--spares 1] [--snapshot-every 5]
+    python benchmarks/faults_cpu.py [--steps 14] [--only worker,node,silent] [--repeat 3] [--spares 1]
+                                    [--snapshot-every 5]
 
---repeat runs the worker kill that many times (a fresh job each) and prints the medians, each run's figure in
-brackets; --spares and --snapshot-every set fault_tolerance.spares and .snapshot_every for the worker kill.
+--repeat runs each MTTR drill that many times (a fresh job, and a fresh second raylet, each) and prints the medians,
+each run's figure in brackets; --spares and --snapshot-every set fault_tolerance.spares and .snapshot_every for the
+worker kill.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
-from pathlib import Path
 
 import ray
 
 from k3ray.config import load_config
 from k3ray.control.driver import init_ray, start_controller, stop_controller
+from k3ray.control.local_nodes import free_port, kill_node, silence_node, start_raylet, stop_node
 
 
 def run(overrides: dict, steps: int, before_step=None) -> tuple[list[float], list[dict], list[float]]:
@@ -59,9 +57,11 @@ def guard_check_us() -> float:
 
 
 def mttr_split(times: list[float], incidents: list[dict], k: int) -> tuple[dict, dict[str, float]]:
-    """(the worker_lost incident, MTTR and its phases in seconds) of one run that lost workers at step k."""
+    """(the worker_lost incident, MTTR and its phases in seconds) of one run that lost workers before step k. The
+    MTTR runs from the start of step k to the report of the step the recovery finished in (a lost node's workers may
+    still finish step k, so the loss is met a step later; "resumed step" then holds that step too)."""
     lost = next(i for i in incidents if i["kind"] == "worker_lost")
-    mttr = times[k]  # from the step's start (the worker is already dead) to the resumed step's report
+    mttr = sum(times[k:lost["replayed_steps"][1] + 1])
     return lost, {"MTTR": mttr, **lost["seconds"], "resumed step": mttr - sum(lost["seconds"].values()),
                   "(for scale: a step before the kill, median)": statistics.median(times[1:k])}
 
@@ -88,65 +88,45 @@ def mttr_rows(label: str, runs: list[tuple[dict, dict[str, float]]]) -> list[tup
     return rows
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _start_raylet(temp_dir: str, *args: str) -> None:
-    """`ray start` with ports of its own (other clusters may share this machine)."""
-    ports = [f"--{name}={_free_port()}" for name in ("metrics-export-port", "dashboard-agent-listen-port",
-                                                     "dashboard-agent-grpc-port", "runtime-env-agent-port")]
-    subprocess.run([shutil.which("ray"), "start", "--temp-dir", temp_dir, "--node-ip-address", "127.0.0.1",
-                    "--disable-usage-stats", *ports, *args], check=True, timeout=300, capture_output=True)
-
-
-def _kill(temp_dir: str, only_raylet: bool) -> None:
-    """SIGKILL the processes of the node living under temp_dir (only its raylet: a lost node)."""
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if temp_dir.encode() in cmd and (not only_raylet or b"raylet" in cmd.split(b"\0")[0]):
-                try:
-                    os.kill(int(entry.name), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-
-def node_loss(steps: int, k: int) -> list[tuple[str, str]]:
-    """4 workers, 2 on a head of their own and 2 on a second raylet of this machine (`ray start`, own temp dirs);
-    the second raylet is SIGKILLed before step k."""
+def node_runs(how: str, steps: int, k: int, repeat: int) -> list[tuple[dict, dict[str, float]]]:
+    """4 workers, 2 on a head of their own and 2 on a second raylet of this machine, which is lost before step k
+    (how: "kill" its raylet, or "silence" it); a fresh second raylet for every run."""
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    head, node = tempfile.mkdtemp(prefix="k3ray-bench-head-"), tempfile.mkdtemp(prefix="k3ray-bench-node-")
-    port = _free_port()
+    head = tempfile.mkdtemp(prefix="k3ray-bench-head-")
+    port = free_port()
+    runs = []
     try:
-        _start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")
+        start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
-        _start_raylet(node, "--address", f"127.0.0.1:{port}", "--num-cpus", "2")
-        while sum(n["Alive"] for n in ray.nodes()) < 2:
-            time.sleep(0.5)
-        blocker = placement_group([{"CPU": 6}], strategy="STRICT_PACK")  # 2 head CPUs left: 2 workers there
-        ray.get(blocker.ready(), timeout=120)
-        times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False}, steps,
-                                  before_step=lambda s: s == k and _kill(node, only_raylet=True))
-        remove_placement_group(blocker)
+        for _ in range(repeat):
+            node = tempfile.mkdtemp(prefix="k3ray-bench-node-")
+            alive = sum(n["Alive"] for n in ray.nodes())
+            start_raylet(node, "--address", f"127.0.0.1:{port}", "--num-cpus", "2")
+            while sum(n["Alive"] for n in ray.nodes()) <= alive:
+                time.sleep(0.5)
+            blocker = placement_group([{"CPU": 6}], strategy="STRICT_PACK")  # 2 head CPUs left: 2 workers there
+            ray.get(blocker.ready(), timeout=120)
+            lose = kill_node if how == "kill" else silence_node
+            try:
+                times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
+                                           "parallel.collective_timeout_s": 10}, steps,
+                                          before_step=lambda s: s == k and lose(node))
+                runs.append(mttr_split(times, incidents, k))
+            finally:
+                remove_placement_group(blocker)
+                stop_node(node)
     finally:
         ray.shutdown()
-        for d in (node, head):
-            _kill(d, only_raylet=False)
-    return mttr_rows("node lost (raylet SIGKILL)", [mttr_split(times, incidents, k)])
+        stop_node(head)
+    return runs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=14)
-    ap.add_argument("--only", default="plain,worker,nan,hang,node")
-    ap.add_argument("--repeat", type=int, default=1, help="worker kills to run (medians)")
+    ap.add_argument("--only", default="plain,worker,nan,hang,node,silent")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each MTTR drill (medians)")
     ap.add_argument("--spares", type=int, default=0, help="fault_tolerance.spares for the worker kill")
     ap.add_argument("--snapshot-every", type=int, default=5, help="fault_tolerance.snapshot_every, worker kill")
     args = ap.parse_args()
@@ -193,7 +173,9 @@ def main() -> None:
     rows.append(("guard check per step (pure function on the merged report)", f"{guard_check_us():.1f} us"))
 
     if "node" in only:
-        rows += node_loss(k + 2, k)
+        rows += mttr_rows("node lost (raylet SIGKILL)", node_runs("kill", k + 2, k, args.repeat))
+    if "silent" in only:
+        rows += mttr_rows("silent node (raylet and workers SIGSTOP)", node_runs("silence", k + 2, k, args.repeat))
 
     width = max(len(r[0]) for r in rows)
     for name, value in rows:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
-import socket
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from k3ray.control.local_nodes import free_port, start_raylet, stop_node
 
 # Ray >= 2.5x turns token auth on for clusters started with `ray start`; clients then need token mode, and Ray
 # reads it when it is imported: set it before any test module imports ray.
@@ -33,12 +32,6 @@ if not __import__("torch").cuda.is_available():
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class RayCluster:
     address: str  # GCS address, for ray.init / RAY_ADDRESS
@@ -52,16 +45,9 @@ def ray_cluster():
     import ray
 
     gcs, dash, metrics = free_port(), free_port(), free_port()
-    env = dict(os.environ)
-    ray_bin = shutil.which("ray")
     temp_dir = tempfile.mkdtemp(prefix="k3ray-ray-", dir="/tmp")  # ours alone: teardown stops only this cluster
-    subprocess.run([ray_bin, "start", "--head", "--temp-dir", temp_dir, "--node-ip-address", "127.0.0.1",
-                    "--port", str(gcs),
-                    "--num-cpus", "8", "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
-                    "--dashboard-port", str(dash), "--metrics-export-port", str(metrics),
-                    "--dashboard-agent-listen-port", str(free_port()), "--dashboard-agent-grpc-port", str(free_port()),
-                    "--runtime-env-agent-port", str(free_port()),
-                    "--disable-usage-stats"], check=True, env=env, timeout=180, capture_output=True)
+    start_raylet(temp_dir, "--head", "--port", str(gcs), "--num-cpus", "8", "--include-dashboard", "true",
+                 "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--metrics-export-port", str(metrics))
     address = f"127.0.0.1:{gcs}"
     ray.init(address=address, log_to_driver=False)
     session_dir = ray._private.worker._global_node.get_session_dir_path()
@@ -69,42 +55,13 @@ def ray_cluster():
         yield RayCluster(address, f"http://127.0.0.1:{dash}", metrics, session_dir)
     finally:
         ray.shutdown()
-        stop_cluster(temp_dir)
-
-
-def stop_cluster(temp_dir: str) -> None:
-    """Kill the processes of the cluster living under temp_dir (`ray stop` would stop every cluster here)."""
-    import signal
-    import time
-
-    def ours() -> list[int]:
-        pids = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    if temp_dir.encode() in (entry / "cmdline").read_bytes():
-                        pids.append(int(entry.name))
-                except OSError:
-                    continue
-        return pids
-
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in ours():
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + 15
-        while ours() and time.time() < deadline:
-            time.sleep(0.2)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+        stop_node(temp_dir)
 
 
 @pytest.fixture
 def extra_nodes(ray_cluster):
-    """Raylets joining the session's cluster on this machine (`join(num_cpus)` -> the node's temp dir); `kill(dir)`
-    SIGKILLs that node's raylet (a lost node: its workers die with it). Teardown kills only these nodes' processes."""
-    import signal
+    """Raylets joining the session's cluster on this machine (`join(num_cpus)` -> the node's temp dir; lose one with
+    k3ray.control.local_nodes). Teardown stops only these nodes' processes."""
     import time
 
     import ray
@@ -117,33 +74,18 @@ def extra_nodes(ray_cluster):
     def join(num_cpus: int = 2) -> str:
         temp_dir = tempfile.mkdtemp(prefix="k3ray-node-", dir="/tmp")
         before = alive()
-        subprocess.run([shutil.which("ray"), "start", "--address", ray_cluster.address, "--temp-dir", temp_dir,
-                        "--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus),
-                        "--metrics-export-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
-                        "--dashboard-agent-grpc-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
-                        "--disable-usage-stats"], check=True, env=dict(os.environ), timeout=180, capture_output=True)
+        start_raylet(temp_dir, "--address", ray_cluster.address, "--num-cpus", str(num_cpus))
         dirs.append(temp_dir)
         deadline = time.time() + 60
         while alive() <= before and time.time() < deadline:
             time.sleep(0.5)
         return temp_dir
 
-    def kill(temp_dir: str) -> None:
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    cmd = (entry / "cmdline").read_bytes()
-                except OSError:
-                    continue
-                if temp_dir.encode() in cmd and b"raylet" in cmd.split(b"\0")[0]:
-                    os.kill(int(entry.name), signal.SIGKILL)
-
-    join.kill = kill
     try:
         yield join
     finally:
         for d in dirs:
-            stop_cluster(d)
+            stop_node(d)
 
 
 @pytest.fixture(scope="session")

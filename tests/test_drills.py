@@ -15,6 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from k3ray.config import load_config
 from k3ray.control.driver import start_controller, stop_controller
+from k3ray.control.local_nodes import kill_node
 
 STEPS, SNAPSHOT_EVERY, CHECKPOINT_EVERY = 8, 3, 3
 # where a kill lands: the state the controller is in when it meets the dead worker
@@ -61,7 +62,7 @@ def seeds() -> list[int]:
     return [random.randrange(2**31) for _ in range(int(os.environ.get("K3RAY_DRILLS", "3")))]
 
 
-def train(cfg, drill: dict | None = None, kill_node=None) -> tuple[list[float], list[dict]]:
+def train(cfg, drill: dict | None = None, lose_node=None) -> tuple[list[float], list[dict]]:
     controller = start_controller(cfg)
     try:
         losses = []
@@ -69,13 +70,13 @@ def train(cfg, drill: dict | None = None, kill_node=None) -> tuple[list[float], 
             if drill and drill["kind"] == "node" and s == drill["step"] and drill["state"] != "evaluation":
                 if drill["state"] == "policy_change":
                     ray.get(controller.set_policy.remote("moonep", {"enabled": True}, "drill"))
-                kill_node()
+                lose_node()
             if drill and drill["state"] == "policy_change" and drill["kind"] != "node" and s == drill["step"]:
                 ray.get(controller.set_policy.remote("moonep", {"enabled": True}, "drill"))  # pushed at the boundary
             losses.append(ray.get(controller.train_step.remote(s), timeout=600)["loss"])
             if drill and drill["state"] == "evaluation" and s == drill["step"]:
                 if drill["kind"] == "node":
-                    kill_node()
+                    lose_node()
                 assert ray.get(controller.evaluate.remote(), timeout=600) > 0
         return losses, ray.get(controller.get_incidents.remote())
     finally:
@@ -96,9 +97,9 @@ def test_random_drill_ends_with_the_unfailed_losses(ray_cluster, extra_nodes, un
         node = extra_nodes(2)
         blocker = placement_group([{"CPU": int(ray.cluster_resources()["CPU"]) - 4}], strategy="STRICT_PACK")
         ray.get(blocker.ready(), timeout=120)
-        kill = lambda: extra_nodes.kill(node)  # noqa: E731
     try:
-        losses, incidents = train(tiny(tmp_path, drill["faults"]), drill, kill if blocker else None)
+        losses, incidents = train(tiny(tmp_path, drill["faults"]), drill,
+                                  (lambda: kill_node(node)) if blocker else None)
     finally:
         if blocker is not None:
             remove_placement_group(blocker)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import pytest
 import ray
@@ -15,6 +14,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from k3ray.config import load_config
 from k3ray.control.driver import start_controller, stop_controller
+from k3ray.control.local_nodes import kill_node, silence_node
 
 STEPS = 9
 
@@ -52,7 +52,7 @@ def test_lost_node_shrinks_restores_from_copies_elsewhere_and_grows_back(unfaile
     controller = start_controller(tiny())
     try:
         losses = [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(6)]
-        extra_nodes.kill(split_grid)  # the node and its 2 workers are gone, between steps
+        kill_node(split_grid)  # the node and its 2 workers are gone, between steps
         losses.append(ray.get(controller.train_step.remote(6), timeout=600)["loss"])
         lost = ray.get(controller.get_incidents.remote())[0]
         assert lost["kind"] == "worker_lost" and len(lost["ranks"]) == 2 and lost["ep"][-1] == 2, lost
@@ -69,37 +69,12 @@ def test_lost_node_shrinks_restores_from_copies_elsewhere_and_grows_back(unfaile
     assert losses == pytest.approx(unfailed_losses, rel=1e-12, abs=0)
 
 
-def node_processes(temp_dir: str) -> list[int]:
-    """The node's raylet and every process under it (its workers: their command lines no longer name the dir)."""
-    children: dict[int, list[int]] = {}
-    raylet = None
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmd = (entry / "cmdline").read_bytes()
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry.name))
-        if temp_dir.encode() in cmd and b"raylet" in cmd.split(b"\0")[0]:
-            raylet = int(entry.name)
-    assert raylet is not None, f"no raylet under {temp_dir}"
-    tree, todo = [], [raylet]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        todo += children.get(pid, [])
-    return tree
-
-
 def test_silent_node_is_found_by_the_step_timeout_and_avoided(unfailed_losses, split_grid, extra_nodes):
     controller = start_controller(tiny())  # grow-back on: it must not count on the silent node's CPUs
-    frozen = node_processes(split_grid)
+    frozen = []
     try:
         losses = [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(5)]
-        for pid in frozen:  # the node goes silent: no process of it answers, none has died
-            os.kill(pid, signal.SIGSTOP)
+        frozen = silence_node(split_grid)  # no process of the node answers, none has died
         losses += [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(5, STEPS)]
         incidents = ray.get(controller.get_incidents.remote())
         status = ray.get(controller.status.remote())

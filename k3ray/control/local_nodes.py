@@ -1,0 +1,101 @@
+"""Raylets on this machine standing in for nodes (drills, tests and benchmarks of node loss without a second host):
+start one with ports and a temp dir of its own (other clusters may share the machine; `ray stop` would stop them
+all), then lose it (SIGKILL its raylet: its workers die with it), silence it (SIGSTOP it and every process under it:
+nothing dies, nothing answers) or stop it for good (every process of it)."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_raylet(temp_dir: str, *args: str, env: dict | None = None) -> None:
+    """`ray start --temp-dir temp_dir ARGS` on 127.0.0.1 with free ports for its agents and metrics (unless ARGS
+    name them)."""
+    ports = [f"--{name}={free_port()}" for name in ("metrics-export-port", "dashboard-agent-listen-port",
+                                                    "dashboard-agent-grpc-port", "runtime-env-agent-port")
+             if f"--{name}" not in args]
+    subprocess.run([shutil.which("ray"), "start", "--temp-dir", temp_dir, "--node-ip-address", "127.0.0.1",
+                    "--disable-usage-stats", *ports, *args], check=True, timeout=300, capture_output=True,
+                   env=env if env is not None else dict(os.environ))
+
+
+def _processes() -> tuple[dict[int, bytes], dict[int, list[int]]]:
+    """Command line of every process, and the children of each."""
+    cmdlines, children = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():  # a caller naming the dir is not the node
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        cmdlines[int(entry.name)] = cmd
+        children.setdefault(ppid, []).append(int(entry.name))
+    return cmdlines, children
+
+
+def _tree(roots: list[int], children: dict[int, list[int]]) -> list[int]:
+    tree, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def _raylets(temp_dir: str, cmdlines: dict[int, bytes]) -> list[int]:
+    return [pid for pid, cmd in cmdlines.items() if temp_dir.encode() in cmd and b"raylet" in cmd.split(b"\0")[0]]
+
+
+def node_processes(temp_dir: str) -> list[int]:
+    """Every process of the node: those naming its dir (raylet, agents; GCS and dashboard of a head) and every process
+    under its raylet (the workers, whose command lines no longer name the dir)."""
+    cmdlines, children = _processes()
+    mine = {pid for pid, cmd in cmdlines.items() if temp_dir.encode() in cmd}
+    return sorted(mine | set(_tree(_raylets(temp_dir, cmdlines), children)))
+
+
+def _signal(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def kill_node(temp_dir: str) -> None:
+    """A lost node: its raylet SIGKILLed (its workers exit when it does)."""
+    cmdlines, _ = _processes()
+    _signal(_raylets(temp_dir, cmdlines), signal.SIGKILL)
+
+
+def silence_node(temp_dir: str) -> list[int]:
+    """A silent node: its raylet and its workers stopped (SIGSTOP), alive to the OS, answering nobody; returns them."""
+    cmdlines, children = _processes()
+    pids = _tree(_raylets(temp_dir, cmdlines), children)
+    _signal(pids, signal.SIGSTOP)
+    return pids
+
+
+def stop_node(temp_dir: str, remove: bool = True) -> None:
+    """Every process of the node SIGTERMed (and continued, if silenced), then SIGKILLed, its temp dir removed."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        _signal(node_processes(temp_dir), sig)
+        _signal(node_processes(temp_dir), signal.SIGCONT)
+        deadline = time.time() + 15
+        while node_processes(temp_dir) and time.time() < deadline:
+            time.sleep(0.2)
+    if remove:
+        shutil.rmtree(temp_dir, ignore_errors=True)
