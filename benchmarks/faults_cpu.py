@@ -1,9 +1,14 @@
 """Fault tolerance on the tiny config (pp=1, ep=4, CPU): MTTR of a killed worker, of a lost node (a second raylet on
 this machine whose raylet is SIGKILLed between steps) and of a silent node (that raylet and its workers SIGSTOPped),
-split into their phases (medians over --repeat runs, with the range), rollback time after a NaN blow-up, snapshot
-overhead per step, and a hung collective's detection time.
+split into their phases, rollback time after a NaN blow-up, snapshot overhead per step, and a hung collective's
+detection time.
 
-    python benchmarks/faults_cpu.py [--steps 14] [--only worker,node,silent] [--repeat 3]
+    python benchmarks/faults_cpu.py [--steps 14] [--only worker,node,silent] [--repeat 3] [--spares 1]
+                                    [--snapshot-every 5]
+
+--repeat runs each MTTR drill that many times (a fresh job, and a fresh second raylet, each) and prints the medians,
+each run's figure in brackets; --spares and --snapshot-every set fault_tolerance.spares and .snapshot_every for the
+worker kill.
 """
 from __future__ import annotations
 
@@ -51,28 +56,39 @@ def guard_check_us() -> float:
     return (time.perf_counter() - t0) * 1e3  # us per call (1000 calls)
 
 
-def mttr_rows(label: str, runs: list[tuple[list[float], list[dict]]], k: int) -> list[tuple[str, str]]:
-    """Median (min-max) over the runs of the MTTR (from the start of step k, the worker already lost, to its
-    report) and of each recovery phase."""
-    losts = [next(i for i in incidents if i["kind"] == "worker_lost") for _, incidents in runs]
-    mttrs = [times[k] for times, _ in runs]
-    phases = {name: [lost["seconds"][name] for lost in losts] for name in losts[0]["seconds"]}
-    phases["the resumed step itself"] = [m - sum(lost["seconds"].values()) for m, lost in zip(mttrs, losts)]
-    first, until = losts[0]["replayed_steps"]
+def mttr_split(times: list[float], incidents: list[dict], k: int) -> tuple[dict, dict[str, float]]:
+    """(the worker_lost incident, MTTR and its phases in seconds) of one run that lost workers before step k. The
+    MTTR runs from the start of step k to the report of the step the recovery finished in (a lost node's workers may
+    still finish step k, so the loss is met a step later; "resumed step" then holds that step too)."""
+    lost = next(i for i in incidents if i["kind"] == "worker_lost")
+    mttr = sum(times[k:lost["replayed_steps"][1] + 1])
+    return lost, {"MTTR": mttr, **lost["seconds"], "resumed step": mttr - sum(lost["seconds"].values()),
+                  "(for scale: a step before the kill, median)": statistics.median(times[1:k])}
 
-    def fmt(values: list[float]) -> str:
-        return f"{statistics.median(values):.2f} s ({min(values):.2f}-{max(values):.2f})"
 
-    lost = losts[0]
-    rows = [(f"MTTR: {label} -> first resumed step (ranks {lost['ranks']}, ep {lost['ep'][0]} -> {lost['ep'][1]}; "
-             f"median of {len(runs)})", fmt(mttrs))]
-    for name, values in phases.items():
-        rows.append((f"  {name}" + (f" ({until - first} steps since the snapshot)" if name == "replay" else ""),
-                     fmt(values)))
+def mttr_rows(label: str, runs: list[tuple[dict, dict[str, float]]]) -> list[tuple[str, str]]:
+    """The median of each phase over the runs, each run's figure in brackets when there are several."""
+    lost = runs[0][0]
+    first, until = lost["replayed_steps"]
+    spares = f", {len(lost['spares_used'])} hot spares used" if lost.get("spares_used") else ""
+    names = list(dict.fromkeys(name for _, split in runs for name in split))
+    rows = []
+    for name in names:
+        values = [split.get(name, 0.0) for _, split in runs]
+        figure = f"{statistics.median(values):.2f} s" + (
+            f" ({', '.join(f'{v:.2f}' for v in values)})" if len(values) > 1 else "")
+        if name == "MTTR":
+            name = (f"MTTR: {label} -> first resumed step (ranks {lost['ranks']}, ep {lost['ep'][0]} -> "
+                    f"{lost['ep'][1]}{spares}), median of {len(runs)}")
+        elif name == "replay":
+            name, figure = "  replay", figure + f" ({until - first} steps since the snapshot)"
+        else:
+            name = f"  {name}"
+        rows.append((name, figure))
     return rows
 
 
-def node_runs(how: str, steps: int, k: int, repeat: int) -> list[tuple[list[float], list[dict]]]:
+def node_runs(how: str, steps: int, k: int, repeat: int) -> list[tuple[dict, dict[str, float]]]:
     """4 workers, 2 on a head of their own and 2 on a second raylet of this machine, which is lost before step k
     (how: "kill" its raylet, or "silence" it); a fresh second raylet for every run."""
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -96,7 +112,7 @@ def node_runs(how: str, steps: int, k: int, repeat: int) -> list[tuple[list[floa
                 times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
                                            "parallel.collective_timeout_s": 10}, steps,
                                           before_step=lambda s: s == k and lose(node))
-                runs.append((times, incidents))
+                runs.append(mttr_split(times, incidents, k))
             finally:
                 remove_placement_group(blocker)
                 stop_node(node)
@@ -110,7 +126,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--only", default="plain,worker,nan,hang,node,silent")
-    ap.add_argument("--repeat", type=int, default=3, help="runs per MTTR figure (the median is reported)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each MTTR drill (medians)")
+    ap.add_argument("--spares", type=int, default=0, help="fault_tolerance.spares for the worker kill")
+    ap.add_argument("--snapshot-every", type=int, default=5, help="fault_tolerance.snapshot_every, worker kill")
     args = ap.parse_args()
     only = set(args.only.split(","))
     k = 7
@@ -127,10 +145,14 @@ def main() -> None:
         rows.append(("snapshot overhead per step, every 20 steps", f"{100 * snap_s / 20 / step_s:.1f} %"))
 
     if "worker" in only:
-        runs = [run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
-                     "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]}, args.steps)[:2]
-                for _ in range(args.repeat)]
-        rows += mttr_rows("worker killed", runs, k)
+        runs = []
+        for _ in range(args.repeat):
+            times, incidents, _ = run({"fault_tolerance.snapshot_every": args.snapshot_every,
+                                       "fault_tolerance.spares": args.spares, "fault_tolerance.grow_back": False,
+                                       "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]},
+                                      min(args.steps, k + 2))
+            runs.append(mttr_split(times, incidents, k))
+        rows += mttr_rows("worker killed", runs)
 
     if "nan" in only:
         times, incidents, _ = run({"fault_tolerance.snapshot_every": 5,
@@ -151,9 +173,9 @@ def main() -> None:
     rows.append(("guard check per step (pure function on the merged report)", f"{guard_check_us():.1f} us"))
 
     if "node" in only:
-        rows += mttr_rows("node lost (raylet SIGKILL)", node_runs("kill", k + 2, k, args.repeat), k)
+        rows += mttr_rows("node lost (raylet SIGKILL)", node_runs("kill", k + 2, k, args.repeat))
     if "silent" in only:
-        rows += mttr_rows("silent node (raylet and workers SIGSTOP)", node_runs("silence", k + 2, k, args.repeat), k)
+        rows += mttr_rows("silent node (raylet and workers SIGSTOP)", node_runs("silence", k + 2, k, args.repeat))
 
     width = max(len(r[0]) for r in rows)
     for name, value in rows:

@@ -4,6 +4,10 @@ engine first. Prints, per drill, the serving gap (the longest stretch without a 
 on) and the engine's phases, then the medians.
 
     python benchmarks/serve_faults.py [--checkpoint runs/tiny/checkpoints] [--pp 2 --ep 2] [--drills 3] [--kill 2]
+                                      [--spares 1]
+
+With --spares the lost worker's place is taken by a hot spare (column "workers": swapping spares in) rather than by
+a grid launched anew (column "workers": placing and starting worker processes).
 
 Without --checkpoint it first trains the tiny config for a few steps into a temporary directory (serve_load.py's).
 """
@@ -26,7 +30,7 @@ from serve_load import train_checkpoint
 PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self", "for i in range(",
            "# Licensed to the PSF\n\"\"\"Helpers for ", "    if not data:\n        return ", "x = ", "print(",
            "with open(path) as f:\n", "return "]
-PHASES = ["replan", "place_and_start_workers", "process_groups", "restore", "cache_pools", "to_next_token"]
+PHASES = ["replan", "workers", "process_groups", "restore", "cache_pools", "to_next_token"]
 
 
 def stream(engine, prompt: str, params: dict, into: list) -> threading.Thread:
@@ -54,8 +58,9 @@ def serving_gap(token_times: list[float], t_kill: float) -> float:
     return max((b - a for a, b in zip(times[start:], times[start + 1:])), default=0.0)
 
 
-def drill(checkpoint: str, pp: int, ep: int, concurrency: int, max_tokens: int, kill: int, serve: dict) -> dict:
-    engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve)
+def drill(checkpoint: str, pp: int, ep: int, concurrency: int, max_tokens: int, kill: int, serve: dict,
+          spares: int) -> dict:
+    engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve, spares=spares)
     ray.get(engine.ready.remote())
     params = [{"max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.8, "seed": i} for i in range(concurrency)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(concurrency)]
@@ -74,7 +79,9 @@ def drill(checkpoint: str, pp: int, ep: int, concurrency: int, max_tokens: int, 
         incident = [i for i in ray.get(engine.incident_log.remote()) if i["kind"] == "worker_lost"][0]
         gap = serving_gap([at for g in got for at, item in g if item.get("tokens")], t_kill)
         same = sum(tokens(g) == tokens(u) and "error" not in g[-1][1] for g, u in zip(got, undisturbed))
-        return {"gap": gap, "same": same, "ep": incident["ep"], **incident["seconds"]}
+        seconds = dict(incident["seconds"])
+        seconds["workers"] = seconds.pop("swap_in_spares", None) or seconds.pop("place_and_start_workers")
+        return {"gap": gap, "same": same, "ep": incident["ep"], "spares_used": incident["spares_used"], **seconds}
     finally:
         ray.get(engine.shutdown.remote())
         ray.kill(engine, no_restart=True)
@@ -88,9 +95,10 @@ def main() -> None:
     ap.add_argument("--drills", type=int, default=3)
     ap.add_argument("--kill", type=int, default=2, help="world rank to kill")
     ap.add_argument("--concurrency", type=int, default=10)
+    ap.add_argument("--spares", type=int, default=0, help="hot spares of the serving grid")
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
-    init_ray(None, args.pp * args.ep + 2)
+    init_ray(None, args.pp * args.ep + args.spares + 2)
     checkpoint = args.checkpoint
     if checkpoint is None:
         checkpoint = tempfile.mkdtemp(prefix="k3ray-serve-faults-")
@@ -98,14 +106,15 @@ def main() -> None:
     serve = {"pages_per_rank": 8 * args.concurrency, "page_size": 16, "slots_per_rank": args.concurrency,
              "token_budget": 256, "max_tokens": args.max_tokens}
     rows = []
-    print(f"{'drill':>5} {'requests same':>13} {'ep':>6} {'gap s':>6} " + " ".join(f"{p:>14}" for p in PHASES))
+    print(f"{'drill':>5} {'requests same':>13} {'ep':>6} {'spares':>6} {'gap s':>6} " + " ".join(f"{p:>14}" for p in PHASES))
     for d in range(args.drills):
-        r = drill(checkpoint, args.pp, args.ep, args.concurrency, args.max_tokens, args.kill, serve)
+        r = drill(checkpoint, args.pp, args.ep, args.concurrency, args.max_tokens, args.kill, serve, args.spares)
         rows.append(r)
-        print(f"{d:>5} {r['same']:>6}/{args.concurrency:<6} {'->'.join(map(str, r['ep'])):>6} {r['gap']:>6.2f} "
+        print(f"{d:>5} {r['same']:>6}/{args.concurrency:<6} {'->'.join(map(str, r['ep'])):>6} "
+              f"{len(r['spares_used']):>6} {r['gap']:>6.2f} "
               + " ".join(f"{r[p]:>14.3f}" for p in PHASES), flush=True)
     med = {k: statistics.median(r[k] for r in rows) for k in ["gap", *PHASES]}
-    print(f"{'med':>5} {'':>13} {'':>6} {med['gap']:>6.2f} " + " ".join(f"{med[p]:>14.3f}" for p in PHASES))
+    print(f"{'med':>5} {'':>13} {'':>6} {'':>6} {med['gap']:>6.2f} " + " ".join(f"{med[p]:>14.3f}" for p in PHASES))
 
 
 if __name__ == "__main__":

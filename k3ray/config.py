@@ -166,6 +166,8 @@ class FaultSpec(_Strict):
 
 class FaultToleranceConfig(_Strict):
     snapshot_every: int = Field(5, gt=0)
+    spares: int = Field(0, ge=0, description="hot spares: standby workers (each holding its own device) that take "
+                                             "lost ranks' places without a process start; 0 = none")
     max_retries_per_step: int = Field(3, ge=0)
     skip_growth: int = Field(2, ge=1, description="batches skipped grow by this factor on a repeated trip")
     lr_backoff: float = Field(0.5, gt=0, le=1)
@@ -263,8 +265,20 @@ def _format_errors(err: ValidationError, source: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
+        name, sep, rest = msg.partition(": ")
+        if sep and name.isidentifier() and e["loc"] and name in _section_fields(e["loc"]):  # a section's own check
+            field, msg = f"{field}.{name}", rest
         lines.append(f"  {field}: {msg}")
     return "\n".join(lines)
+
+
+def _section_fields(loc: tuple) -> set[str]:
+    """The field names of the config section at `loc` (empty where loc is not a section)."""
+    model: Any = JobConfig
+    for part in loc:
+        annotation = getattr(model, "model_fields", {}).get(part)
+        model = getattr(annotation, "annotation", None)
+    return set(getattr(model, "model_fields", {}))
 
 
 def parse_config(data: dict[str, Any], source: str = "<config>") -> JobConfig:

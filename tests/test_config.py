@@ -24,7 +24,7 @@ def test_shipped_configs_load(name):
 
 def _tiny_with(tmp_path: Path, section: str, key: str, value) -> Path:
     data = yaml.safe_load((CONFIGS / "tiny.yaml").read_text())
-    data[section][key] = value
+    data.setdefault(section, {})[key] = value
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(data))
     return path
@@ -99,3 +99,11 @@ def test_cli_train_missing_config_exits_2(tmp_path, capsys):
     assert main(["train", "--config", str(path), "--single-process", "--steps", "1", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("k3ray: ") and str(path) in err and "cannot read" in err
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "two"])
+def test_bad_spares_count_exits_2_naming_the_field(tmp_path, capsys, value):
+    path = _tiny_with(tmp_path, "fault_tolerance", "spares", value)
+    assert main(["config", "show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3ray: ") and str(path) in err and "fault_tolerance.spares" in err

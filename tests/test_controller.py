@@ -25,10 +25,11 @@ class Cluster:
     def __init__(self, capacity: int = 8, nan_batches=(), lose: dict[int, int] | None = None,
                  die_in: dict[str, tuple[int, set[int]]] | None = None):
         self.capacity, self.nan_batches = capacity, set(nan_batches)
-        self.lose = dict(lose or {})  # step -> world rank that dies during it (once)
+        self.lose = dict(lose or {})  # step -> world rank (or set of ranks) that dies during it (once)
         self.die_in = dict(die_in or {})  # method -> (its n-th call, counted from 1; world ranks that die in it)
         self.seen: dict[str, int] = {}  # method -> calls so far
         self.phantom = 0  # workers' worth of a lost node Ray still reports alive (until a placement fails)
+        self.spares_dead = False  # every standby spare has died (its node lost)
         self.calls: list[tuple] = []
         self.groups: list[FakeGroup] = []
 
@@ -39,20 +40,26 @@ class Cluster:
 
 
 class FakeGroup:
-    """The WorkerGroup interface over in-memory workers that all hold the same state: the batches trained on."""
+    """The WorkerGroup interface over in-memory workers that all hold the same state: the batches trained on. Hot
+    spares are counted, holding capacity like workers."""
 
     def __init__(self, cluster: Cluster, cfg, ep: int, home: list[int]):
         self.cluster, self.cfg, self.pp, self.ep, self.home = cluster, cfg, cfg.parallel.pp, ep, list(home)
         self.trained: tuple[int, ...] = ()
         self.launch_seconds: dict[str, float] = {}
         self.alive = False
+        self.spares: list[str] = []
 
     @property
     def size(self) -> int:
         return self.pp * self.ep
 
+    @property
+    def held(self) -> int:
+        return self.size + len(self.spares) if self.alive else 0
+
     def fits(self, extra_cluster_free: bool = False) -> tuple[bool, str]:
-        used = sum(g.size for g in self.cluster.groups if g.alive) if extra_cluster_free else 0
+        used = sum(g.held for g in self.cluster.groups) if extra_cluster_free else 0
         return self.size + used <= self.cluster.capacity, "too small"
 
     def _die(self, method: str) -> None:
@@ -63,16 +70,40 @@ class FakeGroup:
             raise WorkerLost(set(ranks), f"ActorDiedError in {method}")
 
     def capacity(self) -> int:
-        return self.cluster.capacity + self.cluster.phantom - sum(g.size for g in self.cluster.groups if g.alive)
+        return self.cluster.capacity + self.cluster.phantom - sum(g.held for g in self.cluster.groups)
 
-    def launch(self, timeout_s: float, restore: dict | None = None) -> str:
+    def launch(self, timeout_s: float, restore: dict | None = None, wait_for_spares: bool = True) -> str:
         if not self.fits()[0]:
             self.cluster.phantom = 0  # the placement waited in vain: now Ray reports the node dead
             raise TopologyError(f"needs {self.size} workers")
         self.alive = True
+        self.start_spares()
         if restore is not None:
             self.restore(restore)
         return "fake"
+
+    def start_spares(self) -> int:
+        room = self.cluster.capacity - sum(g.held for g in self.cluster.groups)
+        started = max(0, min(self.cfg.fault_tolerance.spares - len(self.spares), room))
+        self.spares += [f"spare{len(self.cluster.calls)}.{i}" for i in range(started)]
+        self.cluster.calls.append(("start_spares", started))
+        return started
+
+    def spares_ready(self) -> int:
+        if self.cluster.spares_dead:
+            self.spares = []
+        return len(self.spares)
+
+    def regroup(self, lost: set[int], ep: int, home: list[int], keep: list[int], spare_for: set[int],
+                restore: dict, timeout_s: float) -> None:
+        """In place: spares take the places in spare_for, survivors of columns not kept stand by as spares."""
+        assert len(spare_for) <= len(self.spares) and spare_for <= lost
+        left_out = self.size - len(lost) - (self.pp * ep - len(spare_for))
+        self.cluster.calls.append(("regroup", sorted(lost), ep, list(keep), sorted(spare_for)))
+        self.spares = self.spares[len(spare_for):] + [f"survivor{i}" for i in range(left_out)]
+        self.ep, self.home = ep, list(home)
+        self.launch_seconds = {"swap_in_spares": 0.0}
+        self.restore(restore)
 
     def restore(self, sources: dict, timeout_s: float = 0) -> None:
         self._die("restore")
@@ -81,9 +112,9 @@ class FakeGroup:
         self.trained = tuple(state["trained"].tolist()) if isinstance(state, dict) else state
 
     def run_step(self, step: int, batch: int, timeout_s: float) -> list[dict]:
-        rank = self.cluster.lose.pop(step, None)
-        if rank is not None:
-            raise WorkerLost({rank}, "ActorDiedError")
+        ranks = self.cluster.lose.pop(step, None)
+        if ranks is not None:
+            raise WorkerLost({ranks} if isinstance(ranks, int) else set(ranks), "ActorDiedError")
         self.trained += (batch,)
         loss = math.nan if batch in self.cluster.nan_batches else 10.0 / len(self.trained)
         E = self.cfg.model.n_experts
@@ -252,6 +283,74 @@ def test_silent_nodes_are_those_whose_every_rank_hung():
     assert recovery.silent_nodes(nodes, {1, 2, 3}) == {"b"}  # a's rank 0 answered: a hung worker, not a node
     assert recovery.silent_nodes(nodes, {3}) == set()
     assert recovery.silent_nodes(nodes, {0, 1, 2, 3}) == set()  # every node silent: evidence against none
+
+
+# -- hot spares ------------------------------------------------------------------------------------------------------
+def test_a_hot_spare_takes_the_lost_rank_in_place_and_a_new_one_starts_after_the_step():
+    cluster = Cluster(capacity=5, lose={6: 2})
+    ctrl = run(cluster, 6, **{"parallel.ep": 4, "fault_tolerance.spares": 1})
+    started = [c for c in cluster.calls if c[0] == "start_spares"]
+    ctrl.train_step(6)
+    (lost,) = ctrl.incidents
+    assert lost["action"] == "replace" and lost["ep"] == [4, 4] and lost["spares_used"] == [2]
+    assert len(cluster.groups) == 1  # rebuilt in place: no grid launched anew, no capacity probe
+    assert ("regroup", [2], 4, [0, 1, 2, 3], [2]) in cluster.calls
+    assert ctrl.placement()["home"] == recovery.grow(16, 4).tolist() and ctrl.status()["ep"] == 4
+    # the spare was used; its replacement started once the resumed step was done
+    assert [c for c in cluster.calls if c[0] == "start_spares"] == started + [("start_spares", 1)]
+    assert ctrl.status()["spares"] == 1
+    ctrl.train_step(7)
+    assert cluster.groups[-1].trained == clean_run(8, **{"parallel.ep": 4}) == tuple(range(8))
+    assert states(ctrl) == ["scheduling", "running", "recovering", "running"]  # no grow-back: never shrank
+    assert "1 of them hot spares" in ctrl.transitions[-1][2]
+
+
+def test_spares_cover_whole_columns_and_the_rest_shrinks_in_place():
+    cluster = Cluster(capacity=5, lose={6: {1, 2}})  # two ranks lost, one spare
+    ctrl = run(cluster, 7, **{"parallel.ep": 4, "fault_tolerance.spares": 1, "fault_tolerance.grow_back": False})
+    (lost,) = ctrl.incidents
+    assert lost["action"] == "reshard" and lost["ep"] == [4, 3] and lost["spares_used"] == [1]
+    assert ("regroup", [1, 2], 3, [0, 1, 3], [1]) in cluster.calls and len(cluster.groups) == 1
+    assert lost["dp_ranks_per_ep_rank"] == [[0, 3], [1], [2]]
+    assert cluster.groups[-1].trained == tuple(range(7))
+
+
+def test_without_a_ready_spare_the_grid_is_launched_anew():
+    cluster = Cluster(capacity=4, lose={6: 2})  # no room for the spare: the job runs without one
+    ctrl = run(cluster, 7, **{"parallel.ep": 4, "fault_tolerance.spares": 1, "fault_tolerance.grow_back": False})
+    (lost,) = ctrl.incidents
+    assert lost["action"] == "reshard" and lost["ep"] == [4, 3] and lost["spares_used"] == []
+    assert not any(c[0] == "regroup" for c in cluster.calls) and len(cluster.groups) == 3  # probe + new grid
+    cluster = Cluster(capacity=5, lose={6: 2})
+    cluster.spares_dead = True  # the spare's node was lost before the worker
+    ctrl = run(cluster, 7, **{"parallel.ep": 4, "fault_tolerance.spares": 1, "fault_tolerance.grow_back": False})
+    assert ctrl.incidents[0]["action"] == "reshard" and ctrl.incidents[0]["spares_used"] == []
+    assert cluster.groups[-1].trained == tuple(range(7))
+
+
+def test_a_spare_lost_while_it_takes_its_place_is_recovered_from_again():
+    cluster = Cluster(capacity=5, lose={6: 2}, die_in={"restore": (1, {2})})  # the spare, now rank 2, dies
+    ctrl = run(cluster, 8, **{"parallel.ep": 4, "fault_tolerance.spares": 1, "fault_tolerance.grow_back": False})
+    first, second = ctrl.incidents
+    assert first["action"] == "replace" and first["outcome"].startswith("interrupted: lost world ranks [2]")
+    assert second["action"] == "reshard" and second["ep"] == [4, 3] and "seconds" in second
+    assert states(ctrl) == ["scheduling", "running", "recovering", "recovering", "running"]
+    assert cluster.groups[-1].trained == tuple(range(8))
+
+
+def test_spare_decisions():
+    assert recovery.spare_cover({5}, 4, 1) == {5}
+    assert recovery.spare_cover({1, 5}, 4, 1) == set()  # a whole column (both stages) needs two
+    assert recovery.spare_cover({1, 5, 2}, 4, 2) == {2}  # the cheaper column first, a spare left over
+    assert recovery.spare_cover({1, 5, 2}, 4, 3) == {1, 2, 5}
+    home, load = recovery.grow(8, 4), torch.ones(8)
+    same = recovery.on_workers_lost(home, 4, {6}, load, spares=1)  # pp=2 x ep=4: rank 6 is stage 1, column 2
+    assert same.action == "replace" and same.ep == 4 and same.keep == (0, 1, 2, 3) and same.spare_for == {6}
+    assert torch.equal(same.home, home)
+    part = recovery.on_workers_lost(home, 4, {1, 2}, load, spares=1)
+    assert part.action == "reshard" and part.keep == (0, 1, 3) and part.spare_for == {1}
+    assert part.home.tolist()[:2] == [0, 0] and part.home.tolist()[6:] == [2, 2]  # survivors renumbered densely
+    assert recovery.on_workers_lost(home, 4, {1}, load, spares=0).spare_for == frozenset()
 
 
 # -- a worker lost in any controller state -----------------------------------------------------------------------

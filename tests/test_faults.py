@@ -177,3 +177,23 @@ def test_two_workers_killed_at_once_are_both_named(ray_cluster):
     reports, incidents, status, _ = run(cfg, 6)
     (lost,) = incidents
     assert lost["ranks"] == [1, 2] and lost["ep"] == [4, 2] and status["ep"] == 2 and len(reports) == 6
+
+
+def test_killed_worker_is_replaced_by_a_hot_spare_and_the_run_equals_an_unfailed_one(ray_cluster):
+    """ep=4 with one hot spare, worker 2 killed at step 2: the spare takes its place (no process started), the grid
+    keeps ep=4 and its homes, steps 0-1 are replayed from the step-0 snapshot, and the float64 losses equal an
+    unfailed run's; a new spare is started afterwards."""
+    steps, k = 4, 2
+    cfg = tiny(**{"parallel.ep": 4, "fault_tolerance.spares": 1,
+                  "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]})
+    reports, incidents, status, params = run(cfg, steps)
+    (incident,) = incidents
+    assert incident["kind"] == "worker_lost" and incident["action"] == "replace" and incident["ep"] == [4, 4]
+    assert incident["spares_used"] == [2] and incident["replayed_steps"] == [0, 2]
+    assert "swap_in_spares" in incident["seconds"]
+    assert "place_and_start_workers" not in incident["seconds"]  # no process was started to recover
+    assert status["ep"] == 4 and status["workers"] == 4 and status["spares"] == 1 and len(reports) == steps
+    ref_reports, ref_incidents, _, ref_params = run(tiny(**{"parallel.ep": 4}), steps)
+    assert ref_incidents == []
+    assert [r["loss"] for r in reports] == pytest.approx([r["loss"] for r in ref_reports], rel=1e-12, abs=0)
+    assert max_diff(params, ref_params) <= 1e-12

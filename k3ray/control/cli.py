@@ -37,6 +37,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text} must be 0 or more")
+    return value
+
+
 class UsageError(Exception):
     """Bad input found before anything ran (an unreachable --address, ...): one line, exit 2."""
 
@@ -167,9 +177,9 @@ def cmd_serve(args) -> int:
     if ckpt.latest_verified(args.checkpoint) is None:  # here, before any actor starts: a readable error
         raise ConfigError(f"--checkpoint {args.checkpoint}: no verified checkpoint there (train with "
                           f"checkpoint.every_n_steps, or run `k3ray checkpoint` on a running job)")
-    init_ray(args.address, args.pp * args.ep)
+    init_ray(args.address, args.pp * args.ep + args.spares)
     engine, info = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.replicas,
-                                 observers=[ServeMetrics(args.name)])
+                                 observers=[ServeMetrics(args.name)], spares=args.spares)
     print(json.dumps({"serving": info["model"], "step": info["step"], "url": f"http://{args.host}:{args.port}/v1"}),
           flush=True)
     try:
@@ -263,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--checkpoint", required=True, help="runs/<job>/checkpoints: the newest verified one is served")
     sv.add_argument("--pp", type=int, default=1, help="pipeline stages of the serving grid")
     sv.add_argument("--ep", type=int, default=1, help="EP ranks per stage (each also serves its own requests)")
+    sv.add_argument("--spares", type=_count, default=0,
+                    help="hot spares: standby workers (one device each) that take a lost worker's place")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--name", default="serve", help="the k3ray_job label of the serving metrics")

@@ -149,7 +149,7 @@ def train_distributed(cfg: JobConfig, steps: int, address: str | None = None, pr
                       resume: bool = False, fresh: bool = False, announce=None) -> dict:
     """Run the job to `steps`; `announce(status, cfg)` is called once the workers run (the CLI prints where the
     job writes and how to steer it)."""
-    started = init_ray(address, cfg.parallel.world_size)
+    started = init_ray(address, cfg.parallel.world_size + cfg.fault_tolerance.spares)
     controller = None
     try:
         controller = start_controller(cfg, resume=resume, fresh=fresh)

@@ -194,11 +194,13 @@ class OpenAIIngress:
 
 
 def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.0.1", port: int = 8000,
-                  serve_overrides: dict | None = None, replicas: int = 1, observers: list | None = None):
+                  serve_overrides: dict | None = None, replicas: int = 1, observers: list | None = None,
+                  spares: int = 0):
     """Start the engine (workers loaded from the checkpoint) and the HTTP front door; returns (engine, info)."""
     from k3ray.controller.serve_engine import ServingEngine
 
-    engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve_overrides, observers=observers)
+    engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve_overrides, observers=observers,
+                                                                spares=spares)
     info = ray.get(engine.ready.remote())
     serve.start(http_options={"host": host, "port": port})
     serve.run(OpenAIIngress.options(num_replicas=replicas).bind(engine, info), name="k3ray", route_prefix="/",

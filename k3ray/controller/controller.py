@@ -166,6 +166,10 @@ class Controller(FailurePaths):
         self.last_report = report
         self.table.track(report)
         self.drills.kill_at(self.group, step, "after_step")
+        if len(self.group.spares) < self.cfg.fault_tolerance.spares:
+            # spares that replaced lost workers (or found no room before): started once the step is done, so that
+            # they do not slow the recovery they are started after
+            self.group.start_spares()
         try:
             self.snapshots.commit(self.group, wait=False)
             rp = self.cfg.policies.replication
@@ -256,6 +260,7 @@ class Controller(FailurePaths):
         par = self.cfg.parallel
         out = {"name": self.cfg.name, "state": self.state.value, "step": self.step, "pp": par.pp,
                "ep": self.table.ep, "ep_configured": par.ep, "workers": par.pp * self.table.ep, "device": par.device,
+               "spares": 0 if self.group is None else len(self.group.spares),
                "skipped_batches": sorted(self.skip), "lr_scale": self.lr_scale,
                "loss": None if self.last_report is None else self.last_report["loss"],
                "api_url": None, "tokens_per_s": None,

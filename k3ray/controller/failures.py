@@ -52,8 +52,9 @@ class FailurePaths:
                                           f"{list(decision.skip)}")
 
     def _recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
-        """Rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`. A worker lost
-        during this (the new grid's launch, restore or replay) starts it again from the new, smaller grid."""
+        """Rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`: in place around
+        hot spares where ready ones take lost ranks' places, else launched anew. A worker lost during this (the new
+        grid's launch, restore or replay) starts it again from the new grid."""
         t0 = time.perf_counter()
         self.machine.to(JobState.RECOVERING, str(lost))
         old = self.group
@@ -69,28 +70,61 @@ class FailurePaths:
             raise RuntimeError(f"{lost} before the first snapshot completed; restart with --resume from a checkpoint")
         silent = recovery.silent_nodes(old.nodes, lost.ranks) if lost.hung else set()
         self.avoid_nodes |= silent
+        old.avoid_nodes = frozenset(self.avoid_nodes)  # no spare on a silent node either
         t_gathered = time.perf_counter()
-        old.close()
+        load = self.table.expert_load(self.last_report)
+        spares = old.spares_ready() if self.cfg.fault_tolerance.spares else 0
+        decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, spares=spares)
+        fields = dict(step=step, ranks=sorted(lost.ranks), why=lost.why,
+                      rule="collective_timeout" if lost.hung else "worker_lost", silent_nodes=sorted(silent),
+                      replayed_steps=[snap.step, step])
+        incident = None  # the launch anew records each of its attempts' outcomes itself
+        try:
+            if decision.spare_for:
+                t_planned = time.perf_counter()
+                incident = self._loss_incident(decision, old.ep, fields)
+                self._regroup(lost.ranks, decision, snap.sources())
+            else:
+                old.close()
+                decision, incident, t_planned = self._launch_anew(old, lost, load, fields, snap)
+            t_restored = time.perf_counter()
+            self._replay(step)
+        except WorkerLost as again:
+            if incident is not None:
+                incident["outcome"] = f"interrupted: {again}"
+            self._recover(step, again, detected_after=0.0)
+            return
+        self.shrunk_at = step if decision.ep < self.cfg.parallel.ep else None
+        launch = self.group.launch_seconds
+        incident["seconds"] = {
+            "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
+            **launch, "launch_other": t_restored - t_planned - sum(launch.values()),
+            "replay": time.perf_counter() - t_restored}
+        self.machine.to(JobState.RUNNING, f"recovered on {decision.ep * self.cfg.parallel.pp} workers"
+                                          + (f", {len(decision.spare_for)} of them hot spares" if decision.spare_for
+                                             else ""))
+
+    def _loss_incident(self, decision: recovery.LossDecision, old_ep: int, fields: dict) -> dict:
+        return self._incident(
+            "worker_lost", action=decision.action, **fields, ep=[old_ep, decision.ep],
+            spares_used=sorted(decision.spare_for),
+            dp_ranks_per_ep_rank=[recovery.dp_ranks_of(e, decision.ep, self.cfg.parallel.ep)
+                                  for e in range(decision.ep)])
+
+    def _launch_anew(self, old, lost: WorkerLost, load, fields: dict, snap):
+        """Launch the grid that fits the alive nodes (planning again, smaller, when a node lost but not yet reported
+        dead fails the placement). Returns (decision, incident, when it was planned)."""
         for attempt in range(1, 4):
-            # the plan fits the alive nodes; a node lost but not yet reported dead fails the placement: plan again
             max_ep = self._new_group(1, old.home).capacity() // self.cfg.parallel.pp
             if max_ep < 1:
                 self.machine.to(JobState.ERRORED, "nothing fits the alive nodes")
                 raise TopologyError(f"{lost}: the alive nodes hold no {self.cfg.parallel.pp}-stage grid")
-            decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks,
-                                                self.table.expert_load(self.last_report), max_ep=max_ep)
+            decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, max_ep=max_ep)
             t_planned = time.perf_counter()
-            incident = self._incident(
-                "worker_lost", action=decision.action, step=step, ranks=sorted(lost.ranks), why=lost.why,
-                rule="collective_timeout" if lost.hung else "worker_lost", silent_nodes=sorted(silent),
-                ep=[old.ep, decision.ep], replayed_steps=[snap.step, step],
-                dp_ranks_per_ep_rank=[recovery.dp_ranks_of(e, decision.ep, self.cfg.parallel.ep)
-                                      for e in range(decision.ep)])
+            incident = self._loss_incident(decision, old.ep, fields)
             try:
                 self._relaunch(decision.ep, decision.home.tolist(), snap.sources(), placement_timeout_s=60.0)
-                t_restored = time.perf_counter()
-                self._replay(step)
-                break
+                return decision, incident, t_planned
             except TopologyError as err:
                 incident["outcome"] = f"did not fit: {err}"
                 if attempt == 3:
@@ -99,15 +133,7 @@ class FailurePaths:
                 self.group.close()
             except WorkerLost as again:
                 incident["outcome"] = f"interrupted: {again}"
-                self._recover(step, again, detected_after=0.0)
-                return
-        self.shrunk_at = step if decision.ep < self.cfg.parallel.ep else None
-        launch = self.group.launch_seconds
-        incident["seconds"] = {
-            "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
-            **launch, "launch_other": t_restored - t_planned - sum(launch.values()),
-            "replay": time.perf_counter() - t_restored}
-        self.machine.to(JobState.RUNNING, f"recovered on {decision.ep * self.cfg.parallel.pp} workers")
+                raise
 
     def _new_group(self, ep: int, home: list[int]):
         return self.new_group(self.cfg, ep, home, frozenset(self.avoid_nodes))
@@ -121,7 +147,19 @@ class FailurePaths:
     def _relaunch(self, ep: int, home: list[int], sources: dict, placement_timeout_s: float = 120.0) -> None:
         self.table.reset(ep, home)
         self.group = self._new_group(ep, home)
-        self.group.launch(placement_timeout_s, restore=sources)
+        self.group.launch(placement_timeout_s, restore=sources, wait_for_spares=False)
+        self._joined()
+
+    def _regroup(self, lost: set[int], decision: recovery.LossDecision, sources: dict) -> None:
+        home = decision.home.tolist()
+        self.table.reset(decision.ep, home)
+        self.group.regroup(lost, decision.ep, home, list(decision.keep), set(decision.spare_for), sources,
+                           timeout_s=60.0)
+        self._joined()
+
+    def _joined(self) -> None:
+        """A grid that has just taken the snapshot's state: drills due on it, live policies, the learning-rate
+        scale, the neighbours' snapshot copies."""
         self.drills.kill_at(self.group, self.step, "relaunch")
         self._push_policies()
         self.group.call("set_lr_scale", self.lr_scale)

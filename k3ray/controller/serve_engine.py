@@ -36,21 +36,24 @@ from k3ray.parallel.serving import PoolSizes
 log = logging.getLogger("k3ray.serve")
 
 
-def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None = None) -> JobConfig:
-    """The training job's config on the serving grid (pp x ep), with `serve.*` overrides (a `serve` section the
-    checkpoint carries is the training job's default, not a serving choice: it is dropped)."""
+def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None = None, spares: int = 0) -> JobConfig:
+    """The training job's config on the serving grid (pp x ep, `spares` hot spares), with `serve.*` overrides (a
+    `serve` section the checkpoint carries is the training job's default, not a serving choice: it is dropped; so
+    are its spares)."""
     cfg = JobConfig.model_validate({k: v for k, v in train_config.items() if k != "serve"})
     par = cfg.parallel.model_copy(update={"pp": pp, "ep": ep})
     serve = cfg.serve.model_copy(update=overrides or {})
-    return JobConfig.model_validate({**cfg.model_dump(), "parallel": par.model_dump(), "serve": serve.model_dump()})
+    ft = cfg.fault_tolerance.model_copy(update={"spares": spares})
+    return JobConfig.model_validate({**cfg.model_dump(), "parallel": par.model_dump(), "serve": serve.model_dump(),
+                                     "fault_tolerance": ft.model_dump()})
 
 
 @ray.remote
 class ServingEngine:
     def __init__(self, checkpoint: str, pp: int, ep: int, serve_overrides: dict | None = None,
-                 launch_timeout_s: float = 300.0, observers: list | None = None):
+                 launch_timeout_s: float = 300.0, observers: list | None = None, spares: int = 0):
         weights = serving_weights(checkpoint)
-        self.cfg = cfg = serving_config(weights.config, pp, ep, serve_overrides)
+        self.cfg = cfg = serving_config(weights.config, pp, ep, serve_overrides, spares)
         self.model_name, self.step = cfg.name, weights.step
         sc = cfg.serve
         sizes = PoolSizes(sc.pages_per_rank, sc.page_size, sc.slots_per_rank)

@@ -5,8 +5,9 @@ The checkpoint's weights are put into the object store once and held here for as
 grid launched later (after a loss, any pp x ep) loads from them without reading the checkpoint again. A lost worker
 comes out of the one failure path of every call to workers (`WorkerGroup._gather` -> WorkerLost); what to do is
 training's decision (`recovery.on_workers_lost`: carry on with the surviving EP columns, the lost experts re-homed
-by load, or the same grid again when a whole column of every stage is gone). The grid is then launched anew: every
-cache was on the old one, so the engine's scheduler prefills every unfinished request again (`Scheduler.reset`).
+by load, or the same grid again when a whole column of every stage is gone; with hot spares, spares in the lost
+ranks' places). The grid is rebuilt in place around ready spares, else launched anew; either way its caches are
+new, so the engine's scheduler prefills every unfinished request again (`Scheduler.reset`).
 
 load [E]: routed tokens per expert served since the engine started (summed over layers), plus one.
 """
@@ -32,6 +33,7 @@ class ServingGrid:
         self.weights = ray.put(weights_state)  # once: every worker of every grid reads its part of this object
         self.load = torch.ones(cfg.model.n_experts, dtype=torch.float64)
         self.group: WorkerGroup | None = None
+        self.spares_due = False  # start spares again after the next iteration (they replaced lost workers)
 
     @property
     def pp(self) -> int:
@@ -41,20 +43,30 @@ class ServingGrid:
     def ep(self) -> int:
         return self.group.ep
 
-    def launch(self, ep: int, home: list[int] | None = None) -> dict[str, float]:
+    def launch(self, ep: int, home: list[int] | None = None, wait_for_spares: bool = True) -> dict[str, float]:
         """A grid of pp x ep workers holding the checkpoint's weights (experts homed by `home`, contiguous blocks by
-        default) with empty cache pools. Returns the launch's phases in seconds."""
+        default) with empty cache pools, and its hot spares. Returns the launch's phases in seconds."""
         home = recovery.grow(self.cfg.model.n_experts, ep).tolist() if home is None else home
         self.group = WorkerGroup(self.cfg, ep, home)
-        self.group.launch(self.launch_timeout_s, restore={p: [self.weights] for p in range(self.pp)})
+        self.group.launch(self.launch_timeout_s, restore=self._sources(), wait_for_spares=wait_for_spares)
+        return {**self.group.launch_seconds, "cache_pools": self._cache_pools()}
+
+    def _sources(self) -> dict[int, list]:
+        return {p: [self.weights] for p in range(self.pp)}
+
+    def _cache_pools(self) -> float:
         t0 = time.perf_counter()
         s = self.sizes
         self.group.call("serve_init", s.pages, s.page_size, s.slots)
-        return {**self.group.launch_seconds, "cache_pools": time.perf_counter() - t0}
+        return time.perf_counter() - t0
 
     def run(self, plans: dict) -> dict[int, StageOutput]:
-        """One iteration: rank -> RankPlan in, rank -> its stages' merged answer out (WorkerLost if a worker is)."""
+        """One iteration: rank -> RankPlan in, rank -> its stages' merged answer out (WorkerLost if a worker is).
+        After the first iteration on a recovered grid, the spares that replaced lost workers are started again."""
         outs = self.group.serve_step(plans, self.cfg.parallel.collective_timeout_s)
+        if self.spares_due:
+            self.spares_due = False
+            self.group.start_spares()
         return {e: StageOutput.merge(stages) for e, stages in outs.items()}
 
     def expert_load(self) -> list[dict[int, list[int]]]:
@@ -66,34 +78,47 @@ class ServingGrid:
         return loads
 
     def recover(self, lost: WorkerLost, attempts: int = 3) -> dict:
-        """Replace the grid that lost workers by the one the recovery policy decides on, loaded from the held
-        weights (a worker lost meanwhile starts the decision again from the grid being launched). Returns the
-        incident's fields: lost ranks, EP size before and after, phases in seconds."""
+        """Replace the grid that lost workers by the one the recovery policy decides on: rebuilt in place around
+        ready hot spares where they take the lost ranks' places, else launched anew; loaded from the held weights
+        (a worker lost meanwhile starts the decision again from the grid being built). Returns the incident's
+        fields: lost ranks, EP size before and after, spares used, phases in seconds."""
         t0 = time.perf_counter()
         old = self.group
         incident = {"ranks": sorted(lost.ranks), "why": lost.why, "ep": [old.ep]}
-        old.close()
         for attempt in range(1, attempts + 1):
-            max_ep = old.capacity() // self.pp
-            if max_ep < 1:
-                raise TopologyError(f"{lost}: the alive nodes hold no {self.pp}-stage grid")
-            decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, max_ep=max_ep)
+            spares = old.spares_ready() if self.cfg.fault_tolerance.spares else 0
+            decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, spares=spares)
+            if not decision.spare_for:
+                old.close()
+                max_ep = old.capacity() // self.pp
+                if max_ep < 1:
+                    raise TopologyError(f"{lost}: the alive nodes hold no {self.pp}-stage grid")
+                decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load,
+                                                    max_ep=max_ep)
             t_planned = time.perf_counter()
-            log.warning("serving: %s; relaunching on pp=%d x ep=%d (%s)", lost, self.pp, decision.ep, decision.action)
+            log.warning("serving: %s; %s on pp=%d x ep=%d (%s)", lost,
+                        f"{len(decision.spare_for)} hot spares in their places" if decision.spare_for
+                        else "relaunching", self.pp, decision.ep, decision.action)
             try:
-                phases = self.launch(decision.ep, decision.home.tolist())
+                if decision.spare_for:
+                    self.group.regroup(lost.ranks, decision.ep, decision.home.tolist(), list(decision.keep),
+                                       set(decision.spare_for), self._sources(), self.launch_timeout_s)
+                    phases = {**self.group.launch_seconds, "cache_pools": self._cache_pools()}
+                else:
+                    phases = self.launch(decision.ep, decision.home.tolist(), wait_for_spares=False)
                 break
-            except WorkerLost as again:  # lost in the grid being launched: decide again from that grid
+            except WorkerLost as again:  # lost in the grid being built: decide again from that grid
                 old, lost = self.group, again
             except TopologyError:  # a node lost but not yet reported dead failed the placement: plan again
                 if attempt == attempts:
                     raise
-            self.group.close()
             incident.setdefault("interrupted", []).append(str(lost))
         else:
-            raise TopologyError(f"serving grid: {attempts} relaunches interrupted, the last by {lost}")
+            raise TopologyError(f"serving grid: {attempts} rebuilds interrupted, the last by {lost}")
+        self.spares_due = bool(decision.spare_for)
         incident["ep"].append(decision.ep)
         incident["action"] = decision.action
+        incident["spares_used"] = sorted(decision.spare_for)
         incident["seconds"] = {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}
         return incident
 

@@ -1,7 +1,12 @@
 """The Worker actor: one per device, a thin holder of a StageEngine (pipeline stage p, expert shard e) and of its
 snapshot buffers (k3ray.controller.snapshots).
 
-Threaded (two calls at once): a snapshot's device-to-host copy runs beside the next training step."""
+A worker starts on standby (its process up, torch and the model code imported, on GPU its CUDA context made) and
+takes a place in a grid with `assume`: every grid worker right after its start, a hot spare when it replaces a lost
+rank, a survivor when its grid is rebuilt around spares.
+
+Threaded: a snapshot's device-to-host copy runs beside the next training step, and a third thread covers a call
+left waiting in a lost grid's collective until its timeout (gloo cannot abort it) after the worker joined another."""
 from __future__ import annotations
 
 import os
@@ -19,19 +24,47 @@ def part_name(world_rank: int) -> str:
     return f"rank{world_rank:05d}.pt"
 
 
-@ray.remote(max_concurrency=2)
+@ray.remote(max_concurrency=3)
 class Worker:
-    def __init__(self, cfg_dict: dict, pp_rank: int, ep_rank: int, home: list[int], ep_size: int,
-                 init_weights: bool = True):
-        from k3ray.parallel.engine import StageEngine  # here: the controller's process never loads the model
+    def __init__(self, cfg_dict: dict):
+        from k3ray.data import load_corpus
+        from k3ray.parallel import engine  # noqa: F401 - here: the import is part of a standby worker's warm-up
 
-        cfg = JobConfig.model_validate(cfg_dict)
+        self.cfg = JobConfig.model_validate(cfg_dict)
         torch.set_num_threads(max(1, int(os.environ.get("K3RAY_THREADS_PER_WORKER", "1"))))
-        device = "cuda" if cfg.parallel.device == "cuda" else "cpu"
-        self.engine = StageEngine(cfg, pp_rank, ep_rank, home, ep_size, device, init_weights)
+        self.device = "cuda" if self.cfg.parallel.device == "cuda" else "cpu"
+        if self.device == "cuda":
+            torch.zeros(1, device=self.device)  # the CUDA context, before a spare is needed
+        load_corpus(self.cfg.data.source, self.cfg.data.max_bytes)  # cached: every engine of this worker reads it
+        self.engine = None  # StageEngine of the place this worker holds (None on standby)
+        self.server = None  # serving: the StageServer beside the engine
         self.stager: SnapshotStager | None = None  # made on the first snapshot
         self.peer_snapshots: dict[int, tuple[int, Packed]] = {}  # world rank -> (step, its snapshot)
         self.writer: AsyncWriter | None = None  # made on first use
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (its answer also says the worker is up)."""
+        return ray.get_runtime_context().get_node_id()
+
+    def assume(self, pp_rank: int, ep_rank: int, home: list[int], ep_size: int, init_weights: bool) -> bool:
+        """Take place (pp_rank, ep_rank) of a grid of ep_size EP ranks, leaving the grid held before (if any): a new
+        engine, its weights initialised or (init_weights=False) left for the restore that follows."""
+        from k3ray.parallel.engine import StageEngine
+
+        self.stand_by()
+        self.engine = StageEngine(self.cfg, pp_rank, ep_rank, home, ep_size, self.device, init_weights)
+        return True
+
+    def stand_by(self) -> bool:
+        """Leave the grid held (its process groups, its engine's memory, the checkpoint parts it was writing: their
+        checkpoint is abandoned) and wait on standby."""
+        if self.engine is not None:
+            self.engine.leave_process_groups()
+        self.engine = self.server = None
+        self.peer_snapshots = {}
+        if self.writer is not None:
+            self.writer.forget()
+        return True
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port, for the process-group rendezvous (asked of world rank 0)."""
@@ -124,7 +157,7 @@ class Worker:
         pools = new_pools(e.cfg.model, e.layers, pages, page_size, slots, e.device)
         rank = e.pp_rank * e.ep + e.ep_rank
         self.server = StageServer(e.stage, pools, e.device, rank - e.ep if e.pp_rank > 0 else None,
-                                  rank + e.ep if e.pp_rank < e.pp - 1 else None)
+                                  rank + e.ep if e.pp_rank < e.pp - 1 else None, e.world)
         return True
 
     def serve_step(self, plan):

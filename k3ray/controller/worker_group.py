@@ -6,10 +6,15 @@ runs steps and takes in-memory snapshots (into the object store, owned by the ca
 copy of each). Every call to workers goes through one failure path (`_gather`): a dead or hung worker, whatever the
 call, becomes WorkerLost naming every lost rank (all of a lost node's at once), told apart from the survivors'
 collateral errors.
+
+Hot spares (`fault_tolerance.spares`): standby workers started with the grid, each holding its own resources, which
+take lost ranks' places without a process start (`regroup`); new ones are started afterwards (`start_spares`).
 """
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
@@ -18,6 +23,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from k3ray.controller.worker import Worker
 from k3ray.config import JobConfig
+
+log = logging.getLogger("k3ray.controller")
 
 # Ray starts actor processes at nice 15. In a GPU job the controller sits on every step's critical path and a
 # worker's host thread feeds its GPU (launches, the per-layer count sync), so they run at normal priority: nice 15
@@ -59,16 +66,29 @@ class WorkerLost(RuntimeError):
         self.ranks, self.why, self.hung = ranks, why, hung
 
 
+@dataclass
+class Spare:
+    """A standby Worker holding its own resources (`slot`: placement group, bundle index). `up` answers with its node
+    once the worker's process is up (None when it came from a grid, already up)."""
+    actor: object
+    slot: tuple
+    up: ray.ObjectRef | None
+    node: str | None = None
+
+
 class WorkerGroup:
     def __init__(self, cfg: JobConfig, ep: int, home: list[int], avoid_nodes: frozenset[str] = frozenset()):
         """avoid_nodes: nodes found silent, which Ray may still report alive: neither counted nor placed on."""
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
         self.avoid_nodes = frozenset(avoid_nodes)
         self.bundle = {"CPU": 1} if cfg.parallel.device == "cpu" else {"CPU": 1, "GPU": 1}
-        self.pg = None
+        self.pgs: list = []  # every placement group holding this group's workers and spares
         self.workers: list = []  # world rank -> actor
+        self.slots: list[tuple] = []  # world rank -> (placement group, bundle index) it holds
         self.nodes: list[str] = []  # world rank -> Ray node id
-        self.launch_seconds: dict[str, float] = {}  # place, start workers, process groups, restore
+        self.spares: list[Spare] = []  # hot spares (fault_tolerance.spares): standby workers, own resources
+        self.free_slots: list[tuple] = []  # slots of lost workers, for new spares
+        self.launch_seconds: dict[str, float] = {}  # start workers (or swap in spares), process groups, restore
 
     @property
     def size(self) -> int:
@@ -88,29 +108,49 @@ class WorkerGroup:
         have = alive_resources(False, self.avoid_nodes)
         return int(min(have.get(res, 0) // amount for res, amount in self.bundle.items()))
 
-    def launch(self, timeout_s: float, restore: dict[int, list] | None = None) -> str:
-        """Place, create and connect the workers; restore[stage] = that stage's old states (`restore_sources`)."""
+    def launch(self, timeout_s: float, restore: dict[int, list] | None = None, wait_for_spares: bool = True) -> str:
+        """Place, create and connect the workers; restore[stage] = that stage's old states (`restore_sources`). The
+        spares start beside them, where the alive nodes have room (waited for unless wait_for_spares=False)."""
         ok, why = self.fits()
         if not ok:
             par = self.cfg.parallel
             raise TopologyError(f"parallel.pp={par.pp} x ep={self.ep}: {why}; lower pp/ep or add nodes")
         t0 = time.perf_counter()
-        # Ray labels every node with its id; a label selector keeps the bundles off the silent nodes
-        avoid = [{"ray.io/node-id": f"!in({','.join(sorted(self.avoid_nodes))})"}] * self.size if self.avoid_nodes \
-            else None
-        self.pg = placement_group([dict(self.bundle) for _ in range(self.size)], strategy="PACK",
-                                  bundle_label_selector=avoid)
-        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        pg = placement_group([dict(self.bundle) for _ in range(self.size)], strategy="PACK",
+                             bundle_label_selector=self._avoid_selector(self.size))
+        self.pgs.append(pg)
+        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
             self.close()
             raise TopologyError(f"could not place {self.size} workers ({self.bundle} each) within {timeout_s:g}s: "
                                 f"resources are busy")
-        self.nodes = [ray.util.placement_group_table(self.pg)["bundles_to_node_id"][r] for r in range(self.size)]
-        cfg_dict = self.cfg.model_dump()
-        self.workers = [Worker.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+        self.nodes = [ray.util.placement_group_table(pg)["bundles_to_node_id"][r] for r in range(self.size)]
+        self.slots = [(pg, r) for r in range(self.size)]
+        self.workers = [self._start_worker(slot) for slot in self.slots]
+        if self.start_spares() < self.cfg.fault_tolerance.spares:
+            log.warning("%d of %d hot spares: the alive nodes have no room for more (tried again at step "
+                        "boundaries)", len(self.spares), self.cfg.fault_tolerance.spares)
+        backend = self._join(timeout_s, restore, t0, "place_and_start_workers")
+        if wait_for_spares:
+            ray.wait([s.up for s in self.spares], num_returns=len(self.spares), timeout=timeout_s)
+        return backend
+
+    def _avoid_selector(self, n: int) -> list[dict] | None:
+        # Ray labels every node with its id; a label selector keeps the bundles off the silent nodes
+        return [{"ray.io/node-id": f"!in({','.join(sorted(self.avoid_nodes))})"}] * n if self.avoid_nodes else None
+
+    def _start_worker(self, slot: tuple):
+        pg, index = slot
+        return Worker.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
             num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0), runtime_env=actor_runtime_env(self.cfg),
-        ).remote(cfg_dict, r // self.ep, r % self.ep, self.home, self.ep, restore is None) for r in range(self.size)]
+        ).remote(self.cfg.model_dump())
+
+    def _join(self, timeout_s: float, restore: dict[int, list] | None, t0: float, first_phase: str) -> str:
+        """Every worker takes its place (p, e) of this grid, the process groups are built (rendezvous on world rank
+        0) and the state restored; the phases' seconds go to launch_seconds (the first one counted from t0)."""
+        self.call_each("assume", {r: (r // self.ep, r % self.ep, self.home, self.ep, restore is None)
+                                  for r in range(self.size)}, timeout_s)
         ip, port = self.call_each("rendezvous_address", {0: ()}, timeout_s)[0]
         t1 = time.perf_counter()
         if ip == ray.util.get_node_ip_address() and len([n for n in ray.nodes() if n["Alive"]]) == 1:
@@ -121,9 +161,72 @@ class WorkerGroup:
         t2 = time.perf_counter()
         if restore is not None:
             self.restore(restore, timeout_s)
-        self.launch_seconds = {"place_and_start_workers": t1 - t0, "process_groups": t2 - t1,
-                               "restore": time.perf_counter() - t2}
+        self.launch_seconds = {first_phase: t1 - t0, "process_groups": t2 - t1, "restore": time.perf_counter() - t2}
         return backend
+
+    # -- hot spares ----------------------------------------------------------------------------------------------
+    def start_spares(self) -> int:
+        """Start standby workers up to `fault_tolerance.spares`, without waiting for them: in slots lost workers
+        left first, then in one-worker placement groups of their own where the alive nodes have room (a spare is
+        capacity held, never borrowed from the grid). Returns how many were started."""
+        want = self.cfg.fault_tolerance.spares - len(self.spares)
+        have = alive_resources(True, self.avoid_nodes)
+        room = int(min(have.get(res, 0) // amount for res, amount in self.bundle.items()))
+        started = 0
+        while started < want and (self.free_slots or room > 0):
+            if self.free_slots:
+                slot = self.free_slots.pop(0)
+            else:
+                pg = placement_group([dict(self.bundle)], bundle_label_selector=self._avoid_selector(1))
+                self.pgs.append(pg)
+                slot, room = (pg, 0), room - 1
+            actor = self._start_worker(slot)
+            self.spares.append(Spare(actor, slot, actor.node_id.remote()))
+            started += 1
+        return started
+
+    def spares_ready(self) -> int:
+        """How many spares are up on alive nodes (not waiting for those still starting); dead ones are dropped."""
+        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - self.avoid_nodes
+        kept = []
+        for spare in self.spares:
+            if spare.node is None and ray.wait([spare.up], timeout=0)[0]:
+                try:
+                    spare.node = ray.get(spare.up)
+                except RayError:
+                    spare.node = ""  # died starting
+            if spare.node is None or spare.node in alive:
+                kept.append(spare)
+            else:
+                ray.kill(spare.actor, no_restart=True)
+                self.free_slots.append(spare.slot)
+        self.spares = kept
+        return sum(s.node is not None for s in self.spares)
+
+    def regroup(self, lost: set[int], ep: int, home: list[int], keep: list[int], spare_for: set[int],
+                restore: dict[int, list], timeout_s: float) -> None:
+        """Rebuild this grid in place around hot spares, no process started: the lost workers are killed, a ready
+        spare takes the place of each world rank in spare_for, and the new grid of `ep` EP ranks per stage is made
+        of the old EP columns `keep` (in its EP-rank order, experts homed by `home`); survivors of columns left out
+        stand by as spares. Then every worker takes its place, the process groups are rebuilt and the state restored
+        (a loss meanwhile: WorkerLost naming ranks of the new grid)."""
+        t0 = time.perf_counter()
+        for r in lost:
+            ray.kill(self.workers[r], no_restart=True)
+            self.free_slots.append(self.slots[r])
+        ready = [s for s in self.spares if s.node is not None]
+        taken = dict(zip(sorted(spare_for), ready))
+        self.spares = [s for s in self.spares if s not in taken.values()]
+        old_ep, old = self.ep, list(zip(self.workers, self.slots, self.nodes))
+        members = [p * old_ep + c for p in range(self.pp) for c in keep]
+        grid = [(taken[o].actor, taken[o].slot, taken[o].node) if o in taken else old[o] for o in members]
+        for o, (actor, slot, node) in enumerate(old):
+            if o not in lost and o not in members:
+                actor.stand_by.remote()
+                self.spares.append(Spare(actor, slot, None, node))
+        self.workers, self.slots, self.nodes = map(list, zip(*grid))
+        self.ep, self.home = ep, list(home)
+        self._join(timeout_s, restore, t0, "swap_in_spares")
 
     def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
         """Every worker's `method(*args)`, in world-rank order."""
@@ -245,9 +348,9 @@ class WorkerGroup:
         self._gather(calls, 300, "hold_peer_snapshots")
 
     def close(self) -> None:
-        for w in self.workers:
+        for w in self.workers + [s.actor for s in self.spares]:
             ray.kill(w, no_restart=True)
-        self.workers = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None
+        self.workers, self.spares, self.free_slots = [], [], []
+        for pg in self.pgs:
+            remove_placement_group(pg)
+        self.pgs = []

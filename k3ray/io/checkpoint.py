@@ -199,6 +199,12 @@ class AsyncWriter:
                 raise e
         return [f.result() for f in pending]
 
+    def forget(self) -> None:
+        """Stop tracking the parts submitted so far (their checkpoint was abandoned): they are still written, before
+        any part submitted later (so a newer part of the same name replaces them), but wait() no longer reports
+        them."""
+        self._pending = []
+
     def close(self) -> None:
         """Finish queued writes and stop the thread (errors stay in their futures)."""
         self._pool.shutdown(wait=True)

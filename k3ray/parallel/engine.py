@@ -56,6 +56,7 @@ class StageEngine:
         self.opt = AdamW(cfg.optimizer)
         self.lr_scale = 1.0
         self.ctx: EPContext | None = None
+        self.world = None  # this engine's world group: every collective names its group (see init_process_groups)
         self.init_weights = init_weights  # False when a restore follows: initialising would be wasted time
 
     # -- setup ---------------------------------------------------------------------------------------------------
@@ -64,10 +65,25 @@ class StageEngine:
         rank = self.pp_rank * self.ep + self.ep_rank
         dist.init_process_group(backend, init_method=init_method, world_size=self.pp * self.ep, rank=rank,
                                 timeout=timeout)
+        # Every call below names its group, never the default one: a worker that joins a new grid (a hot spare
+        # taking a lost rank's place) may still have a thread waiting in the old grid's collective, which gloo
+        # cannot abort; that thread must fail on the old groups rather than slip into the new grid's.
+        self.world = dist.group.WORLD
         groups = [dist.new_group(list(range(p * self.ep, (p + 1) * self.ep)), timeout=timeout) for p in range(self.pp)]
         self.ep_group = groups[self.pp_rank]
         self.ctx = EPContext(self.ep_group, self.ep_rank, self.ep, self.home, self.cfg.policies)
         self._build_stage()
+
+    def leave_process_groups(self) -> None:
+        """Leave this grid's process groups (before the worker joins another grid). NCCL's are aborted first, so a
+        thread waiting in one of their collectives returns; a gloo wait ends at its timeout."""
+        if self.world is None or not dist.is_initialized():
+            return
+        if self.device.type == "cuda":
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+        self.world = None
 
     def _build_stage(self) -> None:
         mine = (self.home == self.ep_rank).nonzero().flatten().tolist()
@@ -123,7 +139,7 @@ class StageEngine:
                 else:
                     x = torch.empty(shape, dtype=dtype, device=self.device)
                     t0 = time.perf_counter()
-                    dist.recv(x, self._rank(self.pp_rank - 1), tag=m)
+                    dist.recv(x, self._rank(self.pp_rank - 1), tag=m, group=self.world)
                     timings["pipeline_wait"] += time.perf_counter() - t0
                     x.requires_grad_(True)
                 t0 = time.perf_counter()
@@ -132,7 +148,8 @@ class StageEngine:
                     out = lm_loss(out, tokens, scale)
                     loss_sum += out.detach()
                 else:
-                    pending.append(dist.isend(out.detach().contiguous(), self._rank(self.pp_rank + 1), tag=m))
+                    pending.append(dist.isend(out.detach().contiguous(), self._rank(self.pp_rank + 1), tag=m,
+                                                    group=self.world))
                 timings["compute"] += time.perf_counter() - t0
                 saved[m] = (x, out)
             else:
@@ -142,13 +159,14 @@ class StageEngine:
                 else:
                     grad = torch.empty(shape, dtype=dtype, device=self.device)
                     t0 = time.perf_counter()
-                    dist.recv(grad, self._rank(self.pp_rank + 1), tag=M + m)
+                    dist.recv(grad, self._rank(self.pp_rank + 1), tag=M + m, group=self.world)
                     timings["pipeline_wait"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 out.backward(grad)
                 timings["compute"] += time.perf_counter() - t0
                 if not stage.is_first:
-                    pending.append(dist.isend(x.grad.contiguous(), self._rank(self.pp_rank - 1), tag=M + m))
+                    pending.append(dist.isend(x.grad.contiguous(), self._rank(self.pp_rank - 1), tag=M + m,
+                                                    group=self.world))
         for work in pending:
             work.wait()
         t_opt = time.perf_counter()
@@ -178,7 +196,7 @@ class StageEngine:
                         torch.zeros(()))
         totals = torch.stack([torch.as_tensor(dense_sq, dtype=torch.float64).cpu() + expert_sq.double().cpu(),
                               loss_sum.double().cpu()]).to(self.device)
-        dist.all_reduce(totals)
+        dist.all_reduce(totals, group=self.world)
         sq, loss = totals.tolist()
         lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)
         self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
@@ -230,18 +248,18 @@ class StageEngine:
                 x = tokens[:, :-1]
             else:
                 x = torch.empty(shape, dtype=getattr(torch, cfg.model.dtype), device=self.device)
-                dist.recv(x, self._rank(self.pp_rank - 1), tag=r)
+                dist.recv(x, self._rank(self.pp_rank - 1), tag=r, group=self.world)
             out = stage(x)
             if stage.is_last:
                 if i < n:
                     total += float(lm_loss(out, tokens, 1.0))
             else:
-                dist.send(out.contiguous(), self._rank(self.pp_rank + 1), tag=r)
+                dist.send(out.contiguous(), self._rank(self.pp_rank + 1), tag=r, group=self.world)
         stage.reset_stats()
         for moe in stage.moe_layers().values():
             moe.experts.reset()
         t = total.to(self.device)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.world)
         return float(t) / n
 
     # -- expert shards -------------------------------------------------------------------------------------------

@@ -50,9 +50,10 @@ class PoolSizes:
 
 class StageServer:
     def __init__(self, stage: K3Stage, pools: CachePools, device, prev_rank: int | None = None,
-                 next_rank: int | None = None):
+                 next_rank: int | None = None, world=None):
         self.stage, self.pools, self.device = stage, pools, torch.device(device)
         self.prev_rank, self.next_rank = prev_rank, next_rank  # world ranks of the neighbouring stages (same e)
+        self.world = world  # the grid's world group (StageEngine.world)
         self.dtype = next(stage.parameters()).dtype
 
     @torch.no_grad()
@@ -65,11 +66,11 @@ class StageServer:
         else:
             x = torch.empty(1, T, self.stage.cfg.d_model, dtype=self.dtype, device=self.device)
             if T:
-                dist.recv(x, self.prev_rank)
+                dist.recv(x, self.prev_rank, group=self.world)
         out = self.stage(x, cache)
         if not self.stage.is_last:
             if T:
-                dist.send(out.contiguous(), self.next_rank)
+                dist.send(out.contiguous(), self.next_rank, group=self.world)
             return StageOutput(None, cache.maxabs.cpu())
         logits = out.cpu()
         return StageOutput(logits, torch.where(torch.isfinite(logits).all(-1), cache.maxabs.cpu(), torch.inf))

@@ -1,5 +1,5 @@
-"""Where experts go when the EP dimension shrinks (a worker lost) or grows back, and whether to shrink or restart:
-pure decisions over homes and loads.
+"""Where experts go when the EP dimension shrinks (a worker lost) or grows back, and whether to replace lost workers
+by hot spares, shrink or restart: pure decisions over homes and loads.
 
 home [E] int64: the EP rank each expert lives on. load [E]: recent tokens per expert (any scale)."""
 from __future__ import annotations
@@ -48,21 +48,44 @@ def grow(num_experts: int, num_ranks: int) -> torch.Tensor:
     return default_home(num_experts, num_ranks)
 
 
+def spare_cover(lost_ranks: set[int], ep: int, spares: int) -> set[int]:
+    """The lost world ranks of a [pp][ep] grid that `spares` hot spares take the places of: whole EP columns only
+    (a column with a lost rank left unreplaced is dropped, spares and all), those needing the fewest spares first,
+    ties to the lowest column."""
+    columns: dict[int, list[int]] = {}
+    for r in sorted(lost_ranks):
+        columns.setdefault(r % ep, []).append(r)
+    covered: set[int] = set()
+    for _, ranks in sorted(columns.items(), key=lambda item: (len(item[1]), item[0])):
+        if len(ranks) <= spares - len(covered):
+            covered |= set(ranks)
+    return covered
+
+
 @dataclass(frozen=True)
 class LossDecision:
-    """`reshard`: carry on with `ep` EP ranks per stage (the survivors, experts re-homed to `home`); `restart`: a whole
-    EP column is gone (every rank of some stage), so the same grid starts again on other resources."""
-    action: Literal["reshard", "restart"]
+    """`replace`: hot spares take every lost rank's place, the grid keeps its size and homes; `reshard`: carry on with
+    `ep` EP ranks per stage (the surviving columns, experts re-homed to `home`); `restart`: a whole EP column is gone
+    (every rank of some stage), so the same grid starts again on other resources. `keep`: the old EP columns the new
+    grid is made of, in its EP-rank order; `spare_for`: the lost world ranks a spare takes the place of."""
+    action: Literal["replace", "reshard", "restart"]
     ep: int
     home: torch.Tensor
+    keep: tuple[int, ...] = ()
+    spare_for: frozenset[int] = frozenset()
 
 
 def on_workers_lost(home: torch.Tensor, ep: int, lost_ranks: set[int], load: torch.Tensor,
-                    max_ep: int | None = None) -> LossDecision:
-    """Shrink or restart after losing world ranks `lost_ranks` of a [pp][ep] grid (world rank = p * ep + e): an
-    EP rank is gone from every stage when any of its workers is. `max_ep`: the most EP ranks the alive nodes hold
-    (after a node loss fewer than the survivors): the highest-numbered survivors beyond it are let go too."""
-    lost_cols = {r % ep for r in lost_ranks}
+                    max_ep: int | None = None, spares: int = 0) -> LossDecision:
+    """Replace, shrink or restart after losing world ranks `lost_ranks` of a [pp][ep] grid (world rank = p * ep + e):
+    `spares` ready hot spares take the places of whole columns' lost ranks (`spare_cover`); an EP rank is gone from
+    every stage when any of its workers is lost and not replaced. `max_ep`: the most EP ranks the alive nodes hold
+    for a grid launched anew (after a node loss fewer than the survivors): the highest-numbered survivors beyond it
+    are let go too."""
+    spare_for = frozenset(spare_cover(lost_ranks, ep, spares))
+    lost_cols = {r % ep for r in lost_ranks - spare_for}
+    if not lost_cols:
+        return LossDecision("replace", ep, home.clone(), tuple(range(ep)), spare_for)
     cap = ep if max_ep is None else max_ep
     if cap < 1:
         raise ValueError(f"no EP rank fits the alive nodes (max_ep={max_ep})")
@@ -70,7 +93,8 @@ def on_workers_lost(home: torch.Tensor, ep: int, lost_ranks: set[int], load: tor
     if survivors:
         keep = survivors[:cap]
         new_home, _ = shrink(home, set(range(ep)) - set(keep), load)
-        return LossDecision("reshard", len(keep), new_home)
+        return LossDecision("reshard", len(keep), new_home, tuple(keep),
+                            frozenset(r for r in spare_for if r % ep in keep))
     if cap < ep:  # every EP rank lost and fewer fit: start again smaller from the snapshot
         return LossDecision("reshard", cap, grow(home.numel(), cap))
     return LossDecision("restart", ep, home.clone())
