@@ -103,3 +103,51 @@ def test_run_simulation_deterministic_uneven_homes(k3):
     for name in sim.POLICIES:
         assert a.policies[name].imbalance_mean == b.policies[name].imbalance_mean
     assert a.policies["moonep"].imbalance_worst == pytest.approx(1.0, abs=1e-3)
+
+
+def _sampled_counts(cfg, trace: str, ranks: int, steps: int, layers: int, tokens_per_rank: int, seed: int):
+    """The counts run_simulation draws: the same trace, generator and order (step-major, then layer)."""
+    tr = sim.Trace(trace, layers, ranks, cfg.model.n_experts, cfg.model.top_k, tokens_per_rank, seed)
+    gen = torch.Generator().manual_seed(seed)
+    return [[tr.counts(step, gen, layer=layer) for layer in range(layers)] for step in range(steps)]
+
+
+def test_modelled_step_time_prices_rows_and_weight_copies(k3):
+    """none: the busiest rank's rows; MoonEP: its rows plus its copies' traffic, recomputed here from the same counts;
+    the priced MoonEP is never modelled slower than either, per layer and so per step."""
+    args = dict(trace="zipf:1.2", ranks=16, steps=2, layers=2, tokens_per_rank=512, seed=0)
+    result = sim.run_simulation(k3, rebalance_every=1, **args)
+    cost, pol = result.cost, result.policies
+    counts = _sampled_counts(k3, **args)
+    none_ms = sum(cost.row_s * int(sim.moonep.home_loads(c).max()) for step in counts for c in step) / 2 * 1e3
+    exact_ms = sum(sim.moonep.plan(c).modelled_s(cost) for step in counts for c in step) / 2 * 1e3
+    assert pol["none"].modelled_ms_per_step == pytest.approx(none_ms) and pol["none"].weights_ms_per_step == 0
+    assert pol["moonep"].modelled_ms_per_step == pytest.approx(exact_ms)
+    assert pol["moonep"].weights_ms_per_step > 0
+    assert pol["moonep-priced"].modelled_ms_per_step <= min(none_ms, exact_ms) * (1 + 1e-9)
+    assert pol["replicas+moonep-priced"].modelled_ms_per_step <= \
+        pol["replicas+moonep"].modelled_ms_per_step * (1 + 1e-9)
+    assert pol["replicas"].weights_ms_per_step > 0           # persistent copies sync once per optimizer step
+    assert cost.passes == 2 and result.to_json()["cost"]["weight_bytes"] == result.expert_bytes
+
+
+def test_uniform_trace_priced_moonep_makes_no_replicas(k3):
+    """Uniform routing at K3 scale: exact MoonEP copies about one expert per rank and layer for sampling noise; the
+    priced plan copies nothing and is modelled exactly as fast as no MoonEP."""
+    result = sim.run_simulation(k3, ranks=16, trace="uniform", steps=1, layers=2, tokens_per_rank=4096, seed=0)
+    pol = result.policies
+    assert pol["moonep"].replicas_per_rank_mean > 0.5
+    assert pol["moonep-priced"].replicas_per_rank_max == 0
+    assert pol["moonep-priced"].modelled_ms_per_step == pytest.approx(pol["none"].modelled_ms_per_step)
+    assert pol["moonep-priced"].modelled_ms_per_step < pol["moonep"].modelled_ms_per_step
+
+
+def test_interconnect_prices_the_copies(k3):
+    """The same trace with InfiniBand between every pair of ranks (ranks_per_node=1): MoonEP's copies cost more."""
+    args = dict(ranks=16, trace="zipf:1.2", steps=1, layers=2, tokens_per_rank=512, seed=0)
+    nvlink, ib = (sim.run_simulation(load_config("configs/k3.yaml", {"policies.moonep.ranks_per_node": n}), **args)
+                  for n in (16, 1))
+    ratio = k3.policies.moonep.nvlink_gb_per_s / k3.policies.moonep.ib_gb_per_s
+    assert ib.policies["moonep"].weights_ms_per_step == pytest.approx(
+        nvlink.policies["moonep"].weights_ms_per_step * ratio)
+    assert ib.policies["moonep-priced"].replicas_per_rank_mean <= nvlink.policies["moonep-priced"].replicas_per_rank_mean
