@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from k3ray import sim
+from k3ray import sim, traces
 from k3ray.config import MoonEPPolicy, load_config
 from k3ray.policies import moonep
 from k3ray.policies.expert_cost import ExpertCost
@@ -32,7 +32,7 @@ TRACES = ("zipf:1.0", "zipf:1.2", "zipf:1.5", "hot-shift:4")
 
 
 def layer_counts(ranks: int, trace: str = "zipf:1.2") -> torch.Tensor:
-    return sim.Trace(trace, 1, ranks, 896, 16, 4096, seed=0).counts(0, torch.Generator().manual_seed(0), layer=0)
+    return traces.Trace(trace, 1, ranks, 896, 16, 4096, seed=0).counts(0, torch.Generator().manual_seed(0), layer=0)
 
 
 def replicas_vs_bound(ranks: int, trace: str) -> tuple[int, int]:
@@ -63,7 +63,7 @@ def plan_time_ms(ranks: int, threads: int, repeats: int = 50) -> float:
 def ordered_zipf_pi(exponent: float, num_experts: int, top_k: int) -> torch.Tensor:
     """[E] inclusion probabilities of popularity 1/(i+1)^exponent, expert 0 hottest (the first home block hottest)."""
     pop = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** exponent
-    return sim.inclusion_probs(pop[None], top_k)[0]
+    return traces.inclusion_probs(pop[None], top_k)[0]
 
 
 def exponent_for(hottest_over_mean: float, num_experts: int, num_ranks: int, top_k: int) -> float:
@@ -100,11 +100,11 @@ def priced_layer_table(cfg, draws: int = 16) -> None:
     for label, exponent, zipf in skews:
         gen = torch.Generator().manual_seed(0)
         if exponent is None:
-            trace = sim.Trace("uniform" if zipf == 0 else f"zipf:{zipf}", 1, ranks, experts, top_k, tokens, seed=0)
+            trace = traces.Trace("uniform" if zipf == 0 else f"zipf:{zipf}", 1, ranks, experts, top_k, tokens, seed=0)
             samples = [trace.counts(0, gen, layer=0) for _ in range(draws)]
         else:
             pi = ordered_zipf_pi(exponent, experts, top_k)
-            samples = [sim.sample_counts(pi, ranks, tokens, top_k, gen) for _ in range(draws)]
+            samples = [traces.sample_counts(pi, ranks, tokens, top_k, gen) for _ in range(draws)]
             label += f" (exponent {exponent:.2f})"
         hot = statistics.fmean(moonep.imbalance(moonep.home_loads(c)) for c in samples)
         for link, cost in costs.items():
