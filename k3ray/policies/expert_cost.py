@@ -28,7 +28,7 @@ DTYPE_BYTES = {"float32": 4, "float64": 8, "bfloat16": 2}
 @dataclass(frozen=True)
 class ExpertCost:
     """row_s: seconds for one routed row through one expert (forward, and backward in training), on the whole GPU.
-    weight_bytes: one expert's weights (W1 [2I, d_latent] and W2 [d_latent, I]). passes: times a copy's bytes cross
+    weight_bytes: one expert's weights (w1 [d_latent, 2I] and w2 [I, d_latent]). passes: times a copy's bytes cross
     its link per step (2 in training: the weights, then their gradient)."""
 
     row_s: float
