@@ -9,7 +9,8 @@ Parts (--parts, in this order; each prints a table and writes <out>/<part>.json)
          step, who goes first alternating; the overhead is the median over steps of k3ray's / plain's step - 1,
          both timed by the driver (order to the program -> its report back);
   moe    the MoE layer alone (fwd+bwd, no shared experts) under router skew Zipf 0..1.5 (a bias -s*ln(e+1) on the
-         router logits), MoonEP on and off, and DeepSpeed-MoE (deepspeed.moe.layer.MoE, dropless) on the same
+         router logits), MoonEP on (as the config's policies.moonep: priced by its cost model unless
+         cost_model=false) and off, and DeepSpeed-MoE (deepspeed.moe.layer.MoE, dropless) on the same
          shapes and skew when deepspeed imports (benchmarks/carry_deepspeed.sh);
   drill  kill one worker mid-run: the job continues on the survivors and grows back; MTTR and its split.
 
@@ -334,7 +335,7 @@ def _moe_rank(rank: int, cfg_dict: dict, tokens: int, iters: int, port: int, wit
                             world_size=ep)
     dtype = getattr(torch, m.dtype)
     home = default_home(m.n_experts, ep)
-    ctx = EPContext(dist.group.WORLD, rank, ep, home)
+    ctx = EPContext(dist.group.WORLD, rank, ep, home, m)
     mine = (home == rank).nonzero().flatten().tolist()
     shard = ExpertShard(mine, m.d_latent, m.expert_inner)
     init_shard_(shard, 0, 0, m)
@@ -377,7 +378,7 @@ def _moe_rank(rank: int, cfg_dict: dict, tokens: int, iters: int, port: int, wit
     for zipf in ZIPFS:
         skew.copy_(zipf_bias(m.n_experts, zipf))
         for moonep_on in (False, True):
-            ctx.planner = MoonEPPlanner(None) if moonep_on else HomePlanner()
+            ctx.planner = MoonEPPlanner.from_config(cfg.policies.moonep, m) if moonep_on else HomePlanner()
             ms = timed(step)
             load = layer.experts.rank_load.double()
             tpe = layer.experts.tokens_per_rank_expert.sum(0).double()
@@ -387,7 +388,7 @@ def _moe_rank(rank: int, cfg_dict: dict, tokens: int, iters: int, port: int, wit
                          "max_expert_tokens_over_mean": float(tpe.max() / tpe.mean())})
     profile = None
     skew.zero_()
-    ctx.planner = MoonEPPlanner(None)
+    ctx.planner = MoonEPPlanner.from_config(cfg.policies.moonep, m)
     if rank == 0:  # where one balanced fwd+bwd spends its time (top ops by device and by host time)
         from torch.profiler import ProfilerActivity, profile as torch_profile
 

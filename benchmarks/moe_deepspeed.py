@@ -6,7 +6,7 @@
       -> W_up (d_latent -> d_model)
 
 Router skew: the gate's logits get a bias  b_e = -zipf * ln(e + 1)  (expert e's routing
-probability ~ (e + 1)^-zipf; zipf=0: no bias), matching the "zipf:A" traces of k3ray.sim.
+probability ~ (e + 1)^-zipf; zipf=0: no bias), matching the "zipf:A" traces of k3ray.traces.
 
 ``deepspeed_moe_layer_ms`` is meant to be called inside an already initialised
 torch.distributed process group (NCCL on GPU, one process per GPU, world size = ep;

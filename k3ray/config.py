@@ -118,8 +118,20 @@ class TrainConfig(_Strict):
 
 
 class MoonEPPolicy(_Strict):
+    """Per-micro-batch balance of expert work (k3ray.policies.moonep). With `cost_model`, a replica is made only where
+    it shortens the modelled layer (k3ray.policies.expert_cost): rows taken off the busiest rank against the weight
+    copy and, in training, its gradient going home. The figures are an H200's (benchmarks/RESULTS.md, K3_NOTES)."""
     enabled: bool = True
     slots_per_rank: int | None = Field(None, gt=0, description="replica slots per rank; default E/R")
+    cost_model: bool = Field(True, description="replicas only where the modelled layer gets shorter; false: exact "
+                                               "balance whatever the weight traffic")
+    expert_tflops: float = Field(400.0, gt=0, description="expert FFN forward+backward TFLOP/s per GPU: Triton "
+                                                          "grouped FFN at the K3 latent expert on an H200, 380-410")
+    nvlink_gb_per_s: float = Field(330.0, gt=0, description="GB/s a rank sends (and receives) inside a node: NCCL "
+                                                            "all_to_all between two H200s, measured")
+    ib_gb_per_s: float = Field(50.0, gt=0, description="GB/s a rank sends (and receives) across nodes: one 400 Gb/s "
+                                                       "NDR NIC per GPU, line rate (not measured here)")
+    ranks_per_node: int = Field(8, gt=0, description="consecutive EP ranks that share a node's NVLink")
 
 
 class ReplicationPolicy(_Strict):

@@ -23,6 +23,20 @@ def test_plan_simulates_k3_scale_placement(capsys):
     table = capsys.readouterr().out
     moonep_row = next(line for line in table.splitlines() if line.startswith("moonep "))
     assert moonep_row.split()[1] == "1.000"  # max/mean rank load: exactly balanced
+    assert "moonep-priced" in table and "modelled ms/step" in table and "InfiniBand" in table
+
+
+def test_plan_prices_each_policy_and_refuses_bad_overrides(capsys):
+    args = ["plan", "--config", "configs/k3.yaml", "--ranks", "16", "--trace", "zipf:1.2", "--layers", "2",
+            "--steps", "1", "--tokens-per-rank", "512", "--json"]
+    assert main(args + ["--set", "policies.moonep.ib_gb_per_s=25"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["cost"]["ib_bytes_per_s"] == 25e9
+    step_ms = {name: p["modelled_ms_per_step"] for name, p in result["policies"].items()}
+    assert 0 < step_ms["moonep-priced"] <= min(step_ms["none"], step_ms["moonep"])
+    assert main(args + ["--set", "policies.moonep.ib_gb_per_s=0"]) == 2
+    err = capsys.readouterr().err
+    assert "policies.moonep.ib_gb_per_s" in err and "Traceback" not in err
 
 
 def _k3ray(*args: str) -> list[str]:

@@ -1,13 +1,17 @@
 """Properties of the placement policies (k3ray.policies): MoonEP, persistent replication, GEMM scheduling."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
+from k3ray.config import MoonEPPolicy, load_config
 from k3ray.policies import moonep, replication, scheduling
+from k3ray.policies.expert_cost import ExpertCost
+from k3ray.policies.planner import MoonEPPlanner
 
 # ----------------------------------------------------------------------------------------------------------- MoonEP
 
@@ -22,7 +26,8 @@ def _counts(num_ranks: int, num_experts: int, skew: float, seed: int, scale: int
 
 
 def check_plan(counts: torch.Tensor, plan: moonep.MoonEPPlan, home: torch.Tensor | None = None,
-               slots: int | None = None) -> None:
+               slots: int | None = None, exact: bool = True) -> None:
+    """Every guarantee of the module doc; exact=False (priced plans): balance only as far as the plan's target."""
     num_ranks, num_experts = counts.shape
     home = moonep.default_home(num_experts, num_ranks) if home is None else home
     if slots is None:
@@ -32,12 +37,13 @@ def check_plan(counts: torch.Tensor, plan: moonep.MoonEPPlan, home: torch.Tensor
     assert (alloc >= 0).all()
     # conservation
     assert torch.equal(alloc.sum(1), counts.sum(0))
-    # exact balance: target = S//R (+1 on the lowest S%R ranks)
-    total = int(counts.sum())
-    expected = torch.full((num_ranks,), total // num_ranks, dtype=torch.int64)
-    expected[: total % num_ranks] += 1
-    assert torch.equal(moonep.rank_loads(alloc), expected)
-    assert torch.equal(plan.target, expected)
+    assert torch.equal(moonep.rank_loads(alloc), plan.target)
+    assert int(plan.target.max()) <= int(moonep.home_loads(counts, home).max())
+    if exact:   # exact balance: target = S//R (+1 on the lowest S%R ranks)
+        total = int(counts.sum())
+        expected = torch.full((num_ranks,), total // num_ranks, dtype=torch.int64)
+        expected[: total % num_ranks] += 1
+        assert torch.equal(plan.target, expected)
     # slot limit and replica bookkeeping
     is_home = torch.zeros(num_ranks, num_experts, dtype=torch.bool)
     is_home[home, torch.arange(num_experts)] = True
@@ -147,6 +153,134 @@ def test_plan_needs_few_replicas_on_zipf():
     check_plan(counts, plan)
     off_target = int((moonep.home_loads(counts) != plan.target).sum())
     assert plan.num_replicas <= off_target                     # the flow bound is off_target - 1 (generic loads)
+
+
+# ------------------------------------------------------------------------------------------ MoonEP, priced plans
+
+K3_LATENT = load_config("configs/k3.yaml").model.model_copy(update={"expert_inner": 2048})   # 3584 -> 2048, bf16
+
+
+def latent_cost(**policy) -> ExpertCost:
+    """The K3 latent expert (44 MB of weights) under the config's H200 figures, in training."""
+    return ExpertCost.from_config(MoonEPPolicy(**policy), K3_LATENT)
+
+
+def no_replicas_s(counts: torch.Tensor, cost: ExpertCost, home: torch.Tensor | None = None) -> float:
+    return cost.layer_s(int(moonep.home_loads(counts, home).max()), [], [], counts.shape[0])
+
+
+def test_expert_cost_from_config():
+    cost = latent_cost()
+    assert cost.weight_bytes == 3 * 3584 * 2048 * 2 == 44_040_192
+    assert cost.row_s == pytest.approx(3 * 6 * 3584 * 2048 / 400e12)          # forward + backward at 400 TFLOP/s
+    assert cost.passes == 2 and cost.ranks_per_node == 8
+    assert cost.copy_s(same_node=True) == pytest.approx(2 * 44_040_192 / 330e9)
+    assert cost.copy_s(same_node=False) == pytest.approx(2 * 44_040_192 / 50e9)
+    inference = ExpertCost.from_config(MoonEPPolicy(), K3_LATENT, training=False)
+    assert inference.passes == 1 and inference.row_s == pytest.approx(cost.row_s / 3)
+    assert cost.cheapest_copy_s(8) == cost.copy_s(True) and cost.cheapest_copy_s(16) == cost.copy_s(True)
+    assert latent_cost(ranks_per_node=1).cheapest_copy_s(16) == cost.copy_s(False)
+
+
+def test_weight_traffic_is_the_busiest_link_direction():
+    """Ranks 0, 1 share a node, 2, 3 another; 1 GB copies, 100 GB/s NVLink, 10 GB/s InfiniBand, 2 passes."""
+    cost = ExpertCost(row_s=1e-6, weight_bytes=10**9, passes=2, nvlink_bytes_per_s=100e9, ib_bytes_per_s=10e9,
+                      ranks_per_node=2)
+    assert cost.transfer_s([], [], 4) == 0.0
+    assert cost.transfer_s([0], [1], 4) == pytest.approx(0.02)                  # one NVLink copy, out and back
+    assert cost.transfer_s([0, 1], [1, 0], 4) == pytest.approx(0.02)            # both directions at once
+    assert cost.transfer_s([0, 0], [1, 1], 4) == pytest.approx(0.04)            # rank 0 sends two
+    assert cost.transfer_s([0, 2], [1, 3], 4) == pytest.approx(0.02)            # two nodes side by side
+    assert cost.transfer_s([0], [2], 4) == pytest.approx(0.2)                   # InfiniBand
+    assert cost.transfer_s([0, 0], [1, 2], 4) == pytest.approx(0.2)             # NVLink beside InfiniBand
+    assert cost.layer_s(1000, [0], [2], 4) == pytest.approx(1e-3 + 0.2)
+
+
+def _near_balanced(num_ranks: int, num_experts: int, seed: int, base: int = 1024, jitter: int = 4) -> torch.Tensor:
+    """[R, E] counts within +-jitter of base: every rank's home load within E * jitter of the mean."""
+    g = torch.Generator().manual_seed(seed)
+    return base + torch.randint(-jitter, jitter + 1, (num_ranks, num_experts), generator=g)
+
+
+@settings(max_examples=30, deadline=None)
+@given(num_ranks=st.sampled_from([2, 4, 8, 16]), seed=st.integers(0, 10_000), ranks_per_node=st.sampled_from([1, 8]))
+def test_priced_plan_balanced_load_makes_no_replicas(num_ranks, seed, ranks_per_node):
+    """64 experts, ~65k rows per rank within 256 of each other: 85 us of rows at most, a copy costs 267 us or more."""
+    counts = _near_balanced(num_ranks, 64, seed)
+    plan = moonep.plan(counts, cost=latent_cost(ranks_per_node=ranks_per_node))
+    check_plan(counts, plan, exact=False)
+    assert plan.num_replicas == 0
+    assert torch.equal(plan.target, moonep.home_loads(counts))
+
+
+def test_balanced_load_exact_plan_replicates_priced_does_not():
+    counts = _near_balanced(8, 64, seed=0)
+    assert moonep.plan(counts).num_replicas > 0                                # exact balance copies anyway
+    assert moonep.plan(counts, cost=latent_cost()).num_replicas == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_ranks=st.integers(2, 16), experts_per_rank=st.integers(2, 8), skew=st.floats(1.5, 3.0),
+       seed=st.integers(0, 10_000))
+def test_priced_plan_strong_skew_cheap_weights_replicates(num_ranks, experts_per_rank, skew, seed):
+    """Zipf >= 1.5 and 44 KB experts (a copy: 0.27 us, under one row): replicas, and the busiest rank and the
+    modelled layer both shorter than without them."""
+    counts = _counts(num_ranks, num_ranks * experts_per_rank, skew, seed, scale=1024)
+    cost = dataclasses.replace(latent_cost(), weight_bytes=44_040)
+    plan = moonep.plan(counts, cost=cost)
+    check_plan(counts, plan, exact=False)
+    assert plan.num_replicas > 0
+    assert int(plan.target.max()) < int(moonep.home_loads(counts).max())
+    assert plan.modelled_s(cost) < no_replicas_s(counts, cost)
+
+
+def test_priced_plan_expensive_weights_mild_skew_fewer_replicas():
+    """K3's latent expert (44 MB), 8 ranks, busiest rank 5-11 % over the mean: over NVLink exact balance pays; over
+    InfiniBand (one rank per node, 6.6x slower copies) the plan keeps fewer replicas or none."""
+    for seed in range(3):
+        counts = _counts(8, 64, 0.3, seed, scale=1024)
+        assert 1.04 < moonep.imbalance(moonep.home_loads(counts)) < 1.12
+        exact = moonep.plan(counts)
+        nvlink = moonep.plan(counts, cost=latent_cost())
+        ib = moonep.plan(counts, cost=latent_cost(ranks_per_node=1))
+        check_plan(counts, ib, exact=False)
+        assert ib.num_replicas < exact.num_replicas and ib.num_replicas <= nvlink.num_replicas
+        assert ib.modelled_s(latent_cost(ranks_per_node=1)) <= exact.modelled_s(latent_cost(ranks_per_node=1))
+
+
+@settings(max_examples=80, deadline=None)
+@given(num_ranks=st.integers(1, 12), num_experts=st.integers(1, 40), skew=st.floats(0.0, 3.0),
+       seed=st.integers(0, 10_000), log_bytes=st.floats(3.0, 9.5), ranks_per_node=st.sampled_from([1, 2, 8]),
+       training=st.booleans(), random_homes=st.booleans())
+def test_priced_plan_never_models_slower(num_ranks, num_experts, skew, seed, log_bytes, ranks_per_node, training,
+                                        random_homes):
+    """Whatever the load, weights and links: a valid plan (conservation, slot limit, replica bookkeeping), never
+    modelled slower than no replicas or than exact balance, and with replicas strictly faster than none."""
+    g = torch.Generator().manual_seed(seed)
+    home = torch.randint(0, num_ranks, (num_experts,), generator=g) if random_homes else None
+    counts = _counts(num_ranks, num_experts, skew, seed)
+    cost = dataclasses.replace(ExpertCost.from_config(MoonEPPolicy(ranks_per_node=ranks_per_node), K3_LATENT,
+                                                      training), weight_bytes=int(10**log_bytes))
+    plan = moonep.plan(counts, home=home, cost=cost)
+    check_plan(counts, plan, home=home, exact=False)
+    none_s, exact_s = no_replicas_s(counts, cost, home), moonep.plan(counts, home=home).modelled_s(cost)
+    assert plan.modelled_s(cost) <= min(none_s, exact_s) * (1 + 1e-12)
+    if plan.num_replicas:
+        assert plan.modelled_s(cost) < none_s
+    assert torch.equal(moonep.plan(counts.clone(), home=home, cost=cost).alloc, plan.alloc)   # deterministic
+
+
+def test_moonep_planner_follows_the_config():
+    """cost_model=false: exact balance; true: the plan priced for training, or for inference without a backward."""
+    counts, home = _counts(8, 64, 0.3, seed=1, scale=1024), moonep.default_home(64, 8)
+    exact = MoonEPPlanner.from_config(MoonEPPolicy(cost_model=False), K3_LATENT)
+    assert torch.equal(exact.plan(counts, home, training=True), moonep.plan(counts).alloc)
+    policy = MoonEPPolicy(ranks_per_node=1)
+    priced = MoonEPPlanner.from_config(policy, K3_LATENT)
+    for training in (True, False):
+        cost = ExpertCost.from_config(policy, K3_LATENT, training)
+        assert torch.equal(priced.plan(counts, home, training), moonep.plan(counts, cost=cost).alloc)
+    assert not torch.equal(priced.plan(counts, home, True), exact.plan(counts, home, True))
 
 
 def test_metrics():

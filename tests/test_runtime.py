@@ -168,3 +168,22 @@ def test_periodic_rebalance_rehomes_experts_without_changing_training(ray_cluste
     assert heaviest_rank(home) < heaviest_rank(contiguous)  # home loads got more even
     still = run_distributed(tiny(**base), 7)
     assert_close([r["loss"] for r in reports], [r["loss"] for r in still], 1e-9)
+
+
+def test_priced_moonep_trains_as_the_reference(ray_cluster, reference_losses):
+    """MoonEP priced by its cost model, with figures that make one copy of this tiny expert worth about 100 rows: it
+    moves some rows but stops short of exact balance, and the losses are still the reference's."""
+    priced = {"parallel.ep": 4, "model.dtype": "float64", "policies.moonep.cost_model": True,
+              "policies.moonep.nvlink_gb_per_s": 10_000.0}
+    reports = run_distributed(tiny(**priced), 6)
+    assert_close([r["loss"] for r in reports], reference_losses(4, "float64", STEPS)[:6], 1e-8)
+    home = torch.arange(16) * 4 // 16
+    moved, unbalanced = False, False
+    for r in reports:
+        for layer, loads in r["rank_load"].items():
+            home_loads = torch.zeros(4, dtype=torch.int64).index_add_(
+                0, home, torch.tensor(r["tokens_per_expert"][layer]).sum(0)).tolist()
+            assert sum(loads) == sum(home_loads)
+            moved |= loads != home_loads
+            unbalanced |= max(loads) - min(loads) > 1
+    assert moved and unbalanced

@@ -210,7 +210,7 @@ def cmd_config_show(args) -> int:
 def cmd_plan(args) -> int:
     from k3ray.sim import format_table, run_simulation
 
-    cfg = load_config(args.config)
+    cfg = load_config(args.config, parse_assignments(args.set))
     try:
         result = run_simulation(cfg, ranks=args.ranks, trace=args.trace, steps=args.steps, layers=args.layers,
                                 tokens_per_rank=args.tokens_per_rank, seed=args.seed, progress=not args.json)
@@ -291,7 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     show.set_defaults(func=cmd_config_show)
 
-    pl = sub.add_parser("plan", help="simulate expert placement policies at scale, without weights")
+    pl = sub.add_parser("plan", help="simulate expert placement policies at scale, without weights, and price them "
+                                     "(modelled step time: expert rows and weight traffic)")
     pl.add_argument("--config", required=True)
     pl.add_argument("--ranks", type=_positive_int, default=64)
     pl.add_argument("--trace", default="zipf:1.2", help="uniform | zipf:A | dirichlet:A | hot-shift | FILE")
@@ -299,6 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--layers", type=_positive_int, help="simulate only the first N layers")
     pl.add_argument("--tokens-per-rank", type=_positive_int, default=4096)
     pl.add_argument("--seed", type=int, default=0)
+    pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override config fields, e.g. policies.moonep.ib_gb_per_s=25 policies.moonep.ranks_per_node=4")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
 

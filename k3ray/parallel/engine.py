@@ -71,7 +71,7 @@ class StageEngine:
         self.world = dist.group.WORLD
         groups = [dist.new_group(list(range(p * self.ep, (p + 1) * self.ep)), timeout=timeout) for p in range(self.pp)]
         self.ep_group = groups[self.pp_rank]
-        self.ctx = EPContext(self.ep_group, self.ep_rank, self.ep, self.home, self.cfg.policies)
+        self.ctx = EPContext(self.ep_group, self.ep_rank, self.ep, self.home, self.cfg.model, self.cfg.policies)
         self._build_stage()
 
     def leave_process_groups(self) -> None:

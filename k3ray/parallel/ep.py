@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3ray.config import PoliciesConfig
+from k3ray.config import ModelConfig, PoliciesConfig
 from k3ray.kernels import grouped_expert_ffn, permute_rows, unpermute_rows
 from k3ray.model.moe import ExpertShard
 from k3ray.policies import moonep
@@ -110,16 +110,19 @@ class _ExpertExchange(torch.autograd.Function):
 
 class EPContext:
     """What the EP executors of one worker share: the group, this rank, expert homes and the live data-path policies
-    (the placement planner and the expert-GEMM order, rebuilt from the policies config when they change)."""
+    (the placement planner and the expert-GEMM order, rebuilt from the policies config when they change; the model's
+    shape prices MoonEP's weight copies)."""
 
-    def __init__(self, group, rank: int, num_ranks: int, home: torch.Tensor, policies: PoliciesConfig | None = None):
+    def __init__(self, group, rank: int, num_ranks: int, home: torch.Tensor, model: ModelConfig,
+                 policies: PoliciesConfig | None = None):
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.home = home  # [E] int64 home rank of every expert (the placement table's view for this stage)
+        self.model = model
         self.set_policies(policies or PoliciesConfig())
         self.comm_seconds = 0.0  # time inside dispatch/combine collectives since the last reset
 
     def set_policies(self, policies: PoliciesConfig) -> None:
-        self.planner: Planner = build_planner(policies)
+        self.planner: Planner = build_planner(policies, self.model)
         self.gemm_order = build_gemm_order(policies)  # rows per group [G] -> GEMM order; None: the kernel's own
 
 
@@ -149,7 +152,7 @@ class ExpertParallelExperts(nn.Module):
         gathered = [torch.empty_like(local) for _ in range(R)]
         self._timed(dist.all_gather, gathered, local, ctx.group)
         tpe_RE = torch.stack(gathered).cpu()  # the one host sync of the layer: splits live on the host
-        alloc = ctx.planner.plan(tpe_RE, ctx.home)  # [E, R]
+        alloc = ctx.planner.plan(tpe_RE, ctx.home, torch.is_grad_enabled())  # [E, R]
         mine = moonep.send_matrix(tpe_RE, alloc, src=me)  # [E, R_dst] what I send
         recv_counts = moonep.received_by(tpe_RE, alloc, me)  # [R_src, E] what I receive
         self._account(tpe_RE, alloc)

@@ -12,7 +12,8 @@ Notation (the project's legend; every docstring in k3ray uses it):
     home[e]   the rank that owns expert e's weights and optimizer state
 
 Modules:
-    moonep       per-micro-batch exact balance: alloc[E, R] from tokens_per_expert[R, E]
+    moonep       per-micro-batch balance: alloc[E, R] from tokens_per_expert[R, E], exact or priced
+    expert_cost  modelled seconds of a layer's expert work: busiest rank's rows + weight copies (NVLink, InfiniBand)
     replication  persistent replicas from a load history (DeepSeek EPLB vocabulary)
     scheduling   the order in which a GPU runs its local expert GEMMs
 """

@@ -1,4 +1,4 @@
-"""MoonEP planning: exact per-micro-batch balance of expert work across the R EP ranks.
+"""MoonEP planning: per-micro-batch balance of expert work across the R EP ranks, exact or priced.
 
 Input  tokens_per_expert  [R, E]  token slots source rank r routes to expert e (all-gathered, same on every rank).
 Output MoonEPPlan.alloc   [E, R]  token slots of expert e computed on rank d.
@@ -22,6 +22,18 @@ Replicas: the rank-to-rank flow of any plan links all n ranks that are off targe
 imbalances sums to zero), so any plan needs >= n - 1 replicas; on Zipf traces this one meets that bound
 (benchmarks/RESULTS.md).
 
+Priced plans (`cost`, k3ray.policies.expert_cost): exact balance is not always worth its weight copies. A ceiling
+plan brings every rank above the ceiling down to it (donors give their largest home experts, as above) and fills the
+lightest ranks up to it, lightest first, so few sinks take the excess; ceiling = the exact target is exact balance,
+ceiling = the busiest rank's load is no replicas. Lowering the ceiling takes rows off the busiest rank and adds
+copies: the modelled time is row_s * ceiling plus a traffic term that steps up as the ceiling falls, so the best
+ceiling of each traffic level is its lowest. The plan prices no replicas, exact balance and a grid of ceilings
+(dense near exact balance), bisects down to the lowest ceiling of the two best grid points' levels, and keeps the
+cheapest (ties: fewer rows moved). So a plan is never modelled slower than no replicas or exact balance, and when
+even the cheapest copy costs more than all the rows exact balance would take off the busiest rank, there are no
+replicas. Slot limit and conservation hold as above (every sink is still filled once, from one donor); balance
+becomes: rank d computes target[d], and no rank more than the busiest rank without MoonEP.
+
 The loop runs in Python over per-rank lists (O(R log R + pieces)), the rest in numpy; the counts are moved to the
 host once (a sync on CUDA: the all-gathered counts are [R, E] ints, 229 KB at R=64) and the plan is returned on the
 input's device.
@@ -34,6 +46,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from k3ray.policies.expert_cost import ExpertCost
 
 
 def default_home(num_experts: int, num_ranks: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -70,6 +84,16 @@ class MoonEPPlan:
         """Non-home experts rank `rank` computes, ascending expert index ([n] int64)."""
         return self.replica_mask[rank].nonzero().flatten()
 
+    def copies(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(src, dst) [n] int64: home rank and computing rank of every replica (the weight copies this plan moves)."""
+        dst, expert = self.replica_mask.nonzero(as_tuple=True)
+        return self.home[expert], dst
+
+    def modelled_s(self, cost: ExpertCost) -> float:
+        """Modelled seconds of the layer under this plan (k3ray.policies.expert_cost)."""
+        src, dst = (t.cpu() for t in self.copies())
+        return cost.layer_s(int(self.target.max()), src, dst, self.target.numel())
+
     def send(self, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """send [R_src, E, R_dst] (see `send_matrix`)."""
         return send_matrix(tokens_per_expert, self.alloc)
@@ -80,13 +104,13 @@ class MoonEPPlan:
 
 
 def plan(tokens_per_expert: torch.Tensor, slots_per_rank: int | None = None,
-         home: torch.Tensor | None = None) -> MoonEPPlan:
-    """Plan exact balance for one layer and micro-batch.
+         home: torch.Tensor | None = None, cost: ExpertCost | None = None) -> MoonEPPlan:
+    """Plan one layer and micro-batch: exact balance, or with `cost` the cheapest priced plan (module doc).
 
     tokens_per_expert [R, E] integer counts; slots_per_rank caps the non-home experts a rank computes (default: the
     most experts any rank is home to, which always suffices); home [E] int64 home rank per expert (default
     `default_home`; arbitrary homes are allowed, e.g. after a worker loss). Raises ValueError if a smaller
-    `slots_per_rank` cannot be met by this algorithm.
+    `slots_per_rank` cannot be met by this algorithm (priced plans skip the candidates it cannot meet).
     """
     num_ranks, num_experts = tokens_per_expert.shape
     device = tokens_per_expert.device
@@ -110,7 +134,10 @@ def plan(tokens_per_expert: torch.Tensor, slots_per_rank: int | None = None,
     for e, r in zip(order, home_np[order].tolist()):
         items[r].append([totals_l[e], e])
 
-    moves = _fill(home_load.tolist(), target.tolist(), items, slots_per_rank)
+    if cost is None:
+        moves = _fill(home_load.tolist(), target.tolist(), items, slots_per_rank)
+    else:
+        target, moves = _cheapest(home_load, target, items, slots_per_rank, home_np, cost)
     alloc = np.zeros((num_experts, num_ranks), dtype=np.int64)
     alloc[np.arange(num_experts), home_np] = totals
     replica_mask = np.zeros((num_ranks, num_experts), dtype=bool)
@@ -122,6 +149,66 @@ def plan(tokens_per_expert: torch.Tensor, slots_per_rank: int | None = None,
     return MoonEPPlan(alloc=torch.from_numpy(alloc).to(device), home=torch.from_numpy(home_np).to(device),
                       replica_mask=torch.from_numpy(replica_mask).to(device),
                       target=torch.from_numpy(target).to(device))
+
+
+def _cheapest(load: np.ndarray, exact: np.ndarray, items: list[list[list[int]]], slots: int, home: np.ndarray,
+              cost: ExpertCost, grid_points: int = 12, refine: int = 2) -> tuple[np.ndarray, list]:
+    """(target [R], moves [(expert, dst rank, slots)]) of the cheapest plan found (module doc); ties: fewer rows
+    moved."""
+    num_ranks = len(load)
+    floor, top = int(exact.max()), int(load.max())
+    copy_s = cost.cheapest_copy_s(num_ranks)
+    if cost.row_s * (top - floor) <= copy_s:
+        return load.copy(), []
+
+    def price(target: np.ndarray):
+        """(seconds, rows moved, target, moves), or None when the slot limit cannot be met."""
+        gives = (load > target).tolist()         # only donors give: copy just their item lists
+        try:
+            moves = _fill(load.tolist(), target.tolist(),
+                          [[list(it) for it in r] if g else r for r, g in zip(items, gives)], slots)
+        except ValueError:
+            return None
+        seconds = cost.layer_s(target.max(), home[[e for e, _, _ in moves]], [d for _, d, _ in moves], num_ranks)
+        return seconds, sum(n for _, _, n in moves), target, moves
+
+    found = [(cost.layer_s(top, [], [], num_ranks), 0, load.copy(), []), price(exact)]
+    at: dict[int, tuple | None] = {}
+
+    def traffic(ceiling: int) -> float:
+        if ceiling not in at:
+            at[ceiling] = price(_ceiling_target(load, ceiling))
+            found.append(at[ceiling])
+        plan = at[ceiling]
+        return math.inf if plan is None else plan[0] - cost.row_s * ceiling
+
+    # The modelled time is rows * row_s (falling with the ceiling) plus traffic, a step function rising as the ceiling
+    # falls; the best ceiling of each traffic level is its lowest. Price a grid of ceilings, dense near exact balance
+    # (gaps of (top - floor) / 2^k), then bisect down to the lowest ceiling of the best grid points' levels.
+    # Ceilings closer than 1/16 of a copy's rows count as one.
+    step = max(1, int(copy_s / cost.row_s / 16))
+    grid = sorted({floor + (top - floor) // 2**k for k in range(grid_points)} - {floor, top})
+    grid = [c for c in grid if c - floor >= step]
+    for ceiling in grid:
+        traffic(ceiling)
+    ranked = sorted((c for c in grid if at[c] is not None), key=lambda c: (cost.row_s * c + traffic(c), -c))
+    for ceiling in ranked[:refine]:
+        below = [c for c in grid if c < ceiling]
+        lo, keeps, level = (below[-1] if below else floor), ceiling, traffic(ceiling)
+        while keeps - lo > step:
+            mid = (lo + keeps) // 2
+            lo, keeps = (lo, mid) if traffic(mid) <= level else (mid, keeps)
+    return min((f for f in found if f is not None), key=lambda f: f[:2])[2:]
+
+
+def _ceiling_target(load: np.ndarray, ceiling: int) -> np.ndarray:
+    """[R] ranks above `ceiling` down to it; their excess fills the lightest ranks up to it (ties: lower rank)."""
+    target = np.minimum(load, ceiling)
+    excess = int(load.sum() - target.sum())
+    order = np.lexsort((np.arange(len(load)), load))
+    room = ceiling - target[order]
+    target[order] += np.clip(excess - (np.cumsum(room) - room), 0, room)
+    return target
 
 
 def _fill(load: list[int], target: list[int], items: list[list[list[int]]],
