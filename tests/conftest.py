@@ -61,6 +61,14 @@ def ray_cluster():
 UNFAILED_STEPS = 10
 
 
+def head_cpus() -> int:
+    """CPUs of the session's head (the driver's node); ray.cluster_resources() may still count a lost node's."""
+    import ray
+
+    me = ray.get_runtime_context().get_node_id()
+    return int(next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == me))
+
+
 @pytest.fixture(scope="session")
 def unfailed_ep4_losses(ray_cluster, tmp_path_factory) -> list[float]:
     """The float64 losses of the first UNFAILED_STEPS steps of an unfailed run of the tiny model on pp=1 x ep=4 (no

@@ -13,6 +13,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from conftest import head_cpus
 from k3ray.config import load_config
 from k3ray.control.driver import start_controller, stop_controller
 from k3ray.control.local_nodes import kill_node
@@ -95,7 +96,7 @@ def test_random_drill_ends_with_the_unfailed_losses(ray_cluster, extra_nodes, un
     blocker = None
     if drill["kind"] == "node":  # 2 workers on the head, 2 on a node of their own
         node = extra_nodes(2)
-        blocker = placement_group([{"CPU": int(ray.cluster_resources()["CPU"]) - 4}], strategy="STRICT_PACK")
+        blocker = placement_group([{"CPU": head_cpus() - 2}], strategy="STRICT_PACK")
         ray.get(blocker.ready(), timeout=120)
     try:
         losses, incidents = train(tiny(tmp_path, drill["faults"]), drill,

@@ -12,6 +12,7 @@ import pytest
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 
+from conftest import head_cpus
 from k3ray.config import load_config
 from k3ray.control.driver import start_controller, stop_controller
 from k3ray.control.local_nodes import kill_node, silence_node
@@ -34,9 +35,8 @@ def unfailed_losses(unfailed_ep4_losses) -> list[float]:
 @pytest.fixture
 def split_grid(extra_nodes):
     """A second node of 2 CPUs, and the head's CPUs but 2 blocked, so the 4 workers sit 2 on each node."""
-    head_cpus = int(ray.cluster_resources()["CPU"])
     node = extra_nodes(2)
-    blocker = placement_group([{"CPU": head_cpus - 2}], strategy="STRICT_PACK")
+    blocker = placement_group([{"CPU": head_cpus() - 2}], strategy="STRICT_PACK")
     ray.get(blocker.ready(), timeout=120)
     try:
         yield node
