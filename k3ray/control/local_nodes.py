@@ -92,8 +92,9 @@ def silence_node(temp_dir: str) -> list[int]:
 def stop_node(temp_dir: str, remove: bool = True) -> None:
     """Every process of the node SIGTERMed (and continued, if silenced), then SIGKILLed, its temp dir removed."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        _signal(node_processes(temp_dir), sig)
-        _signal(node_processes(temp_dir), signal.SIGCONT)
+        pids = node_processes(temp_dir)
+        _signal(pids, sig)
+        _signal(pids, signal.SIGCONT)
         deadline = time.time() + 15
         while node_processes(temp_dir) and time.time() < deadline:
             time.sleep(0.2)
