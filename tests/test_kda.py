@@ -133,7 +133,8 @@ def _cp_rank(rank, world, port, T_local, device, backend, results):
 
 
 def run_cp(world, T_local, device, backend):
-    results = mp.Manager().dict()
+    # the Manager's server process is spawned, not forked: on CUDA this process is multi-threaded by now
+    results = mp.get_context("spawn").Manager().dict()
     mp.spawn(_cp_rank, args=(world, _free_port(), T_local, device, backend, results), nprocs=world, join=True)
     return [torch.cat([results[r][i] for r in range(world)], dim=1) for i in range(6)]
 
