@@ -15,7 +15,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 
 from conftest import head_cpus
 from k3ray.config import load_config
-from k3ray.control.driver import start_controller, stop_controller
+from k3ray.control.driver import running_job
 from k3ray.control.local_nodes import kill_node
 
 STEPS, SNAPSHOT_EVERY, CHECKPOINT_EVERY = 8, 3, 3
@@ -64,8 +64,7 @@ def seeds() -> list[int]:
 
 
 def train(cfg, drill: dict | None = None, lose_node=None) -> tuple[list[float], list[dict]]:
-    controller = start_controller(cfg)
-    try:
+    with running_job(cfg) as controller:
         losses = []
         for s in range(STEPS):
             if drill and drill["kind"] == "node" and s == drill["step"] and drill["state"] != "evaluation":
@@ -80,13 +79,11 @@ def train(cfg, drill: dict | None = None, lose_node=None) -> tuple[list[float], 
                     lose_node()
                 assert ray.get(controller.evaluate.remote(), timeout=600) > 0
         return losses, ray.get(controller.get_incidents.remote())
-    finally:
-        stop_controller(controller)
 
 
 @pytest.fixture(scope="module")
-def unfailed(unfailed_ep4_losses):
-    return unfailed_ep4_losses[:STEPS]
+def unfailed(unfailed_ep4):
+    return unfailed_ep4.losses[:STEPS]
 
 
 @pytest.mark.parametrize("seed", seeds())
