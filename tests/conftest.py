@@ -58,6 +58,16 @@ def ray_cluster():
         stop_node(temp_dir)
 
 
+def head_cpus() -> int:
+    """CPUs free on the session's head (the driver's node) now: a placement group sized from it leaves the head exactly
+    what the test wants, whatever earlier tests still hold, and ray.cluster_resources() may still count a lost
+    node's CPUs."""
+    import ray
+    from ray._private.state import available_resources_per_node
+
+    return int(available_resources_per_node().get(ray.get_runtime_context().get_node_id(), {}).get("CPU", 0))
+
+
 @dataclass
 class Run:
     """What a job did: every step's report, its incidents and final status, and every parameter by name (expert
