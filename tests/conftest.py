@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,14 +59,22 @@ def ray_cluster():
         stop_node(temp_dir)
 
 
-def head_cpus() -> int:
-    """CPUs free on the session's head (the driver's node) now: a placement group sized from it leaves the head exactly
-    what the test wants, whatever earlier tests still hold, and ray.cluster_resources() may still count a lost
-    node's CPUs."""
+@contextmanager
+def head_room(cpus: int):
+    """All but `cpus` of the head's CPUs held by a placement group for the with-block, so that a grid larger than
+    that places the rest of its workers on the other nodes. Waits for earlier tests' actors to give theirs back."""
     import ray
-    from ray._private.state import available_resources_per_node
+    from ray.util.placement_group import placement_group, remove_placement_group
 
-    return int(available_resources_per_node().get(ray.get_runtime_context().get_node_id(), {}).get("CPU", 0))
+    head = ray.get_runtime_context().get_node_id()
+    total = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == head)
+    blocker = placement_group([{"CPU": total - cpus}], strategy="STRICT_PACK",
+                              bundle_label_selector=[{"ray.io/node-id": head}])
+    try:
+        ray.get(blocker.ready(), timeout=120)
+        yield
+    finally:
+        remove_placement_group(blocker)
 
 
 @dataclass

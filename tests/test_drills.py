@@ -11,9 +11,8 @@ import random
 
 import pytest
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
 
-from conftest import head_cpus
+from conftest import head_room
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
 from k3ray.control.local_nodes import kill_node
@@ -90,17 +89,12 @@ def unfailed(unfailed_ep4):
 def test_random_drill_ends_with_the_unfailed_losses(ray_cluster, extra_nodes, unfailed, tmp_path, seed):
     drill = plan(seed)
     print(f"drill seed {seed}: {drill}")  # replay: K3RAY_DRILL_SEED={seed}
-    blocker = None
     if drill["kind"] == "node":  # 2 workers on the head, 2 on a node of their own
         node = extra_nodes(2)
-        blocker = placement_group([{"CPU": head_cpus() - 2}], strategy="STRICT_PACK")
-        ray.get(blocker.ready(), timeout=120)
-    try:
-        losses, incidents = train(tiny(tmp_path, drill["faults"]), drill,
-                                  (lambda: kill_node(node)) if blocker else None)
-    finally:
-        if blocker is not None:
-            remove_placement_group(blocker)
+        with head_room(2):
+            losses, incidents = train(tiny(tmp_path, drill["faults"]), drill, lambda: kill_node(node))
+    else:
+        losses, incidents = train(tiny(tmp_path, drill["faults"]), drill)
     lost = [i for i in incidents if i["kind"] == "worker_lost"]
     assert lost, incidents
     if drill["kind"] != "worker" and drill["state"] not in ("grow_back", "recovery"):

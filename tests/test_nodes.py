@@ -10,9 +10,8 @@ import signal
 
 import pytest
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
 
-from conftest import head_cpus
+from conftest import head_room
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
 from k3ray.control.local_nodes import kill_node, silence_node
@@ -36,12 +35,8 @@ def unfailed_losses(unfailed_ep4) -> list[float]:
 def split_grid(extra_nodes):
     """A second node of 2 CPUs, and the head's CPUs but 2 blocked, so the 4 workers sit 2 on each node."""
     node = extra_nodes(2)
-    blocker = placement_group([{"CPU": head_cpus() - 2}], strategy="STRICT_PACK")
-    ray.get(blocker.ready(), timeout=120)
-    try:
+    with head_room(2):
         yield node
-    finally:
-        remove_placement_group(blocker)
 
 
 def test_lost_node_shrinks_restores_from_copies_elsewhere_and_grows_back(unfailed_losses, split_grid, extra_nodes):

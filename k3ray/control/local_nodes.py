@@ -1,6 +1,6 @@
 """Raylets on this machine standing in for nodes (drills, tests and benchmarks of node loss without a second host):
 start one with ports and a temp dir of its own (other clusters may share the machine; `ray stop` would stop them
-all), then lose it (SIGKILL its raylet: its workers die with it), silence it (SIGSTOP it and every process under it:
+all), then lose it (SIGKILL every process of it at once, as a power loss does), silence it (SIGSTOP it and every process under it:
 nothing dies, nothing answers) or stop it for good (every process of it)."""
 from __future__ import annotations
 
@@ -76,9 +76,9 @@ def _signal(pids: list[int], sig: int) -> None:
 
 
 def kill_node(temp_dir: str) -> None:
-    """A lost node: its raylet SIGKILLed (its workers exit when it does)."""
-    cmdlines, _ = _processes()
-    _signal(_raylets(temp_dir, cmdlines), signal.SIGKILL)
+    """A lost node: every process of it SIGKILLed in one pass. Killing the raylet alone is another fault: its
+    workers notice and exit only later, and meanwhile some still answer calls."""
+    _signal(node_processes(temp_dir), signal.SIGKILL)
 
 
 def silence_node(temp_dir: str) -> list[int]:
