@@ -121,12 +121,12 @@ def job_params(controller) -> dict:
     return out
 
 
-UNFAILED_STEPS = 20
+UNFAILED_STEPS = 12  # the warmup's 10 steps and 2 of the cosine decay
 
 
 @pytest.fixture(scope="session")
 def unfailed_ep4(ray_cluster, tmp_path_factory) -> Run:
-    """An unfailed run of the tiny model in float64 on pp=1 x ep=4 (MoonEP on, no evaluation, train.steps=20):
+    """An unfailed run of the tiny model in float64 on pp=1 x ep=4 (MoonEP on, no evaluation, train.steps=12):
     UNFAILED_STEPS steps, parameters after 4 and 10. Run once per session; the float64 runtime test checks it against
     the single-process reference, and the fault, drill and node tests must reproduce its trajectory (snapshot,
     checkpoint, timeout, guard-warmup and grow-back settings do not change it; train.steps does only after the 10

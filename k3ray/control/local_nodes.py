@@ -95,7 +95,7 @@ def stop_node(temp_dir: str, remove: bool = True) -> None:
         pids = node_processes(temp_dir)
         _signal(pids, sig)
         _signal(pids, signal.SIGCONT)
-        deadline = time.time() + 15
+        deadline = time.time() + 5  # a head's GCS and autoscaler outlast SIGTERM by 15 s and more
         while node_processes(temp_dir) and time.time() < deadline:
             time.sleep(0.2)
     if remove:
