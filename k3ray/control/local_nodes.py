@@ -1,7 +1,7 @@
 """Raylets on this machine standing in for nodes (drills, tests and benchmarks of node loss without a second host):
 start one with ports and a temp dir of its own (other clusters may share the machine; `ray stop` would stop them
-all), then lose it (SIGKILL every process of it at once, as a power loss does), silence it (SIGSTOP it and every process under it:
-nothing dies, nothing answers) or stop it for good (every process of it)."""
+all), then lose it (SIGKILL every process of it at once, as a power loss does), silence it (SIGSTOP it and every
+process under it: nothing dies, nothing answers) or stop it for good (every process of it)."""
 from __future__ import annotations
 
 import os
