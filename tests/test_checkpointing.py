@@ -14,7 +14,7 @@ import ray
 
 from conftest import REPO, run_job
 from k3ray.config import load_config
-from k3ray.control.driver import running_job, start_controller
+from k3ray.control.driver import running_job
 
 BASE = {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "model.dtype": "float64", "checkpoint.every_n_steps": 4}
 
@@ -55,13 +55,11 @@ def test_resume_after_killing_the_whole_job_reproduces_final_loss(ray_cluster, t
 
 
 def test_truncated_newest_checkpoint_falls_back_and_experts_reshard(ray_cluster, tmp_path):
-    cfg = tiny(tmp_path, **{"parallel.ep": 2, "fault_tolerance.faults": [{"kind": "corrupt_checkpoint", "step": 8}]})
-    controller = start_controller(cfg)
-    try:
+    cfg = tiny(tmp_path, **{"parallel.ep": 2, "checkpoint.at_end": False,  # step 8's (truncated) stays the newest
+                            "fault_tolerance.faults": [{"kind": "corrupt_checkpoint", "step": 8}]})
+    with running_job(cfg) as controller:
         losses = [ray.get(controller.train_step.remote(s), timeout=300)["loss"] for s in range(10)]
         assert [c["step"] for c in ray.get(controller.list_checkpoints.remote())] == [4, 8]
-    finally:
-        ray.kill(controller)  # no final checkpoint: step 8's (truncated) stays the newest
     assert (tmp_path / "ckpt" / "step_000000008" / "manifest.json").exists()
 
     with running_job(tiny(tmp_path, **{"parallel.ep": 2, "checkpoint.at_end": False}), resume=True) as resumed:
