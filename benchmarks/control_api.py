@@ -17,7 +17,7 @@ import httpx
 import ray
 
 from k3ray.config import load_config
-from k3ray.control.driver import init_ray, start_controller, stop_controller
+from k3ray.control.driver import init_ray, running_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,43 +38,44 @@ def main() -> None:
                                                    "parallel.ep": args.ep,
                                                    "api.token_file": str(runs / "bench" / "api_token")})
     init_ray(None, cfg.parallel.world_size)
-    controller = start_controller(cfg)
-    url = ray.get(controller.status.remote())["api_url"]
-    token = (runs / "bench" / "api_token").read_text().strip()
-    halt, step_s, step = threading.Event(), [], [0]
-
-    def train() -> None:
-        while not halt.is_set():
-            t0 = time.perf_counter()
-            ray.get(controller.train_step.remote(step[0], step[0]))
-            step_s.append(time.perf_counter() - t0)
-            step[0] += 1
-
-    thread = threading.Thread(target=train, daemon=True)
-    thread.start()
     try:
-        while step[0] < 5:  # warm-up
-            time.sleep(0.1)
-        time.sleep(3.0)
-        idle_steps = list(step_s[5:])
-        client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
-        n_before = len(step_s)
-        get_ms, put_ms = [], []
-        for i in range(args.requests):
-            t0 = time.perf_counter()
-            client.get("/v1/status").raise_for_status()
-            get_ms.append((time.perf_counter() - t0) * 1e3)
-        for i in range(args.requests // 2):
-            t0 = time.perf_counter()
-            client.put("/v1/policies/scheduling", json={"enabled": i % 2 == 0}).raise_for_status()
-            put_ms.append((time.perf_counter() - t0) * 1e3)
-        loaded_steps = list(step_s[n_before:])
-        overhead = ray.get(controller.__ray_call__.remote(
-            lambda self: [s for c in self.callbacks for s in getattr(c, "overhead_s", [])]))
+        with running_job(cfg) as controller:
+            url = ray.get(controller.status.remote())["api_url"]
+            token = (runs / "bench" / "api_token").read_text().strip()
+            halt, step_s, step = threading.Event(), [], [0]
+
+            def train() -> None:
+                while not halt.is_set():
+                    t0 = time.perf_counter()
+                    ray.get(controller.train_step.remote(step[0], step[0]))
+                    step_s.append(time.perf_counter() - t0)
+                    step[0] += 1
+
+            thread = threading.Thread(target=train, daemon=True)
+            thread.start()
+            try:
+                while step[0] < 5:  # warm-up
+                    time.sleep(0.1)
+                time.sleep(3.0)
+                idle_steps = list(step_s[5:])
+                client = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=10)
+                n_before = len(step_s)
+                get_ms, put_ms = [], []
+                for i in range(args.requests):
+                    t0 = time.perf_counter()
+                    client.get("/v1/status").raise_for_status()
+                    get_ms.append((time.perf_counter() - t0) * 1e3)
+                for i in range(args.requests // 2):
+                    t0 = time.perf_counter()
+                    client.put("/v1/policies/scheduling", json={"enabled": i % 2 == 0}).raise_for_status()
+                    put_ms.append((time.perf_counter() - t0) * 1e3)
+                loaded_steps = list(step_s[n_before:])
+                overhead = ray.get(controller.__ray_call__.remote(
+                    lambda self: [s for c in self.callbacks for s in getattr(c, "overhead_s", [])]))
+            finally:
+                halt.set()
+                thread.join(timeout=120)
     finally:
-        halt.set()
-        thread.join(timeout=120)
-        stop_controller(controller)
         ray.shutdown()
 
     steps_all = step_s[5:]

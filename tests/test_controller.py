@@ -29,6 +29,7 @@ class Cluster:
         self.die_in = dict(die_in or {})  # method -> (its n-th call, counted from 1; world ranks that die in it)
         self.seen: dict[str, int] = {}  # method -> calls so far
         self.phantom = 0  # workers' worth of a lost node Ray still reports alive (until a placement fails)
+        self.others = 0  # workers' worth held by others (another job): counted in totals, never placeable
         self.spares_dead = False  # every standby spare has died (its node lost)
         self.calls: list[tuple] = []
         self.groups: list[FakeGroup] = []
@@ -69,11 +70,12 @@ class FakeGroup:
         if n == nth:
             raise WorkerLost(set(ranks), f"ActorDiedError in {method}")
 
-    def capacity(self) -> int:
-        return self.cluster.capacity + self.cluster.phantom - sum(g.held for g in self.cluster.groups)
+    def capacity(self, free: bool = False) -> int:
+        held = sum(g.held for g in self.cluster.groups) + (self.cluster.others if free else 0)
+        return self.cluster.capacity + self.cluster.phantom - held
 
     def launch(self, timeout_s: float, restore: dict | None = None, wait_for_spares: bool = True) -> str:
-        if not self.fits()[0]:
+        if not self.fits()[0] or self.size + self.cluster.others > self.cluster.capacity:
             self.cluster.phantom = 0  # the placement waited in vain: now Ray reports the node dead
             raise TopologyError(f"needs {self.size} workers")
         self.alive = True
@@ -569,6 +571,18 @@ def test_a_lost_node_not_yet_reported_dead_fails_the_placement_and_the_plan_retr
     tried, done = ctrl.incidents
     assert tried["ep"] == [4, 3] and tried["outcome"].startswith("did not fit")
     assert done["ep"] == [4, 2] and "seconds" in done and ctrl.status()["ep"] == 2
+    assert cluster.groups[-1].trained == tuple(range(7))
+
+
+def test_resources_others_hold_fail_the_placement_and_the_plan_retries_on_what_is_free():
+    cluster = Cluster(capacity=6)
+    ctrl = run(cluster, 6, **{"parallel.ep": 4, "fault_tolerance.grow_back": False})
+    cluster.others = 4  # another job takes 4 of the 6 while this one recovers: 2 stay free
+    cluster.lose = {6: 3}
+    ctrl.train_step(6)
+    tried, done = ctrl.incidents
+    assert tried["ep"] == [4, 3] and tried["outcome"].startswith("did not fit")  # planned on the totals first
+    assert done["ep"] == [4, 2] and ctrl.status()["ep"] == 2
     assert cluster.groups[-1].trained == tuple(range(7))
 
 

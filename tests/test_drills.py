@@ -11,11 +11,10 @@ import random
 
 import pytest
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
 
-from conftest import head_cpus
+from conftest import head_room
 from k3ray.config import load_config
-from k3ray.control.driver import start_controller, stop_controller
+from k3ray.control.driver import running_job
 from k3ray.control.local_nodes import kill_node
 
 STEPS, SNAPSHOT_EVERY, CHECKPOINT_EVERY = 8, 3, 3
@@ -64,8 +63,7 @@ def seeds() -> list[int]:
 
 
 def train(cfg, drill: dict | None = None, lose_node=None) -> tuple[list[float], list[dict]]:
-    controller = start_controller(cfg)
-    try:
+    with running_job(cfg) as controller:
         losses = []
         for s in range(STEPS):
             if drill and drill["kind"] == "node" and s == drill["step"] and drill["state"] != "evaluation":
@@ -80,30 +78,23 @@ def train(cfg, drill: dict | None = None, lose_node=None) -> tuple[list[float], 
                     lose_node()
                 assert ray.get(controller.evaluate.remote(), timeout=600) > 0
         return losses, ray.get(controller.get_incidents.remote())
-    finally:
-        stop_controller(controller)
 
 
 @pytest.fixture(scope="module")
-def unfailed(unfailed_ep4_losses):
-    return unfailed_ep4_losses[:STEPS]
+def unfailed(unfailed_ep4):
+    return unfailed_ep4.losses[:STEPS]
 
 
 @pytest.mark.parametrize("seed", seeds())
 def test_random_drill_ends_with_the_unfailed_losses(ray_cluster, extra_nodes, unfailed, tmp_path, seed):
     drill = plan(seed)
     print(f"drill seed {seed}: {drill}")  # replay: K3RAY_DRILL_SEED={seed}
-    blocker = None
     if drill["kind"] == "node":  # 2 workers on the head, 2 on a node of their own
         node = extra_nodes(2)
-        blocker = placement_group([{"CPU": head_cpus() - 2}], strategy="STRICT_PACK")
-        ray.get(blocker.ready(), timeout=120)
-    try:
-        losses, incidents = train(tiny(tmp_path, drill["faults"]), drill,
-                                  (lambda: kill_node(node)) if blocker else None)
-    finally:
-        if blocker is not None:
-            remove_placement_group(blocker)
+        with head_room(2):
+            losses, incidents = train(tiny(tmp_path, drill["faults"]), drill, lambda: kill_node(node))
+    else:
+        losses, incidents = train(tiny(tmp_path, drill["faults"]), drill)
     lost = [i for i in incidents if i["kind"] == "worker_lost"]
     assert lost, incidents
     if drill["kind"] != "worker" and drill["state"] not in ("grow_back", "recovery"):

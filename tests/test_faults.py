@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 import ray
-import torch
 
 from k3ray.config import load_config
-from k3ray.control.driver import start_controller, stop_controller
+from conftest import run_job
+from k3ray.control.driver import running_job
 
 
 def tiny(**overrides):
@@ -18,26 +18,9 @@ def tiny(**overrides):
 
 
 def run(cfg, steps: int):
-    controller = start_controller(cfg)
-    try:
-        reports = [ray.get(controller.train_step.remote(s), timeout=300) for s in range(steps)]
-        return reports, ray.get(controller.get_incidents.remote()), ray.get(controller.status.remote()), \
-            _params(controller)
-    finally:
-        stop_controller(controller)
-
-
-def _params(controller) -> dict[str, torch.Tensor]:
-    """Every parameter of the job by name (expert rows by expert id), gathered from the live workers."""
-    group = ray.get(controller.worker_states.remote(), timeout=120)
-    out = {}
-    for state in group:
-        out.update({n: t for n, t in state["dense"].items()})
-        for layer, payload in state["experts"].items():
-            for row, e in enumerate(payload["expert_ids"]):
-                out[f"{layer}.expert{e}.w1"] = payload["w1"][row]
-                out[f"{layer}.expert{e}.w2"] = payload["w2"][row]
-    return out
+    """reports, incidents, status and the parameters at the end."""
+    job = run_job(cfg, steps, params_after=(steps,))
+    return job.reports, job.incidents, job.status, job.params[steps]
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -65,8 +48,7 @@ def test_repeated_trips_escalate_then_stop(ray_cluster):
     # the drill poisons every attempt of step 5 (same step listed 4 times): skip more, lower lr, then stop
     faults = [{"kind": "nan", "step": 5, "layer": 0}] * 4
     cfg = tiny(**{"fault_tolerance.faults": faults, "fault_tolerance.max_retries_per_step": 2})
-    controller = start_controller(cfg)
-    try:
+    with running_job(cfg) as controller:
         for s in range(5):
             ray.get(controller.train_step.remote(s), timeout=300)
         try:
@@ -79,11 +61,9 @@ def test_repeated_trips_escalate_then_stop(ray_cluster):
         assert incidents[1]["batch_ids"] == [6, 7]  # skip_growth=2: the second trip skips two batches
         status = ray.get(controller.status.remote())
         assert status["state"] == "errored" and status["lr_scale"] == 0.5
-    finally:
-        stop_controller(controller)
 
 
-def test_killed_worker_is_resharded_and_the_run_equals_an_unfailed_one(ray_cluster):
+def test_killed_worker_is_resharded_and_the_run_equals_an_unfailed_one(ray_cluster, unfailed_ep4):
     """ep=4, worker 2 killed at step 6: the 3 survivors re-home its experts, replay steps 4-5 from the snapshot and
     run the lost DP rank's micro-batches beside their own, so every step trains on the same global batch as the
     unfailed run. In float64 the losses then agree to 1e-12 relative: the only differences are summation orders
@@ -100,10 +80,9 @@ def test_killed_worker_is_resharded_and_the_run_equals_an_unfailed_one(ray_clust
     # every expert placed exactly once across the 3 survivors
     assert len([n for n in params if n.startswith("0.expert") and n.endswith("w1")]) == 16
     assert all(r["tokens"] == reports[0]["tokens"] for r in reports)  # the global batch never shrank
-    ref_reports, ref_incidents, _, ref_params = run(tiny(**{"parallel.ep": 4}), steps)
-    assert ref_incidents == []
-    assert [r["loss"] for r in reports] == pytest.approx([r["loss"] for r in ref_reports], rel=1e-12, abs=0)
-    assert max_diff(params, ref_params) <= 1e-12
+    assert unfailed_ep4.incidents == []
+    assert [r["loss"] for r in reports] == pytest.approx(unfailed_ep4.losses[:steps], rel=1e-12, abs=0)
+    assert max_diff(params, unfailed_ep4.params[steps]) <= 1e-12
 
 
 def test_grows_back_when_capacity_returns(ray_cluster):
@@ -156,15 +135,12 @@ def test_worker_killed_between_steps_is_recovered_at_the_snapshot_and_at_evaluat
     faults = [{"kind": "kill_worker", "step": 8, "worker": 1, "at": "boundary"},  # the step-8 snapshot meets it
               {"kind": "kill_worker", "step": 9, "worker": 0, "at": "after_step"}]  # the evaluation meets it
     cfg = tiny(**{"parallel.ep": 4, "fault_tolerance.grow_back": False, "fault_tolerance.faults": faults})
-    controller = start_controller(cfg)
-    try:
+    with running_job(cfg) as controller:
         for s in range(10):
             ray.get(controller.train_step.remote(s), timeout=300)
         value = ray.get(controller.evaluate.remote(), timeout=300)
         incidents = ray.get(controller.get_incidents.remote())
         status = ray.get(controller.status.remote())
-    finally:
-        stop_controller(controller)
     assert [(i["kind"], i["ranks"], i["ep"]) for i in incidents] == [("worker_lost", [1], [4, 3]),
                                                                      ("worker_lost", [0], [3, 2])]
     assert "stage_snapshot" in incidents[0]["why"] and "evaluate" in incidents[1]["why"]
@@ -179,7 +155,7 @@ def test_two_workers_killed_at_once_are_both_named(ray_cluster):
     assert lost["ranks"] == [1, 2] and lost["ep"] == [4, 2] and status["ep"] == 2 and len(reports) == 6
 
 
-def test_killed_worker_is_replaced_by_a_hot_spare_and_the_run_equals_an_unfailed_one(ray_cluster):
+def test_killed_worker_is_replaced_by_a_hot_spare_and_the_run_equals_an_unfailed_one(ray_cluster, unfailed_ep4):
     """ep=4 with one hot spare, worker 2 killed at step 2: the spare takes its place (no process started), the grid
     keeps ep=4 and its homes, steps 0-1 are replayed from the step-0 snapshot, and the float64 losses equal an
     unfailed run's; a new spare is started afterwards."""
@@ -193,7 +169,5 @@ def test_killed_worker_is_replaced_by_a_hot_spare_and_the_run_equals_an_unfailed
     assert "swap_in_spares" in incident["seconds"]
     assert "place_and_start_workers" not in incident["seconds"]  # no process was started to recover
     assert status["ep"] == 4 and status["workers"] == 4 and status["spares"] == 1 and len(reports) == steps
-    ref_reports, ref_incidents, _, ref_params = run(tiny(**{"parallel.ep": 4}), steps)
-    assert ref_incidents == []
-    assert [r["loss"] for r in reports] == pytest.approx([r["loss"] for r in ref_reports], rel=1e-12, abs=0)
-    assert max_diff(params, ref_params) <= 1e-12
+    assert [r["loss"] for r in reports] == pytest.approx(unfailed_ep4.losses[:steps], rel=1e-12, abs=0)
+    assert max_diff(params, unfailed_ep4.params[steps]) <= 1e-12

@@ -121,41 +121,41 @@ def _instant(prom: str, expr: str) -> list:
 
 def test_every_dashboard_query_returns_data(ray_cluster, prometheus):
     import ray
-    from k3ray.control.driver import start_controller, stop_controller
+    from k3ray.control.driver import running_job
 
     cfg = load_config(REPO / "configs/tiny.yaml", {"name": JOB, "train.eval_every": 0, "api.enabled": False, "parallel.pp": 1, "parallel.ep": 1})
-    controller = start_controller(cfg)
-    halt, steps, errors = threading.Event(), [0], []
+    with running_job(cfg) as controller:
+        halt, steps, errors = threading.Event(), [0], []
 
-    def train() -> None:
+        def train() -> None:
+            try:
+                while not halt.is_set():
+                    ray.get(controller.train_step.remote(steps[0], steps[0]), timeout=120)
+                    steps[0] += 1
+            except Exception as err:
+                errors.append(err)
+
+        thread = threading.Thread(target=train, daemon=True)
+        thread.start()
+        queries = [(uid, title, expr.replace("$job", JOB).replace("$layer", ".*").replace("$__rate_interval", "30s"))
+                   for uid, dash in all_dashboards().items() for title, expr in panel_queries(dash)]
+        missing = queries
         try:
-            while not halt.is_set():
-                ray.get(controller.train_step.remote(steps[0], steps[0]), timeout=120)
-                steps[0] += 1
-        except Exception as err:
-            errors.append(err)
-
-    thread = threading.Thread(target=train, daemon=True)
-    thread.start()
-    queries = [(uid, title, expr.replace("$job", JOB).replace("$layer", ".*").replace("$__rate_interval", "30s"))
-               for uid, dash in all_dashboards().items() for title, expr in panel_queries(dash)]
-    missing = queries
-    try:
-        deadline = time.monotonic() + 120  # Ray's exporter can take several seconds, Prometheus needs 2+ scrapes
-        while missing and time.monotonic() < deadline:
-            assert not errors, f"training failed: {errors[0]!r}"
-            time.sleep(2)
-            missing = [q for q in missing if not _instant(prometheus, q[2])]
-        assert steps[0] > 0
-        if missing:
-            targets = httpx.get(f"{prometheus}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
-            names = sorted({r["metric"]["__name__"] for r in _instant(prometheus, '{__name__=~"ray_k3ray.*"}')})
-            pytest.fail("panels without data:\n" + "\n".join(f"{u} / {t}: {e}" for u, t, e in missing)
-                        + f"\ntargets: {[(t['scrapeUrl'], t['health'], t['lastError']) for t in targets]}"
-                        + f"\nk3ray series in Prometheus: {names}")
-        layers = {r["metric"]["layer"] for r in _instant(prometheus, f'ray_k3ray_maxvio_ratio{{k3ray_job="{JOB}"}}')}
-        assert layers == {str(i) for i in range(cfg.model.n_layers)}
-    finally:
-        halt.set()
-        thread.join(timeout=120)
-        stop_controller(controller)
+            deadline = time.monotonic() + 120  # Ray's exporter can take several seconds, Prometheus needs 2+ scrapes
+            while missing and time.monotonic() < deadline:
+                assert not errors, f"training failed: {errors[0]!r}"
+                time.sleep(2)
+                missing = [q for q in missing if not _instant(prometheus, q[2])]
+            assert steps[0] > 0
+            if missing:
+                targets = httpx.get(f"{prometheus}/api/v1/targets", timeout=10).json()["data"]["activeTargets"]
+                names = sorted({r["metric"]["__name__"] for r in _instant(prometheus, '{__name__=~"ray_k3ray.*"}')})
+                pytest.fail("panels without data:\n" + "\n".join(f"{u} / {t}: {e}" for u, t, e in missing)
+                            + f"\ntargets: {[(t['scrapeUrl'], t['health'], t['lastError']) for t in targets]}"
+                            + f"\nk3ray series in Prometheus: {names}")
+            maxvio = _instant(prometheus, f'ray_k3ray_maxvio_ratio{{k3ray_job="{JOB}"}}')
+            layers = {r["metric"]["layer"] for r in maxvio}
+            assert layers == {str(i) for i in range(cfg.model.n_layers)}
+        finally:
+            halt.set()
+            thread.join(timeout=120)

@@ -10,11 +10,10 @@ import signal
 
 import pytest
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
 
-from conftest import head_cpus
+from conftest import head_room
 from k3ray.config import load_config
-from k3ray.control.driver import start_controller, stop_controller
+from k3ray.control.driver import running_job
 from k3ray.control.local_nodes import kill_node, silence_node
 
 STEPS = 9
@@ -28,25 +27,20 @@ def tiny(**overrides):
 
 
 @pytest.fixture(scope="module")
-def unfailed_losses(unfailed_ep4_losses) -> list[float]:
-    return unfailed_ep4_losses[:STEPS]
+def unfailed_losses(unfailed_ep4) -> list[float]:
+    return unfailed_ep4.losses[:STEPS]
 
 
 @pytest.fixture
 def split_grid(extra_nodes):
     """A second node of 2 CPUs, and the head's CPUs but 2 blocked, so the 4 workers sit 2 on each node."""
     node = extra_nodes(2)
-    blocker = placement_group([{"CPU": head_cpus() - 2}], strategy="STRICT_PACK")
-    ray.get(blocker.ready(), timeout=120)
-    try:
+    with head_room(2):
         yield node
-    finally:
-        remove_placement_group(blocker)
 
 
 def test_lost_node_shrinks_restores_from_copies_elsewhere_and_grows_back(unfailed_losses, split_grid, extra_nodes):
-    controller = start_controller(tiny())
-    try:
+    with running_job(tiny()) as controller:
         losses = [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(6)]
         kill_node(split_grid)  # the node and its 2 workers are gone, between steps
         losses.append(ray.get(controller.train_step.remote(6), timeout=600)["loss"])
@@ -57,8 +51,6 @@ def test_lost_node_shrinks_restores_from_copies_elsewhere_and_grows_back(unfaile
         losses += [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(7, STEPS)]
         incidents = ray.get(controller.get_incidents.remote())
         status = ray.get(controller.status.remote())
-    finally:
-        stop_controller(controller)
     assert [i["kind"] for i in incidents if i["kind"] in ("worker_lost", "grow_back")][-1] == "grow_back"
     assert status["ep"] == 4
     # survivors ran the lost ranks' micro-batches: the trajectory is the unfailed run's (see test_faults for the bound)
@@ -66,16 +58,15 @@ def test_lost_node_shrinks_restores_from_copies_elsewhere_and_grows_back(unfaile
 
 
 def test_silent_node_is_found_by_the_step_timeout_and_avoided(unfailed_losses, split_grid, extra_nodes):
-    controller = start_controller(tiny())  # grow-back on: it must not count on the silent node's CPUs
     frozen = []
     try:
-        losses = [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(5)]
-        frozen = silence_node(split_grid)  # no process of the node answers, none has died
-        losses += [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(5, STEPS)]
-        incidents = ray.get(controller.get_incidents.remote())
-        status = ray.get(controller.status.remote())
+        with running_job(tiny()) as controller:  # grow-back on: it must not count on the silent node's CPUs
+            losses = [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(5)]
+            frozen = silence_node(split_grid)  # no process of the node answers, none has died
+            losses += [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(5, STEPS)]
+            incidents = ray.get(controller.get_incidents.remote())
+            status = ray.get(controller.status.remote())
     finally:
-        stop_controller(controller)
         for pid in frozen:
             try:
                 os.kill(pid, signal.SIGKILL)

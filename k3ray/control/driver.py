@@ -9,7 +9,8 @@ import logging
 import os
 import time
 import uuid
-from typing import Protocol
+from contextlib import contextmanager
+from typing import Iterator, Protocol
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -145,27 +146,36 @@ def stop_controller(controller, timeout_s: float = 600.0) -> None:
         ray.kill(controller, no_restart=True)
 
 
+@contextmanager
+def running_job(cfg: JobConfig, resume: bool = False, fresh: bool = False) -> Iterator:
+    """The job's Controller actor for the with-block (`start_controller`), stopped on the way out (`stop_controller`:
+    the final checkpoint when the config asks for one)."""
+    controller = start_controller(cfg, resume=resume, fresh=fresh)
+    try:
+        yield controller
+    finally:
+        stop_controller(controller)
+
+
 def train_distributed(cfg: JobConfig, steps: int, address: str | None = None, progress: bool = True,
                       resume: bool = False, fresh: bool = False, announce=None) -> dict:
     """Run the job to `steps`; `announce(status, cfg)` is called once the workers run (the CLI prints where the
     job writes and how to steer it)."""
     started = init_ray(address, cfg.parallel.world_size + cfg.fault_tolerance.spares)
-    controller = None
     try:
-        controller = start_controller(cfg, resume=resume, fresh=fresh)
-        status = ray.get(controller.status.remote())
-        start = status["step"]
-        if announce is not None:
-            announce(status, cfg)
-        if start >= steps:
-            return {"steps": 0, "resumed_from": start, "final_loss": None, "losses": []}
-        summary = run_training(ControllerBackend(controller), cfg, steps - start, start_step=start, progress=progress)
-        status = ray.get(controller.status.remote())
-        summary["incidents"] = ray.get(controller.get_incidents.remote())
-        summary["topology"] = {"pp": status["pp"], "ep": status["ep"], "ep_configured": status["ep_configured"]}
-        return {**summary, "resumed_from": start} if resume else summary
+        with running_job(cfg, resume=resume, fresh=fresh) as controller:
+            status = ray.get(controller.status.remote())
+            start = status["step"]
+            if announce is not None:
+                announce(status, cfg)
+            if start >= steps:
+                return {"steps": 0, "resumed_from": start, "final_loss": None, "losses": []}
+            summary = run_training(ControllerBackend(controller), cfg, steps - start, start_step=start,
+                                   progress=progress)
+            status = ray.get(controller.status.remote())
+            summary["incidents"] = ray.get(controller.get_incidents.remote())
+            summary["topology"] = {"pp": status["pp"], "ep": status["ep"], "ep_configured": status["ep_configured"]}
+            return {**summary, "resumed_from": start} if resume else summary
     finally:
-        if controller is not None:
-            stop_controller(controller)
         if started:
             ray.shutdown()

@@ -1,7 +1,7 @@
 """Raylets on this machine standing in for nodes (drills, tests and benchmarks of node loss without a second host):
 start one with ports and a temp dir of its own (other clusters may share the machine; `ray stop` would stop them
-all), then lose it (SIGKILL its raylet: its workers die with it), silence it (SIGSTOP it and every process under it:
-nothing dies, nothing answers) or stop it for good (every process of it)."""
+all), then lose it (SIGKILL every process of it at once, as a power loss does), silence it (SIGSTOP it and every
+process under it: nothing dies, nothing answers) or stop it for good (every process of it)."""
 from __future__ import annotations
 
 import os
@@ -76,9 +76,9 @@ def _signal(pids: list[int], sig: int) -> None:
 
 
 def kill_node(temp_dir: str) -> None:
-    """A lost node: its raylet SIGKILLed (its workers exit when it does)."""
-    cmdlines, _ = _processes()
-    _signal(_raylets(temp_dir, cmdlines), signal.SIGKILL)
+    """A lost node: every process of it SIGKILLed in one pass. Killing the raylet alone is another fault: its
+    workers notice and exit only later, and meanwhile some still answer calls."""
+    _signal(node_processes(temp_dir), signal.SIGKILL)
 
 
 def silence_node(temp_dir: str) -> list[int]:
@@ -95,7 +95,7 @@ def stop_node(temp_dir: str, remove: bool = True) -> None:
         pids = node_processes(temp_dir)
         _signal(pids, sig)
         _signal(pids, signal.SIGCONT)
-        deadline = time.time() + 15
+        deadline = time.time() + 5  # a head's GCS and autoscaler outlast SIGTERM by 15 s and more
         while node_processes(temp_dir) and time.time() < deadline:
             time.sleep(0.2)
     if remove:

@@ -112,10 +112,12 @@ class FailurePaths:
                                   for e in range(decision.ep)])
 
     def _launch_anew(self, old, lost: WorkerLost, load, fields: dict, snap):
-        """Launch the grid that fits the alive nodes (planning again, smaller, when a node lost but not yet reported
-        dead fails the placement). Returns (decision, incident, when it was planned)."""
+        """Launch the grid that fits the alive nodes, planned first on their totals (the old grid's resources were
+        just given back, and Ray's free counts lag), then, when the placement failed (a lost node not yet reported
+        dead, or others hold resources), again on what they have free. Returns (decision, incident, when it was
+        planned)."""
         for attempt in range(1, 4):
-            max_ep = self._new_group(1, old.home).capacity() // self.cfg.parallel.pp
+            max_ep = self._new_group(1, old.home).capacity(free=attempt > 1) // self.cfg.parallel.pp
             if max_ep < 1:
                 self.machine.to(JobState.ERRORED, "nothing fits the alive nodes")
                 raise TopologyError(f"{lost}: the alive nodes hold no {self.cfg.parallel.pp}-stage grid")

@@ -90,7 +90,7 @@ class ServingGrid:
             decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, spares=spares)
             if not decision.spare_for:
                 old.close()
-                max_ep = old.capacity() // self.pp
+                max_ep = old.capacity(free=attempt > 1) // self.pp  # as the training grid's (failures.py)
                 if max_ep < 1:
                     raise TopologyError(f"{lost}: the alive nodes hold no {self.pp}-stage grid")
                 decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load,

@@ -103,9 +103,10 @@ class WorkerGroup:
                 return False, f"needs {need:g} {res} (one per worker) but the cluster has {have.get(res, 0):g}"
         return True, ""
 
-    def capacity(self) -> int:
-        """How many workers the alive nodes can hold in total (a shrunk grid is planned to fit it)."""
-        have = alive_resources(False, self.avoid_nodes)
+    def capacity(self, free: bool = False) -> int:
+        """How many workers the alive nodes can hold (a shrunk grid is planned to fit it): in total, or (free) in
+        what they have unused now, where other holders (other jobs) keep theirs."""
+        have = alive_resources(free, self.avoid_nodes)
         return int(min(have.get(res, 0) // amount for res, amount in self.bundle.items()))
 
     def launch(self, timeout_s: float, restore: dict[int, list] | None = None, wait_for_spares: bool = True) -> str:

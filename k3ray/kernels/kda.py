@@ -12,7 +12,7 @@ None) and takes (q, k, v, g, beta, initial_state=None, output_final_state=False,
 | function | what |
 |---|---|
 | kda_recurrent_reference | per-token recurrence, fp32 state (the ground truth) |
-| kda_chunk_reference | the math of fla's chunk_kda: chunks of 64, the WY/UT form inside a chunk, a scan over chunks |
+| kda_chunk_reference | the math of fla's chunk_kda: the WY/UT form inside a chunk, a scan over chunks |
 | kda_chunk_fla | fla.ops.kda.chunk_kda (training and prefill; forward and backward) |
 | kda_recurrent_fla | fla.ops.kda.fused_recurrent_kda (decoding from a state slot) |
 | kda_context_parallel_reference / _fla | a sequence split over the ranks of a process group (below) |
@@ -29,7 +29,10 @@ import functools
 import torch
 import torch.distributed as dist
 
-CHUNK = 64
+# fla's chunk is 64 tokens; the torch reference's is 16: its intra-chunk tensors are [C, C, K] per chunk, so on CPU
+# its cost grows with C (fwd+bwd of one tiny-model KDA layer in float64: 480 ms at 64, 51 ms at 16, 75 ms for the
+# per-token recurrence). The chunk length changes only rounding.
+CHUNK = 16
 
 
 # -- torch references -----------------------------------------------------------------------------------------------
@@ -122,7 +125,7 @@ def _chunk_core(q, k, v, g, beta, s0, chunk: int = CHUNK):
 
 
 def kda_chunk_reference(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None):
-    """The chunked form of fla's chunk_kda (chunk 64) in torch; equals kda_recurrent_reference."""
+    """The chunked form of fla's chunk_kda in torch (chunks of CHUNK tokens); equals kda_recurrent_reference."""
     o, s = _per_sequence(_chunk_core, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
     return o.to(v.dtype), s
 
