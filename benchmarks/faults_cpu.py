@@ -1,7 +1,7 @@
 """Fault tolerance on the tiny config (pp=1, ep=4, CPU): MTTR of a killed worker, of a lost node (a second raylet on
-this machine whose raylet is SIGKILLed between steps) and of a silent node (that raylet and its workers SIGSTOPped),
-split into their phases, rollback time after a NaN blow-up, snapshot overhead per step, and a hung collective's
-detection time.
+this machine, every process of it SIGKILLed between steps) and of a silent node (that raylet and its workers
+SIGSTOPped), split into their phases, rollback time after a NaN blow-up, snapshot overhead per step, and a hung
+collective's detection time.
 
     python benchmarks/faults_cpu.py [--steps 14] [--only worker,node,silent] [--repeat 3] [--spares 1]
                                     [--snapshot-every 5]
@@ -21,7 +21,7 @@ import ray
 
 from k3ray.config import load_config
 from k3ray.control.driver import init_ray, running_job
-from k3ray.control.local_nodes import free_port, kill_node, silence_node, start_raylet, stop_node
+from k3ray.control.local_nodes import free_port, join_node, kill_node, silence_node, start_raylet, stop_node
 
 
 def run(overrides: dict, steps: int, before_step=None) -> tuple[list[float], list[dict], list[float]]:
@@ -98,10 +98,7 @@ def node_runs(how: str, steps: int, k: int, repeat: int) -> list[tuple[dict, dic
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
         for _ in range(repeat):
             node = tempfile.mkdtemp(prefix="k3ray-bench-node-")
-            alive = sum(n["Alive"] for n in ray.nodes())
-            start_raylet(node, "--address", f"127.0.0.1:{port}", "--num-cpus", "2")
-            while sum(n["Alive"] for n in ray.nodes()) <= alive:
-                time.sleep(0.5)
+            join_node(node, f"127.0.0.1:{port}", 2)
             blocker = placement_group([{"CPU": 6}], strategy="STRICT_PACK")  # 2 head CPUs left: 2 workers there
             ray.get(blocker.ready(), timeout=120)
             lose = kill_node if how == "kill" else silence_node

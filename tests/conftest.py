@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from k3ray.control.local_nodes import free_port, start_raylet, stop_node
+from k3ray.control.local_nodes import free_port, join_node, start_raylet, stop_node
 
 # Ray >= 2.5x turns token auth on for clusters started with `ray start`; clients then need token mode, and Ray
 # reads it when it is imported: set it before any test module imports ray.
@@ -144,23 +144,12 @@ def unfailed_ep4(ray_cluster, tmp_path_factory) -> Run:
 def extra_nodes(ray_cluster):
     """Raylets joining the session's cluster on this machine (`join(num_cpus)` -> the node's temp dir; lose one with
     k3ray.control.local_nodes). Teardown stops only these nodes' processes."""
-    import time
-
-    import ray
-
     dirs: list[str] = []
-
-    def alive() -> int:
-        return sum(n["Alive"] for n in ray.nodes())
 
     def join(num_cpus: int = 2) -> str:
         temp_dir = tempfile.mkdtemp(prefix="k3ray-node-", dir="/tmp")
-        before = alive()
-        start_raylet(temp_dir, "--address", ray_cluster.address, "--num-cpus", str(num_cpus))
         dirs.append(temp_dir)
-        deadline = time.time() + 60
-        while alive() <= before and time.time() < deadline:
-            time.sleep(0.5)
+        join_node(temp_dir, ray_cluster.address, num_cpus)
         return temp_dir
 
     try:

@@ -30,6 +30,23 @@ def start_raylet(temp_dir: str, *args: str, env: dict | None = None) -> None:
                    env=env if env is not None else dict(os.environ))
 
 
+def join_node(temp_dir: str, address: str, num_cpus: int, timeout_s: float = 60.0) -> str:
+    """Start a raylet joining the cluster at `address` (GCS host:port; this process connected to it) and wait until
+    Ray reports it alive. Returns its node id. Waits for a new id, not for one more alive node: a node lost just
+    before may be reported dead meanwhile."""
+    import ray
+
+    before = {n["NodeID"] for n in ray.nodes()}
+    start_raylet(temp_dir, "--address", address, "--num-cpus", str(num_cpus))
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        new = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in before]
+        if new:
+            return new[0]
+        time.sleep(0.5)
+    raise TimeoutError(f"the raylet in {temp_dir} did not join {address} within {timeout_s:g}s")
+
+
 def _processes() -> tuple[dict[int, bytes], dict[int, list[int]]]:
     """Command line of every process, and the children of each."""
     cmdlines, children = {}, {}
