@@ -167,7 +167,7 @@ def main() -> None:
     rows.append(("guard check per step (pure function on the merged report)", f"{guard_check_us():.1f} us"))
 
     if "node" in only:
-        rows += mttr_rows("node lost (raylet SIGKILL)", node_runs("kill", k + 2, k, args.repeat))
+        rows += mttr_rows("node lost (every process SIGKILLed)", node_runs("kill", k + 2, k, args.repeat))
     if "silent" in only:
         rows += mttr_rows("silent node (raylet and workers SIGSTOP)", node_runs("silence", k + 2, k, args.repeat))
 
