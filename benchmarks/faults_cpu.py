@@ -21,7 +21,8 @@ import ray
 
 from k3ray.config import load_config
 from k3ray.control.driver import init_ray, running_job
-from k3ray.control.local_nodes import free_port, join_node, kill_node, silence_node, start_raylet, stop_node
+from k3ray.control.local_nodes import (free_port, head_room, join_node, kill_node, silence_node, start_raylet,
+                                       stop_node)
 
 
 def run(overrides: dict, steps: int, before_step=None) -> tuple[list[float], list[dict], list[float]]:
@@ -88,8 +89,6 @@ def mttr_rows(label: str, runs: list[tuple[dict, dict[str, float]]]) -> list[tup
 def node_runs(how: str, steps: int, k: int, repeat: int) -> list[tuple[dict, dict[str, float]]]:
     """4 workers, 2 on a head of their own and 2 on a second raylet of this machine, which is lost before step k
     (how: "kill" its raylet, or "silence" it); a fresh second raylet for every run."""
-    from ray.util.placement_group import placement_group, remove_placement_group
-
     head = tempfile.mkdtemp(prefix="k3ray-bench-head-")
     port = free_port()
     runs = []
@@ -99,16 +98,14 @@ def node_runs(how: str, steps: int, k: int, repeat: int) -> list[tuple[dict, dic
         for _ in range(repeat):
             node = tempfile.mkdtemp(prefix="k3ray-bench-node-")
             join_node(node, f"127.0.0.1:{port}", 2)
-            blocker = placement_group([{"CPU": 6}], strategy="STRICT_PACK")  # 2 head CPUs left: 2 workers there
-            ray.get(blocker.ready(), timeout=120)
             lose = kill_node if how == "kill" else silence_node
             try:
-                times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
-                                           "parallel.collective_timeout_s": 10}, steps,
-                                          before_step=lambda s: s == k and lose(node))
+                with head_room(2):  # 2 workers on the head, 2 on the node
+                    times, incidents, _ = run({"fault_tolerance.snapshot_every": 5, "fault_tolerance.grow_back": False,
+                                               "parallel.collective_timeout_s": 10}, steps,
+                                              before_step=lambda s: s == k and lose(node))
                 runs.append(mttr_split(times, incidents, k))
             finally:
-                remove_placement_group(blocker)
                 stop_node(node)
     finally:
         ray.shutdown()

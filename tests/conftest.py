@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,24 +56,6 @@ def ray_cluster():
     finally:
         ray.shutdown()
         stop_node(temp_dir)
-
-
-@contextmanager
-def head_room(cpus: int):
-    """All but `cpus` of the head's CPUs held by a placement group for the with-block, so that a grid larger than
-    that places the rest of its workers on the other nodes. Waits for earlier tests' actors to give theirs back."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    head = ray.get_runtime_context().get_node_id()
-    total = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == head)
-    blocker = placement_group([{"CPU": total - cpus}], strategy="STRICT_PACK",
-                              bundle_label_selector=[{"ray.io/node-id": head}])
-    try:
-        ray.get(blocker.ready(), timeout=120)
-        yield
-    finally:
-        remove_placement_group(blocker)
 
 
 @dataclass

@@ -12,10 +12,9 @@ import random
 import pytest
 import ray
 
-from conftest import head_room
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
-from k3ray.control.local_nodes import kill_node
+from k3ray.control.local_nodes import head_room, kill_node
 
 STEPS, SNAPSHOT_EVERY, CHECKPOINT_EVERY = 8, 3, 3
 # where a kill lands: the state the controller is in when it meets the dead worker

@@ -11,10 +11,9 @@ import signal
 import pytest
 import ray
 
-from conftest import head_room
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
-from k3ray.control.local_nodes import kill_node, silence_node
+from k3ray.control.local_nodes import head_room, kill_node, silence_node
 
 STEPS = 9
 

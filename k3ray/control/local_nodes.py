@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -45,6 +46,24 @@ def join_node(temp_dir: str, address: str, num_cpus: int, timeout_s: float = 60.
             return new[0]
         time.sleep(0.5)
     raise TimeoutError(f"the raylet in {temp_dir} did not join {address} within {timeout_s:g}s")
+
+
+@contextmanager
+def head_room(cpus: int):
+    """All but `cpus` of the head's CPUs held by a placement group for the with-block, so that a grid larger than
+    that places the rest of its workers on the other nodes. Waits for earlier tests' actors to give theirs back."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    head = ray.get_runtime_context().get_node_id()
+    total = next(n["Resources"]["CPU"] for n in ray.nodes() if n["NodeID"] == head)
+    blocker = placement_group([{"CPU": total - cpus}], strategy="STRICT_PACK",
+                              bundle_label_selector=[{"ray.io/node-id": head}])
+    try:
+        ray.get(blocker.ready(), timeout=120)
+        yield
+    finally:
+        remove_placement_group(blocker)
 
 
 def _processes() -> tuple[dict[int, bytes], dict[int, list[int]]]:
