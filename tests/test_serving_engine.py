@@ -201,3 +201,33 @@ def test_serve_cli_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
 
     assert main(["serve", "--checkpoint", str(tmp_path)]) == 2
     assert "no verified checkpoint" in capsys.readouterr().err
+
+
+def test_decode_iterations_do_no_work_that_grows_with_the_context(model, monkeypatch):
+    """Once a request is prefilled, each decode iteration's plan holds one token and the slot, start and counter
+    of each sequence (page tables and sampling parameters went to the worker once, at admission), whatever the
+    context length; the engine never rebuilds a request's whole token list (prompt + output) to schedule it, sample
+    it or check its stop strings."""
+    import pickle
+
+    from k3ray.controller.scheduler import Request
+
+    sizes = {}
+    for prompt_len in (8, 96):
+        sched, ex = engine(model, budget=512, pages=128, page_size=4, slots=4)
+        reqs = [sched.submit(encode("x" * prompt_len), SamplingParams(max_tokens=12, stop=("never",)))
+                for _ in range(3)]
+        sched.step(ex)  # the prompts, whole, and the first tokens
+        assert all(len(r.out) == 1 for r in reqs)
+        built = []
+        monkeypatch.setattr(Request, "ids", property(lambda r: built.append(r.id) or r.prompt + r.out))
+        plans = sched.schedule()
+        plan = plans[0][0]
+        assert plan.counts == [1, 1, 1] and len(plan.tokens) == 3 and plan.admit == []
+        sizes[prompt_len] = len(pickle.dumps(plan))
+        sched.complete(plans, ex.run({0: plan}))
+        while sched.has_work:
+            sched.step(ex)
+        assert built == [] and all(len(r.out) == 12 for r in reqs)
+        monkeypatch.undo()
+    assert sizes[8] == sizes[96]

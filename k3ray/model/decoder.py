@@ -37,9 +37,10 @@ class Block(nn.Module):
         if cache is not None:
             cache.layer = self.layer
         x = x + self.attn(self.attn_norm(x), cache)
-        x = x + self.moe(self.moe_norm(x))
-        if cache is not None:
+        x = x + self.moe(self.moe_norm(x), cache)
+        if cache is not None:  # serving: each sequence's max-abs for the per-request guards
             cache.note_activations(x)
+            return x
         with torch.no_grad():
             m = up32(maxabs(x.detach()))
             self.resid_maxabs = m if self.resid_maxabs is None else torch.maximum(self.resid_maxabs, m)
