@@ -1,10 +1,11 @@
 """Inference caches of one pipeline stage, as SGLang keeps them for K3 (two pools), and one iteration's view of them.
 
-- Gated MLA: the latent KV c = RMSNorm(W_dkv x) [r] of every past token, in fixed-size pages
-  (`latent[layer]`: [pages + 1, P, r]). k and v are recomputed from the latents (with each position's rotation where
-  the model uses RoPE), so the latent alone reproduces the training forward exactly.
+- Gated MLA: the latent [c | k_p] of every past token (c = RMSNorm of the compressed KV [r], k_p the decoupled
+  slice [p], K3's layout), in fixed-size pages (`latent[layer]`: [pages + 1, P, r + p]). k and v are recomputed from
+  it (with RoPE at each position where the model rotates), so the latent alone reproduces the training forward.
 - KDA: the recurrent state S [H, K, V] of every sequence, one fixed slot per sequence (`state[layer]`:
-  [slots + 1, H, K, V], fp32, float64 for float64 models); its size does not grow with the context.
+  [slots + 1, H, K, V], fp32, float64 for float64 models); its size does not grow with the context. With KDA's short
+  convolution (kernel W) each slot also keeps the last W-1 inputs of q, k, v (`conv[layer]`: [slots + 1, W-1, 3 H K]).
 
 Everything an iteration needs beyond its new tokens lives on the device beside the pools, written once when a
 sequence is admitted (`CachePools.admit`): each slot's page table and sampling parameters. An iteration then names
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import kda_attention, kda_decode_slots
+from k3ray.kernels import kda_attention, kda_decode_slots, short_conv
 
 
 @dataclass(frozen=True)
@@ -44,14 +45,20 @@ class CachePools:
         self.max_pages = -(-cfg.max_seq_len // page_size)
         self.latent: dict[int, torch.Tensor] = {}  # MLA layer -> [pages + 1, P, r]
         self.state: dict[int, torch.Tensor] = {}  # KDA layer -> [slots + 1, H, K, V]
+        self.conv: dict[int, torch.Tensor] = {}  # KDA layer with a short convolution -> [slots + 1, W-1, 3 H K]
         self.load: dict[int, torch.Tensor] = {}  # MoE layer -> [E] int64 routes served since the last read
         for layer in layers:
             if cfg.layer_kind(layer) == "mla":
-                self.latent[layer] = torch.zeros(pages + 1, page_size, cfg.kv_rank, dtype=dtype, device=device)
+                self.latent[layer] = torch.zeros(pages + 1, page_size, cfg.kv_rank + cfg.mla_rope_dim, dtype=dtype,
+                                                 device=device)
             else:
                 h = cfg.kda_head_dim
                 self.state[layer] = torch.zeros(slots + 1, cfg.n_heads, h, h, dtype=state_dtype, device=device)
-            self.load[layer] = torch.zeros(cfg.n_experts, dtype=torch.int64, device=device)
+                if cfg.kda_conv_size:
+                    self.conv[layer] = torch.zeros(slots + 1, cfg.kda_conv_size - 1, 3 * cfg.n_heads * h, dtype=dtype,
+                                                   device=device)
+            if cfg.is_moe_layer(layer):
+                self.load[layer] = torch.zeros(cfg.n_experts, dtype=torch.int64, device=device)
         # per slot: its page table (unused entries: the scratch page) and its sampling parameters
         self.page_table = torch.full((slots + 1, self.max_pages), pages, dtype=torch.int64, device=device)
         self.temperature = torch.zeros(slots + 1, dtype=torch.float32, device=device)
@@ -72,7 +79,7 @@ class CachePools:
             table[i, :len(s.pages)] = torch.tensor(s.pages, dtype=torch.int64)
         slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev)
         self.page_table[slots] = table.to(dev)
-        for state in self.state.values():  # a sequence starts from the empty state, whatever the slot held
+        for state in (*self.state.values(), *self.conv.values()):  # a sequence starts from the empty state
             state[slots] = 0.0
         self.temperature[slots] = torch.tensor([s.temperature for s in seqs], dtype=torch.float32, device=dev)
         self.top_p[slots] = torch.tensor([s.top_p for s in seqs], dtype=torch.float32, device=dev)
@@ -168,7 +175,8 @@ class IterationCache:
     def mla_attention(self, q_1THh: torch.Tensor, c_1Tr: torch.Tensor, up) -> torch.Tensor:
         """Store this iteration's latents, then causal attention of each sequence's new queries over its cached
         context, all sequences at once: queries padded to [N, nmax], context gathered to [N, Lc] through the page
-        tables and masked. up(c [N, Lc, r]) -> (k, v) [N, Lc, H, h] at positions 0..Lc-1. Returns [1, T, H, h]."""
+        tables and masked. up(latent [N, Lc, r + p]) -> (k [N, Lc, H, h + p], v [N, Lc, H, h]) at positions
+        0..Lc-1. Returns [1, T, H, h]."""
         if not self.slots.numel():
             return q_1THh.new_zeros(q_1THh.shape)
         pool = self.pools.latent[self.layer]
@@ -197,3 +205,19 @@ class IterationCache:
                               cu_seqlens=self.cu_seqlens)
         pool.index_copy_(0, self.slots, s1.to(pool.dtype))
         return o
+
+    def short_conv(self, x_1TC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
+        """KDA's causal short convolution (+ SiLU) over the packed sequences, each continuing from its slot's last
+        W-1 inputs; the new last inputs go back into the slots. x [1, T, 3 H K]. Decode iterations run the
+        sequences as a batch of one token each (no host sync)."""
+        if not self.slots.numel():
+            return x_1TC.new_zeros(x_1TC.shape)
+        pool = self.pools.conv[self.layer]
+        if self.decode:
+            y, s1 = short_conv(x_1TC.transpose(0, 1), weight_CW, pool[self.slots], output_final_state=True)
+            y = y.transpose(0, 1)
+        else:
+            y, s1 = short_conv(x_1TC, weight_CW, pool[self.slots], output_final_state=True,
+                               cu_seqlens=self.cu_seqlens)
+        pool.index_copy_(0, self.slots, s1.to(pool.dtype))
+        return y

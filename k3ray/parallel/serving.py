@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, new_pools
-from k3ray.model.decoder import K3Stage
+from k3ray.model.decoder import K3Stage, boundary_shape
 from k3ray.model.sampling import sample_tokens
 
 log = logging.getLogger("k3ray.serve")
@@ -84,7 +84,9 @@ class StageServer:
         n, T = len(plan.slots), len(plan.tokens) if self.stage.is_first else sum(plan.counts)
         x = None
         if not self.stage.is_first:
-            x = torch.empty(1, T, self.stage.cfg.d_model, dtype=self.dtype, device=self.device)
+            # the hidden state (and, with Block AttnRes, the block summaries: per token, so nothing is kept)
+            x = torch.empty(boundary_shape(self.stage.cfg, self.stage.layers.start, 1, T), dtype=self.dtype,
+                            device=self.device)
             if T:
                 dist.recv(x, self.prev_rank, group=self.world)
         if self.graphs is not None and n and max(plan.counts) == 1:
@@ -166,7 +168,7 @@ class DecodeGraphs:
                              [1] * n + [0] * pad], dtype=torch.int64)
         inputs["packed"].copy_(host, non_blocking=False)
         if x is not None:
-            inputs["hidden"][:, :n].copy_(x)
+            inputs["hidden"][..., :n, :].copy_(x)
         graph.replay()
         out, tokens, maxabs = outputs
         return out[..., :n, :], None if tokens is None else tokens[:n], maxabs[:n]
@@ -176,8 +178,9 @@ class DecodeGraphs:
         pools = server.pools
         packed = torch.zeros(5, bucket, dtype=torch.int64, device=dev)
         packed[0] = pools.scratch_slot  # capture and warm-up touch only the scratch slot and page
-        hidden = None if server.stage.is_first else \
-            torch.zeros(1, bucket, server.stage.cfg.d_model, dtype=server.dtype, device=dev)
+        stage = server.stage
+        hidden = None if stage.is_first else \
+            torch.zeros(boundary_shape(stage.cfg, stage.layers.start, 1, bucket), dtype=server.dtype, device=dev)
         inputs = {"packed": packed, "hidden": hidden}
 
         def step():
