@@ -76,11 +76,13 @@ RELEASED = {"model.q_lora_rank": 16, "model.mla_rope_dim": 8, "model.first_dense
             "model.attn_res_block_size": 2, "model.norm_eps": 1e-5}
 
 
-def test_batched_engine_equals_reference_with_the_released_features():
+@pytest.mark.parametrize("rope", [False, True], ids=["no_rope_absorbed", "rope"])
+def test_batched_engine_equals_reference_with_the_released_features(rope):
     """The released K3's features on at tiny size (q-LoRA MLA without RoPE, its decoupled slice in the latent pages;
     KDA's short convolution carried per slot and its lower-bound gate; a dense first layer; Block AttnRes):
-    continuous batching with chunked prefill and decode still equals the plain forward per token."""
-    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED}).model
+    continuous batching with chunked prefill and decode still equals the plain forward per token. Without RoPE the
+    cache attends over the latents with the up-projection absorbed; with it (K2's layout) keys are recomputed."""
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED, "model.mla_rope": rope}).model
     released = build_stage(cfg, range(cfg.n_layers), seed=5)
     params = [SamplingParams(max_tokens=3 + (2 * i) % 5, temperature=0.7 if i % 3 == 2 else 0.0, seed=i)
               for i in range(5)]

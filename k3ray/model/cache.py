@@ -172,24 +172,38 @@ class IterationCache:
         weight = self.token_weight[:, None].expand_as(idx_TK)
         self.pools.load[self.layer].index_add_(0, idx_TK.reshape(-1), weight.reshape(-1))
 
-    def mla_attention(self, q_1THh: torch.Tensor, c_1Tr: torch.Tensor, up) -> torch.Tensor:
-        """Store this iteration's latents, then causal attention of each sequence's new queries over its cached
-        context, all sequences at once: queries padded to [N, nmax], context gathered to [N, Lc] through the page
-        tables and masked. up(latent [N, Lc, r + p]) -> (k [N, Lc, H, h + p], v [N, Lc, H, h]) at positions
-        0..Lc-1. Returns [1, T, H, h]."""
+    def mla_attention(self, q_1THe: torch.Tensor, lat_1Tl: torch.Tensor, mla) -> torch.Tensor:
+        """Store this iteration's latents [c | k_p], then causal attention of each sequence's new queries over its
+        cached context, all sequences at once: queries padded to [N, nmax], context gathered to [N, Lc] through the
+        page tables and masked. `mla` is the layer (layers.GatedMLA). Returns [1, T, H, h].
+
+        Without RoPE (the released K3) the up-projection is absorbed, as DeepSeek's MLA decodes: scores
+        q_n . (W_uk c) = (W_uk^T q_n) . c, and o = W_uv (sum_j p_j c_j), so attention runs over the latents
+        themselves (one shared key/value head of width r + p / r), never over [N, Lc, H, h] keys and values. With
+        RoPE the keys depend on positions after the up-projection: they are recomputed from the latents."""
         if not self.slots.numel():
-            return q_1THh.new_zeros(q_1THh.shape)
+            return q_1THe.new_zeros(q_1THe.shape[:-1] + (mla.head_dim,))
         pool = self.pools.latent[self.layer]
         flat = pool.view(-1, pool.shape[-1])
-        flat.index_copy_(0, self.write_rows, c_1Tr[0].to(flat.dtype))
+        flat.index_copy_(0, self.write_rows, lat_1Tl[0].to(flat.dtype))
         # positions past a sequence's end are masked, but whatever a reused page still holds there (even NaN from
         # a request that blew up) must not reach the value sum: 0 * NaN is NaN
-        c = flat[self.read_rows].masked_fill(~self.in_context[..., None], 0.0)
-        k, v = up(c)  # [N, Lc, H, h]
-        q = q_1THh[0][self.pad_index]  # [N, nmax, H, h]
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                           attn_mask=self.mask)  # [N, H, nmax, h]
-        return o.transpose(1, 2)[self.seq_of_token, self.token_index][None]
+        lat = flat[self.read_rows].masked_fill(~self.in_context[..., None], 0.0)  # [N, Lc, r + p]
+        q = q_1THe[0][self.pad_index]  # [N, nmax, H, h + p]
+        if mla.rotate:
+            k, v = mla.up(lat)  # [N, Lc, H, h + p], [N, Lc, H, h]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=self.mask, scale=mla.scale).transpose(1, 2)
+        else:
+            H, h, r = mla.n_heads, mla.head_dim, mla.kv_rank
+            w_ukv = mla.w_ukv.weight.view(H, 2 * h, r)
+            q_n, q_p = q.split([h, q.shape[-1] - h], dim=-1)
+            q_lat = torch.cat([torch.einsum("nthd,hdr->nthr", q_n, w_ukv[:, :h]), q_p], dim=-1)  # [N, nmax, H, r+p]
+            scores = torch.einsum("nthe,nle->nhtl", q_lat, lat).float() * mla.scale  # [N, H, nmax, Lc]
+            probs = torch.softmax(scores.masked_fill(~self.mask, -torch.inf), dim=-1).to(lat.dtype)
+            o_lat = torch.einsum("nhtl,nlr->nthr", probs, lat[..., :r])  # [N, nmax, H, r]
+            o = torch.einsum("nthr,hdr->nthd", o_lat, w_ukv[:, h:])  # [N, nmax, H, h]
+        return o[self.seq_of_token, self.token_index][None]
 
     def kda(self, q, k, v, g, beta) -> torch.Tensor:
         """KDA over the packed sequences from their slots' states; the final states go back into the slots. Decode

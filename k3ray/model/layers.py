@@ -129,7 +129,7 @@ class GatedMLA(nn.Module):
         lat = self.latent(x_BSd)
         q = self.queries(x_BSd, None if cache is None else cache.positions)
         if cache is not None:
-            o = cache.mla_attention(q, lat, self.up)
+            o = cache.mla_attention(q, lat, self)
         else:
             k, v = self.up(lat)
             o = causal_attention(q, k, v, self.scale)
