@@ -33,8 +33,8 @@ CONFIG = {
 
 def release_tensors(prefix: str = "model.") -> dict[str, tuple[int, ...]]:
     """Every tensor of CONFIG's model under the release's names, with its shape (nn.Linear weights are [out, in])."""
-    out = {f"{prefix}embed_tokens.weight": (VOCAB, D), f"{prefix}norm.weight": (D,),
-           ("language_model." if prefix.startswith("language_model") else "") + "lm_head.weight": (VOCAB, D)}
+    head = ("language_model." if prefix.startswith("language_model") else "") + "lm_head.weight"
+    out = {f"{prefix}embed_tokens.weight": (VOCAB, D), f"{prefix}norm.weight": (D,), head: (VOCAB, D)}
     for n in range(4):
         p = f"{prefix}layers.{n}."
         out |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
@@ -61,9 +61,9 @@ def release_tensors(prefix: str = "model.") -> dict[str, tuple[int, ...]]:
 
 
 def write_release(path: Path, config: dict = CONFIG, prefix: str = "model.", shards: int = 3, seed: int = 0,
-                  drop: str | None = None, change: dict | None = None) -> Path:
-    """A release folder: bf16 weights (the router bias float32) in `shards` files plus the index. `drop` leaves a
-    tensor out; `change` replaces tensors by name."""
+                  drop: str | None = None, change: dict | None = None, dtype=torch.bfloat16) -> Path:
+    """A release folder: `dtype` weights (the router bias float32) in `shards` files plus the index. `drop` leaves
+    a tensor out; `change` replaces tensors by name."""
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in release_tensors(prefix).items():
@@ -72,7 +72,7 @@ def write_release(path: Path, config: dict = CONFIG, prefix: str = "model.", sha
             t = 1 + 0.1 * torch.randn(shape, generator=g)
         else:
             t = torch.randn(shape, generator=g) * shape[-1] ** -0.5
-        tensors[name] = t.to(torch.float32 if fp32 else torch.bfloat16)
+        tensors[name] = t.to(torch.float32 if fp32 else dtype)
     tensors |= change or {}
     tensors.pop(drop, None)
     path.mkdir(parents=True)
