@@ -174,6 +174,28 @@ def kda_context_parallel_reference(q, k, v, g, beta, group):
     return o
 
 
+# -- the forget gate ------------------------------------------------------------------------------------------------
+def kda_gate_reference(raw, A_log, dt_bias, lower_bound=None):
+    """log alpha [..., H, K] fp32 (float64 stays float64) from the raw gate projection W_b W_a x [..., H, K],
+    A_log [H] and dt_bias [H * K] (fla's gates, same formulas as fla.ops.kda.gate):
+        lower_bound None:  g = -exp(A_log) * softplus(raw + dt_bias)                       (unbounded below)
+        lower_bound lb:    g = lb * sigmoid(exp(A_log) * (raw + dt_bias))   in (lb, 0)     (K3: lb = -5)"""
+    H = raw.shape[-2]
+    f32 = torch.float64 if raw.dtype == torch.float64 else torch.float32
+    z = raw.to(f32) + dt_bias.to(f32).view(H, -1)
+    a = A_log.to(f32).exp().view(H, 1)
+    if lower_bound is None:
+        return -a * torch.nn.functional.softplus(z)
+    return lower_bound * torch.sigmoid(a * z)
+
+
+def kda_gate_fla(raw, A_log, dt_bias, lower_bound=None):
+    """fla's fused Triton gate (forward and backward) with the same formulas."""
+    from fla.ops.kda.gate import fused_kda_gate
+
+    return fused_kda_gate(raw, A_log, dt_bias, lower_bound=lower_bound, output_dtype=torch.float32)
+
+
 # -- fla-core on CUDA -----------------------------------------------------------------------------------------------
 @functools.cache
 def fla_ops():

@@ -1,11 +1,11 @@
 """Inference caches of one pipeline stage, as SGLang keeps them for K3: two pools.
 
-- Gated MLA: the latent KV c = RMSNorm(W_dkv x) [r] of every past token, in fixed-size pages
-  (`latent[layer]`: [pages, page_size, r]). The layer applies RoPE after the up-projections (k = rope(W_uk c)), so
-  the latent alone reproduces the training forward exactly: k and v are recomputed from it with each position's
-  rotation. (K3 proper caches kv_rank + the decoupled rope dims; this model has no decoupled rope key.)
+- Gated MLA: the latent [c | k_p] of every past token (c = RMSNorm of the compressed KV [r], k_p the decoupled
+  slice [p], K3's layout), in fixed-size pages (`latent[layer]`: [pages, page_size, r + p]). k and v are recomputed
+  from it (with RoPE at each position where the model rotates), so the latent alone reproduces the training forward.
 - KDA: the recurrent state S [H, K, V] of every sequence, one fixed slot per sequence (`state[layer]`:
-  [slots, H, K, V], fp32, float64 for float64 models); its size does not grow with the context.
+  [slots, H, K, V], fp32, float64 for float64 models); its size does not grow with the context. With KDA's short
+  convolution (kernel W) each slot also keeps the last W-1 inputs of q, k, v (`conv[layer]`: [slots, W-1, 3 H K]).
 
 `IterationCache` is one iteration's view of the pools: N sequences whose new tokens are packed into one row
 (positions, cu_seqlens), each with its page table and state slot. The layers read it through `mla_attention` and
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import kda_attention, kda_decode
+from k3ray.kernels import kda_attention, kda_decode, short_conv
 
 
 @dataclass
@@ -29,19 +29,23 @@ class CachePools:
     page_size: int
     latent: dict[int, torch.Tensor]  # MLA layer -> [pages, P, r]
     state: dict[int, torch.Tensor]  # KDA layer -> [slots, H, K, V]
+    conv: dict[int, torch.Tensor]  # KDA layer -> [slots, W-1, 3 H K] (KDA with a short convolution)
 
 
 def new_pools(cfg: ModelConfig, layers: range, pages: int, page_size: int, slots: int, device=None) -> CachePools:
     dtype = getattr(torch, cfg.dtype)
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    latent, state = {}, {}
+    latent, state, conv = {}, {}, {}
     for layer in layers:
         if cfg.layer_kind(layer) == "mla":
-            latent[layer] = torch.zeros(pages, page_size, cfg.kv_rank, dtype=dtype, device=device)
+            latent[layer] = torch.zeros(pages, page_size, cfg.kv_rank + cfg.mla_rope_dim, dtype=dtype, device=device)
         else:
             h = cfg.kda_head_dim
             state[layer] = torch.zeros(slots, cfg.n_heads, h, h, dtype=state_dtype, device=device)
-    return CachePools(page_size, latent, state)
+            if cfg.kda_conv_size:
+                conv[layer] = torch.zeros(slots, cfg.kda_conv_size - 1, 3 * cfg.n_heads * h, dtype=dtype,
+                                          device=device)
+    return CachePools(page_size, latent, state, conv)
 
 
 @dataclass
@@ -87,7 +91,8 @@ class IterationCache:
 
     def mla_attention(self, q_1THh: torch.Tensor, c_1Tr: torch.Tensor, up) -> torch.Tensor:
         """Store this iteration's latents, then causal attention of each sequence's new queries over its whole
-        cached context. up(c [1, L, r]) -> (k, v) [1, L, H, h] with RoPE at positions 0..L-1. Returns [1, T, H, h]."""
+        cached context. up(latent [1, L, r + p]) -> (k [1, L, H, h + p], v [1, L, H, h]) at positions 0..L-1.
+        Returns [1, T, H, h]."""
         pool = self.pools.latent[self.layer]
         flat = pool.view(-1, pool.shape[-1])
         flat[self.write_rows] = c_1Tr[0]
@@ -112,3 +117,14 @@ class IterationCache:
         o, s1 = kernel(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=self.cu_seqlens)
         pool[self.slots] = s1.to(pool.dtype)
         return o
+
+    def short_conv(self, x_1TC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
+        """KDA's causal short convolution (+ SiLU) over the packed sequences, each continuing from its slot's last
+        W-1 inputs (zeros for a fresh sequence); the new last inputs go back into the slots. x [1, T, 3 H K]."""
+        if not self.seqs:
+            return x_1TC.new_zeros(x_1TC.shape)
+        pool = self.pools.conv[self.layer]
+        s0 = pool[self.slots].masked_fill(self.fresh[:, None, None], 0.0)
+        y, s1 = short_conv(x_1TC, weight_CW, s0, output_final_state=True, cu_seqlens=self.cu_seqlens)
+        pool[self.slots] = s1.to(pool.dtype)
+        return y

@@ -15,7 +15,7 @@ from torch import nn
 from k3ray.config import ModelConfig
 from k3ray.kernels import grouped_expert_ffn, permute_rows, unpermute_rows
 from k3ray.model.balancing import quantile_histogram, select_experts
-from k3ray.model.layers import RMSNorm, SharedExpert
+from k3ray.model.layers import RMSNorm, SiTUFFN
 
 
 class ExpertShard(nn.Module):
@@ -104,6 +104,20 @@ class RoutingStats:
 
 
 class LatentMoE(nn.Module):
+    """The MoE FFN of one layer. Released K3 has one shared expert of width 2 x 3072 (n_shared 1, shared_inner 6144).
+
+    | k3ray (moe.) | HF (block_sparse_moe.) |
+    |---|---|
+    | router.weight [E, d] | gate.weight |
+    | router.bias [E] (buffer, fp32) | gate.e_score_correction_bias |
+    | w_down [d_latent, d] | routed_expert_down_proj |
+    | norm [d_latent] | routed_expert_norm |
+    | w_up [d, d_latent] | routed_expert_up_proj |
+    | shared.0.w_gate / w_up / w_out | shared_experts.gate_proj / up_proj / down_proj |
+    | experts.shard.w1[row] [d_latent, 2I] = [gate | up] | experts.<e>.w1 [I, d_latent] (gate), w3 (up): transposed |
+    | experts.shard.w2[row] [I, d_latent] | experts.<e>.w2 [d_latent, I]: transposed |
+    """
+
     def __init__(self, cfg: ModelConfig, experts: nn.Module):
         super().__init__()
         self.cfg = cfg
@@ -112,7 +126,7 @@ class LatentMoE(nn.Module):
         self.experts = experts
         self.norm = RMSNorm(cfg.d_latent, cfg.norm_eps)
         self.w_up = nn.Linear(cfg.d_latent, cfg.d_model, bias=False)
-        self.shared = nn.ModuleList(SharedExpert(cfg) for _ in range(cfg.n_shared))
+        self.shared = nn.ModuleList(SiTUFFN(cfg.d_model, cfg.shared_inner) for _ in range(cfg.n_shared))
         self.stats = RoutingStats()
 
     def forward(self, x_BSd: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from k3ray.model.cache import CachePools, IterationCache, SeqChunk, new_pools
-from k3ray.model.decoder import K3Stage
+from k3ray.model.decoder import K3Stage, boundary_shape
 
 
 @dataclass
@@ -64,7 +64,9 @@ class StageServer:
         if self.stage.is_first:
             x = torch.tensor(plan.tokens, dtype=torch.int64, device=self.device)[None]
         else:
-            x = torch.empty(1, T, self.stage.cfg.d_model, dtype=self.dtype, device=self.device)
+            # the hidden state (and, with Block AttnRes, the block summaries: per token, so nothing is kept)
+            x = torch.empty(boundary_shape(self.stage.cfg, self.stage.layers.start, 1, T), dtype=self.dtype,
+                            device=self.device)
             if T:
                 dist.recv(x, self.prev_rank, group=self.world)
         out = self.stage(x, cache)
