@@ -17,16 +17,17 @@ from k3ray.controller.hf_convert import convert_from_hf, export_hf, export_weigh
 from k3ray.io import checkpoint as ckpt
 from k3ray.io.hf_files import HFFolder
 
-D, H, HD, R, LAT, E, I, VOCAB = 64, 4, 16, 32, 32, 8, 32, 256
-CONFIG = {
+D, H, HD, P, QL, R, LAT, E, I, DENSE, W, VOCAB = 64, 4, 16, 8, 24, 32, 32, 8, 32, 96, 4, 256
+CONFIG = {  # the released K3's fields at a reduced size: 4 layers, MLA at 0-based 2 and 3 (as K3's 91 and 92)
     "model_type": "kimi_linear", "architectures": ["KimiLinearForCausalLM"],
     "vocab_size": VOCAB, "hidden_size": D, "num_hidden_layers": 4, "num_attention_heads": H,
-    "num_key_value_heads": H, "q_lora_rank": None, "kv_lora_rank": R, "qk_nope_head_dim": HD, "qk_rope_head_dim": 0,
-    "v_head_dim": HD, "mla_use_output_gate": True, "num_experts": E, "num_experts_per_token": 2,
-    "num_shared_experts": 2, "moe_intermediate_size": I, "routed_expert_hidden_size": LAT,
-    "latent_moe_use_norm": True, "first_k_dense_replace": 0, "rms_norm_eps": 1e-6, "max_position_embeddings": 128,
-    "linear_attn_config": {"num_heads": H, "head_dim": HD, "kda_layers": [1, 3], "full_attn_layers": [2, 4],
-                           "short_conv_kernel_size": 4},
+    "num_key_value_heads": H, "q_lora_rank": QL, "kv_lora_rank": R, "qk_nope_head_dim": HD, "qk_rope_head_dim": P,
+    "v_head_dim": HD, "mla_use_nope": True, "mla_use_output_gate": True, "num_experts": E,
+    "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": I, "routed_expert_hidden_size": LAT,
+    "latent_moe_use_norm": True, "first_k_dense_replace": 1, "intermediate_size": DENSE, "attn_res_block_size": 2,
+    "rms_norm_eps": 1e-5, "max_position_embeddings": 128, "tie_word_embeddings": False,
+    "linear_attn_config": {"num_heads": H, "head_dim": HD, "kda_layers": [1, 2], "full_attn_layers": [3, 4],
+                           "short_conv_kernel_size": W, "gate_lower_bound": -5.0, "use_full_rank_gate": True},
     "bos_token_id": 1, "eos_token_id": 2,
 }
 
@@ -34,20 +35,30 @@ CONFIG = {
 def release_tensors(prefix: str = "model.") -> dict[str, tuple[int, ...]]:
     """Every tensor of CONFIG's model under the release's names, with its shape (nn.Linear weights are [out, in])."""
     head = ("language_model." if prefix.startswith("language_model") else "") + "lm_head.weight"
-    out = {f"{prefix}embed_tokens.weight": (VOCAB, D), f"{prefix}norm.weight": (D,), head: (VOCAB, D)}
+    out = {f"{prefix}embed_tokens.weight": (VOCAB, D), f"{prefix}norm.weight": (D,), head: (VOCAB, D),
+           f"{prefix}output_attn_res_proj.weight": (1, D), f"{prefix}output_attn_res_norm.weight": (D,)}
     for n in range(4):
         p = f"{prefix}layers.{n}."
-        out |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,)}
+        out |= {p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+                p + "self_attention_res_proj.weight": (1, D), p + "self_attention_res_norm.weight": (D,),
+                p + "mlp_res_proj.weight": (1, D), p + "mlp_res_norm.weight": (D,)}
         a = p + "self_attn."
         if n + 1 in CONFIG["linear_attn_config"]["kda_layers"]:
             out |= {a + "q_proj.weight": (H * HD, D), a + "k_proj.weight": (H * HD, D), a + "v_proj.weight": (H * HD, D),
-                    a + "f_a_proj.weight": (HD, D), a + "f_b_proj.weight": (H * HD, HD), a + "dt_bias": (H * HD,),
+                    a + "q_conv1d.weight": (H * HD, 1, W), a + "k_conv1d.weight": (H * HD, 1, W),
+                    a + "v_conv1d.weight": (H * HD, 1, W), a + "A_log": (1, 1, H, 1), a + "dt_bias": (H * HD,),
+                    a + "f_a_proj.weight": (HD, D), a + "f_b_proj.weight": (H * HD, HD),
                     a + "b_proj.weight": (H, D), a + "o_norm.weight": (HD,), a + "g_proj.weight": (H * HD, D),
                     a + "o_proj.weight": (D, H * HD)}
         else:
-            out |= {a + "q_proj.weight": (H * HD, D), a + "kv_a_proj_with_mqa.weight": (R, D),
+            out |= {a + "q_a_proj.weight": (QL, D), a + "q_a_layernorm.weight": (QL,),
+                    a + "q_b_proj.weight": (H * (HD + P), QL), a + "kv_a_proj_with_mqa.weight": (R + P, D),
                     a + "kv_a_layernorm.weight": (R,), a + "kv_b_proj.weight": (H * 2 * HD, R),
                     a + "g_proj.weight": (H * HD, D), a + "o_proj.weight": (D, H * HD)}
+        if n < CONFIG["first_k_dense_replace"]:
+            out |= {p + "mlp.gate_proj.weight": (DENSE, D), p + "mlp.up_proj.weight": (DENSE, D),
+                    p + "mlp.down_proj.weight": (D, DENSE)}
+            continue
         m = p + "block_sparse_moe."
         out |= {m + "gate.weight": (E, D), m + "gate.e_score_correction_bias": (E,),
                 m + "routed_expert_down_proj.weight": (LAT, D), m + "routed_expert_norm.weight": (LAT,),
@@ -128,10 +139,11 @@ def test_converted_checkpoint_is_a_verified_k3ray_checkpoint_of_the_grid(tmp_pat
     assert sorted(m.parts) == [f"rank{r:05d}.pt" for r in range(4)] and info["parts"] == 4
     assert m.meta["pp"] == 2 and m.meta["ep"] == 2 and m.meta["config"]["model"]["dtype"] == "bfloat16"
     assert (tmp_path / "k3" / "config.yaml").is_file()
-    # EP rank 1 of stage 0 holds experts 4..7 of layers 0 and 1 and no dense tensor (rank 0 of the stage has them)
+    # EP rank 1 of stage 0 holds experts 4..7 of layer 1 (layer 0 is dense) and no dense tensor (rank 0 of the
+    # stage has them)
     part = ckpt.load_part(tmp_path / "k3", 0, "rank00001.pt")
-    assert part["dense"] == {} and sorted(part["experts"]) == [0, 1]
-    assert part["experts"][0]["expert_ids"] == [4, 5, 6, 7]
+    assert part["dense"] == {} and sorted(part["experts"]) == [1]
+    assert part["experts"][1]["expert_ids"] == [4, 5, 6, 7]
     # a routed expert's gate is the first half of k3ray's w1, transposed (k3ray's expert weights are input-major)
     gate = HFFolder(src).get("model.layers.1.block_sparse_moe.experts.5.w1.weight")
     assert torch.equal(part["experts"][1]["w1"][1][:, :I], gate.t())
@@ -192,7 +204,7 @@ def test_missing_shard(tmp_path, capsys):
 
 
 def test_shape_that_does_not_match_config(tmp_path, capsys):
-    name = "model.layers.1.self_attn.kv_b_proj.weight"  # layer 1 is MLA (1-based 2)
+    name = "model.layers.2.self_attn.kv_b_proj.weight"  # layer 2 is MLA (1-based 3)
     src = write_release(tmp_path / "hf", change={name: torch.zeros(H * 2 * HD, R + 1, dtype=torch.bfloat16)})
     err = _cli_error(capsys, "convert", "--from-hf", str(src), "--to", str(tmp_path / "k3"))
     assert name in err and ".safetensors" in err and f"shape [{H * 2 * HD}, {R + 1}]" in err
@@ -200,8 +212,8 @@ def test_shape_that_does_not_match_config(tmp_path, capsys):
 
 
 def test_unknown_key(tmp_path, capsys):
-    name = "model.layers.0.self_attn.q_conv1d.weight"  # a KDA convolution the config's model has no place for
-    src = write_release(tmp_path / "hf", change={name: torch.zeros(H * HD, 1, 4, dtype=torch.bfloat16)})
+    name = "model.layers.3.self_attn.q_conv1d.weight"  # a KDA convolution in an MLA layer
+    src = write_release(tmp_path / "hf", change={name: torch.zeros(H * HD, 1, W, dtype=torch.bfloat16)})
     err = _cli_error(capsys, "convert", "--from-hf", str(src), "--to", str(tmp_path / "k3"))
     assert name in err and "unknown tensor" in err and ".safetensors" in err
 
@@ -221,3 +233,37 @@ def test_missing_tensor_and_config_field(tmp_path, capsys):
     bad = write_release(tmp_path / "hf2", config={k: v for k, v in CONFIG.items() if k != "kv_lora_rank"})
     err = _cli_error(capsys, "convert", "--from-hf", str(bad), "--to", str(tmp_path / "k3b"))
     assert "config.json" in err and "kv_lora_rank" in err
+
+
+def _release_k3_config() -> dict:
+    """config.json of the released K3 (text fields, as the port transcribes the model card)."""
+    return {"vocab_size": 163840, "hidden_size": 7168, "num_hidden_layers": 93, "num_attention_heads": 96,
+            "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+            "v_head_dim": 128, "mla_use_nope": True, "mla_use_output_gate": True, "num_experts": 896,
+            "num_experts_per_token": 16, "num_shared_experts": 2, "moe_intermediate_size": 3072,
+            "routed_expert_hidden_size": 3584, "first_k_dense_replace": 1, "intermediate_size": 33792,
+            "attn_res_block_size": 12, "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576,
+            "moe_router_activation_func": "sigmoid", "tie_word_embeddings": False,
+            "linear_attn_config": {"num_heads": 96, "head_dim": 128, "short_conv_kernel_size": 4,
+                                   "gate_lower_bound": -5.0, "use_full_rank_gate": True,
+                                   "full_attn_layers": list(range(4, 93, 4)) + [93],
+                                   "kda_layers": [i for i in range(1, 94) if i % 4 and i != 93]}}
+
+
+def test_release_config_is_configs_k3():
+    """The released config.json describes exactly configs/k3.yaml's model."""
+    from k3ray.config import ModelConfig, load_config
+    from k3ray.io.hf_keys import config_from_hf
+
+    want = load_config("configs/k3.yaml").model
+    assert ModelConfig.model_validate(config_from_hf({"model_type": "kimi_k3", "text_config": _release_k3_config()},
+                                                     "bfloat16")) == want
+
+
+@pytest.mark.parametrize("path", ["configs/tiny.yaml", "configs/gpu2.yaml", "configs/k3.yaml"])
+def test_model_config_survives_config_json(path):
+    from k3ray.config import ModelConfig, load_config
+    from k3ray.io.hf_keys import config_from_hf, config_to_hf
+
+    cfg = load_config(path).model
+    assert ModelConfig.model_validate(config_from_hf(json.loads(json.dumps(config_to_hf(cfg))))) == cfg

@@ -33,7 +33,7 @@ def test_converted_release_serves_on_pp2_ep2_as_the_reference(ray_cluster, tmp_p
     cfg = serving_config(w.config, 1, 1)
     assert cfg.model.dtype == "float64"
     model = build_stage(cfg.model, range(cfg.model.n_layers), init=False)
-    shards.load_weights(model, AdamW(cfg.optimizer), w.state, {i: [w.state["experts"][i]] for i in model.layers},
+    shards.load_weights(model, AdamW(cfg.optimizer), w.state, {i: [x] for i, x in w.state["experts"].items()},
                         set(range(cfg.model.n_experts)))
     sp = SamplingParams(max_tokens=12)
     want = [visible_ids(generate_reference(model, encode(p), sp)[0], sp, EOS) for p in PROMPTS]
