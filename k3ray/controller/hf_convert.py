@@ -124,6 +124,12 @@ def _read(folder: HFFolder, layout_name: str, name: str) -> torch.Tensor:
     return folder.get(keys.to_layout(name, layout_name))
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """t with storage of its own: torch.save writes a view's whole storage (a chunk of a fused tensor would carry
+    the rest along)."""
+    return t if t.untyped_storage().nbytes() == t.nbytes and t.is_contiguous() else t.clone()
+
+
 def rank_state(folder: HFFolder, layout: ModelLayout, layers: range, expert_ids: list[int], dense: bool) -> dict:
     """One worker's checkpoint part (the layout `StageEngine.state_dict` writes) from a release folder: the stage's
     dense tensors (if `dense`) and router biases, its layers' experts `expert_ids`, no optimizer state."""
@@ -136,17 +142,15 @@ def rank_state(folder: HFFolder, layout: ModelLayout, layers: range, expert_ids:
             continue
         for name, t in zip(g.k3ray, g.from_hf([_read(folder, spelled, h) for h in g.hf])):
             if _is_bias(name):
-                state["router_bias"][int(name.split(".")[1])] = t.to(torch.float32).clone()
+                state["router_bias"][int(name.split(".")[1])] = _own(t.to(torch.float32))
             else:
-                state["dense"][name] = t.to(dtype).clone()
+                state["dense"][name] = _own(t.to(dtype))
     w1_shape, w2_shape = layout.expert_shapes
     for layer in (i for i in layout.moe_layers if i in layers):
         w1 = torch.empty((len(expert_ids), *w1_shape), dtype=dtype)
         w2 = torch.empty((len(expert_ids), *w2_shape), dtype=dtype)
         for row, e in enumerate(expert_ids):
-            a, b = keys.expert_from_hf(*(_read(folder, spelled, n) for n in keys.expert_names(layer, e)))
-            w1[row].copy_(a)
-            w2[row].copy_(b)
+            keys.expert_into(w1[row], w2[row], *(_read(folder, spelled, n) for n in keys.expert_names(layer, e)))
         state["experts"][layer] = {"expert_ids": list(expert_ids), "w1": w1, "w2": w2,
                                    "opt": {"w1": None, "w2": None}}
     return state
@@ -188,6 +192,7 @@ def convert_from_hf(src: str, dst: str, pp: int = 1, ep: int = 1, dtype: str | N
             state["stage"] = p
             parts.append(ckpt.write_part(root, 0, part_name(p * ep + e), state))
             del state
+            folder.release()
     meta = {"pp": pp, "ep": ep, "home": home, "last_batch": None, "skip": [], "lr_scale": 1.0,
             "guard_state": {k: v for k, v in vars(GuardState()).items() if k != "history"}, "job": job.name,
             "config": job.model_dump(mode="json"),

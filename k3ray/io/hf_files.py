@@ -98,6 +98,10 @@ class HFFolder:
                 raise HFFormatError(f"{self.path / file}: not a safetensors file ({e})") from None
         return self._open[file]
 
+    def release(self) -> None:
+        """Unmap the shards (reading again reopens them): the pages read so far stop counting in this process."""
+        self._open = {}
+
     def where(self, name: str) -> str:
         return str(self.path / self.tensors[name].file)
 

@@ -34,7 +34,7 @@ import torch
 from k3ray.config import ModelConfig
 
 __all__ = ["Group", "UnmappedName", "RELEASE_PREFIX", "dense_groups", "expert_names", "expert_to_hf",
-           "expert_from_hf", "to_layout", "from_layout", "config_to_hf", "config_from_hf", "layout_of"]
+           "expert_into", "to_layout", "from_layout", "config_to_hf", "config_from_hf", "layout_of"]
 
 RELEASE_PREFIX = "language_model."  # the release's multimodal wrapper around the text model
 
@@ -171,9 +171,14 @@ def expert_to_hf(w1: torch.Tensor, w2: torch.Tensor) -> list[torch.Tensor]:
     return [gate.t().contiguous(), up.t().contiguous(), w2.t().contiguous()]
 
 
-def expert_from_hf(gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of expert_to_hf: (w1 [d_latent, 2I], w2 [I, d_latent])."""
-    return torch.cat([gate.t(), up.t()], dim=1), down.t()
+def expert_into(w1: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor,
+                down: torch.Tensor) -> None:
+    """Inverse of expert_to_hf, into one expert's rows of k3ray's stacked weights (w1 [d_latent, 2I], w2 [I,
+    d_latent]): one copy per tensor."""
+    inner = gate.shape[0]
+    w1[:, :inner].copy_(gate.t())
+    w1[:, inner:].copy_(up.t())
+    w2.copy_(down.t())
 
 
 # -- the two spellings ------------------------------------------------------------------------------------------
