@@ -44,7 +44,8 @@ def release_tensors(prefix: str = "model.") -> dict[str, tuple[int, ...]]:
                 p + "mlp_res_proj.weight": (1, D), p + "mlp_res_norm.weight": (D,)}
         a = p + "self_attn."
         if n + 1 in CONFIG["linear_attn_config"]["kda_layers"]:
-            out |= {a + "q_proj.weight": (H * HD, D), a + "k_proj.weight": (H * HD, D), a + "v_proj.weight": (H * HD, D),
+            out |= {a + "q_proj.weight": (H * HD, D), a + "k_proj.weight": (H * HD, D),
+                    a + "v_proj.weight": (H * HD, D),
                     a + "q_conv1d.weight": (H * HD, 1, W), a + "k_conv1d.weight": (H * HD, 1, W),
                     a + "v_conv1d.weight": (H * HD, 1, W), a + "A_log": (1, 1, H, 1), a + "dt_bias": (H * HD,),
                     a + "f_a_proj.weight": (HD, D), a + "f_b_proj.weight": (H * HD, HD),
@@ -176,6 +177,33 @@ def serving_checkpoint_local(tmp_path) -> str:
     return str(root)
 
 
+def test_a_trained_checkpoint_exports_and_converts_back(tmp_path):
+    """A k3ray checkpoint that never came from a release (no source recorded; float32 weights) exports in the
+    release's format, which converts back to the same weights and model config."""
+    src = write_release(tmp_path / "hf", seed=3)
+    root = tmp_path / "k3"
+    convert_from_hf(str(src), str(root), pp=2, ep=2, dtype="float32")
+    m = ckpt.verify(root, 0)
+    meta = {k: v for k, v in m.meta.items() if k != "source"}
+    written = []
+    for name in m.parts:  # every dense weight moved off bf16's grid: export must keep float32 to give it back
+        state = ckpt.load_part(root, 0, name)
+        state["dense"] = {n: t + 1e-4 for n, t in state["dense"].items()}
+        written.append(ckpt.write_part(root, 1, name, state))
+    ckpt.commit(root, 1, written, meta, keep=2)
+    assert main(["export", "--hf", str(root), str(tmp_path / "out"), "--dtype", "float32"]) == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "kimi_linear" and config["torch_dtype"] == "float32"
+    convert_from_hf(str(tmp_path / "out"), str(tmp_path / "again"), ep=4)
+    a, b = serving_weights(str(root)), serving_weights(str(tmp_path / "again"))
+    assert a.step == 1 and a.config["model"] == b.config["model"]
+    for n, t in a.state["dense"].items():
+        assert torch.equal(b.state["dense"][n], t), n
+    for layer, x in a.state["experts"].items():
+        assert torch.equal(b.state["experts"][layer]["w1"], x["w1"]) and torch.equal(
+            b.state["experts"][layer]["w2"], x["w2"])
+
+
 def test_serving_reads_a_release_folder_directly(tmp_path):
     src = write_release(tmp_path / "hf")
     convert_from_hf(str(src), str(tmp_path / "k3"), pp=2, ep=2)
@@ -223,6 +251,13 @@ def test_dtype_k3ray_cannot_hold(tmp_path, capsys):
     src = write_release(tmp_path / "hf", change={name: torch.zeros(LAT, I, dtype=torch.int8)})
     err = _cli_error(capsys, "convert", "--from-hf", str(src), "--to", str(tmp_path / "k3"))
     assert name in err and "dtype I8" in err and ".safetensors" in err
+
+
+def test_serving_a_bad_release_folder(tmp_path, capsys):
+    name = "model.layers.1.block_sparse_moe.gate.weight"
+    src = write_release(tmp_path / "hf", change={name: torch.zeros(E + 1, D, dtype=torch.bfloat16)})
+    err = _cli_error(capsys, "serve", "--checkpoint", str(src))  # before any Ray actor starts
+    assert name in err and f"shape [{E + 1}, {D}]" in err
 
 
 def test_missing_tensor_and_config_field(tmp_path, capsys):

@@ -1,8 +1,8 @@
 """k3ray checkpoints <-> the released (Hugging Face) format, one tensor at a time.
 
 `convert_from_hf` reads a release folder (k3ray.io.hf_files) and writes a verified k3ray checkpoint
-(k3ray.io.checkpoint: one part per worker of a pp x ep grid, as training writes them, no optimizer state) that `k3ray train --resume`
-restores onto any EP size and `k3ray serve` onto any pp x ep. `export_hf` writes a k3ray checkpoint back in the
+(k3ray.io.checkpoint: one part per worker of a pp x ep grid, as training writes them, no optimizer state) that
+`k3ray train --resume` restores onto any EP size (pp as written) and `k3ray serve` onto any pp x ep. `export_hf` writes a k3ray checkpoint back in the
 release's format; `export_weights_only` keeps k3ray's format and drops the optimizer state. `hf_serving_state` gives
 serving the merged weights of a release folder directly. The names are k3ray.io.hf_keys'; the tensor shapes come
 from the model itself, built on the meta device.
