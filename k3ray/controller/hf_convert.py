@@ -94,7 +94,7 @@ def read_release(src: str | os.PathLike, dtype: str | None = None) -> tuple[HFFo
     for layer in layout.moe_layers:
         for e in range(cfg.n_experts):
             expected.update(zip(keys.expert_names(layer, e), one))
-    text = {keys.from_layout(n): info for n, info in folder.tensors.items()}
+    text = {keys.from_layout(n): info for n, info in folder.tensors.items() if not keys.is_vision(n)}
     for name in sorted(text):
         info = text[name]
         where = f"{info.name} ({folder.path / info.file})"
@@ -200,7 +200,9 @@ def convert_from_hf(src: str, dst: str, pp: int = 1, ep: int = 1, dtype: str | N
                        "config_json": folder.config}}
     path = ckpt.commit(root, 0, parts, meta, keep=1)
     (root / "config.yaml").write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
-    return {"checkpoint": str(path), "pp": pp, "ep": ep, "parts": len(parts), "tensors": len(folder.tensors),
+    vision = sum(keys.is_vision(n) for n in folder.tensors)
+    return {"checkpoint": str(path), "pp": pp, "ep": ep, "parts": len(parts), "tensors": len(folder.tensors) - vision,
+            "vision_tensors_left_out": vision,
             "bytes": sum(p.bytes for p in parts), "config": str(root / "config.yaml")}
 
 

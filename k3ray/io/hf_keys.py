@@ -34,9 +34,11 @@ import torch
 from k3ray.config import ModelConfig
 
 __all__ = ["Group", "UnmappedName", "RELEASE_PREFIX", "dense_groups", "expert_names", "expert_to_hf",
-           "expert_into", "to_layout", "from_layout", "config_to_hf", "config_from_hf", "layout_of"]
+           "expert_into", "to_layout", "from_layout", "config_to_hf", "config_from_hf", "layout_of", "text_config",
+           "is_vision"]
 
 RELEASE_PREFIX = "language_model."  # the release's multimodal wrapper around the text model
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
 
 class UnmappedName(ValueError):
@@ -185,6 +187,11 @@ def expert_into(w1: torch.Tensor, w2: torch.Tensor, gate: torch.Tensor, up: torc
 def layout_of(names: Iterable[str]) -> str:
     """'release' when the names carry the multimodal wrapper (`language_model.`), else 'text'."""
     return "release" if any(n.startswith(RELEASE_PREFIX) for n in names) else "text"
+
+
+def is_vision(name: str) -> bool:
+    """The release's vision tower and its projector (k3ray's model is text only)."""
+    return name.startswith(VISION_PREFIXES)
 
 
 def to_layout(name: str, layout: str) -> str:
