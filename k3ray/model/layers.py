@@ -113,14 +113,15 @@ class GatedMLA(nn.Module):
             q = torch.cat([q_n, rope(q_p, self.theta, positions_S)], dim=-1)
         return q
 
-    def up(self, latent_BSl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys [B, S, H, h + p] and values [B, S, H, h] from latents [c | k_p] at positions 0..S-1."""
+    def up(self, latent_BSl: torch.Tensor, positions_S: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [B, S, H, h + p] and values [B, S, H, h] from latents [c | k_p] at positions 0..S-1 (or those given)."""
         B, S, _ = latent_BSl.shape
         c, k_p = latent_BSl.split([self.kv_rank, self.rope_dim], dim=-1)
         k_n, v = self.w_ukv(c).view(B, S, self.n_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
         k_p = k_p[:, :, None, :]
         if self.rotate:
-            k_p = rope(k_p, self.theta)
+            k_p = rope(k_p, self.theta, positions_S)
         return torch.cat([k_n, k_p.expand(B, S, self.n_heads, self.rope_dim)], dim=-1), v
 
     def forward(self, x_BSd: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:

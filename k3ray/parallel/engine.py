@@ -127,6 +127,7 @@ class StageEngine:
             p.grad = None
         # what the previous stage sends: the hidden state (and, with Block AttnRes, the block summaries)
         shape = boundary_shape(cfg.model, self.layers.start, len(dp) * cfg.data.micro_batch_size, cfg.data.seq_len)
+        out_shape = boundary_shape(cfg.model, self.layers.stop, len(dp) * cfg.data.micro_batch_size, cfg.data.seq_len)
         dtype = getattr(torch, cfg.model.dtype)
         saved: dict[int, tuple] = {}
         pending = []
@@ -158,7 +159,7 @@ class StageEngine:
                 if stage.is_last:
                     grad = None
                 else:
-                    grad = torch.empty(shape, dtype=dtype, device=self.device)
+                    grad = torch.empty(out_shape, dtype=dtype, device=self.device)
                     t0 = time.perf_counter()
                     dist.recv(grad, self._rank(self.pp_rank + 1), tag=M + m, group=self.world)
                     timings["pipeline_wait"] += time.perf_counter() - t0
