@@ -211,3 +211,32 @@ def serving_weights(root: str) -> ServingWeights:
         state["experts"][layer] = {"expert_ids": sorted(ids), "opt": {"w1": None, "w2": None},
                                    **{w: torch.cat([p[w] for p in payloads])[order] for w in ("w1", "w2")}}
     return ServingWeights(str(manifest.path), manifest.step, meta["config"], state)
+
+
+@torch.no_grad()
+def write_seeded_weights(cfg, out: str) -> dict:
+    """The model's initial weights (a pure function of train.seed and the model config: every parameter is drawn
+    from (seed, its name)) as a weights-only k3ray checkpoint of one part at step 0 under `out` (a new directory),
+    in model.dtype: what `k3ray serve --checkpoint` and `k3ray export --hf` read."""
+    from pathlib import Path
+
+    from k3ray.model.decoder import build_stage, is_expert_param
+    from k3ray.optim import AdamW
+    from k3ray.parallel import shards
+
+    if Path(out).exists() and any(Path(out).iterdir()):
+        raise ckpt.CheckpointError(f"{out}: not empty; seeded weights go into a new directory")
+    m = cfg.model
+    stage = build_stage(m, range(m.n_layers), seed=cfg.train.seed)
+    state = {"stage": 0, "layers": list(range(m.n_layers)),
+             "dense": {n: p.detach() for n, p in stage.named_parameters() if not is_expert_param(n)},
+             "opt_dense": {}, "opt_steps": 0, "lr_scale": 1.0,
+             "experts": {layer: shards.live_payload(shard, AdamW(cfg.optimizer), shards.shard_prefix(layer))
+                         for layer, shard in stage.expert_shards().items()},  # no optimizer state yet
+             "router_bias": {i: moe.router.bias.detach() for i, moe in stage.moe_layers().items()}}
+    one = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"pp": 1, "ep": 1})})
+    meta = {"pp": 1, "ep": 1, "home": [0] * m.n_experts, "last_batch": None, "skip": [], "lr_scale": 1.0,
+            "guard_state": {}, "job": cfg.name, "config": one.model_dump(mode="json")}
+    part = ckpt.write_part(out, 0, part_name(0), state)
+    path = ckpt.commit(out, 0, [part], meta, keep=1)
+    return {"checkpoint": str(path), "parameters": sum(p.numel() for p in stage.parameters()), "bytes": part.bytes}
