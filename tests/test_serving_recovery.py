@@ -54,13 +54,15 @@ class FakeGrid:
         self.model, self.sizes = model, sizes
         self.executor = LocalExecutor(model, sizes)
         self.lose_at, self.recover_fails, self.relaunch_fails = set(lose_at), recover_fails, relaunch_fails
-        self.iterations, self.calls, self.gate = 0, [], None
-        self.group = object()
+        self.iterations, self.calls, self.gate, self.fail_at = 0, [], None, set()
+        self.group = type("Group", (), {"workers": [None]})()
 
     def run(self, plans):
         self.iterations += 1
         if self.iterations in self.lose_at:
             raise WorkerLost({0}, "ActorDiedError in serve_step")
+        if self.iterations in self.fail_at:
+            raise RuntimeError("gloo: connection closed by peer")
         return self.executor.run(plans)
 
     def recover(self, lost):
@@ -165,6 +167,26 @@ def test_no_grid_past_the_deadline_ends_streams_with_an_error_and_refuses_new_re
     assert refused == [{"error": "unavailable", "message": refused[0]["message"], "retry_after": 3}]
     assert refused[0]["message"].startswith("no serving grid: relaunch")
     assert tokens(after) == reference(model, 3)
+
+
+def test_a_grid_that_keeps_failing_without_a_lost_worker_is_relaunched(cfg, model):
+    """Iterations 2-4 fail with no worker lost: the requests in them end with the error, the third failure in a row
+    relaunches the grid, and the next requests get the reference's tokens."""
+    grid = FakeGrid(model, sizes(cfg))
+    grid.fail_at = {2, 3, 4}
+    engine = Engine(cfg, 0, grid)
+
+    async def main():
+        failed = [await collect(engine, i) for i in range(3)]
+        return failed, await asyncio.gather(*(collect(engine, i) for i in range(2)))
+
+    failed, after = asyncio.run(main())
+    assert all(items[-1]["error"] == "internal" and "connection closed" in items[-1]["message"] for items in failed)
+    assert grid.calls == ["relaunch"]
+    kinds = [i["kind"] for i in engine.incident_log()]
+    assert kinds == ["iteration_failed", "iteration_failed", "grid_broken", "iteration_failed"]
+    assert "3 grid calls in a row failed" in engine.incident_log()[2]["why"]
+    assert [tokens(items) for items in after] == [reference(model, 0), reference(model, 1)]
 
 
 def test_an_observer_that_raises_does_not_stop_the_engine(cfg, model):

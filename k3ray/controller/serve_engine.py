@@ -44,6 +44,7 @@ log = logging.getLogger("k3ray.serve")
 MAX_BACKOFF_S = 30.0  # between attempts to serve again after a loss
 MAX_FAILURES_KEPT = 10  # failed attempts an incident lists (the newest)
 SPARES_CHECK_S = 5.0  # how often missing hot spares are looked for room
+BROKEN_AFTER_FAILURES = 3  # grid calls failing in a row (no worker lost) before the grid is relaunched
 
 
 def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None = None, spares: int = 0) -> JobConfig:
@@ -84,6 +85,7 @@ class Engine:
         self.down: dict | None = None  # while no grid serves: why, and since when (`health`)
         self.serving: asyncio.Event | None = None  # set while a grid serves
         self.spares_checked = time.monotonic()
+        self.failures_in_row = 0  # grid calls that failed, no worker lost, since the last that did not
 
     def ready(self) -> dict:
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
@@ -224,24 +226,39 @@ class Engine:
         """fn(*args) off the event loop (requests keep arriving and leaving meanwhile). None when workers were lost:
         the grid is then rebuilt and every unfinished request requeued, to be prefilled again (no request fails)."""
         try:
-            return await asyncio.to_thread(fn, *args)
+            out = await asyncio.to_thread(fn, *args)
         except WorkerLost as lost:
+            self.failures_in_row = 0
             await self._restore(lost)
             return None
+        except Exception as err:
+            # no worker lost, yet the grid fails (its process groups broken?): the caller fails what was running;
+            # failing again and again, the grid is relaunched
+            self.failures_in_row += 1
+            if self.failures_in_row >= BROKEN_AFTER_FAILURES:
+                self.failures_in_row = 0
+                await self._restore(None, f"{BROKEN_AFTER_FAILURES} grid calls in a row failed, the last: "
+                                          f"{type(err).__name__}: {err}")
+            raise
+        self.failures_in_row = 0
+        return out
 
-    async def _restore(self, lost: WorkerLost) -> None:
+    async def _restore(self, lost: WorkerLost | None, broken: str = "") -> None:
         """Serve again after losing workers, whatever it takes: the recovery (`ServingGrid.recover`) up to
         serve.recovery_attempts times, then relaunches of the whole grid from the held weights until one serves,
         waiting serve.recovery_backoff_s before the second attempt and twice as long before each next (at most
         MAX_BACKOFF_S). Meanwhile `health` says why nothing serves, new requests wait (`_until_serving`), and past
         serve.unavailable_wait_s the requests in flight end with an error (`_expire_in_flight`). Then every unfinished request is
-        requeued, to be prefilled again."""
+        requeued, to be prefilled again. No worker lost (`broken` says what failed): relaunches only."""
         t0 = time.perf_counter()
         sc = self.cfg.serve
-        incident = self._incident("worker_lost", requests=len(self.sched.running), ranks=sorted(lost.ranks))
-        self._go_down(f"recovering from {lost}")
+        if lost is None:
+            incident = self._incident("grid_broken", requests=len(self.sched.running), why=broken)
+        else:
+            incident = self._incident("worker_lost", requests=len(self.sched.running), ranks=sorted(lost.ranks))
+        self._go_down(f"recovering from {lost}" if lost is not None else f"relaunching the grid: {broken}")
         for attempt in itertools.count(1):
-            relaunch = attempt > sc.recovery_attempts
+            relaunch = lost is None or attempt > sc.recovery_attempts
             try:
                 fields = await asyncio.to_thread(*((self.grid.relaunch,) if relaunch else (self.grid.recover, lost)))
                 break
@@ -323,12 +340,17 @@ class Engine:
     async def drill(self, kind: str, workers: list[int] = (), layer: int | None = None,
                     token: int | None = None) -> bool:
         """Inject a fault into the grid now (k3ray.controller.drills.inject); kind 'clear' removes the NaN hooks.
-        Off the event loop; during a recovery it reaches the grid being built."""
+        Off the event loop. During a recovery it reaches the grid being built: kill_worker kills those of `workers`
+        that it has started so far. Whether anything was injected."""
         group = self.grid.group
         if kind == "clear":
             await asyncio.to_thread(clear, group)
-        else:
-            await asyncio.to_thread(inject, group, kind, list(workers), layer, token)
+            return True
+        if kind == "kill_worker":
+            workers = [r for r in workers if r < len(group.workers)]
+            if not workers:
+                return False
+        await asyncio.to_thread(inject, group, kind, list(workers), layer, token)
         return True
 
     def shutdown(self) -> bool:
