@@ -109,9 +109,11 @@ def test_a_kill_during_the_recovery_then_another_every_request_completes_as_undi
 
     down = wait_for("unavailable")
     assert "recovering from lost world ranks [2]" in down["reason"]
-    until = time.time() + 120  # the new grid's workers are being started: kill the first one
-    while not ray.get(engine.drill.remote("kill_worker", [0])) and time.time() < until:
+    until = time.time() + 120  # the new grid (pp=2 x ep=1) has its workers starting: kill its first one
+    while time.time() < until and not (ray.get(engine.stats.remote())["ep"] == 1
+                                       and ray.get(engine.drill.remote("kill_worker", [0]))):
         time.sleep(0.02)
+    assert ray.get(engine.health.remote())["status"] == "unavailable"  # the kill landed during the recovery
     assert wait_for("ok")["status"] == "ok"
     while sum(len(s.tokens()) for s in streams) == sum(len(s.tokens(before=time.perf_counter() - 1)) for s in streams):
         time.sleep(0.05)  # tokens flow again

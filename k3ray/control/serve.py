@@ -58,9 +58,6 @@ class BadRequest(Exception):
         self.response = response
 
 
-OPEN_ROUTES = ("/health",)
-
-
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -77,25 +74,11 @@ def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
                          f"(or set {API_KEY_ENV}), or --insecure to serve it open")
 
 
-@app.middleware("http")
-async def _authenticate(request: Request, call_next):
-    """Every route but /health needs the key this replica was given (none: open)."""
-    key = getattr(app.state, "api_key", None)
-    if key is not None and request.url.path not in OPEN_ROUTES:
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-            why = "no API key given" if not given else "invalid API key"
-            return _error(401, f"{why}: send Authorization: Bearer <key>", kind="invalid_request_error",
-                          code="invalid_api_key")
-    return await call_next(request)
-
-
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, engine, info: dict, api_key: str | None = None):
-        self.engine, self.info = engine, info
-        app.state.api_key = api_key  # this replica's process: read by `_authenticate`
+        self.engine, self.info, self.api_key = engine, info, api_key
         self.model, self.created = info["model"], int(time.time())
         self.max_seq_len, self.limits = info["max_seq_len"], info["serve"]
 
@@ -112,18 +95,24 @@ class OpenAIIngress:
         return {"status": "ok", "model": self.model}
 
     @app.get("/v1/stats")
-    async def stats(self):
+    async def stats(self, request: Request):
         """The serving view (`k3ray status --serve URL`): requests, pages, tokens generated."""
+        if (denied := self._denied(request)) is not None:
+            return denied
         info = {k: self.info[k] for k in ("model", "step", "pp", "ep")}
         return {**info, **(await self.engine.stats.remote())}
 
     @app.get("/v1/incidents")
-    async def incidents(self):
+    async def incidents(self, request: Request):
         """The engine's incident log (`k3ray incidents --serve URL`): lost workers, requests stopped by the guards."""
+        if (denied := self._denied(request)) is not None:
+            return denied
         return await self.engine.incident_log.remote()
 
     @app.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        if (denied := self._denied(request)) is not None:
+            return denied
         return oa.model_list(self.model, self.created)
 
     @app.post("/v1/completions")
@@ -134,8 +123,20 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request):
         return await self._serve(request, chat=True)
 
+    def _denied(self, request: Request) -> JSONResponse | None:
+        """401 unless the request carries this server's API key (every route but /health; no key: open)."""
+        if self.api_key is None:
+            return None
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+            return None
+        why = "invalid API key" if given.strip() else "no API key given"
+        return _error(401, f"{why}: send Authorization: Bearer <key>", code="invalid_api_key")
+
     # -- one request -------------------------------------------------------------------------------------------------
     async def _serve(self, request: Request, chat: bool):
+        if (denied := self._denied(request)) is not None:
+            return denied
         try:
             req, ids, sampling = self._validate(await request.body(), chat)
         except BadRequest as bad:

@@ -97,11 +97,13 @@ class Engine:
                 "incidents": len(self.incidents)}
 
     async def generate(self, prompt: list[int], params: dict):
-        """Stream a request: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'}, then items
+        """Stream a request: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'} or {'error':
+        'unavailable', 'message', 'retry_after'} (no grid served within serve.unavailable_wait_s), then items
         {'tokens': new visible token ids, 'finish': None | 'stop' | 'length'}, or {'error': 'internal', ...}."""
         sp = SamplingParams(**{**params, "stop": tuple(params.get("stop") or ())})
         if self.down is not None and not await self._until_serving():
-            yield {"error": "unavailable", "message": f"no serving grid: {self.down['reason']}",
+            why = self.down["reason"] if self.down is not None else "the grid was being rebuilt"
+            yield {"error": "unavailable", "message": f"no serving grid: {why}",
                    "retry_after": self.cfg.serve.retry_after_s}
             return
         try:
