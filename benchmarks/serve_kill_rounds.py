@@ -21,8 +21,10 @@ import threading
 import time
 
 import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.state import list_actors
 
+from k3ray.control.local_nodes import free_port
 from k3ray.controller.serve_engine import ServingEngine
 from k3ray.data import encode
 
@@ -32,9 +34,9 @@ PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self"
            "with open(path) as f:\n", "return ", "print("]
 
 
-def worker_pids() -> list[int]:
+def worker_pids(dashboard: str) -> list[int]:
     """The cluster's live Worker actors' processes (those still starting included, once they have one)."""
-    return [a.pid for a in list_actors(filters=[("class_name", "=", "Worker")], limit=1000)
+    return [a.pid for a in list_actors(address=dashboard, filters=[("class_name", "=", "Worker")], limit=1000)
             if a.state in ("ALIVE", "PENDING_CREATION") and a.pid]
 
 
@@ -48,7 +50,7 @@ def run(engine, prompt: str, params: dict) -> tuple[list[int], str | None]:
     return tokens, error
 
 
-def drill(checkpoint: str, args, rng: random.Random, serve: dict) -> dict:
+def drill(checkpoint: str, args, rng: random.Random, serve: dict, dashboard: str) -> dict:
     engine = ServingEngine.options(num_cpus=0).remote(checkpoint, args.pp, args.ep, serve, spares=args.spares)
     ray.get(engine.ready.remote())
     params = {"max_tokens": args.max_tokens, "temperature": 0.0}
@@ -69,7 +71,7 @@ def drill(checkpoint: str, args, rng: random.Random, serve: dict) -> dict:
             t.start()
         time.sleep(args.gap)
         for _ in range(args.rounds):
-            pids = worker_pids()
+            pids = worker_pids(dashboard)
             if pids:
                 os.kill(rng.choice(pids), signal.SIGKILL)
             time.sleep(args.gap)
@@ -79,15 +81,25 @@ def drill(checkpoint: str, args, rng: random.Random, serve: dict) -> dict:
         for t in threads:
             t.join(timeout=600)
         incidents = ray.get(engine.incident_log.remote())
+        health = ray.get(engine.health.remote())
+        for i in incidents:
+            print(f"      {i['kind']} ranks={i.get('ranks')} ep={i.get('ep')} action={i.get('action')} "
+                  f"attempts={i.get('attempts')} interrupted={i.get('interrupted')} "
+                  f"failed={i.get('failed_attempts')} total_s={i.get('seconds', {}).get('total')}", flush=True)
+        if health["status"] != "ok":
+            print(f"      health: {health}", flush=True)
         return {"requests": len(results), "errors": sum(e is not None for _, _, e in results),
                 "differ": sum(not same and e is None for _, same, e in results),
                 "after_last": sum(t > t_last + args.after / 2 for t, _, _ in results),
                 "errors_after": sum(e is not None for t, _, e in results if t > t_last + args.after / 2),
                 "actions": ",".join(str(i.get("action", i["kind"])) for i in incidents),
-                "health": ray.get(engine.health.remote())["status"]}
+                "health": health["status"]}
     finally:
         ray.get(engine.shutdown.remote())
         ray.kill(engine, no_restart=True)
+        for pg_id, pg in ray.util.placement_group_table().items():  # an engine killed mid-recovery leaves its own
+            if pg["state"] != "REMOVED":
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
 
 
 def main() -> None:
@@ -105,8 +117,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     # as `k3ray serve` sizes a local cluster (workers + spares), with the dashboard for the state API
+    port = free_port()
     ray.init(num_cpus=max(os.cpu_count() or 1, args.pp * args.ep + args.spares), include_dashboard=True,
-             log_to_driver=False)
+             dashboard_port=port, log_to_driver=False)
+    dashboard = f"http://127.0.0.1:{port}"
+    print(f"cluster: {ray.get_runtime_context().gcs_address}", flush=True)
     checkpoint = args.checkpoint
     if checkpoint is None:
         checkpoint = tempfile.mkdtemp(prefix="k3ray-serve-kills-")
@@ -118,7 +133,7 @@ def main() -> None:
     print(f"{'drill':>5} " + " ".join(f"{c:>12}" for c in cols[:-1]) + "  actions", flush=True)
     rows = []
     for d in range(args.drills):
-        r = drill(checkpoint, args, rng, serve)
+        r = drill(checkpoint, args, rng, serve, dashboard)
         rows.append(r)
         print(f"{d:>5} " + " ".join(f"{r[c]:>12}" for c in cols[:-1]) + f"  {r['actions']}", flush=True)
     total = {c: sum(r[c] for r in rows) for c in cols[:5]}
