@@ -250,8 +250,9 @@ class Engine:
         serve.recovery_attempts times, then relaunches of the whole grid from the held weights until one serves,
         waiting serve.recovery_backoff_s before the second attempt and twice as long before each next (at most
         MAX_BACKOFF_S). Meanwhile `health` says why nothing serves, new requests wait (`_until_serving`), and past
-        serve.unavailable_wait_s the requests in flight end with an error (`_expire_in_flight`). Then every unfinished request is
-        requeued, to be prefilled again. No worker lost (`broken` says what failed): relaunches only."""
+        serve.unavailable_wait_s the requests in flight end with an error (`_expire_in_flight`). Then every
+        unfinished request is requeued, to be prefilled again. No worker lost (`broken` says what failed): relaunches
+        only."""
         t0 = time.perf_counter()
         sc = self.cfg.serve
         if lost is None:
