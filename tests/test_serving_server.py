@@ -260,6 +260,7 @@ def test_every_route_but_health_needs_the_api_key(server, monkeypatch, capsys):
     body = {"model": info["model"], "prompt": "def ", "max_tokens": 2}
     with httpx.Client(base_url=url, timeout=60) as http:
         assert http.get("/health").status_code == 200
+        assert http.get("/openapi.json").status_code == http.get("/docs").status_code == 404
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             for method, path in (("GET", "/v1/models"), ("GET", "/v1/stats"), ("GET", "/v1/incidents"),
                                  ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):

@@ -45,7 +45,7 @@ log = logging.getLogger("k3ray.serve")
 CHAT_STOP = "\n### "
 DEFAULT_MAX_TOKENS = 16
 
-app = FastAPI(title="k3ray serve")
+app = FastAPI(title="k3ray serve", docs_url=None, redoc_url=None, openapi_url=None)  # no open routes but /health
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
