@@ -256,7 +256,12 @@ class ServeConfig(_Strict):
     token_budget: int = Field(128, gt=0, description="tokens per iteration and rank (decode + prefill chunks)")
     max_waiting: int = Field(64, ge=0, description="queued requests beyond which new ones get 429")
     max_tokens: int = Field(256, gt=0, description="largest max_tokens a request may ask for")
-    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 and of a 503 while no grid serves")
+    recovery_attempts: int = Field(2, ge=1, description="grid recoveries tried after a loss (each planning up to 3 "
+                                                        "times) before the grid is relaunched from the weights")
+    recovery_backoff_s: float = Field(1.0, ge=0, le=60, description="wait before the 2nd attempt, doubling after")
+    unavailable_wait_s: float = Field(30.0, ge=0, description="while no grid serves, how long a new request waits "
+                                                              "(then 503) and a stream in flight (then an error)")
 
 
 POLICY_NAMES: tuple[str, ...] = tuple(PoliciesConfig.model_fields)  # the live policies, in one place

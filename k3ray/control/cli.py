@@ -169,11 +169,16 @@ def cmd_serve(args) -> int:
     import time
 
     from k3ray.control.driver import init_ray
-    from k3ray.control.serve import start_serving, stop_serving
+    from k3ray.control.serve import check_exposure, start_serving, stop_serving
     from k3ray.control.serve_metrics import ServeMetrics
     from k3ray.io import checkpoint as ckpt
     from k3ray.io.hf_files import is_hf_folder
 
+    try:
+        api_key = client.read_api_key(args.api_key_file)
+        check_exposure(args.host, api_key, args.insecure)
+    except (client.ControlError, ValueError) as err:
+        raise ConfigError(str(err)) from None
     overrides = {k.removeprefix("serve."): v for k, v in parse_assignments(args.set, "serve.max_waiting=32").items()}
     if is_hf_folder(args.checkpoint):  # a release folder: checked whole here, before any actor starts
         hf_cli.check_release(args.checkpoint)
@@ -182,7 +187,8 @@ def cmd_serve(args) -> int:
                           f"checkpoint.every_n_steps, or run `k3ray checkpoint` on a running job)")
     init_ray(args.address, args.pp * args.ep + args.spares)
     engine, info = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.replicas,
-                                 observers=[ServeMetrics(args.name)], spares=args.spares)
+                                 observers=[ServeMetrics(args.name)], spares=args.spares, api_key=api_key,
+                                 insecure=args.insecure)
     print(json.dumps({"serving": info["model"], "step": info["step"], "url": f"http://{args.host}:{args.port}/v1"}),
           flush=True)
     try:
@@ -280,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--spares", type=_count, default=0,
                     help="hot spares: standby workers (one device each) that take a lost worker's place")
     sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--api-key-file", metavar="F", help="every route but /health needs `Authorization: Bearer "
+                                                         "<key>` (the key: F's first line; else $K3RAY_API_KEY)")
+    sv.add_argument("--insecure", action="store_true", help="serve a non-loopback --host without an API key")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--name", default="serve", help="the k3ray_job label of the serving metrics")
     sv.add_argument("--replicas", type=int, default=1, help="HTTP ingress replicas (scale apart from the engine)")
@@ -335,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
         cp.set_defaults(func=func)
         if name in ("status", "incidents"):
             cp.add_argument("--serve", metavar="URL", help=f"the {name} of a `k3ray serve` endpoint instead")
+            cp.add_argument("--api-key-file", metavar="F", help="that endpoint's API key (else $K3RAY_API_KEY)")
 
     pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")
     psub = pol.add_subparsers(dest="policy_command", required=True)
