@@ -1,0 +1,133 @@
+"""Grid generations without Ray: a left engine refuses its collectives (never the default group, which is the newest
+grid's), a worker refuses calls for an older generation, and the one failure path of calls to workers (`_gather`)
+waits for the survivors before it reports a dead worker, and reports errors with no worker lost in one line."""
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from ray.exceptions import RayActorError, RayTaskError
+
+from k3ray.config import load_config
+from k3ray.control.local_nodes import free_port
+from k3ray.controller import worker_group
+from k3ray.controller.worker import StaleGeneration, fenced
+from k3ray.controller.worker_group import WorkerError, WorkerGroup, WorkerLost
+from k3ray.parallel.engine import LeftGrid, StageEngine
+
+
+def engine(generation: int) -> StageEngine:
+    cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1, "train.eval_batches": 1})
+    e = StageEngine(cfg, 0, 0, [0] * cfg.model.n_experts, 1)
+    e.init_process_groups(f"tcp://127.0.0.1:{free_port()}", "gloo", generation)
+    return e
+
+
+def test_a_left_grids_engine_refuses_collectives_instead_of_using_the_new_grids_default_group():
+    old = engine(1)
+    old.leave_process_groups()
+    new = engine(2)  # the worker joined the next grid: the default group is now generation 2's
+    try:
+        with pytest.raises(LeftGrid, match="generation 1 was left"):
+            old.evaluate()  # a stale thread's collective on the old engine
+        with pytest.raises(LeftGrid):
+            dist.all_reduce(__import__("torch").zeros(1), group=old.ctx.group)  # the EP context's group too
+        assert new.evaluate() > 0  # the new grid's engine is unaffected
+    finally:
+        new.leave_process_groups()
+
+
+class Holder:
+    """The Worker's fencing on a plain class (the actor is this pattern plus Ray)."""
+
+    def __init__(self):
+        self.generation = 0
+
+    def join_generation(self, generation: int) -> bool:
+        if generation < self.generation:
+            raise StaleGeneration(f"{generation} < {self.generation}")
+        self.generation = generation
+        return True
+
+    @fenced
+    def train_step(self, step: int) -> int:
+        return step
+
+
+def test_a_worker_refuses_calls_for_an_older_generation():
+    w = Holder()
+    w.join_generation(3)
+    assert w.train_step(3, 7) == 7 and w.train_step(4, 8) == 8
+    with pytest.raises(StaleGeneration, match="generation 2 refused: this worker holds generation 3"):
+        w.train_step(2, 9)  # queued before the regroup
+
+
+class FakeRef:
+    def __init__(self, rank: int, at: float, result=None, error: Exception | None = None):
+        self.rank, self.at, self.result, self.error = rank, at, result, error
+
+
+class Clock:
+    """ray.wait/ray.get over FakeRefs that complete at given times of a fake clock (no sleeping)."""
+
+    def __init__(self, monkeypatch):
+        self.now = 0.0
+        monkeypatch.setattr(worker_group.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr(worker_group.ray, "wait", self.wait)
+        monkeypatch.setattr(worker_group.ray, "get", self.get)
+        self.got: list[int] = []
+
+    def wait(self, refs, num_returns=1, timeout=None, **_):
+        due = sorted(refs, key=lambda r: r.at)
+        first = due[0]
+        if timeout is not None and first.at > self.now + timeout:
+            self.now += timeout
+            return [], refs
+        self.now = max(self.now, first.at)
+        return [first], [r for r in refs if r is not first]
+
+    def get(self, ref):
+        self.got.append(ref.rank)
+        if ref.error is not None:
+            raise ref.error
+        return ref.result
+
+
+def group(monkeypatch) -> WorkerGroup:
+    cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 4})
+    g = WorkerGroup(cfg, 4, [0] * cfg.model.n_experts)
+    monkeypatch.setattr(g, "dead_ranks", lambda exclude=frozenset(), timeout_s=2.0: set())
+    return g
+
+
+def test_gather_waits_for_the_survivors_before_reporting_a_dead_worker(monkeypatch):
+    clock = Clock(monkeypatch)
+    g = group(monkeypatch)
+    calls = [(0, FakeRef(0, 1.0, error=RayActorError())),  # dies first
+             (1, FakeRef(1, 3.0, error=RayTaskError("train_step", "gloo: peer closed", ValueError("peer")))),
+             (2, FakeRef(2, 4.0, result={}))]  # still computing when rank 0 died
+    with pytest.raises(WorkerLost) as lost:
+        g._gather(calls, 100.0, "step 5")
+    assert lost.value.ranks == {0} and not lost.value.hung
+    assert clock.got == [0, 1, 2]  # every survivor finished (or failed) before the recovery starts
+
+
+def test_gather_gives_up_on_survivors_after_the_grace(monkeypatch):
+    clock = Clock(monkeypatch)
+    g = group(monkeypatch)
+    calls = [(0, FakeRef(0, 1.0, error=RayActorError())), (1, FakeRef(1, 50.0, result={}))]
+    with pytest.raises(WorkerLost) as lost:
+        g._gather(calls, 100.0, "step 5", grace_s=5.0)
+    assert lost.value.ranks == {0} and clock.now == pytest.approx(6.0)  # not 50 s: the grace only
+
+
+def test_errors_of_every_rank_with_none_lost_are_one_readable_line(monkeypatch):
+    Clock(monkeypatch)
+    g = group(monkeypatch)
+    calls = [(r, FakeRef(r, 1.0 + r, error=RayTaskError("evaluate", "Traceback...\nFileNotFoundError: data/x",
+                                                        FileNotFoundError("data/x: no such corpus"))))
+             for r in range(2)]
+    with pytest.raises(WorkerError) as err:
+        g._gather(calls, 10.0, "evaluate")
+    text = str(err.value)
+    assert "\n" not in text and text.startswith("evaluate failed on 2 of 2 workers (rank 0: ")
+    assert "data/x: no such corpus" in text
