@@ -177,7 +177,9 @@ class Snapshots:
     Interface: `take` at a boundary, `commit` after the step (or at once), `drop_pending` when a worker is lost,
     `committed` to restore from; `stall_seconds` / `total_seconds` per committed snapshot for the benchmarks."""
 
-    def __init__(self, on_commit=None):
+    def __init__(self, on_commit=None, timeout_s: float = 600.0):
+        """timeout_s: the longest wait for a snapshot's bytes (`commit(wait=True)` without a timeout of its own)."""
+        self.timeout_s = timeout_s
         self.committed: Snapshot | None = None
         self.pending: Snapshot | None = None
         self.stall_seconds: list[float] = []  # training stalled per snapshot
@@ -200,7 +202,8 @@ class Snapshots:
         snap = self.pending
         if snap is None:
             return
-        nbytes = group.snapshot_bytes(snap.size_refs, timeout_s if wait else 0)
+        nbytes = group.snapshot_bytes(snap.size_refs, (self.timeout_s if timeout_s is None else timeout_s)
+                                      if wait else 0)
         if nbytes is None:
             return
         snap.nbytes = nbytes

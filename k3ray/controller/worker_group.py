@@ -137,6 +137,32 @@ class WorkerGroup:
         have = alive_resources(free, self.avoid_nodes)
         return int(min(have.get(res, 0) // amount for res, amount in self.bundle.items()))
 
+    def room_for(self, n: int) -> bool:
+        """Whether the alive nodes have room for `n` more workers right now (what is free of them)."""
+        have = alive_resources(True, self.avoid_nodes)
+        return all(have.get(res, 0) >= amount * n for res, amount in self.bundle.items())
+
+    def grow(self, ep: int, home: list[int], restore: dict[int, list], timeout_s: float) -> None:
+        """Grow this grid to `ep` EP ranks per stage in place: the added workers are placed and started first, so a
+        placement that fails (TopologyError) leaves the grid as it was; then every worker takes its place in the
+        grown grid (the old ones keep their (p, e)), the process groups are rebuilt and the state restored (a loss
+        meanwhile: WorkerLost naming ranks of the grown grid)."""
+        t0 = time.perf_counter()
+        added = self.pp * (ep - self.ep)
+        pg = placement_group([dict(self.bundle) for _ in range(added)], strategy="PACK",
+                             bundle_label_selector=self._avoid_selector(added))
+        if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
+            remove_placement_group(pg)
+            raise TopologyError(f"could not place {added} more workers within {timeout_s:g}s")
+        self.pgs.append(pg)
+        where = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+        new = iter([(self._start_worker((pg, i)), (pg, i), where[i]) for i in range(added)])
+        old_ep, old = self.ep, list(zip(self.workers, self.slots, self.nodes))
+        grid = [old[p * old_ep + e] if e < old_ep else next(new) for p in range(self.pp) for e in range(ep)]
+        self.workers, self.slots, self.nodes = map(list, zip(*grid))
+        self.ep, self.home = ep, list(home)
+        self._join(timeout_s, restore, t0, "place_and_start_workers")
+
     def launch(self, timeout_s: float, restore: dict[int, list] | None = None, wait_for_spares: bool = True) -> str:
         """Place, create and connect the workers; restore[stage] = that stage's old states (`restore_sources`). The
         spares start beside them, where the alive nodes have room (waited for unless wait_for_spares=False)."""
@@ -385,12 +411,14 @@ class WorkerGroup:
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int | None:
-        """The total size once every part of a snapshot has arrived (None while some have not, after waiting up to
-        timeout_s; 0 waits not at all). WorkerLost if a worker died before delivering its part."""
-        ready, _ = ray.wait(size_refs, num_returns=len(size_refs), timeout=timeout_s, fetch_local=True)
-        if len(ready) < len(size_refs):
-            return None
-        return sum(self._gather(list(enumerate(size_refs)), 0, "snapshot"))
+        """The total size once every part of a snapshot has arrived: timeout_s=0 waits not at all (None while some
+        have not arrived); else WorkerLost if a worker died before delivering its part or gave none within
+        timeout_s (hung)."""
+        if not timeout_s:
+            ready, _ = ray.wait(size_refs, num_returns=len(size_refs), timeout=0, fetch_local=True)
+            if len(ready) < len(size_refs):
+                return None
+        return sum(self._gather(list(enumerate(size_refs)), timeout_s, "snapshot"))
 
     def hold_peer_snapshots(self, step: int, refs: list) -> None:
         """Each snapshot part (by old world rank: the refs may be an older grid's) is mapped by a worker on another

@@ -290,6 +290,24 @@ def _remove_step(d: Path, why: str) -> None:
 
 
 # -- reading (never modifies anything) ----------------------------------------------------------------------------
+def model_hash(config: dict) -> str:
+    """A short hash of a job config dump's model section: which model a checkpoint holds."""
+    return hashlib.sha256(json.dumps(config.get("model"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def owner(root: str | os.PathLike) -> tuple[str | None, str] | None:
+    """(job name, model hash) of the newest committed checkpoint under root (its manifest read, not verified), or
+    None when there is none: the job a checkpoint folder belongs to."""
+    for step in reversed(list_committed(root)):
+        try:
+            meta = _read_manifest(root, step).meta
+        except CheckpointError:
+            continue
+        config = meta.get("config") or {}
+        return meta.get("job"), meta.get("model_hash") or model_hash(config)
+    return None
+
+
 def list_committed(root: str | os.PathLike) -> list[int]:
     """Steps under root that have a manifest.json, ascending (not verified; see latest_verified)."""
     return sorted(s for s, d in _step_dirs(Path(root)).items() if (d / MANIFEST).is_file())
