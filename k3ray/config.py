@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -98,6 +98,14 @@ class DataConfig(_Strict):
     micro_batch_size: int = Field(gt=0, description="sequences per micro-batch")
     val_fraction: float = Field(0.02, gt=0, lt=0.5)
     max_bytes: int = Field(64 * 2**20, gt=0, description="corpus cap, read in a fixed file order")
+
+    @field_validator("source")
+    @classmethod
+    def _source_exists(cls, source: str) -> str:
+        # checked where the config is loaded, before any worker starts (a worker would fail in its constructor)
+        if source != "stdlib" and not Path(source).is_dir():
+            raise ValueError(f"{source!r} is neither 'stdlib' nor a directory")
+        return source
     skip_batches: list[int] = Field(default_factory=list, description="batch indices never trained on")
 
 
@@ -280,6 +288,8 @@ class JobConfig(_Strict):
         incidents = self.fault_tolerance.incidents_file or str(Path("runs") / self.name / "incidents.jsonl")
         return self.model_copy(update={
             "checkpoint": self.checkpoint.model_copy(update={"dir": str(cwd / self.checkpoint.dir)}),
+            "data": self.data if self.data.source == "stdlib" else self.data.model_copy(
+                update={"source": str(cwd / self.data.source)}),
             "fault_tolerance": self.fault_tolerance.model_copy(update={"incidents_file": str(cwd / incidents)}),
             "api": self.api.model_copy(update={"token_file": str(cwd / token_file)})})
 

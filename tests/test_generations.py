@@ -131,3 +131,20 @@ def test_errors_of_every_rank_with_none_lost_are_one_readable_line(monkeypatch):
     text = str(err.value)
     assert "\n" not in text and text.startswith("evaluate failed on 2 of 2 workers (rank 0: ")
     assert "data/x: no such corpus" in text
+
+
+def test_a_worker_whose_constructor_raised_is_an_error_to_show_not_a_loss_to_recover(monkeypatch):
+    Clock(monkeypatch)
+    g = group(monkeypatch)
+    init = RayActorError(error_msg="The actor died because of an error raised in its creation task, ray::Worker"
+                                   ".__init__()\nk3ray.config.ConfigError: data.source='/x' is neither 'stdlib' "
+                                   "nor a directory", actor_init_failed=True)
+    with pytest.raises(WorkerError, match=r"rank 0: .*data.source='/x' is neither 'stdlib' nor a directory\)$"):
+        g._gather([(0, FakeRef(0, 1.0, error=init)), (1, FakeRef(1, 1.0, error=init))], 10.0, "assume")
+
+
+def test_worker_lost_crosses_ray_whole():
+    import pickle
+
+    back = pickle.loads(pickle.dumps(WorkerLost({1, 3}, "ActorDiedError in step 4", hung=True)))
+    assert back.ranks == {1, 3} and back.hung and str(back) == "lost world ranks [1, 3]: ActorDiedError in step 4"

@@ -91,6 +91,9 @@ class WorkerLost(RuntimeError):
         super().__init__(f"lost world ranks {sorted(ranks)}: {why}")
         self.ranks, self.why, self.hung = ranks, why, hung
 
+    def __reduce__(self):  # raised on through Ray to the driver: unpickled with its own arguments, readable there
+        return WorkerLost, (self.ranks, self.why, self.hung)
+
 
 @dataclass
 class Spare:
@@ -352,8 +355,11 @@ class WorkerGroup:
             try:
                 results[i] = ray.get(ready[0])
                 continue
-            except RayActorError:
-                dead.add(calls[i][0])
+            except RayActorError as err:
+                if err.actor_init_failed:  # its __init__ raised: an error to show, not a worker to replace
+                    errors[i] = err
+                else:
+                    dead.add(calls[i][0])
             except RayTaskError as err:
                 errors[i] = err
             deadline = time.monotonic() + grace_s if deadline is None else min(deadline, time.monotonic() + grace_s)
