@@ -148,3 +148,44 @@ def test_worker_lost_crosses_ray_whole():
 
     back = pickle.loads(pickle.dumps(WorkerLost({1, 3}, "ActorDiedError in step 4", hung=True)))
     assert back.ranks == {1, 3} and back.hung and str(back) == "lost world ranks [1, 3]: ActorDiedError in step 4"
+
+
+def plain_worker(generation: int):
+    """A Worker's own class (the actor's, without Ray) on standby at `generation`."""
+    from k3ray.controller.worker import Worker
+
+    w = object.__new__(Worker.__ray_metadata__.modified_class.__mro__[1])
+    w.cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1})
+    w.device, w.engine, w.server, w.writer, w.generation = "cpu", None, None, None, generation
+    return w
+
+
+def test_taking_a_new_place_keeps_the_neighbours_snapshot_copies_for_the_restore_that_follows():
+    w = plain_worker(1)
+    w.peer_snapshots = {3: (8, "rank 3's snapshot of step 8")}  # perhaps the only copy left of a lost node's part
+    w.assume(2, 0, 0, [0] * w.cfg.model.n_experts, 1, False)  # a regroup: the restore reads the copies next
+    assert w.peer_snapshots == {3: (8, "rank 3's snapshot of step 8")} and w.generation == 2
+    with pytest.raises(StaleGeneration):
+        w.stand_by(1)
+    w.stand_by(3)  # left out of the grid: standing by, it holds nothing of the grid's
+    assert w.peer_snapshots == {} and w.engine is None
+
+
+def test_a_spare_that_never_comes_up_is_given_up_and_its_slot_on_a_silent_node_never_reused(monkeypatch):
+    from k3ray.controller.worker_group import Spare
+
+    g = group(monkeypatch)
+    g.avoid_nodes = frozenset({"silent"})
+    monkeypatch.setattr(worker_group.ray, "nodes", lambda: [{"NodeID": n, "Alive": True} for n in ("ok", "silent")])
+    monkeypatch.setattr(worker_group.ray, "wait", lambda refs, **_: ([], refs))  # never answers
+    killed = []
+    monkeypatch.setattr(worker_group.ray, "kill", lambda actor, no_restart: killed.append(actor))
+    monkeypatch.setattr(worker_group.time, "monotonic", lambda: 1000.0)
+    g.spares = [Spare("starting", ("pg", 0), "up", None, started=990.0),
+                Spare("stuck", ("pg", 1), "up", None, started=1000.0 - worker_group.SPARE_START_TIMEOUT_S - 1)]
+    assert g.spares_ready() == 0
+    assert [s.actor for s in g.spares] == ["starting"] and killed == ["stuck"]  # a new one can start elsewhere
+    assert g.free_slots == []  # its slot (node unknown) is not handed to the next spare
+    g._free(("pg", 2), "silent")  # a lost rank's slot on a silent node
+    g._free(("pg", 3), "ok")
+    assert g.free_slots == [("pg", 3)]
