@@ -53,11 +53,13 @@ class DurableCheckpoints:
         held = ckpt.owner(self.cfg.dir)
         if held is None:
             return
-        name, model = held
-        mine = ckpt.model_hash(job)
-        if name == job["name"] and model == mine:
+        name = held["job"]
+        if name == job["name"] and held["model_hash"] == ckpt.model_hash(job):
             return
-        whose = f"job {name!r}" if name != job["name"] else f"job {name!r} with another model config"
+        differ = ckpt.shape_mismatches(held["config"], job) or [
+            f"model.{k}" for k in _changed_fields(held["config"].get("model", {}), job["model"])]
+        whose = f"job {name!r}" if name != job["name"] else \
+            f"job {name!r} with another model config ({'; '.join(differ)})"
         if resuming_from is not None and Path(resuming_from).resolve() == Path(self.cfg.dir).resolve():
             raise ckpt.CheckpointError(
                 f"--from {resuming_from}: it is also this job's checkpoint.dir; the resumed job writes its own "

@@ -420,7 +420,7 @@ class WorkerGroup:
         """The total size once every part of a snapshot has arrived: timeout_s=0 waits not at all (None while some
         have not arrived); else WorkerLost if a worker died before delivering its part or gave none within
         timeout_s (hung)."""
-        if not timeout_s:
+        if timeout_s == 0:
             ready, _ = ray.wait(size_refs, num_returns=len(size_refs), timeout=0, fetch_local=True)
             if len(ready) < len(size_refs):
                 return None

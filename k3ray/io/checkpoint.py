@@ -295,16 +295,16 @@ def model_hash(config: dict) -> str:
     return hashlib.sha256(json.dumps(config.get("model"), sort_keys=True).encode()).hexdigest()[:16]
 
 
-def owner(root: str | os.PathLike) -> tuple[str | None, str] | None:
-    """(job name, model hash) of the newest committed checkpoint under root (its manifest read, not verified), or
-    None when there is none: the job a checkpoint folder belongs to."""
+def owner(root: str | os.PathLike) -> dict | None:
+    """What the newest committed checkpoint under root says of the job that wrote it (its manifest read, not
+    verified): {"job", "model_hash", "config"}; None when there is none. The job a checkpoint folder belongs to."""
     for step in reversed(list_committed(root)):
         try:
             meta = _read_manifest(root, step).meta
         except CheckpointError:
             continue
         config = meta.get("config") or {}
-        return meta.get("job"), meta.get("model_hash") or model_hash(config)
+        return {"job": meta.get("job"), "model_hash": meta.get("model_hash") or model_hash(config), "config": config}
     return None
 
 
