@@ -171,21 +171,32 @@ def test_taking_a_new_place_keeps_the_neighbours_snapshot_copies_for_the_restore
     assert w.peer_snapshots == {} and w.engine is None
 
 
-def test_a_spare_that_never_comes_up_is_given_up_and_its_slot_on_a_silent_node_never_reused(monkeypatch):
-    from k3ray.controller.worker_group import Spare
+class Starting:
+    """What starting a Worker returns here: an actor whose `node_id` answer is still pending."""
 
-    g = group(monkeypatch)
-    g.avoid_nodes = frozenset({"silent"})
-    monkeypatch.setattr(worker_group.ray, "nodes", lambda: [{"NodeID": n, "Alive": True} for n in ("ok", "silent")])
-    monkeypatch.setattr(worker_group.ray, "wait", lambda refs, **_: ([], refs))  # never answers
+    class node_id:  # noqa: N801 - the actor method's name
+        @staticmethod
+        def remote() -> str:
+            return "pending"
+
+
+def test_a_spare_that_never_comes_up_is_given_up_and_its_slot_on_a_silent_node_never_reused(monkeypatch):
+    from k3ray.controller import spares
+    from k3ray.controller.spares import Spare, SparePool
+
+    monkeypatch.setattr(spares.ray, "wait", lambda refs, **_: ([], refs))  # never answers
     killed = []
-    monkeypatch.setattr(worker_group.ray, "kill", lambda actor, no_restart: killed.append(actor))
-    monkeypatch.setattr(worker_group.time, "monotonic", lambda: 1000.0)
-    g.spares = [Spare("starting", ("pg", 0), "up", None, started=990.0),
-                Spare("stuck", ("pg", 1), "up", None, started=1000.0 - worker_group.SPARE_START_TIMEOUT_S - 1)]
-    assert g.spares_ready() == 0
-    assert [s.actor for s in g.spares] == ["starting"] and killed == ["stuck"]  # a new one can start elsewhere
-    assert g.free_slots == []  # its slot (node unknown) is not handed to the next spare
-    g._free(("pg", 2), "silent")  # a lost rank's slot on a silent node
-    g._free(("pg", 3), "ok")
-    assert g.free_slots == [("pg", 3)]
+    monkeypatch.setattr(spares.ray, "kill", lambda actor, no_restart: killed.append(actor))
+    monkeypatch.setattr(spares.time, "monotonic", lambda: 1000.0)
+    pool = SparePool(2)
+    pool.spares = [Spare("starting", ("pg", 0), "up", None, started=990.0),
+                   Spare("stuck", ("pg", 1), "up", None, started=1000.0 - spares.SPARE_START_TIMEOUT_S - 1)]
+    healthy = {"ok"}  # alive and not silent
+    assert pool.ready(healthy) == 0
+    assert [s.actor for s in pool] == ["starting"] and killed == ["stuck"]  # a new one can start elsewhere
+    assert pool.free_slots == []  # its slot (node unknown) is not handed to the next spare
+    pool.free(("pg", 2), "silent", healthy)  # a lost rank's slot on a silent node
+    pool.free(("pg", 3), "ok", healthy)
+    assert pool.free_slots == [("pg", 3)]
+    started = pool.start(room=0, start_worker=lambda slot: Starting(), new_slot=lambda: ("new", 0))
+    assert started == 1 and pool.free_slots == [] and [s.slot for s in pool][-1] == ("pg", 3)

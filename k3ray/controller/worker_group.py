@@ -8,20 +8,21 @@ call, becomes WorkerLost naming every lost rank (all of a lost node's at once), 
 collateral errors.
 
 Hot spares (`fault_tolerance.spares`): standby workers started with the grid, each holding its own resources, which
-take lost ranks' places without a process start (`regroup`); new ones are started afterwards (`start_spares`).
+take lost ranks' places without a process start (`regroup`); new ones are started afterwards (`start_spares`). The
+spare pool is a part of its own (k3ray.controller.spares).
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from k3ray.controller.spares import SparePool
 from k3ray.controller.worker import Worker
 from k3ray.config import JobConfig
 
@@ -58,10 +59,6 @@ def alive_resources(free: bool, avoid_nodes: frozenset[str] = frozenset()) -> di
 # next number, and every call to its workers names it (k3ray.controller.worker: a worker refuses older ones).
 _generations = itertools.count(1)
 
-# A spare that has not come up this long after its start never will (its node is silent, or it cannot be placed):
-# it is given up, and another one is started where the alive nodes have room.
-SPARE_START_TIMEOUT_S = 120.0
-
 
 class WorkerError(RuntimeError):
     """A call failed inside workers that are alive (not a lost worker): the first failing rank's error, readable."""
@@ -95,17 +92,6 @@ class WorkerLost(RuntimeError):
         return WorkerLost, (self.ranks, self.why, self.hung)
 
 
-@dataclass
-class Spare:
-    """A standby Worker holding its own resources (`slot`: placement group, bundle index). `up` answers with its node
-    once the worker's process is up (None when it came from a grid, already up)."""
-    actor: object
-    slot: tuple
-    up: ray.ObjectRef | None
-    node: str | None = None
-    started: float = field(default_factory=time.monotonic)
-
-
 class WorkerGroup:
     def __init__(self, cfg: JobConfig, ep: int, home: list[int], avoid_nodes: frozenset[str] = frozenset()):
         """avoid_nodes: nodes found silent, which Ray may still report alive: neither counted nor placed on."""
@@ -116,8 +102,7 @@ class WorkerGroup:
         self.workers: list = []  # world rank -> actor
         self.slots: list[tuple] = []  # world rank -> (placement group, bundle index) it holds
         self.nodes: list[str] = []  # world rank -> Ray node id
-        self.spares: list[Spare] = []  # hot spares (fault_tolerance.spares): standby workers, own resources
-        self.free_slots: list[tuple] = []  # slots of lost workers, for new spares
+        self.spares = SparePool(cfg.fault_tolerance.spares)  # hot spares: standby workers, own resources
         self.launch_seconds: dict[str, float] = {}  # start workers (or swap in spares), process groups, restore
         self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
 
@@ -227,47 +212,23 @@ class WorkerGroup:
         """Start standby workers up to `fault_tolerance.spares`, without waiting for them: in slots lost workers
         left first, then in one-worker placement groups of their own where the alive nodes have room (a spare is
         capacity held, never borrowed from the grid). Returns how many were started."""
-        want = self.cfg.fault_tolerance.spares - len(self.spares)
         have = alive_resources(True, self.avoid_nodes)
         room = int(min(have.get(res, 0) // amount for res, amount in self.bundle.items()))
-        started = 0
-        while started < want and (self.free_slots or room > 0):
-            if self.free_slots:
-                slot = self.free_slots.pop(0)
-            else:
-                pg = placement_group([dict(self.bundle)], bundle_label_selector=self._avoid_selector(1))
-                self.pgs.append(pg)
-                slot, room = (pg, 0), room - 1
-            actor = self._start_worker(slot)
-            self.spares.append(Spare(actor, slot, actor.node_id.remote()))
-            started += 1
-        return started
+
+        def new_slot() -> tuple:
+            pg = placement_group([dict(self.bundle)], bundle_label_selector=self._avoid_selector(1))
+            self.pgs.append(pg)
+            return pg, 0
+
+        return self.spares.start(room, self._start_worker, new_slot)
 
     def spares_ready(self) -> int:
-        """How many spares are up on alive nodes (not waiting for those still starting); dead ones are dropped."""
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - self.avoid_nodes
-        kept = []
-        for spare in self.spares:
-            if spare.node is None and ray.wait([spare.up], timeout=0)[0]:
-                try:
-                    spare.node = ray.get(spare.up)
-                except RayError:
-                    spare.node = ""  # died starting
-            if spare.node in alive or (spare.node is None
-                                       and time.monotonic() - spare.started < SPARE_START_TIMEOUT_S):
-                kept.append(spare)
-            else:  # dead, on a silent node, or never came up: given up, its slot reused only on a healthy node
-                ray.kill(spare.actor, no_restart=True)
-                self._free(spare.slot, spare.node)
-        self.spares = kept
-        return sum(s.node is not None for s in self.spares)
+        """How many spares are up on alive nodes (not waiting for those still starting); dead ones, those on silent
+        nodes and those that never came up are given up (and new ones started after the step)."""
+        return self.spares.ready(self._healthy_nodes())
 
-    def _free(self, slot: tuple, node: str | None) -> None:
-        """Keep a slot a worker left for a new spare, unless it is on a node found silent or lost (a spare started
-        there never comes up; the spare pool starts one in a new placement group, off those nodes, instead)."""
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        if node and node in alive and node not in self.avoid_nodes:
-            self.free_slots.append(slot)
+    def _healthy_nodes(self) -> set[str]:
+        return {n["NodeID"] for n in ray.nodes() if n["Alive"]} - self.avoid_nodes
 
     def regroup(self, lost: set[int], ep: int, home: list[int], keep: list[int], spare_for: set[int],
                 restore: dict[int, list], timeout_s: float) -> None:
@@ -277,14 +238,13 @@ class WorkerGroup:
         stand by as spares. Then every worker takes its place, the process groups are rebuilt and the state restored
         (a loss meanwhile: WorkerLost naming ranks of the new grid)."""
         t0 = time.perf_counter()
-        ready = [s for s in self.spares if s.node]
-        if len(ready) < len(spare_for):  # never fill a lost rank's place with the lost worker itself
-            raise TopologyError(f"{len(spare_for)} lost ranks to fill but {len(ready)} spares ready")
+        if self.spares.up_count() < len(spare_for):  # never fill a lost rank's place with the lost worker itself
+            raise TopologyError(f"{len(spare_for)} lost ranks to fill but {self.spares.up_count()} spares ready")
+        healthy = self._healthy_nodes()
         for r in lost:
             ray.kill(self.workers[r], no_restart=True)
-            self._free(self.slots[r], self.nodes[r])
-        taken = dict(zip(sorted(spare_for), ready))
-        self.spares = [s for s in self.spares if s not in taken.values()]
+            self.spares.free(self.slots[r], self.nodes[r], healthy)
+        taken = dict(zip(sorted(spare_for), self.spares.take(len(spare_for))))
         old_ep, old = self.ep, list(zip(self.workers, self.slots, self.nodes))
         members = [p * old_ep + c for p in range(self.pp) for c in keep]
         grid = [(taken[o].actor, taken[o].slot, taken[o].node) if o in taken else old[o] for o in members]
@@ -303,10 +263,10 @@ class WorkerGroup:
             except RayError:
                 ok = False
             if ok:
-                self.spares.append(Spare(actor, slot, None, node))
+                self.spares.add_standing_by(actor, slot, node)
             else:
                 ray.kill(actor, no_restart=True)
-                self._free(slot, node)
+                self.spares.free(slot, node, healthy)
 
     def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
         """Every worker's `method(*args)`, in world-rank order."""
@@ -440,9 +400,9 @@ class WorkerGroup:
         self._gather(calls, 300, "hold_peer_snapshots")
 
     def close(self) -> None:
-        for w in self.workers + [s.actor for s in self.spares]:
+        for w in self.workers + self.spares.clear():
             ray.kill(w, no_restart=True)
-        self.workers, self.spares, self.free_slots = [], [], []
+        self.workers = []
         for pg in self.pgs:
             remove_placement_group(pg)
         self.pgs = []
