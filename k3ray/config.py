@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -18,7 +18,8 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are never a setting (`optimizer.lr: .inf` would train to nothing but guard trips)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -140,6 +141,14 @@ class DataConfig(_Strict):
     micro_batch_size: int = Field(gt=0, description="sequences per micro-batch")
     val_fraction: float = Field(0.02, gt=0, lt=0.5)
     max_bytes: int = Field(64 * 2**20, gt=0, description="corpus cap, read in a fixed file order")
+
+    @field_validator("source")
+    @classmethod
+    def _source_exists(cls, source: str) -> str:
+        # checked where the config is loaded, before any worker starts (a worker would fail in its constructor)
+        if source != "stdlib" and not Path(source).is_dir():
+            raise ValueError(f"{source!r} is neither 'stdlib' nor a directory")
+        return source
     skip_batches: list[int] = Field(default_factory=list, description="batch indices never trained on")
 
 
@@ -228,11 +237,20 @@ class FaultToleranceConfig(_Strict):
     lr_backoff: float = Field(0.5, gt=0, le=1)
     grow_back: bool = True
     grow_back_after_steps: int = Field(1, ge=0, description="steps to run shrunk before trying to grow back")
+    recovery_attempts: int = Field(4, ge=1, description="attempts to recover from lost workers (a loss during one "
+                                                        "starts the next) before the job stops")
+    grow_back_attempts: int = Field(3, ge=1, description="failed grow-backs in a row after which the job stays shrunk")
+    retry_backoff_s: float = Field(0.5, ge=0, description="wait before a recovery's second attempt, doubled for each "
+                                                          "further one (at most 30 s)")
+    wait_timeout_s: float = Field(600.0, gt=0, description="longest wait on workers outside a step: evaluation, "
+                                                           "checkpoint copy and commit, snapshot commit")
+    incidents_file: str | None = Field(None, description="where the incident log is written as it grows (JSON "
+                                                         "lines); default runs/<name>/incidents.jsonl")
     faults: list[FaultSpec] = Field(default_factory=list)
 
 
 class CheckpointConfig(_Strict):
-    dir: str = "runs/checkpoints"
+    dir: str = Field("", description="default runs/<name>/checkpoints: a checkpoint folder belongs to one job")
     every_n_steps: int = Field(0, ge=0, description="0 = only on request and at the end")
     keep: int = Field(3, gt=0)
     at_end: bool = Field(True, description="write a final checkpoint when the job stops")
@@ -281,6 +299,17 @@ class JobConfig(_Strict):
     api: ApiConfig = Field(default_factory=ApiConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _own_checkpoint_dir(cls, data: Any) -> Any:
+        """A job's checkpoints go to runs/<name>/checkpoints unless checkpoint.dir says otherwise."""
+        if isinstance(data, dict):
+            section = data.get("checkpoint")
+            if section is None or (isinstance(section, dict) and not section.get("dir")):
+                name = data.get("name", cls.model_fields["name"].default)
+                data = {**data, "checkpoint": {**(section or {}), "dir": f"runs/{name}/checkpoints"}}
+        return data
+
     @model_validator(mode="after")
     def _check_topology(self) -> "JobConfig":
         m, p = self.model, self.parallel
@@ -304,8 +333,12 @@ class JobConfig(_Strict):
         """Relative paths made absolute against `cwd`, the directory the user ran the command in: the controller
         and workers run elsewhere (a Ray worker's directory), and must write where the user will look."""
         token_file = self.api.token_file or str(Path("runs") / self.name / "api_token")
+        incidents = self.fault_tolerance.incidents_file or str(Path("runs") / self.name / "incidents.jsonl")
         return self.model_copy(update={
             "checkpoint": self.checkpoint.model_copy(update={"dir": str(cwd / self.checkpoint.dir)}),
+            "data": self.data if self.data.source == "stdlib" else self.data.model_copy(
+                update={"source": str(cwd / self.data.source)}),
+            "fault_tolerance": self.fault_tolerance.model_copy(update={"incidents_file": str(cwd / incidents)}),
             "api": self.api.model_copy(update={"token_file": str(cwd / token_file)})})
 
     @property

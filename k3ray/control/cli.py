@@ -125,8 +125,13 @@ def cmd_train(args) -> int:
         from k3ray.control.driver import train_distributed
 
         _check_address(args.address)
+        if args.resume_from is not None and not args.resume:
+            raise UsageError("--from DIR goes with --resume: start from DIR's newest verified checkpoint")
+        if args.resume_from is not None:
+            args.resume_from = str(Path(args.resume_from).absolute())
         summary = train_distributed(cfg, steps, address=args.address, progress=not args.no_progress,
-                                    resume=args.resume, fresh=args.fresh, announce=None if args.json else _announce)
+                                    resume=args.resume, fresh=args.fresh, resume_from=args.resume_from,
+                                    announce=None if args.json else _announce)
     if args.json:
         summary.pop("losses", None)
         print(json.dumps({"summary": summary}, default=str))
@@ -256,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--pp", type=_positive_int, help="override parallel.pp")
     t.add_argument("--ep", type=_positive_int, help="override parallel.ep")
     t.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
+    t.add_argument("--from", dest="resume_from", metavar="DIR",
+                   help="with --resume: start from the newest verified checkpoint in DIR (another job's folder; "
+                        "this job writes its own checkpoints to its checkpoint.dir)")
     t.add_argument("--fresh", action="store_true", help="with --resume: start from step 0 when no checkpoint "
                                                          "verifies (without it, that is an error)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config field")
@@ -403,7 +411,7 @@ def _report_failure(err: BaseException) -> int:
         cause = cause.cause  # the error raised inside the actor, without Ray's wrapping
     message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     kind = {"CheckpointError": "checkpoint", "GuardError": "training stopped", "TopologyError": "topology",
-            "WorkerLost": "workers lost"}.get(type(cause).__name__, type(cause).__name__)
+            "WorkerLost": "workers lost", "RecoveryFailed": "training stopped", "WorkerError": "workers failed"}.get(type(cause).__name__, type(cause).__name__)
     Path("runs").mkdir(exist_ok=True)
     with tempfile.NamedTemporaryFile("w", prefix="error-", suffix=".log", dir="runs", delete=False) as f:
         f.write("".join(traceback.format_exception(err)))
