@@ -117,7 +117,7 @@ class Engine:
             return
         self._ensure_loop()
         event = self.updates[req.id] = asyncio.Event()
-        sent = 0
+        sent, interval = 0, self.cfg.serve.stream_interval
         try:
             yield {"accepted": req.id}
             while True:
@@ -134,7 +134,7 @@ class Engine:
                     end = min(end, req.stops.cut)
                 hold = 0 if req.done else req.stops.longest - 1 if req.stops.longest else 0
                 upto = max(sent, end - hold)
-                if upto > sent or req.done:
+                if req.done or upto > sent and (sent == 0 or upto - sent >= interval):
                     yield {"tokens": ids[sent:upto], "finish": req.finish}
                     sent = upto
                 if req.done:
