@@ -232,3 +232,17 @@ def test_kda_recurrent_reference_matches_explicit_matrices():
                 state = (eye - bt * torch.outer(kt, kt)) @ decay @ state + bt * torch.outer(kt, vt)
                 expected[b, t, hh] = state.T @ qt
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_quantile_step_moves_the_bias_part_of_the_way():
+    """model.quantile_step s: b <- b + s (b_hat - b); s = 1 sets b to the quantile's b_hat (K3's rule)."""
+    from k3ray.parallel.step import update_router_bias
+
+    cfg = load_config(TINY).model
+    scores = _saturated_scores(4096, 5)[:, :cfg.n_experts]
+    hist = quantile_histogram(scores, torch.zeros(cfg.n_experts), cfg.top_k, 1000, 2.0, 1e-5)
+    b_hat = quantile_bias(hist, torch.zeros(cfg.n_experts), cfg.top_k, 2.0, 1e-5)
+    for step in (1.0, 0.3):
+        moe = LatentMoE(cfg.model_copy(update={"quantile_step": step}), torch.nn.Identity())
+        update_router_bias(moe.cfg, moe, hist, torch.zeros(cfg.n_experts))
+        torch.testing.assert_close(moe.router.bias, step * b_hat)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import RELEASED
 from k3ray.config import load_config
 from k3ray.controller.drills import poison_token
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
@@ -69,6 +70,24 @@ def test_batched_engine_equals_reference_greedy(model):
     assert max(len(p) for p in prompts) > 24  # some prompt needed more than one chunk
     assert iterations < sum(len(w[0]) for w in want)  # requests really shared iterations
     assert sched.usage()["pages_used"] == 0 and sched.usage()["slots_used"] == 0
+
+
+def test_released_model_serves_as_the_reference():
+    """Every released feature on (conftest.RELEASED): each request's KDA convolution state (its last 3 inputs of q,
+    k, v) is carried across chunked prefill and decode beside the KDA state and reset for a fresh sequence in a
+    reused slot; MLA caches [c | k_p]; Block AttnRes needs nothing per request. Greedy tokens equal the plain full
+    forward's."""
+    torch.set_num_threads(1)
+    cfg = load_config("configs/tiny.yaml", {**RELEASED, "model.dtype": "float64"}).model
+    released = build_stage(cfg, range(cfg.n_layers), seed=3)
+    params = [SamplingParams(max_tokens=4 + (5 * i) % 9) for i in range(8)]
+    prompts = [encode(t) for t in TEXTS[:8]]
+    want = [generate_reference(released, p, sp) for p, sp in zip(prompts, params)]
+    sched, ex = engine(released, slots=3)  # fewer slots than requests: slots are reused
+    run(sched, ex, {0: list(zip(prompts[:5], params[:5])), 3: list(zip(prompts[5:], params[5:]))})
+    reqs = sorted(sched.requests.values(), key=lambda r: r.id)
+    for r, (ids, reason) in zip(reqs, want):
+        assert (r.out, r.finish) == (ids, reason), f"request {r.id} ({TEXTS[r.id]!r})"
 
 
 def test_seeded_sampling_is_the_same_in_any_batch(model):
