@@ -85,7 +85,14 @@ class ModelConfig(_Strict):
     balancing: Literal["quantile", "sign", "none"] = "quantile"
     sign_update_rate: float = Field(1e-3, gt=0)
     quantile_bins: int = Field(1000, ge=10)
-    quantile_window: float = Field(0.5, gt=0, description="half-width of the bias-relative histogram range")
+    quantile_window: float = Field(2.0, gt=0, description="half-width of the histogram range of the margins "
+                                                          "s - alpha + b (one update moves a bias at most this far)")
+    quantile_step: float = Field(1.0, gt=0, le=1, description="b <- b + step (b_hat - b); 1 is Quantile Balancing "
+                                                              "as released (no step size); below 1 averages one "
+                                                              "batch's quantile noise over ~(2 - step)/step steps")
+    quantile_resolution: float = Field(1e-5, gt=0, description="the histogram's bins are log-spaced around the "
+                                                               "decision boundary: about this wide there, wider in "
+                                                               "proportion to the distance (model/balancing.py)")
     dtype: Literal["float32", "float64", "bfloat16"] = "float32"
 
     @model_validator(mode="after")

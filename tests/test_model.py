@@ -13,6 +13,7 @@ from torch.func import functional_call
 from k3ray.config import load_config
 from k3ray.model.balancing import quantile_bias, quantile_histogram, select_experts, sign_bias
 from k3ray.model.decoder import build_stage, new_shard
+from k3ray.kernels import score_histogram
 from k3ray.kernels.kda import kda_recurrent_reference
 from k3ray.model.moe import LatentMoE, LocalExperts
 from k3ray.policies.moonep import maxvio
@@ -114,14 +115,72 @@ def test_quantile_balancing_beats_sign_update_on_skewed_router():
     updates = 20
     for step in range(updates):
         batch = _scores(65536, seed=step)
-        hist = quantile_histogram(batch, b_quantile, K, bins=1000, window=0.5)
-        b_quantile = quantile_bias(hist, b_quantile, K, window=0.5)
+        hist = quantile_histogram(batch, b_quantile, K, bins=1000, window=2.0, resolution=1e-5)
+        b_quantile = quantile_bias(hist, b_quantile, K, window=2.0, resolution=1e-5)
         b_sign = sign_bias(_load(batch, b_sign), b_sign, rate=1e-3)
     vio_quantile = maxvio(_load(fresh, b_quantile))
     vio_sign = maxvio(_load(fresh, b_sign))
     assert vio_quantile < 0.10, vio_quantile
     assert vio_quantile < vio_sign
     assert abs(float(b_quantile.mean())) < 1e-5  # centred
+
+
+def _saturated_scores(tokens: int, seed: int, logit_std: float = 10.0) -> torch.Tensor:
+    """A trained router's sigmoid scores: logits of std 10 with per-expert offsets, so many scores sit near 1 and
+    the margins of most tokens at the top-k boundary are within 1e-3 of each other."""
+    g = torch.Generator().manual_seed(7)
+    w, offset = torch.randn(64, 32, generator=g) * logit_std / 32 ** 0.5, torch.randn(64, generator=g) * 3
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(seed))
+    return torch.sigmoid(x @ w.T + offset)
+
+
+def test_quantile_balancing_reads_margins_of_saturated_scores():
+    """64 experts, top-8, 16,384 tokens per step (gpu2's): with saturated scores the margins near the boundary are
+    far finer than 1000 even bins over [-0.5, 0.5] resolve (bins 1e-3 wide): the even histogram leaves MaxVio near 1
+    (what gpu2 showed), the log-spaced one balances fresh batches to the sampling noise (~0.06)."""
+    k, E64 = 8, 64
+    margins = _saturated_scores(16384, 0)
+    top = torch.topk(margins, k + 1, dim=-1).values
+    assert float((top[:, k - 1] - top[:, k]).median()) < 1e-3
+
+    def even_update(scores, b):
+        biased = scores + b
+        return _even_quantile_bias(biased - torch.topk(biased, k + 1, dim=-1).values[:, k:k + 1], b, k)
+
+    b_log, b_even = torch.zeros(E64), torch.zeros(E64)
+    for step in range(25):
+        batch = _saturated_scores(16384, 1 + step)
+        b_log = quantile_bias(quantile_histogram(batch, b_log, k, 1000, 2.0, 1e-5), b_log, k, 2.0, 1e-5)
+        b_even = even_update(batch, b_even)
+    fresh = _saturated_scores(16384, 999)
+    load_log = torch.bincount(select_experts(fresh, b_log, k)[0].reshape(-1), minlength=E64)
+    load_even = torch.bincount(select_experts(fresh, b_even, k)[0].reshape(-1), minlength=E64)
+    assert maxvio(load_log) < 0.12, maxvio(load_log)
+    assert maxvio(load_even) > 0.5, maxvio(load_even)
+
+
+def _even_quantile_bias(margins: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+    """The former update: the quantile of the margins from 1000 even bins over [-0.5, 0.5], linearly interpolated."""
+    counts = score_histogram(margins, -0.5, 0.5, 1000).double()
+    target = counts[0].sum() * k / counts.shape[0]
+    above = torch.cat([counts.flip(1).cumsum(1).flip(1), counts.new_zeros(counts.shape[0], 1)], dim=1)
+    i = ((above[:, :1000] >= target).sum(1) - 1).clamp(0, 999)
+    in_bin = counts.gather(1, i[:, None]).squeeze(1)
+    frac = ((target - above.gather(1, (i + 1)[:, None]).squeeze(1)) / in_bin.clamp(min=1)).clamp(0, 1)
+    b_hat = b.double() - (-0.5 + (i.double() + 1 - frac) * 1e-3)
+    return (b_hat - b_hat.mean()).float()
+
+
+def test_quantile_balancing_moves_past_the_former_window():
+    """Margins outside [-0.5, 0.5]: an expert nobody picks (its scores 0.9 below everyone's) needs a bias about 0.9 above the others;
+    one update on the batch itself balances it (the former window clamped the move at 0.5)."""
+    g = torch.Generator().manual_seed(3)
+    scores = torch.rand(8192, 16, generator=g) * 0.1 + 0.9
+    scores[:, 0] -= 0.9
+    b = quantile_bias(quantile_histogram(scores, torch.zeros(16), 4, 1000, 2.0, 1e-5), torch.zeros(16), 4, 2.0, 1e-5)
+    assert float(b[0] - b[1:].mean()) > 0.8  # beyond the former window
+    load = torch.bincount(select_experts(scores, b, 4)[0].reshape(-1), minlength=16)
+    assert maxvio(load) < 0.05, maxvio(load)
 
 
 @settings(max_examples=50, deadline=None)
@@ -173,3 +232,17 @@ def test_kda_recurrent_reference_matches_explicit_matrices():
                 state = (eye - bt * torch.outer(kt, kt)) @ decay @ state + bt * torch.outer(kt, vt)
                 expected[b, t, hh] = state.T @ qt
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_quantile_step_moves_the_bias_part_of_the_way():
+    """model.quantile_step s: b <- b + s (b_hat - b); s = 1 sets b to the quantile's b_hat (K3's rule)."""
+    from k3ray.parallel.step import update_router_bias
+
+    cfg = load_config(TINY).model
+    scores = _saturated_scores(4096, 5)[:, :cfg.n_experts]
+    hist = quantile_histogram(scores, torch.zeros(cfg.n_experts), cfg.top_k, 1000, 2.0, 1e-5)
+    b_hat = quantile_bias(hist, torch.zeros(cfg.n_experts), cfg.top_k, 2.0, 1e-5)
+    for step in (1.0, 0.3):
+        moe = LatentMoE(cfg.model_copy(update={"quantile_step": step}), torch.nn.Identity())
+        update_router_bias(moe.cfg, moe, hist, torch.zeros(cfg.n_experts))
+        torch.testing.assert_close(moe.router.bias, step * b_hat)

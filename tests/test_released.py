@@ -187,3 +187,30 @@ def test_released_structure(cfg):
     assert names["blocks.0.attn.q_conv.weight"].shape == (cfg.n_heads * cfg.kda_head_dim, 1, 4)
     assert "output_res.proj.weight" in names and "blocks.3.ffn_res.norm.weight" in names
     assert float(names["blocks.2.attn_res.proj.weight"].detach().abs().sum()) == 0  # uniform mix at start
+
+
+def test_serving_stages_with_attn_res_equal_the_whole_model(cfg):
+    """Serving split after layer 2: each stage keeps its own caches (KDA state and convolution state, MLA latents);
+    the block summaries go with the hidden state to the next stage. A prefill chunk, then two decode steps, give the
+    whole model's logits."""
+    from k3ray.model.cache import IterationCache, SeqAdmit, new_pools
+
+    whole = build_stage(cfg, range(4), seed=7)
+    first, second = build_stage(cfg, range(0, 2), seed=7), build_stage(cfg, range(2, 4), seed=7)
+    pools = {name: new_pools(cfg, stage.layers, 8, 4, 2) for name, stage in
+             [("whole", whole), ("first", first), ("second", second)]}
+    for p in pools.values():
+        p.admit([SeqAdmit(slot=1, pages=[0, 1, 2])])
+    tokens = torch.randint(0, cfg.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+
+    def cache(name: str, start: int, n: int) -> IterationCache:
+        return IterationCache.from_plan(pools[name], [1], [start], [n], "cpu")
+
+    for start, n in [(0, 7), (7, 1), (8, 1)]:
+        x = tokens[:, start:start + n]
+        want = whole(x, cache("whole", start, n))
+        hidden = first(x, cache("first", start, n))
+        assert hidden.shape == boundary_shape(cfg, 2, 1, n)
+        torch.testing.assert_close(second(hidden, cache("second", start, n)), want, rtol=0, atol=1e-12)
+    full = whole(tokens)[0, -1]
+    torch.testing.assert_close(want[0], full, rtol=0, atol=1e-10)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import RELEASED
 from k3ray.config import load_config
 from k3ray.controller.drills import poison_token
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
@@ -71,24 +72,20 @@ def test_batched_engine_equals_reference_greedy(model):
     assert sched.usage()["pages_used"] == 0 and sched.usage()["slots_used"] == 0
 
 
-RELEASED = {"model.q_lora_rank": 16, "model.mla_rope_dim": 8, "model.first_dense_layers": 1, "model.dense_inner": 96,
-            "model.kda_conv_size": 4, "model.kda_gate_lower_bound": -5.0, "model.kda_scaled_read": True,
-            "model.attn_res_block_size": 2, "model.norm_eps": 1e-5}
-
-
 @pytest.mark.parametrize("rope", [False, True], ids=["no_rope_absorbed", "rope"])
 def test_batched_engine_equals_reference_with_the_released_features(rope):
-    """The released K3's features on at tiny size (q-LoRA MLA without RoPE, its decoupled slice in the latent pages;
-    KDA's short convolution carried per slot and its lower-bound gate; a dense first layer; Block AttnRes):
-    continuous batching with chunked prefill and decode still equals the plain forward per token. Without RoPE the
-    cache attends over the latents with the up-projection absorbed; with it (K2's layout) keys are recomputed."""
+    """Every released feature on (conftest.RELEASED): each request's KDA convolution state (its last 3 inputs of q,
+    k, v) is carried across chunked prefill and decode beside the KDA state and reset for a fresh sequence in a
+    reused slot; MLA caches [c | k_p]; Block AttnRes needs nothing per request. Greedy and seeded tokens equal the
+    plain full forward's. Without RoPE the cache attends over the latents with the up-projection absorbed; with it
+    (K2's layout) keys are recomputed from them."""
     cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED, "model.mla_rope": rope}).model
     released = build_stage(cfg, range(cfg.n_layers), seed=5)
     params = [SamplingParams(max_tokens=3 + (2 * i) % 5, temperature=0.7 if i % 3 == 2 else 0.0, seed=i)
               for i in range(5)]
     prompts = [encode(t) for t in (TEXTS[0], TEXTS[2], TEXTS[4], TEXTS[7], TEXTS[12])]
     want = [generate_reference(released, p, sp)[0] for p, sp in zip(prompts, params)]
-    sched, ex = engine(released, budget=16, slots=4)
+    sched, ex = engine(released, budget=16, slots=3)  # fewer slots than requests: slots are reused
     run(sched, ex, {0: list(zip(prompts[:3], params[:3])), 2: list(zip(prompts[3:], params[3:]))})
     got = [r.out for r in sorted(sched.requests.values(), key=lambda r: r.id)]
     assert got == want

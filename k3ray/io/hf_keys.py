@@ -207,8 +207,8 @@ def from_layout(name: str) -> str:
 # checkpoint exported and converted back has the same ModelConfig. A release's config.json has none: the release's
 # behaviour is what its fields say (e.g. KDA reads scaled by head_dim^-1/2).
 K3RAY_FIELDS = "k3ray"
-_K3RAY_ONLY = ("balancing", "sign_update_rate", "quantile_bins", "quantile_window", "dtype", "rope_theta",
-               "kda_scaled_read")
+_K3RAY_ONLY = ("balancing", "sign_update_rate", "quantile_bins", "quantile_window", "quantile_resolution",
+               "quantile_step", "dtype", "rope_theta", "kda_scaled_read")
 
 
 def _pattern(kinds: list[str]) -> list[str] | None:

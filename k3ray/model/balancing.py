@@ -3,12 +3,22 @@
 T tokens, E experts, K top-k, nb histogram bins.
 
 Quantile Balancing sets b_hat_j = -quantile_{1-K/E}(s_:j - alpha) with alpha_i the (K+1)-th largest of s_i + b.
-We histogram x_ij = s_ij - alpha_i + b_j instead of s_ij - alpha_i: the two differ by the constant b_j per expert, so
-b_hat_j = b_j - quantile(x_:j) exactly, but x is centred on the decision boundary (expert j is picked by token i
-iff x_ij > 0), so a narrow fixed range [-w, w] spends all bins where the quantile lives. Values outside clamp to the
-edge bins, which bounds one update's move to w. Counts are integers: the cross-rank cost is one integer all-reduce.
+We histogram the margins x_ij = s_ij - alpha_i + b_j instead of s_ij - alpha_i: the two differ by the constant b_j per
+expert, so b_hat_j = b_j - quantile(x_:j) exactly, but x is centred on the decision boundary (expert j is picked by
+token i iff x_ij > 0) and the quantile is the correction this step makes to b_j.
+
+The bins are log-spaced around the boundary: u = sign(x) log(1 + |x|/r) / log(1 + w/r) maps [-w, w] onto [-1, 1], and
+the nb bins split u evenly. A bin at distance |x| from the boundary is about (|x| + r) * 2 log(1 + w/r) / nb wide (2.3 %
+of the distance for 1000 bins, w = 2, r = 1e-5), so the quantile is read to a fixed fraction of the correction, however
+small it is. Evenly spaced bins cannot: a router whose sigmoid scores saturate (a trained one: many scores near 1)
+puts the margins of most tokens near the boundary within 1e-3 of each other, one bin of 1000 over [-0.5, 0.5]; the
+interpolated quantile is then off by a large share of the tokens and the bias oscillates (MaxVio 0.6-2.5 on gpu2,
+~1 in benchmarks/quantile_balance.py, 0.09 with the log-spaced bins). Margins beyond +-w clamp to the edge bins,
+which bounds one update's move to w. Counts are integers: the cross-rank cost is one integer all-reduce.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -23,19 +33,33 @@ def select_experts(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int) ->
     return idx_TK, picked / picked.sum(-1, keepdim=True)
 
 
-def quantile_histogram(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, bins: int,
-                       window: float) -> torch.Tensor:
-    """Per-expert histogram [E, bins] int64 of x = s - alpha + b over [-window, window] (see module docstring)."""
+def warp_margins(x: torch.Tensor, window: float, resolution: float) -> torch.Tensor:
+    """Margins -> the log-spaced bin coordinate u in [-1, 1] (beyond +-window: beyond +-1, clamped by the histogram)."""
+    return torch.sign(x) * torch.log1p(x.abs() / resolution) / math.log1p(window / resolution)
+
+
+def unwarp_margins(u: torch.Tensor, window: float, resolution: float) -> torch.Tensor:
+    """The inverse of `warp_margins`."""
+    return torch.sign(u) * resolution * torch.expm1(u.abs() * math.log1p(window / resolution))
+
+
+def quantile_histogram(scores_TE: torch.Tensor, bias_E: torch.Tensor, top_k: int, bins: int, window: float,
+                       resolution: float) -> torch.Tensor:
+    """Per-expert histogram [E, bins] int64 of the margins x = s - alpha + b in log-spaced bins over [-window, window]
+    (see module docstring)."""
     biased = scores_TE + bias_E
     alpha_T = torch.topk(biased, top_k + 1, dim=-1).values[:, top_k]
     # a blown-up step (NaN scores) must still finish its collectives so the guards can roll it back
-    return score_histogram(torch.nan_to_num(biased - alpha_T[:, None], nan=0.0), -window, window, bins)
+    margins = torch.nan_to_num(biased - alpha_T[:, None], nan=0.0)
+    return score_histogram(warp_margins(margins, window, resolution), -1.0, 1.0, bins)
 
 
-def quantile_bias(counts_Eb: torch.Tensor, bias_E: torch.Tensor, top_k: int, window: float) -> torch.Tensor:
+def quantile_bias(counts_Eb: torch.Tensor, bias_E: torch.Tensor, top_k: int, window: float,
+                  resolution: float) -> torch.Tensor:
     """New bias from a (globally reduced) histogram: b_hat = b - quantile_{1-K/E}(x), centred to mean zero.
 
-    The quantile is the point with K/E of the column's tokens above it, linearly interpolated inside its bin."""
+    The quantile is the point with K/E of the column's tokens above it, linearly interpolated inside its bin (in the
+    log-spaced coordinate)."""
     num_experts, bins = counts_Eb.shape
     counts = counts_Eb.double()
     total = counts[0].sum()
@@ -49,8 +73,7 @@ def quantile_bias(counts_Eb: torch.Tensor, bias_E: torch.Tensor, top_k: int, win
     in_bin = counts.gather(1, i[:, None]).squeeze(1)
     need = target - above.gather(1, (i + 1)[:, None]).squeeze(1)  # tokens to take from bin i, from its top
     frac = torch.where(in_bin > 0, need / in_bin.clamp(min=1), torch.zeros_like(need)).clamp(0, 1)
-    width = 2 * window / bins
-    quantile = -window + (i.double() + 1 - frac) * width
+    quantile = unwarp_margins(-1 + (i.double() + 1 - frac) * (2 / bins), window, resolution)
     b_hat = bias_E.double() - quantile
     return (b_hat - b_hat.mean()).to(bias_E.dtype)
 

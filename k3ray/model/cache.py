@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from k3ray.config import ModelConfig
+from k3ray.dtypes import up32
 from k3ray.kernels import kda_attention, kda_decode_slots, short_conv
 
 
@@ -199,7 +200,7 @@ class IterationCache:
             w_ukv = mla.w_ukv.weight.view(H, 2 * h, r)
             q_n, q_p = q.split([h, q.shape[-1] - h], dim=-1)
             q_lat = torch.cat([torch.einsum("nthd,hdr->nthr", q_n, w_ukv[:, :h]), q_p], dim=-1)  # [N, nmax, H, r+p]
-            scores = torch.einsum("nthe,nle->nhtl", q_lat, lat).float() * mla.scale  # [N, H, nmax, Lc]
+            scores = up32(torch.einsum("nthe,nle->nhtl", q_lat, lat)) * mla.scale  # [N, H, nmax, Lc]
             probs = torch.softmax(scores.masked_fill(~self.mask, -torch.inf), dim=-1).to(lat.dtype)
             o_lat = torch.einsum("nhtl,nlr->nthr", probs, lat[..., :r])  # [N, nmax, H, r]
             o = torch.einsum("nthr,hdr->nthd", o_lat, w_ukv[:, h:])  # [N, nmax, H, h]

@@ -159,5 +159,6 @@ class LatentMoE(nn.Module):
         cfg = self.cfg
         hist = None
         if cfg.balancing == "quantile":
-            hist = quantile_histogram(scores, self.router.bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window)
+            hist = quantile_histogram(scores, self.router.bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window,
+                                      cfg.quantile_resolution)
         self.stats.add(hist, torch.bincount(idx.reshape(-1), minlength=cfg.n_experts), y_lat)

@@ -28,7 +28,8 @@ def update_router_bias(cfg: ModelConfig, moe: LatentMoE, histogram: torch.Tensor
     """Set the layer's router bias from the step's global statistics (histogram [E, bins], load [E])."""
     bias = moe.router.bias
     if cfg.balancing == "quantile":
-        bias.copy_(quantile_bias(histogram, bias, cfg.top_k, cfg.quantile_window))
+        b_hat = quantile_bias(histogram, bias, cfg.top_k, cfg.quantile_window, cfg.quantile_resolution)
+        bias.add_(b_hat - bias, alpha=cfg.quantile_step)
     elif cfg.balancing == "sign":
         bias.copy_(sign_bias(load_E, bias, cfg.sign_update_rate))
 
