@@ -22,7 +22,7 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from k3ray.config import JobConfig, ModelConfig
+from k3ray.config import ConfigError, JobConfig, ModelConfig, parse_config
 from k3ray.controller.worker import part_name
 from k3ray.io import checkpoint as ckpt
 from k3ray.io import hf_keys as keys
@@ -164,9 +164,9 @@ def job_config(model: ModelConfig, base: JobConfig | None, pp: int, ep: int, ckp
     doc.setdefault("parallel", {}).update({"pp": pp, "ep": ep})
     doc.setdefault("checkpoint", {})["dir"] = str(ckpt_dir)
     try:
-        return JobConfig.model_validate(doc)
-    except ValidationError as e:
-        raise HFFormatError(f"converted config: {str(e).splitlines()[1:3]}") from None
+        return parse_config(doc, f"{ckpt_dir} (the converted job's config)")
+    except ConfigError as e:
+        raise HFFormatError(" ".join(line.strip() for line in str(e).strip().splitlines())) from None
 
 
 def _fresh_dir(path: Path) -> None:
