@@ -151,6 +151,7 @@ def rank_state(folder: HFFolder, layout: ModelLayout, layers: range, expert_ids:
         w2 = torch.empty((len(expert_ids), *w2_shape), dtype=dtype)
         for row, e in enumerate(expert_ids):
             keys.expert_into(w1[row], w2[row], *(_read(folder, spelled, n) for n in keys.expert_names(layer, e)))
+        folder.release()  # the pages read for this layer stop counting: a part holds layers, the source need not
         state["experts"][layer] = {"expert_ids": list(expert_ids), "w1": w1, "w2": w2,
                                    "opt": {"w1": None, "w2": None}}
     return state
@@ -306,11 +307,12 @@ def export_weights_only(root: str, out: str, weights: torch.dtype = WEIGHTS_DTYP
     parts = []
     for p, e, part in _parts(root, manifest):
         state = {"stage": part["stage"], "layers": part["layers"],
-                 "dense": {n: t.to(weights).clone() for n, t in part["dense"].items()}, "opt_dense": {},
-                 "experts": {i: {"expert_ids": list(x["expert_ids"]), "w1": x["w1"].to(weights).clone(),
-                                 "w2": x["w2"].to(weights).clone(), "opt": {"w1": None, "w2": None}}
+                 # tensors already in `weights` are written straight from the mapped part, the others converted
+                 "dense": {n: t.to(weights) for n, t in part["dense"].items()}, "opt_dense": {},
+                 "experts": {i: {"expert_ids": list(x["expert_ids"]), "w1": x["w1"].to(weights),
+                                 "w2": x["w2"].to(weights), "opt": {"w1": None, "w2": None}}
                              for i, x in part["experts"].items()},
-                 "router_bias": {i: b.to(torch.float32).clone() for i, b in part["router_bias"].items()},
+                 "router_bias": {i: b.to(torch.float32) for i, b in part["router_bias"].items()},
                  "opt_steps": 0, "lr_scale": 1.0}
         parts.append(ckpt.write_part(out, manifest.step, part_name(p * meta["ep"] + e), state))
         del part, state
