@@ -2,13 +2,13 @@
 
 `convert_from_hf` reads a release folder (k3ray.io.hf_files) and writes a verified k3ray checkpoint
 (k3ray.io.checkpoint: one part per worker of a pp x ep grid, as training writes them, no optimizer state) that
-`k3ray train --resume` restores onto any EP size (pp as written) and `k3ray serve` onto any pp x ep. `export_hf` writes a k3ray checkpoint back in the
-release's format; `export_weights_only` keeps k3ray's format and drops the optimizer state. `hf_serving_state` gives
-serving the merged weights of a release folder directly. The names are k3ray.io.hf_keys'; the tensor shapes come
-from the model itself, built on the meta device.
+`k3ray train --resume` restores onto any EP size (pp as written) and `k3ray serve` onto any pp x ep. `export_hf`
+writes a k3ray checkpoint back in the release's format; `export_weights_only` keeps k3ray's format and drops the
+optimizer state. `hf_serving_state` gives serving the merged weights of a release folder directly. The names are
+k3ray.io.hf_keys'; the tensor shapes come from the model itself, built on the meta device.
 
-Memory: convert holds one part at a time (dense layers of a stage, the experts of one EP rank of it); export maps
-one part at a time from disk and holds one tensor more.
+Memory: convert holds one part at a time (dense layers of a stage, the experts of one EP rank of it) and the source
+pages of one layer; export maps one part at a time from disk and holds one tensor more.
 """
 from __future__ import annotations
 
@@ -60,9 +60,10 @@ def model_layout(cfg: ModelConfig) -> ModelLayout:
     tensors = {n: p for n, p in stage.named_parameters() if not is_expert_param(n)}
     for i, moe in stage.moe_layers().items():
         tensors[f"blocks.{i}.moe.router.bias"] = moe.router.bias
-    shard = next(iter(stage.expert_shards().values()))
+    # one expert's rows of ExpertShard's w1 [d_latent, 2I] (gate | up) and w2 [I, d_latent]
     return ModelLayout(cfg, keys.dense_groups(cfg, tensors), {n: (t.shape, t.dtype) for n, t in tensors.items()},
-                       sorted(stage.expert_shards()), (shard.w1.shape[1:], shard.w2.shape[1:]))
+                       sorted(stage.expert_shards()),
+                       (torch.Size([cfg.d_latent, 2 * cfg.expert_inner]), torch.Size([cfg.expert_inner, cfg.d_latent])))
 
 
 def _is_bias(name: str) -> bool:
