@@ -30,7 +30,7 @@ from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.controller.serve_grid import ServingGrid
 from k3ray.controller.worker_group import WorkerLost
 from k3ray.data import EOS
-from k3ray.model.sampling import SamplingParams, visible_ids
+from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import PoolSizes
 
 log = logging.getLogger("k3ray.serve")
@@ -101,13 +101,17 @@ class ServingEngine:
             while True:
                 await event.wait()
                 event.clear()
-                # hold back what a stop string might still cut, until the request ends
-                ids = visible_ids(req.out, sp, EOS)
-                hold = 0 if req.done else max((len(s.encode()) - 1 for s in sp.stop), default=0)
-                upto = max(sent, len(ids) - hold)
                 if req.finish == "error":
                     yield {"error": "internal", "message": req.error}
                     return
+                # visible: without the end-of-text token and from a stop string on; what a stop string might still
+                # cut is held back until the request ends
+                ids = req.out
+                end = len(ids) - (1 if ids and ids[-1] == EOS and req.done else 0)
+                if req.stops.cut is not None:
+                    end = min(end, req.stops.cut)
+                hold = 0 if req.done else req.stops.longest - 1 if req.stops.longest else 0
+                upto = max(sent, end - hold)
                 if upto > sent or req.done:
                     yield {"tokens": ids[sent:upto], "finish": req.finish}
                     sent = upto

@@ -11,6 +11,7 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | score_histogram(values, lo, hi, bins) | histogram.*_reference | histogram.*_triton | - |
 | kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.*_reference | kda.*chunk_fla | all |
 | kda_decode(same) | kda.kda_recurrent_reference | kda.kda_recurrent_fla | - |
+| kda_decode_slots(q, k, v, g, beta, pool, slots) | kda.*_reference | kda.*_fla | - |
 | kda_context_parallel(q, k, v, g, beta, group) | kda.*_context_parallel_reference | kda.*_context_parallel_fla | all |
 | kda_gate(raw, A_log, dt_bias, lower_bound) | kda.kda_gate_reference | kda.kda_gate_fla | all |
 | short_conv(x, weight, state, output_final_state, cu_seqlens) | short_conv.*_reference | short_conv.*_fla (no state) | all |
@@ -103,10 +104,17 @@ def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False
 
 
 def kda_decode(q, k, v, g, beta, initial_state=None, output_final_state=True, cu_seqlens=None):
-    """KDA for decoding a few tokens from state slots: fla's fused_recurrent_kda, or the recurrent reference."""
+    """KDA for decoding a few tokens from given states: fla's fused_recurrent_kda, or the recurrent reference."""
     if _fla(q):
         return _kda.kda_recurrent_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
     return _kda.kda_recurrent_reference(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+
+
+def kda_decode_slots(q, k, v, g, beta, pool, slots):
+    """One token of each of N sequences from its state slot, the slots updated in place (kernels/kda.py)."""
+    if _fla(q):
+        return _kda.kda_decode_slots_fla(q, k, v, g, beta, pool, slots)
+    return _kda.kda_decode_slots_reference(q, k, v, g, beta, pool, slots)
 
 
 def kda_context_parallel(q, k, v, g, beta, group):
@@ -133,4 +141,4 @@ def short_conv(x, weight, state=None, output_final_state=False, cu_seqlens=None)
 
 
 __all__ = ["situ_glu", "grouped_expert_ffn", "permute_rows", "unpermute_rows", "score_histogram", "kda_attention",
-           "kda_decode", "kda_context_parallel", "kda_gate", "short_conv", "set_backend"]
+           "kda_decode", "kda_decode_slots", "kda_context_parallel", "kda_gate", "short_conv", "set_backend"]

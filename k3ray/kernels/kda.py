@@ -227,6 +227,24 @@ def kda_recurrent_fla(q, k, v, g, beta, initial_state=None, output_final_state=F
     return o.to(v.dtype), s
 
 
+def kda_decode_slots_reference(q, k, v, g, beta, pool, slots):
+    """One token of each of N sequences (q, k, g: [N, 1, H, K], v: [N, 1, H, V], beta [N, 1, H]) from the states
+    pool[slots] ([P, H, K, V], fp32; slots [N] int64), which are updated in place. Returns o [N, 1, H, V]."""
+    o, s = kda_recurrent_reference(q, k, v, g, beta, pool[slots], True)
+    pool.index_copy_(0, slots, s.to(pool.dtype))
+    return o
+
+
+def kda_decode_slots_fla(q, k, v, g, beta, pool, slots):
+    """fla's fused_recurrent_kda in its continuous-batching form: each sequence's state is read from and written
+    back to its slot of the pool inside the kernel (no gathered copy of the states)."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    o, _ = fused_recurrent_kda_fwd(*_fla_inputs(q, k, v, g, beta), initial_state=pool, scale=1.0,
+                                   output_final_state=True, inplace_final_state=True, ssm_state_indices=slots)
+    return o.to(v.dtype)
+
+
 def kda_context_parallel_fla(q, k, v, g, beta, group):
     """fla's chunk_kda with a cp_context: one sequence (B = 1) split contiguously over `group`."""
     from fla.ops.cp import build_cp_context

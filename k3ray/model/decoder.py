@@ -63,8 +63,8 @@ class Block(nn.Module):
             self.ffn_res = AttnResRead(cfg.d_model, cfg.norm_eps)
         self.resid_maxabs: torch.Tensor | None = None
 
-    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.moe(x) if self.moe is not None else self.ffn(x)
+    def _ffn(self, x: torch.Tensor, cache: IterationCache | None) -> torch.Tensor:
+        return self.moe(x, cache) if self.moe is not None else self.ffn(x)
 
     def forward(self, x: torch.Tensor, cache: IterationCache | None = None,
                 summaries: list[torch.Tensor] | None = None):
@@ -73,7 +73,7 @@ class Block(nn.Module):
             cache.layer = self.layer
         if summaries is None:
             x = x + self.attn(self.attn_norm(x), cache)
-            x = x + self._ffn(self.ffn_norm(x))
+            x = x + self._ffn(self.ffn_norm(x), cache)
             out = x
         else:
             h = self.attn_res(summaries + [x])
@@ -83,9 +83,10 @@ class Block(nn.Module):
             a = self.attn(self.attn_norm(h), cache)
             partial = a if partial is None else partial + a
             h = self.ffn_res(summaries + [partial])
-            x = out = partial + self._ffn(self.ffn_norm(h))
-        if cache is not None:
+            x = out = partial + self._ffn(self.ffn_norm(h), cache)
+        if cache is not None:  # serving: each sequence's max-abs for the per-request guards
             cache.note_activations(out)
+            return x if summaries is None else (x, summaries)
         with torch.no_grad():
             m = up32(maxabs(out.detach()))
             self.resid_maxabs = m if self.resid_maxabs is None else torch.maximum(self.resid_maxabs, m)
