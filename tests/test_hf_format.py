@@ -311,3 +311,9 @@ def test_model_config_survives_config_json(path, released):
 
     cfg = load_config(path, RELEASED if released else {}).model
     assert ModelConfig.model_validate(config_from_hf(json.loads(json.dumps(config_to_hf(cfg))))) == cfg
+
+
+def test_a_grid_that_does_not_fit_the_model(tmp_path, capsys):
+    src = write_release(tmp_path / "hf")
+    err = _cli_error(capsys, "convert", "--from-hf", str(src), "--to", str(tmp_path / "k3"), "--ep", "3")
+    assert f"parallel.ep=3 does not divide model.n_experts={E}" in err

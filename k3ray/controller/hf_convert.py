@@ -2,13 +2,13 @@
 
 `convert_from_hf` reads a release folder (k3ray.io.hf_files) and writes a verified k3ray checkpoint
 (k3ray.io.checkpoint: one part per worker of a pp x ep grid, as training writes them, no optimizer state) that
-`k3ray train --resume` restores onto any EP size (pp as written) and `k3ray serve` onto any pp x ep. `export_hf` writes a k3ray checkpoint back in the
-release's format; `export_weights_only` keeps k3ray's format and drops the optimizer state. `hf_serving_state` gives
-serving the merged weights of a release folder directly. The names are k3ray.io.hf_keys'; the tensor shapes come
-from the model itself, built on the meta device.
+`k3ray train --resume` restores onto any EP size (pp as written) and `k3ray serve` onto any pp x ep. `export_hf`
+writes a k3ray checkpoint back in the release's format; `export_weights_only` keeps k3ray's format and drops the
+optimizer state. `hf_serving_state` gives serving the merged weights of a release folder directly. The names are
+k3ray.io.hf_keys'; the tensor shapes come from the model itself, built on the meta device.
 
-Memory: convert holds one part at a time (dense layers of a stage, the experts of one EP rank of it); export maps
-one part at a time from disk and holds one tensor more.
+Memory: convert holds one part at a time (dense layers of a stage, the experts of one EP rank of it) and the source
+pages of one layer; export maps one part at a time from disk and holds one tensor more.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import torch
 import yaml
 from pydantic import ValidationError
 
-from k3ray.config import JobConfig, ModelConfig
+from k3ray.config import ConfigError, JobConfig, ModelConfig, parse_config
 from k3ray.controller.worker import part_name
 from k3ray.io import checkpoint as ckpt
 from k3ray.io import hf_keys as keys
@@ -60,9 +60,10 @@ def model_layout(cfg: ModelConfig) -> ModelLayout:
     tensors = {n: p for n, p in stage.named_parameters() if not is_expert_param(n)}
     for i, moe in stage.moe_layers().items():
         tensors[f"blocks.{i}.moe.router.bias"] = moe.router.bias
-    shard = next(iter(stage.expert_shards().values()))
+    # one expert's rows of ExpertShard's w1 [d_latent, 2I] (gate | up) and w2 [I, d_latent]
     return ModelLayout(cfg, keys.dense_groups(cfg, tensors), {n: (t.shape, t.dtype) for n, t in tensors.items()},
-                       sorted(stage.expert_shards()), (shard.w1.shape[1:], shard.w2.shape[1:]))
+                       sorted(stage.expert_shards()),
+                       (torch.Size([cfg.d_latent, 2 * cfg.expert_inner]), torch.Size([cfg.expert_inner, cfg.d_latent])))
 
 
 def _is_bias(name: str) -> bool:
@@ -151,6 +152,7 @@ def rank_state(folder: HFFolder, layout: ModelLayout, layers: range, expert_ids:
         w2 = torch.empty((len(expert_ids), *w2_shape), dtype=dtype)
         for row, e in enumerate(expert_ids):
             keys.expert_into(w1[row], w2[row], *(_read(folder, spelled, n) for n in keys.expert_names(layer, e)))
+        folder.release()  # the pages read for this layer stop counting: a part holds layers, the source need not
         state["experts"][layer] = {"expert_ids": list(expert_ids), "w1": w1, "w2": w2,
                                    "opt": {"w1": None, "w2": None}}
     return state
@@ -164,9 +166,9 @@ def job_config(model: ModelConfig, base: JobConfig | None, pp: int, ep: int, ckp
     doc.setdefault("parallel", {}).update({"pp": pp, "ep": ep})
     doc.setdefault("checkpoint", {})["dir"] = str(ckpt_dir)
     try:
-        return JobConfig.model_validate(doc)
-    except ValidationError as e:
-        raise HFFormatError(f"converted config: {str(e).splitlines()[1:3]}") from None
+        return parse_config(doc, f"{ckpt_dir} (the converted job's config)")
+    except ConfigError as e:
+        raise HFFormatError(" ".join(line.strip() for line in str(e).strip().splitlines())) from None
 
 
 def _fresh_dir(path: Path) -> None:
@@ -306,11 +308,12 @@ def export_weights_only(root: str, out: str, weights: torch.dtype = WEIGHTS_DTYP
     parts = []
     for p, e, part in _parts(root, manifest):
         state = {"stage": part["stage"], "layers": part["layers"],
-                 "dense": {n: t.to(weights).clone() for n, t in part["dense"].items()}, "opt_dense": {},
-                 "experts": {i: {"expert_ids": list(x["expert_ids"]), "w1": x["w1"].to(weights).clone(),
-                                 "w2": x["w2"].to(weights).clone(), "opt": {"w1": None, "w2": None}}
+                 # tensors already in `weights` are written straight from the mapped part, the others converted
+                 "dense": {n: t.to(weights) for n, t in part["dense"].items()}, "opt_dense": {},
+                 "experts": {i: {"expert_ids": list(x["expert_ids"]), "w1": x["w1"].to(weights),
+                                 "w2": x["w2"].to(weights), "opt": {"w1": None, "w2": None}}
                              for i, x in part["experts"].items()},
-                 "router_bias": {i: b.to(torch.float32).clone() for i, b in part["router_bias"].items()},
+                 "router_bias": {i: b.to(torch.float32) for i, b in part["router_bias"].items()},
                  "opt_steps": 0, "lr_scale": 1.0}
         parts.append(ckpt.write_part(out, manifest.step, part_name(p * meta["ep"] + e), state))
         del part, state
