@@ -120,7 +120,10 @@ class Controller(FailurePaths):
         return {"pp": self.cfg.parallel.pp, "ep": self.table.ep, "home": list(self.table.home),
                 "last_batch": self.batches.get(step - 1), "skip": sorted(self.skip), "lr_scale": self.lr_scale,
                 "guard_state": {k: v for k, v in vars(self.guard_state).items() if k != "history"},
-                "job": self.cfg.name, "config": self.cfg.model_dump(mode="json")}
+                "job": self.cfg.name, "config": self.cfg.model_dump(mode="json"),
+                # steps 0..step-1 each trained one global batch; skipped batches were read past, not trained on
+                "tokens_consumed": step * self.cfg.global_batch_sequences * self.cfg.data.seq_len,
+                "samples_read": (self.batches.get(step - 1, -1) + 1) * self.cfg.global_batch_sequences}
 
     # -- steps ---------------------------------------------------------------------------------------------------
     def train_step(self, step: int, batch_index: int | None = None) -> dict:

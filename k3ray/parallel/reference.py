@@ -7,7 +7,7 @@ import time
 import torch
 
 from k3ray.config import JobConfig
-from k3ray.data import EOS, TokenData
+from k3ray.data import EOS, open_token_data
 from k3ray.model.decoder import K3Stage, build_stage
 from k3ray.model.sampling import SamplingParams, finish_reason, next_token
 from k3ray.optim import AdamW, clip_coefficient, lr_at
@@ -24,7 +24,7 @@ class ReferenceTrainer:
         self.model = build_stage(cfg.model, range(cfg.model.n_layers), seed=cfg.train.seed)
         self.params = dict(self.model.named_parameters())
         self.opt = AdamW(cfg.optimizer)
-        self.data = TokenData(cfg.data, cfg.train.seed)
+        self.data = open_token_data(cfg)
 
     def train_step(self, step: int, batch_index: int) -> StepReport:
         cfg, model = self.cfg, self.model
