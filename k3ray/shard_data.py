@@ -56,6 +56,7 @@ class ShardData:
     def __init__(self, cfg: DataConfig, seed: int, dp_ranks: int, micro_batches: int):
         self.cfg, self.seed = cfg, seed
         self.shards = ShardSet.open(cfg.source)
+        self.eos_id = int(self.shards.manifest["tokenizer"]["eos_id"])
         L, ends = cfg.seq_len, self.shards.doc_ends
         n_val_docs = max(1, round(len(ends) * cfg.val_fraction))
         if len(ends) <= n_val_docs:

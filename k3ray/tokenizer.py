@@ -154,23 +154,25 @@ class TiktokenTokenizer(Tokenizer):
 class Detokenizer:
     """One request's output as text, token by token: push(new ids) returns the text they add that is final: never
     half a UTF-8 character, never what a stop string might still cut. When a stop string appears the text ends
-    before it and `stopped` is set; `tokens` counts the ids pushed until then. push(..., final=True) flushes."""
+    before it and `stopped` is set; end-of-text sets `ended`; `tokens` counts the ids taken until then (without
+end-of-text). push(..., final=True) flushes."""
 
     def __init__(self, tok: Tokenizer, stop: tuple[str, ...] = ()):
         self.tok, self.stop = tok, tuple(s for s in stop if s)
         self.ids: list[int] = []
-        self.text, self.sent, self.searched, self.tokens, self.stopped = "", 0, 0, 0, False
+        self.text, self.sent, self.searched, self.tokens = "", 0, 0, 0
+        self.stopped = self.ended = False  # a stop string appeared / end-of-text came
         self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.bytewise = tok.token_bytes(tok.eos_id) is not None
         # tokenizers without token bytes decode a window: ids[prefix:read] is text already out, ids[read:] is not
         self.prefix = self.read = 0
 
     def push(self, ids: list[int], final: bool = False) -> str:
-        if self.stopped:
+        if self.stopped or self.ended:
             return ""
         for token in ids:
             if token == self.tok.eos_id:
-                final = True
+                final = self.ended = True
                 break
             self.tokens += 1
             self.text += self._decode_one(token)
