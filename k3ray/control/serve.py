@@ -11,12 +11,13 @@ longer than the context) is a 4xx whose message names the field; it never reache
 away cancels its request (Serve cancels the handler; the handler cancels the engine's stream, which frees the
 request's pages and slot).
 
-Chat: messages are rendered with the byte tokenizer's template (k3ray.data.chat_prompt) and "\\n### " is added to
-the stop strings, so a reply ends where the next turn's header would begin.
+Text: the training job's tokenizer (data.tokenizer, k3ray.tokenizer) encodes prompts; the engine returns final text
+(decoded incrementally, stop strings met on the text). Chat: messages are rendered with the tokenizer's chat template
+(tokenizer_config.json, jinja2, as Hugging Face does); for `bytes`, "### role\\ncontent\\n" per message with
+"\\n### " added to the stop strings, so a reply ends where the next turn's header would begin.
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
 
-import codecs
 import json
 import logging
 import time
@@ -28,10 +29,9 @@ from pydantic import ValidationError
 from ray import serve
 
 from k3ray.control import openai_schema as oa
-from k3ray.data import chat_prompt, encode
+from k3ray.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("k3ray.serve")
-CHAT_STOP = "\n### "
 DEFAULT_MAX_TOKENS = 16
 
 app = FastAPI(title="k3ray serve")
@@ -54,6 +54,7 @@ class OpenAIIngress:
         self.engine, self.info = engine, info
         self.model, self.created = info["model"], int(time.time())
         self.max_seq_len, self.limits = info["max_seq_len"], info["serve"]
+        self.tokenizer = load_tokenizer(info["tokenizer"])
 
     @app.get("/health")
     async def health(self):
@@ -129,9 +130,8 @@ class OpenAIIngress:
         if req.model != self.model:
             raise BadRequest(_error(404, f"model: unknown model {req.model!r}; this server serves {self.model!r}",
                                     "model", code="model_not_found"))
-        prompt = chat_prompt([(m.role, m.content) for m in req.messages]) if chat else req.prompt
+        ids, stop = prompt_ids(self.tokenizer, req, chat)
         field = "messages" if chat else "prompt"
-        ids = encode(prompt)
         max_tokens = req.max_tokens or min(DEFAULT_MAX_TOKENS, self.max_seq_len - len(ids))
         if not ids:
             raise BadRequest(_error(400, f"{field}: empty", field))
@@ -145,26 +145,26 @@ class OpenAIIngress:
             raise BadRequest(_error(400, f"max_tokens: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed "
                                          f"the context of {self.max_seq_len} tokens", "max_tokens",
                                     code="context_length_exceeded"))
-        return req, ids, req.sampling(max_tokens, (CHAT_STOP,) if chat else ())
+        return req, ids, req.sampling(max_tokens, stop)
 
     async def _whole(self, stream, rid: str, chat: bool, prompt_tokens: int):
-        tokens, finish = [], None
+        pieces, generated, finish = [], 0, None
         try:
             async for ref in stream:
                 item = await ref
                 if "error" in item:
                     return _error(500, item["message"], kind="server_error")
-                tokens += item["tokens"]
+                pieces.append(item["text"])
+                generated += len(item["tokens"])
                 finish = item["finish"]
         finally:  # the client went away (Serve cancels this handler): stop generating, free the caches
             if finish is None:
                 ray.cancel(stream)
-        text = bytes(tokens).decode("utf-8", errors="replace")
-        use = oa.usage(prompt_tokens, len(tokens))
-        return JSONResponse((oa.chat_completion if chat else oa.completion)(rid, self.model, text, finish, use))
+        use = oa.usage(prompt_tokens, generated)
+        return JSONResponse((oa.chat_completion if chat else oa.completion)(rid, self.model, "".join(pieces), finish,
+                                                                             use))
 
     async def _events(self, stream, rid: str, chat: bool, usage_prompt_tokens: int | None):
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         finish, generated = None, 0
 
         def sse(obj: dict) -> str:
@@ -180,7 +180,7 @@ class OpenAIIngress:
                     break
                 finish = item["finish"]
                 generated += len(item["tokens"])
-                text = decoder.decode(bytes(item["tokens"]), final=finish is not None)
+                text = item["text"]
                 if chat:
                     yield sse(oa.chat_chunk(rid, self.model, text if text else None, finish))
                 else:
@@ -191,6 +191,14 @@ class OpenAIIngress:
         finally:
             if finish is None:
                 ray.cancel(stream)
+
+
+def prompt_ids(tok: Tokenizer, req, chat: bool) -> tuple[list[int], tuple[str, ...]]:
+    """A request's prompt token ids (chat: its messages through the tokenizer's chat template) and the stop strings
+    the template adds."""
+    if not chat:
+        return tok.encode(req.prompt), ()
+    return tok.encode(tok.chat_prompt([{"role": m.role, "content": m.content} for m in req.messages])), tok.chat_stop
 
 
 def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.0.1", port: int = 8000,

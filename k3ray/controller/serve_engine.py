@@ -29,9 +29,9 @@ from k3ray.controller.drills import clear, inject
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.controller.serve_grid import ServingGrid
 from k3ray.controller.worker_group import WorkerLost
-from k3ray.data import EOS
-from k3ray.model.sampling import SamplingParams, visible_ids
+from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import PoolSizes
+from k3ray.tokenizer import load_tokenizer
 
 log = logging.getLogger("k3ray.serve")
 
@@ -58,7 +58,7 @@ class ServingEngine:
         sc = cfg.serve
         sizes = PoolSizes(sc.pages_per_rank, sc.page_size, sc.slots_per_rank)
         self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, ep, sc.token_budget, sc.max_waiting, sizes,
-                                            cfg.policies.guards))
+                                            cfg.policies.guards, load_tokenizer(cfg.data.tokenizer)))
         self.grid = ServingGrid(cfg, weights.state, sizes, launch_timeout_s)
         self.grid.launch(ep)
         self.incidents: list[dict] = []
@@ -74,7 +74,8 @@ class ServingEngine:
 
     def ready(self) -> dict:
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
-                "max_seq_len": self.cfg.model.max_seq_len, "serve": self.cfg.serve.model_dump()}
+                "max_seq_len": self.cfg.model.max_seq_len, "serve": self.cfg.serve.model_dump(),
+                "tokenizer": self.cfg.data.tokenizer}
 
     def stats(self) -> dict:
         return {**self.sched.usage(), "iterations": self.iterations, "tokens_out": self.tokens_out,
@@ -83,7 +84,9 @@ class ServingEngine:
 
     async def generate(self, prompt: list[int], params: dict):
         """Stream a request: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'}, then items
-        {'tokens': new visible token ids, 'finish': None | 'stop' | 'length'}, or {'error': 'internal', ...}."""
+        {'text': new final text, 'tokens': the token ids it came from, 'finish': None | 'stop' | 'length'}, or
+        {'error': 'internal', ...}. The text never ends inside a character nor in what a stop string may still cut
+        (the request's detokenizer holds that back)."""
         sp = SamplingParams(**{**params, "stop": tuple(params.get("stop") or ())})
         try:
             req = self.sched.submit(prompt, sp)
@@ -95,22 +98,19 @@ class ServingEngine:
             return
         self._ensure_loop()
         event = self.updates[req.id] = asyncio.Event()
-        sent = 0
+        sent, sent_text = 0, 0
         try:
             yield {"accepted": req.id}
             while True:
                 await event.wait()
                 event.clear()
-                # hold back what a stop string might still cut, until the request ends
-                ids = visible_ids(req.out, sp, EOS)
-                hold = 0 if req.done else max((len(s.encode()) - 1 for s in sp.stop), default=0)
-                upto = max(sent, len(ids) - hold)
                 if req.finish == "error":
                     yield {"error": "internal", "message": req.error}
                     return
-                if upto > sent or req.done:
-                    yield {"tokens": ids[sent:upto], "finish": req.finish}
-                    sent = upto
+                upto = req.detok.tokens  # ids taken into the text: without end-of-text and what follows a stop
+                if len(req.text) > sent_text or req.done:
+                    yield {"text": req.text[sent_text:], "tokens": req.out[sent:upto], "finish": req.finish}
+                    sent, sent_text = upto, len(req.text)
                 if req.done:
                     return
         finally:  # also when the caller cancels the stream: the request ends and its caches are freed

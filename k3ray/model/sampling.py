@@ -40,12 +40,14 @@ def next_token(logits_V: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def finish_reason(output_ids: list[int], params: SamplingParams, eos: int, context_left: int) -> str | None:
+def finish_reason(output_ids: list[int], params: SamplingParams, eos: int, context_left: int,
+                  stopped: bool | None = None) -> str | None:
     """'stop' (end-of-text token or a stop string in the output), 'length' (max_tokens or the context is full), or
-    None while the generation goes on."""
+    None while the generation goes on. `stopped`: whether the request's detokenizer (k3ray.tokenizer) met a stop
+    string in the text; None: search the output as bytes (byte tokens, the single-process reference)."""
     if output_ids and output_ids[-1] == eos:
         return "stop"
-    if params.stop and stop_index(output_ids, params.stop) is not None:
+    if stopped if stopped is not None else (params.stop and stop_index(output_ids, params.stop) is not None):
         return "stop"
     if len(output_ids) >= params.max_tokens or context_left <= 0:
         return "length"
