@@ -10,6 +10,7 @@ import pytest
 from conftest import run_job
 from k3ray.config import ConfigError, load_config
 from k3ray.control.prepare import input_files, plan_units, prepare, prepare_unit
+from k3ray.io import checkpoint as ckpt
 from k3ray.io import shards
 from k3ray.parallel.reference import ReferenceTrainer
 from k3ray.tokenizer import load_tokenizer
@@ -88,27 +89,32 @@ def shard_job(ray_cluster, inputs, tmp_path_factory):
         return load_config("configs/tiny.yaml", {
             "parallel.pp": 2, "parallel.ep": 2, "train.eval_every": 0, "train.steps": STEPS, "model.dtype": "float64",
             "model.vocab_size": 512, "data.source": str(out), "data.tokenizer": str(tok),
-            "data.micro_batch_size": 4, "parallel.collective_timeout_s": 10, "fault_tolerance.grow_back": False, "fault_tolerance.snapshot_every": 2,
+            "data.micro_batch_size": 4, "parallel.collective_timeout_s": 10, "fault_tolerance.grow_back": False,
+            "fault_tolerance.snapshot_every": 2, "checkpoint.every_n_steps": 3,
             "policies.guards.warmup_steps": 100, "checkpoint.at_end": False,
             "checkpoint.dir": str(tmp_path_factory.mktemp("ckpt")), **overrides})
 
     reference = ReferenceTrainer(cfg())
     want = [reference.train_step(s, s).loss for s in range(STEPS)]
-    return cfg, want, run_job(cfg(), STEPS, timeout_s=120)
+    unfailed = cfg()
+    return cfg, want, run_job(unfailed, STEPS, timeout_s=120), unfailed.checkpoint.dir
 
 
 def test_pp2_ep2_on_shards_equals_the_single_process_reference(shard_job):
-    _, want, run = shard_job
+    _, want, run, checkpoints = shard_job
     got = [r["loss"] for r in run.reports]
     assert got == pytest.approx(want, rel=1e-8, abs=0)
     assert run.reports[0]["tokens"] == 2 * 2 * 4 * 128
+    newest = ckpt.latest_verified(checkpoints)  # a checkpoint records what the steps before it trained on
+    assert newest.step > 0 and newest.meta["tokens_consumed"] == newest.step * 2 * 2 * 4 * 128
+    assert newest.meta["samples_read"] == newest.step * 2 * 2 * 4
 
 
 def test_worker_killed_on_shards_resumes_with_the_unfailed_losses(shard_job):
     """Worker 3 (stage 1, EP rank 1) killed at step 3: the grid is rebuilt on the survivors, steps from the step-2
     snapshot are replayed, and EP rank 0 reads the lost rank's micro-batches too (the same global batch), so the
     losses are the unfailed run's."""
-    cfg, _, unfailed = shard_job
+    cfg, _, unfailed, _ = shard_job
     run = run_job(cfg(**{"fault_tolerance.faults": [{"kind": "kill_worker", "step": 3, "worker": 3}]}), STEPS,
                   timeout_s=120)
     assert [i["kind"] for i in run.incidents] == ["worker_lost"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from k3ray.config import ConfigError, JobConfig, load_config, parse_assignments
 from k3ray.control import client, jobs
+from k3ray.control import prepare as prepare_command
 
 log = logging.getLogger("k3ray")
 
@@ -194,24 +195,6 @@ def cmd_serve(args) -> int:
     return 0
 
 
-def cmd_data_prepare(args) -> int:
-    from k3ray.control.driver import init_ray
-    from k3ray.control.prepare import prepare
-    from k3ray.tokenizer import load_tokenizer
-
-    load_tokenizer(args.tokenizer)  # a bad tokenizer is one line before Ray starts
-    init_ray(args.address, args.workers or 1)
-    s = prepare(args.input, args.tokenizer, args.output, args.field, args.shard_mb, args.workers,
-                progress=not args.json)
-    if args.json:
-        print(json.dumps(s))
-    else:
-        print(f"k3ray: prepared {s['documents']:,} documents, {s['tokens']:,} tokens in {s['shards']} shards "
-              f"({s['input_bytes'] / 1e6:,.1f} MB of input, {s['reused_shards']} shards reused) in "
-              f"{s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s -> {s['output']}")
-    return 0
-
-
 def cmd_config_show(args) -> int:
     from k3ray.model.params import model_totals
 
@@ -306,20 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serving limits and pools, e.g. serve.max_waiting=32 serve.token_budget=256")
     sv.set_defaults(func=cmd_serve)
 
-    da = sub.add_parser("data", help="prepare training data: text, JSONL, Parquet -> token shards")
-    dsub_ = da.add_subparsers(dest="data_command", required=True)
-    pr = dsub_.add_parser("prepare", help="tokenize inputs as Ray tasks into memory-mapped shards with a manifest "
-                                          "(deterministic; a second run resumes)")
-    pr.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or folders (.jsonl/.json, "
-                    ".parquet; anything else is a text file, one document each)")
-    pr.add_argument("--tokenizer", default="bytes", help="'bytes', a tokenizer.json, a tiktoken BPE file, or a folder")
-    pr.add_argument("--output", required=True, metavar="DIR")
-    pr.add_argument("--field", default="text", help="the text field of JSONL records / column of Parquet files")
-    pr.add_argument("--shard-mb", type=float, default=64.0, help="input text per shard (MiB)")
-    pr.add_argument("--workers", type=_positive_int, help="tasks at once (default: the cluster's CPUs)")
-    pr.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS or a local one)")
-    pr.add_argument("--json", action="store_true", help="the summary as one JSON line, no progress bar")
-    pr.set_defaults(func=cmd_data_prepare)
+    prepare_command.add_parser(sub, _positive_int)
 
     c = sub.add_parser("config", help="inspect configs")
     csub = c.add_subparsers(dest="config_command", required=True)

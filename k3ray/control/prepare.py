@@ -211,9 +211,10 @@ def prepare(inputs: list[str], tokenizer: str, output: str, field: str = "text",
             fresh_tokens += result["tokens"]
             bar.update(result["input_bytes"])
             bar.set_postfix_str(f"{fresh_tokens / (time.perf_counter() - t0):,.0f} tokens/s")
-    except ray.exceptions.RayTaskError as err:
-        cause = err.cause if isinstance(err.cause, ConfigError) else err
-        raise ConfigError(str(cause).strip().splitlines()[0]) from None
+    except ray.exceptions.RayTaskError as err:  # the task's own error, in one line (an unreadable file names it)
+        cause = getattr(err, "cause", None) or err
+        message = str(cause) if isinstance(cause, ConfigError) else f"{type(cause).__name__}: {cause}"
+        raise ConfigError(message.strip().splitlines()[0]) from None
     finally:
         for ref in pending:
             ray.cancel(ref)
@@ -236,3 +237,37 @@ def prepare(inputs: list[str], tokenizer: str, output: str, field: str = "text",
     return {"documents": manifest["documents"], "tokens": total_tokens, "shards": len(listed),
             "input_bytes": sum(u.size for u in units), "seconds": seconds, "reused_shards": reused,
             "tokens_per_s": fresh_tokens / seconds if seconds > 0 else 0.0, "output": str(out)}
+
+
+# -- the command: `k3ray data prepare` ----------------------------------------------------------------------------
+def add_parser(sub, positive_int) -> None:
+    data = sub.add_parser("data", help="prepare training data: text, JSONL, Parquet -> token shards")
+    commands = data.add_subparsers(dest="data_command", required=True)
+    p = commands.add_parser("prepare", help="tokenize inputs as Ray tasks into memory-mapped shards with a manifest "
+                                            "(deterministic; a second run resumes)")
+    p.add_argument("--input", nargs="+", required=True, metavar="PATH", help="files or folders (.jsonl/.json, "
+                   ".parquet; anything else is a text file, one document each)")
+    p.add_argument("--tokenizer", default="bytes", help="'bytes', a tokenizer.json, a tiktoken BPE file, or a folder")
+    p.add_argument("--output", required=True, metavar="DIR")
+    p.add_argument("--field", default="text", help="the text field of JSONL records / column of Parquet files")
+    p.add_argument("--shard-mb", type=float, default=64.0, help="input text per shard (MiB)")
+    p.add_argument("--workers", type=positive_int, help="tasks at once (default: the cluster's CPUs)")
+    p.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS or a local one)")
+    p.add_argument("--json", action="store_true", help="the summary as one JSON line, no progress bar")
+    p.set_defaults(func=cmd_data_prepare)
+
+
+def cmd_data_prepare(args) -> int:
+    from k3ray.control.driver import init_ray
+
+    load_tokenizer(args.tokenizer)  # a bad tokenizer is one line before Ray starts
+    init_ray(args.address, args.workers or 1)
+    s = prepare(args.input, args.tokenizer, args.output, args.field, args.shard_mb, args.workers,
+                progress=not args.json)
+    if args.json:
+        print(json.dumps(s))
+    else:
+        print(f"k3ray: prepared {s['documents']:,} documents, {s['tokens']:,} tokens in {s['shards']} shards "
+              f"({s['input_bytes'] / 1e6:,.1f} MB of input, {s['reused_shards']} shards reused) in "
+              f"{s['seconds']:.1f} s, {s['tokens_per_s']:,.0f} tokens/s -> {s['output']}")
+    return 0

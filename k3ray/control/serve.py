@@ -47,6 +47,15 @@ class BadRequest(Exception):
         self.response = response
 
 
+def prompt_ids(tok: Tokenizer, req, chat: bool) -> tuple[list[int], tuple[str, ...]]:
+    """(Defined above the ingress: Serve's decorator captures the module's names as they are then.) A
+    request's prompt token ids (chat: its messages through the tokenizer's chat template) and the stop strings
+    the template adds."""
+    if not chat:
+        return tok.encode(req.prompt), ()
+    return tok.encode(tok.chat_prompt([{"role": m.role, "content": m.content} for m in req.messages])), tok.chat_stop
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 @serve.ingress(app)
 class OpenAIIngress:
@@ -191,14 +200,6 @@ class OpenAIIngress:
         finally:
             if finish is None:
                 ray.cancel(stream)
-
-
-def prompt_ids(tok: Tokenizer, req, chat: bool) -> tuple[list[int], tuple[str, ...]]:
-    """A request's prompt token ids (chat: its messages through the tokenizer's chat template) and the stop strings
-    the template adds."""
-    if not chat:
-        return tok.encode(req.prompt), ()
-    return tok.encode(tok.chat_prompt([{"role": m.role, "content": m.content} for m in req.messages])), tok.chat_stop
 
 
 def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.0.1", port: int = 8000,
