@@ -2,8 +2,8 @@
 
 Input: the Python standard library's .py sources as one JSONL file of --mb MiB; tokenizers: `bytes` and a byte-level
 BPE tokenizer.json of --vocab tokens trained (before timing) on a few MiB of the same text. Each run prepares into a
-fresh folder on a local Ray cluster of 2 CPUs; the time is prepare()'s wall time (tasks, shard writes, manifest).
-Prints a table.
+fresh folder on a local Ray cluster of 2 CPUs; the time is prepare()'s wall time (tasks, shard writes, manifest);
+"per CPU-s" divides by the CPU seconds the tasks used (what a core gives when it is not shared). Prints a table.
 
     python benchmarks/data_prepare.py [--mb 16] [--vocab 8192] [--repeats 3]
 """
@@ -76,8 +76,8 @@ def main() -> None:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
         print(f"input: {size / 1e6:.1f} MB JSONL ({len(texts):,} documents); shards of {size / 8 / 2**20:.1f} MiB "
               f"(8 units); ray {ray.__version__}, tokenizers {tokenizers.__version__}; median of {args.repeats}")
-        print(f"{'tokenizer':<22}{'workers':>8}{'seconds':>9}{'MB/s':>8}{'tokens/s':>12}{'tokens/s/core':>15}"
-              f"{'scaling':>9}")
+        print(f"{'tokenizer':<14}{'workers':>8}{'seconds':>9}{'MB/s':>8}{'tokens/s':>12}{'tokens/s/core':>15}"
+              f"{'scaling':>9}{'MB per CPU-s':>14}{'tokens per CPU-s':>18}")
         for name, spec in (("bytes", "bytes"), (f"BPE {args.vocab}", str(bpe))):
             one = None
             for workers in (1, 2):
@@ -88,10 +88,12 @@ def main() -> None:
                                         progress=False))
                     shutil.rmtree(out)
                 secs = statistics.median(s["seconds"] for s in runs)
+                cpu = statistics.median(s["task_cpu_seconds"] for s in runs)
                 tokens = runs[0]["tokens"]
                 one = one or secs
-                print(f"{name:<22}{workers:>8}{secs:>9.2f}{size / secs / 1e6:>8.2f}{tokens / secs:>12,.0f}"
-                      f"{tokens / secs / workers:>15,.0f}{one / secs:>8.2f}x")
+                print(f"{name:<14}{workers:>8}{secs:>9.2f}{size / secs / 1e6:>8.2f}{tokens / secs:>12,.0f}"
+                      f"{tokens / secs / workers:>15,.0f}{one / secs:>8.2f}x{size / cpu / 1e6:>14.2f}"
+                      f"{tokens / cpu:>18,.0f}")
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

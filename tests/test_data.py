@@ -147,7 +147,8 @@ def make_shards(folder: Path, tokenizer: str, texts: list[str], per_shard: int =
     entries = [prepare_unit(Unit("text", tuple(map(str, files[i:i + per_shard]))), n, tokenizer, tok.fingerprint,
                             "text", str(out)) for n, i in enumerate(range(0, len(files), per_shard))]
     shards.write_json(out / shards.MANIFEST, {
-        "format": shards.FORMAT, "shards": [{k: v for k, v in e.items() if k != "input_bytes"} for e in entries],
+        "format": shards.FORMAT, "shards": [{k: v for k, v in e.items() if k not in ("input_bytes", "cpu_seconds")}
+                                              for e in entries],
         "tokenizer": {"name": tokenizer, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
                       "fingerprint": tok.fingerprint}})
     return out

@@ -154,13 +154,14 @@ def tokenize_unit(unit: Unit, tok: Tokenizer, field: str, batch: int = 256) -> t
 def prepare_unit(unit: Unit, index: int, tokenizer: str, fingerprint: str, field: str, out: str) -> dict:
     """Tokenize one unit and write shard `index` and its journal entry (runs as a Ray task)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one core per task; Ray runs the tasks side by side
+    cpu = time.process_time()
     tok = load_tokenizer(tokenizer)
     if tok.fingerprint != fingerprint:
         raise ConfigError(f"{tokenizer}: changed while preparing")
     tokens, ends = tokenize_unit(unit, tok, field)
     entry = shards.write_shard(Path(out), shards.shard_name(index), tokens, ends)
     shards.write_json(_journal(Path(out), index), {"unit": asdict(unit), "stamp": unit.stamp(), "entry": entry})
-    return {**entry, "input_bytes": unit.size}
+    return {**entry, "input_bytes": unit.size, "cpu_seconds": time.process_time() - cpu}
 
 
 def _journal(out: Path, index: int) -> Path:
@@ -181,7 +182,8 @@ def _reusable(out: Path, index: int, unit: Unit) -> dict | None:
 
 def prepare(inputs: list[str], tokenizer: str, output: str, field: str = "text", shard_mb: float = 64.0,
             workers: int | None = None, progress: bool = True) -> dict:
-    """Prepare the folder; returns the summary (documents, tokens, shards, input bytes, seconds, reused shards)."""
+    """Prepare the folder; returns the summary (documents, tokens, shards, input bytes, seconds, reused shards, the
+    tasks' CPU seconds)."""
     import ray
     from tqdm import tqdm
 
@@ -197,7 +199,7 @@ def prepare(inputs: list[str], tokenizer: str, output: str, field: str = "text",
                desc="prepare", initial=sum(units[i].size for i in entries))
     task = ray.remote(num_cpus=1, max_retries=0)(prepare_unit)
     limit = workers or max(1, int(ray.available_resources().get("CPU", 1)))
-    pending, fresh_tokens, next_i = {}, 0, 0
+    pending, fresh_tokens, cpu_seconds, next_i = {}, 0, 0.0, 0
     try:
         while next_i < len(todo) or pending:
             while next_i < len(todo) and len(pending) < limit:
@@ -207,8 +209,9 @@ def prepare(inputs: list[str], tokenizer: str, output: str, field: str = "text",
             ready, _ = ray.wait(list(pending), num_returns=1)
             i = pending.pop(ready[0])
             result = ray.get(ready[0])
-            entries[i] = {k: v for k, v in result.items() if k != "input_bytes"}
+            entries[i] = {k: v for k, v in result.items() if k not in ("input_bytes", "cpu_seconds")}
             fresh_tokens += result["tokens"]
+            cpu_seconds += result["cpu_seconds"]
             bar.update(result["input_bytes"])
             bar.set_postfix_str(f"{fresh_tokens / (time.perf_counter() - t0):,.0f} tokens/s")
     except ray.exceptions.RayTaskError as err:  # the task's own error, in one line (an unreadable file names it)
@@ -236,7 +239,8 @@ def prepare(inputs: list[str], tokenizer: str, output: str, field: str = "text",
     seconds = time.perf_counter() - t0
     return {"documents": manifest["documents"], "tokens": total_tokens, "shards": len(listed),
             "input_bytes": sum(u.size for u in units), "seconds": seconds, "reused_shards": reused,
-            "tokens_per_s": fresh_tokens / seconds if seconds > 0 else 0.0, "output": str(out)}
+            "tokens_per_s": fresh_tokens / seconds if seconds > 0 else 0.0, "task_cpu_seconds": cpu_seconds,
+            "output": str(out)}
 
 
 # -- the command: `k3ray data prepare` ----------------------------------------------------------------------------

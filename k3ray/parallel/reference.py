@@ -64,15 +64,17 @@ class ReferenceTrainer:
 
 
 @torch.no_grad()
-def generate_reference(model: K3Stage, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
+def generate_reference(model: K3Stage, prompt_ids: list[int], params: SamplingParams,
+                       eos: int = EOS) -> tuple[list[int], str]:
     """The ground truth of serving: one request alone, the plain full-sequence forward for every token (no cache).
-    Returns the generated ids (as sampled, end-of-text and stop bytes included) and the finish reason."""
+    Returns the generated ids (as sampled, end-of-text and stop bytes included) and the finish reason. Stop strings
+    are met on the bytes (byte tokens); `eos`: the tokenizer's end-of-text id."""
     out: list[int] = []
     generator = params.generator()
     while True:
         logits = model(torch.tensor([prompt_ids + out], device=model.embed.weight.device))[0, -1]
         out.append(next_token(logits, params, generator))
-        reason = finish_reason(out, params, EOS, model.cfg.max_seq_len - len(prompt_ids) - len(out))
+        reason = finish_reason(out, params, eos, model.cfg.max_seq_len - len(prompt_ids) - len(out))
         if reason is not None:
             model.reset_stats()
             return out, reason
