@@ -117,5 +117,6 @@ def test_worker_killed_on_shards_resumes_with_the_unfailed_losses(shard_job):
     cfg, _, unfailed, _ = shard_job
     run = run_job(cfg(**{"fault_tolerance.faults": [{"kind": "kill_worker", "step": 3, "worker": 3}]}), STEPS,
                   timeout_s=120)
-    assert [i["kind"] for i in run.incidents] == ["worker_lost"]
+    kinds = [i["kind"] for i in run.incidents]  # the kill also meets the step-3 checkpoint: abandoned, written again
+    assert kinds.count("worker_lost") == 1 and set(kinds) <= {"worker_lost", "checkpoint_abandoned"}
     assert [r["loss"] for r in run.reports] == pytest.approx(unfailed.losses, rel=1e-12, abs=0)

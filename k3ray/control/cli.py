@@ -177,11 +177,14 @@ def cmd_serve(args) -> int:
     from k3ray.control.serve import start_serving, stop_serving
     from k3ray.control.serve_metrics import ServeMetrics
     from k3ray.io import checkpoint as ckpt
+    from k3ray.tokenizer import load_tokenizer
 
     overrides = {k.removeprefix("serve."): v for k, v in parse_assignments(args.set, "serve.max_waiting=32").items()}
-    if ckpt.latest_verified(args.checkpoint) is None:  # here, before any actor starts: a readable error
+    newest = ckpt.latest_verified(args.checkpoint)
+    if newest is None:  # here, before any actor starts: a readable error
         raise ConfigError(f"--checkpoint {args.checkpoint}: no verified checkpoint there (train with "
                           f"checkpoint.every_n_steps, or run `k3ray checkpoint` on a running job)")
+    load_tokenizer(newest.meta["config"]["data"].get("tokenizer", "bytes"))  # the job's tokenizer is still there
     init_ray(args.address, args.pp * args.ep + args.spares)
     engine, info = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.replicas,
                                  observers=[ServeMetrics(args.name)], spares=args.spares)
