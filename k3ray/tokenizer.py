@@ -185,6 +185,11 @@ end-of-text). push(..., final=True) flushes."""
         out, self.sent = self.text[self.sent:upto], max(self.sent, upto)
         return out
 
+    def feed(self, output_ids: list[int]) -> bool:
+        """The stop check of k3ray.model.sampling.finish_reason: the output's tokens have been pushed already, so
+        whether a stop string has appeared."""
+        return self.stopped
+
     def _decode_one(self, token: int) -> str:
         if self.bytewise:
             return self.utf8.decode(self.tok.token_bytes(token))

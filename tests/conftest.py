@@ -31,6 +31,15 @@ if not __import__("torch").cuda.is_available():
 
 REPO = Path(__file__).resolve().parents[1]
 
+# configs/tiny.yaml with every feature of the released K3 on, at tiny size (`load_config(tiny, RELEASED)`): q-LoRA
+# MLA without RoPE (a 4-wide unrotated slice), MLA layers listed, a dense first layer, KDA's short convolution,
+# lower-bound gate and scaled read, Block AttnRes over blocks of 2 layers (with pp=2 the second stage receives a block
+# summary), RMSNorm eps 1e-5.
+RELEASED = {"model.q_lora_rank": 24, "model.mla_rope_dim": 4, "model.mla_rope": False, "model.mla_layers": [1, 3],
+            "model.first_dense_layers": 1, "model.dense_inner": 96, "model.kda_conv_size": 4,
+            "model.kda_gate_lower_bound": -5.0, "model.kda_scaled_read": True, "model.attn_res_block_size": 2,
+            "model.norm_eps": 1e-5}
+
 
 @dataclass
 class RayCluster:

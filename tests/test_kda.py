@@ -238,3 +238,34 @@ def test_fla_context_parallel_two_gpus_equal_one_bf16():
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     o2, *g2 = run_cp(world, T_local, "cuda", "nccl")
     check_bf16(o2, g2, o1.cpu(), [t.cpu() for t in g1], "chunk_kda cp=2")
+
+
+def _slots_case(device, dtype):
+    """6 sequences in slots [4, 0, 7, 2, 5, 1] of a pool of 9 states, one token each."""
+    x = inputs(6, 1, 4, 32, 32, dtype=dtype, device=device, seed=13)
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    pool = torch.randn(9, 4, 32, 32, generator=gen).to(device=device, dtype=torch.float32 if dtype != F64 else F64)
+    slots = torch.tensor([4, 0, 7, 2, 5, 1], device=device)
+    return x, pool, slots
+
+
+def test_decode_from_slots_updates_only_those_slots_in_place():
+    """The slot form equals decoding from the gathered states; the slots hold the final states afterwards and
+    the other slots are untouched."""
+    x, pool, slots = _slots_case("cpu", F64)
+    before = pool.clone()
+    o_want, s_want = K.kda_recurrent_reference(*x, initial_state=pool[slots], output_final_state=True)
+    o = K.kda_decode_slots_reference(*x, pool, slots)
+    assert torch.equal(o, o_want) and torch.equal(pool[slots], s_want)
+    others = [i for i in range(9) if i not in slots.tolist()]
+    assert torch.equal(pool[others], before[others])
+
+
+@needs_fla
+def test_fla_decode_from_slots_equals_reference_bf16():
+    x, pool, slots = _slots_case("cuda", torch.bfloat16)
+    ref_pool = pool.clone()
+    o = K.kda_decode_slots_fla(*x, pool, slots)
+    o_ref = K.kda_decode_slots_reference(*[t.float() for t in x], ref_pool, slots)
+    print("decode slots", f"o {rel(o, o_ref):.1e} pool {rel(pool, ref_pool):.1e}")
+    assert rel(o, o_ref) <= 1e-2 and rel(pool, ref_pool) <= 1e-2

@@ -6,7 +6,7 @@ import ray
 import torch
 
 from k3ray.config import load_config
-from conftest import UNFAILED_STEPS, run_job
+from conftest import RELEASED, UNFAILED_STEPS, run_job
 from k3ray.control.driver import running_job, start_controller
 from k3ray.parallel.reference import ReferenceTrainer
 
@@ -21,10 +21,10 @@ def tiny(**overrides):
 def reference_losses():
     cache = {}
 
-    def get(ep: int, dtype: str, steps: int) -> list[float]:
-        key = (ep, dtype, steps)
+    def get(ep: int, dtype: str, steps: int, released: bool = False) -> list[float]:
+        key = (ep, dtype, steps, released)
         if key not in cache:
-            trainer = ReferenceTrainer(tiny(**{"parallel.ep": ep, "model.dtype": dtype}))
+            trainer = ReferenceTrainer(tiny(**{"parallel.ep": ep, "model.dtype": dtype, **(RELEASED if released else {})}))
             cache[key] = [trainer.train_step(s, s).loss for s in range(steps)]
         return cache[key]
 
@@ -48,10 +48,24 @@ def test_distributed_matches_reference_exactly_in_float64(ray_cluster, reference
     shared unfailed run (the fault tests' reference, so it is checked here)."""
     cfg = tiny(**{"parallel.pp": pp, "parallel.ep": ep, "model.dtype": "float64"})
     reports = unfailed_ep4.reports if (pp, ep) == (1, 4) else run_distributed(cfg, STEPS)
-    assert len(reports) == STEPS
-    assert_close([r["loss"] for r in reports], reference_losses(ep, "float64", STEPS), 1e-8)
+    check_float64_run(cfg, reports, reference_losses(ep, "float64", STEPS))
+
+
+def test_released_model_distributed_matches_reference_exactly_in_float64(ray_cluster, reference_losses):
+    """The same with every feature of the released K3 on (conftest.RELEASED) at pp=2 x ep=2: the dense first layer,
+    q-LoRA MLA without RoPE, KDA's convolution and bounded gate, and the Block AttnRes summaries crossing the
+    pipeline boundary (forward and backward)."""
+    steps = 6
+    cfg = tiny(**{"parallel.pp": 2, "parallel.ep": 2, "model.dtype": "float64", "train.steps": steps, **RELEASED})
+    check_float64_run(cfg, run_distributed(cfg, steps), reference_losses(2, "float64", steps, released=True))
+
+
+def check_float64_run(cfg, reports: list[dict], want: list[float]) -> None:
+    ep = cfg.parallel.ep
+    assert len(reports) == len(want)
+    assert_close([r["loss"] for r in reports], want, 1e-8)
     last = reports[-1]
-    assert set(last["tokens_per_expert"]) == set(range(cfg.model.n_layers))
+    assert set(last["tokens_per_expert"]) == set(cfg.model.moe_layer_ids())
     assert all(len(rows) == ep for rows in last["tokens_per_expert"].values())
     assert {"compute", "dispatch_combine", "pipeline_wait", "optimizer"} <= set(last["timings"])
     assert all(a["routed_maxabs"] > 0 and a["resid_maxabs"] > 0 for a in last["activations"].values())

@@ -71,6 +71,29 @@ def test_batched_engine_equals_reference_greedy(model):
     assert sched.usage()["pages_used"] == 0 and sched.usage()["slots_used"] == 0
 
 
+RELEASED = {"model.q_lora_rank": 16, "model.mla_rope_dim": 8, "model.first_dense_layers": 1, "model.dense_inner": 96,
+            "model.kda_conv_size": 4, "model.kda_gate_lower_bound": -5.0, "model.kda_scaled_read": True,
+            "model.attn_res_block_size": 2, "model.norm_eps": 1e-5}
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["no_rope_absorbed", "rope"])
+def test_batched_engine_equals_reference_with_the_released_features(rope):
+    """The released K3's features on at tiny size (q-LoRA MLA without RoPE, its decoupled slice in the latent pages;
+    KDA's short convolution carried per slot and its lower-bound gate; a dense first layer; Block AttnRes):
+    continuous batching with chunked prefill and decode still equals the plain forward per token. Without RoPE the
+    cache attends over the latents with the up-projection absorbed; with it (K2's layout) keys are recomputed."""
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED, "model.mla_rope": rope}).model
+    released = build_stage(cfg, range(cfg.n_layers), seed=5)
+    params = [SamplingParams(max_tokens=3 + (2 * i) % 5, temperature=0.7 if i % 3 == 2 else 0.0, seed=i)
+              for i in range(5)]
+    prompts = [encode(t) for t in (TEXTS[0], TEXTS[2], TEXTS[4], TEXTS[7], TEXTS[12])]
+    want = [generate_reference(released, p, sp)[0] for p, sp in zip(prompts, params)]
+    sched, ex = engine(released, budget=16, slots=4)
+    run(sched, ex, {0: list(zip(prompts[:3], params[:3])), 2: list(zip(prompts[3:], params[3:]))})
+    got = [r.out for r in sorted(sched.requests.values(), key=lambda r: r.id)]
+    assert got == want
+
+
 def test_seeded_sampling_is_the_same_in_any_batch(model):
     """Same seed, same tokens: alone, among other requests, with another token budget; and as the reference."""
     sp = [SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=100 + i) for i in range(3)]
@@ -201,3 +224,33 @@ def test_serve_cli_refuses_a_directory_without_a_checkpoint(tmp_path, capsys):
 
     assert main(["serve", "--checkpoint", str(tmp_path)]) == 2
     assert "no verified checkpoint" in capsys.readouterr().err
+
+
+def test_decode_iterations_do_no_work_that_grows_with_the_context(model, monkeypatch):
+    """Once a request is prefilled, each decode iteration's plan holds one token and the slot, start and counter
+    of each sequence (page tables and sampling parameters went to the worker once, at admission), whatever the
+    context length; the engine never rebuilds a request's whole token list (prompt + output) to schedule it, sample
+    it or check its stop strings."""
+    import pickle
+
+    from k3ray.controller.scheduler import Request
+
+    sizes = {}
+    for prompt_len in (8, 96):
+        sched, ex = engine(model, budget=512, pages=128, page_size=4, slots=4)
+        reqs = [sched.submit(encode("x" * prompt_len), SamplingParams(max_tokens=12, stop=("never",)))
+                for _ in range(3)]
+        sched.step(ex)  # the prompts, whole, and the first tokens
+        assert all(len(r.out) == 1 for r in reqs)
+        built = []
+        monkeypatch.setattr(Request, "ids", property(lambda r: built.append(r.id) or r.prompt + r.out))
+        plans = sched.schedule()
+        plan = plans[0][0]
+        assert plan.counts == [1, 1, 1] and len(plan.tokens) == 3 and plan.admit == []
+        sizes[prompt_len] = len(pickle.dumps(plan))
+        sched.complete(plans, ex.run({0: plan}))
+        while sched.has_work:
+            sched.step(ex)
+        assert built == [] and all(len(r.out) == 12 for r in reqs)
+        monkeypatch.undo()
+    assert sizes[8] == sizes[96]

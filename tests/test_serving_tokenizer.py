@@ -1,12 +1,11 @@
 """Serving with a real tokenizer, without Ray: the scheduler's per-request detokenizer turns generated ids into text
 that never splits a character (what is streamed, joined, equals the whole output decoded at once), stop strings are
 met on the text (also inside a token), end-of-text is the tokenizer's; the ingress encodes chat messages through the
-tokenizer's template. The generating model is scripted (its logits pick a given continuation), so the outputs hold
+tokenizer's template. The workers are scripted (the tokens they return are a given continuation), so the outputs hold
 the multi-byte characters this is about."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from k3ray.control import openai_schema as oa
 from k3ray.control.serve import prompt_ids
@@ -25,23 +24,21 @@ def tok(tmp_path_factory):
 
 
 class ScriptedExecutor:
-    """Each sequence continues with script[rid]: the logits are one-hot at its next token (end-of-text after it)."""
+    """Each sequence continues with script[rid] (end-of-text after it): the sampled token the workers return."""
 
-    def __init__(self, sched: Scheduler, scripts: dict[int, list[int]], vocab: int, eos: int):
-        self.sched, self.scripts, self.vocab, self.eos = sched, scripts, vocab, eos
+    def __init__(self, sched: Scheduler, scripts: dict[int, list[int]], eos: int):
+        self.sched, self.scripts, self.eos = sched, scripts, eos
 
     def run(self, plans):
         out = {}
         for rank, plan in plans.items():
-            reqs = [r for r in self.sched.running.values() if r.rank == rank]
-            by_slot = {r.slot: r for r in reqs}
-            logits = torch.full((len(plan.seqs), self.vocab), -1e9, dtype=torch.float64)
-            for row, chunk in enumerate(plan.seqs):
-                req = by_slot[chunk.slot]
-                k = chunk.start + chunk.n - len(req.prompt)
-                script = self.scripts[req.id]
-                logits[row, script[k] if k < len(script) else self.eos] = 0.0
-            out[rank] = StageOutput(logits, torch.zeros(len(plan.seqs)))
+            by_slot = {r.slot: r for r in self.sched.running.values() if r.rank == rank}
+            tokens = []
+            for slot, start, n in zip(plan.slots, plan.starts, plan.counts):
+                req = by_slot[slot]
+                k, script = start + n - len(req.prompt), self.scripts[req.id]
+                tokens.append(script[k] if k < len(script) else self.eos)
+            out[rank] = StageOutput(tokens, [0.0] * len(tokens))
         return out
 
 
@@ -50,7 +47,7 @@ def serve(tok, outputs: list[str], params: list[SamplingParams]) -> list[tuple[l
     request."""
     sched = Scheduler(EngineLimits(max_seq_len=128, token_budget=16, pools=SIZES, tokenizer=tok))
     reqs = [sched.submit(tok.encode("<|user|>say it<|assistant|>"), p) for p in params]
-    executor = ScriptedExecutor(sched, {r.id: tok.encode(o) for r, o in zip(reqs, outputs)}, 512, tok.eos_id)
+    executor = ScriptedExecutor(sched, {r.id: tok.encode(o) for r, o in zip(reqs, outputs)}, tok.eos_id)
     sent, pieces = {r.id: 0 for r in reqs}, {r.id: [] for r in reqs}
     while sched.has_work:
         sched.step(executor)

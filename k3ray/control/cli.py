@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 
 from k3ray.config import ConfigError, JobConfig, load_config, parse_assignments
-from k3ray.control import client, jobs
+from k3ray.control import client, hf_cli, jobs
 from k3ray.control import prepare as prepare_command
 
 log = logging.getLogger("k3ray")
@@ -177,14 +177,18 @@ def cmd_serve(args) -> int:
     from k3ray.control.serve import start_serving, stop_serving
     from k3ray.control.serve_metrics import ServeMetrics
     from k3ray.io import checkpoint as ckpt
+    from k3ray.io.hf_files import is_hf_folder
     from k3ray.tokenizer import load_tokenizer
 
     overrides = {k.removeprefix("serve."): v for k, v in parse_assignments(args.set, "serve.max_waiting=32").items()}
-    newest = ckpt.latest_verified(args.checkpoint)
-    if newest is None:  # here, before any actor starts: a readable error
+    newest = None if is_hf_folder(args.checkpoint) else ckpt.latest_verified(args.checkpoint)
+    if is_hf_folder(args.checkpoint):  # a release folder: checked whole here, before any actor starts
+        hf_cli.check_release(args.checkpoint)
+    elif newest is None:  # here, before any actor starts: a readable error
         raise ConfigError(f"--checkpoint {args.checkpoint}: no verified checkpoint there (train with "
                           f"checkpoint.every_n_steps, or run `k3ray checkpoint` on a running job)")
-    load_tokenizer(newest.meta["config"]["data"].get("tokenizer", "bytes"))  # the job's tokenizer is still there
+    if newest is not None:  # the job's tokenizer is still where it was
+        load_tokenizer(newest.meta["config"]["data"].get("tokenizer", "bytes"))
     init_ray(args.address, args.pp * args.ep + args.spares)
     engine, info = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.replicas,
                                  observers=[ServeMetrics(args.name)], spares=args.spares)
@@ -278,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_drill, pp=None, ep=None)
 
     sv = sub.add_parser("serve", help="serve a durable checkpoint: OpenAI-compatible HTTP API through Ray Serve")
-    sv.add_argument("--checkpoint", required=True, help="runs/<job>/checkpoints: the newest verified one is served")
+    sv.add_argument("--checkpoint", required=True, help="runs/<job>/checkpoints: the newest verified one is served; "
+                    "or a released (Hugging Face) folder: config.json + safetensors")
     sv.add_argument("--pp", type=int, default=1, help="pipeline stages of the serving grid")
     sv.add_argument("--ep", type=int, default=1, help="EP ranks per stage (each also serves its own requests)")
     sv.add_argument("--spares", type=_count, default=0,
@@ -292,6 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="serving limits and pools, e.g. serve.max_waiting=32 serve.token_budget=256")
     sv.set_defaults(func=cmd_serve)
 
+    hf_cli.add_commands(sub, _positive_int)
     prepare_command.add_parser(sub, _positive_int)
 
     c = sub.add_parser("config", help="inspect configs")

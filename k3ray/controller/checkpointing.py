@@ -14,10 +14,12 @@ from typing import Callable
 import torch
 
 from k3ray.config import CheckpointConfig
+from k3ray.controller.hf_convert import hf_serving_state
 from k3ray.controller.snapshots import restore_sources
 from k3ray.controller.worker import part_name
 from k3ray.controller.worker_group import WorkerLost
 from k3ray.io import checkpoint as ckpt
+from k3ray.io.hf_files import is_hf_folder
 
 log = logging.getLogger("k3ray.controller")
 
@@ -187,6 +189,10 @@ class ServingWeights:
 
 
 def serving_weights(root: str) -> ServingWeights:
+    """From a durable checkpoint's root, or from a released (Hugging Face) folder (config.json + safetensors)."""
+    if is_hf_folder(root):
+        config, state = hf_serving_state(root)
+        return ServingWeights(str(root), 0, config, state)
     manifest = ckpt.latest_verified(root)
     if manifest is None:
         raise ckpt.CheckpointError(f"{root}: no verified checkpoint (train with checkpoint.every_n_steps, or "

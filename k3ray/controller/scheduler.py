@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from k3ray.config import GuardPolicy
-from k3ray.model.cache import SeqChunk
-from k3ray.model.sampling import SamplingParams, finish_reason, next_token
+from k3ray.model.cache import SeqAdmit
+from k3ray.model.sampling import SamplingParams, finish_reason
 from k3ray.parallel.serving import PoolSizes, RankPlan, StageOutput
 from k3ray.policies import guards
 from k3ray.tokenizer import ByteTokenizer, Detokenizer, Tokenizer
@@ -59,13 +59,24 @@ class Request:
     error: str = ""
     trip: guards.Trip | None = None  # the guard that stopped it (finish 'error')
     token_times: list[float] = field(default_factory=list)  # wall time of each generated token
-    generator: object = None
+    seed: int = 0  # the sampling noise's seed (the request's own, or drawn at submit)
     detok: Detokenizer | None = None  # the output as text, token by token: stop strings are checked on it
     text: str = ""  # the output text so far that is final (no half character, nothing a stop string may still cut)
 
     @property
     def ids(self) -> list[int]:
         return self.prompt + self.out
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.out)
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        """ids[start:start + n] without building ids (decode steps ask for the last token only)."""
+        p = len(self.prompt)
+        if start >= p:
+            return self.out[start - p:start - p + n]
+        return (self.prompt[start:start + n] + self.out[:max(0, start + n - p)])[:n]
 
     @property
     def done(self) -> bool:
@@ -102,7 +113,7 @@ class Scheduler:
         free_slots = sum(len(p.free_slots) for p in self.ranks)  # admitted at the next iteration: not queued
         if len(self.waiting) >= L.max_waiting + free_slots:
             raise Overloaded(f"{len(self.waiting) - free_slots} requests waiting (limit {L.max_waiting})")
-        req = Request(next(self._ids), list(prompt), params, self.clock(), generator=params.generator(),
+        req = Request(next(self._ids), list(prompt), params, self.clock(), seed=params.resolved_seed(),
                       detok=L.tokenizer.detokenizer(params.stop))
         self.waiting.append(req)
         self.requests[req.id] = req
@@ -168,15 +179,18 @@ class Scheduler:
 
         def add(req: Request, n: int) -> None:
             plan, reqs = plans[req.rank]
-            plan.tokens += req.ids[req.cached:req.cached + n]
-            plan.seqs.append(SeqChunk(req.cached, n, req.pages, req.slot))
+            plan.tokens += req.tokens(req.cached, n)
+            plan.slots.append(req.slot)
+            plan.starts.append(req.cached)
+            plan.counts.append(n)
+            plan.counters.append(len(req.out))
             reqs.append(req)
             budget[req.rank] -= n
             self.rank_tokens[req.rank] += n
 
         running = sorted(self.running.values(), key=lambda r: (r.cached < len(r.prompt), r.arrival))
         for req in running:  # decoding first (one token each), then prompt chunks
-            n = min(len(req.ids) - req.cached, budget[req.rank])
+            n = min(req.length - req.cached, budget[req.rank])
             if n > 0:
                 add(req, n)
         while self.waiting:
@@ -190,7 +204,11 @@ class Scheduler:
             req.rank, req.slot = rank, pool.free_slots.pop(0)
             req.pages, pool.free_pages = pool.free_pages[:need], pool.free_pages[need:]
             self.running[req.id] = req
-            add(req, min(len(req.ids), budget[rank]))  # a requeued request (`reset`) also re-prefills its output
+            p = req.params
+            plans[rank][0].admit.append(SeqAdmit(req.slot, req.pages, p.temperature, p.top_p, req.seed))
+            add(req, min(req.length, budget[rank]))  # a requeued request (`reset`) also re-prefills its output
+        for plan, reqs in plans.values():
+            plan.greedy = all(r.params.temperature == 0 for r in reqs)
         self.in_flight = {req.id for _, reqs in plans.values() for req in reqs}
         return plans
 
@@ -201,16 +219,16 @@ class Scheduler:
 
     def complete(self, plans: dict[int, tuple[RankPlan, list[Request]]], outputs: dict[int, StageOutput]
                  ) -> list[Request]:
-        """Take an iteration's answers (rank -> StageOutput: logits [N, V] and max-abs [N], one row per sequence of
+        """Take an iteration's answers (rank -> StageOutput: next tokens [N] and max-abs [N], one per sequence of
         the plan): a sequence that tripped the guards fails alone (finish 'error', `trip` set); where a sequence
-        reached its last known token, sample; finish and free what ended. Returns the requests that got a token or
-        finished."""
+        reached its last known token, its sampled token is appended; finish and free what ended. Returns the
+        requests that got a token or finished."""
         now, changed = self.clock(), []
         for rank, (plan, reqs) in plans.items():
             out = outputs[rank]
-            trips = guards.check_sequences(out.maxabs.tolist(), self.limits.guards)
-            for row, (chunk, req) in enumerate(zip(plan.seqs, reqs)):
-                req.cached += chunk.n
+            trips = guards.check_sequences(out.maxabs, self.limits.guards)
+            for row, (n, req) in enumerate(zip(plan.counts, reqs)):
+                req.cached += n
                 if req.done:  # cancelled while in flight
                     self._release(req)
                     changed.append(req)
@@ -223,16 +241,15 @@ class Scheduler:
                     self._release(req)
                     changed.append(req)
                     continue
-                if req.cached < len(req.ids):
+                if req.cached < req.length:
                     continue  # a prompt chunk short of the end: nothing to sample yet
-                req.out.append(next_token(out.logits[row], req.params, req.generator))
+                req.out.append(out.tokens[row])
                 req.token_times.append(now)
                 req.text += req.detok.push(req.out[-1:])
                 req.finish = finish_reason(req.out, req.params, self.limits.tokenizer.eos_id,
-                                           self.limits.max_seq_len - len(req.ids), req.detok.stopped)
+                                           self.limits.max_seq_len - req.length, req.detok)
                 if req.done:
                     req.text += req.detok.push([], final=True)
-                if req.done:
                     self._release(req)
                 changed.append(req)
         self.in_flight = set()

@@ -398,12 +398,13 @@ def shape_mismatches(stored: dict, current: dict) -> list[str]:
     return out
 
 
-def load_part(root: str | os.PathLike, step: int, name: str, map_location="cpu") -> dict:
-    """torch.load(weights_only=True) of one part (does not recheck sha256: call verify/latest_verified first)."""
+def load_part(root: str | os.PathLike, step: int, name: str, map_location="cpu", mmap: bool = False) -> dict:
+    """torch.load(weights_only=True) of one part (does not recheck sha256: call verify/latest_verified first). With
+    mmap, tensors are mapped from the file and read when touched (a part larger than memory can be streamed)."""
     _check_name(root, step, name)
     path = step_dir(root, step) / name
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing") from None
     except Exception as e:  # noqa: BLE001 - torch raises many types for damaged files; all mean "cannot load"

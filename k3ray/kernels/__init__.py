@@ -11,7 +11,10 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | score_histogram(values, lo, hi, bins) | histogram.*_reference | histogram.*_triton | - |
 | kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.*_reference | kda.*chunk_fla | all |
 | kda_decode(same) | kda.kda_recurrent_reference | kda.kda_recurrent_fla | - |
+| kda_decode_slots(q, k, v, g, beta, pool, slots) | kda.*_reference | kda.*_fla | - |
 | kda_context_parallel(q, k, v, g, beta, group) | kda.*_context_parallel_reference | kda.*_context_parallel_fla | all |
+| kda_gate(raw, A_log, dt_bias, lower_bound) | kda.kda_gate_reference | kda.kda_gate_fla | all |
+| short_conv(x, weight, state, output_final_state, cu_seqlens) | short_conv.*_reference | short_conv.*_fla (no state) | all |
 
 KDA's fast path is fla-core's Triton kernels (`pip install .[kda]`), taken on CUDA tensors when fla imports and the
 backend is not 'reference'; without fla, CUDA tensors take the torch reference too.
@@ -26,6 +29,7 @@ from k3ray.kernels import grouped_ffn as _ffn
 from k3ray.kernels import histogram as _hist
 from k3ray.kernels import kda as _kda
 from k3ray.kernels import permute as _perm
+from k3ray.kernels import short_conv as _conv
 from k3ray.kernels import situ_glu as _situ
 
 _BACKENDS = ("auto", "reference", "triton")
@@ -100,10 +104,17 @@ def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False
 
 
 def kda_decode(q, k, v, g, beta, initial_state=None, output_final_state=True, cu_seqlens=None):
-    """KDA for decoding a few tokens from state slots: fla's fused_recurrent_kda, or the recurrent reference."""
+    """KDA for decoding a few tokens from given states: fla's fused_recurrent_kda, or the recurrent reference."""
     if _fla(q):
         return _kda.kda_recurrent_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
     return _kda.kda_recurrent_reference(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+
+
+def kda_decode_slots(q, k, v, g, beta, pool, slots):
+    """One token of each of N sequences from its state slot, the slots updated in place (kernels/kda.py)."""
+    if _fla(q):
+        return _kda.kda_decode_slots_fla(q, k, v, g, beta, pool, slots)
+    return _kda.kda_decode_slots_reference(q, k, v, g, beta, pool, slots)
 
 
 def kda_context_parallel(q, k, v, g, beta, group):
@@ -113,5 +124,21 @@ def kda_context_parallel(q, k, v, g, beta, group):
     return _kda.kda_context_parallel_reference(q, k, v, g, beta, group)
 
 
+def kda_gate(raw, A_log, dt_bias, lower_bound=None):
+    """KDA's forget gate log alpha [..., H, K] fp32 (kernels/kda.py): fla's fused gate, or the torch reference."""
+    if _fla(raw):
+        return _kda.kda_gate_fla(raw, A_log, dt_bias, lower_bound)
+    return _kda.kda_gate_reference(raw, A_log, dt_bias, lower_bound)
+
+
+def short_conv(x, weight, state=None, output_final_state=False, cu_seqlens=None):
+    """Causal short convolution + SiLU (kernels/short_conv.py). fla's kernel on CUDA when no state is carried (training
+    and whole-sequence forward); the torch reference otherwise (serving carries each request's last W-1 inputs)."""
+    if _backend != "reference" and x.is_cuda and _conv.fla_conv() is not None and state is None \
+            and not output_final_state:
+        return _conv.short_conv_fla(x, weight, state, output_final_state, cu_seqlens)
+    return _conv.short_conv_reference(x, weight, state, output_final_state, cu_seqlens)
+
+
 __all__ = ["situ_glu", "grouped_expert_ffn", "permute_rows", "unpermute_rows", "score_histogram", "kda_attention",
-           "kda_decode", "kda_context_parallel", "set_backend"]
+           "kda_decode", "kda_decode_slots", "kda_context_parallel", "kda_gate", "short_conv", "set_backend"]

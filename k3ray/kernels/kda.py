@@ -174,6 +174,28 @@ def kda_context_parallel_reference(q, k, v, g, beta, group):
     return o
 
 
+# -- the forget gate ------------------------------------------------------------------------------------------------
+def kda_gate_reference(raw, A_log, dt_bias, lower_bound=None):
+    """log alpha [..., H, K] fp32 (float64 stays float64) from the raw gate projection W_b W_a x [..., H, K],
+    A_log [H] and dt_bias [H * K] (fla's gates, same formulas as fla.ops.kda.gate):
+        lower_bound None:  g = -exp(A_log) * softplus(raw + dt_bias)                       (unbounded below)
+        lower_bound lb:    g = lb * sigmoid(exp(A_log) * (raw + dt_bias))   in (lb, 0)     (K3: lb = -5)"""
+    H = raw.shape[-2]
+    f32 = torch.float64 if raw.dtype == torch.float64 else torch.float32
+    z = raw.to(f32) + dt_bias.to(f32).view(H, -1)
+    a = A_log.to(f32).exp().view(H, 1)
+    if lower_bound is None:
+        return -a * torch.nn.functional.softplus(z)
+    return lower_bound * torch.sigmoid(a * z)
+
+
+def kda_gate_fla(raw, A_log, dt_bias, lower_bound=None):
+    """fla's fused Triton gate (forward and backward) with the same formulas."""
+    from fla.ops.kda.gate import fused_kda_gate
+
+    return fused_kda_gate(raw, A_log, dt_bias, lower_bound=lower_bound, output_dtype=torch.float32)
+
+
 # -- fla-core on CUDA -----------------------------------------------------------------------------------------------
 @functools.cache
 def fla_ops():
@@ -203,6 +225,24 @@ def kda_recurrent_fla(q, k, v, g, beta, initial_state=None, output_final_state=F
     o, s = fused_recurrent_kda(*_fla_inputs(q, k, v, g, beta), scale=1.0, initial_state=initial_state,
                                output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     return o.to(v.dtype), s
+
+
+def kda_decode_slots_reference(q, k, v, g, beta, pool, slots):
+    """One token of each of N sequences (q, k, g: [N, 1, H, K], v: [N, 1, H, V], beta [N, 1, H]) from the states
+    pool[slots] ([P, H, K, V], fp32; slots [N] int64), which are updated in place. Returns o [N, 1, H, V]."""
+    o, s = kda_recurrent_reference(q, k, v, g, beta, pool[slots], True)
+    pool.index_copy_(0, slots, s.to(pool.dtype))
+    return o
+
+
+def kda_decode_slots_fla(q, k, v, g, beta, pool, slots):
+    """fla's fused_recurrent_kda in its continuous-batching form: each sequence's state is read from and written
+    back to its slot of the pool inside the kernel (no gathered copy of the states)."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    o, _ = fused_recurrent_kda_fwd(*_fla_inputs(q, k, v, g, beta), initial_state=pool, scale=1.0,
+                                   output_final_state=True, inplace_final_state=True, ssm_state_indices=slots)
+    return o.to(v.dtype)
 
 
 def kda_context_parallel_fla(q, k, v, g, beta, group):

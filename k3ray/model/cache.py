@@ -1,17 +1,20 @@
-"""Inference caches of one pipeline stage, as SGLang keeps them for K3: two pools.
+"""Inference caches of one pipeline stage, as SGLang keeps them for K3 (two pools), and one iteration's view of them.
 
-- Gated MLA: the latent KV c = RMSNorm(W_dkv x) [r] of every past token, in fixed-size pages
-  (`latent[layer]`: [pages, page_size, r]). The layer applies RoPE after the up-projections (k = rope(W_uk c)), so
-  the latent alone reproduces the training forward exactly: k and v are recomputed from it with each position's
-  rotation. (K3 proper caches kv_rank + the decoupled rope dims; this model has no decoupled rope key.)
+- Gated MLA: the latent [c | k_p] of every past token (c = RMSNorm of the compressed KV [r], k_p the decoupled
+  slice [p], K3's layout), in fixed-size pages (`latent[layer]`: [pages + 1, P, r + p]). k and v are recomputed from
+  it (with RoPE at each position where the model rotates), so the latent alone reproduces the training forward.
 - KDA: the recurrent state S [H, K, V] of every sequence, one fixed slot per sequence (`state[layer]`:
-  [slots, H, K, V], fp32, float64 for float64 models); its size does not grow with the context.
+  [slots + 1, H, K, V], fp32, float64 for float64 models); its size does not grow with the context. With KDA's short
+  convolution (kernel W) each slot also keeps the last W-1 inputs of q, k, v (`conv[layer]`: [slots + 1, W-1, 3 H K]).
 
-`IterationCache` is one iteration's view of the pools: N sequences whose new tokens are packed into one row
-(positions, cu_seqlens), each with its page table and state slot. The layers read it through `mla_attention` and
-`kda`; sequences with start 0 begin from an empty state whatever their slot held before.
+Everything an iteration needs beyond its new tokens lives on the device beside the pools, written once when a
+sequence is admitted (`CachePools.admit`): each slot's page table and sampling parameters. An iteration then names
+its sequences by slot with their start and token count, and every index (positions, latent rows to write and read,
+attention masks) is derived on the device without a host sync, so a decode iteration can be replayed as a CUDA graph.
+The last page and the last slot are scratch: the padding rows of a graph's batch bucket read and write only there.
 
-Shapes: T packed tokens of the iteration, N sequences, H heads, h head dim, r kv_rank, P page size.
+Shapes: T packed tokens of the iteration, N sequences, H heads, h head dim, r kv_rank, P page size, Lc the context
+length the iteration's attention reads (a bucket at least as long as its longest sequence).
 """
 from __future__ import annotations
 
@@ -21,94 +24,214 @@ import torch
 import torch.nn.functional as F
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import kda_attention, kda_decode
+from k3ray.kernels import kda_attention, kda_decode_slots, short_conv
 
 
-@dataclass
+@dataclass(frozen=True)
+class SeqAdmit:
+    """A sequence new on a data-parallel rank: its state slot, its KV pages and its sampling parameters."""
+    slot: int
+    pages: list[int]
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
 class CachePools:
-    page_size: int
-    latent: dict[int, torch.Tensor]  # MLA layer -> [pages, P, r]
-    state: dict[int, torch.Tensor]  # KDA layer -> [slots, H, K, V]
+    def __init__(self, cfg: ModelConfig, layers: range, pages: int, page_size: int, slots: int, device=None):
+        dtype = getattr(torch, cfg.dtype)
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.page_size, self.pages, self.slots = page_size, pages, slots
+        self.max_pages = -(-cfg.max_seq_len // page_size)
+        self.latent: dict[int, torch.Tensor] = {}  # MLA layer -> [pages + 1, P, r]
+        self.state: dict[int, torch.Tensor] = {}  # KDA layer -> [slots + 1, H, K, V]
+        self.conv: dict[int, torch.Tensor] = {}  # KDA layer with a short convolution -> [slots + 1, W-1, 3 H K]
+        self.load: dict[int, torch.Tensor] = {}  # MoE layer -> [E] int64 routes served since the last read
+        for layer in layers:
+            if cfg.layer_kind(layer) == "mla":
+                self.latent[layer] = torch.zeros(pages + 1, page_size, cfg.kv_rank + cfg.mla_rope_dim, dtype=dtype,
+                                                 device=device)
+            else:
+                h = cfg.kda_head_dim
+                self.state[layer] = torch.zeros(slots + 1, cfg.n_heads, h, h, dtype=state_dtype, device=device)
+                if cfg.kda_conv_size:
+                    self.conv[layer] = torch.zeros(slots + 1, cfg.kda_conv_size - 1, 3 * cfg.n_heads * h, dtype=dtype,
+                                                   device=device)
+            if cfg.is_moe_layer(layer):
+                self.load[layer] = torch.zeros(cfg.n_experts, dtype=torch.int64, device=device)
+        # per slot: its page table (unused entries: the scratch page) and its sampling parameters
+        self.page_table = torch.full((slots + 1, self.max_pages), pages, dtype=torch.int64, device=device)
+        self.temperature = torch.zeros(slots + 1, dtype=torch.float32, device=device)
+        self.top_p = torch.ones(slots + 1, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(slots + 1, dtype=torch.int64, device=device)
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.slots
+
+    def admit(self, seqs: list[SeqAdmit]) -> None:
+        """Write the page tables and sampling parameters of sequences new on this rank (one copy each table)."""
+        if not seqs:
+            return
+        dev = self.page_table.device
+        table = torch.full((len(seqs), self.max_pages), self.pages, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            table[i, :len(s.pages)] = torch.tensor(s.pages, dtype=torch.int64)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev)
+        self.page_table[slots] = table.to(dev)
+        for state in (*self.state.values(), *self.conv.values()):  # a sequence starts from the empty state
+            state[slots] = 0.0
+        self.temperature[slots] = torch.tensor([s.temperature for s in seqs], dtype=torch.float32, device=dev)
+        self.top_p[slots] = torch.tensor([s.top_p for s in seqs], dtype=torch.float32, device=dev)
+        self.seed[slots] = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
+
+    def take_load(self) -> dict[int, list[int]]:
+        """layer -> routes served to each expert since the last call (then reset)."""
+        out = {layer: t.tolist() for layer, t in self.load.items()}
+        for t in self.load.values():
+            t.zero_()
+        return out
+
+    def context_bucket(self, longest: int) -> int:
+        """The attention length Lc for an iteration whose longest sequence has `longest` tokens: whole pages, a
+        power of two of them (few distinct shapes, so few CUDA graphs), at most the page table's reach."""
+        pages = max(1, -(-longest // self.page_size))
+        return min(1 << (pages - 1).bit_length(), self.max_pages) * self.page_size
 
 
 def new_pools(cfg: ModelConfig, layers: range, pages: int, page_size: int, slots: int, device=None) -> CachePools:
-    dtype = getattr(torch, cfg.dtype)
-    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    latent, state = {}, {}
-    for layer in layers:
-        if cfg.layer_kind(layer) == "mla":
-            latent[layer] = torch.zeros(pages, page_size, cfg.kv_rank, dtype=dtype, device=device)
-        else:
-            h = cfg.kda_head_dim
-            state[layer] = torch.zeros(slots, cfg.n_heads, h, h, dtype=state_dtype, device=device)
-    return CachePools(page_size, latent, state)
-
-
-@dataclass
-class SeqChunk:
-    """One sequence's part of an iteration: `n` new tokens at positions start .. start+n-1."""
-    start: int
-    n: int
-    pages: list[int]  # page table, covering at least start + n tokens
-    slot: int  # KDA state slot
+    return CachePools(cfg, layers, pages, page_size, slots, device)
 
 
 class IterationCache:
-    def __init__(self, pools: CachePools, seqs: list[SeqChunk], device=None):
-        self.pools, self.seqs = pools, seqs
+    """One iteration of N sequences on a stage: their new tokens packed into one row [1, T].
+
+    Device inputs: slots_N, starts_N (tokens already cached), counts_N (new tokens), seq_of_token_T, valid_N (False:
+    a padding row of a graph bucket). Host ints: nmax (the largest count), context (Lc). `decode`: every count is 1,
+    so KDA runs the batched recurrent kernel over the N sequences as a batch."""
+
+    def __init__(self, pools: CachePools, slots_N: torch.Tensor, starts_N: torch.Tensor, counts_N: torch.Tensor,
+                 seq_of_token_T: torch.Tensor, valid_N: torch.Tensor, nmax: int, context: int, decode: bool):
+        self.pools, self.decode, self.nmax, self.context = pools, decode, nmax, context
+        self.slots, self.starts, self.counts, self.valid = slots_N, starts_N, counts_N, valid_N
+        self.seq_of_token = seq_of_token_T
+        dev = slots_N.device
         P = pools.page_size
-        lens = [s.n for s in seqs]
-        self.cu_seqlens = torch.tensor([0] + lens, dtype=torch.int64, device=device).cumsum(0)
-        self.positions = torch.cat([torch.arange(s.start, s.start + s.n) for s in seqs]).to(device) if seqs \
-            else torch.zeros(0, dtype=torch.int64, device=device)
-        # flat row (page * P + offset) of every position each sequence has after this iteration
-        rows = [torch.tensor(s.pages, dtype=torch.int64)[torch.arange(s.start + s.n) // P] * P
-                + torch.arange(s.start + s.n) % P for s in seqs]
-        self.read_rows = [r.to(device) for r in rows]
-        self.write_rows = torch.cat([r[s.start:] for r, s in zip(rows, seqs)]).to(device) if seqs \
-            else torch.zeros(0, dtype=torch.int64, device=device)
-        self.slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=device)
-        self.fresh = torch.tensor([s.start == 0 for s in seqs], dtype=torch.bool, device=device)
-        self.last_rows = (self.cu_seqlens[1:] - 1) if seqs else self.cu_seqlens[:0]
+        ends = counts_N.cumsum(0)
+        first = ends - counts_N  # packed row of each sequence's first new token
+        self.cu_seqlens = torch.cat([ends.new_zeros(1), ends])
+        self.last_rows = ends - 1
+        tok = torch.arange(seq_of_token_T.numel(), device=dev)
+        self.positions = starts_N[seq_of_token_T] + tok - first[seq_of_token_T]  # [T]
+        table = pools.page_table[slots_N]  # [N, max_pages]
+        self.write_rows = table[seq_of_token_T, self.positions // P] * P + self.positions % P  # [T]
+        j = torch.arange(context, device=dev)
+        self.read_rows = table[:, j // P] * P + j % P  # [N, Lc]
+        t = torch.arange(nmax, device=dev)
+        self.pad_index = (first[:, None] + t[None, :]).clamp(max=max(seq_of_token_T.numel() - 1, 0))  # [N, nmax]
+        self.pad_valid = t[None, :] < counts_N[:, None]  # [N, nmax]
+        self.token_index = tok - first[seq_of_token_T]  # [T] each token's place within its sequence's new tokens
+        # query t of sequence i (position start_i + t) sees positions <= start_i + t: [N, 1, nmax, Lc]
+        self.mask = (j[None, None, :] <= (starts_N[:, None] + t[None, :])[:, :, None])[:, None]
+        self.in_context = j[None, :] < (starts_N + counts_N)[:, None]  # [N, Lc]
+        self.token_weight = valid_N[seq_of_token_T].to(torch.int64)  # [T] 0 for padding rows (routes not counted)
         self.layer = -1  # set by each block before its attention runs
-        self.seq_of_token = torch.repeat_interleave(torch.arange(len(seqs)), torch.tensor(lens, dtype=torch.int64)
-                                                    ).to(device)
-        # [N] the largest |residual| of each sequence's tokens this iteration (inf: something not finite), for the
-        # serving guards, which stop only the sequences that blew up
-        self.maxabs = torch.zeros(len(seqs), dtype=torch.float64, device=device)
+        # [T] the largest |residual| of each token over the blocks run, for the serving guards, which stop only the
+        # sequences that blew up (`sequence_maxabs`)
+        self.token_maxabs: torch.Tensor | None = None
+
+    @classmethod
+    def from_plan(cls, pools: CachePools, slots: list[int], starts: list[int], counts: list[int], device,
+                  context: int | None = None) -> "IterationCache":
+        """An eager iteration's cache from the plan's lists: one host-to-device copy of the packed indices."""
+        n = len(slots)
+        seq_of_token = torch.repeat_interleave(torch.arange(n), torch.tensor(counts, dtype=torch.int64))
+        packed = torch.cat([torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token])
+        packed = packed.to(device)
+        longest = max((s + c for s, c in zip(starts, counts)), default=1)
+        return cls(pools, packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:],
+                   torch.ones(n, dtype=torch.bool, device=device), max(counts, default=1),
+                   context or pools.context_bucket(longest), decode=n > 0 and max(counts) == 1)
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
-        """Fold a block's output (the residual stream) into each sequence's max-abs."""
-        if not self.seqs:
-            return
-        m = x_1Td[0].detach().abs().amax(-1).double()
-        m = torch.where(torch.isfinite(m), m, torch.inf)
-        self.maxabs = self.maxabs.scatter_reduce(0, self.seq_of_token, m, "amax")
+        """Fold a block's output (the residual stream) into each token's max-abs (NaN propagates)."""
+        m = x_1Td[0].detach().abs().amax(-1)
+        self.token_maxabs = m if self.token_maxabs is None else torch.maximum(self.token_maxabs, m)
 
-    def mla_attention(self, q_1THh: torch.Tensor, c_1Tr: torch.Tensor, up) -> torch.Tensor:
-        """Store this iteration's latents, then causal attention of each sequence's new queries over its whole
-        cached context. up(c [1, L, r]) -> (k, v) [1, L, H, h] with RoPE at positions 0..L-1. Returns [1, T, H, h]."""
+    def sequence_maxabs(self) -> torch.Tensor:
+        """[N] float64: each sequence's largest |activation| over the blocks run (inf: something not finite)."""
+        out = torch.zeros(self.slots.numel(), dtype=torch.float64, device=self.slots.device)
+        if self.token_maxabs is None or not self.seq_of_token.numel():
+            return out
+        m = self.token_maxabs.double()
+        m = torch.where(torch.isfinite(m), m, torch.inf)
+        return out.scatter_reduce(0, self.seq_of_token, m, "amax")
+
+    def note_routes(self, idx_TK: torch.Tensor) -> None:
+        """Count the iteration's routes per expert into the layer's served load (in place, so graph replays add)."""
+        weight = self.token_weight[:, None].expand_as(idx_TK)
+        self.pools.load[self.layer].index_add_(0, idx_TK.reshape(-1), weight.reshape(-1))
+
+    def mla_attention(self, q_1THe: torch.Tensor, lat_1Tl: torch.Tensor, mla) -> torch.Tensor:
+        """Store this iteration's latents [c | k_p], then causal attention of each sequence's new queries over its
+        cached context, all sequences at once: queries padded to [N, nmax], context gathered to [N, Lc] through the
+        page tables and masked. `mla` is the layer (layers.GatedMLA). Returns [1, T, H, h].
+
+        Without RoPE (the released K3) the up-projection is absorbed, as DeepSeek's MLA decodes: scores
+        q_n . (W_uk c) = (W_uk^T q_n) . c, and o = W_uv (sum_j p_j c_j), so attention runs over the latents
+        themselves (one shared key/value head of width r + p / r), never over [N, Lc, H, h] keys and values. With
+        RoPE the keys depend on positions after the up-projection: they are recomputed from the latents."""
+        if not self.slots.numel():
+            return q_1THe.new_zeros(q_1THe.shape[:-1] + (mla.head_dim,))
         pool = self.pools.latent[self.layer]
         flat = pool.view(-1, pool.shape[-1])
-        flat[self.write_rows] = c_1Tr[0]
-        outs = []
-        for i, s in enumerate(self.seqs):
-            k, v = up(flat[self.read_rows[i]][None])
-            q = q_1THh[:, self.cu_seqlens[i]:self.cu_seqlens[i + 1]]
-            L = s.start + s.n
-            mask = torch.arange(L, device=q.device)[None, :] <= torch.arange(s.start, L, device=q.device)[:, None]
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-            outs.append(o.transpose(1, 2))
-        return torch.cat(outs, dim=1) if outs else q_1THh.new_zeros(q_1THh.shape)
+        flat.index_copy_(0, self.write_rows, lat_1Tl[0].to(flat.dtype))
+        # positions past a sequence's end are masked, but whatever a reused page still holds there (even NaN from
+        # a request that blew up) must not reach the value sum: 0 * NaN is NaN
+        lat = flat[self.read_rows].masked_fill(~self.in_context[..., None], 0.0)  # [N, Lc, r + p]
+        q = q_1THe[0][self.pad_index]  # [N, nmax, H, h + p]
+        if mla.rotate:
+            k, v = mla.up(lat)  # [N, Lc, H, h + p], [N, Lc, H, h]
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=self.mask, scale=mla.scale).transpose(1, 2)
+        else:
+            H, h, r = mla.n_heads, mla.head_dim, mla.kv_rank
+            w_ukv = mla.w_ukv.weight.view(H, 2 * h, r)
+            q_n, q_p = q.split([h, q.shape[-1] - h], dim=-1)
+            q_lat = torch.cat([torch.einsum("nthd,hdr->nthr", q_n, w_ukv[:, :h]), q_p], dim=-1)  # [N, nmax, H, r+p]
+            scores = torch.einsum("nthe,nle->nhtl", q_lat, lat).float() * mla.scale  # [N, H, nmax, Lc]
+            probs = torch.softmax(scores.masked_fill(~self.mask, -torch.inf), dim=-1).to(lat.dtype)
+            o_lat = torch.einsum("nhtl,nlr->nthr", probs, lat[..., :r])  # [N, nmax, H, r]
+            o = torch.einsum("nthr,hdr->nthd", o_lat, w_ukv[:, h:])  # [N, nmax, H, h]
+        return o[self.seq_of_token, self.token_index][None]
 
     def kda(self, q, k, v, g, beta) -> torch.Tensor:
-        """KDA over the packed sequences from their slots' states; the final states go back into the slots. Pure
-        decode iterations (one token per sequence) take the recurrent kernel, others the chunked one."""
-        if not self.seqs:
+        """KDA over the packed sequences from their slots' states; the final states go back into the slots. Decode
+        iterations (one token per sequence) run the recurrent kernel with the sequences as a batch, others the
+        chunked one over the packed sequences."""
+        if not self.seq_of_token.numel():
             return v.new_zeros(v.shape)
         pool = self.pools.state[self.layer]
-        s0 = pool[self.slots].masked_fill(self.fresh[:, None, None, None], 0.0)
-        kernel = kda_decode if all(s.n == 1 for s in self.seqs) else kda_attention
-        o, s1 = kernel(q, k, v, g, beta, initial_state=s0, output_final_state=True, cu_seqlens=self.cu_seqlens)
-        pool[self.slots] = s1.to(pool.dtype)
+        if self.decode:  # [N, 1, ...]: one token per sequence, each state updated in its slot
+            as_batch = [t.transpose(0, 1) for t in (q, k, v, g, beta)]
+            return kda_decode_slots(*as_batch, pool, self.slots).transpose(0, 1)
+        o, s1 = kda_attention(q, k, v, g, beta, initial_state=pool[self.slots], output_final_state=True,
+                              cu_seqlens=self.cu_seqlens)
+        pool.index_copy_(0, self.slots, s1.to(pool.dtype))
         return o
+
+    def short_conv(self, x_1TC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
+        """KDA's causal short convolution (+ SiLU) over the packed sequences, each continuing from its slot's last
+        W-1 inputs; the new last inputs go back into the slots. x [1, T, 3 H K]. Decode iterations run the
+        sequences as a batch of one token each (no host sync)."""
+        if not self.slots.numel():
+            return x_1TC.new_zeros(x_1TC.shape)
+        pool = self.pools.conv[self.layer]
+        if self.decode:
+            y, s1 = short_conv(x_1TC.transpose(0, 1), weight_CW, pool[self.slots], output_final_state=True)
+            y = y.transpose(0, 1)
+        else:
+            y, s1 = short_conv(x_1TC, weight_CW, pool[self.slots], output_final_state=True,
+                               cu_seqlens=self.cu_seqlens)
+        pool.index_copy_(0, self.slots, s1.to(pool.dtype))
+        return y

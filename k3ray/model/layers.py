@@ -1,7 +1,12 @@
-"""Dense K3 blocks: RMSNorm, RoPE, the gated MLA attention, KDA (Kimi Delta Attention) and the shared expert.
-The KDA recurrence and its references live in kernels/kda.py.
+"""Dense K3 blocks: RMSNorm, RoPE, the gated MLA attention, KDA (Kimi Delta Attention), the SiTU-GLU FFN (shared
+expert and dense layer) and the Block Attention Residuals read. The KDA recurrence, its gate and short convolution
+live in kernels/ with their torch references.
 
-Shapes: B batch, S sequence, d model width, H heads, h head dim, r MLA latent KV width.
+Each parameter maps to one tensor of the released Hugging Face checkpoint (`model.layers.<i>.` + the name given in
+the class docstrings); shapes are torch's ([out, in] for a Linear).
+
+Shapes: B batch, S sequence, d model width, H heads, h head dim, r MLA latent KV width, p the decoupled (rope) slice
+of MLA, K KDA head dim, W KDA convolution width.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import kda_attention, situ_glu
+from k3ray.kernels import kda_attention, kda_gate, short_conv, situ_glu
 
 if TYPE_CHECKING:
     from k3ray.model.cache import IterationCache
@@ -27,7 +32,8 @@ MLA_CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDP
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, returned in the input dtype."""
+    """RMSNorm computed in fp32, returned in the input dtype. On CUDA, bf16 in and out of torch's fused kernel, which
+    accumulates in fp32 itself: one kernel instead of casts around it (the decode step is launch-bound)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -35,6 +41,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and x.dtype == self.weight.dtype == torch.bfloat16:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(up32(x), (x.shape[-1],), up32(self.weight), self.eps).to(x.dtype)
 
 
@@ -50,78 +58,169 @@ def rope(x_BSHh: torch.Tensor, theta: float, positions_S: torch.Tensor | None = 
 
 
 class GatedMLA(nn.Module):
-    """Causal multi-head attention with an MLA-style low-rank KV path and a sigmoid output gate.
+    """Causal multi-head attention with an MLA low-rank KV path, optional q-LoRA and a sigmoid output gate.
 
-    q = W_q x; c = RMSNorm(W_dkv x) [r]; k = W_uk c; v = W_uv c; o = softmax(q k^T) v; out = W_o(o * sigmoid(W_g x)).
+        q = W_q x  or  W_q_up RMSNorm(W_q_down x)           [H, h + p]  (q-LoRA: q_lora_rank > 0)
+        [c | k_p] = W_dkv x;  c = RMSNorm(c) [r];  k_p [p] one slice shared by all heads
+        [k_n | v] = W_ukv c  [H, h + h];  k = [k_n | k_p];  o = softmax(q k^T / sqrt(h + p)) v
+        out = W_o(o * sigmoid(W_g x))
+
+    With `mla_rope` the p-wide slices of q and k are rotated (RoPE at each token's position); without it (released
+    K3) nothing depends on positions but the causal mask: the slice is kept, unrotated, so cache layout and kernels
+    stay as K2's. The inference cache stores [c | k_p] (r + p values per token).
+
+    | k3ray | HF (self_attn.) |
+    |---|---|
+    | w_q [H(h+p), d] | q_proj |
+    | w_q_down [q_lora_rank, d], q_norm, w_q_up [H(h+p), q_lora_rank] | q_a_proj, q_a_layernorm, q_b_proj |
+    | w_dkv [r + p, d] | kv_a_proj_with_mqa |
+    | kv_norm [r] | kv_a_layernorm |
+    | w_ukv [H 2h, r] (per head k_n then v) | kv_b_proj |
+    | w_g [H h, d] | g_proj |
+    | w_o [d, H h] | o_proj |
     """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, hd = cfg.d_model, cfg.n_heads * cfg.head_dim
-        self.n_heads, self.head_dim, self.theta = cfg.n_heads, cfg.head_dim, cfg.rope_theta
-        self.w_q = nn.Linear(d, hd, bias=False)
-        self.w_dkv = nn.Linear(d, cfg.kv_rank, bias=False)
+        d, H, h, p = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.mla_rope_dim
+        self.n_heads, self.head_dim, self.rope_dim, self.kv_rank = H, h, p, cfg.kv_rank
+        self.rotate, self.theta = cfg.mla_rope, cfg.rope_theta
+        self.scale = (h + p) ** -0.5
+        if cfg.q_lora_rank:
+            self.w_q_down = nn.Linear(d, cfg.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+            self.w_q_up = nn.Linear(cfg.q_lora_rank, H * (h + p), bias=False)
+        else:
+            self.w_q = nn.Linear(d, H * (h + p), bias=False)
+        self.w_dkv = nn.Linear(d, cfg.kv_rank + p, bias=False)
         self.kv_norm = RMSNorm(cfg.kv_rank, cfg.norm_eps)
-        self.w_uk = nn.Linear(cfg.kv_rank, hd, bias=False)
-        self.w_uv = nn.Linear(cfg.kv_rank, hd, bias=False)
-        self.w_g = nn.Linear(d, hd, bias=False)
-        self.w_o = nn.Linear(hd, d, bias=False)
+        self.w_ukv = nn.Linear(cfg.kv_rank, H * 2 * h, bias=False)
+        self.w_g = nn.Linear(d, H * h, bias=False)
+        self.w_o = nn.Linear(H * h, d, bias=False)
 
-    def up(self, c_BSr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (with RoPE at positions 0..S-1) and values [B, S, H, h] from latents."""
-        heads = c_BSr.shape[:2] + (self.n_heads, self.head_dim)
-        return rope(self.w_uk(c_BSr).view(heads), self.theta), self.w_uv(c_BSr).view(heads)
+    def latent(self, x_BSd: torch.Tensor) -> torch.Tensor:
+        """What the cache keeps per token: [c | k_p] [B, S, r + p]."""
+        c, k_p = self.w_dkv(x_BSd).split([self.kv_rank, self.rope_dim], dim=-1)
+        return torch.cat([self.kv_norm(c), k_p], dim=-1)
+
+    def queries(self, x_BSd: torch.Tensor, positions_S: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, S, H, h + p], the p slice rotated at the given positions (default 0..S-1) with `mla_rope`."""
+        B, S, _ = x_BSd.shape
+        q = self.w_q_up(self.q_norm(self.w_q_down(x_BSd))) if hasattr(self, "w_q_up") else self.w_q(x_BSd)
+        q = q.view(B, S, self.n_heads, self.head_dim + self.rope_dim)
+        if self.rotate:
+            q_n, q_p = q.split([self.head_dim, self.rope_dim], dim=-1)
+            q = torch.cat([q_n, rope(q_p, self.theta, positions_S)], dim=-1)
+        return q
+
+    def up(self, latent_BSl: torch.Tensor, positions_S: torch.Tensor | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys [B, S, H, h + p] and values [B, S, H, h] from latents [c | k_p] at positions 0..S-1 (or those given)."""
+        B, S, _ = latent_BSl.shape
+        c, k_p = latent_BSl.split([self.kv_rank, self.rope_dim], dim=-1)
+        k_n, v = self.w_ukv(c).view(B, S, self.n_heads, 2 * self.head_dim).split(self.head_dim, dim=-1)
+        k_p = k_p[:, :, None, :]
+        if self.rotate:
+            k_p = rope(k_p, self.theta, positions_S)
+        return torch.cat([k_n, k_p.expand(B, S, self.n_heads, self.rope_dim)], dim=-1), v
 
     def forward(self, x_BSd: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
         """Training: x [B, S, d]. With a cache: x [1, T, d], the iteration's new tokens of every sequence packed
         (their latents go into the cache's pages; attention reads each sequence's whole context from there)."""
-        B, S, _ = x_BSd.shape
-        heads = (B, S, self.n_heads, self.head_dim)
-        c = self.kv_norm(self.w_dkv(x_BSd))
-        q = rope(self.w_q(x_BSd).view(heads), self.theta, None if cache is None else cache.positions)
+        lat = self.latent(x_BSd)
+        q = self.queries(x_BSd, None if cache is None else cache.positions)
         if cache is not None:
-            o = cache.mla_attention(q, c, self.up)
+            o = cache.mla_attention(q, lat, self)
         else:
-            k, v = self.up(c)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if x_BSd.is_cuda:
-                with sdpa_kernel(MLA_CUDA_BACKENDS, set_priority=True):
-                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            else:
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            o = o.transpose(1, 2)
+            k, v = self.up(lat)
+            o = causal_attention(q, k, v, self.scale)
         o = o.flatten(2)  # [B, S, H*h]; also for zero tokens
         return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
 
 
+def causal_attention(q_BSHe: torch.Tensor, k_BSHe: torch.Tensor, v_BSHh: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax attention -> [B, S, H, h]. On CUDA the fused kernels take one head width for q, k and v, so a
+    narrower v is zero-padded to q's width and the padding cut from the output (exact)."""
+    q, k, v = q_BSHe.transpose(1, 2), k_BSHe.transpose(1, 2), v_BSHh.transpose(1, 2)
+    if q.is_cuda:
+        h = v.shape[-1]
+        if h < q.shape[-1]:
+            v = F.pad(v, (0, q.shape[-1] - h))
+        with sdpa_kernel(MLA_CUDA_BACKENDS, set_priority=True):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :h]
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return o.transpose(1, 2)
+
+
 class KDA(nn.Module):
-    """KDA layer: L2-normalised q, k; per-channel forget gate alpha = exp(-softplus(.)) from a low-rank projection;
-    beta = sigmoid(W_b x); per-head RMSNorm of the output, a sigmoid output gate, then W_o. The recurrence is
-    `kernels.kda_attention`: fla-core's chunk_kda on CUDA, the torch reference elsewhere (kernels/kda.py)."""
+    """KDA layer (K3_NOTES, "The K3 model as released"):
+
+        q, k, v = SiLU(ShortConv_W(W_q x)), ...    (kda_conv_size W > 0; without it q, k, v = W_q x, ...)
+        q, k L2-normalised per head; q scaled by K^-1/2 with `kda_scaled_read`
+        log alpha = lb * sigmoid(exp(A_log) (W_a_up W_a_down x + dt_bias))   (lower-bound gate, lb = -5)
+                  or -exp(A_log) softplus(W_a_up W_a_down x + dt_bias)        (kda_gate_lower_bound null)
+        beta = sigmoid(W_b x);  o = KDA(q, k, v, log alpha, beta);  out = W_o(RMSNorm_head(o) * sigmoid(W_g x))
+
+    The recurrence is `kernels.kda_attention` (fla's chunk_kda on CUDA), the gate `kernels.kda_gate` (fla's fused
+    gate), the convolution `kernels.short_conv` (fla's causal_conv1d in training; with a cache each request keeps
+    its last W-1 inputs of q, k, v).
+
+    | k3ray | HF (self_attn.) |
+    |---|---|
+    | w_q, w_k, w_v [H K, d] | q_proj, k_proj, v_proj |
+    | q_conv, k_conv, v_conv .weight [H K, 1, W] | q_conv1d, k_conv1d, v_conv1d .weight |
+    | w_a_down [K, d], w_a_up [H K, K] | f_a_proj, f_b_proj |
+    | A_log [H] | A_log ([1, 1, H, 1]) |
+    | dt_bias [H K] | dt_bias |
+    | w_b [H, d] | b_proj |
+    | o_norm [K] | o_norm |
+    | w_g [H K, d] | g_proj |
+    | w_o [d, H K] | o_proj |
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        d, h = cfg.d_model, cfg.kda_head_dim
-        self.n_heads, self.head_dim = cfg.n_heads, h
-        hd = cfg.n_heads * h
+        d, K, H = cfg.d_model, cfg.kda_head_dim, cfg.n_heads
+        self.n_heads, self.head_dim = H, K
+        self.lower_bound = cfg.kda_gate_lower_bound
+        self.read_scale = K ** -0.5 if cfg.kda_scaled_read else 1.0
+        hd = H * K
         self.w_q = nn.Linear(d, hd, bias=False)
         self.w_k = nn.Linear(d, hd, bias=False)
         self.w_v = nn.Linear(d, hd, bias=False)
-        self.w_a_down = nn.Linear(d, h, bias=False)
-        self.w_a_up = nn.Linear(h, hd, bias=True)
-        self.w_b = nn.Linear(d, cfg.n_heads, bias=False)
-        self.o_norm = RMSNorm(h, cfg.norm_eps)
+        self.conv_size = cfg.kda_conv_size
+        if self.conv_size:
+            self.q_conv = nn.Conv1d(hd, hd, self.conv_size, groups=hd, bias=False)  # weight only; kernels.short_conv
+            self.k_conv = nn.Conv1d(hd, hd, self.conv_size, groups=hd, bias=False)
+            self.v_conv = nn.Conv1d(hd, hd, self.conv_size, groups=hd, bias=False)
+        self.w_a_down = nn.Linear(d, K, bias=False)
+        self.w_a_up = nn.Linear(K, hd, bias=False)
+        self.A_log = nn.Parameter(torch.zeros(H))
+        self.dt_bias = nn.Parameter(torch.zeros(hd))
+        self.w_b = nn.Linear(d, H, bias=False)
+        self.o_norm = RMSNorm(K, cfg.norm_eps)
         self.w_g = nn.Linear(d, hd, bias=False)
         self.w_o = nn.Linear(hd, d, bias=False)
 
+    def conv_weight(self) -> torch.Tensor:
+        """The three convolutions as one [3 H K, W] (q, k, v channels concatenated)."""
+        return torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])[:, 0]
+
     def forward(self, x_BSd: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
-        """Training: x [B, S, d]. With a cache: x [1, T, d] packed sequences, each continuing from its state slot."""
+        """Training: x [B, S, d]. With a cache: x [1, T, d] packed sequences, each continuing from its state slot
+        (and its convolution state)."""
         B, S, _ = x_BSd.shape
         heads = (B, S, self.n_heads, self.head_dim)
-        q = F.normalize(up32(self.w_q(x_BSd).view(heads)), dim=-1)
-        k = F.normalize(up32(self.w_k(x_BSd).view(heads)), dim=-1)
-        v = self.w_v(x_BSd).view(heads)
-        log_alpha = -F.softplus(self.w_a_up(self.w_a_down(x_BSd))).view(heads)
+        qkv = torch.cat([self.w_q(x_BSd), self.w_k(x_BSd), self.w_v(x_BSd)], dim=-1)
+        if self.conv_size:
+            qkv = cache.short_conv(qkv, self.conv_weight()) if cache is not None \
+                else short_conv(qkv, self.conv_weight())[0]
+        q, k, v = (t.reshape(heads) for t in qkv.chunk(3, dim=-1))
+        q = F.normalize(up32(q), dim=-1) * self.read_scale
+        k = F.normalize(up32(k), dim=-1)
+        log_alpha = kda_gate(self.w_a_up(self.w_a_down(x_BSd)).view(heads), self.A_log, self.dt_bias,
+                             self.lower_bound)
         beta = torch.sigmoid(up32(self.w_b(x_BSd)))
         if cache is not None:
             o = cache.kda(q, k, v, log_alpha, beta).to(x_BSd.dtype)
@@ -131,14 +230,60 @@ class KDA(nn.Module):
         return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
 
 
-class SharedExpert(nn.Module):
-    """A dense SiTU-GLU FFN on the full-width residual stream (K3's fixed constants, as the routed experts)."""
+class SiTUFFN(nn.Module):
+    """A dense SiTU-GLU FFN on the full-width residual stream (K3's fixed constants, as the routed experts): the
+    shared expert (`inner` = shared_inner; HF block_sparse_moe.shared_experts) and the dense layers' FFN (`inner` =
+    dense_inner; HF mlp).
 
-    def __init__(self, cfg: ModelConfig):
+    | k3ray | HF |
+    |---|---|
+    | w_gate [inner, d] | gate_proj |
+    | w_up [inner, d] | up_proj |
+    | w_out [d, inner] | down_proj |
+    """
+
+    def __init__(self, d_model: int, inner: int):
         super().__init__()
-        self.w_in = nn.Linear(cfg.d_model, 2 * cfg.shared_inner, bias=False)
-        self.w_out = nn.Linear(cfg.shared_inner, cfg.d_model, bias=False)
+        self.w_gate = nn.Linear(d_model, inner, bias=False)
+        self.w_up = nn.Linear(d_model, inner, bias=False)
+        self.w_out = nn.Linear(inner, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_in(x).chunk(2, dim=-1)
-        return self.w_out(situ_glu(gate, up))
+        return self.w_out(situ_glu(self.w_gate(x), self.w_up(x)))
+
+
+def attn_res_mix(values_NBSd: torch.Tensor, query_d: torch.Tensor, norm_weight_d: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """Block Attention Residuals' read (Kimi Team, "Attention Residuals", 2026, Block AttnRes):
+
+        h = sum_n softmax_n( w . RMSNorm(v_n) ) v_n
+
+    over the values v_0..v_N [N+1, B, S, d] (the committed block summaries, then the current partial block), per
+    token; w [d] the learned pseudo-query. In fp32 (float64 stays float64), returned in the values' dtype."""
+    f32 = torch.float64 if values_NBSd.dtype == torch.float64 else torch.float32
+    v = values_NBSd.to(f32)
+    keys = F.rms_norm(v, (v.shape[-1],), norm_weight_d.to(f32), eps)
+    weights = torch.softmax(torch.einsum("d,nbsd->nbs", query_d.to(f32), keys), dim=0)
+    return torch.einsum("nbs,nbsd->bsd", weights, v).to(values_NBSd.dtype)
+
+
+class AttnResRead(nn.Module):
+    """One Block AttnRes read: its pseudo-query (`proj`, zero at init: a uniform mix) and key norm.
+
+    | k3ray | HF |
+    |---|---|
+    | attn_res.proj [1, d], attn_res.norm [d] | self_attention_res_proj, self_attention_res_norm |
+    | ffn_res.proj, ffn_res.norm | mlp_res_proj, mlp_res_norm |
+    | output_res.proj, output_res.norm (last stage) | model.output_attn_res_proj, model.output_attn_res_norm |
+    """
+
+    def __init__(self, d_model: int, eps: float):
+        super().__init__()
+        self.proj = nn.Linear(d_model, 1, bias=False)
+        self.norm = RMSNorm(d_model, eps)
+
+    def forward(self, values: list[torch.Tensor]) -> torch.Tensor:
+        """values: N+1 tensors [B, S, d] (block summaries, then the partial block) -> [B, S, d]."""
+        if len(values) == 1:  # a softmax over one value
+            return values[0]
+        return attn_res_mix(torch.stack(values), self.proj.weight[0], self.norm.weight, self.norm.eps)

@@ -8,6 +8,8 @@ expert-parallel executor; both take (h_lat [T, d_latent], expert index [T, K], w
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from k3ray.dtypes import up32
 from torch import nn
@@ -15,7 +17,10 @@ from torch import nn
 from k3ray.config import ModelConfig
 from k3ray.kernels import grouped_expert_ffn, permute_rows, unpermute_rows
 from k3ray.model.balancing import quantile_histogram, select_experts
-from k3ray.model.layers import RMSNorm, SharedExpert
+from k3ray.model.layers import RMSNorm, SiTUFFN
+
+if TYPE_CHECKING:
+    from k3ray.model.cache import IterationCache
 
 
 class ExpertShard(nn.Module):
@@ -41,7 +46,10 @@ def route_order(idx_TK: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, to
     order = torch.argsort(flat, stable=True)
     dest = torch.empty_like(order)
     dest[order] = torch.arange(flat.numel(), device=flat.device)
-    counts = torch.bincount(flat, minlength=num_groups)
+    # bincount would read the largest index back to the host first; a scatter-add counts without a sync (a serving
+    # decode step is replayed as a CUDA graph)
+    counts = torch.zeros(num_groups, dtype=torch.int64, device=flat.device).scatter_add_(0, flat,
+                                                                                          torch.ones_like(flat))
     return dest.view_as(idx_TK), counts, counts.cumsum(0).to(torch.int32)
 
 
@@ -104,6 +112,20 @@ class RoutingStats:
 
 
 class LatentMoE(nn.Module):
+    """The MoE FFN of one layer. Released K3 has one shared expert of width 2 x 3072 (n_shared 1, shared_inner 6144).
+
+    | k3ray (moe.) | HF (block_sparse_moe.) |
+    |---|---|
+    | router.weight [E, d] | gate.weight |
+    | router.bias [E] (buffer, fp32) | gate.e_score_correction_bias |
+    | w_down [d_latent, d] | routed_expert_down_proj |
+    | norm [d_latent] | routed_expert_norm |
+    | w_up [d, d_latent] | routed_expert_up_proj |
+    | shared.0.w_gate / w_up / w_out | shared_experts.gate_proj / up_proj / down_proj |
+    | experts.shard.w1[row] [d_latent, 2I] = [gate | up] | experts.<e>.w1 [I, d_latent] (gate), w3 (up): transposed |
+    | experts.shard.w2[row] [I, d_latent] | experts.<e>.w2 [d_latent, I]: transposed |
+    """
+
     def __init__(self, cfg: ModelConfig, experts: nn.Module):
         super().__init__()
         self.cfg = cfg
@@ -112,21 +134,30 @@ class LatentMoE(nn.Module):
         self.experts = experts
         self.norm = RMSNorm(cfg.d_latent, cfg.norm_eps)
         self.w_up = nn.Linear(cfg.d_latent, cfg.d_model, bias=False)
-        self.shared = nn.ModuleList(SharedExpert(cfg) for _ in range(cfg.n_shared))
+        self.shared = nn.ModuleList(SiTUFFN(cfg.d_model, cfg.shared_inner) for _ in range(cfg.n_shared))
         self.stats = RoutingStats()
 
-    def forward(self, x_BSd: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BSd: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
+        """x [B, S, d] -> [B, S, d]. With an inference cache the routes are counted into its served load (no
+        balancing statistics: the router bias is fixed while serving)."""
         cfg = self.cfg
         x = x_BSd.reshape(-1, cfg.d_model)
         scores = self.router(x)
         idx, weight = select_experts(scores, self.router.bias, cfg.top_k)
         y_lat = self.experts(self.w_down(x), idx, weight)
-        with torch.no_grad():
-            hist = None
-            if cfg.balancing == "quantile":
-                hist = quantile_histogram(scores, self.router.bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window)
-            self.stats.add(hist, torch.bincount(idx.reshape(-1), minlength=cfg.n_experts), y_lat)
+        if cache is not None:
+            cache.note_routes(idx)
+        else:
+            self._note_stats(scores, idx, y_lat)
         y = self.w_up(self.norm(y_lat))
         for shared in self.shared:
             y = y + shared(x)
         return y.view_as(x_BSd)
+
+    @torch.no_grad()
+    def _note_stats(self, scores: torch.Tensor, idx: torch.Tensor, y_lat: torch.Tensor) -> None:
+        cfg = self.cfg
+        hist = None
+        if cfg.balancing == "quantile":
+            hist = quantile_histogram(scores, self.router.bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window)
+        self.stats.add(hist, torch.bincount(idx.reshape(-1), minlength=cfg.n_experts), y_lat)

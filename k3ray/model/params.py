@@ -15,7 +15,7 @@ def model_totals(cfg: ModelConfig) -> dict[str, float]:
         total += p.numel()
         routed += p.numel() if is_expert_param(name) else 0
     active = total - routed + routed * cfg.top_k // cfg.n_experts
-    per_expert = routed // (cfg.n_layers * cfg.n_experts)
+    per_expert = routed // max(len(cfg.moe_layer_ids()) * cfg.n_experts, 1)
     return {
         "total_params": total,
         "active_params": active,
@@ -24,6 +24,7 @@ def model_totals(cfg: ModelConfig) -> dict[str, float]:
         "dispatch_values_per_token": cfg.top_k * cfg.d_latent,
         "dispatch_values_per_token_full_width_top_k_half": (cfg.top_k // 2) * cfg.d_model,
         "layers": cfg.n_layers,
+        "dense_layers": cfg.n_layers - len(cfg.moe_layer_ids()),
         "kda_layers": sum(cfg.layer_kind(i) == "kda" for i in range(cfg.n_layers)),
         "mla_layers": sum(cfg.layer_kind(i) == "mla" for i in range(cfg.n_layers)),
     }

@@ -2,14 +2,22 @@
 these, so their outputs can be compared token for token.
 
 Decoding is greedy at temperature 0, else sampling from softmax(logits / temperature) restricted to the top_p
-nucleus. Each request draws from its own torch.Generator seeded by its seed, one draw per token, so the same seed
-gives the same text whatever other requests share the batch.
+nucleus. Sampling runs on the device that holds the logits, for a whole batch at once (`sample_tokens`: only token
+ids leave the worker). Its randomness is counter-based: the noise of request r's n-th token is a hash of (r's seed,
+n, vocabulary index), so the same seed gives the same text whatever other requests share the batch, and a request
+prefilled again after a lost worker draws the same noise for its next token as it would have undisturbed.
+
+Sampling from the nucleus is the Gumbel-max trick: argmax over kept tokens of log p + G, G ~ Gumbel(0, 1), draws
+token v with probability p_v / sum of the kept p (the nucleus renormalised).
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import torch
+
+_MASK32 = 0xFFFFFFFF
 
 
 @dataclass(frozen=True)
@@ -20,38 +28,95 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
 
-    def generator(self) -> torch.Generator | None:
-        """The request's own random stream (None for greedy decoding); without a seed, a random one."""
-        if self.temperature == 0:
-            return None
-        g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        return g
+    def resolved_seed(self) -> int:
+        """The request's seed: its own, or a random one (drawn once per request, then fixed)."""
+        return self.seed if self.seed is not None else random.getrandbits(62)
 
 
-def next_token(logits_V: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    if params.temperature == 0:
-        return int(torch.argmax(logits_V))
-    probs = torch.softmax(logits_V.detach().double().cpu() / params.temperature, dim=-1)
-    if params.top_p < 1.0:
-        sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(0) - sorted_p < params.top_p  # the smallest prefix whose mass reaches top_p
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) in int64 arithmetic: every product stays below 2^59,
+    so it is exact and the same on every device."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def gumbel_noise(seed_N: torch.Tensor, counter_N: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N, vocab] float32 Gumbel(0, 1) noise, a pure function of (seed, counter, vocabulary index)."""
+    dev = seed_N.device
+    s = seed_N.to(torch.int64)
+    h = _mix32((s & _MASK32) ^ _mix32((s >> 32) & _MASK32) ^ 0x2545F491)
+    h = _mix32(h ^ (counter_N.to(torch.int64) & _MASK32))[:, None]
+    h = _mix32(h ^ torch.arange(vocab, device=dev, dtype=torch.int64)[None, :])
+    u = ((h >> 8).to(torch.float64) + 0.5) / float(1 << 24)  # (0, 1), 24 bits
+    return (-torch.log(-torch.log(u))).to(torch.float32)
+
+
+def sample_tokens(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_p_N: torch.Tensor, seed_N: torch.Tensor,
+                  counter_N: torch.Tensor) -> torch.Tensor:
+    """The next token of N sequences [N] int64, on the logits' device, with no host sync (CUDA-graph safe).
+
+    Row i: argmax at temperature_N[i] == 0, else a draw from softmax(logits / temperature) restricted to the
+    smallest set of most likely tokens whose mass reaches top_p_N[i], with the noise of (seed_N[i], counter_N[i])."""
+    logits = logits_NV.float()
+    greedy = logits.argmax(-1)
+    temp = temperature_N.float().clamp_min(1e-6)[:, None]
+    logp = torch.log_softmax(logits / temp, dim=-1)
+    sorted_lp, order = logp.sort(dim=-1, descending=True)
+    sorted_p = sorted_lp.exp()
+    keep_sorted = (sorted_p.cumsum(-1) - sorted_p) < top_p_N.float()[:, None]  # the first token is always kept
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    scores = torch.where(keep, logp + gumbel_noise(seed_N, counter_N, logits.shape[-1]), -torch.inf)
+    return torch.where(temperature_N.to(logits.device) == 0, greedy, scores.argmax(-1))
+
+
+def next_token(logits_V: torch.Tensor, params: SamplingParams, seed: int, counter: int) -> int:
+    """One sequence's next token (the reference's path through `sample_tokens`)."""
+    dev = logits_V.device
+    return int(sample_tokens(logits_V[None], torch.tensor([params.temperature], device=dev),
+                             torch.tensor([params.top_p], device=dev), torch.tensor([seed], device=dev),
+                             torch.tensor([counter], device=dev))[0])
+
+
+class StopChecker:
+    """Stop strings over a growing output, checked incrementally: each new token looks only at the bytes that can
+    complete a stop string (the tail as long as the longest one), never at the whole output again."""
+
+    def __init__(self, stop: tuple[str, ...]):
+        self.stops = [s.encode("utf-8") for s in stop if s]
+        self.longest = max((len(s) for s in self.stops), default=0)
+        self.cut: int | None = None  # where the first stop string starts in the output bytes, once found
+
+    def feed(self, output_ids: list[int]) -> bool:
+        """The last token was just appended to output_ids (byte tokens): True once a stop string has appeared."""
+        if self.cut is not None or not self.stops:
+            return self.cut is not None
+        start = max(0, len(output_ids) - self.longest)
+        tail = bytes(output_ids[start:])
+        hits = [i for i in (tail.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.cut = start + min(hits)
+        return self.cut is not None
 
 
 def finish_reason(output_ids: list[int], params: SamplingParams, eos: int, context_left: int,
-                  stopped: bool | None = None) -> str | None:
+                  stops=None) -> str | None:
     """'stop' (end-of-text token or a stop string in the output), 'length' (max_tokens or the context is full), or
-    None while the generation goes on. `stopped`: whether the request's detokenizer (k3ray.tokenizer) met a stop
-    string in the text; None: search the output as bytes (byte tokens, the single-process reference)."""
+    None while the generation goes on. `stops`: the request's incremental checker (made here if not given): a
+    StopChecker over byte tokens, or the request's k3ray.tokenizer.Detokenizer (stop strings met on the text)."""
     if output_ids and output_ids[-1] == eos:
         return "stop"
-    if stopped if stopped is not None else (params.stop and stop_index(output_ids, params.stop) is not None):
+    if params.stop and (stops or _full_checker(output_ids, params)).feed(output_ids):
         return "stop"
     if len(output_ids) >= params.max_tokens or context_left <= 0:
         return "length"
     return None
+
+
+def _full_checker(output_ids: list[int], params: SamplingParams) -> StopChecker:
+    checker = StopChecker(params.stop)
+    checker.longest = max(checker.longest, len(output_ids))  # one look at the whole output
+    return checker
 
 
 def stop_index(output_ids: list[int], stop: tuple[str, ...]) -> int | None:

@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_map_only
 from k3ray.config import JobConfig, PoliciesConfig
 from k3ray.dtypes import up32
 from k3ray.data import open_token_data
-from k3ray.model.decoder import build_stage, is_expert_param, stage_layers
+from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, stage_layers
 from k3ray.optim import AdamW, clip_coefficient, lr_at
 from k3ray.parallel import shards
 from k3ray.parallel.ep import EPContext, ExpertParallelExperts
@@ -125,7 +125,9 @@ class StageEngine:
             moe.experts.reset()
         for p in self.params.values():
             p.grad = None
-        shape = (len(dp) * cfg.data.micro_batch_size, cfg.data.seq_len, cfg.model.d_model)
+        # what the previous stage sends: the hidden state (and, with Block AttnRes, the block summaries)
+        shape = boundary_shape(cfg.model, self.layers.start, len(dp) * cfg.data.micro_batch_size, cfg.data.seq_len)
+        out_shape = boundary_shape(cfg.model, self.layers.stop, len(dp) * cfg.data.micro_batch_size, cfg.data.seq_len)
         dtype = getattr(torch, cfg.model.dtype)
         saved: dict[int, tuple] = {}
         pending = []
@@ -157,7 +159,7 @@ class StageEngine:
                 if stage.is_last:
                     grad = None
                 else:
-                    grad = torch.empty(shape, dtype=dtype, device=self.device)
+                    grad = torch.empty(out_shape, dtype=dtype, device=self.device)
                     t0 = time.perf_counter()
                     dist.recv(grad, self._rank(self.pp_rank + 1), tag=M + m, group=self.world)
                     timings["pipeline_wait"] += time.perf_counter() - t0
@@ -238,7 +240,7 @@ class StageEngine:
         """Mean validation loss over eval_batches, pipelined forward-only; EP rank e takes batches e, e+ep, ..."""
         cfg, stage = self.cfg, self.stage
         n = cfg.train.eval_batches
-        shape = (cfg.data.micro_batch_size, cfg.data.seq_len, cfg.model.d_model)
+        shape = boundary_shape(cfg.model, self.layers.start, cfg.data.micro_batch_size, cfg.data.seq_len)
         total = torch.zeros((), dtype=torch.float64)
         rounds = -(-n // self.ep)
         for r in range(rounds):

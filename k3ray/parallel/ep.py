@@ -20,7 +20,7 @@ from torch import nn
 
 from k3ray.config import ModelConfig, PoliciesConfig
 from k3ray.kernels import grouped_expert_ffn, permute_rows, unpermute_rows
-from k3ray.model.moe import ExpertShard
+from k3ray.model.moe import ExpertShard, route_order
 from k3ray.policies import moonep
 from k3ray.policies.planner import Planner, build_gemm_order, build_planner
 
@@ -148,6 +148,8 @@ class ExpertParallelExperts(nn.Module):
     def forward(self, h_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
         ctx, me = self.ctx, self.ctx.rank
         R, E = ctx.num_ranks, ctx.home.numel()
+        if R == 1:
+            return self._local(h_TD, idx_TK, weight_TK)
         local = torch.bincount(idx_TK.reshape(-1), minlength=E)
         gathered = [torch.empty_like(local) for _ in range(R)]
         self._timed(dist.all_gather, gathered, local, ctx.group)
@@ -196,6 +198,17 @@ class ExpertParallelExperts(nn.Module):
         back = _ExpertExchange.apply(send_buf, self.shard.w1, self.shard.w2, ex, ctx.group,
                                      torch.is_grad_enabled(), self._timed)
         return unpermute_rows(back, dest, weight_TK)
+
+    def _local(self, h_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
+        """One EP rank holds every expert: no exchange and no plan, so no host sync (a serving decode step can be
+        a CUDA graph). The layout is the exchange's at R = 1 (routes grouped by expert, stable)."""
+        dest, counts, ends = route_order(idx_TK, self.ctx.home.numel())
+        if torch.is_grad_enabled():  # the step report's accounting (training)
+            self._account(counts[None], counts[:, None])
+        rows = permute_rows(h_TD, dest, idx_TK.numel())
+        y = grouped_expert_ffn(rows, self.shard.w1, self.shard.w2, ends,
+                               group_order=None if self.ctx.gemm_order is None else self.ctx.gemm_order(counts))
+        return unpermute_rows(y, dest, weight_TK)
 
     def _weight_routes(self, groups: torch.Tensor, alloc: torch.Tensor) -> dict:
         """Where the weights of each computed expert come from (my shard or the replica exchange), and which of

@@ -70,10 +70,10 @@ def generate_reference(model: K3Stage, prompt_ids: list[int], params: SamplingPa
     Returns the generated ids (as sampled, end-of-text and stop bytes included) and the finish reason. Stop strings
     are met on the bytes (byte tokens); `eos`: the tokenizer's end-of-text id."""
     out: list[int] = []
-    generator = params.generator()
+    seed = params.resolved_seed()
     while True:
         logits = model(torch.tensor([prompt_ids + out], device=model.embed.weight.device))[0, -1]
-        out.append(next_token(logits, params, generator))
+        out.append(next_token(logits, params, seed, len(out)))
         reason = finish_reason(out, params, eos, model.cfg.max_seq_len - len(prompt_ids) - len(out))
         if reason is not None:
             model.reset_stats()

@@ -1,42 +1,62 @@
-"""One worker's part of a serving iteration, as plain library code (no Ray): its pipeline stage, its cache pools and
-the pipeline hand-off of hidden states.
+"""One worker's part of a serving iteration, as plain library code (no Ray): its pipeline stage, its cache pools (with
+the persistent batch state: page tables and sampling parameters per slot), the pipeline hand-off of hidden states,
+and sampling on the last stage.
 
 Worker (p, e) holds stage p and the caches of the requests that the engine placed on data-parallel rank e (each
 request lives on one rank: its latent pages and KDA slot are there, on every stage). Every iteration, every worker
 runs `StageServer.step` with its rank's `RankPlan`, also when that plan is empty: the MoE layers' expert-parallel
 exchanges span the stage's EP group, so every EP rank joins them, with zero tokens if need be. Stage p receives the
-hidden states from (p-1, e) and sends its own to (p+1, e); the last stage returns the logits. Every stage also
-returns each sequence's largest activation, so that a sequence that blew up can be stopped alone.
+hidden states from (p-1, e) and sends its own to (p+1, e); the last stage samples each sequence's next token on the
+device. Only token ids and each sequence's largest activation (for the per-request guards) leave the worker.
+
+A plan is small: the sequences by slot with their start and token count, the new token ids, and for sequences new
+on the rank their pages and sampling parameters (sent once). Decode iterations (one token per sequence) on a stage
+whose experts are all local run as CUDA graphs, one per (batch bucket, context bucket), captured on first use
+(`DecodeGraphs`); prefill chunks run eagerly. The same code runs on CPU without graphs.
 """
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from k3ray.model.cache import CachePools, IterationCache, SeqChunk, new_pools
-from k3ray.model.decoder import K3Stage
+from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, new_pools
+from k3ray.model.decoder import K3Stage, boundary_shape
+from k3ray.model.sampling import sample_tokens
+
+log = logging.getLogger("k3ray.serve")
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 @dataclass
 class RankPlan:
-    """One data-parallel rank's iteration: the new tokens of its sequences, packed in sequence order."""
+    """One data-parallel rank's iteration: its sequences (by state slot, with the tokens already cached and the
+    number of new ones), their new token ids packed in sequence order, each sequence's sample counter (how many
+    tokens it has generated: the index of its sampling noise), and the sequences new on the rank."""
+    slots: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
-    seqs: list[SeqChunk] = field(default_factory=list)
+    counters: list[int] = field(default_factory=list)
+    admit: list[SeqAdmit] = field(default_factory=list)
+    greedy: bool = False  # every sequence decodes greedily: the last stage takes the argmax and draws no noise
 
 
 @dataclass
 class StageOutput:
-    """A stage's answer to an iteration: the logits [N, V] (last stage; None elsewhere) and each sequence's largest
-    |activation| in the stage [N] (inf where anything, the logits included, is not finite)."""
-    logits: torch.Tensor | None
-    maxabs: torch.Tensor
+    """A stage's answer to an iteration: each sequence's next token [N] (last stage; None elsewhere; meaningful only
+    for sequences whose new tokens reached the end of what is known) and its largest |activation| in the stage [N]
+    (inf where anything, the logits included, is not finite)."""
+    tokens: list[int] | None
+    maxabs: list[float]
 
     @staticmethod
     def merge(stages: list[StageOutput]) -> StageOutput:
         """One data-parallel rank's answer from its stages' (in pipeline order)."""
-        return StageOutput(stages[-1].logits, torch.stack([s.maxabs for s in stages]).amax(0))
+        return StageOutput(stages[-1].tokens, [max(m) for m in zip(*(s.maxabs for s in stages))])
 
 
 @dataclass
@@ -50,47 +70,146 @@ class PoolSizes:
 
 class StageServer:
     def __init__(self, stage: K3Stage, pools: CachePools, device, prev_rank: int | None = None,
-                 next_rank: int | None = None, world=None):
+                 next_rank: int | None = None, world=None, graphs: bool = True):
         self.stage, self.pools, self.device = stage, pools, torch.device(device)
         self.prev_rank, self.next_rank = prev_rank, next_rank  # world ranks of the neighbouring stages (same e)
         self.world = world  # the grid's world group (StageEngine.world)
         self.dtype = next(stage.parameters()).dtype
+        self.graphs = DecodeGraphs(self) if graphs and self.device.type == "cuda" else None
 
     @torch.no_grad()
     def step(self, plan: RankPlan) -> StageOutput:
-        """Run this stage on the plan: logits [N, V] (on the host) on the last stage, and every stage's max-abs."""
-        cache = IterationCache(self.pools, plan.seqs, self.device)
-        T = len(plan.tokens)
-        if self.stage.is_first:
-            x = torch.tensor(plan.tokens, dtype=torch.int64, device=self.device)[None]
-        else:
-            x = torch.empty(1, T, self.stage.cfg.d_model, dtype=self.dtype, device=self.device)
+        """Run this stage on the plan: every stage's max-abs per sequence, and on the last stage the next tokens."""
+        self.pools.admit(plan.admit)
+        n, T = len(plan.slots), len(plan.tokens) if self.stage.is_first else sum(plan.counts)
+        x = None
+        if not self.stage.is_first:
+            # the hidden state (and, with Block AttnRes, the block summaries: per token, so nothing is kept)
+            x = torch.empty(boundary_shape(self.stage.cfg, self.stage.layers.start, 1, T), dtype=self.dtype,
+                            device=self.device)
             if T:
                 dist.recv(x, self.prev_rank, group=self.world)
-        out = self.stage(x, cache)
+        if self.graphs is not None and n and max(plan.counts) == 1:
+            out, tokens, maxabs = self.graphs.run(plan, x)
+        else:
+            cache = IterationCache.from_plan(self.pools, plan.slots, plan.starts, plan.counts, self.device)
+            if self.stage.is_first:
+                x = torch.tensor(plan.tokens, dtype=torch.int64, device=self.device)[None]
+            counters = torch.tensor(plan.counters, dtype=torch.int64, device=self.device)
+            out, tokens, maxabs = self.forward(x, cache, counters, plan.greedy)
         if not self.stage.is_last:
             if T:
                 dist.send(out.contiguous(), self.next_rank, group=self.world)
-            return StageOutput(None, cache.maxabs.cpu())
-        logits = out.cpu()
-        return StageOutput(logits, torch.where(torch.isfinite(logits).all(-1), cache.maxabs.cpu(), torch.inf))
+            return StageOutput(None, maxabs.tolist())
+        both = torch.cat([tokens.double(), maxabs])  # one device-to-host copy
+        host = both.cpu()
+        return StageOutput(host[:n].long().tolist(), host[n:].tolist())
+
+    def forward(self, x: torch.Tensor, cache: IterationCache, counters_N: torch.Tensor, greedy: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The stage on one iteration (no host sync: a CUDA graph can hold it): its output (hidden [1, T, d], or the
+        logits [N, V] on the last stage), the sampled tokens [N] (last stage; `greedy`: every sequence of the
+        iteration decodes greedily, so argmax alone) and each sequence's max-abs [N]."""
+        out = self.stage(x, cache)
+        maxabs = cache.sequence_maxabs()
+        if not self.stage.is_last:
+            return out, None, maxabs
+        p, s = self.pools, cache.slots
+        if greedy:
+            tokens = out.argmax(-1)
+        else:
+            tokens = sample_tokens(out, p.temperature[s], p.top_p[s], p.seed[s], counters_N)
+        maxabs = torch.where(torch.isfinite(out).all(-1), maxabs, torch.inf)
+        return out, tokens, maxabs
 
     def expert_load(self) -> dict[int, list[int]]:
         """layer -> routes this worker's tokens sent to each expert since the last call (then reset)."""
-        load = {}
-        for layer, moe in self.stage.moe_layers().items():
-            tpe = moe.stats.tokens_per_expert
-            load[layer] = [0] * self.stage.cfg.n_experts if tpe is None else tpe.tolist()
-        self.stage.reset_stats()
-        return load
+        return self.pools.take_load()
+
+
+class DecodeGraphs:
+    """CUDA graphs of a stage's decode iteration, one per (batch bucket B, context bucket Lc, greedy or sampled),
+    captured on first use
+    and replayed: the iteration's inputs are copied into the graph's static buffers, padded to B with rows that read
+    and write only the scratch slot and page. Stages whose MoE exchanges experts between ranks (ep > 1: the
+    exchange's splits come from the host) run eagerly; so do prefill chunks."""
+
+    def __init__(self, server: StageServer):
+        self.server = server
+        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+        self.enabled = all(getattr(moe.experts.ctx if hasattr(moe.experts, "ctx") else None, "num_ranks", 1) == 1
+                           for moe in server.stage.moe_layers().values())
+
+    def run(self, plan: RankPlan, x: torch.Tensor | None):
+        server = self.server
+        pools = server.pools
+        n = len(plan.slots)
+        bucket = next((b for b in BATCH_BUCKETS if b >= n), None)
+        if not self.enabled or bucket is None or bucket > pools.slots:
+            cache = IterationCache.from_plan(pools, plan.slots, plan.starts, plan.counts, server.device)
+            if x is None:
+                x = torch.tensor(plan.tokens, dtype=torch.int64, device=server.device)[None]
+            return server.forward(x, cache, torch.tensor(plan.counters, dtype=torch.int64, device=server.device),
+                                  plan.greedy)
+        context = pools.context_bucket(max(plan.starts) + 1)
+        key = (bucket, context, plan.greedy)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(*key)
+            except RuntimeError as err:  # a kernel that cannot be captured: this stage decodes eagerly from now on
+                log.warning("decode CUDA graphs off for this stage: the capture failed: %s", err)
+                self.enabled = False
+                return self.run(plan, x)
+        graph, inputs, outputs = self.graphs[key]
+        pad = bucket - n
+        host = torch.tensor([plan.slots + [pools.scratch_slot] * pad, plan.starts + [0] * pad,
+                             plan.counters + [0] * pad, (plan.tokens if x is None else [0] * n) + [0] * pad,
+                             [1] * n + [0] * pad], dtype=torch.int64)
+        inputs["packed"].copy_(host, non_blocking=False)
+        if x is not None:
+            inputs["hidden"][..., :n, :].copy_(x)
+        graph.replay()
+        out, tokens, maxabs = outputs
+        return out[..., :n, :], None if tokens is None else tokens[:n], maxabs[:n]
+
+    def _capture(self, bucket: int, context: int, greedy: bool):
+        server, dev = self.server, self.server.device
+        pools = server.pools
+        packed = torch.zeros(5, bucket, dtype=torch.int64, device=dev)
+        packed[0] = pools.scratch_slot  # capture and warm-up touch only the scratch slot and page
+        stage = server.stage
+        hidden = None if stage.is_first else \
+            torch.zeros(boundary_shape(stage.cfg, stage.layers.start, 1, bucket), dtype=server.dtype, device=dev)
+        inputs = {"packed": packed, "hidden": hidden}
+
+        def step():
+            slots, starts, counters, tokens, valid = packed
+            cache = IterationCache(pools, slots, starts, torch.ones_like(slots), torch.arange(bucket, device=dev),
+                                   valid.bool(), nmax=1, context=context, decode=True)
+            return server.forward(tokens[None] if hidden is None else hidden, cache, counters, greedy)
+
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for i in range(2):  # compiles and autotunes every kernel before the capture
+                if i == 1 and os.environ.get("K3RAY_SYNC_DEBUG"):  # name every host sync (they break a capture)
+                    torch.cuda.set_sync_debug_mode("warn")
+                step()
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = step()
+        return graph, inputs, outputs
 
 
 class LocalExecutor:
     """The whole model in this process (pp = 1, ep = 1, one data-parallel rank): the engine without Ray."""
 
-    def __init__(self, model: K3Stage, sizes: PoolSizes, device="cpu"):
+    def __init__(self, model: K3Stage, sizes: PoolSizes, device="cpu", graphs: bool = True):
         pools = new_pools(model.cfg, model.layers, sizes.pages, sizes.page_size, sizes.slots, device)
-        self.server = StageServer(model, pools, device)
+        self.server = StageServer(model, pools, device, graphs=graphs)
 
     def run(self, plans: dict[int, RankPlan]) -> dict[int, StageOutput]:
         return {0: self.server.step(plans[0])}

@@ -35,7 +35,7 @@ def update_router_bias(cfg: ModelConfig, moe: LatentMoE, histogram: torch.Tensor
 
 def activation_stats(stage: K3Stage) -> dict[int, dict[str, float]]:
     """Per-layer max-abs and RMS of the routed output and max-abs of the residual stream, one host copy."""
-    layers = list(stage.blocks.keys())
+    layers = [key for key, block in stage.blocks.items() if block.moe is not None]
     if not layers:
         return {}
     rows = []
