@@ -3,21 +3,28 @@ concurrencies (each of C clients sends its next streaming completion when the pr
 all per level). Prints output tokens/s, time to first token and inter-token latency (p50 / p99) per concurrency.
 
     python benchmarks/serve_load.py [--checkpoint runs/tiny/checkpoints] [--pp 1 --ep 1] [--concurrency 1 4 16 64]
+    python benchmarks/serve_load.py --config configs/gpu2.yaml --set model.n_layers=4 ...   # seeded weights
 
-Without --checkpoint it first trains the tiny config for a few steps into a temporary directory.
+Without --checkpoint: with --config, the config's seeded weights (`k3ray init`) in a temporary directory; else it
+first trains the tiny config for a few steps there. On a GPU machine the GPU's busy share (nvidia-smi, sampled every
+0.2 s) is printed per level. Every streamed chunk counts once for ITL; "tokens per chunk" says how many tokens the
+chunks carried on average (above 1 when the client falls behind and an SSE event carries several).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import shutil
 import socket
+import subprocess
 import tempfile
+import threading
 import time
 
 import openai
 import ray
 
-from k3ray.config import load_config
+from k3ray.config import load_config, parse_assignments
 from k3ray.control.driver import init_ray, running_job
 from k3ray.control.serve import start_serving, stop_serving
 
@@ -42,7 +49,7 @@ def pct(values: list[float], p: float) -> float:
 
 async def level(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
     api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-    ttft, itl, tokens, left = [], [], [0], [requests]
+    ttft, itl, tokens, left, chunks = [], [], [0], [requests], [0]
 
     async def client(c: int) -> None:
         while left[0] > 0:
@@ -57,6 +64,7 @@ async def level(url: str, model: str, concurrency: int, requests: int, max_token
                     tokens[0] += chunk.usage.completion_tokens
                 if not chunk.choices:
                     continue
+                chunks[0] += 1
                 now = time.perf_counter()  # one chunk per engine iteration that gave this request a token
                 if last is None:
                     ttft.append(now - t0)
@@ -64,13 +72,41 @@ async def level(url: str, model: str, concurrency: int, requests: int, max_token
                     itl.append(now - last)
                 last = now
 
+    busy = GpuBusy()
     t0 = time.perf_counter()
     await asyncio.gather(*(client(c) for c in range(concurrency)))
     wall = time.perf_counter() - t0
     await api.close()
     return {"concurrency": concurrency, "requests": requests, "tokens": tokens[0], "seconds": wall,
+            "gpu_busy": busy.stop(), "tokens_per_chunk": tokens[0] / max(chunks[0], 1),
             "tokens_per_s": tokens[0] / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
             "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
+
+
+class GpuBusy:
+    """The GPU's busy share (nvidia-smi utilization.gpu, every 0.2 s) from construction to `stop`; None without one."""
+
+    def __init__(self):
+        self.samples: list[float] = []
+        self.done = threading.Event()
+        self.thread = None
+        if shutil.which("nvidia-smi"):
+            self.thread = threading.Thread(target=self._sample, daemon=True)
+            self.thread.start()
+
+    def _sample(self) -> None:
+        while not self.done.wait(0.2):
+            out = subprocess.run(["nvidia-smi", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True).stdout.split()
+            if out:
+                self.samples.append(float(out[0]))
+
+    def stop(self) -> float | None:
+        self.done.set()
+        if self.thread is None:
+            return None
+        self.thread.join()
+        return sum(self.samples) / len(self.samples) if self.samples else None
 
 
 def main() -> None:
@@ -81,18 +117,30 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
     ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(2C, 16))")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--config", help="serve this config's seeded weights (no --checkpoint)")
+    ap.add_argument("--set", action="append", default=[], help="config override, with --config")
+    ap.add_argument("--token-budget", type=int, default=256, help="serve.token_budget")
     args = ap.parse_args()
-    init_ray(None, args.pp * args.ep + 2)
     root = args.checkpoint
     if root is None:
         root = tempfile.mkdtemp(prefix="k3ray-serve-bench-")
+        if args.config:
+            from k3ray.controller.checkpointing import write_seeded_weights
+
+            cfg = load_config(args.config, parse_assignments(args.set))
+            t0 = time.perf_counter()
+            info = write_seeded_weights(cfg, root)
+            print(f"[serve_load] seeded weights of {args.config} ({info['parameters'] / 1e9:.2f} B parameters, "
+                  f"{info['bytes'] / 1e9:.1f} GB) in {time.perf_counter() - t0:.0f}s", flush=True)
+    init_ray(None, args.pp * args.ep + 2)
+    if root is not None and not args.checkpoint and not args.config:
         train_checkpoint(root)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     top = max(args.concurrency)
     serve_cfg = {"slots_per_rank": -(-top // args.ep), "pages_per_rank": 8 * -(-top // args.ep),
-                 "max_waiting": top, "token_budget": 256}
+                 "max_waiting": top, "token_budget": args.token_budget}
     engine, info = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -103,11 +151,14 @@ def main() -> None:
         stop_serving(engine)
     print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, "
           f"max_tokens={args.max_tokens}, greedy, streaming")
-    print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) |")
-    print("|---|---|---|---|---|")
+    print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | tokens per chunk "
+          "| GPU busy |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
+        busy = "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0f} %"
         print(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:,.1f} | {r['ttft_p50']:.3f} / "
-              f"{r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.1f} / {1e3 * r['itl_p99']:.1f} |")
+              f"{r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.2f} / {1e3 * r['itl_p99']:.2f} | "
+              f"{r['tokens_per_chunk']:.2f} | {busy} |", flush=True)
     base = rows[0]["tokens_per_s"]
     print("throughput vs concurrency 1: " + ", ".join(f"{r['concurrency']}: {r['tokens_per_s'] / base:.2f}x"
                                                       for r in rows))

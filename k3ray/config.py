@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -18,7 +18,8 @@ class ConfigError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf and nan are never a setting (`optimizer.lr: .inf` would train to nothing but guard trips)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -142,6 +143,14 @@ class DataConfig(_Strict):
     micro_batch_size: int = Field(gt=0, description="sequences per micro-batch")
     val_fraction: float = Field(0.02, gt=0, lt=0.5)
     max_bytes: int = Field(64 * 2**20, gt=0, description="corpus cap, read in a fixed file order")
+
+    @field_validator("source")
+    @classmethod
+    def _source_exists(cls, source: str) -> str:
+        # checked where the config is loaded, before any worker starts (a worker would fail in its constructor)
+        if source != "stdlib" and not Path(source).is_dir():
+            raise ValueError(f"{source!r} is neither 'stdlib' nor a directory")
+        return source
     skip_batches: list[int] = Field(default_factory=list, description="batch indices never trained on")
 
 
@@ -230,11 +239,20 @@ class FaultToleranceConfig(_Strict):
     lr_backoff: float = Field(0.5, gt=0, le=1)
     grow_back: bool = True
     grow_back_after_steps: int = Field(1, ge=0, description="steps to run shrunk before trying to grow back")
+    recovery_attempts: int = Field(4, ge=1, description="attempts to recover from lost workers (a loss during one "
+                                                        "starts the next) before the job stops")
+    grow_back_attempts: int = Field(3, ge=1, description="failed grow-backs in a row after which the job stays shrunk")
+    retry_backoff_s: float = Field(0.5, ge=0, description="wait before a recovery's second attempt, doubled for each "
+                                                          "further one (at most 30 s)")
+    wait_timeout_s: float = Field(600.0, gt=0, description="longest wait on workers outside a step: evaluation, "
+                                                           "checkpoint copy and commit, snapshot commit")
+    incidents_file: str | None = Field(None, description="where the incident log is written as it grows (JSON "
+                                                         "lines); default runs/<name>/incidents.jsonl")
     faults: list[FaultSpec] = Field(default_factory=list)
 
 
 class CheckpointConfig(_Strict):
-    dir: str = "runs/checkpoints"
+    dir: str = Field("", description="default runs/<name>/checkpoints: a checkpoint folder belongs to one job")
     every_n_steps: int = Field(0, ge=0, description="0 = only on request and at the end")
     keep: int = Field(3, gt=0)
     at_end: bool = Field(True, description="write a final checkpoint when the job stops")
@@ -258,7 +276,12 @@ class ServeConfig(_Strict):
     token_budget: int = Field(128, gt=0, description="tokens per iteration and rank (decode + prefill chunks)")
     max_waiting: int = Field(64, ge=0, description="queued requests beyond which new ones get 429")
     max_tokens: int = Field(256, gt=0, description="largest max_tokens a request may ask for")
-    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 and of a 503 while no grid serves")
+    recovery_attempts: int = Field(2, ge=1, description="grid recoveries tried after a loss (each planning up to 3 "
+                                                        "times) before the grid is relaunched from the weights")
+    recovery_backoff_s: float = Field(1.0, ge=0, le=60, description="wait before the 2nd attempt, doubling after")
+    unavailable_wait_s: float = Field(30.0, ge=0, description="while no grid serves, how long a new request waits "
+                                                              "(then 503) and a stream in flight (then an error)")
 
 
 POLICY_NAMES: tuple[str, ...] = tuple(PoliciesConfig.model_fields)  # the live policies, in one place
@@ -277,6 +300,17 @@ class JobConfig(_Strict):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     api: ApiConfig = Field(default_factory=ApiConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _own_checkpoint_dir(cls, data: Any) -> Any:
+        """A job's checkpoints go to runs/<name>/checkpoints unless checkpoint.dir says otherwise."""
+        if isinstance(data, dict):
+            section = data.get("checkpoint")
+            if section is None or (isinstance(section, dict) and not section.get("dir")):
+                name = data.get("name", cls.model_fields["name"].default)
+                data = {**data, "checkpoint": {**(section or {}), "dir": f"runs/{name}/checkpoints"}}
+        return data
 
     @model_validator(mode="after")
     def _check_topology(self) -> "JobConfig":
@@ -303,9 +337,11 @@ class JobConfig(_Strict):
         token_file = self.api.token_file or str(Path("runs") / self.name / "api_token")
         data = {k: str(cwd / v) for k, v, keep in (("source", self.data.source, "stdlib"),
                                                   ("tokenizer", self.data.tokenizer, "bytes")) if v != keep}
+        incidents = self.fault_tolerance.incidents_file or str(Path("runs") / self.name / "incidents.jsonl")
         return self.model_copy(update={
             "data": self.data.model_copy(update=data),
             "checkpoint": self.checkpoint.model_copy(update={"dir": str(cwd / self.checkpoint.dir)}),
+            "fault_tolerance": self.fault_tolerance.model_copy(update={"incidents_file": str(cwd / incidents)}),
             "api": self.api.model_copy(update={"token_file": str(cwd / token_file)})})
 
     @property

@@ -252,3 +252,37 @@ def test_readers_modify_nothing(tmp_path):
         ck.verify(tmp_path, 2)
     ck.load_part(tmp_path, 1, "stage0_dense.pt")
     assert snapshot() == before
+
+
+def test_a_committed_step_is_never_written_over(tmp_path):
+    info = ck.write_part(tmp_path, 4, "rank00000.pt", {"x": torch.ones(2)})
+    ck.commit(tmp_path, 4, [info], {"job": "a"}, keep=3)
+    with pytest.raises(ck.CheckpointError, match="already a committed checkpoint"):
+        ck.write_part(tmp_path, 4, "rank00000.pt", {"x": torch.zeros(2)})
+    assert torch.equal(ck.load_part(tmp_path, 4, "rank00000.pt")["x"], torch.ones(2))
+    assert ck.verify(tmp_path, 4).step == 4
+
+
+class _Held:
+    """Pickles only once released: holds an AsyncWriter's write in the middle (a forced interleaving)."""
+
+    def __init__(self, started: threading.Event, release: threading.Event):
+        self.started, self.release = started, release
+
+    def __reduce__(self):
+        self.started.set()
+        assert self.release.wait(10)
+        return (int, (0,))
+
+
+def test_an_abandoned_write_never_lands_over_the_part_its_replacement_wrote(tmp_path):
+    started, release = threading.Event(), threading.Event()
+    writer = ck.AsyncWriter()
+    writer.submit(tmp_path, 4, "rank00001.pt", {"old_grid": _Held(started, release)})
+    assert started.wait(10)
+    writer.forget()  # its checkpoint was abandoned (the worker left its grid)
+    ck.write_part(tmp_path, 4, "rank00001.pt", {"x": torch.full((2,), 7.0)})  # the renumbered rank's new part
+    release.set()
+    writer.close()
+    assert torch.equal(ck.load_part(tmp_path, 4, "rank00001.pt")["x"], torch.full((2,), 7.0))
+    assert sorted(p.name for p in ck.step_dir(tmp_path, 4).iterdir()) == ["rank00001.pt"]  # no temporary left

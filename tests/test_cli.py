@@ -43,9 +43,9 @@ def _k3ray(*args: str) -> list[str]:
     return [sys.executable, "-m", "k3ray.control.cli", *args]
 
 
-def test_drill_kills_a_worker_and_reports_the_recovery(ray_cluster):
+def test_drill_kills_a_worker_and_reports_the_recovery(ray_cluster, tmp_path):
     cmd = _k3ray("drill", "--config", "configs/tiny.yaml", "--kind", "kill_worker", "--at-step", "3", "--worker", "1",
-                 "--steps", "6", "--address", ray_cluster.address, "--json",
+                 "--steps", "6", "--address", ray_cluster.address, "--json", "--set", f"checkpoint.dir={tmp_path}",
                  "--set", "parallel.pp=1", "--set", "parallel.ep=2", "--set", "train.eval_every=0",
                  "--set", "fault_tolerance.snapshot_every=2", "--set", "fault_tolerance.grow_back=false")
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)

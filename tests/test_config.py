@@ -108,3 +108,27 @@ def test_bad_spares_count_exits_2_naming_the_field(tmp_path, capsys, value):
     assert main(["config", "show", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("k3ray: ") and str(path) in err and "fault_tolerance.spares" in err
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+def test_non_finite_learning_rate_is_refused_before_training(tmp_path, capsys, value):
+    assert main(["train", "--config", "configs/tiny.yaml", "--set", f"optimizer.lr={value}", "--single-process",
+                 "--steps", "1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3ray: ") and "optimizer.lr" in err and "finite" in err and err.count("\n") == 2
+
+
+def test_a_missing_data_folder_is_refused_before_any_worker_starts(tmp_path, capsys):
+    missing = tmp_path / "no-such-corpus"
+    assert main(["train", "--config", "configs/tiny.yaml", "--set", f"data.source={missing}", "--steps", "1",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("k3ray: ") and "data.source" in err and "neither 'stdlib' nor a directory" in err
+
+
+def test_a_relative_data_folder_is_read_from_where_the_user_ran_the_command(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(Path(__file__).parents[1] / "configs/tiny.yaml", {"data.source": "corpus"})
+    assert cfg.with_paths_from(tmp_path).data.source == str(corpus)

@@ -6,6 +6,7 @@ the same tuple a run that never saw the bad batch ends with."""
 from __future__ import annotations
 
 import math
+import tempfile
 
 import pytest
 import torch
@@ -31,6 +32,9 @@ class Cluster:
         self.phantom = 0  # workers' worth of a lost node Ray still reports alive (until a placement fails)
         self.others = 0  # workers' worth held by others (another job): counted in totals, never placeable
         self.spares_dead = False  # every standby spare has died (its node lost)
+        self.die_every: dict[str, set[int]] = {}  # method -> world ranks that die in every call of it
+        self.place_fails = 0  # placements (launch, grow) that fail although the resources looked free
+        self.step_gate = None  # a threading.Event a step waits on (forced interleavings with API calls)
         self.calls: list[tuple] = []
         self.groups: list[FakeGroup] = []
 
@@ -69,12 +73,32 @@ class FakeGroup:
         nth, ranks = self.cluster.die_in.get(method, (0, set()))
         if n == nth:
             raise WorkerLost(set(ranks), f"ActorDiedError in {method}")
+        if method in self.cluster.die_every:
+            raise WorkerLost(set(self.cluster.die_every[method]), f"ActorDiedError in {method}")
+
+    def room_for(self, n: int) -> bool:
+        return sum(g.held for g in self.cluster.groups) + self.cluster.others + n <= self.cluster.capacity
+
+    def grow(self, ep: int, home: list[int], restore: dict, timeout_s: float) -> None:
+        """In place: the added workers are placed first; a placement that fails leaves the grid as it was."""
+        if self.cluster.place_fails:
+            self.cluster.place_fails -= 1
+            raise TopologyError("placement timed out")
+        if not self.room_for(self.pp * (ep - self.ep)):
+            raise TopologyError(f"could not place {self.pp * (ep - self.ep)} more workers")
+        self.cluster.calls.append(("grow", self.ep, ep))
+        self.ep, self.home = ep, list(home)
+        self.launch_seconds = {"place_and_start_workers": 0.0}
+        self.restore(restore)
 
     def capacity(self, free: bool = False) -> int:
         held = sum(g.held for g in self.cluster.groups) + (self.cluster.others if free else 0)
         return self.cluster.capacity + self.cluster.phantom - held
 
     def launch(self, timeout_s: float, restore: dict | None = None, wait_for_spares: bool = True) -> str:
+        if self.cluster.place_fails:
+            self.cluster.place_fails -= 1
+            raise TopologyError("placement timed out")
         if not self.fits()[0] or self.size + self.cluster.others > self.cluster.capacity:
             self.cluster.phantom = 0  # the placement waited in vain: now Ray reports the node dead
             raise TopologyError(f"needs {self.size} workers")
@@ -114,6 +138,9 @@ class FakeGroup:
         self.trained = tuple(state["trained"].tolist()) if isinstance(state, dict) else state
 
     def run_step(self, step: int, batch: int, timeout_s: float) -> list[dict]:
+        self.cluster.calls.append(("run_step", step))
+        if self.cluster.step_gate is not None:
+            assert self.cluster.step_gate.wait(10)
         ranks = self.cluster.lose.pop(step, None)
         if ranks is not None:
             raise WorkerLost({ranks} if isinstance(ranks, int) else set(ranks), "ActorDiedError")
@@ -124,6 +151,11 @@ class FakeGroup:
                   "rank_load": {0: [E] * self.ep}, "timings": {"compute": 0.0},
                   "activations": {0: {"routed_maxabs": 1.0, "routed_rms": 1.0, "resid_maxabs": 1.0}}}
         return [report] * self.size
+
+    def call_each(self, method: str, args: dict, timeout_s: float | None = 120.0) -> dict:
+        self.cluster.calls.append((method, *sorted(args)))
+        self._die(method)
+        return {r: {} if method == "export_shard" else True for r in args}
 
     def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
         self.cluster.calls.append((method, *args))
@@ -157,7 +189,8 @@ class FakeGroup:
 
 
 def config(**overrides):
-    base = {"train.eval_every": 0, "fault_tolerance.snapshot_every": 4, "policies.guards.warmup_steps": 100,
+    # a folder of its own: a checkpoint folder belongs to one job, and these jobs must not meet others' checkpoints
+    base = {"checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-ctrl-"), "train.eval_every": 0, "fault_tolerance.snapshot_every": 4, "policies.guards.warmup_steps": 100,
             "api.enabled": False, "checkpoint.at_end": False, "parallel.pp": 1, "parallel.ep": 1}
     return load_config("configs/tiny.yaml", {**base, **overrides})
 

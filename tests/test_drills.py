@@ -1,6 +1,8 @@
 """Randomized fault drills: workers killed (one, two at once, or a whole node of a two-raylet cluster) at random steps
-and in random controller states; every drilled run must end with the float64 losses of the unfailed run (survivors
-take over the lost ranks' micro-batches, so the global batch never changes; bound as in test_faults).
+and in random controller states, or two losses close together (the second during the recovery from the first, during
+a grow-back, or at the checkpoint commit after it); every drilled run must end with the float64 losses of the
+unfailed run (survivors take over the lost ranks' micro-batches, so the global batch never changes; bound as in
+test_faults).
 
 Seeds are printed; K3RAY_DRILL_SEED=<seed>[,<seed>...] replays drills, K3RAY_DRILLS=<n> runs more random ones,
 K3RAY_DRILL_KINDS picks the kinds drawn from."""
@@ -18,7 +20,9 @@ from k3ray.control.local_nodes import head_room, kill_node
 
 STEPS, SNAPSHOT_EVERY, CHECKPOINT_EVERY = 8, 3, 3
 # where a kill lands: the state the controller is in when it meets the dead worker
-STATES = ("step", "snapshot", "checkpoint_commit", "evaluation", "policy_change", "grow_back", "recovery")
+STATES = ("step", "snapshot", "checkpoint_commit", "evaluation", "policy_change", "grow_back", "recovery",
+          "second_at_commit")
+TWO_FAULTS = ("grow_back", "recovery", "second_at_commit")  # a first loss, then a second close after it
 NODE_STATES = ("step", "snapshot", "checkpoint_commit", "evaluation", "policy_change")  # a node dies between steps
 KINDS = tuple(os.environ.get("K3RAY_DRILL_KINDS", "worker,two_workers,node").split(","))
 
@@ -40,7 +44,7 @@ def plan(seed: int) -> dict:
     ranks = rng.sample(range(4), 2 if kind == "two_workers" else 1)
     if state == "snapshot":
         step = rng.choice(range(SNAPSHOT_EVERY, STEPS, SNAPSHOT_EVERY))
-    elif state == "checkpoint_commit":  # the parts written at a checkpoint boundary are committed at the next
+    elif state in ("checkpoint_commit", "second_at_commit"):  # parts written at a boundary commit at the next
         step = rng.choice(range(CHECKPOINT_EVERY, STEPS - 1, CHECKPOINT_EVERY)) + 1
     else:
         step = rng.randrange(2 if state in ("grow_back", "recovery") else 1, STEPS - 2)
@@ -51,6 +55,10 @@ def plan(seed: int) -> dict:
             faults.append({"kind": "kill_worker", "step": step, "worker": 3})
             at, ranks = "relaunch", [rng.randrange(2 if state == "recovery" else 4)]
             step += 1 if state == "grow_back" else 0
+        if state == "second_at_commit":  # a loss during the step before a checkpoint commit abandons that commit;
+            # a second at the next boundary, where the shrunk grid commits (and writes the checkpoint again)
+            faults.append({"kind": "kill_worker", "step": step - 1, "worker": rng.randrange(4)})
+            at, ranks = "boundary", [rng.randrange(3)]
         faults.append({"kind": "kill_worker", "step": step, "workers": sorted(ranks), "at": at})
     return {"seed": seed, "kind": kind, "state": state, "step": step, "faults": faults}
 
@@ -96,6 +104,6 @@ def test_random_drill_ends_with_the_unfailed_losses(ray_cluster, extra_nodes, un
         losses, incidents = train(tiny(tmp_path, drill["faults"]), drill)
     lost = [i for i in incidents if i["kind"] == "worker_lost"]
     assert lost, incidents
-    if drill["kind"] != "worker" and drill["state"] not in ("grow_back", "recovery"):
+    if drill["kind"] != "worker" and drill["state"] not in TWO_FAULTS:
         assert len(lost[0]["ranks"]) == 2, lost  # both ranks of the pair or of the node, found together
     assert losses == pytest.approx(unfailed, rel=1e-12, abs=0), (drill, incidents)

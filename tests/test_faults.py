@@ -2,6 +2,8 @@
 continues, capacity returning grows the job back, a hung collective is detected. Every wait is bounded."""
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 
 import ray
@@ -13,7 +15,8 @@ from k3ray.control.driver import running_job
 
 def tiny(**overrides):
     base = {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "train.steps": 20, "model.dtype": "float64", "parallel.collective_timeout_s": 10,
-            "fault_tolerance.snapshot_every": 4, "policies.guards.warmup_steps": 100}
+            "fault_tolerance.snapshot_every": 4, "policies.guards.warmup_steps": 100,
+            "checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-faults-")}  # a folder belongs to one job
     return load_config("configs/tiny.yaml", {**base, **overrides})
 
 

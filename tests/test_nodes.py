@@ -5,6 +5,8 @@ workers stopped, not dead: Ray still reports it alive): the step timeout finds i
 losses are again the unfailed run's."""
 from __future__ import annotations
 
+import tempfile
+
 import os
 import signal
 
@@ -21,7 +23,8 @@ STEPS = 9
 def tiny(**overrides):
     base = {"parallel.pp": 1, "parallel.ep": 4, "train.eval_every": 0, "model.dtype": "float64",
             "checkpoint.at_end": False, "parallel.collective_timeout_s": 10, "fault_tolerance.snapshot_every": 4,
-            "policies.guards.warmup_steps": 100, "fault_tolerance.grow_back_after_steps": 1}
+            "policies.guards.warmup_steps": 100, "fault_tolerance.grow_back_after_steps": 1,
+            "checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-nodes-")}  # a folder belongs to one job
     return load_config("configs/tiny.yaml", {**base, **overrides})
 
 

@@ -1,6 +1,8 @@
 """The Ray runtime reproduces the single-process reference; shards move; impossible topologies fail fast."""
 from __future__ import annotations
 
+import tempfile
+
 import pytest
 import ray
 import torch
@@ -14,7 +16,8 @@ STEPS = UNFAILED_STEPS  # the shared unfailed run's length and train.steps, whic
 
 
 def tiny(**overrides):
-    return load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "train.steps": STEPS, **overrides})
+    return load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "train.steps": STEPS,
+                                            "checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-runtime-"), **overrides})
 
 
 @pytest.fixture(scope="module")

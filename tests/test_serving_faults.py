@@ -1,6 +1,8 @@
 """Serving that survives: the engine on pp=2 x ep=2 (float64, the shared serving checkpoint) loses a worker while
 requests stream, and every request still ends with exactly the tokens of an undisturbed run (the single-process
-reference generation, greedy and seeded), each token delivered once; the loss is an incident with its serving gap."""
+reference generation, greedy and seeded), each token delivered once; the loss is an incident with its serving gap.
+A worker killed while the grid is being rebuilt, and another once it serves again, change nothing either; meanwhile
+the engine's health says why nothing serves."""
 from __future__ import annotations
 
 import threading
@@ -81,3 +83,47 @@ def test_killed_worker_every_request_completes_as_undisturbed(engine, serving_re
     assert gap >= lost["seconds"]["total"]  # the stall is the recovery's, seen by the clients
     stats = ray.get(engine.stats.remote())
     assert (stats["ep"], stats["running"], stats["pages_used"]) == (1, 0, 0)
+
+
+def test_a_kill_during_the_recovery_then_another_every_request_completes_as_undisturbed(engine, serving_reference):
+    """Rank 2 is killed while 6 requests stream; while no grid serves (health: unavailable), a worker of the grid
+    being launched is killed (the recovery is interrupted and plans again); once serving, another worker."""
+    params = [{"max_tokens": 30 + 2 * i, "temperature": 0.0 if i % 2 else 0.8, "seed": 90 + i} for i in range(6)]
+    want = []
+    for p, kw in zip(PROMPTS, params):
+        sp = SamplingParams(**kw)
+        want.append(visible_ids(serving_reference(encode(p), sp)[0], sp, EOS))
+    streams = [Stream(engine, encode(p), kw) for p, kw in zip(PROMPTS, params)]
+    for s in streams:
+        s.start()
+    deadline = time.time() + 120
+    while sum(len(s.tokens()) >= 2 for s in streams) < 4 and time.time() < deadline:
+        time.sleep(0.05)
+    ray.get(engine.drill.remote("kill_worker", [2]))
+
+    def wait_for(status: str) -> dict:
+        until = time.time() + 120
+        while (health := ray.get(engine.health.remote()))["status"] != status and time.time() < until:
+            time.sleep(0.02)
+        return health
+
+    down = wait_for("unavailable")
+    assert "recovering from lost world ranks [2]" in down["reason"]
+    until = time.time() + 120  # the new grid (pp=2 x ep=1) has its workers starting: kill its first one
+    while time.time() < until and not (ray.get(engine.stats.remote())["ep"] == 1
+                                       and ray.get(engine.drill.remote("kill_worker", [0]))):
+        time.sleep(0.02)
+    assert ray.get(engine.health.remote())["status"] == "unavailable"  # the kill landed during the recovery
+    assert wait_for("ok")["status"] == "ok"
+    while sum(len(s.tokens()) for s in streams) == sum(len(s.tokens(before=time.perf_counter() - 1)) for s in streams):
+        time.sleep(0.05)  # tokens flow again
+    ray.get(engine.drill.remote("kill_worker", [1]))
+    for s in streams:
+        s.join(timeout=300)
+    for i, (s, w) in enumerate(zip(streams, want)):
+        assert not [item for _, item in s.items if "error" in item], f"request {i}"
+        assert s.tokens() == w, f"request {i} ({PROMPTS[i]!r}, {params[i]})"
+    first, second = [i for i in ray.get(engine.incident_log.remote()) if i["kind"] == "worker_lost"]
+    assert first["ranks"] == [2] and first["interrupted"] == ["lost world ranks [0]: ActorDiedError in assume"]
+    assert second["ranks"] == [1] and second["requeued"] >= 1
+    assert ray.get(engine.health.remote())["status"] == "ok"

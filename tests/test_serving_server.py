@@ -7,13 +7,17 @@ load) behind Ray Serve, and spoken to with the real `openai` client.
 - seeded sampling gives the same text alone and under concurrent load;
 - bad input gets a 4xx naming the field, and the server keeps serving;
 - past the queue limit requests get 429 with Retry-After; clients that disconnect free their pages;
-- a request whose activations blow up fails alone, with an error naming the guard, and is an incident."""
+- a request whose activations blow up fails alone, with an error naming the guard, and is an incident;
+- every route but /health needs the API key (401 in the OpenAI error shape without it); a non-loopback host needs a
+  key or --insecure;
+- while the grid recovers from a lost worker /health answers 503 with the reason, then 200 again."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import io
 import json
+import threading
 import time
 
 import httpx
@@ -36,6 +40,8 @@ PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in
 CHAT = [("user", "write a loop")]
 METRICS_JOB = "serve-test"
 SERVE_RETRY_AFTER = 2
+API_KEY = "k3ray-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 SERVE = {"page_size": 4, "pages_per_rank": 96, "slots_per_rank": 6, "token_budget": 24, "max_waiting": 8,
          "max_tokens": 64, "retry_after_s": SERVE_RETRY_AFTER}
 
@@ -44,7 +50,7 @@ SERVE = {"page_size": 4, "pages_per_rank": 96, "slots_per_rank": 6, "token_budge
 def server(serving_checkpoint):
     port = free_port()
     engine, info = start_serving(serving_checkpoint, pp=2, ep=2, port=port, serve_overrides=SERVE,
-                                 observers=[ServeMetrics(METRICS_JOB, expert_load_every=5)])
+                                 observers=[ServeMetrics(METRICS_JOB, expert_load_every=5)], api_key=API_KEY)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -70,7 +76,7 @@ def reference(serving_reference):
 
 
 def client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
 
 
 async def complete(api: openai.AsyncOpenAI, model: str, prompt: str, stream: bool, **kw) -> tuple[str, str]:
@@ -149,7 +155,7 @@ def test_bad_input_gets_a_4xx_naming_the_field(server):
         (json.dumps({"model": model, "prompt": "x", "temperature": "hot"}).encode(), 400, "temperature"),
         (json.dumps({"model": model}).encode(), 400, "prompt"),
     ]
-    with httpx.Client(base_url=url, timeout=60) as http:
+    with httpx.Client(base_url=url, timeout=60, headers=AUTH) as http:
         for body, status, param in cases:
             r = http.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
             assert r.status_code == status, (body, r.text)
@@ -168,7 +174,7 @@ def test_overload_answers_429_and_disconnects_free_pages(server):
     before = ray.get(engine.stats.remote())["tokens_out"]
 
     async def flood():
-        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=120, headers=AUTH) as http:
             async def one():
                 async with http.stream("POST", "/v1/completions", json=body) as r:
                     if r.status_code != 200:
@@ -194,7 +200,7 @@ def test_overload_answers_429_and_disconnects_free_pages(server):
     assert stats["tokens_out"] - before < accepted * body["max_tokens"] // 2  # hung-up requests stopped early
 
 
-def test_a_request_that_blows_up_fails_alone_and_is_an_incident(server, reference):
+def test_a_request_that_blows_up_fails_alone_and_is_an_incident(server, reference, tmp_path):
     """A drill makes the embedding of one byte NaN: the requests holding it fail with an error naming the guard
     (streaming and not), the requests around them return the reference's text, and `k3ray incidents --serve` lists
     the blow-ups."""
@@ -222,12 +228,14 @@ def test_a_request_that_blows_up_fails_alone_and_is_an_incident(server, referenc
     assert got[2:] == want
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["incidents", "--serve", url, "--json"]) == 0
+        key_file = tmp_path / "key"
+        key_file.write_text(API_KEY + "\n")
+        assert main(["incidents", "--serve", url, "--json", "--api-key-file", str(key_file)]) == 0
     blowups = [i for i in json.loads(out.getvalue()) if i["kind"] == "blowup"]
     assert len(blowups) == 2 and all(i["rule"] == "activation" and i["detail"] == "not finite" for i in blowups)
 
 
-def test_serving_metrics_are_exported(ray_cluster, server):
+def test_serving_metrics_are_exported(ray_cluster, server, monkeypatch):
     """Every ray_k3ray_serve_* metric reaches Ray's Prometheus export with samples from the requests above (the
     per-expert load histogram from the workers' counts), and `k3ray status --serve` shows the serving view."""
     _, _, url = server
@@ -241,7 +249,66 @@ def test_serving_metrics_are_exported(ray_cluster, server):
     ttft = [line for line in text.splitlines() if line.startswith("ray_k3ray_serve_ttft_seconds_count")
             and METRICS_JOB in line]
     assert ttft and float(ttft[0].rsplit(" ", 1)[1]) >= 16
+    monkeypatch.setenv("K3RAY_API_KEY", API_KEY)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["status", "--serve", url]) == 0
     assert "requests   running=" in out.getvalue() and "pp=2 ep=2" in out.getvalue()
+
+
+def test_every_route_but_health_needs_the_api_key(server, monkeypatch, capsys):
+    _, info, url = server
+    body = {"model": info["model"], "prompt": "def ", "max_tokens": 2}
+    with httpx.Client(base_url=url, timeout=60) as http:
+        assert http.get("/health").status_code == 200
+        assert http.get("/openapi.json").status_code == http.get("/docs").status_code == 404
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+            for method, path in (("GET", "/v1/models"), ("GET", "/v1/stats"), ("GET", "/v1/incidents"),
+                                 ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+                r = http.request(method, path, headers=headers, json=body)
+                assert r.status_code == 401, (headers, path, r.text)
+                err = r.json()["error"]
+                assert err["code"] == "invalid_api_key" and err["type"] == "invalid_request_error"
+                assert "API key" in err["message"]
+    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0, timeout=60)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.completions.create(model=info["model"], prompt="def ", max_tokens=2)
+    monkeypatch.delenv("K3RAY_API_KEY", raising=False)
+    assert main(["status", "--serve", url]) != 0
+    assert "needs an API key" in capsys.readouterr().err
+
+
+def test_a_public_host_needs_a_key_or_insecure(tmp_path, monkeypatch, capsys):
+    """Refused before anything starts: one line naming what to pass."""
+    monkeypatch.delenv("K3RAY_API_KEY", raising=False)
+    assert main(["serve", "--checkpoint", str(tmp_path), "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--api-key-file" in err and "--insecure" in err
+    empty = tmp_path / "key"
+    empty.write_text("\n")
+    assert main(["serve", "--checkpoint", str(tmp_path), "--host", "0.0.0.0", "--api-key-file", str(empty)]) == 2
+    assert "empty" in capsys.readouterr().err
+
+
+def test_health_is_503_with_the_reason_while_the_grid_recovers(server):
+    """Last in this module: the lost worker leaves the grid on pp=2 x ep=1."""
+    engine, info, url = server
+    seen = []
+    with httpx.Client(base_url=url, timeout=60) as http:
+        assert http.get("/health").status_code == 200
+        ray.get(engine.drill.remote("kill_worker", [3]))
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+        done = []
+        threading.Thread(target=lambda: done.append(api.completions.create(
+            model=info["model"], prompt="def ", max_tokens=4, temperature=0)), daemon=True).start()
+        deadline = time.time() + 120
+        while time.time() < deadline and (not seen or seen[-1][0] != 200 or not done):
+            r = http.get("/health")
+            seen.append((r.status_code, r.json(), r.headers.get("retry-after")))
+            time.sleep(0.05)
+    down = [s for s in seen if s[0] == 503]
+    assert down and seen[-1][0] == 200, seen[-5:]
+    assert "recovering from lost world ranks [3]" in down[0][1]["reason"] and down[0][2] == str(SERVE_RETRY_AFTER)
+    assert done and done[0].usage.completion_tokens == 4
+    lost = [i for i in ray.get(engine.incident_log.remote()) if i["kind"] == "worker_lost"]
+    assert lost[-1]["ranks"] == [3] and lost[-1]["ep"] == [2, 1]

@@ -1,6 +1,7 @@
 """Snapshot packing (k3ray.controller.snapshots): a nested state survives pack -> object store -> unpack bit for bit."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from k3ray.controller.snapshots import ALIGN, Packed, SnapshotStager, as_state, layout, unpack
@@ -44,21 +45,29 @@ def test_layout_aligns_every_tensor():
 def test_stage_then_packed_round_trips_and_buffers_are_reused():
     stager = SnapshotStager(torch.device("cpu"))
     state = _state(1)
-    stager.stage(state)
+    stager.stage(state, 1)
     state["dense"]["a"].add_(1.0)  # training goes on after staging: the snapshot keeps the staged values
-    _assert_same(_state(1), unpack(stager.packed()))
+    _assert_same(_state(1), unpack(stager.packed(1)))
     buf = stager.host
-    stager.stage(_state(2))
-    _assert_same(_state(2), unpack(stager.packed()))
+    stager.stage(_state(2), 2)
+    _assert_same(_state(2), unpack(stager.packed(2)))
     assert stager.host is buf  # same size: no new allocation
+
+
+def test_a_stale_packed_call_for_another_step_is_refused_and_leaves_the_staged_state():
+    stager = SnapshotStager(torch.device("cpu"))
+    stager.stage(_state(5), 5)
+    with pytest.raises(RuntimeError, match="snapshot of step 4 asked for, step 5 staged"):
+        stager.packed(4)  # queued for the previous snapshot: must not consume this one
+    _assert_same(_state(5), unpack(stager.packed(5)))
 
 
 def test_packed_through_object_store_is_zero_copy_and_exact(ray_cluster):
     import ray
 
     stager = SnapshotStager(torch.device("cpu"))
-    stager.stage(_state(3))
-    ref = ray.put(stager.packed())
+    stager.stage(_state(3), 3)
+    ref = ray.put(stager.packed(3))
     back = ray.get(ref)
     assert isinstance(back, Packed) and not back.data.flags.writeable  # mapped from the object store
     _assert_same(_state(3), as_state(back))

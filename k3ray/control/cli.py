@@ -130,8 +130,13 @@ def cmd_train(args) -> int:
         from k3ray.control.driver import train_distributed
 
         _check_address(args.address)
+        if args.resume_from is not None and not args.resume:
+            raise UsageError("--from DIR goes with --resume: start from DIR's newest verified checkpoint")
+        if args.resume_from is not None:
+            args.resume_from = str(Path(args.resume_from).absolute())
         summary = train_distributed(cfg, steps, address=args.address, progress=not args.no_progress,
-                                    resume=args.resume, fresh=args.fresh, announce=None if args.json else _announce)
+                                    resume=args.resume, fresh=args.fresh, resume_from=args.resume_from,
+                                    announce=None if args.json else _announce)
     if args.json:
         summary.pop("losses", None)
         print(json.dumps({"summary": summary}, default=str))
@@ -174,12 +179,17 @@ def cmd_serve(args) -> int:
     import time
 
     from k3ray.control.driver import init_ray
-    from k3ray.control.serve import start_serving, stop_serving
+    from k3ray.control.serve import check_exposure, start_serving, stop_serving
     from k3ray.control.serve_metrics import ServeMetrics
     from k3ray.io import checkpoint as ckpt
     from k3ray.io.hf_files import is_hf_folder
     from k3ray.tokenizer import load_tokenizer
 
+    try:
+        api_key = client.read_api_key(args.api_key_file)
+        check_exposure(args.host, api_key, args.insecure)
+    except (client.ControlError, ValueError) as err:
+        raise ConfigError(str(err)) from None
     overrides = {k.removeprefix("serve."): v for k, v in parse_assignments(args.set, "serve.max_waiting=32").items()}
     newest = None if is_hf_folder(args.checkpoint) else ckpt.latest_verified(args.checkpoint)
     if is_hf_folder(args.checkpoint):  # a release folder: checked whole here, before any actor starts
@@ -191,7 +201,8 @@ def cmd_serve(args) -> int:
         load_tokenizer(newest.meta["config"]["data"].get("tokenizer", "bytes"))
     init_ray(args.address, args.pp * args.ep + args.spares)
     engine, info = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.replicas,
-                                 observers=[ServeMetrics(args.name)], spares=args.spares)
+                                 observers=[ServeMetrics(args.name)], spares=args.spares, api_key=api_key,
+                                 insecure=args.insecure)
     print(json.dumps({"serving": info["model"], "step": info["step"], "url": f"http://{args.host}:{args.port}/v1"}),
           flush=True)
     try:
@@ -259,6 +270,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--pp", type=_positive_int, help="override parallel.pp")
     t.add_argument("--ep", type=_positive_int, help="override parallel.ep")
     t.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
+    t.add_argument("--from", dest="resume_from", metavar="DIR",
+                   help="with --resume: start from the newest verified checkpoint in DIR (another job's folder; "
+                        "this job writes its own checkpoints to its checkpoint.dir)")
     t.add_argument("--fresh", action="store_true", help="with --resume: start from step 0 when no checkpoint "
                                                          "verifies (without it, that is an error)")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config field")
@@ -289,6 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--spares", type=_count, default=0,
                     help="hot spares: standby workers (one device each) that take a lost worker's place")
     sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--api-key-file", metavar="F", help="every route but /health needs `Authorization: Bearer "
+                                                         "<key>` (the key: F's first line; else $K3RAY_API_KEY)")
+    sv.add_argument("--insecure", action="store_true", help="serve a non-loopback --host without an API key")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--name", default="serve", help="the k3ray_job label of the serving metrics")
     sv.add_argument("--replicas", type=int, default=1, help="HTTP ingress replicas (scale apart from the engine)")
@@ -345,6 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
         cp.set_defaults(func=func)
         if name in ("status", "incidents"):
             cp.add_argument("--serve", metavar="URL", help=f"the {name} of a `k3ray serve` endpoint instead")
+            cp.add_argument("--api-key-file", metavar="F", help="that endpoint's API key (else $K3RAY_API_KEY)")
 
     pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")
     psub = pol.add_subparsers(dest="policy_command", required=True)
@@ -403,7 +421,7 @@ def _report_failure(err: BaseException) -> int:
         cause = cause.cause  # the error raised inside the actor, without Ray's wrapping
     message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
     kind = {"CheckpointError": "checkpoint", "GuardError": "training stopped", "TopologyError": "topology",
-            "WorkerLost": "workers lost"}.get(type(cause).__name__, type(cause).__name__)
+            "WorkerLost": "workers lost", "RecoveryFailed": "training stopped", "WorkerError": "workers failed"}.get(type(cause).__name__, type(cause).__name__)
     Path("runs").mkdir(exist_ok=True)
     with tempfile.NamedTemporaryFile("w", prefix="error-", suffix=".log", dir="runs", delete=False) as f:
         f.write("".join(traceback.format_exception(err)))

@@ -114,18 +114,40 @@ def _events_text(events: list[dict]) -> str:
 
 def cmd_status(args) -> int:
     if getattr(args, "serve", None):
-        _show(args, _serving_stats(args.serve, args.timeout), _serving_text)
+        _show(args, _serving_stats(args.serve, args.timeout, api_key_file=args.api_key_file), _serving_text)
         return 0
     _show(args, Client.from_args(args).request("GET", "/v1/status"), _status_text)
     return 0
 
 
-def _serving_stats(url: str, timeout: float, path: str = "/v1/stats"):
+API_KEY_ENV = "K3RAY_API_KEY"
+
+
+def read_api_key(path: str | None) -> str | None:
+    """A `k3ray serve` endpoint's API key: the first line of `path`, else $K3RAY_API_KEY, else None. ControlError
+    names what is wrong (an unreadable or empty file)."""
+    if path:
+        try:
+            key = Path(path).read_text().strip()
+        except OSError as err:
+            raise ControlError(f"--api-key-file {path}: cannot read it ({err.strerror})") from None
+        if not key:
+            raise ControlError(f"--api-key-file {path}: empty")
+        return key
+    return os.environ.get(API_KEY_ENV) or None
+
+
+def _serving_stats(url: str, timeout: float, path: str = "/v1/stats", api_key_file: str | None = None):
+    key = read_api_key(api_key_file)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        r = httpx.get(f"{url.rstrip('/')}{path}", timeout=timeout)
+        r = httpx.get(f"{url.rstrip('/')}{path}", timeout=timeout, headers=headers)
     except httpx.HTTPError as err:
         raise ControlError(f"{url}: cannot reach the serving endpoint ({type(err).__name__}); is `k3ray serve` "
                            f"up?") from None
+    if r.status_code == 401:
+        raise ControlError(f"{url}{path}: {'the API key was refused' if key else 'needs an API key'} (pass "
+                           f"--api-key-file F or set {API_KEY_ENV})")
     if r.status_code != 200:
         raise ControlError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
     return r.json()
@@ -163,7 +185,7 @@ def cmd_policy_set(args) -> int:
 
 def cmd_incidents(args) -> int:
     if getattr(args, "serve", None):
-        _show(args, _serving_stats(args.serve, args.timeout, "/v1/incidents"), _events_text)
+        _show(args, _serving_stats(args.serve, args.timeout, "/v1/incidents", args.api_key_file), _events_text)
         return 0
     _show(args, Client.from_args(args).request("GET", "/v1/incidents"), _events_text)
     return 0

@@ -120,7 +120,7 @@ def _show_warnings(warnings: list[str]) -> None:
         log.warning("%s", message)
 
 
-def start_controller(cfg: JobConfig, resume: bool = False, fresh: bool = False):
+def start_controller(cfg: JobConfig, resume: bool = False, fresh: bool = False, resume_from: str | None = None):
     """The job's Controller actor, started (workers up, control API serving, metrics exported)."""
     name = f"k3ray-{cfg.name}-{uuid.uuid4().hex[:8]}"
     # on the driver's node, hard: a lost worker node must not take the job's controller (and its snapshots' owner)
@@ -130,7 +130,7 @@ def start_controller(cfg: JobConfig, resume: bool = False, fresh: bool = False):
                                          scheduling_strategy=here).remote(
         cfg.model_dump(), [ApiCallback(), MetricsCallback()])
     try:
-        status = ray.get(controller.start.remote(resume=resume, fresh=fresh))
+        status = ray.get(controller.start.remote(resume=resume, fresh=fresh, resume_from=resume_from))
     except BaseException:
         ray.kill(controller, no_restart=True)  # a controller that could not start owns nothing worth a shutdown
         raise
@@ -147,10 +147,11 @@ def stop_controller(controller, timeout_s: float = 600.0) -> None:
 
 
 @contextmanager
-def running_job(cfg: JobConfig, resume: bool = False, fresh: bool = False) -> Iterator:
+def running_job(cfg: JobConfig, resume: bool = False, fresh: bool = False,
+                resume_from: str | None = None) -> Iterator:
     """The job's Controller actor for the with-block (`start_controller`), stopped on the way out (`stop_controller`:
     the final checkpoint when the config asks for one)."""
-    controller = start_controller(cfg, resume=resume, fresh=fresh)
+    controller = start_controller(cfg, resume=resume, fresh=fresh, resume_from=resume_from)
     try:
         yield controller
     finally:
@@ -158,12 +159,13 @@ def running_job(cfg: JobConfig, resume: bool = False, fresh: bool = False) -> It
 
 
 def train_distributed(cfg: JobConfig, steps: int, address: str | None = None, progress: bool = True,
-                      resume: bool = False, fresh: bool = False, announce=None) -> dict:
+                      resume: bool = False, fresh: bool = False, resume_from: str | None = None,
+                      announce=None) -> dict:
     """Run the job to `steps`; `announce(status, cfg)` is called once the workers run (the CLI prints where the
     job writes and how to steer it)."""
     started = init_ray(address, cfg.parallel.world_size + cfg.fault_tolerance.spares)
     try:
-        with running_job(cfg, resume=resume, fresh=fresh) as controller:
+        with running_job(cfg, resume=resume, fresh=fresh, resume_from=resume_from) as controller:
             status = ray.get(controller.status.remote())
             start = status["step"]
             if announce is not None:

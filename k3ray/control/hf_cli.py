@@ -1,5 +1,6 @@
 """`k3ray convert --from-hf DIR --to CKPT_DIR` and `k3ray export --hf CKPT_DIR OUT | --weights-only CKPT_DIR OUT`:
-k3ray checkpoints to and from the released (Hugging Face) format (k3ray.controller.hf_convert)."""
+k3ray checkpoints to and from the released (Hugging Face) format (k3ray.controller.hf_convert); `k3ray init`: a
+config's seeded initial weights as a checkpoint."""
 from __future__ import annotations
 
 import argparse
@@ -77,7 +78,26 @@ def check_release(path: str) -> None:
     read_release(path)
 
 
+@_readable
+def cmd_init(args) -> int:
+    from k3ray.config import parse_assignments
+    from k3ray.controller.checkpointing import write_seeded_weights
+
+    cfg = load_config(args.config, parse_assignments(args.set))
+    t0 = time.perf_counter()
+    info = write_seeded_weights(cfg, args.out)
+    print(json.dumps({**info, "seconds": round(time.perf_counter() - t0, 3)}))
+    return 0
+
+
 def add_commands(sub, positive_int) -> None:
+    it = sub.add_parser("init", help="a config's seeded initial weights as a weights-only k3ray checkpoint")
+    it.add_argument("--config", required=True, help="job config (model section and train.seed)")
+    it.add_argument("--out", required=True, metavar="CKPT_DIR", help="a new directory: the checkpoint (step 0), "
+                    "for `k3ray serve --checkpoint CKPT_DIR` or `k3ray export --hf CKPT_DIR OUT`")
+    it.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    it.set_defaults(func=cmd_init)
+
     cv = sub.add_parser("convert", help="a released (Hugging Face) checkpoint folder -> a k3ray checkpoint")
     cv.add_argument("--from-hf", required=True, metavar="DIR", help="config.json + safetensors shards (+ index)")
     cv.add_argument("--to", required=True, metavar="CKPT_DIR", help="a new directory: the k3ray checkpoint (step 0) "

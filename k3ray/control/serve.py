@@ -11,6 +11,14 @@ longer than the context) is a 4xx whose message names the field; it never reache
 away cancels its request (Serve cancels the handler; the handler cancels the engine's stream, which frees the
 request's pages and slot).
 
+Authentication: with an API key (`--api-key-file F` or K3RAY_API_KEY) every route but /health needs
+`Authorization: Bearer <key>` (the `openai` client's api_key), else 401 in the OpenAI error shape. A server on a
+host other than loopback refuses to start without a key unless told `--insecure` (`check_exposure`).
+
+Availability: /health answers 200 while a grid serves and 503 with the reason (and Retry-After) while none does (the
+engine recovers or relaunches it); a request that found no grid within serve.unavailable_wait_s gets 503 with
+Retry-After.
+
 Text: the training job's tokenizer (data.tokenizer, k3ray.tokenizer) encodes prompts; the engine returns final text
 (decoded incrementally, stop strings met on the text). Chat: messages are rendered with the tokenizer's chat template
 (tokenizer_config.json, jinja2, as Hugging Face does); for `bytes`, "### role\\ncontent\\n" per message with
@@ -18,6 +26,8 @@ Text: the training job's tokenizer (data.tokenizer, k3ray.tokenizer) encodes pro
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
 
+import hmac
+import ipaddress
 import json
 import logging
 import time
@@ -29,12 +39,13 @@ from pydantic import ValidationError
 from ray import serve
 
 from k3ray.control import openai_schema as oa
+from k3ray.control.client import API_KEY_ENV
 from k3ray.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("k3ray.serve")
 DEFAULT_MAX_TOKENS = 16
 
-app = FastAPI(title="k3ray serve")
+app = FastAPI(title="k3ray serve", docs_url=None, redoc_url=None, openapi_url=None)  # no open routes but /health
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -56,36 +67,62 @@ def prompt_ids(tok: Tokenizer, req, chat: bool) -> tuple[list[int], tuple[str, .
     return tok.encode(tok.chat_prompt([{"role": m.role, "content": m.content} for m in req.messages])), tok.chat_stop
 
 
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
+    """Refuse (ValueError) to serve a host other than loopback without an API key, unless `insecure`."""
+    if api_key is None and not insecure and not is_loopback(host):
+        raise ValueError(f"--host {host}: reachable from other machines without an API key; pass --api-key-file F "
+                         f"(or set {API_KEY_ENV}), or --insecure to serve it open")
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 @serve.ingress(app)
 class OpenAIIngress:
-    def __init__(self, engine, info: dict):
-        self.engine, self.info = engine, info
+    def __init__(self, engine, info: dict, api_key: str | None = None):
+        self.engine, self.info, self.api_key = engine, info, api_key
         self.model, self.created = info["model"], int(time.time())
         self.max_seq_len, self.limits = info["max_seq_len"], info["serve"]
         self.tokenizer = load_tokenizer(info["tokenizer"])
 
     @app.get("/health")
     async def health(self):
+        """200 while a grid serves; 503 with the reason while the engine is gone or recovers its grid."""
         try:
-            await self.engine.stats.remote()
+            state = await self.engine.health.remote()
         except ray.exceptions.RayError as err:
             return _error(503, f"engine unavailable: {type(err).__name__}", kind="server_error")
+        if state["status"] != "ok":
+            return JSONResponse({**state, "model": self.model}, status_code=503,
+                                headers={"Retry-After": str(state["retry_after"])})
         return {"status": "ok", "model": self.model}
 
     @app.get("/v1/stats")
-    async def stats(self):
+    async def stats(self, request: Request):
         """The serving view (`k3ray status --serve URL`): requests, pages, tokens generated."""
+        if (denied := self._denied(request)) is not None:
+            return denied
         info = {k: self.info[k] for k in ("model", "step", "pp", "ep")}
         return {**info, **(await self.engine.stats.remote())}
 
     @app.get("/v1/incidents")
-    async def incidents(self):
+    async def incidents(self, request: Request):
         """The engine's incident log (`k3ray incidents --serve URL`): lost workers, requests stopped by the guards."""
+        if (denied := self._denied(request)) is not None:
+            return denied
         return await self.engine.incident_log.remote()
 
     @app.get("/v1/models")
-    async def models(self):
+    async def models(self, request: Request):
+        if (denied := self._denied(request)) is not None:
+            return denied
         return oa.model_list(self.model, self.created)
 
     @app.post("/v1/completions")
@@ -96,8 +133,20 @@ class OpenAIIngress:
     async def chat_completions(self, request: Request):
         return await self._serve(request, chat=True)
 
+    def _denied(self, request: Request) -> JSONResponse | None:
+        """401 unless the request carries this server's API key (every route but /health; no key: open)."""
+        if self.api_key is None:
+            return None
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
+            return None
+        why = "invalid API key" if given.strip() else "no API key given"
+        return _error(401, f"{why}: send Authorization: Bearer <key>", code="invalid_api_key")
+
     # -- one request -------------------------------------------------------------------------------------------------
     async def _serve(self, request: Request, chat: bool):
+        if (denied := self._denied(request)) is not None:
+            return denied
         try:
             req, ids, sampling = self._validate(await request.body(), chat)
         except BadRequest as bad:
@@ -111,6 +160,9 @@ class OpenAIIngress:
         if first.get("error") == "overloaded":
             return _error(429, f"overloaded: {first['message']}; retry later", kind="rate_limit_error",
                           code="overloaded", headers={"Retry-After": str(self.limits["retry_after_s"])})
+        if first.get("error") == "unavailable":
+            return _error(503, first["message"], kind="server_error", code="unavailable",
+                          headers={"Retry-After": str(first["retry_after"])})
         if "error" in first:
             return _error(400, first["message"], param="prompt")
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
@@ -204,16 +256,19 @@ class OpenAIIngress:
 
 def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.0.1", port: int = 8000,
                   serve_overrides: dict | None = None, replicas: int = 1, observers: list | None = None,
-                  spares: int = 0):
-    """Start the engine (workers loaded from the checkpoint) and the HTTP front door; returns (engine, info)."""
+                  spares: int = 0, api_key: str | None = None, insecure: bool = False):
+    """Start the engine (workers loaded from the checkpoint) and the HTTP front door; returns (engine, info).
+    With `api_key` every route but /health needs it (`check_exposure` first: ValueError)."""
     from k3ray.controller.serve_engine import ServingEngine
+
+    check_exposure(host, api_key, insecure)
 
     engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve_overrides, observers=observers,
                                                                 spares=spares)
     info = ray.get(engine.ready.remote())
     serve.start(http_options={"host": host, "port": port})
-    serve.run(OpenAIIngress.options(num_replicas=replicas).bind(engine, info), name="k3ray", route_prefix="/",
-              blocking=False)
+    serve.run(OpenAIIngress.options(num_replicas=replicas).bind(engine, info, api_key), name="k3ray",
+              route_prefix="/", blocking=False)
     log.info("serving %s (step %d) at http://%s:%d/v1", info["model"], info["step"], host, port)
     return engine, info
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,8 +36,10 @@ class Resumed:
 
 class DurableCheckpoints:
     def __init__(self, cfg: CheckpointConfig, on_commit: list[Callable] | None = None,
-                 on_incident: Callable[..., dict] | None = None):
-        self.cfg = cfg
+                 on_incident: Callable[..., dict] | None = None, timeout_s: float = 600.0, job: str | None = None):
+        """timeout_s: the longest wait on the workers' copies and writes; job: the job's name, which the folder's
+        checkpoints must carry (`claim`)."""
+        self.cfg, self.timeout_s, self.job = cfg, timeout_s, job
         self.pending: tuple[int, dict] | None = None  # parts being written: (step, manifest meta)
         self.requested = False
         self.committed: list[dict] = []  # step, path, seconds
@@ -45,12 +48,38 @@ class DurableCheckpoints:
         self.warnings: list[str] = []  # what the driver shows on the console (fallbacks, failed writes)
         self.failures_in_a_row = 0  # failed writes since the last commit
 
-    def resume(self, job: dict, fresh: bool = False) -> Resumed | None:
+    def claim(self, job: dict, resuming_from: str | None = None) -> None:
+        """Check that the checkpoint folder belongs to this job (or holds nothing yet): checkpoints another job wrote
+        (another name, or another model config) are never written among nor resumed from, unless the resume names
+        them (`resuming_from`: --resume --from DIR). CheckpointError, one line, otherwise."""
+        held = ckpt.owner(self.cfg.dir)
+        if held is None:
+            return
+        name = held["job"]
+        if name == job["name"] and held["model_hash"] == ckpt.model_hash(job):
+            return
+        differ = ckpt.shape_mismatches(held["config"], job) or [
+            f"model.{k}" for k in _changed_fields(held["config"].get("model", {}), job["model"])]
+        whose = f"job {name!r}" if name != job["name"] else \
+            f"job {name!r} with another model config ({'; '.join(differ)})"
+        if resuming_from is not None and Path(resuming_from).resolve() == Path(self.cfg.dir).resolve():
+            raise ckpt.CheckpointError(
+                f"--from {resuming_from}: it is also this job's checkpoint.dir; the resumed job writes its own "
+                f"checkpoints elsewhere (the default runs/{job['name']}/checkpoints, or --set checkpoint.dir=...)")
+        raise ckpt.CheckpointError(
+            f"checkpoint.dir {self.cfg.dir} holds checkpoints of {whose}: refusing to write or resume there; use "
+            f"another checkpoint.dir (the default is runs/<name>/checkpoints), or --resume --from {self.cfg.dir} "
+            f"to start from them")
+
+    def resume(self, job: dict, fresh: bool = False, source: str | None = None) -> Resumed | None:
         """The newest verified checkpoint. Every newer step dir that does not verify is moved aside (so the resumed
         run never writes over it) and reported: a warning, an incident, and in `warnings` for the driver to show.
         Nothing verifiable is an error, unless `fresh` (then None: start from step 0). `job` is the running job's
         config (a JobConfig JSON dump): a checkpoint whose shapes differ is an error; declared-safe changes (the
-        fields `ckpt.shape_mismatches` does not look at, e.g. optimizer.lr, train.steps) are noted."""
+        fields `ckpt.shape_mismatches` does not look at, e.g. optimizer.lr, train.steps) are noted. `source`: another
+        folder to start from (--resume --from DIR, read only: nothing there is moved)."""
+        if source is not None:
+            return self._resume_from_folder(job, source)
         manifest, problems = ckpt.scan(self.cfg.dir)
         target = f"resuming from step {manifest.step}" if manifest else "nothing older verifies"
         for step, why in problems:
@@ -64,6 +93,15 @@ class DurableCheckpoints:
                 return None
             raise ckpt.CheckpointError(f"--resume: no verified checkpoint under {self.cfg.dir}; add --fresh to "
                                        f"start from step 0")
+        return self._resumed(manifest, job, self.cfg.dir)
+
+    def _resume_from_folder(self, job: dict, source: str) -> Resumed:
+        manifest = ckpt.latest_verified(source)
+        if manifest is None:
+            raise ckpt.CheckpointError(f"--from {source}: no verified checkpoint there")
+        return self._resumed(manifest, job, source)
+
+    def _resumed(self, manifest, job: dict, root: str) -> Resumed:
         meta = manifest.meta
         mismatches = ckpt.shape_mismatches(meta["config"], job)
         if mismatches:
@@ -75,7 +113,7 @@ class DurableCheckpoints:
                         "; ".join(changed))
             self.on_incident("resumed_with_changes", step=manifest.step, rule="resumed_with_changes",
                              changed=changed)
-        states = {r: ckpt.load_part(self.cfg.dir, manifest.step, part_name(r)) for r in range(meta["pp"] * meta["ep"])}
+        states = {r: ckpt.load_part(root, manifest.step, part_name(r)) for r in range(meta["pp"] * meta["ep"])}
         return Resumed(str(manifest.path), manifest.step, meta, restore_sources(states, meta["pp"], meta["ep"]))
 
     def _warn(self, kind: str, message: str, **fields) -> None:
@@ -96,9 +134,13 @@ class DurableCheckpoints:
         every = self.cfg.every_n_steps
         if self.requested or (every and step > 0 and step % every == 0):
             self.requested = False
+            if step in ckpt.list_committed(self.cfg.dir):  # this job's, from an earlier run (`claim`): kept as it is
+                log.info("checkpoint of step %d already committed under %s: kept, not written over", step,
+                         self.cfg.dir)
+                return
             t0 = time.perf_counter()
             try:
-                group.call("save_checkpoint", self.cfg.dir, step, timeout_s=None)
+                group.call("save_checkpoint", self.cfg.dir, step, timeout_s=self.timeout_s)
             except WorkerLost:
                 raise
             except Exception as err:  # noqa: BLE001 - whatever a write raises (read-only, full disk), training goes on
@@ -114,7 +156,7 @@ class DurableCheckpoints:
         step, meta = self.pending
         t0 = time.perf_counter()
         try:
-            parts = [ckpt.PartInfo(**p) for ps in group.call("checkpoint_parts", timeout_s=None) for p in ps]
+            parts = [ckpt.PartInfo(**p) for ps in group.call("checkpoint_parts", timeout_s=self.timeout_s) for p in ps]
         except WorkerLost as lost:
             self.abandon_pending(str(lost))
             raise
@@ -211,3 +253,32 @@ def serving_weights(root: str) -> ServingWeights:
         state["experts"][layer] = {"expert_ids": sorted(ids), "opt": {"w1": None, "w2": None},
                                    **{w: torch.cat([p[w] for p in payloads])[order] for w in ("w1", "w2")}}
     return ServingWeights(str(manifest.path), manifest.step, meta["config"], state)
+
+
+@torch.no_grad()
+def write_seeded_weights(cfg, out: str) -> dict:
+    """The model's initial weights (a pure function of train.seed and the model config: every parameter is drawn
+    from (seed, its name)) as a weights-only k3ray checkpoint of one part at step 0 under `out` (a new directory),
+    in model.dtype: what `k3ray serve --checkpoint` and `k3ray export --hf` read."""
+    from pathlib import Path
+
+    from k3ray.model.decoder import build_stage, is_expert_param
+    from k3ray.optim import AdamW
+    from k3ray.parallel import shards
+
+    if Path(out).exists() and any(Path(out).iterdir()):
+        raise ckpt.CheckpointError(f"{out}: not empty; seeded weights go into a new directory")
+    m = cfg.model
+    stage = build_stage(m, range(m.n_layers), seed=cfg.train.seed)
+    state = {"stage": 0, "layers": list(range(m.n_layers)),
+             "dense": {n: p.detach() for n, p in stage.named_parameters() if not is_expert_param(n)},
+             "opt_dense": {}, "opt_steps": 0, "lr_scale": 1.0,
+             "experts": {layer: shards.live_payload(shard, AdamW(cfg.optimizer), shards.shard_prefix(layer))
+                         for layer, shard in stage.expert_shards().items()},  # no optimizer state yet
+             "router_bias": {i: moe.router.bias.detach() for i, moe in stage.moe_layers().items()}}
+    one = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"pp": 1, "ep": 1})})
+    meta = {"pp": 1, "ep": 1, "home": [0] * m.n_experts, "last_batch": None, "skip": [], "lr_scale": 1.0,
+            "guard_state": {}, "job": cfg.name, "config": one.model_dump(mode="json")}
+    part = ckpt.write_part(out, 0, part_name(0), state)
+    path = ckpt.commit(out, 0, [part], meta, keep=1)
+    return {"checkpoint": str(path), "parameters": sum(p.numel() for p in stage.parameters()), "bytes": part.bytes}

@@ -15,7 +15,9 @@ class as a Ray actor, which is how jobs run it.
 """
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 import time
 
 import ray
@@ -30,11 +32,22 @@ from k3ray.controller.placement import Placement
 from k3ray.controller.snapshots import Snapshots
 from k3ray.controller.state import JobState, StateMachine
 from k3ray.controller.worker_group import TopologyError, WorkerGroup, WorkerLost
+from k3ray.io import checkpoint as ckpt
 from k3ray.io.checkpoint import CheckpointError
 from k3ray.parallel.step import StepReport
 from k3ray.policies import guards
 
 log = logging.getLogger("k3ray.controller")
+
+
+def holding_the_grid(method):
+    """One call at a time on the grid: the actor is threaded (the control API's calls run beside the step loop), and
+    a call that reaches workers mid-step or mid-recovery would meet a grid being rebuilt."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self.grid_lock:
+            return method(self, *args, **kwargs)
+    return call
 
 
 class Controller(FailurePaths):
@@ -44,14 +57,18 @@ class Controller(FailurePaths):
         self.new_group = group_factory  # (cfg, ep, home, avoid_nodes) -> a worker group
         self.group = None
         self.callbacks = list(callbacks)
-        self.machine = StateMachine()
+        ft = cfg.fault_tolerance
+        self.machine = StateMachine({JobState.RECOVERING: ft.recovery_attempts}, backoff_s=ft.retry_backoff_s)
         self.table = Placement(cfg)
         self.policies = LivePolicies(cfg.policies)
-        self.snapshots = Snapshots(on_commit=lambda snap: self._notify("on_snapshot", snap.stall_seconds))
+        self.grid_lock = threading.RLock()  # see holding_the_grid
+        self.snapshots = Snapshots(on_commit=lambda snap: self._notify("on_snapshot", snap.stall_seconds),
+                                   timeout_s=ft.wait_timeout_s)
         self.drills = FaultInjector(cfg.fault_tolerance.faults)
         self.checkpoints = DurableCheckpoints(
             cfg.checkpoint, on_commit=[self.drills.on_checkpoint, lambda *a: self._notify("on_checkpoint", *a)],
-            on_incident=self._incident)
+            on_incident=lambda kind, **fields: self._log_incident(self._incident(kind, **fields)),
+            timeout_s=ft.wait_timeout_s, job=cfg.name)
         # training progress: what a replay, a snapshot or a checkpoint must reproduce
         self.step = 0
         self.skip: set[int] = set(cfg.data.skip_batches)  # batch indices never trained on
@@ -62,6 +79,7 @@ class Controller(FailurePaths):
         self.last_report: dict | None = None
         self.incidents: list[dict] = []
         self.avoid_nodes: set[str] = set()  # nodes found silent (Ray may still report them alive): never placed on
+        self.grow_back_failures = 0  # grow-backs in a row whose placement failed
         self._warned = 0  # checkpoint warnings handed to the driver so far
 
     @property
@@ -77,12 +95,21 @@ class Controller(FailurePaths):
             getattr(callback, hook)(*args)
 
     # -- topology ------------------------------------------------------------------------------------------------
-    def start(self, placement_timeout_s: float = 60.0, resume: bool = False, fresh: bool = False) -> dict:
-        """Launch the workers (from the newest verified checkpoint with `resume`; `fresh`: from step 0 when none
-        verifies). The status it returns carries the checkpoint warnings for the driver to show."""
+    @holding_the_grid
+    def start(self, placement_timeout_s: float = 60.0, resume: bool = False, fresh: bool = False,
+              resume_from: str | None = None) -> dict:
+        """Launch the workers (from the newest verified checkpoint with `resume`: of this job's checkpoint folder, or
+        of `resume_from`; `fresh`: from step 0 when none verifies). The status it returns carries the checkpoint
+        warnings for the driver to show."""
         par = self.cfg.parallel
         why = f"pp={par.pp} ep={par.ep}"
-        resumed = self.checkpoints.resume(self.cfg.model_dump(mode="json"), fresh) if resume else None
+        job = self.cfg.model_dump(mode="json")
+        try:
+            self.checkpoints.claim(job, resume_from)
+            resumed = self.checkpoints.resume(job, fresh, resume_from) if resume or resume_from else None
+        except CheckpointError:
+            self.machine.to(JobState.ERRORED, "checkpoint folder refused")
+            raise
         if resumed is not None:
             self._resume_from(resumed)
             why += f", resuming from {resumed.path} (step {resumed.step}, ep {resumed.meta['ep']} -> {self.table.ep})"
@@ -121,11 +148,13 @@ class Controller(FailurePaths):
                 "last_batch": self.batches.get(step - 1), "skip": sorted(self.skip), "lr_scale": self.lr_scale,
                 "guard_state": {k: v for k, v in vars(self.guard_state).items() if k != "history"},
                 "job": self.cfg.name, "config": self.cfg.model_dump(mode="json"),
+                "model_hash": ckpt.model_hash(self.cfg.model_dump(mode="json")),
                 # steps 0..step-1 each trained one global batch; skipped batches were read past, not trained on
                 "tokens_consumed": step * self.cfg.global_batch_sequences * self.cfg.data.seq_len,
                 "samples_read": (self.batches.get(step - 1, -1) + 1) * self.cfg.global_batch_sequences}
 
     # -- steps ---------------------------------------------------------------------------------------------------
+    @holding_the_grid
     def train_step(self, step: int, batch_index: int | None = None) -> dict:
         """Run `step` to an accepted report: snapshot on schedule, inject due fault drills, recover from lost
         workers, roll back and skip batches on a guard trip, grow back when capacity returns. `batch_index`, if
@@ -247,6 +276,7 @@ class Controller(FailurePaths):
     def audit_log(self) -> list[dict]:
         return self.policies.audit_log()
 
+    @holding_the_grid
     def move_experts(self, expert_ids: list[int], dst_ep_rank: int) -> dict:
         """Move experts' shards (weights and optimizer moments, every layer) to another EP rank of each stage."""
         new_home = list(self.table.home)
@@ -281,17 +311,25 @@ class Controller(FailurePaths):
     def list_checkpoints(self) -> list[dict]:
         return list(self.checkpoints.committed)
 
+    @holding_the_grid
     def worker_states(self) -> list[dict]:
         """Every worker's current state (for inspection and tests)."""
         return self.group.call("state")
 
+    @holding_the_grid
     def evaluate(self) -> float:
-        while True:
+        """The validation loss; a worker lost meanwhile is recovered from and the evaluation run again, at most
+        `fault_tolerance.recovery_attempts` times."""
+        ft = self.cfg.fault_tolerance
+        for attempt in range(1, ft.recovery_attempts + 1):
             try:
-                return self.group.call("evaluate", timeout_s=None)[0]
+                return self.group.call("evaluate", timeout_s=ft.wait_timeout_s)[0]
             except WorkerLost as lost:
+                if attempt == ft.recovery_attempts:
+                    self._give_up(self.step, f"evaluation lost workers {attempt} times (last: {lost})")
                 self._recover(self.step, lost, detected_after=0.0)
 
+    @holding_the_grid
     def shutdown(self) -> None:
         """Commit the pending checkpoint, write the final one, stop the workers. Never raises for a checkpoint:
         the job may be stopping because of an error, which a second one must not mask."""

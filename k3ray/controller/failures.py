@@ -1,14 +1,21 @@
 """The controller's failure paths, carrying out the policies' decisions: roll back on a guard trip, recover from lost
-workers (in any state, again if a worker is lost during the recovery), grow back when capacity returns. A part of
-`Controller` (k3ray.controller.controller), kept in its own file; it uses the controller's state and parts."""
+workers (in any state), grow back when capacity returns. A part of `Controller` (k3ray.controller.controller), kept
+in its own file; it uses the controller's state and parts.
+
+Recovery and grow-back are bounded handlers of the state machine (k3ray.controller.state): each attempt is a
+transition into its state, a loss during an attempt starts the next one after a backoff, and the machine refuses
+the attempt past the limit; then the job stops with one line naming what happened and where the incidents are
+(`RecoveryFailed`). The grid in use is kept until the one replacing it is placed."""
 from __future__ import annotations
 
+import json
 import logging
 import time
+from pathlib import Path
 
 import torch
 
-from k3ray.controller.state import JobState
+from k3ray.controller.state import AttemptsExhausted, JobState
 from k3ray.controller.worker_group import TopologyError, WorkerLost
 from k3ray.policies import guards, ladder, recovery
 
@@ -17,6 +24,11 @@ log = logging.getLogger("k3ray.controller")
 
 class GuardError(RuntimeError):
     """A blow-up the failure ladder could not get past; the job stops with this report."""
+
+
+class RecoveryFailed(RuntimeError):
+    """Lost workers the bounded recovery could not get past (its attempts spent, or nothing fits the alive nodes);
+    the job stops with this one-line report."""
 
 
 class FailurePaths:
@@ -34,17 +46,20 @@ class FailurePaths:
                     "rule": trip.rule, "layer": trip.layer, "value": trip.value, "detail": trip.detail,
                     "batch_ids": list(decision.skip), "attempt": attempt}
         self.incidents.append(incident)
+        self._log_incident(incident)
         if decision.action == "stop":
             self.machine.to(JobState.ERRORED, f"step {step}: {attempt} guard trips")
             raise GuardError(f"step {step}: guard tripped {attempt} times (last: {trip.rule} = {trip.value} "
                              f"layer {trip.layer}; skipped batches {sorted(self.skip)}; lr scale {self.lr_scale}); "
-                             f"stopping. Incidents: {self.incidents[-attempt:]}")
+                             f"stopping. {self._incidents_where()}")
         self.machine.to(JobState.RECOVERING, f"rollback: {trip.rule} at step {step}")
+        # the decision in one piece, before anything that can fail: a worker lost from here on is recovered from
+        # onto a grid that gets this skip and this scale together (never half a rollback)
         self.skip.update(decision.skip)
-        self.snapshots.commit(self.group, wait=True)  # one started at this step's boundary holds the state to go to
+        self.lr_scale = decision.lr_scale
+        self.snapshots.commit(self.group, wait=True, timeout_s=self.cfg.fault_tolerance.wait_timeout_s)
         self.group.restore(self.snapshots.committed.sources())
         incident["restore_seconds"] = time.perf_counter() - t0
-        self.lr_scale = decision.lr_scale
         self.group.call("set_lr_scale", self.lr_scale)
         self._replay(step)
         incident["rollback_seconds"] = time.perf_counter() - t0  # restore + replay since the snapshot
@@ -52,14 +67,42 @@ class FailurePaths:
                                           f"{list(decision.skip)}")
 
     def _recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
-        """Rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`: in place around
-        hot spares where ready ones take lost ranks' places, else launched anew. A worker lost during this (the new
-        grid's launch, restore or replay) starts it again from the new grid."""
+        """Recover from `lost` to the boundary before `step`, a bounded handler: each attempt (`_recover_once`) is a
+        transition into recovering; a worker lost during one starts the next after the machine's backoff; past
+        `fault_tolerance.recovery_attempts` (or when nothing fits the alive nodes) the job stops (RecoveryFailed)."""
+        while True:
+            try:
+                self.machine.to(JobState.RECOVERING, str(lost))
+            except AttemptsExhausted as spent:
+                self._give_up(step, f"{spent}")
+            try:
+                self._recover_once(step, lost, detected_after)
+                return
+            except WorkerLost as again:
+                lost, detected_after = again, 0.0
+                time.sleep(self.machine.backoff_s())
+            except TopologyError as err:
+                self._give_up(step, f"recovering from {lost}: {err}")
+
+    def _give_up(self, step: int, what: str) -> None:
+        self.snapshots.drop_pending()
+        self.machine.to(JobState.ERRORED, what)
+        self._log_incident(self._incident("stopped", step=step, rule="recovery_failed", why=what))
+        raise RecoveryFailed(f"step {step}: recovery failed: {what}; stopping. {self._incidents_where()}")
+
+    def _incidents_where(self) -> str:
+        path = self.cfg.fault_tolerance.incidents_file
+        return f"Incidents: {path}" if path else "Incidents: `k3ray incidents` while the job runs"
+
+    def _recover_once(self, step: int, lost: WorkerLost, detected_after: float) -> None:
+        """One attempt: rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`:
+        in place around hot spares where ready ones take lost ranks' places, else launched anew. A worker lost
+        during it (the new grid's launch, restore or replay) raises WorkerLost for the next attempt."""
         t0 = time.perf_counter()
-        self.machine.to(JobState.RECOVERING, str(lost))
+        ft = self.cfg.fault_tolerance
         old = self.group
         try:  # a snapshot started at this boundary is the newest state, if every worker finished its part
-            self.snapshots.commit(old, wait=True, timeout_s=30.0, hold=False)  # the new grid holds the copies
+            self.snapshots.commit(old, wait=True, timeout_s=min(30.0, ft.wait_timeout_s), hold=False)
         except WorkerLost:  # a lost worker never delivered its part
             pass
         self.snapshots.drop_pending()  # what is still pending lacks a lost worker's part
@@ -67,39 +110,45 @@ class FailurePaths:
         snap = self.snapshots.committed
         if snap is None:
             self.machine.to(JobState.ERRORED, "no snapshot yet")
-            raise RuntimeError(f"{lost} before the first snapshot completed; restart with --resume from a checkpoint")
+            raise RecoveryFailed(f"{lost} before the first snapshot completed; restart with --resume from a "
+                                 f"checkpoint. {self._incidents_where()}")
         silent = recovery.silent_nodes(old.nodes, lost.ranks) if lost.hung else set()
         self.avoid_nodes |= silent
         old.avoid_nodes = frozenset(self.avoid_nodes)  # no spare on a silent node either
         t_gathered = time.perf_counter()
         load = self.table.expert_load(self.last_report)
-        spares = old.spares_ready() if self.cfg.fault_tolerance.spares else 0
+        spares = old.spares_ready() if ft.spares else 0
         decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, spares=spares)
         fields = dict(step=step, ranks=sorted(lost.ranks), why=lost.why,
                       rule="collective_timeout" if lost.hung else "worker_lost", silent_nodes=sorted(silent),
-                      replayed_steps=[snap.step, step])
+                      replayed_steps=[snap.step, step], attempt=self.machine.attempt)
         incident = None  # the launch anew records each of its attempts' outcomes itself
         try:
             if decision.spare_for:
                 t_planned = time.perf_counter()
                 incident = self._loss_incident(decision, old.ep, fields)
-                self._regroup(lost.ranks, decision, snap.sources())
+                try:
+                    self._regroup(lost.ranks, decision, snap.sources())
+                except TopologyError as err:  # the spares went away meanwhile: launch anew instead
+                    incident["outcome"] = f"no spare after all: {err}"
+                    incident = None
+                    decision, incident, t_planned = self._launch_anew(old, lost, load, fields, snap)
             else:
-                old.close()
                 decision, incident, t_planned = self._launch_anew(old, lost, load, fields, snap)
             t_restored = time.perf_counter()
             self._replay(step)
         except WorkerLost as again:
             if incident is not None:
                 incident["outcome"] = f"interrupted: {again}"
-            self._recover(step, again, detected_after=0.0)
-            return
+                self._log_incident(incident)
+            raise
         self.shrunk_at = step if decision.ep < self.cfg.parallel.ep else None
         launch = self.group.launch_seconds
         incident["seconds"] = {
             "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
             **launch, "launch_other": t_restored - t_planned - sum(launch.values()),
             "replay": time.perf_counter() - t_restored}
+        self._log_incident(incident)
         self.machine.to(JobState.RUNNING, f"recovered on {decision.ep * self.cfg.parallel.pp} workers"
                                           + (f", {len(decision.spare_for)} of them hot spares" if decision.spare_for
                                              else ""))
@@ -116,11 +165,11 @@ class FailurePaths:
         just given back, and Ray's free counts lag), then, when the placement failed (a lost node not yet reported
         dead, or others hold resources), again on what they have free. Returns (decision, incident, when it was
         planned)."""
+        old.close()  # a grid that lost workers holds their places: the new one is planned on what it gives back
         for attempt in range(1, 4):
             max_ep = self._new_group(1, old.home).capacity(free=attempt > 1) // self.cfg.parallel.pp
             if max_ep < 1:
-                self.machine.to(JobState.ERRORED, "nothing fits the alive nodes")
-                raise TopologyError(f"{lost}: the alive nodes hold no {self.cfg.parallel.pp}-stage grid")
+                raise TopologyError(f"the alive nodes hold no {self.cfg.parallel.pp}-stage grid")
             decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, max_ep=max_ep)
             t_planned = time.perf_counter()
             incident = self._loss_incident(decision, old.ep, fields)
@@ -129,22 +178,37 @@ class FailurePaths:
                 return decision, incident, t_planned
             except TopologyError as err:
                 incident["outcome"] = f"did not fit: {err}"
-                if attempt == 3:
-                    self.machine.to(JobState.ERRORED, str(err))
-                    raise
+                self._log_incident(incident)
                 self.group.close()
+                if attempt == 3:
+                    raise
             except WorkerLost as again:
                 incident["outcome"] = f"interrupted: {again}"
+                self._log_incident(incident)
                 raise
 
     def _new_group(self, ep: int, home: list[int]):
         return self.new_group(self.cfg, ep, home, frozenset(self.avoid_nodes))
 
     def _incident(self, kind: str, **fields) -> dict:
-        """Record an incident (the incident log, `k3ray incidents`, the metrics read it); returns it for updates."""
+        """Record an incident (the incident log, `k3ray incidents`, the metrics read it); returns it for updates
+        (`_log_incident` writes it to the incidents file once complete)."""
         incident = {"time": time.time(), "kind": kind, **fields}
         self.incidents.append(incident)
         return incident
+
+    def _log_incident(self, incident: dict) -> None:
+        """Append an incident to `fault_tolerance.incidents_file` (JSON lines), where the user reads it after a
+        stop; an incident updated later is written again (the last line of an incident wins)."""
+        path = self.cfg.fault_tolerance.incidents_file
+        if not path:
+            return
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(incident, default=str) + "\n")
+        except OSError as err:
+            log.warning("incident not written to %s: %s", path, err)
 
     def _relaunch(self, ep: int, home: list[int], sources: dict, placement_timeout_s: float = 120.0) -> None:
         self.table.reset(ep, home)
@@ -169,20 +233,33 @@ class FailurePaths:
         self.group.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
 
     def _maybe_grow_back(self, step: int) -> None:
+        """Grow back to the configured EP size when the cluster has room again, in place: the grid in use keeps
+        running until the added workers are placed (a placement that fails leaves it as it was, and the job goes
+        on shrunk, trying again later; after `grow_back_attempts` failures in a row it stays shrunk)."""
         ft, full = self.cfg.fault_tolerance, self.cfg.parallel.ep
-        if not recovery.grow_back_due(step, self.shrunk_at, self.table.ep, full, ft.grow_back,
-                                      ft.grow_back_after_steps):
+        if self.grow_back_failures >= ft.grow_back_attempts or not recovery.grow_back_due(
+                step, self.shrunk_at, self.table.ep, full, ft.grow_back, ft.grow_back_after_steps):
             return
-        extra = self._new_group(full - self.table.ep, [0] * self.cfg.model.n_experts)
-        if not extra.fits(extra_cluster_free=True)[0]:
+        if not self.group.room_for(self.cfg.parallel.pp * (full - self.table.ep)):
             return
         t0 = time.perf_counter()
         self.machine.to(JobState.RESIZING, f"growing back to ep={full}")
         self.snapshots.take(self.group, step, self.guard_state, wait=True)
-        old = self.group
-        old.close()
-        self._relaunch(full, recovery.grow(self.cfg.model.n_experts, full).tolist(), self.snapshots.committed.sources())
-        self.shrunk_at = None
-        self._incident("grow_back", step=step, ep=[old.ep, full], seconds=time.perf_counter() - t0)
+        old_ep, home = self.table.ep, recovery.grow(self.cfg.model.n_experts, full).tolist()
+        try:
+            self.group.grow(full, home, self.snapshots.committed.sources(), timeout_s=min(60.0, ft.wait_timeout_s))
+        except TopologyError as err:  # nothing changed: the shrunk grid trains on
+            self.grow_back_failures += 1
+            self.shrunk_at = step  # the next try after grow_back_after_steps more steps
+            self._log_incident(self._incident("grow_back_failed", step=step, rule="grow_back_failed",
+                                              ep=[old_ep, full], why=str(err), attempt=self.grow_back_failures))
+            stay = self.grow_back_failures >= ft.grow_back_attempts
+            self.machine.to(JobState.RUNNING, f"grow-back did not fit ({err}); "
+                                              + ("staying shrunk" if stay else "trying again later"))
+            return
+        self.table.reset(full, home)
+        self._joined()
+        self.shrunk_at, self.grow_back_failures = None, 0
+        self._log_incident(self._incident("grow_back", step=step, ep=[old_ep, full],
+                                          seconds=time.perf_counter() - t0))
         self.machine.to(JobState.RUNNING, f"grown back to {self.group.size} workers")
-

@@ -12,11 +12,18 @@ there is work: schedule, every worker's `serve_step` (the last stage's answers a
 Lost workers (k3ray.controller.serve_grid): the grid is rebuilt from the weights the engine holds and every
 unfinished request is prefilled again from its prompt and the tokens generated so far; its stream goes on from the
 next token, none lost or repeated. Each loss is an incident (`incident_log`), with its phases and the serving gap
-(the loss found -> the next token of any request).
+(the loss found -> the next token of any request). Serving never stays broken: a recovery that fails is tried
+again, then the grid is relaunched until one serves (`_restore`); meanwhile `health` says why, new requests wait
+(then get 'unavailable') and streams in flight end with an error past serve.unavailable_wait_s. Observers (metrics)
+that fail, and the loop itself failing, never leave a stream waiting.
+
+`Engine` is all of this without Ray (tests drive it on a fake grid); `ServingEngine` is the actor that loads the
+checkpoint and launches the grid first.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
@@ -34,6 +41,10 @@ from k3ray.parallel.serving import PoolSizes
 from k3ray.tokenizer import load_tokenizer
 
 log = logging.getLogger("k3ray.serve")
+MAX_BACKOFF_S = 30.0  # between attempts to serve again after a loss
+MAX_FAILURES_KEPT = 10  # failed attempts an incident lists (the newest)
+SPARES_CHECK_S = 5.0  # how often missing hot spares are looked for room
+BROKEN_AFTER_FAILURES = 3  # grid calls failing in a row (no worker lost) before the grid is relaunched
 
 
 def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None = None, spares: int = 0) -> JobConfig:
@@ -48,19 +59,20 @@ def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None 
                                      "fault_tolerance": ft.model_dump()})
 
 
-@ray.remote
-class ServingEngine:
-    def __init__(self, checkpoint: str, pp: int, ep: int, serve_overrides: dict | None = None,
-                 launch_timeout_s: float = 300.0, observers: list | None = None, spares: int = 0):
-        weights = serving_weights(checkpoint)
-        self.cfg = cfg = serving_config(weights.config, pp, ep, serve_overrides, spares)
-        self.model_name, self.step = cfg.name, weights.step
+def pool_sizes(cfg: JobConfig) -> PoolSizes:
+    return PoolSizes(cfg.serve.pages_per_rank, cfg.serve.page_size, cfg.serve.slots_per_rank)
+
+
+class Engine:
+    """The engine on a launched grid (a ServingGrid, or any object with its methods), without Ray: the
+    ServingEngine actor below loads the checkpoint and launches the grid first."""
+
+    def __init__(self, cfg: JobConfig, step: int, grid, observers: list | None = None):
+        self.cfg, self.model_name, self.step = cfg, cfg.name, step
         sc = cfg.serve
-        sizes = PoolSizes(sc.pages_per_rank, sc.page_size, sc.slots_per_rank)
-        self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, ep, sc.token_budget, sc.max_waiting, sizes,
-                                            cfg.policies.guards, load_tokenizer(cfg.data.tokenizer)))
-        self.grid = ServingGrid(cfg, weights.state, sizes, launch_timeout_s)
-        self.grid.launch(ep)
+        self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, grid.ep, sc.token_budget, sc.max_waiting,
+                                            pool_sizes(cfg), cfg.policies.guards, load_tokenizer(cfg.data.tokenizer)))
+        self.grid = grid
         self.incidents: list[dict] = []
         self.gap_from: tuple[dict, float] | None = None  # (incident, when the loss was found) until the next token
         self.wake: asyncio.Event | None = None
@@ -70,7 +82,10 @@ class ServingEngine:
         # observers.iteration(changed requests, scheduler, seconds) after every iteration, .expert_load(workers'
         # counts) every .expert_load_every iterations: metrics (k3ray.control.serve_metrics)
         self.observers: list = observers or []
-        log.info("serving %s step %d from %s on pp=%d x ep=%d", cfg.name, weights.step, weights.path, pp, ep)
+        self.down: dict | None = None  # while no grid serves: why, and since when (`health`)
+        self.serving: asyncio.Event | None = None  # set while a grid serves
+        self.spares_checked = time.monotonic()
+        self.failures_in_row = 0  # grid calls that failed, no worker lost, since the last that did not
 
     def ready(self) -> dict:
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
@@ -83,11 +98,17 @@ class ServingEngine:
                 "incidents": len(self.incidents)}
 
     async def generate(self, prompt: list[int], params: dict):
-        """Stream a request: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'}, then items
+        """Stream a request: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'} or {'error':
+        'unavailable', 'message', 'retry_after'} (no grid served within serve.unavailable_wait_s), then items
         {'text': new final text, 'tokens': the token ids it came from, 'finish': None | 'stop' | 'length'}, or
         {'error': 'internal', ...}. The text never ends inside a character nor in what a stop string may still cut
         (the request's detokenizer holds that back)."""
         sp = SamplingParams(**{**params, "stop": tuple(params.get("stop") or ())})
+        if self.down is not None and not await self._until_serving():
+            why = self.down["reason"] if self.down is not None else "the grid was being rebuilt"
+            yield {"error": "unavailable", "message": f"no serving grid: {why}",
+                   "retry_after": self.cfg.serve.retry_after_s}
+            return
         try:
             req = self.sched.submit(prompt, sp)
         except Overloaded as err:
@@ -124,6 +145,21 @@ class ServingEngine:
         self.wake.set()
         if self.loop_task is None or self.loop_task.done():
             self.loop_task = asyncio.get_running_loop().create_task(self._loop())
+            self.loop_task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The iteration loop ended by an error (a bug): no stream may wait for it. Every request fails with the
+        error; the next request starts the loop again."""
+        if task.cancelled() or task.exception() is None:
+            return
+        err = task.exception()
+        log.error("serving: the iteration loop failed", exc_info=err)
+        changed = self.sched.fail_all(f"the engine loop failed: {type(err).__name__}: {err}")
+        self._incident("loop_failed", action="failed every request", requests=len(changed),
+                       why=f"{type(err).__name__}: {err}")
+        for req in changed:
+            if req.id in self.updates:
+                self.updates[req.id].set()
 
     async def _loop(self) -> None:
         while True:
@@ -159,35 +195,137 @@ class ServingEngine:
             for req in changed:
                 if req.id in self.updates:
                     self.updates[req.id].set()
-            for observer in self.observers:
-                observer.iteration(changed, self.sched, time.perf_counter() - t0)
-            if self.observers and self.iterations % self.observers[0].expert_load_every == 0:
-                try:
-                    loads = await self._on_grid(self.grid.expert_load)
-                except Exception:  # noqa: BLE001 - a failed recovery: the next iteration fails what is running
-                    log.exception("collecting the expert load failed")
-                    loads = None
-                for observer in self.observers if loads is not None else ():
-                    observer.expert_load(loads)
+            await self._after_iteration(changed, time.perf_counter() - t0)
+
+    async def _after_iteration(self, changed: list, seconds: float) -> None:
+        """The observers (metrics) see the iteration, and every so often the workers' expert load; missing hot spares
+        are started where there is room. An observer that fails is logged, never the end of the loop."""
+        for observer in self.observers:
+            self._observe(observer, "iteration", changed, self.sched, seconds)
+        if self.observers and self.iterations % self.observers[0].expert_load_every == 0:
+            try:
+                loads = await self._on_grid(self.grid.expert_load)
+            except Exception:  # noqa: BLE001 - not a lost worker (those are recovered): the next iteration shows
+                log.exception("collecting the expert load failed")
+                loads = None
+            for observer in self.observers if loads is not None else ():
+                self._observe(observer, "expert_load", loads)
+        if time.monotonic() - self.spares_checked > SPARES_CHECK_S:
+            self.spares_checked = time.monotonic()
+            try:
+                await self._on_grid(self.grid.top_up_spares)
+            except Exception:  # noqa: BLE001 - a spare is an optimisation: serving goes on without it
+                log.exception("starting hot spares failed")
+
+    @staticmethod
+    def _observe(observer, method: str, *args) -> None:
+        try:
+            getattr(observer, method)(*args)
+        except Exception:  # noqa: BLE001 - metrics must not stop serving
+            log.exception("serving observer %s.%s failed", type(observer).__name__, method)
 
     async def _on_grid(self, fn, *args):
         """fn(*args) off the event loop (requests keep arriving and leaving meanwhile). None when workers were lost:
         the grid is then rebuilt and every unfinished request requeued, to be prefilled again (no request fails)."""
         try:
-            return await asyncio.to_thread(fn, *args)
+            out = await asyncio.to_thread(fn, *args)
         except WorkerLost as lost:
-            t0 = time.perf_counter()
-            incident = self._incident("worker_lost", requests=len(self.sched.running), ranks=sorted(lost.ranks))
-            try:
-                incident.update(await asyncio.to_thread(self.grid.recover, lost))
-            except Exception as err:
-                incident["outcome"] = f"not recovered: {type(err).__name__}: {err}"
-                raise
-            incident["requeued"] = len(self.sched.reset(self.grid.ep))
-            self.gap_from = (incident, t0)
-            log.warning("serving: recovered on pp=%d x ep=%d in %.2fs, %d requests to prefill again", self.grid.pp,
-                        self.grid.ep, time.perf_counter() - t0, incident["requeued"])
+            self.failures_in_row = 0
+            await self._restore(lost)
             return None
+        except Exception as err:
+            # no worker lost, yet the grid fails (its process groups broken?): the caller fails what was running;
+            # failing again and again, the grid is relaunched
+            self.failures_in_row += 1
+            if self.failures_in_row >= BROKEN_AFTER_FAILURES:
+                self.failures_in_row = 0
+                await self._restore(None, f"{BROKEN_AFTER_FAILURES} grid calls in a row failed, the last: "
+                                          f"{type(err).__name__}: {err}")
+            raise
+        self.failures_in_row = 0
+        return out
+
+    async def _restore(self, lost: WorkerLost | None, broken: str = "") -> None:
+        """Serve again after losing workers, whatever it takes: the recovery (`ServingGrid.recover`) up to
+        serve.recovery_attempts times, then relaunches of the whole grid from the held weights until one serves,
+        waiting serve.recovery_backoff_s before the second attempt and twice as long before each next (at most
+        MAX_BACKOFF_S). Meanwhile `health` says why nothing serves, new requests wait (`_until_serving`), and past
+        serve.unavailable_wait_s the requests in flight end with an error (`_expire_in_flight`). Then every
+        unfinished request is requeued, to be prefilled again. No worker lost (`broken` says what failed): relaunches
+        only."""
+        t0 = time.perf_counter()
+        sc = self.cfg.serve
+        if lost is None:
+            incident = self._incident("grid_broken", requests=len(self.sched.running), why=broken)
+        else:
+            incident = self._incident("worker_lost", requests=len(self.sched.running), ranks=sorted(lost.ranks))
+        self._go_down(f"recovering from {lost}" if lost is not None else f"relaunching the grid: {broken}")
+        for attempt in itertools.count(1):
+            relaunch = lost is None or attempt > sc.recovery_attempts
+            try:
+                fields = await asyncio.to_thread(*((self.grid.relaunch,) if relaunch else (self.grid.recover, lost)))
+                break
+            except WorkerLost as again:  # lost while the new grid was being built: recover from that grid
+                lost, err = again, again
+            except Exception as e:  # noqa: BLE001 - the grid could not be rebuilt (yet): try again, then relaunch
+                err = e
+            what = f"{'relaunch' if relaunch else 'recovery'} {attempt} failed: {type(err).__name__}: {err}"
+            log.warning("serving: %s", what)
+            failed = incident.setdefault("failed_attempts", [])
+            failed[:] = [*failed[-(MAX_FAILURES_KEPT - 1):], what]
+            self.down["reason"] = what
+            await asyncio.sleep(min(MAX_BACKOFF_S, sc.recovery_backoff_s * 2 ** (attempt - 1)))
+        incident.update(fields)
+        incident["attempts"] = attempt
+        incident.setdefault("seconds", {})["total"] = time.perf_counter() - t0  # the failed attempts included
+        incident["requeued"] = len(self.sched.reset(self.grid.ep))
+        self.gap_from = (incident, t0)
+        self._go_up()
+        log.warning("serving: %s on pp=%d x ep=%d in %.2fs, %d requests to prefill again",
+                    "relaunched" if fields.get("action") == "relaunch" else "recovered", self.grid.pp, self.grid.ep,
+                    time.perf_counter() - t0, incident["requeued"])
+
+    # -- availability --------------------------------------------------------------------------------------------
+    def _go_down(self, reason: str) -> None:
+        expiry = asyncio.get_running_loop().call_later(self.cfg.serve.unavailable_wait_s, self._expire_in_flight)
+        self.down = {"reason": reason, "since": time.time(), "expiry": expiry}
+        if self.serving is not None:
+            self.serving.clear()
+
+    def _go_up(self) -> None:
+        self.down["expiry"].cancel()
+        self.down = None
+        if self.serving is not None:
+            self.serving.set()
+
+    async def _until_serving(self) -> bool:
+        """Wait for a grid to serve, serve.unavailable_wait_s at most; whether one does."""
+        if self.serving is None:
+            self.serving = asyncio.Event()
+        if self.down is None:
+            self.serving.set()
+            return True
+        try:
+            await asyncio.wait_for(self.serving.wait(), self.cfg.serve.unavailable_wait_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _expire_in_flight(self) -> None:
+        """No grid for serve.unavailable_wait_s: the requests accepted before end with an error, not a hang (new
+        ones wait, then are refused: `_until_serving`)."""
+        failed = self.sched.fail_all(f"no serving grid for {self.cfg.serve.unavailable_wait_s:g}s: "
+                                     f"{self.down['reason']}")
+        for req in failed:
+            if req.id in self.updates:
+                self.updates[req.id].set()
+
+    def health(self) -> dict:
+        """{'status': 'ok'}, or 'unavailable' with the reason and since when (the front door's /health: 503)."""
+        if self.down is None:
+            return {"status": "ok", "pp": self.grid.pp, "ep": self.grid.ep}
+        return {"status": "unavailable", "reason": self.down["reason"], "since": self.down["since"],
+                "retry_after": self.cfg.serve.retry_after_s}
 
     def _incident(self, kind: str, **fields) -> dict:
         """Record an incident (`incident_log`: the front door's /v1/incidents, `k3ray incidents --serve`)."""
@@ -198,17 +336,38 @@ class ServingEngine:
     def incident_log(self) -> list[dict]:
         return list(self.incidents)
 
-    def expert_load(self) -> list[dict]:
-        return self.grid.expert_load()
+    async def expert_load(self) -> list[dict]:
+        """Every worker's expert load since the last call (off the event loop: requests keep streaming)."""
+        return await asyncio.to_thread(self.grid.expert_load)
 
-    def drill(self, kind: str, workers: list[int] = (), layer: int | None = None, token: int | None = None) -> bool:
-        """Inject a fault into the grid now (k3ray.controller.drills.inject); kind 'clear' removes the NaN hooks."""
+    async def drill(self, kind: str, workers: list[int] = (), layer: int | None = None,
+                    token: int | None = None) -> bool:
+        """Inject a fault into the grid now (k3ray.controller.drills.inject); kind 'clear' removes the NaN hooks.
+        Off the event loop. During a recovery it reaches the grid being built: kill_worker kills those of `workers`
+        that it has started so far. Whether anything was injected."""
+        group = self.grid.group
         if kind == "clear":
-            clear(self.grid.group)
-        else:
-            inject(self.grid.group, kind, list(workers), layer, token)
+            await asyncio.to_thread(clear, group)
+            return True
+        if kind == "kill_worker":
+            workers = [r for r in workers if r < len(group.workers)]
+            if not workers:
+                return False
+        await asyncio.to_thread(inject, group, kind, list(workers), layer, token)
         return True
 
     def shutdown(self) -> bool:
         self.grid.close()
         return True
+
+
+@ray.remote
+class ServingEngine(Engine):
+    def __init__(self, checkpoint: str, pp: int, ep: int, serve_overrides: dict | None = None,
+                 launch_timeout_s: float = 300.0, observers: list | None = None, spares: int = 0):
+        weights = serving_weights(checkpoint)
+        cfg = serving_config(weights.config, pp, ep, serve_overrides, spares)
+        grid = ServingGrid(cfg, weights.state, pool_sizes(cfg), launch_timeout_s)
+        grid.launch(ep)
+        super().__init__(cfg, weights.step, grid, observers)
+        log.info("serving %s step %d from %s on pp=%d x ep=%d", cfg.name, weights.step, weights.path, pp, ep)

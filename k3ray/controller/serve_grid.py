@@ -85,12 +85,16 @@ class ServingGrid:
         t0 = time.perf_counter()
         old = self.group
         incident = {"ranks": sorted(lost.ranks), "why": lost.why, "ep": [old.ep]}
+        placement_failed = False
         for attempt in range(1, attempts + 1):
             spares = old.spares_ready() if self.cfg.fault_tolerance.spares else 0
             decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, spares=spares)
             if not decision.spare_for:
                 old.close()
-                max_ep = old.capacity(free=attempt > 1) // self.pp  # as the training grid's (failures.py)
+                # planned on the alive nodes' totals: the grids just closed gave their resources back and Ray's free
+                # counts lag (a worker lost while the grid was being built is no reason to doubt them); on what is
+                # free only once a placement failed (as the training grid's, failures.py)
+                max_ep = old.capacity(free=placement_failed) // self.pp
                 if max_ep < 1:
                     raise TopologyError(f"{lost}: the alive nodes hold no {self.pp}-stage grid")
                 decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load,
@@ -112,6 +116,7 @@ class ServingGrid:
             except TopologyError:  # a node lost but not yet reported dead failed the placement: plan again
                 if attempt == attempts:
                     raise
+                placement_failed = True
             incident.setdefault("interrupted", []).append(str(lost))
         else:
             raise TopologyError(f"serving grid: {attempts} rebuilds interrupted, the last by {lost}")
@@ -121,6 +126,34 @@ class ServingGrid:
         incident["spares_used"] = sorted(decision.spare_for)
         incident["seconds"] = {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}
         return incident
+
+    def relaunch(self) -> dict:
+        """The last resort after recoveries that failed: whatever grid there is goes, and one is launched anew from
+        the held weights on what the alive nodes hold (the configured EP size at most, experts in contiguous
+        blocks). Returns the incident's fields, as `recover`'s."""
+        t0 = time.perf_counter()
+        before = self.group.ep if self.group is not None else 0
+        self.close()
+        probe = WorkerGroup(self.cfg, 1, [0] * self.cfg.model.n_experts)  # no workers: counts what the nodes hold
+        ep = min(self.cfg.parallel.ep, probe.capacity() // self.pp)
+        if ep < 1:
+            raise TopologyError(f"the alive nodes hold no {self.pp}-stage grid ({probe.capacity()} workers)")
+        t_planned = time.perf_counter()
+        phases = self.launch(ep, wait_for_spares=False)
+        self.spares_due = False
+        return {"ep": [before, ep], "action": "relaunch", "spares_used": [],
+                "seconds": {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}}
+
+    def top_up_spares(self) -> int:
+        """Start the hot spares the grid lacks (none found room when it was launched, or some died on standby),
+        where the alive nodes have room now. Returns how many were started."""
+        group = self.group
+        if group is None or not self.cfg.fault_tolerance.spares:
+            return 0
+        group.spares_ready()  # drops dead spares, their slots free for new ones
+        if len(group.spares) >= self.cfg.fault_tolerance.spares:
+            return 0
+        return group.start_spares()
 
     def close(self) -> None:
         if self.group is not None:

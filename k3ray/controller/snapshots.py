@@ -86,7 +86,8 @@ class SnapshotStager:
         self.headroom = device_headroom_bytes
         self.host: torch.Tensor | None = None
         self.staging: torch.Tensor | None = None
-        self.staged: tuple[Any, int, torch.cuda.Event | None] | None = None  # (tree, nbytes, event if on device)
+        # (step, tree, nbytes, event if on device): the state to run `step` from
+        self.staged: tuple[int, Any, int, torch.cuda.Event | None] | None = None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _host(self, nbytes: int) -> torch.Tensor:
@@ -110,8 +111,9 @@ class SnapshotStager:
         return self.staging
 
     @torch.no_grad()
-    def stage(self, state: Any) -> None:
-        """Copy `state` (live tensors) aside; when this returns, training may modify them."""
+    def stage(self, state: Any, step: int) -> None:
+        """Copy `state` (live tensors: the state to run `step` from) aside; when this returns, training may modify
+        them."""
         tree, tensors, nbytes = layout(state)
         staging = self._staging(nbytes)
         target = staging if staging is not None else self._host(nbytes)
@@ -123,14 +125,17 @@ class SnapshotStager:
             event.record()
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.staged = (tree, nbytes, event)
+        self.staged = (step, tree, nbytes, event)
 
     @torch.no_grad()
-    def packed(self) -> Packed:
-        """The staged state as host bytes (waits for the device-to-host copy, which overlaps training)."""
-        if self.staged is None:
-            raise RuntimeError("no snapshot staged")
-        tree, nbytes, event = self.staged
+    def packed(self, step: int) -> Packed:
+        """The state staged for `step` as host bytes (waits for the device-to-host copy, which overlaps training).
+        A call for another step (a stale one, queued before a newer staging) is refused and leaves the staged state
+        for the call it belongs to."""
+        if self.staged is None or self.staged[0] != step:
+            have = "nothing" if self.staged is None else f"step {self.staged[0]}"
+            raise RuntimeError(f"snapshot of step {step} asked for, {have} staged")
+        _, tree, nbytes, event = self.staged
         self.staged = None
         host = self._host(nbytes)
         if event is not None:
@@ -172,7 +177,9 @@ class Snapshots:
     Interface: `take` at a boundary, `commit` after the step (or at once), `drop_pending` when a worker is lost,
     `committed` to restore from; `stall_seconds` / `total_seconds` per committed snapshot for the benchmarks."""
 
-    def __init__(self, on_commit=None):
+    def __init__(self, on_commit=None, timeout_s: float = 600.0):
+        """timeout_s: the longest wait for a snapshot's bytes (`commit(wait=True)` without a timeout of its own)."""
+        self.timeout_s = timeout_s
         self.committed: Snapshot | None = None
         self.pending: Snapshot | None = None
         self.stall_seconds: list[float] = []  # training stalled per snapshot
@@ -195,7 +202,8 @@ class Snapshots:
         snap = self.pending
         if snap is None:
             return
-        nbytes = group.snapshot_bytes(snap.size_refs, timeout_s if wait else 0)
+        nbytes = group.snapshot_bytes(snap.size_refs, (self.timeout_s if timeout_s is None else timeout_s)
+                                      if wait else 0)
         if nbytes is None:
             return
         snap.nbytes = nbytes

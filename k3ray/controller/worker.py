@@ -5,10 +5,15 @@ A worker starts on standby (its process up, torch and the model code imported, o
 takes a place in a grid with `assume`: every grid worker right after its start, a hot spare when it replaces a lost
 rank, a survivor when its grid is rebuilt around spares.
 
-Threaded: a snapshot's device-to-host copy runs beside the next training step, and a third thread covers a call
-left waiting in a lost grid's collective until its timeout (gloo cannot abort it) after the worker joined another."""
+Threaded: a snapshot's device-to-host copy runs beside the next training step, and further threads cover calls left
+waiting in lost grids' collectives until their timeout (gloo cannot abort them) after the worker joined another.
+
+Grid generations: every grid a worker joins has a number (`assume`, `stand_by`), and every call to a worker names
+the generation it is meant for: a call for an older one (queued before a regroup, or a stale thread's) is refused
+with StaleGeneration, and the engine of a left grid refuses its collectives (k3ray.parallel.engine.LeftGrid)."""
 from __future__ import annotations
 
+import functools
 import os
 import socket
 
@@ -24,7 +29,30 @@ def part_name(world_rank: int) -> str:
     return f"rank{world_rank:05d}.pt"
 
 
-@ray.remote(max_concurrency=3)
+# Calls a worker must absorb while still answering its current grid: losses that come close together (inside one
+# collective timeout) each leave a call waiting in a left grid's gloo collective until that timeout.
+STUCK_CALLS = 4
+THREADS = 2 + STUCK_CALLS  # the current grid's call, a snapshot or ping beside it, and the stuck ones
+
+
+class StaleGeneration(RuntimeError):
+    """A call meant for an older grid generation than the one the worker holds now."""
+
+
+def fenced(method):
+    """A worker method whose first argument is the grid generation the call is meant for: refused (before it runs)
+    when the worker has since joined a newer grid."""
+    @functools.wraps(method)
+    def call(self, generation: int, *args):
+        if generation < self.generation:
+            raise StaleGeneration(f"{method.__name__} for grid generation {generation} refused: this worker holds "
+                                  f"generation {self.generation}")
+        return method(self, *args)
+    del call.__wrapped__  # Ray reads the signature: it is (self, generation, *args), not the method's own
+    return call
+
+
+@ray.remote(max_concurrency=THREADS)
 class Worker:
     def __init__(self, cfg_dict: dict):
         from k3ray import data
@@ -41,31 +69,50 @@ class Worker:
         self.stager: SnapshotStager | None = None  # made on the first snapshot
         self.peer_snapshots: dict[int, tuple[int, Packed]] = {}  # world rank -> (step, its snapshot)
         self.writer: AsyncWriter | None = None  # made on first use
+        self.generation = 0  # the newest grid generation this worker was told of (assume, stand_by)
 
     def node_id(self) -> str:
         """The Ray node this worker runs on (its answer also says the worker is up)."""
         return ray.get_runtime_context().get_node_id()
 
-    def assume(self, pp_rank: int, ep_rank: int, home: list[int], ep_size: int, init_weights: bool) -> bool:
-        """Take place (pp_rank, ep_rank) of a grid of ep_size EP ranks, leaving the grid held before (if any): a new
-        engine, its weights initialised or (init_weights=False) left for the restore that follows."""
+    def assume(self, generation: int, pp_rank: int, ep_rank: int, home: list[int], ep_size: int,
+               init_weights: bool) -> bool:
+        """Take place (pp_rank, ep_rank) of grid `generation`, of ep_size EP ranks, leaving the grid held before (if
+        any): a new engine, its weights initialised or (init_weights=False) left for the restore that follows."""
         from k3ray.parallel.engine import StageEngine
 
-        self.stand_by()
+        self.join_generation(generation)
+        self._leave()
         self.engine = StageEngine(self.cfg, pp_rank, ep_rank, home, ep_size, self.device, init_weights)
         return True
 
-    def stand_by(self) -> bool:
-        """Leave the grid held (its process groups, its engine's memory, the checkpoint parts it was writing: their
-        checkpoint is abandoned) and wait on standby."""
+    def join_generation(self, generation: int) -> bool:
+        """From now on, refuse calls for generations older than `generation` (the first thing a grid's workers are
+        told, before the calls that place them)."""
+        if generation < self.generation:
+            raise StaleGeneration(f"grid generation {generation} refused: this worker holds {self.generation}")
+        self.generation = generation
+        return True
+
+    def stand_by(self, generation: int) -> bool:
+        """Leave the grid held (its process groups, its engine's memory, the neighbours' snapshot copies, the
+        checkpoint parts it was writing: their checkpoint is abandoned) and wait on standby, refusing calls for
+        generations before `generation`."""
+        self.join_generation(generation)
+        self._leave()
+        self.peer_snapshots = {}
+        return True
+
+    def _leave(self) -> None:
+        """Leave the grid held. The neighbours' snapshot copies stay pinned: the restore that follows a regroup reads
+        them (they may be the only copies of a lost node's parts); a newer snapshot replaces them."""
         if self.engine is not None:
             self.engine.leave_process_groups()
         self.engine = self.server = None
-        self.peer_snapshots = {}
         if self.writer is not None:
             self.writer.forget()
-        return True
 
+    @fenced
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port, for the process-group rendezvous (asked of world rank 0)."""
         ip = ray.util.get_node_ip_address()
@@ -73,49 +120,59 @@ class Worker:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
+    @fenced
     def setup(self, init_method: str, backend: str) -> bool:
         if init_method.startswith("tcp://127.0.0.1"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        self.engine.init_process_groups(init_method, backend)
+        self.engine.init_process_groups(init_method, backend, self.generation)
         return True
 
+    @fenced
     def train_step(self, step: int, batch_index: int) -> dict:
         return self.engine.train_step(step, batch_index)
 
+    @fenced
     def evaluate(self) -> float:
         return self.engine.evaluate()
 
+    @fenced
     def export_shard(self, expert_ids: list[int] | None = None) -> dict:
         return self.engine.export_shard(expert_ids)
 
+    @fenced
     def set_placement(self, home: list[int], imports: dict | None = None) -> bool:
         self.engine.set_placement(home, imports)
         return True
 
+    @fenced
     def set_policies(self, policies: dict) -> bool:
         self.engine.set_policies(PoliciesConfig.model_validate(policies))
         return True
 
+    @fenced
     def set_lr_scale(self, scale: float) -> bool:
         self.engine.lr_scale = scale
         return True
 
     # -- snapshots -----------------------------------------------------------------------------------------------
+    @fenced
     def stage_snapshot(self, step: int) -> bool:
         """Copy the state to run `step` from aside (the short part, at the step boundary). Dense state only from EP
         rank 0 of the stage: the other EP ranks hold identical copies, and restores read it from rank 0's."""
         self.stager = self.stager or SnapshotStager(self.engine.device)
-        self.stager.stage(self.engine.state_tensors(dense=self.engine.ep_rank == 0))
+        self.stager.stage(self.engine.state_tensors(dense=self.engine.ep_rank == 0), step)
         return True
 
     @ray.method(num_returns=2)
+    @fenced
     def snapshot(self, step: int) -> tuple[Packed, int]:
         """The staged state as host bytes, and their size (a small object to check for success without fetching
         the bytes); runs on the second thread while the next step trains. The bytes land in the object store,
         owned by the controller."""
-        packed = self.stager.packed()
+        packed = self.stager.packed(step)
         return packed, packed.nbytes
 
+    @fenced
     def hold_peer_snapshot(self, rank: int, step: int, packed: Packed) -> bool:
         """Keep a neighbour's snapshot mapped, so a copy of it lives on this node too (it survives the loss of the
         neighbour's node; on one node it is the same memory, no copy)."""
@@ -123,6 +180,7 @@ class Worker:
         self.peer_snapshots[rank] = (step, packed)
         return True
 
+    @fenced
     def restore(self, *states) -> bool:
         """Load the stage's state from the snapshots or checkpoint parts of every EP rank of an old grid of any EP
         size: dense state from the first (they are identical), the experts homed here from all of them."""
@@ -131,6 +189,7 @@ class Worker:
         return True
 
     # -- durable checkpoints --------------------------------------------------------------------------------------
+    @fenced
     def save_checkpoint(self, root: str, step: int) -> bool:
         """Copy the state now (training may go on) and write it in the background as this rank's part. The dense
         state goes into EP rank 0's part only: every EP rank of a stage holds the same, and restores read rank 0's."""
@@ -140,14 +199,17 @@ class Worker:
                            engine.state_dict(dense=engine.ep_rank == 0))
         return True
 
+    @fenced
     def checkpoint_parts(self) -> list[dict]:
         """Wait for this worker's pending part writes; their PartInfos as dicts."""
         return [] if self.writer is None else [p.to_json() for p in self.writer.wait()]
 
+    @fenced
     def state(self) -> dict:
         return self.engine.state_dict()
 
     # -- serving ---------------------------------------------------------------------------------------------------
+    @fenced
     def serve_init(self, pages: int, page_size: int, slots: int) -> bool:
         """Cache pools for serving beside the stage this worker holds (loaded by `restore`)."""
         from k3ray.model.cache import new_pools
@@ -160,10 +222,12 @@ class Worker:
                                   rank + e.ep if e.pp_rank < e.pp - 1 else None, e.world)
         return True
 
+    @fenced
     def serve_step(self, plan):
         """This worker's part of a serving iteration: its rank's plan (k3ray.parallel.serving.RankPlan) in, a
         StageOutput out."""
         return self.server.step(plan)
 
+    @fenced
     def expert_load(self) -> dict[int, list[int]]:
         return self.server.expert_load()

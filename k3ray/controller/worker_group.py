@@ -8,19 +8,21 @@ call, becomes WorkerLost naming every lost rank (all of a lost node's at once), 
 collateral errors.
 
 Hot spares (`fault_tolerance.spares`): standby workers started with the grid, each holding its own resources, which
-take lost ranks' places without a process start (`regroup`); new ones are started afterwards (`start_spares`).
+take lost ranks' places without a process start (`regroup`); new ones are started afterwards (`start_spares`). The
+spare pool is a part of its own (k3ray.controller.spares).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from k3ray.controller.spares import SparePool
 from k3ray.controller.worker import Worker
 from k3ray.config import JobConfig
 
@@ -53,6 +55,27 @@ def alive_resources(free: bool, avoid_nodes: frozenset[str] = frozenset()) -> di
     return have
 
 
+# Grid generations, one sequence per controller process: every grid (launched, or rebuilt around spares) takes the
+# next number, and every call to its workers names it (k3ray.controller.worker: a worker refuses older ones).
+_generations = itertools.count(1)
+
+
+class WorkerError(RuntimeError):
+    """A call failed inside workers that are alive (not a lost worker): the first failing rank's error, readable."""
+
+
+def _cause_line(err: BaseException) -> str:
+    """The error raised inside an actor, as one line (Ray's wrapping taken off; a cause that could not be sent
+    back whole still carries its message in Ray's text)."""
+    cause = err
+    while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None \
+            and cause.cause is not cause:
+        cause = cause.cause
+    text = str(cause).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return f"{type(cause).__name__}: {lines[-1]}" if lines else type(cause).__name__
+
+
 class TopologyError(RuntimeError):
     """The cluster cannot hold the requested topology."""
 
@@ -65,15 +88,8 @@ class WorkerLost(RuntimeError):
         super().__init__(f"lost world ranks {sorted(ranks)}: {why}")
         self.ranks, self.why, self.hung = ranks, why, hung
 
-
-@dataclass
-class Spare:
-    """A standby Worker holding its own resources (`slot`: placement group, bundle index). `up` answers with its node
-    once the worker's process is up (None when it came from a grid, already up)."""
-    actor: object
-    slot: tuple
-    up: ray.ObjectRef | None
-    node: str | None = None
+    def __reduce__(self):  # raised on through Ray to the driver: unpickled with its own arguments, readable there
+        return WorkerLost, (self.ranks, self.why, self.hung)
 
 
 class WorkerGroup:
@@ -86,9 +102,9 @@ class WorkerGroup:
         self.workers: list = []  # world rank -> actor
         self.slots: list[tuple] = []  # world rank -> (placement group, bundle index) it holds
         self.nodes: list[str] = []  # world rank -> Ray node id
-        self.spares: list[Spare] = []  # hot spares (fault_tolerance.spares): standby workers, own resources
-        self.free_slots: list[tuple] = []  # slots of lost workers, for new spares
+        self.spares = SparePool(cfg.fault_tolerance.spares)  # hot spares: standby workers, own resources
         self.launch_seconds: dict[str, float] = {}  # start workers (or swap in spares), process groups, restore
+        self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
 
     @property
     def size(self) -> int:
@@ -108,6 +124,32 @@ class WorkerGroup:
         what they have unused now, where other holders (other jobs) keep theirs."""
         have = alive_resources(free, self.avoid_nodes)
         return int(min(have.get(res, 0) // amount for res, amount in self.bundle.items()))
+
+    def room_for(self, n: int) -> bool:
+        """Whether the alive nodes have room for `n` more workers right now (what is free of them)."""
+        have = alive_resources(True, self.avoid_nodes)
+        return all(have.get(res, 0) >= amount * n for res, amount in self.bundle.items())
+
+    def grow(self, ep: int, home: list[int], restore: dict[int, list], timeout_s: float) -> None:
+        """Grow this grid to `ep` EP ranks per stage in place: the added workers are placed and started first, so a
+        placement that fails (TopologyError) leaves the grid as it was; then every worker takes its place in the
+        grown grid (the old ones keep their (p, e)), the process groups are rebuilt and the state restored (a loss
+        meanwhile: WorkerLost naming ranks of the grown grid)."""
+        t0 = time.perf_counter()
+        added = self.pp * (ep - self.ep)
+        pg = placement_group([dict(self.bundle) for _ in range(added)], strategy="PACK",
+                             bundle_label_selector=self._avoid_selector(added))
+        if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
+            remove_placement_group(pg)
+            raise TopologyError(f"could not place {added} more workers within {timeout_s:g}s")
+        self.pgs.append(pg)
+        where = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+        new = iter([(self._start_worker((pg, i)), (pg, i), where[i]) for i in range(added)])
+        old_ep, old = self.ep, list(zip(self.workers, self.slots, self.nodes))
+        grid = [old[p * old_ep + e] if e < old_ep else next(new) for p in range(self.pp) for e in range(ep)]
+        self.workers, self.slots, self.nodes = map(list, zip(*grid))
+        self.ep, self.home = ep, list(home)
+        self._join(timeout_s, restore, t0, "place_and_start_workers")
 
     def launch(self, timeout_s: float, restore: dict[int, list] | None = None, wait_for_spares: bool = True) -> str:
         """Place, create and connect the workers; restore[stage] = that stage's old states (`restore_sources`). The
@@ -170,39 +212,23 @@ class WorkerGroup:
         """Start standby workers up to `fault_tolerance.spares`, without waiting for them: in slots lost workers
         left first, then in one-worker placement groups of their own where the alive nodes have room (a spare is
         capacity held, never borrowed from the grid). Returns how many were started."""
-        want = self.cfg.fault_tolerance.spares - len(self.spares)
         have = alive_resources(True, self.avoid_nodes)
         room = int(min(have.get(res, 0) // amount for res, amount in self.bundle.items()))
-        started = 0
-        while started < want and (self.free_slots or room > 0):
-            if self.free_slots:
-                slot = self.free_slots.pop(0)
-            else:
-                pg = placement_group([dict(self.bundle)], bundle_label_selector=self._avoid_selector(1))
-                self.pgs.append(pg)
-                slot, room = (pg, 0), room - 1
-            actor = self._start_worker(slot)
-            self.spares.append(Spare(actor, slot, actor.node_id.remote()))
-            started += 1
-        return started
+
+        def new_slot() -> tuple:
+            pg = placement_group([dict(self.bundle)], bundle_label_selector=self._avoid_selector(1))
+            self.pgs.append(pg)
+            return pg, 0
+
+        return self.spares.start(room, self._start_worker, new_slot)
 
     def spares_ready(self) -> int:
-        """How many spares are up on alive nodes (not waiting for those still starting); dead ones are dropped."""
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]} - self.avoid_nodes
-        kept = []
-        for spare in self.spares:
-            if spare.node is None and ray.wait([spare.up], timeout=0)[0]:
-                try:
-                    spare.node = ray.get(spare.up)
-                except RayError:
-                    spare.node = ""  # died starting
-            if spare.node is None or spare.node in alive:
-                kept.append(spare)
-            else:
-                ray.kill(spare.actor, no_restart=True)
-                self.free_slots.append(spare.slot)
-        self.spares = kept
-        return sum(s.node is not None for s in self.spares)
+        """How many spares are up on alive nodes (not waiting for those still starting); dead ones, those on silent
+        nodes and those that never came up are given up (and new ones started after the step)."""
+        return self.spares.ready(self._healthy_nodes())
+
+    def _healthy_nodes(self) -> set[str]:
+        return {n["NodeID"] for n in ray.nodes() if n["Alive"]} - self.avoid_nodes
 
     def regroup(self, lost: set[int], ep: int, home: list[int], keep: list[int], spare_for: set[int],
                 restore: dict[int, list], timeout_s: float) -> None:
@@ -212,40 +238,54 @@ class WorkerGroup:
         stand by as spares. Then every worker takes its place, the process groups are rebuilt and the state restored
         (a loss meanwhile: WorkerLost naming ranks of the new grid)."""
         t0 = time.perf_counter()
+        if self.spares.up_count() < len(spare_for):  # never fill a lost rank's place with the lost worker itself
+            raise TopologyError(f"{len(spare_for)} lost ranks to fill but {self.spares.up_count()} spares ready")
+        healthy = self._healthy_nodes()
         for r in lost:
             ray.kill(self.workers[r], no_restart=True)
-            self.free_slots.append(self.slots[r])
-        ready = [s for s in self.spares if s.node is not None]
-        taken = dict(zip(sorted(spare_for), ready))
-        self.spares = [s for s in self.spares if s not in taken.values()]
+            self.spares.free(self.slots[r], self.nodes[r], healthy)
+        taken = dict(zip(sorted(spare_for), self.spares.take(len(spare_for))))
         old_ep, old = self.ep, list(zip(self.workers, self.slots, self.nodes))
         members = [p * old_ep + c for p in range(self.pp) for c in keep]
         grid = [(taken[o].actor, taken[o].slot, taken[o].node) if o in taken else old[o] for o in members]
-        for o, (actor, slot, node) in enumerate(old):
-            if o not in lost and o not in members:
-                actor.stand_by.remote()
-                self.spares.append(Spare(actor, slot, None, node))
         self.workers, self.slots, self.nodes = map(list, zip(*grid))
         self.ep, self.home = ep, list(home)
+        standing_by = [(o, actor, slot, node) for o, (actor, slot, node) in enumerate(old)
+                       if o not in lost and o not in members]
         self._join(timeout_s, restore, t0, "swap_in_spares")
+        # survivors left out stand by for this generation (refusing the old grid's calls); one that does not
+        # answer is no spare
+        calls = {o: actor.stand_by.remote(self.generation) for o, actor, _, _ in standing_by}
+        done, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
+        for o, actor, slot, node in standing_by:
+            try:
+                ok = calls[o] in done and ray.get(calls[o])
+            except RayError:
+                ok = False
+            if ok:
+                self.spares.add_standing_by(actor, slot, node)
+            else:
+                ray.kill(actor, no_restart=True)
+                self.spares.free(slot, node, healthy)
 
     def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
         """Every worker's `method(*args)`, in world-rank order."""
-        return self._gather([(r, getattr(w, method).remote(*args)) for r, w in enumerate(self.workers)], timeout_s,
-                            method)
+        return self._gather([(r, getattr(w, method).remote(self.generation, *args))
+                             for r, w in enumerate(self.workers)], timeout_s, method)
 
     def call_each(self, method: str, args: dict[int, tuple], timeout_s: float | None = 120.0) -> dict[int, object]:
         """`method(*args[r])` on world rank r, for the ranks in `args`."""
         ranks = list(args)
-        out = self._gather([(r, getattr(self.workers[r], method).remote(*args[r])) for r in ranks], timeout_s, method)
+        out = self._gather([(r, getattr(self.workers[r], method).remote(self.generation, *args[r])) for r in ranks],
+                           timeout_s, method)
         return dict(zip(ranks, out))
 
     def restore(self, sources: dict[int, list], timeout_s: float = 300.0) -> None:
         """Every worker loads its stage's state from `sources` (stage -> old states, snapshot refs or checkpoint
         parts; a part is put into the object store once, not once per reader)."""
         refs = {p: [s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in states] for p, states in sources.items()}
-        self._gather([(r, w.restore.remote(*refs[r // self.ep])) for r, w in enumerate(self.workers)], timeout_s,
-                     "restore")
+        self._gather([(r, w.restore.remote(self.generation, *refs[r // self.ep])) for r, w in enumerate(self.workers)],
+                     timeout_s, "restore")
 
     def run_on(self, ranks: list[int], fn, *args) -> list:
         """`fn(worker, *args)` inside the given workers' processes (fault drills)."""
@@ -254,14 +294,16 @@ class WorkerGroup:
     def _gather(self, calls: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what: str,
                 grace_s: float = 5.0) -> list:
         """The one failure path of every call to workers: the results of (world rank, call) in order, or WorkerLost
-        naming every dead or hung worker. A dead worker (RayActorError) is lost at once, together with every other
-        worker a ping finds dead or whose node Ray reports lost (a lost node takes all of its ranks). A worker is
+        naming every dead or hung worker. A dead worker (RayActorError) is lost, together with every other worker a
+        ping finds dead or whose node Ray reports lost (a lost node takes all of its ranks); the survivors are given
+        grace_s to finish or fail first, so that the recovery does not start while they still compute. A worker is
         hung when it gives no answer within timeout_s, or within grace_s after some peers have already failed
         (their collectives timed out waiting for it). Survivors' errors caused by a lost peer (RayTaskError) do not
-        count as lost."""
+        count as lost; errors with no worker lost are raised as WorkerError (the first failing rank's, readable)."""
         index = {ref: i for i, (_, ref) in enumerate(calls)}
         results: dict[int, object] = {}
         errors: dict[int, Exception] = {}
+        dead: set[int] = set()
         pending = [ref for _, ref in calls]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
@@ -272,21 +314,28 @@ class WorkerGroup:
             i = index[ready[0]]
             try:
                 results[i] = ray.get(ready[0])
+                continue
             except RayActorError as err:
-                answered = {calls[j][0] for j in results}
-                raise WorkerLost({calls[i][0]} | self.dead_ranks(exclude=answered),
-                                 f"{type(err).__name__} in {what}") from None
+                if err.actor_init_failed:  # its __init__ raised: an error to show, not a worker to replace
+                    errors[i] = err
+                else:
+                    dead.add(calls[i][0])
             except RayTaskError as err:
                 errors[i] = err
-                deadline = time.monotonic() + grace_s if deadline is None else min(deadline,
-                                                                                   time.monotonic() + grace_s)
+            deadline = time.monotonic() + grace_s if deadline is None else min(deadline, time.monotonic() + grace_s)
+        answered = {calls[j][0] for j in results} | {calls[j][0] for j in errors}
+        if dead:
+            first = next(iter(sorted(dead)))
+            raise WorkerLost(dead | self.dead_ranks(exclude=answered | dead) | dead,
+                             f"ActorDiedError in {what} (rank {first} first)")
         if pending:
-            answered = {calls[j][0] for j in results}
             hung = {calls[index[f]][0] for f in pending} | self.dead_ranks(exclude=answered)
             raise WorkerLost(hung, f"no answer to {what} within {timeout_s if not errors else grace_s:g}s "
                                    f"(hung collective or silent node?)", hung=True)
         if errors:
-            raise next(iter(errors.values()))
+            rank, err = min((calls[i][0], e) for i, e in errors.items())
+            raise WorkerError(f"{what} failed on {len(errors)} of {len(calls)} workers (rank {rank}: "
+                              f"{_cause_line(err)})") from None
         return [results[i] for i in range(len(calls))]
 
     def dead_ranks(self, exclude: set[int] = frozenset(), timeout_s: float = 2.0) -> set[int]:
@@ -309,14 +358,14 @@ class WorkerGroup:
 
     def run_step(self, step: int, batch_index: int, timeout_s: float) -> list[dict]:
         """Reports of every worker, in world-rank order (WorkerLost: see `_gather`)."""
-        return self._gather([(r, w.train_step.remote(step, batch_index)) for r, w in enumerate(self.workers)],
-                            timeout_s, f"step {step}")
+        return self._gather([(r, w.train_step.remote(self.generation, step, batch_index))
+                             for r, w in enumerate(self.workers)], timeout_s, f"step {step}")
 
     def serve_step(self, plans: dict, timeout_s: float) -> dict:
         """One serving iteration: worker (p, e) runs data-parallel rank e's plan (k3ray.parallel.serving.RankPlan);
         each rank's stages' answers in pipeline order (WorkerLost: see `_gather`)."""
-        out = self._gather([(r, w.serve_step.remote(plans[r % self.ep])) for r, w in enumerate(self.workers)],
-                           timeout_s, "serve_step")
+        out = self._gather([(r, w.serve_step.remote(self.generation, plans[r % self.ep]))
+                            for r, w in enumerate(self.workers)], timeout_s, "serve_step")
         return {e: out[e::self.ep] for e in range(self.ep)}
 
     def begin_snapshot(self, step: int) -> tuple[list, list]:
@@ -324,16 +373,18 @@ class WorkerGroup:
         which arrive while the next step runs: per world rank, a reference to them (owned by the caller) and one
         to their size (small: it tells when they have arrived, or that the worker died first)."""
         self.call("stage_snapshot", step, timeout_s=300)
-        pairs = [w.snapshot.remote(step) for w in self.workers]
+        pairs = [w.snapshot.remote(self.generation, step) for w in self.workers]
         return [p[0] for p in pairs], [p[1] for p in pairs]
 
     def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int | None:
-        """The total size once every part of a snapshot has arrived (None while some have not, after waiting up to
-        timeout_s; 0 waits not at all). WorkerLost if a worker died before delivering its part."""
-        ready, _ = ray.wait(size_refs, num_returns=len(size_refs), timeout=timeout_s, fetch_local=True)
-        if len(ready) < len(size_refs):
-            return None
-        return sum(self._gather(list(enumerate(size_refs)), 0, "snapshot"))
+        """The total size once every part of a snapshot has arrived: timeout_s=0 waits not at all (None while some
+        have not arrived); else WorkerLost if a worker died before delivering its part or gave none within
+        timeout_s (hung)."""
+        if timeout_s == 0:
+            ready, _ = ray.wait(size_refs, num_returns=len(size_refs), timeout=0, fetch_local=True)
+            if len(ready) < len(size_refs):
+                return None
+        return sum(self._gather(list(enumerate(size_refs)), timeout_s, "snapshot"))
 
     def hold_peer_snapshots(self, step: int, refs: list) -> None:
         """Each snapshot part (by old world rank: the refs may be an older grid's) is mapped by a worker on another
@@ -345,13 +396,13 @@ class WorkerGroup:
             holding = set(where.get(ref, {}).get("node_ids") or [])
             order = [(i + k) % self.size for k in range(1, self.size + 1)]
             holder = next((r for r in order if self.nodes and self.nodes[r] not in holding), order[0])
-            calls.append((holder, self.workers[holder].hold_peer_snapshot.remote(i, step, ref)))
+            calls.append((holder, self.workers[holder].hold_peer_snapshot.remote(self.generation, i, step, ref)))
         self._gather(calls, 300, "hold_peer_snapshots")
 
     def close(self) -> None:
-        for w in self.workers + [s.actor for s in self.spares]:
+        for w in self.workers + self.spares.clear():
             ray.kill(w, no_restart=True)
-        self.workers, self.spares, self.free_slots = [], [], []
+        self.workers = []
         for pg in self.pgs:
             remove_placement_group(pg)
         self.pgs = []

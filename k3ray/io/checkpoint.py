@@ -24,6 +24,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -124,15 +125,19 @@ class _HashingWriter:
         self.f.flush()
 
 
-def _atomic_write(path: Path, fill) -> tuple[int, str]:
-    """Write `path` through `path.tmp` (fill(writer) produces the bytes), fsync, rename; return (bytes, sha256)."""
-    tmp = path.with_name(path.name + ".tmp")
+def _atomic_write(path: Path, fill, abandoned: threading.Event | None = None) -> tuple[int, str]:
+    """Write `path` through a temporary file of this process and thread (fill(writer) produces the bytes), fsync,
+    rename; return (bytes, sha256). Two writers of the same name (an abandoned one and its replacement, after ranks
+    were renumbered) never share the temporary file; one whose `abandoned` is set by then drops it unrenamed."""
+    tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}.{threading.get_ident()}")
     try:
         with open(tmp, "wb") as f:
             w = _HashingWriter(f)
             fill(w)
             f.flush()
             os.fsync(f.fileno())
+        if abandoned is not None and abandoned.is_set():
+            raise CheckpointError(f"{path}: write abandoned (its checkpoint was given up)")
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -140,7 +145,8 @@ def _atomic_write(path: Path, fill) -> tuple[int, str]:
     return w.n, w.sha.hexdigest()
 
 
-def write_part(root: str | os.PathLike, step: int, name: str, state: dict) -> PartInfo:
+def write_part(root: str | os.PathLike, step: int, name: str, state: dict,
+               abandoned: threading.Event | None = None) -> PartInfo:
     """torch.save `state` to <root>/step_<N>/<name> atomically and durably; creates the step dir.
 
     `state` holds tensors, ints, floats, strings, lists and dicts (what `load_part` can read back with
@@ -150,7 +156,9 @@ def write_part(root: str | os.PathLike, step: int, name: str, state: dict) -> Pa
     d = step_dir(root, step)
     try:
         d.mkdir(parents=True, exist_ok=True)
-        n, sha = _atomic_write(d / name, lambda w: torch.save(state, w))
+        if (d / MANIFEST).is_file():  # a committed checkpoint is never written over
+            raise CheckpointError(f"{d}: already a committed checkpoint; its parts are not written over")
+        n, sha = _atomic_write(d / name, lambda w: torch.save(state, w), abandoned)
     except OSError as e:
         raise CheckpointError(f"{d / name}: write failed: {e}") from e
     return PartInfo(name, n, sha)
@@ -179,13 +187,14 @@ class AsyncWriter:
     def __init__(self):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="k3ray-ckpt")
         self._pending: list[Future] = []
+        self._abandoned = threading.Event()  # set for the parts submitted before the last forget()
 
     def submit(self, root: str | os.PathLike, step: int, name: str, state: dict) -> Future:
         """Queue write_part(root, step, name, state); the Future resolves to its PartInfo (or raises its error)."""
         _check_step(step)
         _check_name(root, step, name)
         _cpu_tensors_only(state, f"{step_dir(root, step) / name}: state")
-        fut = self._pool.submit(write_part, root, step, name, state)
+        fut = self._pool.submit(write_part, root, step, name, state, self._abandoned)
         self._pending.append(fut)
         return fut
 
@@ -200,9 +209,13 @@ class AsyncWriter:
         return [f.result() for f in pending]
 
     def forget(self) -> None:
-        """Stop tracking the parts submitted so far (their checkpoint was abandoned): they are still written, before
-        any part submitted later (so a newer part of the same name replaces them), but wait() no longer reports
-        them."""
+        """Give up the parts submitted so far (their checkpoint was abandoned): those not started are cancelled, the
+        one being written is dropped before its rename (it never lands under the part's name, where the new grid
+        writes its own), and wait() no longer reports them."""
+        self._abandoned.set()
+        self._abandoned = threading.Event()
+        for fut in self._pending:
+            fut.cancel()
         self._pending = []
 
     def close(self) -> None:
@@ -277,6 +290,24 @@ def _remove_step(d: Path, why: str) -> None:
 
 
 # -- reading (never modifies anything) ----------------------------------------------------------------------------
+def model_hash(config: dict) -> str:
+    """A short hash of a job config dump's model section: which model a checkpoint holds."""
+    return hashlib.sha256(json.dumps(config.get("model"), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def owner(root: str | os.PathLike) -> dict | None:
+    """What the newest committed checkpoint under root says of the job that wrote it (its manifest read, not
+    verified): {"job", "model_hash", "config"}; None when there is none. The job a checkpoint folder belongs to."""
+    for step in reversed(list_committed(root)):
+        try:
+            meta = _read_manifest(root, step).meta
+        except CheckpointError:
+            continue
+        config = meta.get("config") or {}
+        return {"job": meta.get("job"), "model_hash": meta.get("model_hash") or model_hash(config), "config": config}
+    return None
+
+
 def list_committed(root: str | os.PathLike) -> list[int]:
     """Steps under root that have a manifest.json, ascending (not verified; see latest_verified)."""
     return sorted(s for s, d in _step_dirs(Path(root)).items() if (d / MANIFEST).is_file())

@@ -39,6 +39,26 @@ from k3ray.parallel.step import activation_stats, lm_loss, update_router_bias
 from k3ray.policies import recovery
 
 
+class LeftGrid(RuntimeError):
+    """A collective asked of an engine whose grid was left: a stale thread of an older grid generation, which must
+    fail rather than reach the grid the worker holds now."""
+
+
+class _LeftGroup:
+    """What a left engine's EP context holds instead of its group: any use by a collective raises LeftGrid."""
+
+    def __init__(self, generation: int):
+        self.generation = generation
+
+    def _refuse(self, *_):
+        raise LeftGrid(f"grid generation {self.generation} was left: its collectives are refused")
+
+    __bool__ = _refuse
+
+    def __getattr__(self, name):
+        self._refuse()
+
+
 class StageEngine:
     """ep_size is the live number of EP ranks, which differs from cfg.parallel.ep while the job runs shrunk after a
     worker loss (then homes may be uneven: 16 experts on 3 ranks). The data-parallel width stays cfg.parallel.ep
@@ -56,34 +76,59 @@ class StageEngine:
         self.opt = AdamW(cfg.optimizer)
         self.lr_scale = 1.0
         self.ctx: EPContext | None = None
-        self.world = None  # this engine's world group: every collective names its group (see init_process_groups)
+        self.generation = 0  # the grid generation whose process groups this engine holds (set with them)
+        self._world = self._ep_group = None  # this generation's groups: every collective names one (init_process_groups)
+        self.left = False  # the grid was left: its groups are gone, and asking for them raises LeftGrid
         self.init_weights = init_weights  # False when a restore follows: initialising would be wasted time
 
     # -- setup ---------------------------------------------------------------------------------------------------
-    def init_process_groups(self, init_method: str, backend: str) -> None:
+    def init_process_groups(self, init_method: str, backend: str, generation: int = 0) -> None:
+        """Build grid `generation`'s process groups (the world and this stage's EP group)."""
+        self.generation = generation
         timeout = timedelta(seconds=self.cfg.parallel.collective_timeout_s)
         rank = self.pp_rank * self.ep + self.ep_rank
         dist.init_process_group(backend, init_method=init_method, world_size=self.pp * self.ep, rank=rank,
                                 timeout=timeout)
         # Every call below names its group, never the default one: a worker that joins a new grid (a hot spare
         # taking a lost rank's place) may still have a thread waiting in the old grid's collective, which gloo
-        # cannot abort; that thread must fail on the old groups rather than slip into the new grid's.
-        self.world = dist.group.WORLD
+        # cannot abort; that thread must fail on the old groups rather than slip into the new grid's. `None` would
+        # name the default group, which is the newest grid's: leaving never sets a group to None (see `world`).
+        self._world = dist.group.WORLD
         groups = [dist.new_group(list(range(p * self.ep, (p + 1) * self.ep)), timeout=timeout) for p in range(self.pp)]
-        self.ep_group = groups[self.pp_rank]
+        self._ep_group = groups[self.pp_rank]
         self.ctx = EPContext(self.ep_group, self.ep_rank, self.ep, self.home, self.cfg.model, self.cfg.policies)
         self._build_stage()
 
     def leave_process_groups(self) -> None:
         """Leave this grid's process groups (before the worker joins another grid). NCCL's are aborted first, so a
         thread waiting in one of their collectives returns; a gloo wait ends at its timeout."""
-        if self.world is None or not dist.is_initialized():
+        if self._world is None or self.left:
+            return
+        self.left = True  # first: a thread of this engine asking for a group from now on gets LeftGrid
+        if self.ctx is not None:
+            self.ctx.group = _LeftGroup(self.generation)
+        if not dist.is_initialized():
             return
         if self.device.type == "cuda":
             dist.distributed_c10d._abort_process_group()
         else:
             dist.destroy_process_group()
-        self.world = None
+
+    def _held(self, group):
+        if self.left:
+            raise LeftGrid(f"grid generation {self.generation} was left: its collectives are refused")
+        if group is None:
+            raise LeftGrid("no process groups yet (setup has not run)")
+        return group
+
+    @property
+    def world(self):
+        """This grid generation's world group (LeftGrid once the grid was left; never None, the default group)."""
+        return self._held(self._world)
+
+    @property
+    def ep_group(self):
+        return self._held(self._ep_group)
 
     def _build_stage(self) -> None:
         mine = (self.home == self.ep_rank).nonzero().flatten().tolist()
