@@ -178,8 +178,8 @@ def serving_checkpoint_local(tmp_path) -> str:
     part["opt_dense"] = {n: {"m": torch.ones_like(t), "v": torch.ones_like(t)} for n, t in part["dense"].items()}
     part["opt_steps"] = 7
     m = ckpt.verify(root, 0)
-    info = ckpt.write_part(root, 0, "rank00000.pt", part)
-    ckpt.commit(root, 0, [info], m.meta, keep=1)
+    info = ckpt.write_part(root, 1, "rank00000.pt", part)  # a committed step is never written over: the next one
+    ckpt.commit(root, 1, [info], m.meta, keep=1)
     return str(root)
 
 

@@ -8,8 +8,9 @@ Limits, enforced here before the engine sees a request: max_tokens <= serve.max_
 the model's context (max_seq_len); the engine's queue holds serve.max_waiting requests, beyond that 429 with
 Retry-After. Bad input (malformed JSON, bytes that are not UTF-8, an unknown model, a field out of range, a prompt
 longer than the context) is a 4xx whose message names the field; it never reaches the engine. A client that goes
-away cancels its request (Serve cancels the handler; the handler cancels the engine's stream, which frees the
-request's pages and slot).
+away cancels its request (Serve cancels the handler; the handler asks the engine to end it, which frees the
+request's pages and slot). Each replica takes every request's tokens from the engine through one stream
+(`EngineStreams`): one message per engine iteration for all of the replica's requests, not one per request.
 
 Authentication: with an API key (`--api-key-file F` or K3RAY_API_KEY) every route but /health needs
 `Authorization: Bearer <key>` (the `openai` client's api_key), else 401 in the OpenAI error shape. A server on a
@@ -26,11 +27,14 @@ Text: the training job's tokenizer (data.tokenizer, k3ray.tokenizer) encodes pro
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
 
+import asyncio
 import hmac
 import ipaddress
+import itertools
 import json
 import logging
 import time
+import uuid
 
 import ray
 from fastapi import FastAPI, Request
@@ -83,11 +87,65 @@ def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
                          f"(or set {API_KEY_ENV}), or --insecure to serve it open")
 
 
+class EngineStreams:
+    """An ingress replica's one stream from the engine (`subscribe`): every request this replica submitted gets its
+    items through it, fanned out here to a queue per request. The engine's stream ending (the engine gone) ends every
+    open request with an error item; the next request opens a new stream."""
+
+    def __init__(self, engine):
+        self.engine, self.id = engine, uuid.uuid4().hex
+        self.queues: dict[int, asyncio.Queue] = {}
+        self.keys = itertools.count()
+        self.pump: asyncio.Task | None = None
+
+    def open(self) -> tuple[int, asyncio.Queue]:
+        if self.pump is None or self.pump.done():
+            self.pump = asyncio.get_running_loop().create_task(self._pump())
+        key = next(self.keys)
+        queue = self.queues[key] = asyncio.Queue()
+        return key, queue
+
+    def close(self, key: int, cancel: bool = False) -> None:
+        self.queues.pop(key, None)
+        if cancel:  # fire and forget: the engine ends the request and frees its caches
+            self.engine.cancel.remote(self.id, key)
+
+    async def _pump(self) -> None:
+        why = "the engine's stream ended"
+        try:
+            async for ref in self.engine.subscribe.options(num_returns="streaming").remote(self.id):
+                for key, items in (await ref).items():
+                    queue = self.queues.get(key)
+                    for item in items if queue is not None else ():
+                        queue.put_nowait(item)
+        except Exception as err:  # noqa: BLE001 - whatever ended it, no request may wait forever
+            why = f"the engine is unavailable: {type(err).__name__}"
+        for queue in self.queues.values():
+            queue.put_nowait({"error": "internal", "message": why})
+
+    @staticmethod
+    async def next(queue: asyncio.Queue) -> tuple[str, int, str | None, str | None]:
+        """(text, tokens, finish, error) of every item waiting, at least one: a client that fell behind gets what
+        accumulated in one event. The text is final (the engine's detokenizer never ends it inside a character)."""
+        items = [await queue.get()]
+        while not queue.empty():
+            items.append(queue.get_nowait())
+        text, tokens, finish = "", 0, None
+        for item in items:
+            if "error" in item:
+                return text, tokens, finish, item["message"]
+            text += item["text"]
+            tokens += len(item["tokens"])
+            finish = item["finish"]
+        return text, tokens, finish, None
+
+
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
 @serve.ingress(app)
 class OpenAIIngress:
     def __init__(self, engine, info: dict, api_key: str | None = None):
         self.engine, self.info, self.api_key = engine, info, api_key
+        self.streams = EngineStreams(engine)
         self.model, self.created = info["model"], int(time.time())
         self.max_seq_len, self.limits = info["max_seq_len"], info["serve"]
         self.tokenizer = load_tokenizer(info["tokenizer"])
@@ -151,12 +209,14 @@ class OpenAIIngress:
             req, ids, sampling = self._validate(await request.body(), chat)
         except BadRequest as bad:
             return bad.response
-        stream = self.engine.generate.options(num_returns="streaming").remote(ids, sampling)
+        key, queue = self.streams.open()
         try:
-            first = await (await stream.__anext__())
+            first = await self.engine.submit.remote(ids, sampling, self.streams.id, key)
         except BaseException:
-            ray.cancel(stream)
+            self.streams.close(key)
             raise
+        if "error" in first:
+            self.streams.close(key)
         if first.get("error") == "overloaded":
             return _error(429, f"overloaded: {first['message']}; retry later", kind="rate_limit_error",
                           code="overloaded", headers={"Retry-After": str(self.limits["retry_after_s"])})
@@ -168,9 +228,9 @@ class OpenAIIngress:
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
         if req.stream:
             with_usage = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._events(stream, rid, chat, len(ids) if with_usage else None),
+            return StreamingResponse(self._events(key, queue, rid, chat, len(ids) if with_usage else None),
                                      media_type="text/event-stream")
-        return await self._whole(stream, rid, chat, len(ids))
+        return await self._whole(key, queue, rid, chat, len(ids))
 
     def _validate(self, body: bytes, chat: bool):
         try:
@@ -208,24 +268,22 @@ class OpenAIIngress:
                                     code="context_length_exceeded"))
         return req, ids, req.sampling(max_tokens, stop)
 
-    async def _whole(self, stream, rid: str, chat: bool, prompt_tokens: int):
+    async def _whole(self, key: int, queue: asyncio.Queue, rid: str, chat: bool, prompt_tokens: int):
         pieces, generated, finish = [], 0, None
         try:
-            async for ref in stream:
-                item = await ref
-                if "error" in item:
-                    return _error(500, item["message"], kind="server_error")
-                pieces.append(item["text"])
-                generated += len(item["tokens"])
-                finish = item["finish"]
+            while finish is None:
+                text, tokens, finish, error = await self.streams.next(queue)
+                pieces.append(text)
+                generated += tokens
+                if error is not None:
+                    return _error(500, error, kind="server_error")
         finally:  # the client went away (Serve cancels this handler): stop generating, free the caches
-            if finish is None:
-                ray.cancel(stream)
+            self.streams.close(key, cancel=finish is None)
         use = oa.usage(prompt_tokens, generated)
         return JSONResponse((oa.chat_completion if chat else oa.completion)(rid, self.model, "".join(pieces), finish,
                                                                              use))
 
-    async def _events(self, stream, rid: str, chat: bool, usage_prompt_tokens: int | None):
+    async def _events(self, key: int, queue: asyncio.Queue, rid: str, chat: bool, usage_prompt_tokens: int | None):
         finish, generated = None, 0
 
         def sse(obj: dict) -> str:
@@ -234,24 +292,22 @@ class OpenAIIngress:
         try:
             if chat:
                 yield sse(oa.chat_chunk(rid, self.model, "", None, first=True))
-            async for ref in stream:
-                item = await ref
-                if "error" in item:
-                    yield sse(oa.error(item["message"], "server_error"))
+            while finish is None:
+                text, tokens, finish, error = await self.streams.next(queue)
+                generated += tokens
+                if text or finish is not None:
+                    if chat:
+                        yield sse(oa.chat_chunk(rid, self.model, text if text else None, finish))
+                    else:
+                        yield sse(oa.completion_chunk(rid, self.model, text, finish))
+                if error is not None:
+                    yield sse(oa.error(error, "server_error"))
                     break
-                finish = item["finish"]
-                generated += len(item["tokens"])
-                text = item["text"]
-                if chat:
-                    yield sse(oa.chat_chunk(rid, self.model, text if text else None, finish))
-                else:
-                    yield sse(oa.completion_chunk(rid, self.model, text, finish))
             if usage_prompt_tokens is not None:
                 yield sse(oa.usage_chunk(rid, self.model, chat, oa.usage(usage_prompt_tokens, generated)))
             yield "data: [DONE]\n\n"
         finally:
-            if finish is None:
-                ray.cancel(stream)
+            self.streams.close(key, cancel=finish is None)
 
 
 def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.0.1", port: int = 8000,

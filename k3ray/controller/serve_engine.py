@@ -82,6 +82,7 @@ class Engine:
         # observers.iteration(changed requests, scheduler, seconds) after every iteration, .expert_load(workers'
         # counts) every .expert_load_every iterations: metrics (k3ray.control.serve_metrics)
         self.observers: list = observers or []
+        self.outboxes: dict[str, Outbox] = {}  # subscriber (an ingress replica) -> its requests' pending items
         self.down: dict | None = None  # while no grid serves: why, and since when (`health`)
         self.serving: asyncio.Event | None = None  # set while a grid serves
         self.spares_checked = time.monotonic()
@@ -138,6 +139,51 @@ class Engine:
             self.sched.cancel(req.id)
             self.sched.forget(req.id)
             self.updates.pop(req.id, None)
+
+    # -- many requests' streams over one (an ingress replica's) ----------------------------------------------------
+    async def submit(self, prompt: list[int], params: dict, subscriber: str, key: int) -> dict:
+        """Start a request whose items (those of `generate`) go to `subscriber`'s batched stream under `key`;
+        returns its first item ({'accepted': id} or an error). A Ray streaming item per request and iteration
+        would cost one RPC per token: at 64 streams the engine's event loop, not the GPU, would set the pace."""
+        gen = self.generate(prompt, params)
+        first = await gen.__anext__()
+        if "accepted" not in first:
+            await gen.aclose()
+            return first
+        box = self.outboxes.setdefault(subscriber, Outbox())
+        box.tasks[key] = asyncio.get_running_loop().create_task(self._forward(gen, box, key))
+        return first
+
+    @staticmethod
+    async def _forward(gen, box: "Outbox", key: int) -> None:
+        try:
+            async for item in gen:
+                box.put(key, item)
+        finally:  # cancelled (`cancel`, or the subscriber went away): generate's own cleanup frees the request
+            box.tasks.pop(key, None)
+            await gen.aclose()
+
+    def cancel(self, subscriber: str, key: int) -> None:
+        """The client of `key` went away: end its request."""
+        box = self.outboxes.get(subscriber)
+        task = None if box is None else box.tasks.get(key)
+        if task is not None:
+            task.cancel()
+
+    async def subscribe(self, subscriber: str):
+        """The batched stream of a subscriber: one item per wake-up, {key: [items in order]} of every request it
+        submitted that has news. Ends (and ends those requests) when the subscriber goes away."""
+        box = self.outboxes.setdefault(subscriber, Outbox())
+        try:
+            while True:
+                await box.ready.wait()
+                box.ready.clear()
+                batch, box.items = box.items, {}
+                yield batch
+        finally:
+            for task in list(box.tasks.values()):
+                task.cancel()
+            self.outboxes.pop(subscriber, None)
 
     def _ensure_loop(self) -> None:
         if self.wake is None:
@@ -359,6 +405,19 @@ class Engine:
     def shutdown(self) -> bool:
         self.grid.close()
         return True
+
+
+class Outbox:
+    """One subscriber's pending items by request key, and the tasks forwarding its requests' streams."""
+
+    def __init__(self):
+        self.items: dict[int, list[dict]] = {}
+        self.ready = asyncio.Event()
+        self.tasks: dict[int, asyncio.Task] = {}
+
+    def put(self, key: int, item: dict) -> None:
+        self.items.setdefault(key, []).append(item)
+        self.ready.set()
 
 
 @ray.remote
