@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--config", help="serve this config's seeded weights (no --checkpoint)")
     ap.add_argument("--set", action="append", default=[], help="config override, with --config")
     ap.add_argument("--token-budget", type=int, default=256, help="serve.token_budget")
+    ap.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
     args = ap.parse_args()
     root = args.checkpoint
     if root is None:
@@ -140,7 +141,7 @@ def main() -> None:
         port = s.getsockname()[1]
     top = max(args.concurrency)
     serve_cfg = {"slots_per_rank": -(-top // args.ep), "pages_per_rank": 8 * -(-top // args.ep),
-                 "max_waiting": top, "token_budget": args.token_budget}
+                 "max_waiting": top, "token_budget": args.token_budget, "stream_interval": args.stream_interval}
     engine, info = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -150,7 +151,7 @@ def main() -> None:
     finally:
         stop_serving(engine)
     print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, "
-          f"max_tokens={args.max_tokens}, greedy, streaming")
+          f"max_tokens={args.max_tokens}, greedy, streaming, stream_interval={args.stream_interval}")
     print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | tokens per chunk "
           "| GPU busy |")
     print("|---|---|---|---|---|---|---|")

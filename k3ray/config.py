@@ -277,6 +277,9 @@ class ServeConfig(_Strict):
     max_waiting: int = Field(64, ge=0, description="queued requests beyond which new ones get 429")
     max_tokens: int = Field(256, gt=0, description="largest max_tokens a request may ask for")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 and of a 503 while no grid serves")
+    stream_interval: int = Field(1, gt=0, description="new tokens a stream sends per event after its first token "
+                                                     "(its last event may hold fewer): fewer, larger events when "
+                                                     "the HTTP path, not the GPU, sets the pace")
     recovery_attempts: int = Field(2, ge=1, description="grid recoveries tried after a loss (each planning up to 3 "
                                                         "times) before the grid is relaunched from the weights")
     recovery_backoff_s: float = Field(1.0, ge=0, le=60, description="wait before the 2nd attempt, doubling after")

@@ -120,7 +120,7 @@ class Engine:
             return
         self._ensure_loop()
         event = self.updates[req.id] = asyncio.Event()
-        sent, sent_text = 0, 0
+        sent, sent_text, interval = 0, 0, self.cfg.serve.stream_interval
         try:
             yield {"accepted": req.id}
             while True:
@@ -130,7 +130,8 @@ class Engine:
                     yield {"error": "internal", "message": req.error}
                     return
                 upto = req.detok.tokens  # ids taken into the text: without end-of-text and what follows a stop
-                if len(req.text) > sent_text or req.done:
+                grew = len(req.text) > sent_text
+                if req.done or grew and (sent == 0 or upto - sent >= interval):
                     yield {"text": req.text[sent_text:], "tokens": req.out[sent:upto], "finish": req.finish}
                     sent, sent_text = upto, len(req.text)
                 if req.done:
