@@ -143,7 +143,9 @@ class ParallelConfig(_Strict):
 
 
 class DataConfig(_Strict):
-    source: str = Field("stdlib", description="'stdlib' (the Python standard library's .py sources) or a directory")
+    source: str = Field("stdlib", description="'stdlib' (the Python standard library's .py sources), a directory of "
+                                              "files (their bytes), or a folder of shards from `k3ray data prepare`")
+    tokenizer: str = Field("bytes", description="'bytes', a tokenizer.json, a tiktoken BPE file, or a folder with one")
     seq_len: int = Field(gt=1)
     micro_batch_size: int = Field(gt=0, description="sequences per micro-batch")
     val_fraction: float = Field(0.02, gt=0, lt=0.5)
@@ -343,11 +345,12 @@ class JobConfig(_Strict):
         """Relative paths made absolute against `cwd`, the directory the user ran the command in: the controller
         and workers run elsewhere (a Ray worker's directory), and must write where the user will look."""
         token_file = self.api.token_file or str(Path("runs") / self.name / "api_token")
+        data = {k: str(cwd / v) for k, v, keep in (("source", self.data.source, "stdlib"),
+                                                  ("tokenizer", self.data.tokenizer, "bytes")) if v != keep}
         incidents = self.fault_tolerance.incidents_file or str(Path("runs") / self.name / "incidents.jsonl")
         return self.model_copy(update={
+            "data": self.data.model_copy(update=data),
             "checkpoint": self.checkpoint.model_copy(update={"dir": str(cwd / self.checkpoint.dir)}),
-            "data": self.data if self.data.source == "stdlib" else self.data.model_copy(
-                update={"source": str(cwd / self.data.source)}),
             "fault_tolerance": self.fault_tolerance.model_copy(update={"incidents_file": str(cwd / incidents)}),
             "api": self.api.model_copy(update={"token_file": str(cwd / token_file)})})
 

@@ -1,6 +1,6 @@
-"""Byte-level token data. Default corpus: the Python standard library's own .py sources, present on every machine,
+"""Token data. Byte-level: the default corpus: the Python standard library's own .py sources, present on every machine,
 read in a fixed (sorted) order; or every file under a directory. The last `val_fraction` of the bytes is the
-held-out validation split.
+held-out validation split. Prepared shards (`k3ray data prepare`, a folder with a manifest): k3ray.shard_data.
 
 Batches are addressed, never streamed: batch(batch_index, dp_rank, micro) is a pure function of the corpus, the
 seed and those three numbers, so any step can be replayed exactly and a skipped batch is just an index not used.
@@ -15,7 +15,11 @@ from pathlib import Path
 
 import torch
 
-from k3ray.config import ConfigError, DataConfig
+from k3ray.config import ConfigError, DataConfig, JobConfig
+from k3ray.io import shards
+from k3ray.io.shards import MANIFEST
+from k3ray.shard_data import ShardData
+from k3ray.tokenizer import BYTE_EOS, ByteTokenizer, load_tokenizer
 
 
 def corpus_files(source: str) -> list[Path]:
@@ -80,31 +84,59 @@ class TokenData:
         return self._windows(self.val, f"val/{i}")
 
 
-# -- the tokenizer: bytes are tokens --------------------------------------------------------------------------------
-EOS = 0
+def is_prepared(source: str) -> bool:
+    """A folder written by `k3ray data prepare` (it has a manifest)."""
+    return source != "stdlib" and (Path(source) / MANIFEST).is_file()
+
+
+def open_token_data(cfg: JobConfig):
+    """The job's batches: TokenData over bytes, or ShardData over prepared shards (same interface)."""
+    if is_prepared(cfg.data.source):
+        return ShardData(cfg.data, cfg.train.seed, cfg.parallel.ep, cfg.parallel.micro_batches)
+    return TokenData(cfg.data, cfg.train.seed)
+
+
+def warm(cfg: DataConfig) -> None:
+    """What a worker reads once when it starts: the byte corpus (cached), or the shard manifest."""
+    if is_prepared(cfg.source):
+        shards.read_manifest(cfg.source)
+    else:
+        load_corpus(cfg.source, cfg.max_bytes)
+
+
+def check_data(cfg: JobConfig) -> None:
+    """Before any worker starts: the tokenizer loads and fits model.vocab_size; a shard folder is complete (sizes
+    against its manifest), was made with this tokenizer and has enough tokens. ConfigError naming the file."""
+    tok = load_tokenizer(cfg.data.tokenizer)
+    where = "data.tokenizer" if cfg.data.tokenizer == "bytes" else cfg.data.tokenizer
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"{where}: vocabulary of {tok.vocab_size} tokens is larger than model.vocab_size="
+                          f"{cfg.model.vocab_size}")
+    if not is_prepared(cfg.data.source):
+        if tok.fingerprint != "bytes":
+            raise ConfigError(f"data.source={cfg.data.source!r}: byte corpora train with data.tokenizer=bytes; "
+                              f"prepare the text with `k3ray data prepare --tokenizer {cfg.data.tokenizer}`")
+        return
+    manifest = shards.verify(cfg.data.source)
+    made_with = manifest["tokenizer"]
+    if made_with.get("fingerprint") != tok.fingerprint:
+        raise ConfigError(f"{Path(cfg.data.source) / MANIFEST}: prepared with tokenizer {made_with.get('name')!r}, "
+                          f"not data.tokenizer={cfg.data.tokenizer!r}")
+    if made_with["vocab_size"] > cfg.model.vocab_size:
+        raise ConfigError(f"{Path(cfg.data.source) / MANIFEST}: vocabulary of {made_with['vocab_size']} tokens is "
+                          f"larger than model.vocab_size={cfg.model.vocab_size}")
+    open_token_data(cfg)
+
+
+# -- the byte tokenizer (k3ray.tokenizer has the others) -------------------------------------------------------------
+EOS = BYTE_EOS
 """The NUL byte that separates files in the corpus ends a generation (finish_reason "stop")."""
-
-
-def encode(text: str) -> list[int]:
-    """Token ids of a text: its UTF-8 bytes."""
-    return list(text.encode("utf-8"))
-
-
-def decode(ids: list[int]) -> str:
-    """Text of token ids. Byte sequences that are not UTF-8 (a multi-byte character cut by max_tokens, or a model
-    that emits stray bytes) become U+FFFD."""
-    return bytes(ids).decode("utf-8", errors="replace")
-
-
 CHAT_ROLES = ("system", "user", "assistant")
+_BYTES = ByteTokenizer()
+encode, decode = _BYTES.encode, _BYTES.decode
 
 
 def chat_prompt(messages: list[tuple[str, str]]) -> str:
-    """The chat template. Each message (role, content) becomes a header line and its content, then the assistant's
-    header opens the reply:
-
-        ### system\\n{content}\\n### user\\n{content}\\n### assistant\\n
-
-    The tiny models are trained on source code only, so the template is plain text a byte-level model can continue;
-    stopping at "\\n### " (pass it in `stop`) ends the reply where the next turn would begin."""
-    return "".join(f"### {role}\n{content}\n" for role, content in messages) + "### assistant\n"
+    """The byte chat template (k3ray.tokenizer.Tokenizer.chat_prompt): "### role\\ncontent\\n" per message, then
+    "### assistant\\n"; "\\n### " (pass it in `stop`) ends the reply where the next turn would begin."""
+    return _BYTES.chat_prompt([{"role": role, "content": content} for role, content in messages])

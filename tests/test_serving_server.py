@@ -27,10 +27,11 @@ import ray
 
 from conftest import free_port
 from k3ray.control.cli import main
-from k3ray.control.serve import CHAT_STOP, start_serving, stop_serving
+from k3ray.control.serve import start_serving, stop_serving
 from k3ray.control.serve_metrics import SERVE_SPECS, ServeMetrics
 from k3ray.data import EOS, chat_prompt, decode, encode
 from k3ray.model.sampling import SamplingParams, visible_ids
+from k3ray.tokenizer import load_tokenizer
 
 PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in d.items():\n", "return ",
            "# -*- coding: utf-8 -*-\n\"\"\"Support for ", "if not path:\n    raise ValueError(", "@classmethod\n",
@@ -106,7 +107,7 @@ def test_openai_client_greedy_equals_reference(server, reference):
     model = info["model"]
     max_tokens = [2 + (5 * i) % 17 for i in range(len(PROMPTS))]
     want = [reference(p, max_tokens=n) for p, n in zip(PROMPTS, max_tokens)]
-    want_chat = reference(chat_prompt(CHAT), max_tokens=12, stop=(CHAT_STOP,))
+    want_chat = reference(chat_prompt(CHAT), max_tokens=12, stop=load_tokenizer("bytes").chat_stop)
 
     async def everything():
         api = client(url)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from k3ray.config import ConfigError, JobConfig, load_config, parse_assignments
 from k3ray.control import client, hf_cli, jobs
+from k3ray.control import prepare as prepare_command
 
 log = logging.getLogger("k3ray")
 
@@ -24,7 +25,11 @@ def _load(args) -> JobConfig:
         overrides["parallel.pp"] = args.pp
     if getattr(args, "ep", None) is not None:
         overrides["parallel.ep"] = args.ep
-    return load_config(args.config, overrides).with_paths_from(Path.cwd())
+    cfg = load_config(args.config, overrides).with_paths_from(Path.cwd())
+    from k3ray.data import check_data
+
+    check_data(cfg)  # the tokenizer and shards, here: a bad one is one line before any worker starts
+    return cfg
 
 
 def _positive_int(text: str) -> int:
@@ -178,6 +183,7 @@ def cmd_serve(args) -> int:
     from k3ray.control.serve_metrics import ServeMetrics
     from k3ray.io import checkpoint as ckpt
     from k3ray.io.hf_files import is_hf_folder
+    from k3ray.tokenizer import load_tokenizer
 
     try:
         api_key = client.read_api_key(args.api_key_file)
@@ -185,11 +191,14 @@ def cmd_serve(args) -> int:
     except (client.ControlError, ValueError) as err:
         raise ConfigError(str(err)) from None
     overrides = {k.removeprefix("serve."): v for k, v in parse_assignments(args.set, "serve.max_waiting=32").items()}
+    newest = None if is_hf_folder(args.checkpoint) else ckpt.latest_verified(args.checkpoint)
     if is_hf_folder(args.checkpoint):  # a release folder: checked whole here, before any actor starts
         hf_cli.check_release(args.checkpoint)
-    elif ckpt.latest_verified(args.checkpoint) is None:  # here, before any actor starts: a readable error
+    elif newest is None:  # here, before any actor starts: a readable error
         raise ConfigError(f"--checkpoint {args.checkpoint}: no verified checkpoint there (train with "
                           f"checkpoint.every_n_steps, or run `k3ray checkpoint` on a running job)")
+    if newest is not None:  # the job's tokenizer is still where it was
+        load_tokenizer(newest.meta["config"]["data"].get("tokenizer", "bytes"))
     init_ray(args.address, args.pp * args.ep + args.spares)
     engine, info = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.replicas,
                                  observers=[ServeMetrics(args.name)], spares=args.spares, api_key=api_key,
@@ -306,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.set_defaults(func=cmd_serve)
 
     hf_cli.add_commands(sub, _positive_int)
+    prepare_command.add_parser(sub, _positive_int)
 
     c = sub.add_parser("config", help="inspect configs")
     csub = c.add_subparsers(dest="config_command", required=True)

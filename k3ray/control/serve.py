@@ -20,13 +20,14 @@ Availability: /health answers 200 while a grid serves and 503 with the reason (a
 engine recovers or relaunches it); a request that found no grid within serve.unavailable_wait_s gets 503 with
 Retry-After.
 
-Chat: messages are rendered with the byte tokenizer's template (k3ray.data.chat_prompt) and "\\n### " is added to
-the stop strings, so a reply ends where the next turn's header would begin.
+Text: the training job's tokenizer (data.tokenizer, k3ray.tokenizer) encodes prompts; the engine returns final text
+(decoded incrementally, stop strings met on the text). Chat: messages are rendered with the tokenizer's chat template
+(tokenizer_config.json, jinja2, as Hugging Face does); for `bytes`, "### role\\ncontent\\n" per message with
+"\\n### " added to the stop strings, so a reply ends where the next turn's header would begin.
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
 
 import asyncio
-import codecs
 import hmac
 import ipaddress
 import itertools
@@ -43,10 +44,9 @@ from ray import serve
 
 from k3ray.control import openai_schema as oa
 from k3ray.control.client import API_KEY_ENV
-from k3ray.data import chat_prompt, encode
+from k3ray.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("k3ray.serve")
-CHAT_STOP = "\n### "
 DEFAULT_MAX_TOKENS = 16
 
 app = FastAPI(title="k3ray serve", docs_url=None, redoc_url=None, openapi_url=None)  # no open routes but /health
@@ -60,6 +60,15 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
 class BadRequest(Exception):
     def __init__(self, response: JSONResponse):
         self.response = response
+
+
+def prompt_ids(tok: Tokenizer, req, chat: bool) -> tuple[list[int], tuple[str, ...]]:
+    """(Defined above the ingress: Serve's decorator captures the module's names as they are then.) A
+    request's prompt token ids (chat: its messages through the tokenizer's chat template) and the stop strings
+    the template adds."""
+    if not chat:
+        return tok.encode(req.prompt), ()
+    return tok.encode(tok.chat_prompt([{"role": m.role, "content": m.content} for m in req.messages])), tok.chat_stop
 
 
 def is_loopback(host: str) -> bool:
@@ -115,19 +124,20 @@ class EngineStreams:
             queue.put_nowait({"error": "internal", "message": why})
 
     @staticmethod
-    async def next(queue: asyncio.Queue) -> tuple[list[int], str | None, str | None]:
-        """(tokens, finish, error) of every item waiting, at least one: a client that fell behind gets what
-        accumulated in one event."""
+    async def next(queue: asyncio.Queue) -> tuple[str, int, str | None, str | None]:
+        """(text, tokens, finish, error) of every item waiting, at least one: a client that fell behind gets what
+        accumulated in one event. The text is final (the engine's detokenizer never ends it inside a character)."""
         items = [await queue.get()]
         while not queue.empty():
             items.append(queue.get_nowait())
-        tokens, finish = [], None
+        text, tokens, finish = "", 0, None
         for item in items:
             if "error" in item:
-                return tokens, finish, item["message"]
-            tokens += item["tokens"]
+                return text, tokens, finish, item["message"]
+            text += item["text"]
+            tokens += len(item["tokens"])
             finish = item["finish"]
-        return tokens, finish, None
+        return text, tokens, finish, None
 
 
 @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
@@ -138,6 +148,7 @@ class OpenAIIngress:
         self.streams = EngineStreams(engine)
         self.model, self.created = info["model"], int(time.time())
         self.max_seq_len, self.limits = info["max_seq_len"], info["serve"]
+        self.tokenizer = load_tokenizer(info["tokenizer"])
 
     @app.get("/health")
     async def health(self):
@@ -240,9 +251,8 @@ class OpenAIIngress:
         if req.model != self.model:
             raise BadRequest(_error(404, f"model: unknown model {req.model!r}; this server serves {self.model!r}",
                                     "model", code="model_not_found"))
-        prompt = chat_prompt([(m.role, m.content) for m in req.messages]) if chat else req.prompt
+        ids, stop = prompt_ids(self.tokenizer, req, chat)
         field = "messages" if chat else "prompt"
-        ids = encode(prompt)
         max_tokens = req.max_tokens or min(DEFAULT_MAX_TOKENS, self.max_seq_len - len(ids))
         if not ids:
             raise BadRequest(_error(400, f"{field}: empty", field))
@@ -256,24 +266,24 @@ class OpenAIIngress:
             raise BadRequest(_error(400, f"max_tokens: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed "
                                          f"the context of {self.max_seq_len} tokens", "max_tokens",
                                     code="context_length_exceeded"))
-        return req, ids, req.sampling(max_tokens, (CHAT_STOP,) if chat else ())
+        return req, ids, req.sampling(max_tokens, stop)
 
     async def _whole(self, key: int, queue: asyncio.Queue, rid: str, chat: bool, prompt_tokens: int):
-        tokens, finish = [], None
+        pieces, generated, finish = [], 0, None
         try:
             while finish is None:
-                got, finish, error = await self.streams.next(queue)
-                tokens += got
+                text, tokens, finish, error = await self.streams.next(queue)
+                pieces.append(text)
+                generated += tokens
                 if error is not None:
                     return _error(500, error, kind="server_error")
         finally:  # the client went away (Serve cancels this handler): stop generating, free the caches
             self.streams.close(key, cancel=finish is None)
-        text = bytes(tokens).decode("utf-8", errors="replace")
-        use = oa.usage(prompt_tokens, len(tokens))
-        return JSONResponse((oa.chat_completion if chat else oa.completion)(rid, self.model, text, finish, use))
+        use = oa.usage(prompt_tokens, generated)
+        return JSONResponse((oa.chat_completion if chat else oa.completion)(rid, self.model, "".join(pieces), finish,
+                                                                             use))
 
     async def _events(self, key: int, queue: asyncio.Queue, rid: str, chat: bool, usage_prompt_tokens: int | None):
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         finish, generated = None, 0
 
         def sse(obj: dict) -> str:
@@ -283,10 +293,9 @@ class OpenAIIngress:
             if chat:
                 yield sse(oa.chat_chunk(rid, self.model, "", None, first=True))
             while finish is None:
-                tokens, finish, error = await self.streams.next(queue)
-                generated += len(tokens)
-                if tokens or finish is not None:
-                    text = decoder.decode(bytes(tokens), final=finish is not None)
+                text, tokens, finish, error = await self.streams.next(queue)
+                generated += tokens
+                if text or finish is not None:
                     if chat:
                         yield sse(oa.chat_chunk(rid, self.model, text if text else None, finish))
                     else:

@@ -148,7 +148,10 @@ class Controller(FailurePaths):
                 "last_batch": self.batches.get(step - 1), "skip": sorted(self.skip), "lr_scale": self.lr_scale,
                 "guard_state": {k: v for k, v in vars(self.guard_state).items() if k != "history"},
                 "job": self.cfg.name, "config": self.cfg.model_dump(mode="json"),
-                "model_hash": ckpt.model_hash(self.cfg.model_dump(mode="json"))}
+                "model_hash": ckpt.model_hash(self.cfg.model_dump(mode="json")),
+                # steps 0..step-1 each trained one global batch; skipped batches were read past, not trained on
+                "tokens_consumed": step * self.cfg.global_batch_sequences * self.cfg.data.seq_len,
+                "samples_read": (self.batches.get(step - 1, -1) + 1) * self.cfg.global_batch_sequences}
 
     # -- steps ---------------------------------------------------------------------------------------------------
     @holding_the_grid

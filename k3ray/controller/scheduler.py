@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass, field, replace
 
 from k3ray.config import GuardPolicy
-from k3ray.data import EOS
 from k3ray.model.cache import SeqAdmit
-from k3ray.model.sampling import SamplingParams, StopChecker, finish_reason
+from k3ray.model.sampling import SamplingParams, finish_reason
 from k3ray.parallel.serving import PoolSizes, RankPlan, StageOutput
 from k3ray.policies import guards
+from k3ray.tokenizer import ByteTokenizer, Detokenizer, Tokenizer
 
 
 class Overloaded(RuntimeError):
@@ -41,6 +41,7 @@ class EngineLimits:
     max_waiting: int = 64  # queued requests (beyond those a free slot will take) past which submit is Overloaded
     pools: PoolSizes = field(default_factory=lambda: PoolSizes(pages=64, page_size=16, slots=16))
     guards: GuardPolicy = field(default_factory=GuardPolicy)  # a sequence that trips them fails alone
+    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # end-of-text, and the text stop strings are met in
 
 
 @dataclass
@@ -59,7 +60,8 @@ class Request:
     trip: guards.Trip | None = None  # the guard that stopped it (finish 'error')
     token_times: list[float] = field(default_factory=list)  # wall time of each generated token
     seed: int = 0  # the sampling noise's seed (the request's own, or drawn at submit)
-    stops: StopChecker | None = None  # incremental stop-string check over the output
+    detok: Detokenizer | None = None  # the output as text, token by token: stop strings are checked on it
+    text: str = ""  # the output text so far that is final (no half character, nothing a stop string may still cut)
 
     @property
     def ids(self) -> list[int]:
@@ -112,7 +114,7 @@ class Scheduler:
         if len(self.waiting) >= L.max_waiting + free_slots:
             raise Overloaded(f"{len(self.waiting) - free_slots} requests waiting (limit {L.max_waiting})")
         req = Request(next(self._ids), list(prompt), params, self.clock(), seed=params.resolved_seed(),
-                      stops=StopChecker(params.stop))
+                      detok=L.tokenizer.detokenizer(params.stop))
         self.waiting.append(req)
         self.requests[req.id] = req
         return req
@@ -243,8 +245,11 @@ class Scheduler:
                     continue  # a prompt chunk short of the end: nothing to sample yet
                 req.out.append(out.tokens[row])
                 req.token_times.append(now)
-                req.finish = finish_reason(req.out, req.params, EOS, self.limits.max_seq_len - req.length, req.stops)
+                req.text += req.detok.push(req.out[-1:])
+                req.finish = finish_reason(req.out, req.params, self.limits.tokenizer.eos_id,
+                                           self.limits.max_seq_len - req.length, req.detok)
                 if req.done:
+                    req.text += req.detok.push([], final=True)
                     self._release(req)
                 changed.append(req)
         self.in_flight = set()

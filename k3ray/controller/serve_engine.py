@@ -36,9 +36,9 @@ from k3ray.controller.drills import clear, inject
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.controller.serve_grid import ServingGrid
 from k3ray.controller.worker_group import WorkerLost
-from k3ray.data import EOS
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import PoolSizes
+from k3ray.tokenizer import load_tokenizer
 
 log = logging.getLogger("k3ray.serve")
 MAX_BACKOFF_S = 30.0  # between attempts to serve again after a loss
@@ -71,7 +71,7 @@ class Engine:
         self.cfg, self.model_name, self.step = cfg, cfg.name, step
         sc = cfg.serve
         self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, grid.ep, sc.token_budget, sc.max_waiting,
-                                            pool_sizes(cfg), cfg.policies.guards))
+                                            pool_sizes(cfg), cfg.policies.guards, load_tokenizer(cfg.data.tokenizer)))
         self.grid = grid
         self.incidents: list[dict] = []
         self.gap_from: tuple[dict, float] | None = None  # (incident, when the loss was found) until the next token
@@ -90,7 +90,8 @@ class Engine:
 
     def ready(self) -> dict:
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
-                "max_seq_len": self.cfg.model.max_seq_len, "serve": self.cfg.serve.model_dump()}
+                "max_seq_len": self.cfg.model.max_seq_len, "serve": self.cfg.serve.model_dump(),
+                "tokenizer": self.cfg.data.tokenizer}
 
     def stats(self) -> dict:
         return {**self.sched.usage(), "iterations": self.iterations, "tokens_out": self.tokens_out,
@@ -100,7 +101,9 @@ class Engine:
     async def generate(self, prompt: list[int], params: dict):
         """Stream a request: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'} or {'error':
         'unavailable', 'message', 'retry_after'} (no grid served within serve.unavailable_wait_s), then items
-        {'tokens': new visible token ids, 'finish': None | 'stop' | 'length'}, or {'error': 'internal', ...}."""
+        {'text': new final text, 'tokens': the token ids it came from, 'finish': None | 'stop' | 'length'}, or
+        {'error': 'internal', ...}. The text never ends inside a character nor in what a stop string may still cut
+        (the request's detokenizer holds that back)."""
         sp = SamplingParams(**{**params, "stop": tuple(params.get("stop") or ())})
         if self.down is not None and not await self._until_serving():
             why = self.down["reason"] if self.down is not None else "the grid was being rebuilt"
@@ -117,7 +120,7 @@ class Engine:
             return
         self._ensure_loop()
         event = self.updates[req.id] = asyncio.Event()
-        sent, interval = 0, self.cfg.serve.stream_interval
+        sent, sent_text, interval = 0, 0, self.cfg.serve.stream_interval
         try:
             yield {"accepted": req.id}
             while True:
@@ -126,17 +129,11 @@ class Engine:
                 if req.finish == "error":
                     yield {"error": "internal", "message": req.error}
                     return
-                # visible: without the end-of-text token and from a stop string on; what a stop string might still
-                # cut is held back until the request ends
-                ids = req.out
-                end = len(ids) - (1 if ids and ids[-1] == EOS and req.done else 0)
-                if req.stops.cut is not None:
-                    end = min(end, req.stops.cut)
-                hold = 0 if req.done else req.stops.longest - 1 if req.stops.longest else 0
-                upto = max(sent, end - hold)
-                if req.done or upto > sent and (sent == 0 or upto - sent >= interval):
-                    yield {"tokens": ids[sent:upto], "finish": req.finish}
-                    sent = upto
+                upto = req.detok.tokens  # ids taken into the text: without end-of-text and what follows a stop
+                grew = len(req.text) > sent_text
+                if req.done or grew and (sent == 0 or upto - sent >= interval):
+                    yield {"text": req.text[sent_text:], "tokens": req.out[sent:upto], "finish": req.finish}
+                    sent, sent_text = upto, len(req.text)
                 if req.done:
                     return
         finally:  # also when the caller cancels the stream: the request ends and its caches are freed

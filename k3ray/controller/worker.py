@@ -55,7 +55,7 @@ def fenced(method):
 @ray.remote(max_concurrency=THREADS)
 class Worker:
     def __init__(self, cfg_dict: dict):
-        from k3ray.data import load_corpus
+        from k3ray import data
         from k3ray.parallel import engine  # noqa: F401 - here: the import is part of a standby worker's warm-up
 
         self.cfg = JobConfig.model_validate(cfg_dict)
@@ -63,7 +63,7 @@ class Worker:
         self.device = "cuda" if self.cfg.parallel.device == "cuda" else "cpu"
         if self.device == "cuda":
             torch.zeros(1, device=self.device)  # the CUDA context, before a spare is needed
-        load_corpus(self.cfg.data.source, self.cfg.data.max_bytes)  # cached: every engine of this worker reads it
+        data.warm(self.cfg.data)  # cached: every engine of this worker reads it
         self.engine = None  # StageEngine of the place this worker holds (None on standby)
         self.server = None  # serving: the StageServer beside the engine
         self.stager: SnapshotStager | None = None  # made on the first snapshot

@@ -100,9 +100,10 @@ class StopChecker:
 
 
 def finish_reason(output_ids: list[int], params: SamplingParams, eos: int, context_left: int,
-                  stops: StopChecker | None = None) -> str | None:
+                  stops=None) -> str | None:
     """'stop' (end-of-text token or a stop string in the output), 'length' (max_tokens or the context is full), or
-    None while the generation goes on. `stops`: the request's incremental checker (made here if not given)."""
+    None while the generation goes on. `stops`: the request's incremental checker (made here if not given): a
+    StopChecker over byte tokens, or the request's k3ray.tokenizer.Detokenizer (stop strings met on the text)."""
     if output_ids and output_ids[-1] == eos:
         return "stop"
     if params.stop and (stops or _full_checker(output_ids, params)).feed(output_ids):

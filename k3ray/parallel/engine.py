@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_map_only
 
 from k3ray.config import JobConfig, PoliciesConfig
 from k3ray.dtypes import up32
-from k3ray.data import TokenData
+from k3ray.data import open_token_data
 from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, stage_layers
 from k3ray.optim import AdamW, clip_coefficient, lr_at
 from k3ray.parallel import shards
@@ -72,7 +72,7 @@ class StageEngine:
         self.device = torch.device(device)
         self.home = torch.tensor(home, dtype=torch.int64)
         self.layers = stage_layers(cfg.model.n_layers, self.pp, pp_rank)
-        self.data = TokenData(cfg.data, cfg.train.seed)
+        self.data = open_token_data(cfg)
         self.opt = AdamW(cfg.optimizer)
         self.lr_scale = 1.0
         self.ctx: EPContext | None = None

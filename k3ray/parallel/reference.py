@@ -7,7 +7,7 @@ import time
 import torch
 
 from k3ray.config import JobConfig
-from k3ray.data import EOS, TokenData
+from k3ray.data import EOS, open_token_data
 from k3ray.model.decoder import K3Stage, build_stage
 from k3ray.model.sampling import SamplingParams, finish_reason, next_token
 from k3ray.optim import AdamW, clip_coefficient, lr_at
@@ -24,7 +24,7 @@ class ReferenceTrainer:
         self.model = build_stage(cfg.model, range(cfg.model.n_layers), seed=cfg.train.seed)
         self.params = dict(self.model.named_parameters())
         self.opt = AdamW(cfg.optimizer)
-        self.data = TokenData(cfg.data, cfg.train.seed)
+        self.data = open_token_data(cfg)
 
     def train_step(self, step: int, batch_index: int) -> StepReport:
         cfg, model = self.cfg, self.model
@@ -64,15 +64,17 @@ class ReferenceTrainer:
 
 
 @torch.no_grad()
-def generate_reference(model: K3Stage, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], str]:
+def generate_reference(model: K3Stage, prompt_ids: list[int], params: SamplingParams,
+                       eos: int = EOS) -> tuple[list[int], str]:
     """The ground truth of serving: one request alone, the plain full-sequence forward for every token (no cache).
-    Returns the generated ids (as sampled, end-of-text and stop bytes included) and the finish reason."""
+    Returns the generated ids (as sampled, end-of-text and stop bytes included) and the finish reason. Stop strings
+    are met on the bytes (byte tokens); `eos`: the tokenizer's end-of-text id."""
     out: list[int] = []
     seed = params.resolved_seed()
     while True:
         logits = model(torch.tensor([prompt_ids + out], device=model.embed.weight.device))[0, -1]
         out.append(next_token(logits, params, seed, len(out)))
-        reason = finish_reason(out, params, EOS, model.cfg.max_seq_len - len(prompt_ids) - len(out))
+        reason = finish_reason(out, params, eos, model.cfg.max_seq_len - len(prompt_ids) - len(out))
         if reason is not None:
             model.reset_stats()
             return out, reason
