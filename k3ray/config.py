@@ -159,6 +159,8 @@ class DataConfig(_Strict):
             raise ValueError(f"{source!r} is neither 'stdlib' nor a directory")
         return source
     skip_batches: list[int] = Field(default_factory=list, description="batch indices never trained on")
+    document_masking: bool = Field(False, description="attention, KDA's recurrence and its convolution restart at "
+                                                      "every document packed into a row (after each end-of-text)")
 
 
 class OptimizerConfig(_Strict):

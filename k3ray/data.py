@@ -59,10 +59,12 @@ def load_corpus(source: str, max_bytes: int) -> torch.Tensor:
 
 
 class TokenData:
-    """Train/validation token windows of seq_len + 1 bytes (inputs and shifted targets)."""
+    """Train/validation token windows of seq_len + 1 bytes (inputs and shifted targets). Files are separated by the
+    end-of-text byte (`eos_id`)."""
 
     def __init__(self, cfg: DataConfig, seed: int):
         self.cfg, self.seed = cfg, seed
+        self.eos_id = EOS
         tokens = load_corpus(cfg.source, cfg.max_bytes)
         split = int(len(tokens) * (1 - cfg.val_fraction))
         self.train, self.val = tokens[:split], tokens[split:]

@@ -94,12 +94,3 @@ class ShardData:
         """Validation rows in order: batch i holds samples i * B ... (i + 1) * B - 1 (mod their number)."""
         samples = (i * self.rows + np.arange(self.rows)) % self.n_val
         return self._rows(self.val_start + samples * self.cfg.seq_len)
-
-    def document_ids(self, batch_index: int, dp_rank: int, micro: int) -> torch.Tensor:
-        """[B, L + 1] int64: which document of its row each token belongs to (0 for the row's first, +1 after each
-        end-of-text): the data side of document masking (attention and positions restarting per document)."""
-        L = self.cfg.seq_len
-        starts = self.train_samples(self.sample_numbers(batch_index, dp_rank, micro)) * L
-        positions = starts[:, None] + np.arange(L + 1)
-        docs = np.searchsorted(self.shards.doc_ends, positions, side="right")
-        return torch.from_numpy(docs - docs[:, :1])

@@ -206,13 +206,19 @@ def test_validation_is_split_by_documents(bpe, bpe_shards):
     assert torch.equal(data.val_batch(0)[0], torch.from_numpy(data.shards.read(data.val_start, 129)))
 
 
-def test_document_ids_restart_after_each_end_of_text(bpe, bpe_shards):
+def test_documents_the_model_masks_are_the_shard_index_documents(bpe, bpe_shards):
+    """Document masking finds documents from the end-of-text tokens of a batch (k3ray.model.layers.Documents); they
+    are exactly the documents the shard index records (documents end where `doc_ends` says)."""
+    import numpy as np
+
+    from k3ray.model.layers import Documents
+
     data = open_token_data(tiny_on(bpe_shards, **{"data.tokenizer": str(bpe), "model.vocab_size": 512}))
     for b in range(20):
-        tokens, docs = data.batch(b, 0, 0), data.document_ids(b, 0, 0)
-        eot = (tokens == data.eos_id).long()
-        want = torch.cat([torch.zeros(8, 1, dtype=torch.long), eot[:, :-1].cumsum(1)], 1)
-        assert torch.equal(docs, want)
+        starts = data.train_samples(data.sample_numbers(b, 0, 0)) * data.cfg.seq_len
+        indexed = np.searchsorted(data.shards.doc_ends, starts[:, None] + np.arange(data.cfg.seq_len), side="right")
+        want = torch.from_numpy(indexed - indexed[:, :1])
+        assert torch.equal(Documents(data.batch(b, 0, 0)[:, :-1], data.eos_id).doc, want)
 
 
 def test_permutation_is_a_bijection_for_any_size():

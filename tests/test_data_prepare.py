@@ -79,8 +79,9 @@ def test_prepare_rejects_empty_input_and_bad_records(ray_cluster, inputs, tmp_pa
 
 @pytest.fixture(scope="module")
 def shard_job(ray_cluster, inputs, tmp_path_factory):
-    """The tiny model on the prepared shards (vocabulary 400 in a 512-row embedding), float64, pp=2 x ep=2; the
-    single-process reference's losses and the distributed run's."""
+    """The tiny model on the prepared shards (vocabulary 400 in a 512-row embedding), float64, pp=2 x ep=2, with
+    document masking (every stage finds the documents of its micro-batches from their tokens); the single-process
+    reference's losses and the distributed run's."""
     tok, folder = inputs
     out = tmp_path_factory.mktemp("shards")
     prepare([str(folder)], str(tok), str(out), shard_mb=0.05, workers=2, progress=False)
@@ -89,6 +90,7 @@ def shard_job(ray_cluster, inputs, tmp_path_factory):
         return load_config("configs/tiny.yaml", {
             "parallel.pp": 2, "parallel.ep": 2, "train.eval_every": 0, "train.steps": STEPS, "model.dtype": "float64",
             "model.vocab_size": 512, "data.source": str(out), "data.tokenizer": str(tok),
+            "data.document_masking": True,
             "data.micro_batch_size": 4, "parallel.collective_timeout_s": 10, "fault_tolerance.grow_back": False,
             "fault_tolerance.snapshot_every": 2, "checkpoint.every_n_steps": 3,
             "policies.guards.warmup_steps": 100, "checkpoint.at_end": False,

@@ -214,3 +214,30 @@ def test_serving_stages_with_attn_res_equal_the_whole_model(cfg):
         torch.testing.assert_close(second(hidden, cache("second", start, n)), want, rtol=0, atol=1e-12)
     full = whole(tokens)[0, -1]
     torch.testing.assert_close(want[0], full, rtol=0, atol=1e-10)
+
+
+def test_document_masking_keeps_each_packed_document_to_itself(cfg):
+    """With document masking (data.document_masking) a document packed after another in a row is computed as if it
+    began the row: MLA attends within it, KDA's recurrence and convolution restart at it (the released model has no
+    positions to reset: MLA carries no RoPE). Split over two stages it equals the whole model."""
+    from k3ray.model.layers import Documents
+
+    eos = 0
+    gen = torch.Generator().manual_seed(4)
+    doc1, doc2 = torch.randint(1, cfg.vocab_size, (1, 9), generator=gen), torch.randint(1, cfg.vocab_size, (1, 12),
+                                                                                       generator=gen)
+    row = torch.cat([doc1, torch.zeros(1, 1, dtype=torch.int64), doc2], dim=1)  # doc1, end-of-text, doc2
+    other = torch.cat([torch.randint(1, cfg.vocab_size, (1, 9), generator=gen), row[:, 9:]], dim=1)
+    docs = Documents(torch.cat([row, other]), eos)
+    assert docs.cu_seqlens.tolist() == [0, 10, 22, 32, 44]
+    assert docs.mask[0, 0, 10, :10].any().item() is False and docs.mask[0, 0, 10, 10].item() is True
+    whole = build_stage(cfg, range(4), seed=2)
+    both = whole(torch.cat([row, other]), documents=docs)
+    alone = whole(doc2)
+    torch.testing.assert_close(both[0, 10:], alone[0], rtol=0, atol=1e-10)
+    torch.testing.assert_close(both[1, 10:], alone[0], rtol=0, atol=1e-10)  # the first document does not matter
+    unmasked = whole(row)
+    assert not torch.allclose(unmasked[0, 10:], alone[0], atol=1e-6)  # without masking it does
+    first, second = build_stage(cfg, range(0, 2), seed=2), build_stage(cfg, range(2, 4), seed=2)
+    split = second(first(torch.cat([row, other]), documents=docs), documents=docs)
+    torch.testing.assert_close(split, both, rtol=0, atol=1e-12)

@@ -16,7 +16,7 @@ from torch import nn
 
 from k3ray.config import ModelConfig
 from k3ray.model.cache import IterationCache
-from k3ray.model.layers import KDA, AttnResRead, GatedMLA, RMSNorm, SiTUFFN
+from k3ray.model.layers import KDA, AttnResRead, Documents, GatedMLA, RMSNorm, SiTUFFN
 from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts, maxabs
 
 ExpertsFactory = Callable[[int, ExpertShard], nn.Module]
@@ -67,12 +67,13 @@ class Block(nn.Module):
         return self.moe(x, cache) if self.moe is not None else self.ffn(x)
 
     def forward(self, x: torch.Tensor, cache: IterationCache | None = None,
-                summaries: list[torch.Tensor] | None = None):
-        """x [B, S, d] -> [B, S, d]; with Block AttnRes x is the partial block and (partial, summaries) come back."""
+                summaries: list[torch.Tensor] | None = None, documents: Documents | None = None):
+        """x [B, S, d] -> [B, S, d]; with Block AttnRes x is the partial block and (partial, summaries) come back.
+        `documents`: attention stays within each packed document (training with document masking)."""
         if cache is not None:
             cache.layer = self.layer
         if summaries is None:
-            x = x + self.attn(self.attn_norm(x), cache)
+            x = x + self.attn(self.attn_norm(x), cache, documents)
             x = x + self._ffn(self.ffn_norm(x), cache)
             out = x
         else:
@@ -80,7 +81,7 @@ class Block(nn.Module):
             partial: torch.Tensor | None = x
             if self.layer % self.res_block == 0:
                 summaries, partial = summaries + [x], None
-            a = self.attn(self.attn_norm(h), cache)
+            a = self.attn(self.attn_norm(h), cache, documents)
             partial = a if partial is None else partial + a
             h = self.ffn_res(summaries + [partial])
             x = out = partial + self._ffn(self.ffn_norm(h), cache)
@@ -137,17 +138,18 @@ class K3Stage(nn.Module):
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if self.is_last else None
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.is_last else None
 
-    def forward(self, x: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: IterationCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
         if self.embed is not None:
             x = self.embed(x)
         if self.cfg.attn_res_block_size:
             x, summaries = (x, []) if self.is_first else (x[0], list(x[1:]))
             for block in self.blocks.values():
-                x, summaries = block(x, cache, summaries)
+                x, summaries = block(x, cache, summaries, documents)
             x = self.output_res(summaries + [x]) if self.is_last else torch.stack([x] + summaries)
         else:
             for block in self.blocks.values():
-                x = block(x, cache)
+                x = block(x, cache, documents=documents)
         if self.lm_head is not None:
             if cache is not None:  # only each sequence's last position is sampled from
                 x = x[0, cache.last_rows]

@@ -124,32 +124,56 @@ class GatedMLA(nn.Module):
             k_p = rope(k_p, self.theta, positions_S)
         return torch.cat([k_n, k_p.expand(B, S, self.n_heads, self.rope_dim)], dim=-1), v
 
-    def forward(self, x_BSd: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
-        """Training: x [B, S, d]. With a cache: x [1, T, d], the iteration's new tokens of every sequence packed
-        (their latents go into the cache's pages; attention reads each sequence's whole context from there)."""
+    def forward(self, x_BSd: torch.Tensor, cache: IterationCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        """Training: x [B, S, d] (with `documents`, a token attends only within its document). With a cache:
+        x [1, T, d], the iteration's new tokens of every sequence packed (their latents go into the cache's pages;
+        attention reads each sequence's whole context from there)."""
         lat = self.latent(x_BSd)
         q = self.queries(x_BSd, None if cache is None else cache.positions)
         if cache is not None:
             o = cache.mla_attention(q, lat, self)
         else:
             k, v = self.up(lat)
-            o = causal_attention(q, k, v, self.scale)
+            o = causal_attention(q, k, v, self.scale, None if documents is None else documents.mask)
         o = o.flatten(2)  # [B, S, H*h]; also for zero tokens
         return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
 
 
-def causal_attention(q_BSHe: torch.Tensor, k_BSHe: torch.Tensor, v_BSHh: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax attention -> [B, S, H, h]. On CUDA the fused kernels take one head width for q, k and v, so a
+class Documents:
+    """Where the documents packed into a batch's rows begin, for training with document masking: the input tokens
+    x [B, S] and the end-of-text id give doc [B, S] = how many end-of-text tokens precede each position in its row.
+
+    mask [B, 1, S, S]: causal and within one document (MLA); cu_seqlens [n + 1]: every document of every row as a
+    sequence of its own, the rows packed one after another (KDA's recurrence and its convolution restart there)."""
+
+    def __init__(self, tokens_BS: torch.Tensor, eos: int):
+        B, S = tokens_BS.shape
+        ends = (tokens_BS == eos).to(torch.int64)
+        self.doc = doc = torch.cat([ends.new_zeros(B, 1), ends[:, :-1].cumsum(1)], dim=1)  # [B, S]
+        causal = torch.ones(S, S, dtype=torch.bool, device=tokens_BS.device).tril()
+        self.mask = (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+        starts = torch.ones_like(doc, dtype=torch.bool)
+        starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+        first = starts.reshape(-1).nonzero().flatten()
+        self.cu_seqlens = torch.cat([first, first.new_tensor([B * S])])
+
+
+def causal_attention(q_BSHe: torch.Tensor, k_BSHe: torch.Tensor, v_BSHh: torch.Tensor, scale: float,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal softmax attention -> [B, S, H, h], or with `mask` [B, 1, S, S] (True: attend) that mask instead (it
+    includes causality: document masking). On CUDA the fused kernels take one head width for q, k and v, so a
     narrower v is zero-padded to q's width and the padding cut from the output (exact)."""
     q, k, v = q_BSHe.transpose(1, 2), k_BSHe.transpose(1, 2), v_BSHh.transpose(1, 2)
+    how = {"is_causal": True} if mask is None else {"attn_mask": mask}
     if q.is_cuda:
         h = v.shape[-1]
         if h < q.shape[-1]:
             v = F.pad(v, (0, q.shape[-1] - h))
         with sdpa_kernel(MLA_CUDA_BACKENDS, set_priority=True):
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[..., :h]
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, **how)[..., :h]
     else:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale, **how)
     return o.transpose(1, 2)
 
 
@@ -207,15 +231,22 @@ class KDA(nn.Module):
         """The three convolutions as one [3 H K, W] (q, k, v channels concatenated)."""
         return torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])[:, 0]
 
-    def forward(self, x_BSd: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
-        """Training: x [B, S, d]. With a cache: x [1, T, d] packed sequences, each continuing from its state slot
-        (and its convolution state)."""
+    def forward(self, x_BSd: torch.Tensor, cache: IterationCache | None = None,
+                documents: Documents | None = None) -> torch.Tensor:
+        """Training: x [B, S, d] (with `documents`, the recurrence and the convolution restart at every document of
+        every row). With a cache: x [1, T, d] packed sequences, each continuing from its state slot (and its
+        convolution state)."""
         B, S, _ = x_BSd.shape
         heads = (B, S, self.n_heads, self.head_dim)
         qkv = torch.cat([self.w_q(x_BSd), self.w_k(x_BSd), self.w_v(x_BSd)], dim=-1)
         if self.conv_size:
-            qkv = cache.short_conv(qkv, self.conv_weight()) if cache is not None \
-                else short_conv(qkv, self.conv_weight())[0]
+            if cache is not None:
+                qkv = cache.short_conv(qkv, self.conv_weight())
+            elif documents is not None:
+                qkv = short_conv(qkv.reshape(1, B * S, -1), self.conv_weight(),
+                                 cu_seqlens=documents.cu_seqlens)[0].view_as(qkv)
+            else:
+                qkv = short_conv(qkv, self.conv_weight())[0]
         q, k, v = (t.reshape(heads) for t in qkv.chunk(3, dim=-1))
         q = F.normalize(up32(q), dim=-1) * self.read_scale
         k = F.normalize(up32(k), dim=-1)
@@ -224,6 +255,9 @@ class KDA(nn.Module):
         beta = torch.sigmoid(up32(self.w_b(x_BSd)))
         if cache is not None:
             o = cache.kda(q, k, v, log_alpha, beta).to(x_BSd.dtype)
+        elif documents is not None:  # every document a sequence of its own, packed into one row
+            packed = [t.reshape((1, B * S) + t.shape[2:]) for t in (q, k, v, log_alpha, beta)]
+            o = kda_attention(*packed, cu_seqlens=documents.cu_seqlens)[0].view_as(v).to(x_BSd.dtype)
         else:
             o = kda_attention(q, k, v, log_alpha, beta)[0].to(x_BSd.dtype)
         o = self.o_norm(o).flatten(2)

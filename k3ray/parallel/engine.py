@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map_only
 from k3ray.config import JobConfig, PoliciesConfig
 from k3ray.dtypes import up32
 from k3ray.data import open_token_data
+from k3ray.model.layers import Documents
 from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, stage_layers
 from k3ray.optim import AdamW, clip_coefficient, lr_at
 from k3ray.parallel import shards
@@ -156,6 +157,11 @@ class StageEngine:
         parts = [self.data.batch(batch_index, d, micro) for d in self.dp_ranks]
         return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
 
+    def _documents(self, tokens: torch.Tensor) -> Documents | None:
+        """With data.document_masking, where the documents of the rows [B, L + 1] begin (every stage derives it from
+        the batch's tokens, which every stage can address)."""
+        return Documents(tokens[:, :-1], self.data.eos_id) if self.cfg.data.document_masking else None
+
     # -- one step ------------------------------------------------------------------------------------------------
     def train_step(self, step: int, batch_index: int) -> dict:
         cfg, stage = self.cfg, self.stage
@@ -190,7 +196,7 @@ class StageEngine:
                     timings["pipeline_wait"] += time.perf_counter() - t0
                     x.requires_grad_(True)
                 t0 = time.perf_counter()
-                out = stage(x)
+                out = stage(x, documents=self._documents(tokens))
                 if stage.is_last:
                     out = lm_loss(out, tokens, scale)
                     loss_sum += out.detach()
@@ -296,7 +302,7 @@ class StageEngine:
             else:
                 x = torch.empty(shape, dtype=getattr(torch, cfg.model.dtype), device=self.device)
                 dist.recv(x, self._rank(self.pp_rank - 1), tag=r, group=self.world)
-            out = stage(x)
+            out = stage(x, documents=self._documents(tokens))
             if stage.is_last:
                 if i < n:
                     total += float(lm_loss(out, tokens, 1.0))

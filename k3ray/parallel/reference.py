@@ -9,6 +9,7 @@ import torch
 from k3ray.config import JobConfig
 from k3ray.data import EOS, open_token_data
 from k3ray.model.decoder import K3Stage, build_stage
+from k3ray.model.layers import Documents
 from k3ray.model.sampling import SamplingParams, finish_reason, next_token
 from k3ray.optim import AdamW, clip_coefficient, lr_at
 from k3ray.parallel.step import StepReport, activation_stats, lm_loss, update_router_bias
@@ -26,6 +27,9 @@ class ReferenceTrainer:
         self.opt = AdamW(cfg.optimizer)
         self.data = open_token_data(cfg)
 
+    def _documents(self, tokens: torch.Tensor) -> Documents | None:
+        return Documents(tokens[:, :-1], self.data.eos_id) if self.cfg.data.document_masking else None
+
     def train_step(self, step: int, batch_index: int) -> StepReport:
         cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
@@ -37,7 +41,7 @@ class ReferenceTrainer:
         for e in range(ep):
             for m in range(micro):
                 tokens = self.data.batch(batch_index, e, m)
-                loss = lm_loss(model(tokens[:, :-1]), tokens, 1.0 / (ep * micro))
+                loss = lm_loss(model(tokens[:, :-1], documents=self._documents(tokens)), tokens, 1.0 / (ep * micro))
                 loss.backward()
                 loss_sum += loss.detach()
         t1 = time.perf_counter()
@@ -58,7 +62,7 @@ class ReferenceTrainer:
         losses = []
         for i in range(self.cfg.train.eval_batches):
             tokens = self.data.val_batch(i)
-            losses.append(float(lm_loss(self.model(tokens[:, :-1]), tokens, 1.0)))
+            losses.append(float(lm_loss(self.model(tokens[:, :-1], documents=self._documents(tokens)), tokens, 1.0)))
         self.model.reset_stats()
         return sum(losses) / len(losses)
 

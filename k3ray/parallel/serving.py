@@ -138,7 +138,8 @@ class DecodeGraphs:
         self.server = server
         self.graphs: dict[tuple[int, int], tuple] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        self.enabled = all(getattr(moe.experts.ctx if hasattr(moe.experts, "ctx") else None, "num_ranks", 1) == 1
+        # experts exchanged between EP ranks: the exchange's splits come from the host, so no graph
+        self.enabled = all(getattr(getattr(moe.experts, "ctx", None), "num_ranks", 1) == 1
                            for moe in server.stage.moe_layers().values())
 
     def run(self, plan: RankPlan, x: torch.Tensor | None):
