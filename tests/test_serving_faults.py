@@ -48,9 +48,9 @@ class Stream(threading.Thread):
         return [t for at, item in self.items if at < before for t in item.get("tokens", ())]
 
 
-def test_killed_worker_every_request_completes_as_undisturbed(engine, serving_reference):
-    params = [{"max_tokens": 28 + 3 * i, "temperature": 0.0 if i % 3 else 0.8, "seed": 70 + i}
-              for i in range(len(PROMPTS))]
+def streaming(engine, serving_reference, params: list[dict], at_least: int) -> tuple[list[list[int]], list[Stream]]:
+    """The reference's visible output of each prompt with its params, and the requests streaming from the engine
+    once `at_least` of them have had 2 tokens (or 120 s have passed)."""
     want = []
     for p, kw in zip(PROMPTS, params):
         sp = SamplingParams(**kw)
@@ -59,8 +59,15 @@ def test_killed_worker_every_request_completes_as_undisturbed(engine, serving_re
     for s in streams:
         s.start()
     deadline = time.time() + 120
-    while sum(len(s.tokens()) >= 2 for s in streams) < 8 and time.time() < deadline:
+    while sum(len(s.tokens()) >= 2 for s in streams) < at_least and time.time() < deadline:
         time.sleep(0.05)
+    return want, streams
+
+
+def test_killed_worker_every_request_completes_as_undisturbed(engine, serving_reference):
+    params = [{"max_tokens": 28 + 3 * i, "temperature": 0.0 if i % 3 else 0.8, "seed": 70 + i}
+              for i in range(len(PROMPTS))]
+    want, streams = streaming(engine, serving_reference, params, 8)
     t_kill = time.perf_counter()
     ray.get(engine.drill.remote("kill_worker", [2]))  # stage 1 of EP rank 0: its caches and experts are lost
     for s in streams:
@@ -89,16 +96,7 @@ def test_a_kill_during_the_recovery_then_another_every_request_completes_as_undi
     """Rank 2 is killed while 6 requests stream; while no grid serves (health: unavailable), a worker of the grid
     being launched is killed (the recovery is interrupted and plans again); once serving, another worker."""
     params = [{"max_tokens": 30 + 2 * i, "temperature": 0.0 if i % 2 else 0.8, "seed": 90 + i} for i in range(6)]
-    want = []
-    for p, kw in zip(PROMPTS, params):
-        sp = SamplingParams(**kw)
-        want.append(visible_ids(serving_reference(encode(p), sp)[0], sp, EOS))
-    streams = [Stream(engine, encode(p), kw) for p, kw in zip(PROMPTS, params)]
-    for s in streams:
-        s.start()
-    deadline = time.time() + 120
-    while sum(len(s.tokens()) >= 2 for s in streams) < 4 and time.time() < deadline:
-        time.sleep(0.05)
+    want, streams = streaming(engine, serving_reference, params, 4)
     ray.get(engine.drill.remote("kill_worker", [2]))
 
     def wait_for(status: str) -> dict:

@@ -78,45 +78,19 @@ def next_token(logits_V: torch.Tensor, params: SamplingParams, seed: int, counte
                              torch.tensor([counter], device=dev))[0])
 
 
-class StopChecker:
-    """Stop strings over a growing output, checked incrementally: each new token looks only at the bytes that can
-    complete a stop string (the tail as long as the longest one), never at the whole output again."""
-
-    def __init__(self, stop: tuple[str, ...]):
-        self.stops = [s.encode("utf-8") for s in stop if s]
-        self.longest = max((len(s) for s in self.stops), default=0)
-        self.cut: int | None = None  # where the first stop string starts in the output bytes, once found
-
-    def feed(self, output_ids: list[int]) -> bool:
-        """The last token was just appended to output_ids (byte tokens): True once a stop string has appeared."""
-        if self.cut is not None or not self.stops:
-            return self.cut is not None
-        start = max(0, len(output_ids) - self.longest)
-        tail = bytes(output_ids[start:])
-        hits = [i for i in (tail.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.cut = start + min(hits)
-        return self.cut is not None
-
-
 def finish_reason(output_ids: list[int], params: SamplingParams, eos: int, context_left: int,
                   stops=None) -> str | None:
     """'stop' (end-of-text token or a stop string in the output), 'length' (max_tokens or the context is full), or
-    None while the generation goes on. `stops`: the request's incremental checker (made here if not given): a
-    StopChecker over byte tokens, or the request's k3ray.tokenizer.Detokenizer (stop strings met on the text)."""
+    None while the generation goes on. `stops`: the request's k3ray.tokenizer.Detokenizer, which meets stop strings
+    on the text as tokens arrive; without one (the reference), the output's bytes are searched whole."""
     if output_ids and output_ids[-1] == eos:
         return "stop"
-    if params.stop and (stops or _full_checker(output_ids, params)).feed(output_ids):
+    if params.stop and (stops.feed(output_ids) if stops is not None else stop_index(output_ids, params.stop)
+                        is not None):
         return "stop"
     if len(output_ids) >= params.max_tokens or context_left <= 0:
         return "length"
     return None
-
-
-def _full_checker(output_ids: list[int], params: SamplingParams) -> StopChecker:
-    checker = StopChecker(params.stop)
-    checker.longest = max(checker.longest, len(output_ids))  # one look at the whole output
-    return checker
 
 
 def stop_index(output_ids: list[int], stop: tuple[str, ...]) -> int | None:

@@ -89,8 +89,9 @@ class StageServer:
                             device=self.device)
             if T:
                 dist.recv(x, self.prev_rank, group=self.world)
-        if self.graphs is not None and n and max(plan.counts) == 1:
-            out, tokens, maxabs = self.graphs.run(plan, x)
+        replayed = self.graphs.run(plan, x) if self.graphs is not None and n and max(plan.counts) == 1 else None
+        if replayed is not None:
+            out, tokens, maxabs = replayed
         else:
             cache = IterationCache.from_plan(self.pools, plan.slots, plan.starts, plan.counts, self.device)
             if self.stage.is_first:
@@ -129,30 +130,26 @@ class StageServer:
 
 class DecodeGraphs:
     """CUDA graphs of a stage's decode iteration, one per (batch bucket B, context bucket Lc, greedy or sampled),
-    captured on first use
-    and replayed: the iteration's inputs are copied into the graph's static buffers, padded to B with rows that read
-    and write only the scratch slot and page. Stages whose MoE exchanges experts between ranks (ep > 1: the
-    exchange's splits come from the host) run eagerly; so do prefill chunks."""
+    captured on first use and replayed: the iteration's inputs are copied into the graph's static buffers, padded to
+    B with rows that read and write only the scratch slot and page. Stages whose MoE exchanges experts between ranks
+    (ep > 1: the exchange's splits come from the host) run eagerly; so do prefill chunks."""
 
     def __init__(self, server: StageServer):
         self.server = server
-        self.graphs: dict[tuple[int, int], tuple] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple] = {}
         self.pool = torch.cuda.graph_pool_handle()
         # experts exchanged between EP ranks: the exchange's splits come from the host, so no graph
         self.enabled = all(getattr(getattr(moe.experts, "ctx", None), "num_ranks", 1) == 1
                            for moe in server.stage.moe_layers().values())
 
     def run(self, plan: RankPlan, x: torch.Tensor | None):
-        server = self.server
-        pools = server.pools
+        """The decode iteration replayed: (output, tokens, max-abs) as `StageServer.forward` gives them, or None
+        where no graph serves it (graphs off for this stage, or a batch past the largest bucket): run it eagerly."""
+        pools = self.server.pools
         n = len(plan.slots)
         bucket = next((b for b in BATCH_BUCKETS if b >= n), None)
         if not self.enabled or bucket is None or bucket > pools.slots:
-            cache = IterationCache.from_plan(pools, plan.slots, plan.starts, plan.counts, server.device)
-            if x is None:
-                x = torch.tensor(plan.tokens, dtype=torch.int64, device=server.device)[None]
-            return server.forward(x, cache, torch.tensor(plan.counters, dtype=torch.int64, device=server.device),
-                                  plan.greedy)
+            return None
         context = pools.context_bucket(max(plan.starts) + 1)
         key = (bucket, context, plan.greedy)
         if key not in self.graphs:
@@ -161,7 +158,7 @@ class DecodeGraphs:
             except RuntimeError as err:  # a kernel that cannot be captured: this stage decodes eagerly from now on
                 log.warning("decode CUDA graphs off for this stage: the capture failed: %s", err)
                 self.enabled = False
-                return self.run(plan, x)
+                return None
         graph, inputs, outputs = self.graphs[key]
         pad = bucket - n
         host = torch.tensor([plan.slots + [pools.scratch_slot] * pad, plan.starts + [0] * pad,
