@@ -253,6 +253,11 @@ def _control_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="JSON output for scripts")
 
 
+def _serve_args(p: argparse.ArgumentParser, help_: str) -> None:
+    p.add_argument("--serve", metavar="URL", help=help_)
+    p.add_argument("--api-key-file", metavar="F", help="that endpoint's API key (else $K3RAY_API_KEY)")
+
+
 def _ray_jobs_address(p: argparse.ArgumentParser) -> None:
     p.add_argument("--address", default=os.environ.get("RAY_DASHBOARD_ADDRESS", "http://127.0.0.1:8265"),
                    help="Ray dashboard (Jobs API) address")
@@ -360,20 +365,21 @@ def build_parser() -> argparse.ArgumentParser:
         cp = sub.add_parser(name, help=help_)
         _control_args(cp)
         cp.set_defaults(func=func)
-        if name in ("status", "incidents"):
-            cp.add_argument("--serve", metavar="URL", help=f"the {name} of a `k3ray serve` endpoint instead")
-            cp.add_argument("--api-key-file", metavar="F", help="that endpoint's API key (else $K3RAY_API_KEY)")
+        if name in ("status", "incidents", "placement", "audit"):
+            _serve_args(cp, f"the {name} of a `k3ray serve` endpoint instead")
 
     pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")
     psub = pol.add_subparsers(dest="policy_command", required=True)
     get = psub.add_parser("get", help="show all policies or one")
     get.add_argument("name", nargs="?")
     _control_args(get)
+    _serve_args(get, "the policies of a `k3ray serve` endpoint instead")
     get.set_defaults(func=client.cmd_policy_get)
     put = psub.add_parser("set", help="change fields of one policy: k3ray policy set moonep enabled=false")
     put.add_argument("name")
     put.add_argument("values", nargs="+", metavar="KEY=VALUE", help="values are YAML: true, 2, 0.5, null")
     _control_args(put)
+    _serve_args(put, "change a `k3ray serve` endpoint's policy instead (applied at its next iteration)")
     put.set_defaults(func=client.cmd_policy_set)
 
     dash = sub.add_parser("dashboards", help="Grafana dashboards generated from code")

@@ -137,20 +137,31 @@ def read_api_key(path: str | None) -> str | None:
     return os.environ.get(API_KEY_ENV) or None
 
 
-def _serving_stats(url: str, timeout: float, path: str = "/v1/stats", api_key_file: str | None = None):
+def _serving_stats(url: str, timeout: float, path: str = "/v1/stats", api_key_file: str | None = None,
+                   method: str = "GET", body: dict | None = None):
     key = read_api_key(api_key_file)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        r = httpx.get(f"{url.rstrip('/')}{path}", timeout=timeout, headers=headers)
+        r = httpx.request(method, f"{url.rstrip('/')}{path}", timeout=timeout, headers=headers, json=body)
     except httpx.HTTPError as err:
         raise ControlError(f"{url}: cannot reach the serving endpoint ({type(err).__name__}); is `k3ray serve` "
                            f"up?") from None
     if r.status_code == 401:
         raise ControlError(f"{url}{path}: {'the API key was refused' if key else 'needs an API key'} (pass "
                            f"--api-key-file F or set {API_KEY_ENV})")
+    if r.status_code in (400, 404):  # a bad request: the engine's one line names what is wrong
+        try:
+            detail = r.json().get("detail", r.text)
+        except ValueError:
+            detail = r.text
+        raise ControlError(f"{url}{path}: {detail}")
     if r.status_code != 200:
         raise ControlError(f"{url}{path}: HTTP {r.status_code}: {r.text[:200]}")
     return r.json()
+
+
+def _on_serve(args, path: str, method: str = "GET", body: dict | None = None):
+    return _serving_stats(args.serve, args.timeout, path, args.api_key_file, method, body)
 
 
 def _serving_text(s: dict) -> str:
@@ -163,23 +174,51 @@ def _serving_text(s: dict) -> str:
 
 
 def cmd_placement(args) -> int:
+    if getattr(args, "serve", None):
+        _show(args, _on_serve(args, "/v1/placement"), _serving_placement_text)
+        return 0
     _show(args, Client.from_args(args).request("GET", "/v1/placement"), _placement_text)
     return 0
 
 
+def _serving_placement_text(p: dict) -> str:
+    """Per-rank table (homes, copies, load under the copies and without), per-expert load, balancedness, moves."""
+    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    ranks = range(len(p["copies"]))
+    home_only = None
+    if p["expert_load"] is not None:
+        home_only = [sum(l for l, h in zip(p["expert_load"], p["home"]) if h == r) for r in ranks]
+    rows = [[r, " ".join(str(e) for e, h in enumerate(p["home"]) if h == r), " ".join(map(str, p["copies"][r])) or "-",
+             "-" if p["rank_load"] is None else f"{p['rank_load'][r]:.1f}",
+             "-" if home_only is None else f"{home_only[r]:.1f}"] for r in ranks]
+    lines = [_table(rows, ["rank", "home experts", "copies", "load", "load (home only)"]), ""]
+    if p["expert_load"] is not None:
+        lines.append("expert load  " + " ".join(f"{e}:{l:.0f}" for e, l in enumerate(p["expert_load"])))
+    lines.append(f"balancedness {fmt(p['balancedness'])} (home only {fmt(p['balancedness_home_only'])}; mean/max "
+                 f"rank load) at iteration {p['iteration']}")
+    if p["moving"] is not None:
+        lines.append(f"moving       copies {p['moving']['copies']} (fetching {p['moving']['fetch']})")
+    for m in p["moves"][-5:]:
+        lines.append(f"move         {fmt(m['balancedness_before'])} -> {fmt(m['balancedness_after'])}, "
+                     f"{m['bytes_moved']:,} bytes, {m['seconds_decision_to_switch']:.3f}s decision -> switch"
+                     + (f", dropped on ranks {sorted(m['failed'])}" if m["failed"] else ""))
+    return "\n".join(lines)
+
+
 def cmd_policy_get(args) -> int:
-    client = Client.from_args(args)
-    if args.name:
-        _show(args, client.request("GET", f"/v1/policies/{args.name}"), lambda d: _policies_text({args.name: d}))
-    else:
-        _show(args, client.request("GET", "/v1/policies"), _policies_text)
+    path = f"/v1/policies/{args.name}" if args.name else "/v1/policies"
+    data = _on_serve(args, path) if getattr(args, "serve", None) else Client.from_args(args).request("GET", path)
+    _show(args, data, (lambda d: _policies_text({args.name: d})) if args.name else _policies_text)
     return 0
 
 
 def cmd_policy_set(args) -> int:
-    change = Client.from_args(args).request("PUT", f"/v1/policies/{args.name}", parse_assignments(args.values, "enabled=false or slots_per_rank=2"))
+    values = parse_assignments(args.values, "enabled=false or slots_per_rank=2")
+    path = f"/v1/policies/{args.name}"
+    serving = bool(getattr(args, "serve", None))
+    change = _on_serve(args, path, "PUT", values) if serving else Client.from_args(args).request("PUT", path, values)
     _show(args, change, lambda c: f"{c['policy']}: " + " ".join(f"{k}={v}" for k, v in c["value"].items())
-          + f"  (applies at step {c['applies_at_step']})")
+          + f"  (applies at {'iteration' if serving else 'step'} {c['applies_at_step']})")
     return 0
 
 
@@ -192,6 +231,9 @@ def cmd_incidents(args) -> int:
 
 
 def cmd_audit(args) -> int:
+    if getattr(args, "serve", None):
+        _show(args, _on_serve(args, "/v1/audit"), _events_text)
+        return 0
     _show(args, Client.from_args(args).request("GET", "/v1/audit"), _events_text)
     return 0
 

@@ -2,7 +2,9 @@
 (k3ray.controller.serve_engine), which drives the worker grid.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent events, ending in
-`data: [DONE]`), GET /v1/models, GET /health, GET /v1/stats and /v1/incidents (the serving view and incident log). Ingress replicas scale apart from the engine (`--replicas`).
+`data: [DONE]`), GET /v1/models, GET /health, GET /v1/stats and /v1/incidents (the serving view and incident log), GET
+/v1/placement (expert load, copies, balancedness), GET /v1/policies[/NAME], PUT /v1/policies/NAME (live policies,
+applied at the next iteration) and GET /v1/audit. Ingress replicas scale apart from the engine (`--replicas`).
 
 Limits, enforced here before the engine sees a request: max_tokens <= serve.max_tokens; prompt + max_tokens within
 the model's context (max_seq_len); the engine's queue holds serve.max_waiting requests, beyond that 429 with
@@ -176,6 +178,48 @@ class OpenAIIngress:
         if (denied := self._denied(request)) is not None:
             return denied
         return await self.engine.incident_log.remote()
+
+    @app.get("/v1/policies")
+    async def policies(self, request: Request):
+        """The engine's live policies (`k3ray policy get --serve URL`)."""
+        return await self._engine_answer(request, "policies")
+
+    @app.get("/v1/policies/{name}")
+    async def policy(self, name: str, request: Request):
+        return await self._engine_answer(request, "policies", name)
+
+    @app.put("/v1/policies/{name}")
+    async def set_policy(self, name: str, request: Request):
+        """Change fields of one policy (`k3ray policy set NAME k=v --serve URL`): validated, audited, applied at
+        the next iteration; 400 naming the field for a bad value, 404 for an unknown policy."""
+        if (denied := self._denied(request)) is not None:
+            return denied
+        try:
+            params = json.loads(await request.body())
+        except ValueError:
+            params = None
+        if not isinstance(params, dict):
+            return _error(400, "body: a JSON object of policy fields, e.g. {\"enabled\": false}", "body")
+        return await self._engine_answer(request, "set_policy", name, params, "serve-api")
+
+    @app.get("/v1/audit")
+    async def audit(self, request: Request):
+        """Every policy change: what, when, from where, at which iteration it applied."""
+        return await self._engine_answer(request, "policy_audit")
+
+    @app.get("/v1/placement")
+    async def placement(self, request: Request):
+        """Expert placement (`k3ray placement --serve URL`): per-expert load, copies, balancedness, moves."""
+        return await self._engine_answer(request, "placement_view")
+
+    async def _engine_answer(self, request: Request, method: str, *args):
+        """The engine's `method(*args)` for an authorised request; its {'error', 'status'} as that HTTP status."""
+        if (denied := self._denied(request)) is not None:
+            return denied
+        answer = await getattr(self.engine, method).remote(*args)
+        if isinstance(answer, dict) and "error" in answer and "status" in answer:
+            return JSONResponse({"detail": answer["error"]}, status_code=answer["status"])
+        return answer
 
     @app.get("/v1/models")
     async def models(self, request: Request):

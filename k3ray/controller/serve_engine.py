@@ -33,8 +33,10 @@ import ray
 from k3ray.config import JobConfig
 from k3ray.controller.checkpointing import serving_weights
 from k3ray.controller.drills import clear, inject
+from k3ray.controller.live_policies import LivePolicies
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.controller.serve_grid import ServingGrid
+from k3ray.controller.serve_placement import ServePlacement
 from k3ray.controller.worker_group import WorkerLost
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import PoolSizes
@@ -87,6 +89,8 @@ class Engine:
         self.serving: asyncio.Event | None = None  # set while a grid serves
         self.spares_checked = time.monotonic()
         self.failures_in_row = 0  # grid calls that failed, no worker lost, since the last that did not
+        self.live = LivePolicies(cfg.policies)  # changes through the front door, applied between iterations
+        self.placement = ServePlacement(cfg.model.n_experts)  # read-only copies of hot experts, moved live
 
     def ready(self) -> dict:
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
@@ -214,6 +218,7 @@ class Engine:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
+            await self._at_boundary()
             t0 = time.perf_counter()
             plans = self.sched.schedule()
             try:
@@ -249,7 +254,9 @@ class Engine:
         are started where there is room. An observer that fails is logged, never the end of the loop."""
         for observer in self.observers:
             self._observe(observer, "iteration", changed, self.sched, seconds)
-        if self.observers and self.iterations % self.observers[0].expert_load_every == 0:
+        replication = self.cfg.policies.replication
+        for_placement = self.placement.due(self.iterations, replication)
+        if for_placement or self.observers and self.iterations % self.observers[0].expert_load_every == 0:
             try:
                 loads = await self._on_grid(self.grid.expert_load)
             except Exception:  # noqa: BLE001 - not a lost worker (those are recovered): the next iteration shows
@@ -257,6 +264,8 @@ class Engine:
                 loads = None
             for observer in self.observers if loads is not None else ():
                 self._observe(observer, "expert_load", loads)
+            if loads is not None and for_placement:
+                self.placement.observe(loads, replication)
         if time.monotonic() - self.spares_checked > SPARES_CHECK_S:
             self.spares_checked = time.monotonic()
             try:
@@ -331,6 +340,57 @@ class Engine:
         log.warning("serving: %s on pp=%d x ep=%d in %.2fs, %d requests to prefill again",
                     "relaunched" if fields.get("action") == "relaunch" else "recovered", self.grid.pp, self.grid.ep,
                     time.perf_counter() - t0, incident["requeued"])
+
+    # -- live policies and expert placement -------------------------------------------------------------------------
+    async def _at_boundary(self) -> None:
+        """Between two iterations: queued policy changes take effect, a placement move is decided (its copies are
+        fetched in the background), and a move whose fetches all ended switches every worker to its table."""
+        try:
+            changed = self.live.take_pending(self.iterations)
+            if changed & {"moonep", "scheduling"}:
+                await self._on_grid(self.grid.group.call, "set_policies", self.cfg.policies.model_dump())
+            if "replication" in changed or self.placement.decide_next:
+                self.placement.start(self.grid, self.cfg.policies.replication)
+            record = self.placement.ready(self.grid)
+            if record is not None and await self._on_grid(self.grid.use_copies, record["copies"]):
+                self.placement.switched(record, self.iterations)
+                log.info("serving placement: switched to copies %s (balancedness %s -> %s, %d bytes fetched)",
+                         record["copies"], record["balancedness_before"], record["balancedness_after"],
+                         record["bytes_moved"])
+        except Exception as err:  # noqa: BLE001 - placement and policies are optimisations: serving goes on
+            log.exception("serving: applying policies or a placement move failed")
+            self._incident("placement_failed", action="kept the placement", why=f"{type(err).__name__}: {err}")
+
+    def policies(self, name: str | None = None) -> dict:
+        """The live policies (changes waiting for the next iteration on top), or {'error', 'status': 404}."""
+        try:
+            return self.live.get(name)
+        except KeyError as err:
+            return {"error": err.args[0], "status": 404}
+
+    def set_policy(self, name: str, params: dict, source: str = "api") -> dict:
+        """Validate a change to one policy and apply it at the next iteration (audited): {'policy', 'value',
+        'applies_at_step'}, or {'error', 'status'}: 404 for an unknown policy, 400 naming the field for a bad value;
+        nothing changes then."""
+        try:
+            return self.live.set(name, params, source, self.iterations)
+        except KeyError as err:
+            return {"error": err.args[0], "status": 404}
+        except ValueError as err:
+            return {"error": str(err), "status": 400}
+
+    def policy_audit(self) -> list[dict]:
+        return self.live.audit_log()
+
+    def placement_view(self) -> dict:
+        """`k3ray placement --serve`: per-expert load, homes, copies, rank loads, balancedness, moves."""
+        return {**self.placement.view(self.grid), "iteration": self.iterations}
+
+    def rebalance(self) -> bool:
+        """Decide a placement move from the load after the next iteration instead of waiting for
+        replication.every_n_steps (with replication enabled)."""
+        self.placement.ask()
+        return True
 
     # -- availability --------------------------------------------------------------------------------------------
     def _go_down(self, reason: str) -> None:

@@ -77,6 +77,27 @@ class ServingGrid:
                 self.load += torch.tensor(counts, dtype=torch.float64)
         return loads
 
+    def stage_copies(self, fetch: list[list[int]]) -> dict[int, int | str]:
+        """EP rank e's workers (every stage) fetch read-only copies of the experts fetch[e] from the held weights,
+        beside the iterations (a worker's second thread). Per EP rank with something to fetch: the bytes fetched,
+        or why it failed (its copies are then dropped; a lost worker is the iterations' to find and recover)."""
+        out: dict[int, int | str] = {}
+        for e, experts in enumerate(fetch):
+            if not experts:
+                continue
+            try:
+                got = self.group.call_each("stage_copies", {p * self.ep + e: (experts, self.weights)
+                                                            for p in range(self.pp)})
+                out[e] = sum(got.values())
+            except Exception as err:  # noqa: BLE001 - a copy that did not arrive is dropped, nothing else changes
+                out[e] = f"{type(err).__name__}: {err}"
+        return out
+
+    def use_copies(self, table: list[list[int]]) -> bool:
+        """Every worker switches to the copy table (between two iterations)."""
+        self.group.call("use_copies", table)
+        return True
+
     def recover(self, lost: WorkerLost, attempts: int = 3) -> dict:
         """Replace the grid that lost workers by the one the recovery policy decides on: rebuilt in place around
         ready hot spares where they take the lost ranks' places, else launched anew; loaded from the held weights

@@ -231,3 +231,15 @@ class Worker:
     @fenced
     def expert_load(self) -> dict[int, list[int]]:
         return self.server.expert_load()
+
+    @fenced
+    def stage_copies(self, experts: list[int], *states) -> int:
+        """Fetch read-only copies of `experts` from the held weights (object refs, resolved by Ray before this runs)
+        beside the iterations; the bytes fetched."""
+        return self.engine.stage_copies(experts, [as_state(s) for s in states])
+
+    @fenced
+    def use_copies(self, table: list[list[int]]) -> bool:
+        """Switch to a copy table between two iterations (k3ray.parallel.engine.StageEngine.use_copies)."""
+        self.engine.use_copies(table)
+        return True

@@ -34,7 +34,7 @@ from k3ray.model.layers import Documents
 from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, stage_layers
 from k3ray.optim import AdamW, clip_coefficient, lr_at
 from k3ray.parallel import shards
-from k3ray.parallel.ep import EPContext, ExpertParallelExperts
+from k3ray.parallel.ep import EPContext, ExpertCopies, ExpertParallelExperts
 from k3ray.parallel.pipeline import one_f_one_b
 from k3ray.parallel.step import activation_stats, lm_loss, update_router_bias
 from k3ray.policies import recovery
@@ -81,6 +81,7 @@ class StageEngine:
         self._world = self._ep_group = None  # this generation's groups: every collective names one (init_process_groups)
         self.left = False  # the grid was left: its groups are gone, and asking for them raises LeftGrid
         self.init_weights = init_weights  # False when a restore follows: initialising would be wasted time
+        self.staged_copies: dict[int, dict[int, tuple]] = {}  # layer -> expert -> (w1, w2) fetched, not yet used
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def init_process_groups(self, init_method: str, backend: str, generation: int = 0) -> None:
@@ -340,6 +341,37 @@ class StageEngine:
     def set_policies(self, policies: PoliciesConfig) -> None:
         """The data-path policies from now on: the EP placement planner and the expert-GEMM order."""
         self.ctx.set_policies(policies)
+
+    # -- read-only expert copies (serving) -------------------------------------------------------------------------
+    @torch.no_grad()
+    def stage_copies(self, experts: list[int], states: list[dict]) -> int:
+        """Fetch copies of `experts` for every MoE layer of the stage from whole-stage states (their expert
+        payloads) and hold them aside until `use_copies`; returns the bytes fetched. Safe beside an iteration: the
+        live copies are not touched."""
+        staged, nbytes = {}, 0
+        for i, moe in self.stage.moe_layers().items():
+            shard = moe.experts.shard
+            w = shards.read_only_copies([s["experts"][i] for s in states], experts, shard.w1.device, shard.w1.dtype)
+            staged[i] = dict(zip(experts, zip(w["w1"], w["w2"])))
+            nbytes += sum(t.numel() * t.element_size() for t in w.values())
+        self.staged_copies = {i: {**self.staged_copies.get(i, {}), **rows} for i, rows in staged.items()}
+        return nbytes
+
+    def use_copies(self, table: list[list[int]]) -> None:
+        """Switch to the copy table (R lists of expert ids, the same on every rank): this rank keeps the copies it
+        holds or staged that the table names, drops the rest, and plans with the table from the next layer on."""
+        mine = sorted(table[self.ep_rank])
+        for i, moe in self.stage.moe_layers().items():
+            held = {} if moe.experts.copies is None else dict(zip(moe.experts.copies.expert_ids,
+                                                                  zip(moe.experts.copies.w1, moe.experts.copies.w2)))
+            rows = {**held, **self.staged_copies.get(i, {})}
+            missing = [e for e in mine if e not in rows]
+            if missing:
+                raise ValueError(f"layer {i}: the copy table names experts {missing} this rank never fetched")
+            moe.experts.copies = None if not mine else ExpertCopies(
+                mine, torch.stack([rows[e][0] for e in mine]), torch.stack([rows[e][1] for e in mine]))
+        self.staged_copies = {}
+        self.ctx.set_copies(table)
 
     # -- whole-worker state (snapshots, checkpoints, restore onto another topology) ------------------------------
     def state_tensors(self, dense: bool = True) -> dict:

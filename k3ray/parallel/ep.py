@@ -4,7 +4,9 @@ Notation: R EP ranks, E experts, K top-k, T local tokens, D = d_latent. Per micr
   1. all-gather tokens_per_expert [R, E] (every rank then holds the same counts);
   2. plan alloc [E, R] with the worker's Planner (k3ray.policies.planner: MoonEP when enabled, else every expert on
      its home rank), and this rank's slices of the send matrix: what it sends [E, R] and receives [R, E];
-  3. replica weights travel home -> computing rank (all-to-all; autograd returns their gradients home);
+  3. replica weights travel home -> computing rank (all-to-all; autograd returns their gradients home), unless the
+     computing rank holds a read-only copy of the expert (serving: `ExpertCopies`, placed by
+     k3ray.policies.copies);
   4. routes are scattered straight into the send buffer (ordered by destination rank, then expert), all-to-all,
      regrouped by expert, the grouped expert FFN, then the reverse path and a weighted sum per token.
 Every rank derives the same plan from the same counts, so splits agree without further negotiation.
@@ -21,6 +23,7 @@ from torch import nn
 from k3ray.config import ModelConfig, PoliciesConfig
 from k3ray.kernels import grouped_expert_ffn, permute_rows, unpermute_rows
 from k3ray.model.moe import ExpertShard, route_order
+from k3ray.policies import copies as copies_policy
 from k3ray.policies import moonep
 from k3ray.policies.planner import Planner, build_gemm_order, build_planner
 
@@ -43,10 +46,21 @@ class Exchange:
     group_order: torch.Tensor | None  # order the expert GEMMs run in (scheduling policy), None = kernel default
     home_rows: list[int]  # per computed expert: row in my shard, or -1 for a received replica
     replica_rows: list[int]  # per computed expert: row in the received-weights buffer, or -1
+    copy_rows: list[int]  # per computed expert: row in my read-only copies, or -1
     any_replicas: bool  # some rank computes a replica (then every rank joins the weight exchange)
     w_send_rows: list[int]  # my shard rows to send, destination-major
     w_in_splits: list[int]
     w_out_splits: list[int]
+    copies: "ExpertCopies | None" = None  # this rank's read-only copies of the layer (no gradient)
+
+
+@dataclass(frozen=True)
+class ExpertCopies:
+    """Read-only copies of some non-home experts of one MoE layer on one rank (serving): expert_ids [n] sorted,
+    w1 [n, d_latent, 2I], w2 [n, I, d_latent] (the shard's layout)."""
+    expert_ids: list[int]
+    w1: torch.Tensor
+    w2: torch.Tensor
 
 
 class _ExpertExchange(torch.autograd.Function):
@@ -72,13 +86,21 @@ class _ExpertExchange(torch.autograd.Function):
             if received is not None:  # every rank joins the weight exchange once any rank computes a replica
                 received_l = received.detach().requires_grad_(build_graph)
                 leaves.append(received_l)
-            if any(r >= 0 for r in ex.replica_rows):  # replicas computed here: weights from shard + received
+            if any(r >= 0 for r in ex.replica_rows + ex.copy_rows):  # weights from shard + copies + received
                 # One gather per weight, so each is contiguous: the expert GEMMs then read it through TMA, the
                 # same compiled kernels as without replicas.
-                n1 = shape1.numel()
-                rows = [h if h >= 0 else w1.shape[0] + r for h, r in zip(ex.home_rows, ex.replica_rows)]
-                gw1 = torch.cat([w1_l.flatten(1), received_l[:, :n1]])[rows].view(-1, *shape1)
-                gw2 = torch.cat([w2_l.flatten(1), received_l[:, n1:]])[rows].view(-1, *shape2)
+                n1, n_copies = shape1.numel(), 0 if ex.copies is None else len(ex.copies.expert_ids)
+                rows = [h if h >= 0 else w1.shape[0] + c if c >= 0 else w1.shape[0] + n_copies + r
+                        for h, c, r in zip(ex.home_rows, ex.copy_rows, ex.replica_rows)]
+                parts1, parts2 = [w1_l.flatten(1)], [w2_l.flatten(1)]
+                if n_copies:
+                    parts1.append(ex.copies.w1.flatten(1))
+                    parts2.append(ex.copies.w2.flatten(1))
+                if received is not None:
+                    parts1.append(received_l[:, :n1])
+                    parts2.append(received_l[:, n1:])
+                gw1 = torch.cat(parts1)[rows].view(-1, *shape1)
+                gw2 = torch.cat(parts2)[rows].view(-1, *shape2)
             elif ex.home_rows == list(range(w1.shape[0])):  # the whole shard, in order: no copy
                 gw1, gw2 = w1_l, w2_l
             else:
@@ -118,12 +140,25 @@ class EPContext:
         self.group, self.rank, self.num_ranks = group, rank, num_ranks
         self.home = home  # [E] int64 home rank of every expert (the placement table's view for this stage)
         self.model = model
+        self.copies: list[list[int]] = [[] for _ in range(num_ranks)]  # experts each rank holds read-only copies of
+        self.copy_held = torch.zeros(num_ranks, home.numel(), dtype=torch.bool)  # [R, E] the same as a mask
         self.set_policies(policies or PoliciesConfig())
         self.comm_seconds = 0.0  # time inside dispatch/combine collectives since the last reset
 
     def set_policies(self, policies: PoliciesConfig) -> None:
-        self.planner: Planner = build_planner(policies, self.model)
+        self.policies = policies
+        holders = copies_policy.holders_of(self.home.tolist(), self.copies) if any(self.copies) else None
+        self.planner: Planner = build_planner(policies, self.model, holders)
         self.gemm_order = build_gemm_order(policies)  # rows per group [G] -> GEMM order; None: the kernel's own
+
+    def set_copies(self, copies: list[list[int]]) -> None:
+        """The copy table from now on (the same on every rank of the group; each layer's `ExpertCopies` set with
+        it): R lists of expert ids."""
+        self.copies = [sorted(c) for c in copies]
+        self.copy_held = torch.zeros(self.num_ranks, self.home.numel(), dtype=torch.bool)
+        for r, experts in enumerate(self.copies):
+            self.copy_held[r, experts] = True
+        self.set_policies(self.policies)
 
 
 def _positions(counts_ED: torch.Tensor) -> torch.Tensor:
@@ -136,6 +171,7 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, shard: ExpertShard, ctx: EPContext):
         super().__init__()
         self.shard, self.ctx = shard, ctx
+        self.copies: ExpertCopies | None = None  # read-only copies held here (EPContext.copies[rank] names them)
         self.rank_load: torch.Tensor | None = None  # [R] rows computed per rank, summed over the step
         self.tokens_per_rank_expert: torch.Tensor | None = None  # [R, E] summed over the step
 
@@ -193,7 +229,7 @@ class ExpertParallelExperts(nn.Module):
         ex = Exchange(in_splits=in_splits, out_splits=out_splits, to_group=to_group, from_group=from_group,
                       group_ends=rows_per_group.cumsum(0).to(device=dev, dtype=torch.int32),
                       group_order=None if ctx.gemm_order is None else ctx.gemm_order(rows_per_group).to(dev),
-                      **self._weight_routes(groups, alloc))
+                      copies=self.copies, **self._weight_routes(groups, alloc))
         send_buf = permute_rows(h_TD, dest, flat.numel())
         back = _ExpertExchange.apply(send_buf, self.shard.w1, self.shard.w2, ex, ctx.group,
                                      torch.is_grad_enabled(), self._timed)
@@ -216,7 +252,7 @@ class ExpertParallelExperts(nn.Module):
         ctx, me = self.ctx, self.ctx.rank
         R, E = ctx.num_ranks, ctx.home.numel()
         ranks = torch.arange(R)[:, None]
-        replica = (alloc.t() > 0) & (ctx.home[None, :] != ranks)  # [R_dst, E]
+        replica = (alloc.t() > 0) & (ctx.home[None, :] != ranks) & ~ctx.copy_held  # [R_dst, E] weights to move
         shard_row = {e: i for i, e in enumerate(self.shard.expert_ids)}
         mine_to = [(replica[d] & (ctx.home == me)).nonzero().flatten().tolist() for d in range(R)]
         my_replicas = replica[me].nonzero().flatten()
@@ -224,8 +260,10 @@ class ExpertParallelExperts(nn.Module):
         recv_order = my_replicas[torch.argsort(from_home * E + my_replicas)].tolist()
         recv_row = {e: i for i, e in enumerate(recv_order)}
         g = groups.tolist()
+        copy_row = {} if self.copies is None else {e: i for i, e in enumerate(self.copies.expert_ids)}
         return {
             "home_rows": [shard_row.get(e, -1) for e in g],
+            "copy_rows": [copy_row.get(e, -1) if e not in shard_row else -1 for e in g],
             "replica_rows": [recv_row.get(e, -1) for e in g],
             "any_replicas": bool(replica.any()),
             "w_send_rows": [shard_row[e] for d in range(R) for e in mine_to[d]],

@@ -86,3 +86,15 @@ def load_weights(stage: K3Stage, opt: AdamW, dense_state: dict, expert_payloads:
         if set(shard.expert_ids) != mine:
             raise ValueError(f"layer {layer}: restore gave experts {shard.expert_ids}, placement says "
                              f"{sorted(mine)}")
+
+
+
+def read_only_copies(payloads: list[dict], expert_ids: list[int], device, dtype) -> dict[str, torch.Tensor]:
+    """{'w1', 'w2'}: the weights of `expert_ids` (non-empty, in that order) from payloads of any shards of one
+    layer, on `device` in `dtype` (no optimizer state: serving's read-only copies)."""
+    found = {e: (p, i) for p in payloads for i, e in enumerate(p["expert_ids"])}
+    missing = [e for e in expert_ids if e not in found]
+    if missing:
+        raise ValueError(f"no weights for experts {missing} in the payloads")
+    return {w: torch.stack([found[e][0][w][found[e][1]] for e in expert_ids]).to(device=device, dtype=dtype)
+            for w in WEIGHTS}

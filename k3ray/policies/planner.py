@@ -4,7 +4,8 @@ policies by `build_planner`.
 A placement policy is a module with a planner (`plan(tokens_per_expert [R, E], home [E], training) -> alloc [E, R]`),
 a policy section in `PoliciesConfig` with an `enabled` field, and its line in `PLANNERS` (built from that section and
 the model's shape). The first enabled one in `PLANNERS` plans; with none enabled every expert's tokens go to its home
-rank.
+rank. Read-only copies of experts in place (serving: k3ray.policies.copies) come first: while any expert has one,
+`CopiesPlanner` splits each expert's tokens over its holders and nothing else moves weights.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Callable, Protocol
 import torch
 
 from k3ray.config import ModelConfig, MoonEPPolicy, PoliciesConfig
-from k3ray.policies import moonep, scheduling
+from k3ray.policies import copies, moonep, scheduling
 from k3ray.policies.expert_cost import ExpertCost
 
 
@@ -53,13 +54,26 @@ class MoonEPPlanner:
         return moonep.plan(tokens_per_expert, self.slots_per_rank, home, cost).alloc.cpu()
 
 
+class CopiesPlanner:
+    """Each expert's tokens cut evenly over the ranks holding it (its home and its read-only copies)."""
+
+    def __init__(self, holders: list[list[int]]):
+        self.holders = holders
+
+    def plan(self, tokens_per_expert: torch.Tensor, home: torch.Tensor, training: bool) -> torch.Tensor:
+        return copies.copy_alloc(tokens_per_expert, self.holders)
+
+
 # policy name (a PoliciesConfig field) -> planner from that policy's config section and the model's shape
 PLANNERS: dict[str, Callable[..., Planner]] = {
     "moonep": MoonEPPlanner.from_config,
 }
 
 
-def build_planner(policies: PoliciesConfig, model: ModelConfig) -> Planner:
+def build_planner(policies: PoliciesConfig, model: ModelConfig, holders: list[list[int]] | None = None) -> Planner:
+    """holders [E]: the ranks holding each expert, where read-only copies are in place (None: homes only)."""
+    if holders is not None and any(len(h) > 1 for h in holders):
+        return CopiesPlanner(holders)
     for name, build in PLANNERS.items():
         policy = getattr(policies, name)
         if policy.enabled:

@@ -1,0 +1,82 @@
+"""Live expert placement in serving: the engine on pp=1 x ep=4 (float64, the shared serving checkpoint) takes a
+rebalance in the middle of 16 concurrent streams (read-only copies of the hot experts fetched in the background,
+the table switched between two iterations) and every request still ends with exactly the tokens of the
+single-process reference; policies change live through the engine, bad values are refused with the field named."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import ray
+
+from k3ray.controller.serve_engine import ServingEngine
+from k3ray.data import EOS, encode
+from k3ray.model.sampling import SamplingParams, visible_ids
+from tests.test_serving_faults import Stream
+
+PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in d.items():\n", "return ",
+           "if not path:\n    raise ValueError(", "@classmethod\n", "try:\n    pass\nexcept", "s = ", "while True:\n",
+           "print(", "with open(p) as f:\n", "# ", "yield ", "lambda x: "]
+SERVE = {"page_size": 4, "pages_per_rank": 64, "slots_per_rank": 4, "token_budget": 16, "max_waiting": 16,
+         "max_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def engine(serving_checkpoint):
+    engine = ServingEngine.options(num_cpus=0).remote(serving_checkpoint, 1, 4, SERVE)
+    ray.get(engine.ready.remote(), timeout=300)
+    try:
+        yield engine
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=120)
+        ray.kill(engine, no_restart=True)
+
+
+def test_a_rebalance_amid_16_streams_changes_no_token_and_fails_no_request(engine, serving_reference):
+    assert ray.get(engine.set_policy.remote("replication", {"enabled": True, "every_n_steps": 1000,
+                                                           "spare_slots_per_rank": 4}))["value"]["enabled"]
+    params = [{"max_tokens": 20 + i, "temperature": 0.0 if i % 3 else 0.8, "seed": 40 + i} for i in range(16)]
+    want = []
+    for p, kw in zip(PROMPTS, params):
+        sp = SamplingParams(**kw)
+        want.append(visible_ids(serving_reference(encode(p), sp)[0], sp, EOS))
+    streams = [Stream(engine, encode(p), kw) for p, kw in zip(PROMPTS, params)]
+    for s in streams:
+        s.start()
+    deadline = time.time() + 120
+    while sum(len(s.tokens()) >= 2 for s in streams) < 12 and time.time() < deadline:
+        time.sleep(0.05)
+    before = ray.get(engine.placement_view.remote())
+    assert before["copies"] == [[], [], [], []] and not before["moves"]
+    ray.get(engine.rebalance.remote())
+    for s in streams:
+        s.join(timeout=300)
+    for i, (s, w) in enumerate(zip(streams, want)):
+        assert not [item for _, item in s.items if "error" in item], f"request {i}"
+        assert s.tokens() == w, f"request {i} ({PROMPTS[i]!r}, {params[i]})"
+        assert s.items[-1][1]["finish"] in ("stop", "length")
+    after = ray.get(engine.placement_view.remote())
+    assert not ray.get(engine.incident_log.remote()), ray.get(engine.incident_log.remote())[0]["why"]
+    move, = after["moves"]
+    assert any(after["copies"]) and move["copies"] == after["copies"] and not move["failed"]
+    assert move["bytes_moved"] > 0 and move["balancedness_after"] > move["balancedness_before"]
+    for rank, experts in enumerate(after["copies"]):  # a copy is never of an expert the rank holds already
+        assert all(after["home"][e] != rank for e in experts) and len(experts) <= 4
+    # the switch came while requests streamed: iterations ran on the old table and on the new one
+    assert 0 < move["switched_at_iteration"] < ray.get(engine.stats.remote())["iterations"] - 5
+    print(f"\nplacement move: {move}")
+
+
+def test_policies_change_live_and_bad_values_are_refused_with_the_field_named(engine):
+    bad = ray.get(engine.set_policy.remote("replication", {"spare_slots_per_rank": -1}))
+    assert bad["status"] == 400 and "replication.spare_slots_per_rank" in bad["error"]
+    unknown_field = ray.get(engine.set_policy.remote("moonep", {"slots": 2}))
+    assert unknown_field["status"] == 400 and "moonep.slots" in unknown_field["error"]
+    unknown = ray.get(engine.set_policy.remote("nope", {"enabled": False}))
+    assert unknown["status"] == 404 and "unknown policy 'nope'" in unknown["error"]
+    assert ray.get(engine.policies.remote("moonep"))["enabled"] is True
+    change = ray.get(engine.set_policy.remote("moonep", {"enabled": False}, "test"))
+    assert change["value"]["enabled"] is False
+    assert ray.get(engine.policies.remote("moonep"))["enabled"] is False
+    audit = ray.get(engine.policy_audit.remote())
+    assert [(a["policy"], a["params"], a["source"]) for a in audit][-1] == ("moonep", {"enabled": False}, "test")
