@@ -264,7 +264,9 @@ def test_every_route_but_health_needs_the_api_key(server, monkeypatch, capsys):
         assert http.get("/openapi.json").status_code == http.get("/docs").status_code == 404
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             for method, path in (("GET", "/v1/models"), ("GET", "/v1/stats"), ("GET", "/v1/incidents"),
-                                 ("POST", "/v1/completions"), ("POST", "/v1/chat/completions")):
+                                 ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+                                 ("GET", "/v1/placement"), ("GET", "/v1/policies"), ("PUT", "/v1/policies/moonep"),
+                                 ("GET", "/v1/audit")):
                 r = http.request(method, path, headers=headers, json=body)
                 assert r.status_code == 401, (headers, path, r.text)
                 err = r.json()["error"]
@@ -290,6 +292,43 @@ def test_a_public_host_needs_a_key_or_insecure(tmp_path, monkeypatch, capsys):
     assert "empty" in capsys.readouterr().err
 
 
+def test_policies_and_placement_of_a_serving_job_from_the_cli(server, monkeypatch, capsys):
+    """`k3ray policy set|get`, `placement` and `audit` with --serve: a bad value is one line naming the field (exit
+    2, nothing changes); turning the replication policy on makes the engine place read-only copies of hot experts
+    while requests run, shown with the load and balancedness."""
+    _, info, url = server
+    monkeypatch.setenv("K3RAY_API_KEY", API_KEY)
+    with httpx.Client(base_url=url, timeout=60, headers=AUTH) as http:
+        assert http.put("/v1/policies/replication", content=b"[1]").status_code == 400
+        assert http.put("/v1/policies/nope", json={"enabled": True}).status_code == 404
+    capsys.readouterr()
+    assert main(["policy", "set", "replication", "spare_slots_per_rank=-1", "--serve", url]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "replication.spare_slots_per_rank" in err, err
+    assert main(["policy", "set", "replication", "enabled=true", "every_n_steps=2", "spare_slots_per_rank=2",
+                 "--serve", url]) == 0
+    assert "replication: enabled=True every_n_steps=2" in capsys.readouterr().out
+    assert main(["policy", "get", "replication", "--serve", url, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["spare_slots_per_rank"] == 2
+    body = {"model": info["model"], "prompt": "for i in range(", "max_tokens": 24}
+    deadline, view = time.time() + 120, {}
+    try:
+        with httpx.Client(base_url=url, timeout=60, headers=AUTH) as http:
+            while time.time() < deadline and not view.get("moves"):
+                assert http.post("/v1/completions", json=body).status_code == 200
+                assert main(["placement", "--serve", url, "--json"]) == 0
+                view = json.loads(capsys.readouterr().out)
+        assert view["moves"] and view["expert_load"] is not None and len(view["copies"]) == 2
+        assert main(["placement", "--serve", url]) == 0
+        text = capsys.readouterr().out
+        assert "home experts" in text and "balancedness" in text and "decision -> switch" in text
+        assert main(["audit", "--serve", url, "--json"]) == 0
+        audit = json.loads(capsys.readouterr().out)
+        assert audit[-1]["policy"] == "replication" and audit[-1]["applied"]
+    finally:
+        assert main(["policy", "set", "replication", "enabled=false", "--serve", url]) == 0
+
+
 def test_health_is_503_with_the_reason_while_the_grid_recovers(server):
     """Last in this module: the lost worker leaves the grid on pp=2 x ep=1."""
     engine, info, url = server
@@ -312,3 +351,4 @@ def test_health_is_503_with_the_reason_while_the_grid_recovers(server):
     assert done and done[0].usage.completion_tokens == 4
     lost = [i for i in ray.get(engine.incident_log.remote()) if i["kind"] == "worker_lost"]
     assert lost[-1]["ranks"] == [3] and lost[-1]["ep"] == [2, 1]
+
