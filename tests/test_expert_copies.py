@@ -1,5 +1,5 @@
 """Read-only expert copies (serving), Ray-free: the copy policy balances Zipf traffic within its slots and budget, the
-per-iteration split conserves tokens over an expert's holders, the EP exchange moves no weights for a copy, and a
+per-iteration split levels the ranks' load over an expert's holders, the EP exchange moves no weights for a copy, and a
 placement move whose fetch fails on a rank drops that rank's new copies only."""
 from __future__ import annotations
 
@@ -57,8 +57,12 @@ def test_each_experts_tokens_are_split_over_its_holders_and_conserved():
     assert torch.equal(alloc.sum(1), tpe.sum(0))
     for e in range(E):
         assert set(alloc[e].nonzero().flatten().tolist()) <= set(holders[e])
-        assert int(alloc[e].max() - alloc[e, holders[e]].min()) <= 1  # even
     assert torch.equal(alloc, copies.copy_alloc(tpe, holders))
+    # water-filling: expert 0's 40 tokens level ranks 0, 2 and 3 below rank 1's own 16 (experts 4-7 have no copy)
+    counts = torch.zeros(R, E, dtype=torch.int64)
+    counts[:, 0], counts[:, 4:8] = 10, 1
+    alloc = copies.copy_alloc(counts, copies.holders_of(HOME, [[], [0], [0], [0]]))
+    assert alloc.sum(0).tolist() == [14, 16, 13, 13] and alloc[0].tolist() == [14, 0, 13, 13]
 
 
 def test_the_exchange_moves_no_weights_for_an_expert_a_rank_holds_a_copy_of():

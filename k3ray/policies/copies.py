@@ -5,7 +5,8 @@ Notation: E experts, R EP ranks, S spare slots per rank. home [E] is fixed (the 
 `copies` is R lists of expert ids (at most S each, none homed on that rank, no repeats): rank r holds read-only
 copies of those experts. An expert's holders are its home and the ranks holding a copy, ascending.
 
-Model (EPLB's): an expert's load is split evenly over its holders. `place_copies` is greedy on that model: each
+Placement model (EPLB's): an expert's load is split evenly over its holders. At run time each iteration's tokens are
+water-filled over the holders instead (`copy_alloc`), which balances at least as well. `place_copies` is greedy on that model: each
 round adds the one copy that lowers the largest rank load most (ties: the lower sum of squared rank loads, then the
 lower expert id, then the lower rank), until no copy helps or the slots are full. Copies the current table already
 holds cost nothing to keep; copies it does not hold must be fetched, at most `moved_budget` of them (None: no
@@ -74,15 +75,34 @@ def place_copies(load: torch.Tensor, home: list[int], num_ranks: int, spare_slot
 
 
 def copy_alloc(tokens_per_expert: torch.Tensor, holders: list[list[int]]) -> torch.Tensor:
-    """alloc [E, R] int64: each expert's tokens (summed over the sources of tokens_per_expert [R, E]) cut evenly
-    over its holders, the remainder one each to the first holders. Every rank computes the same from the same
-    counts; which routes go to which holder follows (k3ray.policies.moonep.send_matrix), so the split is a pure
-    function of the iteration's routing."""
+    """alloc [E, R] int64 for one iteration's counts tokens_per_expert [R, E] (summed over the sources): an expert
+    with one holder goes whole to it; then the experts with copies, most tokens first, are water-filled over their
+    holders (the least loaded rank first, up to a common level; whole tokens, leftovers to the lowest ranks of the
+    level). Every rank computes the same from the same counts; which routes go to which holder follows
+    (k3ray.policies.moonep.send_matrix), so the split is a pure function of the iteration's routing."""
     num_ranks = tokens_per_expert.shape[0]
     total = tokens_per_expert.to(torch.int64).sum(0).tolist()
     alloc = torch.zeros(len(holders), num_ranks, dtype=torch.int64)
+    load = [0] * num_ranks
     for e, ranks in enumerate(holders):
-        share, extra = divmod(total[e], len(ranks))
-        for i, r in enumerate(ranks):
-            alloc[e, r] = share + (i < extra)
+        if len(ranks) == 1:
+            alloc[e, ranks[0]] = total[e]
+            load[ranks[0]] += total[e]
+    for e in sorted((e for e, h in enumerate(holders) if len(h) > 1), key=lambda e: (-total[e], e)):
+        ranks = sorted(holders[e], key=lambda r: (load[r], r))  # least loaded first
+        left, level, n = total[e], load[ranks[0]], 1
+        while left > 0:  # raise the level of the n least loaded holders, joining the next one when it is reached
+            step = left // n if n == len(ranks) else min(left // n, load[ranks[n]] - level)
+            if step == 0 and (n == len(ranks) or load[ranks[n]] > level):
+                for r in sorted(ranks[:n])[:left]:  # fewer tokens than holders at this level: lowest ranks
+                    alloc[e, r] += 1
+                    load[r] += 1
+                break
+            for r in ranks[:n]:
+                alloc[e, r] += level + step - load[r]
+                load[r] = level + step
+            left -= step * n
+            level += step
+            while n < len(ranks) and load[ranks[n]] <= level:
+                n += 1
     return alloc

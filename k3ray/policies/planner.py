@@ -55,7 +55,7 @@ class MoonEPPlanner:
 
 
 class CopiesPlanner:
-    """Each expert's tokens cut evenly over the ranks holding it (its home and its read-only copies)."""
+    """Each expert's tokens over the ranks holding it (its home and its read-only copies), levelling their load."""
 
     def __init__(self, holders: list[list[int]]):
         self.holders = holders
