@@ -368,6 +368,15 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("status", "incidents", "placement", "audit"):
             _serve_args(cp, f"the {name} of a `k3ray serve` endpoint instead")
 
+    sc = sub.add_parser("scale", help="resize a serving job's EP dimension between two iterations (no request "
+                                      "dropped)")
+    sc.add_argument("--ep", type=int, required=True, help="the new EP size (data-parallel ranks of the serving grid)")
+    sc.add_argument("--serve", metavar="URL", required=True, help="the `k3ray serve` endpoint (serving jobs only)")
+    sc.add_argument("--api-key-file", metavar="F", help="that endpoint's API key (else $K3RAY_API_KEY)")
+    sc.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the new grid")
+    sc.add_argument("--json", action="store_true", help="JSON output for scripts")
+    sc.set_defaults(func=client.cmd_scale)
+
     pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")
     psub = pol.add_subparsers(dest="policy_command", required=True)
     get = psub.add_parser("get", help="show all policies or one")

@@ -149,7 +149,7 @@ def _serving_stats(url: str, timeout: float, path: str = "/v1/stats", api_key_fi
     if r.status_code == 401:
         raise ControlError(f"{url}{path}: {'the API key was refused' if key else 'needs an API key'} (pass "
                            f"--api-key-file F or set {API_KEY_ENV})")
-    if r.status_code in (400, 404):  # a bad request: the engine's one line names what is wrong
+    if r.status_code in (400, 404, 409, 500):  # the engine's one line names what is wrong
         try:
             detail = r.json().get("detail", r.text)
         except ValueError:
@@ -227,6 +227,15 @@ def cmd_incidents(args) -> int:
         _show(args, _serving_stats(args.serve, args.timeout, "/v1/incidents", args.api_key_file), _events_text)
         return 0
     _show(args, Client.from_args(args).request("GET", "/v1/incidents"), _events_text)
+    return 0
+
+
+def cmd_scale(args) -> int:
+    """`k3ray scale --ep N --serve URL`: resize a serving grid's EP dimension (every request goes on)."""
+    change = _on_serve(args, "/v1/scale", "POST", {"ep": args.ep})
+    _show(args, change, lambda c: f"ep {c['ep'][0]} -> {c['ep'][1]}" + (
+        "" if c.get("action") == "none" else f" in {c['seconds']['total']:.2f}s, {c['requeued']} requests "
+                                             f"prefilled again"))
     return 0
 
 

@@ -4,7 +4,7 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent events, ending in
 `data: [DONE]`), GET /v1/models, GET /health, GET /v1/stats and /v1/incidents (the serving view and incident log), GET
 /v1/placement (expert load, copies, balancedness), GET /v1/policies[/NAME], PUT /v1/policies/NAME (live policies,
-applied at the next iteration) and GET /v1/audit. Ingress replicas scale apart from the engine (`--replicas`).
+applied at the next iteration), GET /v1/audit, and POST /v1/scale ({"ep": N}: the grid resized, no request dropped). Ingress replicas scale apart from the engine (`--replicas`).
 
 Limits, enforced here before the engine sees a request: max_tokens <= serve.max_tokens; prompt + max_tokens within
 the model's context (max_seq_len); the engine's queue holds serve.max_waiting requests, beyond that 429 with
@@ -201,6 +201,21 @@ class OpenAIIngress:
         if not isinstance(params, dict):
             return _error(400, "body: a JSON object of policy fields, e.g. {\"enabled\": false}", "body")
         return await self._engine_answer(request, "set_policy", name, params, "serve-api")
+
+    @app.post("/v1/scale")
+    async def scale(self, request: Request):
+        """Resize the grid's EP dimension (`k3ray scale --ep N --serve URL`), no request dropped; 400 for a bad
+        body, 409 where the grid cannot take that size."""
+        if (denied := self._denied(request)) is not None:
+            return denied
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            body = None
+        ep = body.get("ep") if isinstance(body, dict) else None
+        if not isinstance(ep, int) or isinstance(ep, bool):
+            return _error(400, "body: {\"ep\": N} with N a whole number", "ep")
+        return await self._engine_answer(request, "scale", ep)
 
     @app.get("/v1/audit")
     async def audit(self, request: Request):

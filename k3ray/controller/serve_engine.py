@@ -37,7 +37,7 @@ from k3ray.controller.live_policies import LivePolicies
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.controller.serve_grid import ServingGrid
 from k3ray.controller.serve_placement import ServePlacement
-from k3ray.controller.worker_group import WorkerLost
+from k3ray.controller.worker_group import TopologyError, WorkerLost
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import PoolSizes
 from k3ray.tokenizer import load_tokenizer
@@ -91,6 +91,7 @@ class Engine:
         self.failures_in_row = 0  # grid calls that failed, no worker lost, since the last that did not
         self.live = LivePolicies(cfg.policies)  # changes through the front door, applied between iterations
         self.placement = ServePlacement(cfg.model.n_experts)  # read-only copies of hot experts, moved live
+        self.between_iterations = asyncio.Lock()  # held by each iteration; a resize takes it to run between two
 
     def ready(self) -> dict:
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
@@ -218,18 +219,19 @@ class Engine:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
-            await self._at_boundary()
-            t0 = time.perf_counter()
-            plans = self.sched.schedule()
-            try:
-                outputs = await self._on_grid(self.grid.run, {r: p for r, (p, _) in plans.items()})
-            except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
-                log.exception("serving iteration failed")
-                changed = self.sched.fail_all(f"the iteration failed: {type(err).__name__}: {err}")
-                self._incident("iteration_failed", action="failed every request", requests=len(changed),
-                               why=f"{type(err).__name__}: {err}")
-            else:
-                changed = [] if outputs is None else self.sched.complete(plans, outputs)
+            async with self.between_iterations:
+                await self._at_boundary()
+                t0 = time.perf_counter()
+                plans = self.sched.schedule()
+                try:
+                    outputs = await self._on_grid(self.grid.run, {r: p for r, (p, _) in plans.items()})
+                except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
+                    log.exception("serving iteration failed")
+                    changed = self.sched.fail_all(f"the iteration failed: {type(err).__name__}: {err}")
+                    self._incident("iteration_failed", action="failed every request", requests=len(changed),
+                                   why=f"{type(err).__name__}: {err}")
+                else:
+                    changed = [] if outputs is None else self.sched.complete(plans, outputs)
             for req in changed:
                 if req.trip is not None:
                     log.warning("serving: request %d stopped by the guards (%s %s: %g)", req.id, req.trip.rule,
@@ -391,6 +393,32 @@ class Engine:
         replication.every_n_steps (with replication enabled)."""
         self.placement.ask()
         return True
+
+    async def scale(self, ep: int) -> dict:
+        """Resize the grid to pp x ep between two iterations (`ServingGrid.resize`): every unfinished request is
+        prefilled again on the new grid, none dropped, outputs unchanged (as after a loss). The incident's fields,
+        or {'error', 'status'}: 400 for an ep below 1, 409 where the grid cannot take that size (nothing changes);
+        a launch that fails goes the failure path (`_restore`)."""
+        if not isinstance(ep, int) or ep < 1:
+            return {"error": f"ep: must be a whole number >= 1, got {ep!r}", "status": 400}
+        async with self.between_iterations:
+            if ep == self.grid.ep:
+                return {"ep": [ep, ep], "action": "none"}
+            try:
+                fields = await asyncio.to_thread(self.grid.resize, ep)
+            except TopologyError as err:
+                return {"error": str(err), "status": 409}
+            except Exception as err:  # noqa: BLE001 - the old grid is gone: serve again, whatever it takes
+                await self._restore(None, f"scaling to ep={ep} failed: {type(err).__name__}: {err}")
+                return {"error": f"scaling to ep={ep} failed ({type(err).__name__}: {err}); serving on ep="
+                                 f"{self.grid.ep}", "status": 500}
+            fields["requeued"] = len(self.sched.reset(self.grid.ep))
+            self._incident("scaled", **fields)
+            log.warning("serving: scaled to pp=%d x ep=%d in %.2fs, %d requests to prefill again", self.grid.pp,
+                        self.grid.ep, fields["seconds"]["total"], fields["requeued"])
+        if self.sched.has_work:
+            self._ensure_loop()
+        return fields
 
     # -- availability --------------------------------------------------------------------------------------------
     def _go_down(self, reason: str) -> None:

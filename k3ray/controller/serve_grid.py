@@ -165,6 +165,26 @@ class ServingGrid:
         return {"ep": [before, ep], "action": "relaunch", "spares_used": [],
                 "seconds": {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}}
 
+    def resize(self, ep: int) -> dict:
+        """A planned change of the EP size (`k3ray scale --ep`), through a relaunch's path: the grid goes and one of
+        pp x ep is launched from the held weights (experts in contiguous blocks); later relaunches aim at this size.
+        TopologyError, the grid untouched, where ep does not divide the experts or the alive nodes cannot hold it.
+        Returns the incident's fields, as `recover`'s."""
+        t0 = time.perf_counter()
+        before, experts = self.group.ep, self.cfg.model.n_experts
+        if experts % ep:
+            raise TopologyError(f"ep={ep} does not divide model.n_experts={experts}")
+        if self.pp * ep > self.group.capacity():
+            raise TopologyError(f"ep={ep}: the alive nodes hold {self.group.capacity()} workers, a {self.pp} x {ep} "
+                                f"grid needs {self.pp * ep}")
+        self.close()
+        t_planned = time.perf_counter()
+        phases = self.launch(ep, wait_for_spares=False)
+        self.cfg.parallel = self.cfg.parallel.model_copy(update={"ep": ep})
+        self.spares_due = bool(self.cfg.fault_tolerance.spares)
+        return {"ep": [before, ep], "action": "resize",
+                "seconds": {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}}
+
     def top_up_spares(self) -> int:
         """Start the hot spares the grid lacks (none found room when it was launched, or some died on standby),
         where the alive nodes have room now. Returns how many were started."""
