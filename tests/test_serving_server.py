@@ -293,8 +293,8 @@ def test_a_public_host_needs_a_key_or_insecure(tmp_path, monkeypatch, capsys):
 
 
 def test_policies_and_placement_of_a_serving_job_from_the_cli(server, monkeypatch, capsys):
-    """`k3ray policy set|get`, `placement` and `audit` with --serve: a bad value is one line naming the field (exit
-    2, nothing changes); turning the replication policy on makes the engine place read-only copies of hot experts
+    """`k3ray policy set|get`, `placement`, `audit` and `scale` with --serve: a bad value is one line naming the field
+    (exit 2, nothing changes); turning the replication policy on makes the engine place read-only copies of hot experts
     while requests run, shown with the load and balancedness."""
     _, info, url = server
     monkeypatch.setenv("K3RAY_API_KEY", API_KEY)
@@ -308,6 +308,8 @@ def test_policies_and_placement_of_a_serving_job_from_the_cli(server, monkeypatc
     assert main(["policy", "set", "replication", "enabled=true", "every_n_steps=2", "spare_slots_per_rank=2",
                  "--serve", url]) == 0
     assert "replication: enabled=True every_n_steps=2" in capsys.readouterr().out
+    assert main(["scale", "--ep", "3", "--serve", url]) == 2  # refused before anything changes
+    assert "ep=3 does not divide model.n_experts=16" in capsys.readouterr().err
     assert main(["policy", "get", "replication", "--serve", url, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["spare_slots_per_rank"] == 2
     body = {"model": info["model"], "prompt": "for i in range(", "max_tokens": 24}
