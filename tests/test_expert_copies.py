@@ -93,7 +93,7 @@ class FakeGrid:
         return {e: "WorkerError: no room" if e in self.failing else 1000 * len(f) for e, f in enumerate(fetch) if f}
 
 
-def test_a_fetch_that_fails_on_a_rank_drops_its_new_copies_and_a_rebuilt_grid_starts_without_copies():
+def test_a_fetch_that_fails_on_a_rank_drops_its_new_copies_and_a_rebuilt_grid_discards_the_move_and_copies():
     policy = ReplicationPolicy(enabled=True, spare_slots_per_rank=4, every_n_steps=3)
     placement = ServePlacement(E)
 
@@ -116,4 +116,14 @@ def test_a_fetch_that_fails_on_a_rank_drops_its_new_copies_and_a_rebuilt_grid_st
     view = placement.view(grid)
     assert view["copies"] == record["copies"] and view["balancedness"] > view["balancedness_home_only"]
     assert view["moves"][0]["switched_at_iteration"] == 7
-    assert placement.view(FakeGrid())["copies"] == [[]] * R  # a new grid: no copies
+    rebuilt = FakeGrid()
+    assert placement.view(rebuilt)["copies"] == [[]] * R  # a new grid: no copies
+
+    async def lost_during_a_move():  # the grid is rebuilt (a worker lost) while a move's copies are on their way
+        placement.observe([{1: (zipf(5) * 1000).long().tolist()}], policy)
+        assert placement.start(rebuilt, policy)
+        again = FakeGrid()
+        assert placement.ready(again) is None and placement.move is None  # the half-done move is discarded
+        assert placement.view(again)["copies"] == [[]] * R and len(placement.moves) == 1
+
+    asyncio.run(lost_during_a_move())
