@@ -106,8 +106,9 @@ def main() -> None:
     ap.add_argument("--beta", type=float, default=1.5)
     ap.add_argument("--slots", type=int, default=4, help="replication.spare_slots_per_rank")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--scale", action="store_true", help="then scale the grid to ep=2 and back to 4 under the load")
     args = ap.parse_args()
-    init_ray(None, EP + 1)
+    init_ray(None, 2 * EP + 1)  # room for a second grid: scaling launches the new one beside the serving one
     root = tempfile.mkdtemp(prefix="k3ray-placement-") + "/ckpt"
     write_seeded_weights(load_config("configs/tiny.yaml"), root)
     serve = {"page_size": 4, "pages_per_rank": 256, "slots_per_rank": 8, "token_budget": 64, "max_waiting": 64,
@@ -152,6 +153,14 @@ def main() -> None:
     phase("shifted")
     phase("during 2", move)
     phase("after 2")
+    scales = []
+    if args.scale:
+        for ep in (2, EP):
+            t0 = time.perf_counter()
+            out = ray.get(engine.scale.remote(ep), timeout=600)
+            t1 = time.perf_counter()
+            time.sleep(5)  # the gap shows when the next token of each request arrives
+            scales.append((out, max(clients.itl(t0, t1 + 5), default=float("nan"))))
     clients.stop = True
     for t in clients.threads:
         t.join(timeout=120)
@@ -168,6 +177,10 @@ def main() -> None:
         fetched = sum(len(f) for f in m["fetched"].values())
         print(f"{i:<5} {m['balancedness_before']:11.3f} -> {m['balancedness_after']:.3f} {fetched:15d} "
               f"{m['bytes_moved']:12,d} {m['seconds_decision_to_switch']:19.3f}")
+    for out, gap in scales:
+        print(f"scale ep {out['ep'][0]} -> {out['ep'][1]} ({out['action']}): {out['seconds']['total']:.2f}s from the "
+              f"call to the new grid serving, {out['requeued']} requests prefilled again, longest gap between two "
+              f"tokens of a request {gap:.2f}s")
     print(f"\nrequests completed {clients.done}, failed {clients.failed}; median ITL over all phases "
           f"{statistics.median(clients.itl(0, float('inf'))) * 1e3:.1f} ms")
 

@@ -4,6 +4,7 @@ the table switched between two iterations) and every request still ends with exa
 single-process reference; policies change live through the engine, bad values are refused with the field named."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -83,32 +84,48 @@ def test_policies_change_live_and_bad_values_are_refused_with_the_field_named(en
 
 
 def test_scaling_the_grid_down_and_up_amid_streams_changes_no_token(engine, serving_reference):
-    """ep 4 -> 2 while 8 requests stream, then 2 -> 4: each a planned relaunch between two iterations; every request
-    ends with the reference's tokens. Sizes the grid cannot take are refused, the grid untouched."""
+    """ep 4 -> 2, then 2 -> 4, while requests keep arriving (one every 0.3 s): each new grid is launched beside the
+    serving one (tokens keep coming meanwhile) and adopted between two iterations, the requests in flight prefilled
+    again on it; every request ends with the reference's tokens. Sizes the grid cannot take are refused, the grid
+    untouched."""
     assert ray.get(engine.scale.remote(0))["status"] == 400
     assert "ep=3 does not divide model.n_experts=16" in ray.get(engine.scale.remote(3))["error"]
     too_big = ray.get(engine.scale.remote(16))
     assert too_big["status"] == 409 and "a 1 x 16 grid needs 16" in too_big["error"]
     assert ray.get(engine.stats.remote())["ep"] == 4
-    params = [{"max_tokens": 24 + i, "temperature": 0.0 if i % 2 else 0.8, "seed": 60 + i} for i in range(8)]
+    params = [{"max_tokens": 24 + i, "temperature": 0.0 if i % 2 else 0.8, "seed": 60 + i} for i in range(16)]
     want = []
     for p, kw in zip(PROMPTS, params):
         sp = SamplingParams(**kw)
         want.append(visible_ids(serving_reference(encode(p), sp)[0], sp, EOS))
-    streams = [Stream(engine, encode(p), kw) for p, kw in zip(PROMPTS, params)]
-    for s in streams:
-        s.start()
-    deadline = time.time() + 120
-    while sum(len(s.tokens()) >= 2 for s in streams) < 6 and time.time() < deadline:
+    streams: list[Stream] = []
+
+    def arrivals():
+        for p, kw in zip(PROMPTS, params):
+            streams.append(Stream(engine, encode(p), kw))
+            streams[-1].start()
+            time.sleep(0.3)
+
+    arriving = threading.Thread(target=arrivals, daemon=True)
+    arriving.start()
+    while len(streams) < 2:
         time.sleep(0.05)
+    t_call = time.perf_counter()
     down = ray.get(engine.scale.remote(2), timeout=300)
-    assert down["ep"] == [4, 2] and down["requeued"] >= 1
+    until = time.time() + 30  # Ray's free counts lag the old grid's exit; without room the grid is relaunched
+    while ray.available_resources().get("CPU", 0) < 4 + 2 and time.time() < until:
+        time.sleep(0.2)
     up = ray.get(engine.scale.remote(4), timeout=300)
-    assert up["ep"] == [2, 4]
+    arriving.join()
     for s in streams:
         s.join(timeout=300)
     for i, (s, w) in enumerate(zip(streams, want)):
         assert not [item for _, item in s.items if "error" in item], f"request {i}"
         assert s.tokens() == w, f"request {i} ({PROMPTS[i]!r}, {params[i]})"
+    assert (down["ep"], up["ep"]) == ([4, 2], [2, 4]) and down["action"] == up["action"] == "resize beside"
+    assert down["requeued"] + up["requeued"] >= 1
+    launched = t_call + down["seconds"]["launched_beside"]  # the new grid was launched while the old one served
+    assert sum(len(s.tokens(before=launched)) - len(s.tokens(before=t_call)) for s in streams) > 0
     assert [i["kind"] for i in ray.get(engine.incident_log.remote())] == ["scaled", "scaled"]
-    print(f"\nscale down {down['seconds']['total']:.2f}s, up {up['seconds']['total']:.2f}s")
+    print(f"\nscale down {down['seconds']['total']:.2f}s ({down['requeued']} prefilled again), up "
+          f"{up['seconds']['total']:.2f}s ({up['requeued']})")

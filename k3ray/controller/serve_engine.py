@@ -395,27 +395,39 @@ class Engine:
         return True
 
     async def scale(self, ep: int) -> dict:
-        """Resize the grid to pp x ep between two iterations (`ServingGrid.resize`): every unfinished request is
-        prefilled again on the new grid, none dropped, outputs unchanged (as after a loss). The incident's fields,
-        or {'error', 'status'}: 400 for an ep below 1, 409 where the grid cannot take that size (nothing changes);
-        a launch that fails goes the failure path (`_restore`)."""
+        """Resize the grid to pp x ep: launched beside the serving grid from the held weights while iterations go on
+        (`ServingGrid.launch_beside`), then adopted between two iterations; where both do not fit, the grid is
+        relaunched at the new size (serving pauses meanwhile). Every unfinished request is prefilled again on the
+        new grid, as after a loss: none dropped, outputs unchanged. The incident's fields, or {'error', 'status'}:
+        400 for an ep below 1, 409 where the grid cannot take that size (nothing changes), 500 where the launch
+        failed (a relaunch that fails goes the failure path, `_restore`)."""
         if not isinstance(ep, int) or ep < 1:
             return {"error": f"ep: must be a whole number >= 1, got {ep!r}", "status": 400}
+        if ep == self.grid.ep:
+            return {"ep": [ep, ep], "action": "none"}
+        t0 = time.perf_counter()
+        try:
+            self.grid.check_size(ep)
+            beside = await asyncio.to_thread(self.grid.launch_beside, ep)
+        except TopologyError as err:
+            return {"error": str(err), "status": 409}
+        except Exception as err:  # noqa: BLE001 - the serving grid is untouched: say why and serve on
+            return {"error": f"launching ep={ep} failed: {type(err).__name__}: {err}", "status": 500}
         async with self.between_iterations:
-            if ep == self.grid.ep:
-                return {"ep": [ep, ep], "action": "none"}
-            try:
-                fields = await asyncio.to_thread(self.grid.resize, ep)
-            except TopologyError as err:
-                return {"error": str(err), "status": 409}
-            except Exception as err:  # noqa: BLE001 - the old grid is gone: serve again, whatever it takes
-                await self._restore(None, f"scaling to ep={ep} failed: {type(err).__name__}: {err}")
-                return {"error": f"scaling to ep={ep} failed ({type(err).__name__}: {err}); serving on ep="
-                                 f"{self.grid.ep}", "status": 500}
+            if beside is not None:
+                fields = self.grid.adopt(*beside)
+            else:
+                try:
+                    fields = await asyncio.to_thread(self.grid.resize, ep)
+                except Exception as err:  # noqa: BLE001 - the old grid is gone: serve again, whatever it takes
+                    await self._restore(None, f"scaling to ep={ep} failed: {type(err).__name__}: {err}")
+                    return {"error": f"scaling to ep={ep} failed ({type(err).__name__}: {err}); serving on ep="
+                                     f"{self.grid.ep}", "status": 500}
             fields["requeued"] = len(self.sched.reset(self.grid.ep))
+            fields["seconds"]["total"] = time.perf_counter() - t0
             self._incident("scaled", **fields)
-            log.warning("serving: scaled to pp=%d x ep=%d in %.2fs, %d requests to prefill again", self.grid.pp,
-                        self.grid.ep, fields["seconds"]["total"], fields["requeued"])
+            log.warning("serving: scaled to pp=%d x ep=%d (%s) in %.2fs, %d requests to prefill again", self.grid.pp,
+                        self.grid.ep, fields["action"], fields["seconds"]["total"], fields["requeued"])
         if self.sched.has_work:
             self._ensure_loop()
         return fields

@@ -165,22 +165,55 @@ class ServingGrid:
         return {"ep": [before, ep], "action": "relaunch", "spares_used": [],
                 "seconds": {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}}
 
-    def resize(self, ep: int) -> dict:
-        """A planned change of the EP size (`k3ray scale --ep`), through a relaunch's path: the grid goes and one of
-        pp x ep is launched from the held weights (experts in contiguous blocks); later relaunches aim at this size.
-        TopologyError, the grid untouched, where ep does not divide the experts or the alive nodes cannot hold it.
-        Returns the incident's fields, as `recover`'s."""
-        t0 = time.perf_counter()
-        before, experts = self.group.ep, self.cfg.model.n_experts
-        if experts % ep:
+    def check_size(self, ep: int) -> None:
+        """TopologyError where a pp x ep grid cannot serve: ep does not divide the experts, or the alive nodes
+        cannot hold it."""
+        experts = self.cfg.model.n_experts
+        if ep < 1 or experts % ep:
             raise TopologyError(f"ep={ep} does not divide model.n_experts={experts}")
         if self.pp * ep > self.group.capacity():
             raise TopologyError(f"ep={ep}: the alive nodes hold {self.group.capacity()} workers, a {self.pp} x {ep} "
                                 f"grid needs {self.pp * ep}")
+
+    def launch_beside(self, ep: int) -> tuple[WorkerGroup, dict] | None:
+        """A pp x ep grid launched from the held weights while this one serves on (`adopt` switches to it), or None
+        where the alive nodes have no room for both. A failure leaves this grid as it was."""
+        if not self.group.room_for(self.pp * ep):
+            return None
+        t0 = time.perf_counter()
+        group = WorkerGroup(self.cfg, ep, recovery.grow(self.cfg.model.n_experts, ep).tolist())
+        try:
+            group.launch(self.launch_timeout_s, restore=self._sources(), wait_for_spares=False)
+            s = self.sizes
+            t1 = time.perf_counter()
+            group.call("serve_init", s.pages, s.page_size, s.slots)
+        except BaseException:
+            group.close()
+            raise
+        return group, {**group.launch_seconds, "cache_pools": time.perf_counter() - t1,
+                       "launched_beside": time.perf_counter() - t0}
+
+    def adopt(self, group: WorkerGroup, phases: dict) -> dict:
+        """Serve on `group` (from `launch_beside`) from the next iteration; the old grid goes. The incident's
+        fields."""
+        t0, before = time.perf_counter(), self.group.ep
+        self.close()
+        self.group = group
+        self.cfg.parallel = self.cfg.parallel.model_copy(update={"ep": group.ep})  # relaunches aim at this size
+        self.spares_due = bool(self.cfg.fault_tolerance.spares)
+        return {"ep": [before, group.ep], "action": "resize beside",
+                "seconds": {**phases, "switch": time.perf_counter() - t0}}
+
+    def resize(self, ep: int) -> dict:
+        """A planned change of the EP size where no second grid fits beside this one, through a relaunch's path: the
+        grid goes and one of pp x ep is launched from the held weights (serving pauses meanwhile). Returns the
+        incident's fields, as `recover`'s."""
+        t0 = time.perf_counter()
+        before = self.group.ep
         self.close()
         t_planned = time.perf_counter()
         phases = self.launch(ep, wait_for_spares=False)
-        self.cfg.parallel = self.cfg.parallel.model_copy(update={"ep": ep})
+        self.cfg.parallel = self.cfg.parallel.model_copy(update={"ep": ep})  # relaunches aim at this size
         self.spares_due = bool(self.cfg.fault_tolerance.spares)
         return {"ep": [before, ep], "action": "resize",
                 "seconds": {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}}
