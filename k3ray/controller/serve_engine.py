@@ -82,7 +82,7 @@ class Engine:
         # observers.iteration(changed requests, scheduler, seconds) after every iteration, .expert_load(workers'
         # counts) every .expert_load_every iterations: metrics (k3ray.control.serve_metrics)
         self.observers: list = observers or []
-        self.outboxes: dict[str, Outbox] = {}  # subscriber (an ingress replica) -> its requests' pending items
+        self.outboxes: dict[str, Outbox] = {}  # subscriber (a front door) -> its requests' pending items
         self.down: dict | None = None  # while no grid serves: why, and since when (`health`)
         self.serving: asyncio.Event | None = None  # set while a grid serves
         self.spares_checked = time.monotonic()
@@ -141,7 +141,7 @@ class Engine:
             self.sched.forget(req.id)
             self.updates.pop(req.id, None)
 
-    # -- many requests' streams over one (an ingress replica's) ----------------------------------------------------
+    # -- many requests' streams over one (a front door's) ---------------------------------------------------------
     async def submit(self, prompt: list[int], params: dict, subscriber: str, key: int) -> dict:
         """Start a request whose items (those of `generate`) go to `subscriber`'s batched stream under `key`;
         returns its first item ({'accepted': id} or an error). A Ray streaming item per request and iteration
