@@ -89,7 +89,7 @@ def client_process(job: tuple) -> dict:
     return asyncio.run(clients(*job))
 
 
-def level(pool: ProcessPoolExecutor | None, url: str, model: str, concurrency: int, requests: int,
+def level(pool: ProcessPoolExecutor | None, engine, url: str, model: str, concurrency: int, requests: int,
           max_tokens: int) -> dict:
     """One concurrency level, its clients spread over the pool's processes (one process's openai client parses
     a few thousand SSE events per second: more would measure the client)."""
@@ -97,18 +97,23 @@ def level(pool: ProcessPoolExecutor | None, url: str, model: str, concurrency: i
     jobs = [(url, model, len(range(i, concurrency, procs)), len(range(i, requests, procs)), max_tokens, i)
             for i in range(procs)]
     busy = GpuBusy()
+    stats0 = ray.get(engine.stats.remote())
     cpu0 = process_cpu_seconds()
     t0 = time.perf_counter()
     parts = [client_process(jobs[0])] if pool is None else list(pool.map(client_process, jobs))
     wall = time.perf_counter() - t0
     cpu = {k: v - cpu0.get(k, 0.0) for k, v in process_cpu_seconds().items()}
+    stats = ray.get(engine.stats.remote())
+    iterations = max(stats["iterations"] - stats0["iterations"], 1)
+    phases = {k: (v - stats0["phase_seconds"][k]) / iterations for k, v in stats["phase_seconds"].items()}
     ttft = [x for p in parts for x in p["ttft"]]
     itl = [x for p in parts for x in p["itl"]]
     tokens, chunks = sum(p["tokens"] for p in parts), sum(p["chunks"] for p in parts)
     return {"concurrency": concurrency, "requests": requests, "tokens": tokens, "seconds": wall,
             "gpu_busy": busy.stop(), "tokens_per_chunk": tokens / max(chunks, 1),
             "tokens_per_s": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "cpu": cpu, "wall": wall}
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "cpu": cpu, "wall": wall,
+            "iterations": iterations, "phases": phases}
 
 
 def process_cpu_seconds() -> dict[str, float]:
@@ -202,8 +207,10 @@ def main() -> None:
     url, info = serving.url, serving.info
     pool = ProcessPoolExecutor(args.client_procs, mp_context=get_context("spawn")) if args.client_procs > 1 else None
     try:
-        level(pool, url, info["model"], 1, 2, 4)  # warm-up: first iteration, connections
-        rows = [level(pool, url, info["model"], c, args.requests or max(4 * c, 16), args.max_tokens)
+        if pool is not None:  # every client process started (Python, the openai import) before any level
+            list(pool.map(time.sleep, [0.5] * args.client_procs))
+        level(pool, serving.engine, url, info["model"], 1, 2, 4)  # warm-up: first iteration, connections
+        rows = [level(pool, serving.engine, url, info["model"], c, args.requests or max(4 * c, 16), args.max_tokens)
                 for c in args.concurrency]
     finally:
         if pool is not None:
@@ -229,6 +236,14 @@ def main() -> None:
         cells = [f"{r['cpu'].get(name, 0) / r['wall']:.2f} / {1e6 * r['cpu'].get(name, 0) / max(r['tokens'], 1):,.0f}"
                  for r in rows]
         print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\nThe engine's iterations (ms each, means over the level): its wall time, and in it scheduling, "
+          "waiting for the grid (of which the workers' own step), completing and waking the streams")
+    print("| concurrency | iterations | wall | schedule | grid wait | worker step | complete | wake |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        p = r["phases"]
+        print(f"| {r['concurrency']} | {r['iterations']} | {1e3 * r['wall'] / r['iterations']:.2f} | "
+              + " | ".join(f"{1e3 * p[k]:.2f}" for k in ("schedule", "grid", "worker", "complete", "wake")) + " |")
     base = rows[0]["tokens_per_s"]
     print("throughput vs concurrency 1: " + ", ".join(f"{r['concurrency']}: {r['tokens_per_s'] / base:.2f}x"
                                                       for r in rows))

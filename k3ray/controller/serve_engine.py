@@ -87,6 +87,9 @@ class Engine:
         self.serving: asyncio.Event | None = None  # set while a grid serves
         self.spares_checked = time.monotonic()
         self.failures_in_row = 0  # grid calls that failed, no worker lost, since the last that did not
+        # where the iterations' time went (seconds, summed): scheduling, waiting for the grid (of which the workers'
+        # own time in the step: `worker`), completing (tokens to text, stops, guards) and waking the streams
+        self.phase_s = dict.fromkeys(("schedule", "grid", "worker", "complete", "wake"), 0.0)
 
     def ready(self) -> dict:
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
@@ -96,7 +99,7 @@ class Engine:
     def stats(self) -> dict:
         return {**self.sched.usage(), "iterations": self.iterations, "tokens_out": self.tokens_out,
                 "uptime_s": time.time() - self.started, "pp": self.grid.pp, "ep": self.grid.ep,
-                "incidents": len(self.incidents)}
+                "incidents": len(self.incidents), "phase_seconds": dict(self.phase_s)}
 
     async def generate(self, prompt: list[int], params: dict):
         """Stream a request: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'} or {'error':
@@ -216,6 +219,7 @@ class Engine:
                 continue
             t0 = time.perf_counter()
             plans = self.sched.schedule()
+            t1 = time.perf_counter()
             try:
                 outputs = await self._on_grid(self.grid.run, {r: p for r, (p, _) in plans.items()})
             except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
@@ -224,7 +228,9 @@ class Engine:
                 self._incident("iteration_failed", action="failed every request", requests=len(changed),
                                why=f"{type(err).__name__}: {err}")
             else:
+                t2 = time.perf_counter()
                 changed = [] if outputs is None else self.sched.complete(plans, outputs)
+                self._time_phases(t0, t1, t2, outputs)
             for req in changed:
                 if req.trip is not None:
                     log.warning("serving: request %d stopped by the guards (%s %s: %g)", req.id, req.trip.rule,
@@ -239,10 +245,19 @@ class Engine:
                 incident, t_found = self.gap_from
                 incident["seconds"]["to_next_token"] = time.perf_counter() - t_found
                 self.gap_from = None
+            t3 = time.perf_counter()
             for req in changed:
                 if req.id in self.updates:
                     self.updates[req.id].set()
+            self.phase_s["wake"] += time.perf_counter() - t3
             await self._after_iteration(changed, time.perf_counter() - t0)
+
+    def _time_phases(self, t0: float, t1: float, t2: float, outputs: dict | None) -> None:
+        now, p = time.perf_counter(), self.phase_s
+        p["schedule"] += t1 - t0
+        p["grid"] += t2 - t1
+        p["complete"] += now - t2
+        p["worker"] += max((o.seconds for o in (outputs or {}).values()), default=0.0)
 
     async def _after_iteration(self, changed: list, seconds: float) -> None:
         """The observers (metrics) see the iteration, and every so often the workers' expert load; missing hot spares

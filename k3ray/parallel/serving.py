@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -49,14 +50,16 @@ class RankPlan:
 class StageOutput:
     """A stage's answer to an iteration: each sequence's next token [N] (last stage; None elsewhere; meaningful only
     for sequences whose new tokens reached the end of what is known) and its largest |activation| in the stage [N]
-    (inf where anything, the logits included, is not finite)."""
+    (inf where anything, the logits included, is not finite), and the seconds the worker spent in the step."""
     tokens: list[int] | None
     maxabs: list[float]
+    seconds: float = 0.0
 
     @staticmethod
     def merge(stages: list[StageOutput]) -> StageOutput:
-        """One data-parallel rank's answer from its stages' (in pipeline order)."""
-        return StageOutput(stages[-1].tokens, [max(m) for m in zip(*(s.maxabs for s in stages))])
+        """One data-parallel rank's answer from its stages' (in pipeline order; the seconds of the slowest)."""
+        return StageOutput(stages[-1].tokens, [max(m) for m in zip(*(s.maxabs for s in stages))],
+                           max(s.seconds for s in stages))
 
 
 @dataclass
@@ -80,6 +83,7 @@ class StageServer:
     @torch.no_grad()
     def step(self, plan: RankPlan) -> StageOutput:
         """Run this stage on the plan: every stage's max-abs per sequence, and on the last stage the next tokens."""
+        t0 = time.perf_counter()
         self.pools.admit(plan.admit)
         n, T = len(plan.slots), len(plan.tokens) if self.stage.is_first else sum(plan.counts)
         x = None
@@ -101,10 +105,10 @@ class StageServer:
         if not self.stage.is_last:
             if T:
                 dist.send(out.contiguous(), self.next_rank, group=self.world)
-            return StageOutput(None, maxabs.tolist())
+            return StageOutput(None, maxabs.tolist(), time.perf_counter() - t0)
         both = torch.cat([tokens.double(), maxabs])  # one device-to-host copy
         host = both.cpu()
-        return StageOutput(host[:n].long().tolist(), host[n:].tolist())
+        return StageOutput(host[:n].long().tolist(), host[n:].tolist(), time.perf_counter() - t0)
 
     def forward(self, x: torch.Tensor, cache: IterationCache, counters_N: torch.Tensor, greedy: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
