@@ -179,6 +179,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="config override, with --config")
     ap.add_argument("--token-budget", type=int, default=256, help="serve.token_budget")
     ap.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
+    ap.add_argument("--prefill-hold-ms", type=float, help="serve.prefill_hold_ms (default: the config's)")
     ap.add_argument("--front-doors", type=int, default=1, help="HTTP front-door processes")
     ap.add_argument("--client-procs", type=int, default=1, help="processes the clients are spread over")
     args = ap.parse_args()
@@ -201,10 +202,12 @@ def main() -> None:
         port = s.getsockname()[1]
     top = max(args.concurrency)
     serve_cfg = {"slots_per_rank": -(-top // args.ep), "pages_per_rank": 8 * -(-top // args.ep),
-                 "max_waiting": top, "token_budget": args.token_budget, "stream_interval": args.stream_interval}
+                 "max_waiting": top, "token_budget": args.token_budget, "stream_interval": args.stream_interval,
+                 **({} if args.prefill_hold_ms is None else {"prefill_hold_ms": args.prefill_hold_ms})}
     serving = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg,
                             front_doors=args.front_doors)
     url, info = serving.url, serving.info
+    hold_ms = 1e3 * ray.get(serving.engine.__ray_call__.remote(lambda e: e.sched.limits.prefill_hold_s))
     pool = ProcessPoolExecutor(args.client_procs, mp_context=get_context("spawn")) if args.client_procs > 1 else None
     try:
         if pool is not None:  # every client process started (Python, the openai import) before any level
@@ -218,7 +221,8 @@ def main() -> None:
         stop_serving(serving)
     print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, "
           f"max_tokens={args.max_tokens}, greedy, streaming, stream_interval={args.stream_interval}, "
-          f"{args.front_doors} front doors, clients in {args.client_procs} processes")
+          f"{args.front_doors} front doors, clients in {args.client_procs} processes, prefill hold "
+          f"{hold_ms:g} ms")
     print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | tokens per chunk "
           "| GPU busy |")
     print("|---|---|---|---|---|---|---|")

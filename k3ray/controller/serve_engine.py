@@ -30,7 +30,7 @@ import time
 
 import ray
 
-from k3ray.config import JobConfig
+from k3ray.config import DEFAULT_PREFILL_HOLD_MS, JobConfig
 from k3ray.controller.checkpointing import serving_weights
 from k3ray.controller.drills import clear, inject
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
@@ -59,6 +59,13 @@ def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None 
                                      "fault_tolerance": ft.model_dump()})
 
 
+def prefill_hold_ms(cfg: JobConfig) -> float:
+    """serve.prefill_hold_ms, or its default: a hold where decode iterations are CUDA graphs, none on CPU."""
+    if cfg.serve.prefill_hold_ms is not None:
+        return cfg.serve.prefill_hold_ms
+    return DEFAULT_PREFILL_HOLD_MS if cfg.parallel.device != "cpu" else 0.0
+
+
 def pool_sizes(cfg: JobConfig) -> PoolSizes:
     return PoolSizes(cfg.serve.pages_per_rank, cfg.serve.page_size, cfg.serve.slots_per_rank)
 
@@ -71,7 +78,8 @@ class Engine:
         self.cfg, self.model_name, self.step = cfg, cfg.name, step
         sc = cfg.serve
         self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, grid.ep, sc.token_budget, sc.max_waiting,
-                                            pool_sizes(cfg), cfg.policies.guards, load_tokenizer(cfg.data.tokenizer)))
+                                            pool_sizes(cfg), cfg.policies.guards, load_tokenizer(cfg.data.tokenizer),
+                                            prefill_hold_ms(cfg) / 1e3))
         self.grid = grid
         self.incidents: list[dict] = []
         self.gap_from: tuple[dict, float] | None = None  # (incident, when the loss was found) until the next token

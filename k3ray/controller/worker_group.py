@@ -18,7 +18,7 @@ import logging
 import time
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -364,8 +364,14 @@ class WorkerGroup:
     def serve_step(self, plans: dict, timeout_s: float) -> dict:
         """One serving iteration: worker (p, e) runs data-parallel rank e's plan (k3ray.parallel.serving.RankPlan);
         each rank's stages' answers in pipeline order (WorkerLost: see `_gather`)."""
-        out = self._gather([(r, w.serve_step.remote(self.generation, plans[r % self.ep]))
-                            for r, w in enumerate(self.workers)], timeout_s, "serve_step")
+        calls = [(r, w.serve_step.remote(self.generation, plans[r % self.ep])) for r, w in enumerate(self.workers)]
+        t0 = time.monotonic()
+        try:  # one wait for all answers: every iteration takes this path while nothing fails
+            out = ray.get([ref for _, ref in calls], timeout=timeout_s)
+        except GetTimeoutError:  # the time is up: whoever has not answered is hung (the one failure path says so)
+            out = self._gather(calls, 0.0, "serve_step")
+        except RayError:  # the one failure path: who was lost, the survivors given their grace
+            out = self._gather(calls, max(0.0, timeout_s - (time.monotonic() - t0)), "serve_step")
         return {e: out[e::self.ep] for e in range(self.ep)}
 
     def begin_snapshot(self, step: int) -> tuple[list, list]:
