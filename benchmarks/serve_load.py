@@ -9,17 +9,24 @@ Without --checkpoint: with --config, the config's seeded weights (`k3ray init`) 
 first trains the tiny config for a few steps there. On a GPU machine the GPU's busy share (nvidia-smi, sampled every
 0.2 s) is printed per level. Every streamed chunk counts once for ITL; "tokens per chunk" says how many tokens the
 chunks carried on average (above 1 when the client falls behind and an SSE event carries several).
+`--front-doors N` serves HTTP from N processes; `--client-procs N` spreads the clients over N processes. The host
+CPU table gives each process kind's share of a core during a level and its CPU time per 1000 output tokens: where
+the host work per token goes.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import re
 import shutil
 import socket
 import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 
 import openai
 import ray
@@ -47,7 +54,8 @@ def pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
-async def level(url: str, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+async def clients(url: str, model: str, concurrency: int, requests: int, max_tokens: int, offset: int = 0) -> dict:
+    """`concurrency` clients in this process, `requests` completions in all: their TTFTs, ITLs, tokens, chunks."""
     api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     ttft, itl, tokens, left, chunks = [], [], [0], [requests], [0]
 
@@ -72,15 +80,65 @@ async def level(url: str, model: str, concurrency: int, requests: int, max_token
                     itl.append(now - last)
                 last = now
 
-    busy = GpuBusy()
-    t0 = time.perf_counter()
-    await asyncio.gather(*(client(c) for c in range(concurrency)))
-    wall = time.perf_counter() - t0
+    await asyncio.gather(*(client(offset + c) for c in range(concurrency)))
     await api.close()
-    return {"concurrency": concurrency, "requests": requests, "tokens": tokens[0], "seconds": wall,
-            "gpu_busy": busy.stop(), "tokens_per_chunk": tokens[0] / max(chunks[0], 1),
-            "tokens_per_s": tokens[0] / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99)}
+    return {"ttft": ttft, "itl": itl, "tokens": tokens[0], "chunks": chunks[0]}
+
+
+def client_process(job: tuple) -> dict:
+    return asyncio.run(clients(*job))
+
+
+def level(pool: ProcessPoolExecutor | None, engine, url: str, model: str, concurrency: int, requests: int,
+          max_tokens: int) -> dict:
+    """One concurrency level, its clients spread over the pool's processes (one process's openai client parses
+    a few thousand SSE events per second: more would measure the client)."""
+    procs = 1 if pool is None else min(pool._max_workers, concurrency)
+    jobs = [(url, model, len(range(i, concurrency, procs)), len(range(i, requests, procs)), max_tokens, i)
+            for i in range(procs)]
+    busy = GpuBusy()
+    stats0 = ray.get(engine.stats.remote())
+    cpu0 = process_cpu_seconds()
+    t0 = time.perf_counter()
+    parts = [client_process(jobs[0])] if pool is None else list(pool.map(client_process, jobs))
+    wall = time.perf_counter() - t0
+    cpu = {k: v - cpu0.get(k, 0.0) for k, v in process_cpu_seconds().items()}
+    stats = ray.get(engine.stats.remote())
+    iterations = max(stats["iterations"] - stats0["iterations"], 1)
+    phases = {k: (v - stats0["phase_seconds"][k]) / iterations for k, v in stats["phase_seconds"].items()}
+    ttft = [x for p in parts for x in p["ttft"]]
+    itl = [x for p in parts for x in p["itl"]]
+    tokens, chunks = sum(p["tokens"] for p in parts), sum(p["chunks"] for p in parts)
+    return {"concurrency": concurrency, "requests": requests, "tokens": tokens, "seconds": wall,
+            "gpu_busy": busy.stop(), "tokens_per_chunk": tokens / max(chunks, 1),
+            "tokens_per_s": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "cpu": cpu, "wall": wall,
+            "iterations": iterations, "phases": phases}
+
+
+def process_cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each kind of process on this machine that serves: Ray's actors by
+    class (ray::ServingEngine, ray::Worker, the Serve replica and proxy), the raylet and GCS, and this client."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")[0].decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(pid) == os.getpid() or int(fields[1]) == os.getpid():
+            name = "clients (this benchmark)"
+        elif cmd.startswith("ray::"):
+            name = re.split(r"[.\s]", cmd, maxsplit=1)[0]
+        elif os.path.basename(cmd) in ("raylet", "gcs_server"):
+            name = os.path.basename(cmd)
+        else:
+            continue
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 class GpuBusy:
@@ -115,12 +173,15 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
-    ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(2C, 16))")
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(4C, 16))")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--config", help="serve this config's seeded weights (no --checkpoint)")
     ap.add_argument("--set", action="append", default=[], help="config override, with --config")
     ap.add_argument("--token-budget", type=int, default=256, help="serve.token_budget")
     ap.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
+    ap.add_argument("--prefill-hold-ms", type=float, help="serve.prefill_hold_ms (default: the config's)")
+    ap.add_argument("--front-doors", type=int, default=1, help="HTTP front-door processes")
+    ap.add_argument("--client-procs", type=int, default=1, help="processes the clients are spread over")
     args = ap.parse_args()
     root = args.checkpoint
     if root is None:
@@ -141,17 +202,27 @@ def main() -> None:
         port = s.getsockname()[1]
     top = max(args.concurrency)
     serve_cfg = {"slots_per_rank": -(-top // args.ep), "pages_per_rank": 8 * -(-top // args.ep),
-                 "max_waiting": top, "token_budget": args.token_budget, "stream_interval": args.stream_interval}
-    engine, info = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg)
-    url = f"http://127.0.0.1:{port}"
+                 "max_waiting": top, "token_budget": args.token_budget, "stream_interval": args.stream_interval,
+                 **({} if args.prefill_hold_ms is None else {"prefill_hold_ms": args.prefill_hold_ms})}
+    serving = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg,
+                            front_doors=args.front_doors)
+    url, info = serving.url, serving.info
+    hold_ms = 1e3 * ray.get(serving.engine.__ray_call__.remote(lambda e: e.sched.limits.prefill_hold_s))
+    pool = ProcessPoolExecutor(args.client_procs, mp_context=get_context("spawn")) if args.client_procs > 1 else None
     try:
-        asyncio.run(level(url, info["model"], 1, 2, 4))  # warm-up: first iteration, connections
-        rows = [asyncio.run(level(url, info["model"], c, args.requests or max(2 * c, 16), args.max_tokens))
+        if pool is not None:  # every client process started (Python, the openai import) before any level
+            list(pool.map(time.sleep, [0.5] * args.client_procs))
+        level(pool, serving.engine, url, info["model"], 1, 2, 4)  # warm-up: first iteration, connections
+        rows = [level(pool, serving.engine, url, info["model"], c, args.requests or max(4 * c, 16), args.max_tokens)
                 for c in args.concurrency]
     finally:
-        stop_serving(engine)
+        if pool is not None:
+            pool.shutdown()
+        stop_serving(serving)
     print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, "
-          f"max_tokens={args.max_tokens}, greedy, streaming, stream_interval={args.stream_interval}")
+          f"max_tokens={args.max_tokens}, greedy, streaming, stream_interval={args.stream_interval}, "
+          f"{args.front_doors} front doors, clients in {args.client_procs} processes, prefill hold "
+          f"{hold_ms:g} ms")
     print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | tokens per chunk "
           "| GPU busy |")
     print("|---|---|---|---|---|---|---|")
@@ -160,6 +231,23 @@ def main() -> None:
         print(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:,.1f} | {r['ttft_p50']:.3f} / "
               f"{r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.2f} / {1e3 * r['itl_p99']:.2f} | "
               f"{r['tokens_per_chunk']:.2f} | {busy} |", flush=True)
+    print("\nHost CPU per process kind: share of one core during the level (CPU seconds / wall seconds), and CPU ms "
+          "per 1000 output tokens")
+    names = sorted({k for r in rows for k, v in r["cpu"].items() if v > 0.05 * r["wall"]})
+    print("| process | " + " | ".join(f"c={r['concurrency']} core share / ms per 1k tok" for r in rows) + " |")
+    print("|---|" + "---|" * len(rows))
+    for name in names:
+        cells = [f"{r['cpu'].get(name, 0) / r['wall']:.2f} / {1e6 * r['cpu'].get(name, 0) / max(r['tokens'], 1):,.0f}"
+                 for r in rows]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print("\nThe engine's iterations (ms each, means over the level): its wall time, and in it scheduling, "
+          "waiting for the grid (of which the workers' own step), completing and waking the streams")
+    print("| concurrency | iterations | wall | schedule | grid wait | worker step | complete | wake |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        p = r["phases"]
+        print(f"| {r['concurrency']} | {r['iterations']} | {1e3 * r['wall'] / r['iterations']:.2f} | "
+              + " | ".join(f"{1e3 * p[k]:.2f}" for k in ("schedule", "grid", "worker", "complete", "wake")) + " |")
     base = rows[0]["tokens_per_s"]
     print("throughput vs concurrency 1: " + ", ".join(f"{r['concurrency']}: {r['tokens_per_s'] / base:.2f}x"
                                                       for r in rows))

@@ -276,6 +276,9 @@ class ApiConfig(_Strict):
     token_file: str | None = None
 
 
+DEFAULT_PREFILL_HOLD_MS = 30.0
+
+
 class ServeConfig(_Strict):
     """`k3ray serve`: cache pools per data-parallel rank (every EP rank of a stage serves its own requests), the
     iteration's token budget, and the limits the front door enforces."""
@@ -283,6 +286,13 @@ class ServeConfig(_Strict):
     pages_per_rank: int = Field(256, gt=0, description="latent-KV pages per data-parallel rank")
     slots_per_rank: int = Field(16, gt=0, description="KDA state slots per rank: its running requests at most")
     token_budget: int = Field(128, gt=0, description="tokens per iteration and rank (decode + prefill chunks)")
+    prefill_hold_ms: float | None = Field(None, ge=0, le=1000, description="while requests decode, prompt work "
+                                          "waits up to this long to be batched: fewer eager (prefill) iterations "
+                                          "between graphed decode ones, first tokens later by half of it on average; "
+                                          f"default {DEFAULT_PREFILL_HOLD_MS:g} on GPUs (decode graphs), 0 on CPU")
+    graphs_at_start: bool = Field(True, description="GPU: capture every decode CUDA graph when a grid starts "
+                                  "(seconds more per start and recovery) rather than on first use (an iteration "
+                                  "then waits for its capture)")
     max_waiting: int = Field(64, ge=0, description="queued requests beyond which new ones get 429")
     max_tokens: int = Field(256, gt=0, description="largest max_tokens a request may ask for")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 and of a 503 while no grid serves")

@@ -72,6 +72,34 @@ def test_batched_engine_equals_reference_greedy(model):
     assert sched.usage()["pages_used"] == 0 and sched.usage()["slots_used"] == 0
 
 
+def test_prefill_hold_batches_prompt_work_while_requests_decode_and_changes_no_output(model):
+    """With a hold, prompts that arrive while others decode wait (decode-only iterations) until the hold since the
+    last prompt work has passed, then start together; with nothing decoding they start at once. Outputs are those of
+    the reference either way."""
+    prompts = [encode(t) for t in TEXTS[:6]]
+    params = [SamplingParams(max_tokens=20 if i == 0 else 8) for i in range(len(prompts))]
+    want = [generate_reference(model, p, sp)[0] for p, sp in zip(prompts, params)]
+    now = [0.0]
+    sched, ex = engine(model, budget=256, pages=96)
+    sched.clock = lambda: now[0]
+    sched.limits.prefill_hold_s = 0.010  # one hold = 10 iterations of this fake clock's 1 ms
+    first = sched.submit(prompts[0], params[0])
+    plans = sched.schedule()  # nothing decodes: the prompt starts at once
+    assert plans[0][0].counts == [len(prompts[0])]
+    sched.complete(plans, ex.run({r: p for r, (p, _) in plans.items()}))
+    late = [sched.submit(p, sp) for p, sp in zip(prompts[1:], params[1:])]
+    counts = []
+    while sched.has_work:
+        now[0] += 0.001
+        plans = sched.schedule()
+        counts.append(list(plans[0][0].counts))
+        sched.complete(plans, ex.run({r: p for r, (p, _) in plans.items()}))
+    assert counts[0] == [1]  # the first request decodes alone while the others wait for the hold
+    started = next(i for i, c in enumerate(counts) if len(c) > 1)
+    assert 8 <= started <= 10 and sorted(counts[started])[-5:] == sorted(len(p) for p in prompts[1:])
+    assert [r.out for r in [first, *late]] == want
+
+
 @pytest.mark.parametrize("rope", [False, True], ids=["no_rope_absorbed", "rope"])
 def test_batched_engine_equals_reference_with_the_released_features(rope):
     """Every released feature on (conftest.RELEASED): each request's KDA convolution state (its last 3 inputs of q,

@@ -49,9 +49,9 @@ SERVE = {"page_size": 4, "pages_per_rank": 96, "slots_per_rank": 6, "token_budge
 @pytest.fixture(scope="module")
 def server(serving_checkpoint):
     port = free_port()
-    engine, info = start_serving(serving_checkpoint, pp=2, ep=2, port=port, serve_overrides=SERVE,
-                                 observers=[ServeMetrics(METRICS_JOB, expert_load_every=5)], api_key=API_KEY)
-    url = f"http://127.0.0.1:{port}"
+    serving = start_serving(serving_checkpoint, pp=2, ep=2, port=port, serve_overrides=SERVE, front_doors=2,
+                            observers=[ServeMetrics(METRICS_JOB, expert_load_every=5)], api_key=API_KEY)
+    url = serving.url
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
@@ -60,9 +60,9 @@ def server(serving_checkpoint):
         except httpx.HTTPError:
             time.sleep(0.5)
     try:
-        yield engine, info, url
+        yield serving.engine, serving.info, url
     finally:
-        stop_serving(engine)
+        stop_serving(serving)
 
 
 @pytest.fixture(scope="module")

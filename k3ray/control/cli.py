@@ -17,6 +17,7 @@ from k3ray.control import client, hf_cli, jobs
 from k3ray.control import prepare as prepare_command
 
 log = logging.getLogger("k3ray")
+DOOR_CHECK_S = 5.0  # how often `k3ray serve` looks for front doors that died
 
 
 def _load(args) -> JobConfig:
@@ -200,16 +201,19 @@ def cmd_serve(args) -> int:
     if newest is not None:  # the job's tokenizer is still where it was
         load_tokenizer(newest.meta["config"]["data"].get("tokenizer", "bytes"))
     init_ray(args.address, args.pp * args.ep + args.spares)
-    engine, info = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.replicas,
-                                 observers=[ServeMetrics(args.name)], spares=args.spares, api_key=api_key,
-                                 insecure=args.insecure)
-    print(json.dumps({"serving": info["model"], "step": info["step"], "url": f"http://{args.host}:{args.port}/v1"}),
+    serving = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.front_doors,
+                            observers=[ServeMetrics(args.name)], spares=args.spares, api_key=api_key,
+                            insecure=args.insecure)
+    print(json.dumps({"serving": serving.info["model"], "step": serving.info["step"], "url": f"{serving.url}/v1"}),
           flush=True)
     try:
         while True:
-            time.sleep(3600)
+            time.sleep(DOOR_CHECK_S)
+            if replaced := serving.keep_doors():
+                print(f"k3ray serve: {replaced} front doors had died and were started again", file=sys.stderr,
+                      flush=True)
     except KeyboardInterrupt:
-        stop_serving(engine)
+        stop_serving(serving)
     return 0
 
 
@@ -313,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--insecure", action="store_true", help="serve a non-loopback --host without an API key")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--name", default="serve", help="the k3ray_job label of the serving metrics")
-    sv.add_argument("--replicas", type=int, default=1, help="HTTP ingress replicas (scale apart from the engine)")
+    sv.add_argument("--front-doors", type=int, default=1,
+                    help="HTTP processes sharing host:port (the SSE work scales apart from the engine)")
     sv.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS or a local one)")
     sv.add_argument("--set", action="append", default=[], metavar="serve.KEY=VALUE",
                     help="serving limits and pools, e.g. serve.max_waiting=32 serve.token_budget=256")

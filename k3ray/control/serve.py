@@ -1,18 +1,25 @@
-"""`k3ray serve`: an OpenAI-compatible front door through Ray Serve (FastAPI ingress) to the serving engine actor
-(k3ray.controller.serve_engine), which drives the worker grid.
+"""`k3ray serve`: OpenAI-compatible front doors (FastAPI on uvicorn, one Ray actor process each) in front of the
+serving engine actor (k3ray.controller.serve_engine), which drives the worker grid.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent events, ending in
 `data: [DONE]`), GET /v1/models, GET /health, GET /v1/stats and /v1/incidents (the serving view and incident log), GET
 /v1/placement (expert load, copies, balancedness), GET /v1/policies[/NAME], PUT /v1/policies/NAME (live policies,
-applied at the next iteration), GET /v1/audit, and POST /v1/scale ({"ep": N}: the grid resized, no request dropped). Ingress replicas scale apart from the engine (`--replicas`).
+applied at the next iteration), GET /v1/audit, and POST /v1/scale ({"ep": N}: the grid resized, no request
+dropped).
+
+Front doors: `--front-doors N` processes all listen on host:port (SO_REUSEPORT: the kernel spreads connections over
+them), so the HTTP and SSE work scales apart from the engine. Each writes its streams straight to its sockets: a
+token crosses one Ray message (engine -> front door, batched per iteration), never a proxy (an HTTP proxy process
+in between cost more CPU per token than the engine, and one process of it capped the served tokens per second).
+Ray restarts a front door that dies.
 
 Limits, enforced here before the engine sees a request: max_tokens <= serve.max_tokens; prompt + max_tokens within
 the model's context (max_seq_len); the engine's queue holds serve.max_waiting requests, beyond that 429 with
 Retry-After. Bad input (malformed JSON, bytes that are not UTF-8, an unknown model, a field out of range, a prompt
 longer than the context) is a 4xx whose message names the field; it never reaches the engine. A client that goes
-away cancels its request (Serve cancels the handler; the handler asks the engine to end it, which frees the
-request's pages and slot). Each replica takes every request's tokens from the engine through one stream
-(`EngineStreams`): one message per engine iteration for all of the replica's requests, not one per request.
+away cancels its request (Starlette cancels the handler; the handler asks the engine to end it, which frees the
+request's pages and slot). Each front door takes every request's tokens from the engine through one stream
+(`EngineStreams`): one message per engine iteration for all of its requests, not one per request.
 
 Authentication: with an API key (`--api-key-file F` or K3RAY_API_KEY) every route but /health needs
 `Authorization: Bearer <key>` (the `openai` client's api_key), else 401 in the OpenAI error shape. A server on a
@@ -35,14 +42,19 @@ import ipaddress
 import itertools
 import json
 import logging
+import socket
+import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import ray
+import ray.util.scheduling_strategies
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
-from ray import serve
 
 from k3ray.control import openai_schema as oa
 from k3ray.control.client import API_KEY_ENV
@@ -51,7 +63,6 @@ from k3ray.tokenizer import Tokenizer, load_tokenizer
 log = logging.getLogger("k3ray.serve")
 DEFAULT_MAX_TOKENS = 16
 
-app = FastAPI(title="k3ray serve", docs_url=None, redoc_url=None, openapi_url=None)  # no open routes but /health
 
 
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
@@ -65,8 +76,7 @@ class BadRequest(Exception):
 
 
 def prompt_ids(tok: Tokenizer, req, chat: bool) -> tuple[list[int], tuple[str, ...]]:
-    """(Defined above the ingress: Serve's decorator captures the module's names as they are then.) A
-    request's prompt token ids (chat: its messages through the tokenizer's chat template) and the stop strings
+    """A request's prompt token ids (chat: its messages through the tokenizer's chat template) and the stop strings
     the template adds."""
     if not chat:
         return tok.encode(req.prompt), ()
@@ -90,7 +100,7 @@ def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
 
 
 class EngineStreams:
-    """An ingress replica's one stream from the engine (`subscribe`): every request this replica submitted gets its
+    """A front door's one stream from the engine (`subscribe`): every request this front door submitted gets its
     items through it, fanned out here to a queue per request. The engine's stream ending (the engine gone) ends every
     open request with an error item; the next request opens a new stream."""
 
@@ -142,9 +152,9 @@ class EngineStreams:
         return text, tokens, finish, None
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1000)
-@serve.ingress(app)
-class OpenAIIngress:
+class FrontDoor:
+    """The OpenAI routes of one front-door process (`build_app` mounts them), in front of the engine actor."""
+
     def __init__(self, engine, info: dict, api_key: str | None = None):
         self.engine, self.info, self.api_key = engine, info, api_key
         self.streams = EngineStreams(engine)
@@ -152,7 +162,6 @@ class OpenAIIngress:
         self.max_seq_len, self.limits = info["max_seq_len"], info["serve"]
         self.tokenizer = load_tokenizer(info["tokenizer"])
 
-    @app.get("/health")
     async def health(self):
         """200 while a grid serves; 503 with the reason while the engine is gone or recovers its grid."""
         try:
@@ -164,7 +173,6 @@ class OpenAIIngress:
                                 headers={"Retry-After": str(state["retry_after"])})
         return {"status": "ok", "model": self.model}
 
-    @app.get("/v1/stats")
     async def stats(self, request: Request):
         """The serving view (`k3ray status --serve URL`): requests, pages, tokens generated."""
         if (denied := self._denied(request)) is not None:
@@ -172,23 +180,19 @@ class OpenAIIngress:
         info = {k: self.info[k] for k in ("model", "step", "pp", "ep")}
         return {**info, **(await self.engine.stats.remote())}
 
-    @app.get("/v1/incidents")
     async def incidents(self, request: Request):
         """The engine's incident log (`k3ray incidents --serve URL`): lost workers, requests stopped by the guards."""
         if (denied := self._denied(request)) is not None:
             return denied
         return await self.engine.incident_log.remote()
 
-    @app.get("/v1/policies")
     async def policies(self, request: Request):
         """The engine's live policies (`k3ray policy get --serve URL`)."""
         return await self._engine_answer(request, "policies")
 
-    @app.get("/v1/policies/{name}")
     async def policy(self, name: str, request: Request):
         return await self._engine_answer(request, "policies", name)
 
-    @app.put("/v1/policies/{name}")
     async def set_policy(self, name: str, request: Request):
         """Change fields of one policy (`k3ray policy set NAME k=v --serve URL`): validated, audited, applied at
         the next iteration; 400 naming the field for a bad value, 404 for an unknown policy."""
@@ -202,7 +206,6 @@ class OpenAIIngress:
             return _error(400, "body: a JSON object of policy fields, e.g. {\"enabled\": false}", "body")
         return await self._engine_answer(request, "set_policy", name, params, "serve-api")
 
-    @app.post("/v1/scale")
     async def scale(self, request: Request):
         """Resize the grid's EP dimension (`k3ray scale --ep N --serve URL`), no request dropped; 400 for a bad
         body, 409 where the grid cannot take that size."""
@@ -217,12 +220,10 @@ class OpenAIIngress:
             return _error(400, "body: {\"ep\": N} with N a whole number", "ep")
         return await self._engine_answer(request, "scale", ep)
 
-    @app.get("/v1/audit")
     async def audit(self, request: Request):
         """Every policy change: what, when, from where, at which iteration it applied."""
         return await self._engine_answer(request, "policy_audit")
 
-    @app.get("/v1/placement")
     async def placement(self, request: Request):
         """Expert placement (`k3ray placement --serve URL`): per-expert load, copies, balancedness, moves."""
         return await self._engine_answer(request, "placement_view")
@@ -236,17 +237,14 @@ class OpenAIIngress:
             return JSONResponse({"detail": answer["error"]}, status_code=answer["status"])
         return answer
 
-    @app.get("/v1/models")
     async def models(self, request: Request):
         if (denied := self._denied(request)) is not None:
             return denied
         return oa.model_list(self.model, self.created)
 
-    @app.post("/v1/completions")
     async def completions(self, request: Request):
         return await self._serve(request, chat=False)
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         return await self._serve(request, chat=True)
 
@@ -336,7 +334,7 @@ class OpenAIIngress:
                 generated += tokens
                 if error is not None:
                     return _error(500, error, kind="server_error")
-        finally:  # the client went away (Serve cancels this handler): stop generating, free the caches
+        finally:  # the client went away (the handler is cancelled): stop generating, free the caches
             self.streams.close(key, cancel=finish is None)
         use = oa.usage(prompt_tokens, generated)
         return JSONResponse((oa.chat_completion if chat else oa.completion)(rid, self.model, "".join(pieces), finish,
@@ -369,28 +367,119 @@ class OpenAIIngress:
             self.streams.close(key, cancel=finish is None)
 
 
+def build_app(door: FrontDoor) -> FastAPI:
+    """The HTTP routes of a front door (no OpenAPI pages: no open routes but /health)."""
+    app = FastAPI(title="k3ray serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_api_route("/health", door.health, methods=["GET"])
+    app.add_api_route("/v1/stats", door.stats, methods=["GET"])
+    app.add_api_route("/v1/incidents", door.incidents, methods=["GET"])
+    app.add_api_route("/v1/models", door.models, methods=["GET"])
+    app.add_api_route("/v1/placement", door.placement, methods=["GET"])
+    app.add_api_route("/v1/policies", door.policies, methods=["GET"])
+    app.add_api_route("/v1/policies/{name}", door.policy, methods=["GET"])
+    app.add_api_route("/v1/policies/{name}", door.set_policy, methods=["PUT"])
+    app.add_api_route("/v1/audit", door.audit, methods=["GET"])
+    app.add_api_route("/v1/scale", door.scale, methods=["POST"])
+    app.add_api_route("/v1/completions", door.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", door.chat_completions, methods=["POST"])
+    return app
+
+
+def shared_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port that other processes may bind too (SO_REUSEPORT): the kernel spreads new
+    connections over every front door listening there."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+@ray.remote(num_cpus=0)
+class FrontDoorProcess:
+    """One front-door process: uvicorn serving `build_app(FrontDoor)` on host:port, shared with the other front
+    doors, in a thread of its own (its event loop also awaits the engine's stream)."""
+
+    def __init__(self, engine, info: dict, api_key: str | None, host: str, port: int):
+        sock = shared_port_socket(host, port)
+        config = uvicorn.Config(build_app(FrontDoor(engine, info, api_key)), log_level="warning", access_log=False,
+                                lifespan="off", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="front-door",
+                                       daemon=True)  # uvloop and httptools where installed
+        self.thread.start()
+
+    def ready(self, timeout_s: float = 60.0) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the front door's HTTP server did not start")
+            time.sleep(0.01)
+        return True
+
+    def stop(self) -> bool:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        return True
+
+
+@dataclass
+class Serving:
+    """A running `k3ray serve`: the engine actor and its front doors (`keep_doors` replaces those that died)."""
+    engine: object
+    info: dict
+    doors: list
+    url: str
+    start_door: Callable
+
+    def keep_doors(self, timeout_s: float = 30.0) -> int:
+        """Start a new front door in place of each that died; how many were replaced."""
+        replaced = 0
+        for i, door in enumerate(self.doors):
+            try:
+                ray.get(door.ready.remote(), timeout=timeout_s)
+            except ray.exceptions.RayActorError:
+                self.doors[i] = self.start_door()
+                ray.get(self.doors[i].ready.remote(), timeout=timeout_s)
+                replaced += 1
+        return replaced
+
+
 def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.0.1", port: int = 8000,
-                  serve_overrides: dict | None = None, replicas: int = 1, observers: list | None = None,
-                  spares: int = 0, api_key: str | None = None, insecure: bool = False):
-    """Start the engine (workers loaded from the checkpoint) and the HTTP front door; returns (engine, info).
-    With `api_key` every route but /health needs it (`check_exposure` first: ValueError)."""
+                  serve_overrides: dict | None = None, front_doors: int = 1, observers: list | None = None,
+                  spares: int = 0, api_key: str | None = None, insecure: bool = False) -> Serving:
+    """Start the engine (workers loaded from the checkpoint) and `front_doors` HTTP processes on host:port. With
+    `api_key` every route but /health needs it (`check_exposure` first: ValueError)."""
     from k3ray.controller.serve_engine import ServingEngine
 
     check_exposure(host, api_key, insecure)
-
     engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve_overrides, observers=observers,
-                                                                spares=spares)
+                                                      spares=spares)
     info = ray.get(engine.ready.remote())
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(OpenAIIngress.options(num_replicas=replicas).bind(engine, info, api_key), name="k3ray",
-              route_prefix="/", blocking=False)
-    log.info("serving %s (step %d) at http://%s:%d/v1", info["model"], info["step"], host, port)
-    return engine, info
+    here = ray.get_runtime_context().get_node_id()  # the front doors listen on this machine's host:port
+    pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(here, soft=False)
+
+    def start_door():
+        return FrontDoorProcess.options(scheduling_strategy=pin).remote(engine, info, api_key, host, port)
+
+    doors = [start_door() for _ in range(front_doors)]
+    ray.get([d.ready.remote() for d in doors])
+    url = f"http://{host}:{port}"
+    log.info("serving %s (step %d) at %s/v1 through %d front doors", info["model"], info["step"], url, front_doors)
+    return Serving(engine, info, doors, url, start_door)
 
 
-def stop_serving(engine) -> None:
-    serve.delete("k3ray")
+def stop_serving(serving: Serving) -> None:
     try:
-        ray.get(engine.shutdown.remote(), timeout=120)
+        ray.get([d.stop.remote() for d in serving.doors], timeout=30)
+    except ray.exceptions.RayError:
+        pass  # a front door already gone: killed below anyway
+    for door in serving.doors:
+        ray.kill(door)
+    try:
+        ray.get(serving.engine.shutdown.remote(), timeout=120)
     finally:
-        ray.kill(engine, no_restart=True)
+        ray.kill(serving.engine, no_restart=True)

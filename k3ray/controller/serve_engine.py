@@ -30,7 +30,7 @@ import time
 
 import ray
 
-from k3ray.config import JobConfig
+from k3ray.config import DEFAULT_PREFILL_HOLD_MS, JobConfig
 from k3ray.controller.checkpointing import serving_weights
 from k3ray.controller.drills import clear, inject
 from k3ray.controller.live_policies import LivePolicies
@@ -61,6 +61,13 @@ def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None 
                                      "fault_tolerance": ft.model_dump()})
 
 
+def prefill_hold_ms(cfg: JobConfig) -> float:
+    """serve.prefill_hold_ms, or its default: a hold where decode iterations are CUDA graphs, none on CPU."""
+    if cfg.serve.prefill_hold_ms is not None:
+        return cfg.serve.prefill_hold_ms
+    return DEFAULT_PREFILL_HOLD_MS if cfg.parallel.device != "cpu" else 0.0
+
+
 def pool_sizes(cfg: JobConfig) -> PoolSizes:
     return PoolSizes(cfg.serve.pages_per_rank, cfg.serve.page_size, cfg.serve.slots_per_rank)
 
@@ -73,7 +80,8 @@ class Engine:
         self.cfg, self.model_name, self.step = cfg, cfg.name, step
         sc = cfg.serve
         self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, grid.ep, sc.token_budget, sc.max_waiting,
-                                            pool_sizes(cfg), cfg.policies.guards, load_tokenizer(cfg.data.tokenizer)))
+                                            pool_sizes(cfg), cfg.policies.guards, load_tokenizer(cfg.data.tokenizer),
+                                            prefill_hold_ms(cfg) / 1e3))
         self.grid = grid
         self.incidents: list[dict] = []
         self.gap_from: tuple[dict, float] | None = None  # (incident, when the loss was found) until the next token
@@ -84,11 +92,14 @@ class Engine:
         # observers.iteration(changed requests, scheduler, seconds) after every iteration, .expert_load(workers'
         # counts) every .expert_load_every iterations: metrics (k3ray.control.serve_metrics)
         self.observers: list = observers or []
-        self.outboxes: dict[str, Outbox] = {}  # subscriber (an ingress replica) -> its requests' pending items
+        self.outboxes: dict[str, Outbox] = {}  # subscriber (a front door) -> its requests' pending items
         self.down: dict | None = None  # while no grid serves: why, and since when (`health`)
         self.serving: asyncio.Event | None = None  # set while a grid serves
         self.spares_checked = time.monotonic()
         self.failures_in_row = 0  # grid calls that failed, no worker lost, since the last that did not
+        # where the iterations' time went (seconds, summed): scheduling, waiting for the grid (of which the workers'
+        # own time in the step: `worker`), completing (tokens to text, stops, guards) and waking the streams
+        self.phase_s = dict.fromkeys(("schedule", "grid", "worker", "complete", "wake"), 0.0)
         self.live = LivePolicies(cfg.policies)  # changes through the front door, applied between iterations
         self.placement = ServePlacement(cfg.model.n_experts)  # read-only copies of hot experts, moved live
         self.between_iterations = asyncio.Lock()  # held by each iteration; a resize takes it to run between two
@@ -101,7 +112,7 @@ class Engine:
     def stats(self) -> dict:
         return {**self.sched.usage(), "iterations": self.iterations, "tokens_out": self.tokens_out,
                 "uptime_s": time.time() - self.started, "pp": self.grid.pp, "ep": self.grid.ep,
-                "incidents": len(self.incidents)}
+                "incidents": len(self.incidents), "phase_seconds": dict(self.phase_s)}
 
     async def generate(self, prompt: list[int], params: dict):
         """Stream a request: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'} or {'error':
@@ -146,7 +157,7 @@ class Engine:
             self.sched.forget(req.id)
             self.updates.pop(req.id, None)
 
-    # -- many requests' streams over one (an ingress replica's) ----------------------------------------------------
+    # -- many requests' streams over one (a front door's) ---------------------------------------------------------
     async def submit(self, prompt: list[int], params: dict, subscriber: str, key: int) -> dict:
         """Start a request whose items (those of `generate`) go to `subscriber`'s batched stream under `key`;
         returns its first item ({'accepted': id} or an error). A Ray streaming item per request and iteration
@@ -223,6 +234,7 @@ class Engine:
                 await self._at_boundary()
                 t0 = time.perf_counter()
                 plans = self.sched.schedule()
+                t1 = time.perf_counter()
                 try:
                     outputs = await self._on_grid(self.grid.run, {r: p for r, (p, _) in plans.items()})
                 except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
@@ -231,7 +243,9 @@ class Engine:
                     self._incident("iteration_failed", action="failed every request", requests=len(changed),
                                    why=f"{type(err).__name__}: {err}")
                 else:
+                    t2 = time.perf_counter()
                     changed = [] if outputs is None else self.sched.complete(plans, outputs)
+                    self._time_phases(t0, t1, t2, outputs)
             for req in changed:
                 if req.trip is not None:
                     log.warning("serving: request %d stopped by the guards (%s %s: %g)", req.id, req.trip.rule,
@@ -246,10 +260,19 @@ class Engine:
                 incident, t_found = self.gap_from
                 incident["seconds"]["to_next_token"] = time.perf_counter() - t_found
                 self.gap_from = None
+            t3 = time.perf_counter()
             for req in changed:
                 if req.id in self.updates:
                     self.updates[req.id].set()
+            self.phase_s["wake"] += time.perf_counter() - t3
             await self._after_iteration(changed, time.perf_counter() - t0)
+
+    def _time_phases(self, t0: float, t1: float, t2: float, outputs: dict | None) -> None:
+        now, p = time.perf_counter(), self.phase_s
+        p["schedule"] += t1 - t0
+        p["grid"] += t2 - t1
+        p["complete"] += now - t2
+        p["worker"] += max((o.seconds for o in (outputs or {}).values()), default=0.0)
 
     async def _after_iteration(self, changed: list, seconds: float) -> None:
         """The observers (metrics) see the iteration, and every so often the workers' expert load; missing hot spares

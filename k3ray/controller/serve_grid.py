@@ -57,7 +57,8 @@ class ServingGrid:
     def _cache_pools(self) -> float:
         t0 = time.perf_counter()
         s = self.sizes
-        self.group.call("serve_init", s.pages, s.page_size, s.slots)
+        self.group.call("serve_init", s.pages, s.page_size, s.slots, self.cfg.serve.graphs_at_start,
+                        timeout_s=self.launch_timeout_s)
         return time.perf_counter() - t0
 
     def run(self, plans: dict) -> dict[int, StageOutput]:
@@ -186,7 +187,8 @@ class ServingGrid:
             group.launch(self.launch_timeout_s, restore=self._sources(), wait_for_spares=False)
             s = self.sizes
             t1 = time.perf_counter()
-            group.call("serve_init", s.pages, s.page_size, s.slots)
+            group.call("serve_init", s.pages, s.page_size, s.slots, self.cfg.serve.graphs_at_start,
+                       timeout_s=self.launch_timeout_s)
         except BaseException:
             group.close()
             raise

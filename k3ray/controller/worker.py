@@ -210,8 +210,9 @@ class Worker:
 
     # -- serving ---------------------------------------------------------------------------------------------------
     @fenced
-    def serve_init(self, pages: int, page_size: int, slots: int) -> bool:
-        """Cache pools for serving beside the stage this worker holds (loaded by `restore`)."""
+    def serve_init(self, pages: int, page_size: int, slots: int, capture_graphs: bool = False) -> int:
+        """Cache pools for serving beside the stage this worker holds (loaded by `restore`), and with
+        `capture_graphs` every decode CUDA graph they can ask for (GPU); how many graphs were captured."""
         from k3ray.model.cache import new_pools
         from k3ray.parallel.serving import StageServer
 
@@ -220,7 +221,8 @@ class Worker:
         rank = e.pp_rank * e.ep + e.ep_rank
         self.server = StageServer(e.stage, pools, e.device, rank - e.ep if e.pp_rank > 0 else None,
                                   rank + e.ep if e.pp_rank < e.pp - 1 else None, e.world)
-        return True
+        graphs = self.server.graphs
+        return graphs.capture_all() if capture_graphs and graphs is not None else 0
 
     @fenced
     def serve_step(self, plan):

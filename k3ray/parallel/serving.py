@@ -11,13 +11,14 @@ device. Only token ids and each sequence's largest activation (for the per-reque
 
 A plan is small: the sequences by slot with their start and token count, the new token ids, and for sequences new
 on the rank their pages and sampling parameters (sent once). Decode iterations (one token per sequence) on a stage
-whose experts are all local run as CUDA graphs, one per (batch bucket, context bucket), captured on first use
-(`DecodeGraphs`); prefill chunks run eagerly. The same code runs on CPU without graphs.
+whose experts are all local run as CUDA graphs, one per (batch bucket, context bucket), captured when the pools are
+made (serve.graphs_at_start) or on first use (`DecodeGraphs`); prefill chunks run eagerly. The same code runs on CPU without graphs.
 """
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -49,14 +50,16 @@ class RankPlan:
 class StageOutput:
     """A stage's answer to an iteration: each sequence's next token [N] (last stage; None elsewhere; meaningful only
     for sequences whose new tokens reached the end of what is known) and its largest |activation| in the stage [N]
-    (inf where anything, the logits included, is not finite)."""
+    (inf where anything, the logits included, is not finite), and the seconds the worker spent in the step."""
     tokens: list[int] | None
     maxabs: list[float]
+    seconds: float = 0.0
 
     @staticmethod
     def merge(stages: list[StageOutput]) -> StageOutput:
-        """One data-parallel rank's answer from its stages' (in pipeline order)."""
-        return StageOutput(stages[-1].tokens, [max(m) for m in zip(*(s.maxabs for s in stages))])
+        """One data-parallel rank's answer from its stages' (in pipeline order; the seconds of the slowest)."""
+        return StageOutput(stages[-1].tokens, [max(m) for m in zip(*(s.maxabs for s in stages))],
+                           max(s.seconds for s in stages))
 
 
 @dataclass
@@ -80,6 +83,7 @@ class StageServer:
     @torch.no_grad()
     def step(self, plan: RankPlan) -> StageOutput:
         """Run this stage on the plan: every stage's max-abs per sequence, and on the last stage the next tokens."""
+        t0 = time.perf_counter()
         self.pools.admit(plan.admit)
         n, T = len(plan.slots), len(plan.tokens) if self.stage.is_first else sum(plan.counts)
         x = None
@@ -101,10 +105,10 @@ class StageServer:
         if not self.stage.is_last:
             if T:
                 dist.send(out.contiguous(), self.next_rank, group=self.world)
-            return StageOutput(None, maxabs.tolist())
+            return StageOutput(None, maxabs.tolist(), time.perf_counter() - t0)
         both = torch.cat([tokens.double(), maxabs])  # one device-to-host copy
         host = both.cpu()
-        return StageOutput(host[:n].long().tolist(), host[n:].tolist())
+        return StageOutput(host[:n].long().tolist(), host[n:].tolist(), time.perf_counter() - t0)
 
     def forward(self, x: torch.Tensor, cache: IterationCache, counters_N: torch.Tensor, greedy: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -142,6 +146,32 @@ class DecodeGraphs:
         self.enabled = all(getattr(getattr(moe.experts, "ctx", None), "num_ranks", 1) == 1
                            for moe in server.stage.moe_layers().values())
 
+    def capture_all(self) -> int:
+        """Capture every graph this stage's pools can ask for (batch buckets up to the slots, every context bucket,
+        greedy and sampled) now, so that no iteration waits for a capture; how many were captured."""
+        pools, before = self.server.pools, len(self.graphs)
+        contexts = sorted({pools.context_bucket(pools.page_size << k)
+                           for k in range(pools.max_pages.bit_length() + 1)})
+        for bucket in (b for b in BATCH_BUCKETS if b <= pools.slots):
+            for context in contexts:
+                for greedy in (True, False):
+                    if not self.enabled:
+                        return len(self.graphs) - before
+                    self._get(bucket, context, greedy)
+        return len(self.graphs) - before
+
+    def _get(self, bucket: int, context: int, greedy: bool):
+        """The graph of (bucket, context, greedy), captured on first use; None if it cannot be (graphs off then)."""
+        key = (bucket, context, greedy)
+        if key not in self.graphs:
+            try:
+                self.graphs[key] = self._capture(*key)
+            except RuntimeError as err:  # a kernel that cannot be captured: this stage decodes eagerly from now on
+                log.warning("decode CUDA graphs off for this stage: the capture failed: %s", err)
+                self.enabled = False
+                return None
+        return self.graphs[key]
+
     def run(self, plan: RankPlan, x: torch.Tensor | None):
         """The decode iteration replayed: (output, tokens, max-abs) as `StageServer.forward` gives them, or None
         where no graph serves it (graphs off for this stage, or a batch past the largest bucket): run it eagerly."""
@@ -150,16 +180,10 @@ class DecodeGraphs:
         bucket = next((b for b in BATCH_BUCKETS if b >= n), None)
         if not self.enabled or bucket is None or bucket > pools.slots:
             return None
-        context = pools.context_bucket(max(plan.starts) + 1)
-        key = (bucket, context, plan.greedy)
-        if key not in self.graphs:
-            try:
-                self.graphs[key] = self._capture(*key)
-            except RuntimeError as err:  # a kernel that cannot be captured: this stage decodes eagerly from now on
-                log.warning("decode CUDA graphs off for this stage: the capture failed: %s", err)
-                self.enabled = False
-                return None
-        graph, inputs, outputs = self.graphs[key]
+        captured = self._get(bucket, pools.context_bucket(max(plan.starts) + 1), plan.greedy)
+        if captured is None:
+            return None
+        graph, inputs, outputs = captured
         pad = bucket - n
         host = torch.tensor([plan.slots + [pools.scratch_slot] * pad, plan.starts + [0] * pad,
                              plan.counters + [0] * pad, (plan.tokens if x is None else [0] * n) + [0] * pad,
