@@ -6,11 +6,11 @@ Notation: E experts, R EP ranks, S spare slots per rank. home [E] is fixed (the 
 copies of those experts. An expert's holders are its home and the ranks holding a copy, ascending.
 
 Placement model (EPLB's): an expert's load is split evenly over its holders. At run time each iteration's tokens are
-water-filled over the holders instead (`copy_alloc`), which balances at least as well. `place_copies` is greedy on that model: each
-round adds the one copy that lowers the largest rank load most (ties: the lower sum of squared rank loads, then the
-lower expert id, then the lower rank), until no copy helps or the slots are full. Copies the current table already
-holds cost nothing to keep; copies it does not hold must be fetched, at most `moved_budget` of them (None: no
-limit). Starting from nothing rather than from the current table lets a shifted hot set take over slots.
+water-filled over the holders instead (`copy_alloc`), which balances at least as well. `place_copies` is greedy on
+that model: each round adds the one copy that lowers the largest rank load most (ties: the lower sum of squared rank
+loads, then the lower expert id, then the lower rank), until no copy helps or the slots are full. Copies the current
+table already holds cost nothing to keep; copies it does not hold must be fetched, at most `moved_budget` of them
+(None: no limit). Starting from nothing rather than from the current table lets a shifted hot set take over slots.
 """
 from __future__ import annotations
 
