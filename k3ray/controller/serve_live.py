@@ -1,0 +1,114 @@
+"""What of the serving engine changes while it serves, between two iterations: the live policies (validated, audited,
+applied at the next iteration), the expert placement (read-only copies of hot experts moved in the background,
+k3ray.controller.serve_placement) and the grid's size (`scale`: a new grid launched beside the serving one, then
+adopted). A mixin of `k3ray.controller.serve_engine.Engine`: it uses the engine's grid, scheduler, `_on_grid`,
+`_restore`, `_incident` and `_ensure_loop`; the engine holds `between_iterations` around each iteration and calls
+`_at_boundary` at its start.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from k3ray.config import JobConfig
+from k3ray.controller.live_policies import LivePolicies
+from k3ray.controller.serve_placement import ServePlacement
+from k3ray.controller.worker_group import TopologyError
+
+log = logging.getLogger("k3ray.serve")
+
+
+class LiveServing:
+    def live_serving_init(self, cfg: JobConfig) -> None:
+        self.live = LivePolicies(cfg.policies)  # changes through the front door, applied between iterations
+        self.placement = ServePlacement(cfg.model.n_experts)  # read-only copies of hot experts, moved live
+        self.between_iterations = asyncio.Lock()  # held by each iteration; a resize takes it to run between two
+
+    async def _at_boundary(self) -> None:
+        """Between two iterations: queued policy changes take effect, a placement move is decided (its copies are
+        fetched in the background), and a move whose fetches all ended switches every worker to its table."""
+        try:
+            changed = self.live.take_pending(self.iterations)
+            if changed & {"moonep", "scheduling"}:
+                await self._on_grid(self.grid.group.call, "set_policies", self.cfg.policies.model_dump())
+            if "replication" in changed or self.placement.decide_next:
+                self.placement.start(self.grid, self.cfg.policies.replication)
+            record = self.placement.ready(self.grid)
+            if record is not None and await self._on_grid(self.grid.use_copies, record["copies"]):
+                self.placement.switched(record, self.iterations)
+                log.info("serving placement: switched to copies %s (balancedness %s -> %s, %d bytes fetched)",
+                         record["copies"], record["balancedness_before"], record["balancedness_after"],
+                         record["bytes_moved"])
+        except Exception as err:  # noqa: BLE001 - placement and policies are optimisations: serving goes on
+            log.exception("serving: applying policies or a placement move failed")
+            self._incident("placement_failed", action="kept the placement", why=f"{type(err).__name__}: {err}")
+
+    def policies(self, name: str | None = None) -> dict:
+        """The live policies (changes waiting for the next iteration on top), or {'error', 'status': 404}."""
+        try:
+            return self.live.get(name)
+        except KeyError as err:
+            return {"error": err.args[0], "status": 404}
+
+    def set_policy(self, name: str, params: dict, source: str = "api") -> dict:
+        """Validate a change to one policy and apply it at the next iteration (audited): {'policy', 'value',
+        'applies_at_step'}, or {'error', 'status'}: 404 for an unknown policy, 400 naming the field for a bad value;
+        nothing changes then."""
+        try:
+            return self.live.set(name, params, source, self.iterations)
+        except KeyError as err:
+            return {"error": err.args[0], "status": 404}
+        except ValueError as err:
+            return {"error": str(err), "status": 400}
+
+    def policy_audit(self) -> list[dict]:
+        return self.live.audit_log()
+
+    def placement_view(self) -> dict:
+        """`k3ray placement --serve`: per-expert load, homes, copies, rank loads, balancedness, moves."""
+        return {**self.placement.view(self.grid), "iteration": self.iterations}
+
+    def rebalance(self) -> bool:
+        """Decide a placement move from the load after the next iteration instead of waiting for
+        replication.every_n_steps (with replication enabled)."""
+        self.placement.ask()
+        return True
+
+    async def scale(self, ep: int) -> dict:
+        """Resize the grid to pp x ep: launched beside the serving grid from the held weights while iterations go on
+        (`ServingGrid.launch_beside`), then adopted between two iterations; where both do not fit, the grid is
+        relaunched at the new size (serving pauses meanwhile). Every unfinished request is prefilled again on the
+        new grid, as after a loss: none dropped, outputs unchanged. The incident's fields, or {'error', 'status'}:
+        400 for an ep below 1, 409 where the grid cannot take that size (nothing changes), 500 where the launch
+        failed (a relaunch that fails goes the failure path, `_restore`)."""
+        if not isinstance(ep, int) or ep < 1:
+            return {"error": f"ep: must be a whole number >= 1, got {ep!r}", "status": 400}
+        if ep == self.grid.ep:
+            return {"ep": [ep, ep], "action": "none"}
+        t0 = time.perf_counter()
+        try:
+            self.grid.check_size(ep)
+            beside = await asyncio.to_thread(self.grid.launch_beside, ep)
+        except TopologyError as err:
+            return {"error": str(err), "status": 409}
+        except Exception as err:  # noqa: BLE001 - the serving grid is untouched: say why and serve on
+            return {"error": f"launching ep={ep} failed: {type(err).__name__}: {err}", "status": 500}
+        async with self.between_iterations:
+            if beside is not None:
+                fields = self.grid.adopt(*beside)
+            else:
+                try:
+                    fields = await asyncio.to_thread(self.grid.resize, ep)
+                except Exception as err:  # noqa: BLE001 - the old grid is gone: serve again, whatever it takes
+                    await self._restore(None, f"scaling to ep={ep} failed: {type(err).__name__}: {err}")
+                    return {"error": f"scaling to ep={ep} failed ({type(err).__name__}: {err}); serving on ep="
+                                     f"{self.grid.ep}", "status": 500}
+            fields["requeued"] = len(self.sched.reset(self.grid.ep))
+            fields["seconds"]["total"] = time.perf_counter() - t0
+            self._incident("scaled", **fields)
+            log.warning("serving: scaled to pp=%d x ep=%d (%s) in %.2fs, %d requests to prefill again", self.grid.pp,
+                        self.grid.ep, fields["action"], fields["seconds"]["total"], fields["requeued"])
+        if self.sched.has_work:
+            self._ensure_loop()
+        return fields
