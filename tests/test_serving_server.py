@@ -17,6 +17,8 @@ import asyncio
 import contextlib
 import io
 import json
+import os
+import signal
 import threading
 import time
 
@@ -60,7 +62,7 @@ def server(serving_checkpoint):
         except httpx.HTTPError:
             time.sleep(0.5)
     try:
-        yield serving.engine, serving.info, url
+        yield serving
     finally:
         stop_serving(serving)
 
@@ -103,7 +105,7 @@ async def chat(api: openai.AsyncOpenAI, model: str, stream: bool, **kw) -> tuple
 
 
 def test_openai_client_greedy_equals_reference(server, reference):
-    engine, info, url = server
+    engine, info, url = server.engine, server.info, server.url
     model = info["model"]
     max_tokens = [2 + (5 * i) % 17 for i in range(len(PROMPTS))]
     want = [reference(p, max_tokens=n) for p, n in zip(PROMPTS, max_tokens)]
@@ -128,7 +130,7 @@ def test_openai_client_greedy_equals_reference(server, reference):
 
 
 def test_seeded_sampling_same_text_alone_and_under_load(server, reference):
-    _, info, url = server
+    info, url = server.info, server.url
     kw = {"max_tokens": 10, "temperature": 0.9, "top_p": 0.95, "seed": 1234}
     want = reference("import ", **{k: v for k, v in kw.items()})
 
@@ -143,7 +145,7 @@ def test_seeded_sampling_same_text_alone_and_under_load(server, reference):
 
 
 def test_bad_input_gets_a_4xx_naming_the_field(server):
-    _, info, url = server
+    info, url = server.info, server.url
     model = info["model"]
     cases = [
         (b'{"model": "tiny", "prompt": "x",', 400, "body"),
@@ -169,7 +171,7 @@ def test_bad_input_gets_a_4xx_naming_the_field(server):
 
 
 def test_overload_answers_429_and_disconnects_free_pages(server):
-    engine, info, url = server
+    engine, info, url = server.engine, server.info, server.url
     body = {"model": info["model"], "prompt": "def ", "max_tokens": 60, "stream": True}
     before = ray.get(engine.stats.remote())["tokens_out"]
 
@@ -204,7 +206,7 @@ def test_a_request_that_blows_up_fails_alone_and_is_an_incident(server, referenc
     """A drill makes the embedding of one byte NaN: the requests holding it fail with an error naming the guard
     (streaming and not), the requests around them return the reference's text, and `k3ray incidents --serve` lists
     the blow-ups."""
-    engine, info, url = server
+    engine, info, url = server.engine, server.info, server.url
     model = info["model"]
     poison = "`"
     others = [p for p in PROMPTS if poison not in p][:6]
@@ -238,7 +240,7 @@ def test_a_request_that_blows_up_fails_alone_and_is_an_incident(server, referenc
 def test_serving_metrics_are_exported(ray_cluster, server, monkeypatch):
     """Every ray_k3ray_serve_* metric reaches Ray's Prometheus export with samples from the requests above (the
     per-expert load histogram from the workers' counts), and `k3ray status --serve` shows the serving view."""
-    _, _, url = server
+    url = server.url
     want = {f"ray_{name}" + ("_bucket" if kind == "histogram" else "") for name, (kind, _, _) in SERVE_SPECS.items()}
     deadline, seen = time.time() + 90, set()
     while time.time() < deadline and not want <= seen:
@@ -257,7 +259,7 @@ def test_serving_metrics_are_exported(ray_cluster, server, monkeypatch):
 
 
 def test_every_route_but_health_needs_the_api_key(server, monkeypatch, capsys):
-    _, info, url = server
+    info, url = server.info, server.url
     body = {"model": info["model"], "prompt": "def ", "max_tokens": 2}
     with httpx.Client(base_url=url, timeout=60) as http:
         assert http.get("/health").status_code == 200
@@ -296,7 +298,7 @@ def test_policies_and_placement_of_a_serving_job_from_the_cli(server, monkeypatc
     """`k3ray policy set|get`, `placement`, `audit` and `scale` with --serve: a bad value is one line naming the field
     (exit 2, nothing changes); turning the replication policy on makes the engine place read-only copies of hot experts
     while requests run, shown with the load and balancedness."""
-    _, info, url = server
+    info, url = server.info, server.url
     monkeypatch.setenv("K3RAY_API_KEY", API_KEY)
     with httpx.Client(base_url=url, timeout=60, headers=AUTH) as http:
         assert http.put("/v1/policies/replication", content=b"[1]").status_code == 400
@@ -331,9 +333,27 @@ def test_policies_and_placement_of_a_serving_job_from_the_cli(server, monkeypatc
         assert main(["policy", "set", "replication", "enabled=false", "--serve", url]) == 0
 
 
+def test_a_front_door_that_dies_is_started_again_and_the_other_serves_meanwhile(server):
+    """Two front doors share the port; one killed, requests still get answers (from the other, or from the new one
+    once `keep_doors` has started it)."""
+    victim = server.doors[0]
+    pid = ray.get(victim.__ray_call__.remote(lambda door: os.getpid()))
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.time() + 30
+    while os.path.exists(f"/proc/{pid}") and time.time() < deadline:  # gone, its socket with it
+        time.sleep(0.1)
+    ok = 0
+    for _ in range(6):  # new connections: the kernel hands them to a live listener
+        with httpx.Client(timeout=30) as http:
+            ok += http.get(f"{server.url}/health").status_code == 200
+    assert ok == 6
+    assert server.keep_doors() == 1 and server.doors[0] is not victim
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
 def test_health_is_503_with_the_reason_while_the_grid_recovers(server):
     """Last in this module: the lost worker leaves the grid on pp=2 x ep=1."""
-    engine, info, url = server
+    engine, info, url = server.engine, server.info, server.url
     seen = []
     with httpx.Client(base_url=url, timeout=60) as http:
         assert http.get("/health").status_code == 200

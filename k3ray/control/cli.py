@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -206,6 +207,7 @@ def cmd_serve(args) -> int:
                             insecure=args.insecure)
     print(json.dumps({"serving": serving.info["model"], "step": serving.info["step"], "url": f"{serving.url}/v1"}),
           flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a service manager's stop: as Ctrl-C
     try:
         while True:
             time.sleep(DOOR_CHECK_S)

@@ -20,6 +20,7 @@ import ray
 import torch
 
 from k3ray.config import JobConfig
+from k3ray.controller.serve_dag import ServingGraph
 from k3ray.controller.worker_group import TopologyError, WorkerGroup, WorkerLost
 from k3ray.parallel.serving import PoolSizes, StageOutput
 from k3ray.policies import recovery
@@ -33,6 +34,7 @@ class ServingGrid:
         self.weights = ray.put(weights_state)  # once: every worker of every grid reads its part of this object
         self.load = torch.ones(cfg.model.n_experts, dtype=torch.float64)
         self.group: WorkerGroup | None = None
+        self.graph = ServingGraph()  # the iteration as a compiled graph of the group's workers
         self.spares_due = False  # start spares again after the next iteration (they replaced lost workers)
 
     @property
@@ -64,7 +66,7 @@ class ServingGrid:
     def run(self, plans: dict) -> dict[int, StageOutput]:
         """One iteration: rank -> RankPlan in, rank -> its stages' merged answer out (WorkerLost if a worker is).
         After the first iteration on a recovered grid, the spares that replaced lost workers are started again."""
-        outs = self.group.serve_step(plans, self.cfg.parallel.collective_timeout_s)
+        outs = self.graph.run(self.group, plans, self.cfg.parallel.collective_timeout_s)
         if self.spares_due:
             self.spares_due = False
             self.group.start_spares()
@@ -232,5 +234,6 @@ class ServingGrid:
         return group.start_spares()
 
     def close(self) -> None:
+        self.graph.drop()
         if self.group is not None:
             self.group.close()

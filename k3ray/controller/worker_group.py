@@ -18,7 +18,6 @@ import logging
 import time
 
 import ray
-from ray.dag import DAGContext, InputNode, MultiOutputNode
 from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -28,7 +27,6 @@ from k3ray.controller.worker import Worker
 from k3ray.config import JobConfig
 
 log = logging.getLogger("k3ray.controller")
-DAG_TEARDOWN_S = 5.0  # how long tearing a serving graph down waits for a worker still inside a step (a lost peer's)
 
 # Ray starts actor processes at nice 15. In a GPU job the controller sits on every step's critical path and a
 # worker's host thread feeds its GPU (launches, the per-layer count sync), so they run at normal priority: nice 15
@@ -66,7 +64,7 @@ class WorkerError(RuntimeError):
     """A call failed inside workers that are alive (not a lost worker): the first failing rank's error, readable."""
 
 
-def _cause_line(err: BaseException) -> str:
+def cause_line(err: BaseException) -> str:
     """The error raised inside an actor, as one line (Ray's wrapping taken off; a cause that could not be sent
     back whole still carries its message in Ray's text)."""
     cause = err
@@ -107,7 +105,6 @@ class WorkerGroup:
         self.spares = SparePool(cfg.fault_tolerance.spares)  # hot spares: standby workers, own resources
         self.launch_seconds: dict[str, float] = {}  # start workers (or swap in spares), process groups, restore
         self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
-        self.serve_dag: tuple | None = None  # (generation, the serving iteration's compiled graph): `serve_step`
 
     @property
     def size(self) -> int:
@@ -338,7 +335,7 @@ class WorkerGroup:
         if errors:
             rank, err = min((calls[i][0], e) for i, e in errors.items())
             raise WorkerError(f"{what} failed on {len(errors)} of {len(calls)} workers (rank {rank}: "
-                              f"{_cause_line(err)})") from None
+                              f"{cause_line(err)})") from None
         return [results[i] for i in range(len(calls))]
 
     def dead_ranks(self, exclude: set[int] = frozenset(), timeout_s: float = 2.0) -> set[int]:
@@ -363,52 +360,6 @@ class WorkerGroup:
         """Reports of every worker, in world-rank order (WorkerLost: see `_gather`)."""
         return self._gather([(r, w.train_step.remote(self.generation, step, batch_index))
                              for r, w in enumerate(self.workers)], timeout_s, f"step {step}")
-
-    def serve_step(self, plans: dict, timeout_s: float) -> dict:
-        """One serving iteration: worker (p, e) runs data-parallel rank e's plan (k3ray.parallel.serving.RankPlan);
-        each rank's stages' answers in pipeline order. Through a Ray Compiled Graph of this grid's workers (compiled
-        on the grid's first iteration): the plans go out and the answers come back over shared-memory channels, a
-        fraction of an actor call's cost, which the iteration pays every few milliseconds. A worker lost or hung:
-        WorkerLost (the graph is dropped with its grid); an error inside live workers: WorkerError."""
-        dag = self._serve_dag()
-        try:
-            out = ray.get(dag.execute(*[plans[e] for e in range(self.ep)]), timeout=timeout_s)
-        except RayTaskError as err:  # raised inside a worker: by a lost peer's broken collective, or its own
-            if dead := self.dead_ranks():
-                self.drop_serve_dag()
-                raise WorkerLost(dead, f"{type(err.cause).__name__} in serve_step") from None
-            raise WorkerError(f"serve_step failed: {_cause_line(err)}") from None
-        except (RayError, TimeoutError) as err:  # a worker died, or none answered in time: the graph is broken
-            self.drop_serve_dag()
-            dead = self.dead_ranks()
-            raise WorkerLost(dead or set(range(self.size)), f"{type(err).__name__} in serve_step" if dead else
-                             f"no answer to serve_step within {timeout_s:g}s (hung collective or silent node?)",
-                             hung=not dead) from None
-        return {e: out[e::self.ep] for e in range(self.ep)}
-
-    def _serve_dag(self):
-        if self.serve_dag is None or self.serve_dag[0] != self.generation:
-            self.drop_serve_dag()
-            with InputNode() as plans:
-                dag = MultiOutputNode([w.serve_step.bind(self.generation, plans[r % self.ep])
-                                       for r, w in enumerate(self.workers)])
-            self.serve_dag = (self.generation, dag.experimental_compile())
-        return self.serve_dag[1]
-
-    def drop_serve_dag(self) -> None:
-        """Tear the serving graph down (its workers may be dead: Ray's complaints about those are expected)."""
-        if self.serve_dag is None:
-            return
-        _, dag, self.serve_dag = *self.serve_dag, None
-        quiet = logging.getLogger("ray.dag.compiled_dag_node")
-        level, quiet.level = quiet.level, logging.CRITICAL
-        DAGContext.get_current().teardown_timeout = DAG_TEARDOWN_S
-        try:
-            dag.teardown()
-        except Exception:  # noqa: BLE001 - a graph over dead workers may not tear down cleanly: it is gone anyway
-            log.debug("tearing the serving graph down failed", exc_info=True)
-        finally:
-            quiet.setLevel(level)
 
     def begin_snapshot(self, step: int) -> tuple[list, list]:
         """Stage every worker's state to run `step` from (training stalls only for this), then ask for the bytes,
@@ -442,7 +393,6 @@ class WorkerGroup:
         self._gather(calls, 300, "hold_peer_snapshots")
 
     def close(self) -> None:
-        self.drop_serve_dag()
         for w in self.workers + self.spares.clear():
             ray.kill(w, no_restart=True)
         self.workers = []
