@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from k3ray.control import openai_schema as oa
-from k3ray.control.serve import prompt_ids
+from k3ray.control.front_door import prompt_ids
 from k3ray.controller.scheduler import EngineLimits, Scheduler
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import PoolSizes, StageOutput

@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import socket
 import sys
 import tempfile
@@ -14,11 +13,10 @@ import traceback
 from pathlib import Path
 
 from k3ray.config import ConfigError, JobConfig, load_config, parse_assignments
-from k3ray.control import client, hf_cli, jobs
+from k3ray.control import client, hf_cli, jobs, serve_cli
 from k3ray.control import prepare as prepare_command
 
 log = logging.getLogger("k3ray")
-DOOR_CHECK_S = 5.0  # how often `k3ray serve` looks for front doors that died
 
 
 def _load(args) -> JobConfig:
@@ -176,49 +174,6 @@ def cmd_drill(args) -> int:
     return 0
 
 
-def cmd_serve(args) -> int:
-    """Serve a checkpoint until Ctrl-C."""
-    import time
-
-    from k3ray.control.driver import init_ray
-    from k3ray.control.serve import check_exposure, start_serving, stop_serving
-    from k3ray.control.serve_metrics import ServeMetrics
-    from k3ray.io import checkpoint as ckpt
-    from k3ray.io.hf_files import is_hf_folder
-    from k3ray.tokenizer import load_tokenizer
-
-    try:
-        api_key = client.read_api_key(args.api_key_file)
-        check_exposure(args.host, api_key, args.insecure)
-    except (client.ControlError, ValueError) as err:
-        raise ConfigError(str(err)) from None
-    overrides = {k.removeprefix("serve."): v for k, v in parse_assignments(args.set, "serve.max_waiting=32").items()}
-    newest = None if is_hf_folder(args.checkpoint) else ckpt.latest_verified(args.checkpoint)
-    if is_hf_folder(args.checkpoint):  # a release folder: checked whole here, before any actor starts
-        hf_cli.check_release(args.checkpoint)
-    elif newest is None:  # here, before any actor starts: a readable error
-        raise ConfigError(f"--checkpoint {args.checkpoint}: no verified checkpoint there (train with "
-                          f"checkpoint.every_n_steps, or run `k3ray checkpoint` on a running job)")
-    if newest is not None:  # the job's tokenizer is still where it was
-        load_tokenizer(newest.meta["config"]["data"].get("tokenizer", "bytes"))
-    init_ray(args.address, args.pp * args.ep + args.spares)
-    serving = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.front_doors,
-                            observers=[ServeMetrics(args.name)], spares=args.spares, api_key=api_key,
-                            insecure=args.insecure)
-    print(json.dumps({"serving": serving.info["model"], "step": serving.info["step"], "url": f"{serving.url}/v1"}),
-          flush=True)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a service manager's stop: as Ctrl-C
-    try:
-        while True:
-            time.sleep(DOOR_CHECK_S)
-            if replaced := serving.keep_doors():
-                print(f"k3ray serve: {replaced} front doors had died and were started again", file=sys.stderr,
-                      flush=True)
-    except KeyboardInterrupt:
-        stop_serving(serving)
-    return 0
-
-
 def cmd_config_show(args) -> int:
     from k3ray.model.params import model_totals
 
@@ -306,26 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(func=cmd_drill, pp=None, ep=None)
 
-    sv = sub.add_parser("serve", help="serve a durable checkpoint: OpenAI-compatible HTTP API through Ray Serve")
-    sv.add_argument("--checkpoint", required=True, help="runs/<job>/checkpoints: the newest verified one is served; "
-                    "or a released (Hugging Face) folder: config.json + safetensors")
-    sv.add_argument("--pp", type=int, default=1, help="pipeline stages of the serving grid")
-    sv.add_argument("--ep", type=int, default=1, help="EP ranks per stage (each also serves its own requests)")
-    sv.add_argument("--spares", type=_count, default=0,
-                    help="hot spares: standby workers (one device each) that take a lost worker's place")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--api-key-file", metavar="F", help="every route but /health needs `Authorization: Bearer "
-                                                         "<key>` (the key: F's first line; else $K3RAY_API_KEY)")
-    sv.add_argument("--insecure", action="store_true", help="serve a non-loopback --host without an API key")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--name", default="serve", help="the k3ray_job label of the serving metrics")
-    sv.add_argument("--front-doors", type=int, default=1,
-                    help="HTTP processes sharing host:port (the SSE work scales apart from the engine)")
-    sv.add_argument("--address", default=None, help="Ray cluster to join (default: RAY_ADDRESS or a local one)")
-    sv.add_argument("--set", action="append", default=[], metavar="serve.KEY=VALUE",
-                    help="serving limits and pools, e.g. serve.max_waiting=32 serve.token_budget=256")
-    sv.set_defaults(func=cmd_serve)
-
+    serve_cli.add_parser(sub, _count)
     hf_cli.add_commands(sub, _positive_int)
     prepare_command.add_parser(sub, _positive_int)
 

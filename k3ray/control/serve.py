@@ -1,86 +1,33 @@
-"""`k3ray serve`: OpenAI-compatible front doors (FastAPI on uvicorn, one Ray actor process each) in front of the
-serving engine actor (k3ray.controller.serve_engine), which drives the worker grid.
-
-Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent events, ending in
-`data: [DONE]`), GET /v1/models, GET /health, GET /v1/stats and /v1/incidents (the serving view and incident log), GET
-/v1/placement (expert load, copies, balancedness), GET /v1/policies[/NAME], PUT /v1/policies/NAME (live policies,
-applied at the next iteration), GET /v1/audit, and POST /v1/scale ({"ep": N}: the grid resized, no request
-dropped).
+"""`k3ray serve`: OpenAI-compatible front doors (FastAPI on uvicorn, one Ray actor process each; their routes:
+k3ray.control.front_door) in front of the serving engine actor (k3ray.controller.serve_engine), which drives the
+worker grid.
 
 Front doors: `--front-doors N` processes all listen on host:port (SO_REUSEPORT: the kernel spreads connections over
 them), so the HTTP and SSE work scales apart from the engine. Each writes its streams straight to its sockets: a
 token crosses one Ray message (engine -> front door, batched per iteration), never a proxy (an HTTP proxy process
 in between cost more CPU per token than the engine, and one process of it capped the served tokens per second).
-Ray restarts a front door that dies.
+`k3ray serve` starts a new front door in place of one that died (`Serving.keep_doors`).
 
-Limits, enforced here before the engine sees a request: max_tokens <= serve.max_tokens; prompt + max_tokens within
-the model's context (max_seq_len); the engine's queue holds serve.max_waiting requests, beyond that 429 with
-Retry-After. Bad input (malformed JSON, bytes that are not UTF-8, an unknown model, a field out of range, a prompt
-longer than the context) is a 4xx whose message names the field; it never reaches the engine. A client that goes
-away cancels its request (Starlette cancels the handler; the handler asks the engine to end it, which frees the
-request's pages and slot). Each front door takes every request's tokens from the engine through one stream
-(`EngineStreams`): one message per engine iteration for all of its requests, not one per request.
-
-Authentication: with an API key (`--api-key-file F` or K3RAY_API_KEY) every route but /health needs
-`Authorization: Bearer <key>` (the `openai` client's api_key), else 401 in the OpenAI error shape. A server on a
-host other than loopback refuses to start without a key unless told `--insecure` (`check_exposure`).
-
-Availability: /health answers 200 while a grid serves and 503 with the reason (and Retry-After) while none does (the
-engine recovers or relaunches it); a request that found no grid within serve.unavailable_wait_s gets 503 with
-Retry-After.
-
-Text: the training job's tokenizer (data.tokenizer, k3ray.tokenizer) encodes prompts; the engine returns final text
-(decoded incrementally, stop strings met on the text). Chat: messages are rendered with the tokenizer's chat template
-(tokenizer_config.json, jinja2, as Hugging Face does); for `bytes`, "### role\\ncontent\\n" per message with
-"\\n### " added to the stop strings, so a reply ends where the next turn's header would begin.
+A host other than loopback is served only with an API key, unless `--insecure` (`check_exposure`).
 """
-# No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
+from __future__ import annotations
 
-import asyncio
-import hmac
 import ipaddress
-import itertools
-import json
 import logging
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import ray
 import ray.util.scheduling_strategies
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 
-from k3ray.control import openai_schema as oa
 from k3ray.control.client import API_KEY_ENV
-from k3ray.tokenizer import Tokenizer, load_tokenizer
+from k3ray.control.front_door import FrontDoor, build_app
 
 log = logging.getLogger("k3ray.serve")
-DEFAULT_MAX_TOKENS = 16
-
-
-
-def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-           code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(oa.error(message, kind, param, code), status_code=status, headers=headers)
-
-
-class BadRequest(Exception):
-    def __init__(self, response: JSONResponse):
-        self.response = response
-
-
-def prompt_ids(tok: Tokenizer, req, chat: bool) -> tuple[list[int], tuple[str, ...]]:
-    """A request's prompt token ids (chat: its messages through the tokenizer's chat template) and the stop strings
-    the template adds."""
-    if not chat:
-        return tok.encode(req.prompt), ()
-    return tok.encode(tok.chat_prompt([{"role": m.role, "content": m.content} for m in req.messages])), tok.chat_stop
 
 
 def is_loopback(host: str) -> bool:
@@ -97,292 +44,6 @@ def check_exposure(host: str, api_key: str | None, insecure: bool) -> None:
     if api_key is None and not insecure and not is_loopback(host):
         raise ValueError(f"--host {host}: reachable from other machines without an API key; pass --api-key-file F "
                          f"(or set {API_KEY_ENV}), or --insecure to serve it open")
-
-
-class EngineStreams:
-    """A front door's one stream from the engine (`subscribe`): every request this front door submitted gets its
-    items through it, fanned out here to a queue per request. The engine's stream ending (the engine gone) ends every
-    open request with an error item; the next request opens a new stream."""
-
-    def __init__(self, engine):
-        self.engine, self.id = engine, uuid.uuid4().hex
-        self.queues: dict[int, asyncio.Queue] = {}
-        self.keys = itertools.count()
-        self.pump: asyncio.Task | None = None
-
-    def open(self) -> tuple[int, asyncio.Queue]:
-        if self.pump is None or self.pump.done():
-            self.pump = asyncio.get_running_loop().create_task(self._pump())
-        key = next(self.keys)
-        queue = self.queues[key] = asyncio.Queue()
-        return key, queue
-
-    def close(self, key: int, cancel: bool = False) -> None:
-        self.queues.pop(key, None)
-        if cancel:  # fire and forget: the engine ends the request and frees its caches
-            self.engine.cancel.remote(self.id, key)
-
-    async def _pump(self) -> None:
-        why = "the engine's stream ended"
-        try:
-            async for ref in self.engine.subscribe.options(num_returns="streaming").remote(self.id):
-                for key, items in (await ref).items():
-                    queue = self.queues.get(key)
-                    for item in items if queue is not None else ():
-                        queue.put_nowait(item)
-        except Exception as err:  # noqa: BLE001 - whatever ended it, no request may wait forever
-            why = f"the engine is unavailable: {type(err).__name__}"
-        for queue in self.queues.values():
-            queue.put_nowait({"error": "internal", "message": why})
-
-    @staticmethod
-    async def next(queue: asyncio.Queue) -> tuple[str, int, str | None, str | None]:
-        """(text, tokens, finish, error) of every item waiting, at least one: a client that fell behind gets what
-        accumulated in one event. The text is final (the engine's detokenizer never ends it inside a character)."""
-        items = [await queue.get()]
-        while not queue.empty():
-            items.append(queue.get_nowait())
-        text, tokens, finish = "", 0, None
-        for item in items:
-            if "error" in item:
-                return text, tokens, finish, item["message"]
-            text += item["text"]
-            tokens += len(item["tokens"])
-            finish = item["finish"]
-        return text, tokens, finish, None
-
-
-class FrontDoor:
-    """The OpenAI routes of one front-door process (`build_app` mounts them), in front of the engine actor."""
-
-    def __init__(self, engine, info: dict, api_key: str | None = None):
-        self.engine, self.info, self.api_key = engine, info, api_key
-        self.streams = EngineStreams(engine)
-        self.model, self.created = info["model"], int(time.time())
-        self.max_seq_len, self.limits = info["max_seq_len"], info["serve"]
-        self.tokenizer = load_tokenizer(info["tokenizer"])
-
-    async def health(self):
-        """200 while a grid serves; 503 with the reason while the engine is gone or recovers its grid."""
-        try:
-            state = await self.engine.health.remote()
-        except ray.exceptions.RayError as err:
-            return _error(503, f"engine unavailable: {type(err).__name__}", kind="server_error")
-        if state["status"] != "ok":
-            return JSONResponse({**state, "model": self.model}, status_code=503,
-                                headers={"Retry-After": str(state["retry_after"])})
-        return {"status": "ok", "model": self.model}
-
-    async def stats(self, request: Request):
-        """The serving view (`k3ray status --serve URL`): requests, pages, tokens generated."""
-        if (denied := self._denied(request)) is not None:
-            return denied
-        info = {k: self.info[k] for k in ("model", "step", "pp", "ep")}
-        return {**info, **(await self.engine.stats.remote())}
-
-    async def incidents(self, request: Request):
-        """The engine's incident log (`k3ray incidents --serve URL`): lost workers, requests stopped by the guards."""
-        if (denied := self._denied(request)) is not None:
-            return denied
-        return await self.engine.incident_log.remote()
-
-    async def policies(self, request: Request):
-        """The engine's live policies (`k3ray policy get --serve URL`)."""
-        return await self._engine_answer(request, "policies")
-
-    async def policy(self, name: str, request: Request):
-        return await self._engine_answer(request, "policies", name)
-
-    async def set_policy(self, name: str, request: Request):
-        """Change fields of one policy (`k3ray policy set NAME k=v --serve URL`): validated, audited, applied at
-        the next iteration; 400 naming the field for a bad value, 404 for an unknown policy."""
-        if (denied := self._denied(request)) is not None:
-            return denied
-        try:
-            params = json.loads(await request.body())
-        except ValueError:
-            params = None
-        if not isinstance(params, dict):
-            return _error(400, "body: a JSON object of policy fields, e.g. {\"enabled\": false}", "body")
-        return await self._engine_answer(request, "set_policy", name, params, "serve-api")
-
-    async def scale(self, request: Request):
-        """Resize the grid's EP dimension (`k3ray scale --ep N --serve URL`), no request dropped; 400 for a bad
-        body, 409 where the grid cannot take that size."""
-        if (denied := self._denied(request)) is not None:
-            return denied
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            body = None
-        ep = body.get("ep") if isinstance(body, dict) else None
-        if not isinstance(ep, int) or isinstance(ep, bool):
-            return _error(400, "body: {\"ep\": N} with N a whole number", "ep")
-        return await self._engine_answer(request, "scale", ep)
-
-    async def audit(self, request: Request):
-        """Every policy change: what, when, from where, at which iteration it applied."""
-        return await self._engine_answer(request, "policy_audit")
-
-    async def placement(self, request: Request):
-        """Expert placement (`k3ray placement --serve URL`): per-expert load, copies, balancedness, moves."""
-        return await self._engine_answer(request, "placement_view")
-
-    async def _engine_answer(self, request: Request, method: str, *args):
-        """The engine's `method(*args)` for an authorised request; its {'error', 'status'} as that HTTP status."""
-        if (denied := self._denied(request)) is not None:
-            return denied
-        answer = await getattr(self.engine, method).remote(*args)
-        if isinstance(answer, dict) and "error" in answer and "status" in answer:
-            return JSONResponse({"detail": answer["error"]}, status_code=answer["status"])
-        return answer
-
-    async def models(self, request: Request):
-        if (denied := self._denied(request)) is not None:
-            return denied
-        return oa.model_list(self.model, self.created)
-
-    async def completions(self, request: Request):
-        return await self._serve(request, chat=False)
-
-    async def chat_completions(self, request: Request):
-        return await self._serve(request, chat=True)
-
-    def _denied(self, request: Request) -> JSONResponse | None:
-        """401 unless the request carries this server's API key (every route but /health; no key: open)."""
-        if self.api_key is None:
-            return None
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
-            return None
-        why = "invalid API key" if given.strip() else "no API key given"
-        return _error(401, f"{why}: send Authorization: Bearer <key>", code="invalid_api_key")
-
-    # -- one request -------------------------------------------------------------------------------------------------
-    async def _serve(self, request: Request, chat: bool):
-        if (denied := self._denied(request)) is not None:
-            return denied
-        try:
-            req, ids, sampling = self._validate(await request.body(), chat)
-        except BadRequest as bad:
-            return bad.response
-        key, queue = self.streams.open()
-        try:
-            first = await self.engine.submit.remote(ids, sampling, self.streams.id, key)
-        except BaseException:
-            self.streams.close(key)
-            raise
-        if "error" in first:
-            self.streams.close(key)
-        if first.get("error") == "overloaded":
-            return _error(429, f"overloaded: {first['message']}; retry later", kind="rate_limit_error",
-                          code="overloaded", headers={"Retry-After": str(self.limits["retry_after_s"])})
-        if first.get("error") == "unavailable":
-            return _error(503, first["message"], kind="server_error", code="unavailable",
-                          headers={"Retry-After": str(first["retry_after"])})
-        if "error" in first:
-            return _error(400, first["message"], param="prompt")
-        rid = oa.new_id("chatcmpl" if chat else "cmpl")
-        if req.stream:
-            with_usage = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._events(key, queue, rid, chat, len(ids) if with_usage else None),
-                                     media_type="text/event-stream")
-        return await self._whole(key, queue, rid, chat, len(ids))
-
-    def _validate(self, body: bytes, chat: bool):
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise BadRequest(_error(400, f"body: not UTF-8 (invalid byte at offset {err.start})", "body"))
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise BadRequest(_error(400, f"body: malformed JSON ({err.msg} at line {err.lineno} column "
-                                         f"{err.colno})", "body"))
-        try:
-            req = (oa.ChatRequest if chat else oa.CompletionRequest).model_validate(data)
-        except ValidationError as err:
-            first = err.errors()[0]
-            param = ".".join(str(x) for x in first["loc"]) or "body"
-            raise BadRequest(_error(400, f"{param}: {first['msg']}", param))
-        if req.model != self.model:
-            raise BadRequest(_error(404, f"model: unknown model {req.model!r}; this server serves {self.model!r}",
-                                    "model", code="model_not_found"))
-        ids, stop = prompt_ids(self.tokenizer, req, chat)
-        field = "messages" if chat else "prompt"
-        max_tokens = req.max_tokens or min(DEFAULT_MAX_TOKENS, self.max_seq_len - len(ids))
-        if not ids:
-            raise BadRequest(_error(400, f"{field}: empty", field))
-        if len(ids) >= self.max_seq_len:
-            raise BadRequest(_error(400, f"{field}: {len(ids)} tokens; the context is {self.max_seq_len} tokens, "
-                                         f"prompt and completion together", field, code="context_length_exceeded"))
-        if max_tokens > self.limits["max_tokens"]:
-            raise BadRequest(_error(400, f"max_tokens: {max_tokens} exceeds this server's limit of "
-                                         f"{self.limits['max_tokens']}", "max_tokens"))
-        if len(ids) + max_tokens > self.max_seq_len:
-            raise BadRequest(_error(400, f"max_tokens: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed "
-                                         f"the context of {self.max_seq_len} tokens", "max_tokens",
-                                    code="context_length_exceeded"))
-        return req, ids, req.sampling(max_tokens, stop)
-
-    async def _whole(self, key: int, queue: asyncio.Queue, rid: str, chat: bool, prompt_tokens: int):
-        pieces, generated, finish = [], 0, None
-        try:
-            while finish is None:
-                text, tokens, finish, error = await self.streams.next(queue)
-                pieces.append(text)
-                generated += tokens
-                if error is not None:
-                    return _error(500, error, kind="server_error")
-        finally:  # the client went away (the handler is cancelled): stop generating, free the caches
-            self.streams.close(key, cancel=finish is None)
-        use = oa.usage(prompt_tokens, generated)
-        return JSONResponse((oa.chat_completion if chat else oa.completion)(rid, self.model, "".join(pieces), finish,
-                                                                             use))
-
-    async def _events(self, key: int, queue: asyncio.Queue, rid: str, chat: bool, usage_prompt_tokens: int | None):
-        finish, generated = None, 0
-
-        def sse(obj: dict) -> str:
-            return f"data: {json.dumps(obj)}\n\n"
-
-        try:
-            if chat:
-                yield sse(oa.chat_chunk(rid, self.model, "", None, first=True))
-            while finish is None:
-                text, tokens, finish, error = await self.streams.next(queue)
-                generated += tokens
-                if text or finish is not None:
-                    if chat:
-                        yield sse(oa.chat_chunk(rid, self.model, text if text else None, finish))
-                    else:
-                        yield sse(oa.completion_chunk(rid, self.model, text, finish))
-                if error is not None:
-                    yield sse(oa.error(error, "server_error"))
-                    break
-            if usage_prompt_tokens is not None:
-                yield sse(oa.usage_chunk(rid, self.model, chat, oa.usage(usage_prompt_tokens, generated)))
-            yield "data: [DONE]\n\n"
-        finally:
-            self.streams.close(key, cancel=finish is None)
-
-
-def build_app(door: FrontDoor) -> FastAPI:
-    """The HTTP routes of a front door (no OpenAPI pages: no open routes but /health)."""
-    app = FastAPI(title="k3ray serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_api_route("/health", door.health, methods=["GET"])
-    app.add_api_route("/v1/stats", door.stats, methods=["GET"])
-    app.add_api_route("/v1/incidents", door.incidents, methods=["GET"])
-    app.add_api_route("/v1/models", door.models, methods=["GET"])
-    app.add_api_route("/v1/placement", door.placement, methods=["GET"])
-    app.add_api_route("/v1/policies", door.policies, methods=["GET"])
-    app.add_api_route("/v1/policies/{name}", door.policy, methods=["GET"])
-    app.add_api_route("/v1/policies/{name}", door.set_policy, methods=["PUT"])
-    app.add_api_route("/v1/audit", door.audit, methods=["GET"])
-    app.add_api_route("/v1/scale", door.scale, methods=["POST"])
-    app.add_api_route("/v1/completions", door.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", door.chat_completions, methods=["POST"])
-    return app
 
 
 def shared_port_socket(host: str, port: int) -> socket.socket:
