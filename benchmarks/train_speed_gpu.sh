@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The training-speed measurements of one device call, as stages each under its own timeout, logs in $OUT.
 # STAGES picks them (default: all, in this order):
-#   fla       tests/test_kda.py's fla short-convolution and gate test on the GPU
+#   tests     tests/test_kda.py's fla short-convolution and gate test and tests/test_execution.py on the GPU
 #   variants  benchmarks/train_speed_gpu.py: eager / compiled / recompute, micro-batch shapes (VARIANTS, PROFILE)
 #   released  gpu2 with the released K3's features, RELEASED_STEPS steps, loss and MaxVio per step (plain program)
 #   peer      torchtitan 0.3.0's Qwen3-MoE sized as gpu2 (benchmarks/torchtitan_peer.py; TT_SITE holds it)
@@ -9,7 +9,7 @@
 # Run from the repository root with Ray's site and the Triton cache already on PYTHONPATH / TRITON_CACHE_DIR.
 set -u
 OUT=${OUT:-runs/train_speed}
-STAGES=${STAGES:-fla variants released peer e2e}
+STAGES=${STAGES:-tests variants released peer e2e}
 VARIANTS=${VARIANTS:-eager:1x4,eager:2x2,eager:4x1,recompute:4x1,compile:4x1}
 PROFILE=${PROFILE:-eager:1x4,compile:4x1}
 RELEASED_STEPS=${RELEASED_STEPS:-100}
@@ -27,8 +27,8 @@ stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? ($(date -u +%T))"; tail -n 40 "$OUT/$name.log"; }
 for s in $STAGES; do
   case $s in
-    fla) stage fla "${FLA_S:-90}" python -m pytest -q -p no:cacheprovider \
-      tests/test_kda.py::test_fla_short_conv_and_gate_equal_reference ;;
+    tests) stage tests "${TESTS_S:-120}" python -m pytest -q -p no:cacheprovider -rs \
+      tests/test_kda.py::test_fla_short_conv_and_gate_equal_reference tests/test_execution.py ;;
     variants) stage variants "${VARIANTS_S:-240}" python benchmarks/train_speed_gpu.py $GPU2 --variants "$VARIANTS" \
       --profile "$PROFILE" --out "$OUT" ;;
     released) stage released "${RELEASED_S:-180}" python benchmarks/e2e_gpu.py $GPU2 $RELEASED $RELEASED_SET \
