@@ -15,6 +15,8 @@ PROFILE=${PROFILE:-eager:1x4,compile:4x1}
 RELEASED_STEPS=${RELEASED_STEPS:-100}
 RELEASED_SET=${RELEASED_SET:-}
 E2E_SET=${E2E_SET:-}
+VARIANTS_SET=${VARIANTS_SET:-}
+TESTS=${TESTS:-tests/test_kda.py::test_fla_short_conv_and_gate_equal_reference tests/test_execution.py}
 GPU2="--config configs/gpu2.yaml --set parallel.ep=1"
 # the released K3's features at gpu2's size, as the serving figures (RESULTS.md) set them: q-LoRA 1024, the 64-wide
 # unrotated slice, KDA's convolution and lower-bound gate and scaled read, AttnRes over blocks of 2 layers, a dense
@@ -27,9 +29,8 @@ stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? ($(date -u +%T))"; tail -n 40 "$OUT/$name.log"; }
 for s in $STAGES; do
   case $s in
-    tests) stage tests "${TESTS_S:-120}" python -m pytest -q -p no:cacheprovider -rs \
-      tests/test_kda.py::test_fla_short_conv_and_gate_equal_reference tests/test_execution.py ;;
-    variants) stage variants "${VARIANTS_S:-240}" python benchmarks/train_speed_gpu.py $GPU2 --variants "$VARIANTS" \
+    tests) stage tests "${TESTS_S:-120}" python -m pytest -q -p no:cacheprovider -rs --tb=short $TESTS ;;
+    variants) stage variants "${VARIANTS_S:-240}" python benchmarks/train_speed_gpu.py $GPU2 $VARIANTS_SET --variants "$VARIANTS" \
       --profile "$PROFILE" --out "$OUT" ;;
     released) stage released "${RELEASED_S:-180}" python benchmarks/e2e_gpu.py $GPU2 $RELEASED $RELEASED_SET \
       --parts plain --steps "$RELEASED_STEPS" --warmup 3 --verbose --out "$OUT/released" ;;
