@@ -14,8 +14,8 @@ import torch
 CATEGORIES = [  # (category, kernel-name pattern), in matching order
     ("k3ray expert GEMMs (Triton)", r"ffn_up_kernel|grouped_mm_kernel|ffn_dh_kernel|grouped_wgrad_kernel|schedule_k"),
     ("k3ray permute/combine/SiTU/histogram (Triton)", r"_gather_rows_kernel|_combine_kernel|_situ_|_histogram_k"),
-    ("KDA (fla Triton)", r"kda|chunk_|fused_recurrent|causal_conv|solve_tril|wy_|l2norm|kkt|gate_|fla"),
-    ("attention (SDPA)", r"flash|fmha|cudnn|attention|sdpa|attn"),
+    ("attention (SDPA: cuDNN, flash)", r"flash|fmha|cudnn|attention|sdpa|attn"),  # before KDA: "flash" holds "fla"
+    ("KDA (fla Triton)", r"kda|chunk_|fused_recurrent|causal_conv|solve_tril|wy_|l2norm|kkt|gate_"),
     ("dense GEMMs (cuBLAS)", r"gemm|nvjet|cutlass|xmma|sm90|sm80|cublas|wgmma|splitK|Kernel2"),
     ("optimizer (fused AdamW, norms)", r"adam|multi_tensor|foreach"),
     ("Inductor fused (compiled blocks)", r"^triton_"),
