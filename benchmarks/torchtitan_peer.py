@@ -8,7 +8,7 @@ Only the data loader is replaced by random tokens (its datasets need a download)
 flavour allows: d 4096, 8 layers, 32 heads of 128 (GQA, 4 KV heads as Qwen3-30B-A3B), 64 experts top-8 of width 1024,
 no shared expert (Qwen3-MoE has none), vocab 256, seq 4096, 16,384 tokens per step.
 
-    torchtitan and its needs on PYTHONPATH (benchmarks/carry_torchtitan.sh), then:
+    torchtitan and its needs on PYTHONPATH (benchmarks/carry_torchtitan.sh packs them), then:
     python benchmarks/torchtitan_peer.py --steps 8 --warmup 3 --out $OUT
 MFU counts as benchmarks/e2e_gpu.py does: 6 x active parameters + 6 x seq x heads x head_dim per attention layer,
 over the dense bf16 matmul peak measured in the same run.
