@@ -84,7 +84,7 @@ def _median(xs: list[float]) -> float:
 def _plain_server(rank: int, cfg_dict: dict, port: int, one_gpu_visible: bool, commands: list, queue) -> None:
     """One rank of the plain program: build the engine, report ready, then run engine.train_step(step, step) for
     each step number on its command queue until None."""
-    from k3ray.policies.moonep import default_home
+    from k3ray.policies.moonep import default_home, maxvio
     from k3ray.parallel.engine import StageEngine
 
     cfg = JobConfig.model_validate(cfg_dict)
@@ -101,13 +101,24 @@ def _plain_server(rank: int, cfg_dict: dict, port: int, one_gpu_visible: bool, c
     engine = StageEngine(cfg, 0, rank, home, ep, "cuda" if cuda else "cpu")
     engine.init_process_groups(f"tcp://127.0.0.1:{port}", "nccl" if cuda else "gloo")
     queue.put({"rank": rank, "peak_tflops": peak})
-    while (step := commands[rank].get()) is not None:
+    while (command := commands[rank].get()) is not None:
+        step, profile = command if isinstance(command, tuple) else (command, False)
         t0 = time.perf_counter()
-        report = engine.train_step(step, step)
+        if profile:  # the step once more under the profiler (rank 0's kernels by category)
+            from step_profile import profile_step
+
+            reports = []
+            profiled = profile_step(lambda: reports.append(engine.train_step(step, step)))
+            report = reports[0]
+        else:
+            report = engine.train_step(step, step)
         if cuda:
             torch.cuda.synchronize()
+        vios = [maxvio(rows) for rows in report.get("tokens_per_expert", {}).values()]
         queue.put({"rank": rank, "seconds": time.perf_counter() - t0, "loss": report["loss"],
-                   "timings": report["timings"],
+                   "timings": report["timings"], "maxvio": max(vios) if vios else float("nan"),
+                   "mean_maxvio": statistics.fmean(vios) if vios else float("nan"),
+                   "profile": profiled if profile else None,
                    "reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0})
     dist.destroy_process_group()
 
@@ -157,12 +168,15 @@ class PlainProgram:
         ready = [_get(self.results, self.procs, "plain") for _ in range(self.n)]
         self.peak_tflops = _median([r["peak_tflops"] for r in ready])
 
-    def step(self, step: int) -> dict:
-        """Run one step on every rank: the slowest rank's own seconds, rank 0's loss and phase timings."""
+    def step(self, step: int, profile: bool = False) -> dict:
+        """Run one step on every rank: the slowest rank's own seconds, rank 0's loss, MaxVio (the most imbalanced
+        layer's and the mean over layers, global batch), phase timings and, with `profile`, its kernel profile."""
         for q in self.commands:
-            q.put(step)
+            q.put((step, profile))
         reports = sorted((_get(self.results, self.procs, "plain") for _ in range(self.n)), key=lambda r: r["rank"])
         return {"worker_seconds": max(r["seconds"] for r in reports), "loss": reports[0]["loss"],
+                "maxvio": reports[0]["maxvio"], "mean_maxvio": reports[0]["mean_maxvio"],
+                "profile": reports[0]["profile"],
                 "timings": reports[0]["timings"], "reserved_gb": max(r["reserved_gb"] for r in reports)}
 
     def close(self) -> None:
@@ -184,14 +198,19 @@ def _run(program, steps: int, verbose: bool = False) -> tuple[list[float], list[
         reports.append(program.step(step))
         times.append(time.perf_counter() - t0)
         if verbose:
-            print(f"step {step}: {times[-1]:.2f} s, loss {reports[-1]['loss']:.4f}", flush=True)
+            vio = f", MaxVio max {reports[-1]['maxvio']:.3f} mean {reports[-1]['mean_maxvio']:.3f}" \
+                if "maxvio" in reports[-1] else ""
+            print(f"step {step}: {times[-1]:.3f} s, loss {reports[-1]['loss']:.4f}{vio}", flush=True)
     return times, reports
 
 
-def part_plain(cfg: JobConfig, steps: int, warmup: int, one_gpu_visible: bool = False) -> dict:
+def part_plain(cfg: JobConfig, steps: int, warmup: int, one_gpu_visible: bool = False, profile: bool = False,
+               verbose: bool = False) -> dict:
+    """`profile`: one more step after the timed ones, under the profiler."""
     program = PlainProgram(cfg, one_gpu_visible)
     try:
-        times, reports = _run(program, steps)
+        times, reports = _run(program, steps, verbose)
+        profiled = program.step(steps, profile=True)["profile"] if profile else None
     finally:
         program.close()
     med = _median(times[warmup:])
@@ -201,7 +220,8 @@ def part_plain(cfg: JobConfig, steps: int, warmup: int, one_gpu_visible: bool = 
             "mfu": flops_per_token(cfg) * tokens / med / (program.peak_tflops * 1e12 * cfg.parallel.ep),
             "worker_step_s": _median([r["worker_seconds"] for r in reports[warmup:]]),
             "losses": [r["loss"] for r in reports], "reserved_gb": reports[-1]["reserved_gb"],
-            "phases": phase_medians([r["timings"] for r in reports[warmup:]])}
+            "maxvio": [r["maxvio"] for r in reports], "mean_maxvio": [r["mean_maxvio"] for r in reports],
+            "profile": profiled, "phases": phase_medians([r["timings"] for r in reports[warmup:]])}
 
 
 # -- k3ray on Ray -------------------------------------------------------------------------------------------------
@@ -471,6 +491,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--moe-iters", type=int, default=10)
     ap.add_argument("--drill-steps", type=int, default=16)
     ap.add_argument("--drill-kill-step", type=int, default=7)
+    ap.add_argument("--profile", action="store_true", help="plain: one more step under the torch profiler, its "
+                                                            "kernels by category (benchmarks/step_profile.py)")
+    ap.add_argument("--verbose", action="store_true", help="plain: print every step (loss, MaxVio)")
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/e2e"))
     args = ap.parse_args(argv)
     cfg = load_config(args.config, parse_assignments(args.set))
@@ -493,7 +516,12 @@ def main(argv: list[str] | None = None) -> None:
         if name in parts and name == "k3ray":
             save(name, part_k3ray(cfg, args.steps, args.warmup, results.get("plain")))
         elif name in parts:
-            save(name, part_plain(cfg, args.steps, args.warmup, one_gpu_visible=name == "plain_1gpu"))
+            save(name, part_plain(cfg, args.steps, args.warmup, one_gpu_visible=name == "plain_1gpu",
+                                  profile=args.profile and name == "plain", verbose=args.verbose))
+            if results[name].get("profile"):
+                from step_profile import print_profile
+
+                print_profile(results[name]["profile"])
     if any(name in results for name in programs):
         rows = [("program", "median step s", "tokens/s", "MFU", "vs plain", "median phases s")]
         for name in programs:

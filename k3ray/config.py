@@ -172,6 +172,20 @@ class OptimizerConfig(_Strict):
     grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0 = off")
 
 
+class ExecutionConfig(_Strict):
+    """How the training step runs on the device; the math is the same whichever is chosen (float64 tests run eager)."""
+    compile_blocks: bool = Field(False, description="regional torch.compile: each decoder block's forward (and so its "
+                                                    "backward) through Inductor, which fuses its elementwise chains "
+                                                    "(norms, gates, residual adds, KDA's L2 norms); kernels and the "
+                                                    "routed experts stay outside the graphs. Shapes are static per "
+                                                    "config; CUDA only (compile time is minutes on a CPU)")
+    recompute: Literal["none", "attention_elementwise"] = Field(
+        "none", description="selective activation recompute: 'attention_elementwise' keeps only the matmul and "
+                            "attention outputs of each attention sublayer for backward and recomputes its "
+                            "elementwise ops (norms, casts, L2 norms, gates; fla's KDA kernels run again), so "
+                            "larger micro-batches fit")
+
+
 class TrainConfig(_Strict):
     steps: int = Field(200, gt=0)
     seed: int = 0
@@ -317,6 +331,7 @@ class JobConfig(_Strict):
     data: DataConfig
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    execution: ExecutionConfig = Field(default_factory=ExecutionConfig)
     policies: PoliciesConfig = Field(default_factory=PoliciesConfig)
     fault_tolerance: FaultToleranceConfig = Field(default_factory=FaultToleranceConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

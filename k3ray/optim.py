@@ -29,6 +29,15 @@ def clip_coefficient(total_sq_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
 
 
+def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """sum of t^2 over every element of every tensor, as a 0-d tensor in fp32 (float64 for float64 tensors), on the
+    tensors' device: one multi-tensor norm kernel over bf16 gradients, no widened copies and no host sync."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64)
+    wide = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=wide)).square().sum()
+
+
 def needs_master(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and torch.finfo(dtype).bits < 32
 
@@ -68,12 +77,17 @@ class AdamW:
             if not entries:
                 continue
             low, targets, grads, ms, vs = (list(t) for t in zip(*entries))
-            if grad_scale != 1.0:
-                torch._foreach_mul_(grads, grad_scale)
             fused = all(t.is_cuda for t in targets)
+            # the fused kernel divides by its grad_scale as it reads each gradient: no separate pass over them
+            divide_by = None
+            if grad_scale != 1.0 and fused:
+                divide_by = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=targets[0].device)
+            elif grad_scale != 1.0:
+                torch._foreach_mul_(grads, grad_scale)
             steps = list(torch.full((len(targets),), float(self.steps - 1),  # torch's adam advances these
                                     device=targets[0].device if fused else "cpu").unbind())
-            adam(targets, grads, ms, vs, [], steps, foreach=not fused, fused=fused, decoupled_weight_decay=True,
+            adam(targets, grads, ms, vs, [], steps, foreach=not fused, fused=fused, grad_scale=divide_by,
+                 decoupled_weight_decay=True,
                  amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=self.cfg.weight_decay if decayed else 0.0,
                  eps=self.cfg.eps, maximize=False)
             pairs = [(p, t) for p, t in zip(low, targets) if p is not t]

@@ -14,10 +14,11 @@ import torch
 from k3ray.dtypes import up32
 from torch import nn
 
-from k3ray.config import ModelConfig
+from k3ray.config import ExecutionConfig, ModelConfig
 from k3ray.model.cache import IterationCache
 from k3ray.model.layers import KDA, AttnResRead, Documents, GatedMLA, RMSNorm, SiTUFFN
 from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts, maxabs
+from k3ray.model.recompute import recompute_elementwise
 
 ExpertsFactory = Callable[[int, ExpertShard], nn.Module]
 """(layer, shard) -> the module computing that layer's routed experts."""
@@ -62,6 +63,12 @@ class Block(nn.Module):
             self.attn_res = AttnResRead(cfg.d_model, cfg.norm_eps)
             self.ffn_res = AttnResRead(cfg.d_model, cfg.norm_eps)
         self.resid_maxabs: torch.Tensor | None = None
+        self.recompute_attention = False  # execution.recompute (set_execution)
+
+    def _attention(self, h: torch.Tensor, cache: IterationCache | None, documents: Documents | None) -> torch.Tensor:
+        if self.recompute_attention and cache is None and torch.is_grad_enabled():
+            return recompute_elementwise(lambda h: self.attn(self.attn_norm(h), None, documents), h)
+        return self.attn(self.attn_norm(h), cache, documents)
 
     def _ffn(self, x: torch.Tensor, cache: IterationCache | None) -> torch.Tensor:
         return self.moe(x, cache) if self.moe is not None else self.ffn(x)
@@ -73,7 +80,7 @@ class Block(nn.Module):
         if cache is not None:
             cache.layer = self.layer
         if summaries is None:
-            x = x + self.attn(self.attn_norm(x), cache, documents)
+            x = x + self._attention(x, cache, documents)
             x = x + self._ffn(self.ffn_norm(x), cache)
             out = x
         else:
@@ -81,7 +88,7 @@ class Block(nn.Module):
             partial: torch.Tensor | None = x
             if self.layer % self.res_block == 0:
                 summaries, partial = summaries + [x], None
-            a = self.attn(self.attn_norm(h), cache, documents)
+            a = self._attention(h, cache, documents)
             partial = a if partial is None else partial + a
             h = self.ffn_res(summaries + [partial])
             x = out = partial + self._ffn(self.ffn_norm(h), cache)
@@ -167,6 +174,16 @@ class K3Stage(nn.Module):
             if block.moe is not None:
                 block.moe.stats.reset()
             block.resid_maxabs = None
+
+
+def set_execution(stage: K3Stage, execution: ExecutionConfig) -> None:
+    """How the stage's blocks run in training (the results do not depend on it): selective recompute of each
+    attention sublayer's elementwise ops, and regional compilation, one `torch.compile` per block (blocks of one
+    kind share the compiled code; kernels and the routed experts run eagerly between the graphs)."""
+    for block in stage.blocks.values():
+        block.recompute_attention = execution.recompute == "attention_elementwise"
+        if execution.compile_blocks:
+            block.compile(dynamic=False)
 
 
 def is_expert_param(name: str) -> bool:

@@ -159,6 +159,7 @@ class Documents:
         self.cu_seqlens = torch.cat([first, first.new_tensor([B * S])])
 
 
+@torch.compiler.disable  # cuDNN/flash attention chosen by sdpa_kernel, eager in a compiled block as every kernel
 def causal_attention(q_BSHe: torch.Tensor, k_BSHe: torch.Tensor, v_BSHh: torch.Tensor, scale: float,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax attention -> [B, S, H, h], or with `mask` [B, 1, S, S] (True: attend) that mask instead (it

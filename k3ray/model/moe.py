@@ -46,11 +46,16 @@ def route_order(idx_TK: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, to
     order = torch.argsort(flat, stable=True)
     dest = torch.empty_like(order)
     dest[order] = torch.arange(flat.numel(), device=flat.device)
-    # bincount would read the largest index back to the host first; a scatter-add counts without a sync (a serving
-    # decode step is replayed as a CUDA graph)
-    counts = torch.zeros(num_groups, dtype=torch.int64, device=flat.device).scatter_add_(0, flat,
-                                                                                          torch.ones_like(flat))
+    counts = count_routes(flat, num_groups)
     return dest.view_as(idx_TK), counts, counts.cumsum(0).to(torch.int32)
+
+
+def count_routes(idx: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """Routes per group [G] int64 of any index tensor. bincount would read the largest index back to the host first;
+    a scatter-add counts without a host sync (a serving decode step is replayed as a CUDA graph, and a training
+    step's device queue never drains on the host's account)."""
+    flat = idx.reshape(-1)
+    return torch.zeros(num_groups, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
 class LocalExperts(nn.Module):
@@ -60,6 +65,7 @@ class LocalExperts(nn.Module):
         super().__init__()
         self.shard = shard
 
+    @torch.compiler.disable  # data-dependent grouping: eager, between a compiled block's graphs
     def forward(self, h_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
         dest, _, ends = route_order(idx_TK, len(self.shard.expert_ids))
         rows = permute_rows(h_TD, dest, idx_TK.numel())
@@ -154,6 +160,7 @@ class LatentMoE(nn.Module):
             y = y + shared(x)
         return y.view_as(x_BSd)
 
+    @torch.compiler.disable  # fills RoutingStats (host-side bookkeeping); its kernels are few and small
     @torch.no_grad()
     def _note_stats(self, scores: torch.Tensor, idx: torch.Tensor, y_lat: torch.Tensor) -> None:
         cfg = self.cfg
@@ -161,4 +168,4 @@ class LatentMoE(nn.Module):
         if cfg.balancing == "quantile":
             hist = quantile_histogram(scores, self.router.bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window,
                                       cfg.quantile_resolution)
-        self.stats.add(hist, torch.bincount(idx.reshape(-1), minlength=cfg.n_experts), y_lat)
+        self.stats.add(hist, count_routes(idx, cfg.n_experts), y_lat)

@@ -31,8 +31,8 @@ from k3ray.config import JobConfig, PoliciesConfig
 from k3ray.dtypes import up32
 from k3ray.data import open_token_data
 from k3ray.model.layers import Documents
-from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, stage_layers
-from k3ray.optim import AdamW, clip_coefficient, lr_at
+from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, set_execution, stage_layers
+from k3ray.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from k3ray.parallel import shards
 from k3ray.parallel.ep import EPContext, ExpertCopies, ExpertParallelExperts
 from k3ray.parallel.pipeline import one_f_one_b
@@ -137,6 +137,7 @@ class StageEngine:
         self.stage = build_stage(self.cfg.model, self.layers, mine, seed=self.cfg.train.seed,
                                  experts_factory=lambda layer, shard: ExpertParallelExperts(shard, self.ctx),
                                  device=self.device, init=self.init_weights)
+        set_execution(self.stage, self.cfg.execution)
         self._refresh_params()
 
     def _refresh_params(self) -> None:
@@ -245,11 +246,9 @@ class StageEngine:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         # global grad norm and loss: dense counted once per stage (EP rank 0), experts on their holder
-        dense_sq = sum(up32(g).square().sum() for g in grads) if self.ep_rank == 0 else torch.zeros(())
-        expert_sq = sum((up32(p.grad).square().sum() for p in self.experts.values() if p.grad is not None),
-                        torch.zeros(()))
-        totals = torch.stack([torch.as_tensor(dense_sq, dtype=torch.float64).cpu() + expert_sq.double().cpu(),
-                              loss_sum.double().cpu()]).to(self.device)
+        dense_sq = sum_of_squares(grads if self.ep_rank == 0 else []).to(self.device, torch.float64)
+        expert_sq = sum_of_squares([p.grad for p in self.experts.values() if p.grad is not None])
+        totals = torch.stack([dense_sq + expert_sq.to(self.device, torch.float64), loss_sum.double()])
         dist.all_reduce(totals, group=self.world)
         sq, loss = totals.tolist()
         lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)

@@ -181,6 +181,7 @@ class ExpertParallelExperts(nn.Module):
         self.ctx.comm_seconds += time.perf_counter() - t0
         return out
 
+    @torch.compiler.disable  # host-planned exchange and collectives: eager, between a compiled block's graphs
     def forward(self, h_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
         ctx, me = self.ctx, self.ctx.rank
         R, E = ctx.num_ranks, ctx.home.numel()

@@ -1,0 +1,70 @@
+"""Where one training step's device time goes: torch profiler kernels grouped by category.
+
+`profile_step(fn)` runs fn() once under the profiler and returns {category: {"ms", "launches"}}, the step's wall time
+and the device's idle time (wall minus the kernels' summed time: kernels of one stream never overlap, so the rest is
+time the GPU waited for the host). Categories are matched on the kernel name, first match wins (CATEGORIES).
+"""
+from __future__ import annotations
+
+import re
+import time
+
+import torch
+
+CATEGORIES = [  # (category, kernel-name pattern), in matching order
+    ("k3ray expert GEMMs (Triton)", r"ffn_up_kernel|grouped_mm_kernel|ffn_dh_kernel|grouped_wgrad_kernel|schedule_k"),
+    ("k3ray permute/combine/SiTU/histogram (Triton)", r"_gather_rows_kernel|_combine_kernel|_situ_|_histogram_k"),
+    ("attention (SDPA: cuDNN, flash)", r"flash|fmha|cudnn|attention|sdpa|attn"),  # before KDA: "flash" holds "fla"
+    ("KDA (fla Triton)", r"kda|chunk_|fused_recurrent|causal_conv|solve_tril|wy_|l2norm|kkt|gate_"),
+    ("dense GEMMs (cuBLAS)", r"gemm|nvjet|cutlass|xmma|sm90|sm80|cublas|wgmma|splitK|Kernel2"),
+    ("optimizer (fused AdamW, norms)", r"adam|multi_tensor|foreach"),
+    ("Inductor fused (compiled blocks)", r"^triton_"),
+    ("communication (NCCL)", r"nccl"),
+    ("copies and fills", r"[Mm]emcpy|[Mm]emset|copy_|CatArray|fill"),
+    ("elementwise and reductions (eager)", r"elementwise|reduce|vectorized|unrolled|index|scatter|gather|softmax|"
+                                           r"norm|sort|topk|radix|cumsum|scan|bitonic|where|compare"),
+]
+
+
+def categorize(name: str) -> str:
+    for category, pattern in CATEGORIES:
+        if re.search(pattern, name):
+            return category
+    return "other"
+
+
+def profile_step(fn, top: int = 25) -> dict:
+    """fn() once under the profiler (device synchronised before and after): categories, top kernels, idle."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_category: dict[str, dict] = {}
+    for e in kernels:
+        c = by_category.setdefault(categorize(e.key), {"ms": 0.0, "launches": 0})
+        c["ms"] += e.self_device_time_total / 1e3
+        c["launches"] += e.count
+    busy = sum(c["ms"] for c in by_category.values())
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    return {"wall_ms": wall * 1e3, "kernel_ms": busy, "idle_ms": wall * 1e3 - busy,
+            "launches": sum(c["launches"] for c in by_category.values()),
+            "by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1]["ms"])),
+            "top_kernels": [{"name": e.key[:90], "category": categorize(e.key), "ms": e.self_device_time_total / 1e3,
+                             "launches": e.count} for e in kernels[:top]]}
+
+
+def print_profile(p: dict) -> None:
+    print(f"\n### step profile: wall {p['wall_ms']:.1f} ms, kernels {p['kernel_ms']:.1f} ms in {p['launches']} "
+          f"launches, device idle {p['idle_ms']:.1f} ms\n")
+    print("| category | ms | share of wall | launches |\n|---|---|---|---|")
+    for name, c in p["by_category"].items():
+        print(f"| {name} | {c['ms']:.1f} | {c['ms'] / p['wall_ms']:.1%} | {c['launches']} |")
+    print(f"| device idle | {p['idle_ms']:.1f} | {p['idle_ms'] / p['wall_ms']:.1%} | |")
+    print("\n| top kernel | category | ms | launches |\n|---|---|---|---|")
+    for k in p["top_kernels"]:
+        print(f"| {k['name']} | {k['category']} | {k['ms']:.1f} | {k['launches']} |")

@@ -1,0 +1,91 @@
+"""How a training step runs (config `execution`, the optimizer's fused path, route counting) changes nothing in what
+it computes: selective recompute gives the eager gradients exactly, the compiled blocks equal eager on a GPU, the
+fused AdamW's in-kernel clipping is the foreach path's, and the sync-free counts and norms are their formulas."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3ray.config import ExecutionConfig, OptimizerConfig, load_config
+from k3ray.model.decoder import build_stage, set_execution
+from k3ray.model.moe import count_routes, route_order
+from k3ray.optim import AdamW, sum_of_squares
+from k3ray.parallel.step import lm_loss
+
+from conftest import RELEASED, REPO
+
+TINY = REPO / "configs" / "tiny.yaml"
+
+
+def _loss_and_grads(cfg, execution: ExecutionConfig, tokens: torch.Tensor, device: str = "cpu"):
+    stage = build_stage(cfg, range(cfg.n_layers), seed=0, device=device)
+    set_execution(stage, execution)
+    loss = lm_loss(stage(tokens[:, :-1]), tokens, 1.0)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("released", [False, True])
+def test_selective_recompute_gives_the_eager_gradients_exactly(released):
+    """Recomputing the attention sublayers' elementwise ops in backward repeats the same ops on the same inputs:
+    the loss and every gradient are bit-identical in float64 (plain residual stream and Block AttnRes)."""
+    cfg = load_config(TINY, {"model.dtype": "float64", **(RELEASED if released else {})}).model
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
+    loss, grads = _loss_and_grads(cfg, ExecutionConfig(), tokens)
+    loss_rc, grads_rc = _loss_and_grads(cfg, ExecutionConfig(recompute="attention_elementwise"), tokens)
+    assert torch.equal(loss, loss_rc)
+    assert grads.keys() == grads_rc.keys()
+    for name in grads:
+        assert torch.equal(grads[name], grads_rc[name]), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled blocks are a GPU option (minutes to compile on CPU)")
+def test_compiled_blocks_equal_eager_on_gpu():
+    """Regional compilation (one torch.compile per block, kernels between the graphs) in float32 on the GPU: the loss
+    and gradients agree with eager to float32 rounding (Inductor reorders the elementwise arithmetic)."""
+    # MLA in every layer: KDA's fla kernels would autotune for the tiny heads first (minutes); the released features
+    # otherwise (q-LoRA, a dense first layer, Block AttnRes)
+    cfg = load_config(TINY, {"model.dtype": "float32", **RELEASED, "model.mla_layers": [0, 1, 2, 3]}).model
+    tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=torch.Generator().manual_seed(3)).cuda()
+    loss, grads = _loss_and_grads(cfg, ExecutionConfig(), tokens, "cuda")
+    loss_c, grads_c = _loss_and_grads(cfg, ExecutionConfig(compile_blocks=True), tokens, "cuda")
+    torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
+    for name in grads:
+        scale = float(grads[name].abs().max()) + 1e-12
+        assert float((grads_c[name] - grads[name]).abs().max()) <= 1e-4 * scale, name
+
+
+def test_route_counts_are_bincount():
+    idx = torch.randint(0, 7, (50, 3), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(count_routes(idx, 7), torch.bincount(idx.reshape(-1), minlength=7))
+    assert torch.equal(route_order(idx, 7)[1], count_routes(idx, 7))
+
+
+def test_sum_of_squares_is_its_formula():
+    g = torch.Generator().manual_seed(1)
+    ts = [torch.randn(5, 3, generator=g, dtype=torch.float64), torch.randn(7, generator=g, dtype=torch.float64)]
+    torch.testing.assert_close(sum_of_squares(ts), sum(t.square().sum() for t in ts), rtol=1e-14, atol=0)
+    bf = [t.to(torch.bfloat16) for t in ts]  # bf16 gradients: accumulated in fp32, no bf16 rounding of the sum
+    want = sum(t.double().square().sum() for t in bf)
+    assert sum_of_squares(bf).dtype == torch.float32
+    torch.testing.assert_close(sum_of_squares(bf).double(), want, rtol=1e-6, atol=0)
+    assert float(sum_of_squares([])) == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused AdamW runs on CUDA tensors")
+def test_fused_adamw_clipping_equals_foreach():
+    """On CUDA the clip coefficient is applied inside the fused kernel (it divides by 1 / coefficient): the same
+    update as the foreach path's multiply on CPU, to fp32 rounding."""
+    cfg = OptimizerConfig()
+    g = torch.Generator().manual_seed(0)
+    init = torch.randn(64, 32, generator=g)
+    grads = [torch.randn(64, 32, generator=g) for _ in range(3)]
+    out = {}
+    for device in ("cpu", "cuda"):
+        params = {"w": torch.nn.Parameter(init.clone().to(device))}
+        opt = AdamW(cfg)
+        for grad in grads:
+            params["w"].grad = grad.clone().to(device)
+            opt.step(params, 1e-2, grad_scale=0.3)
+        out[device] = params["w"].detach().cpu()
+    torch.testing.assert_close(out["cuda"], out["cpu"], rtol=1e-5, atol=1e-6)
