@@ -17,7 +17,8 @@ one unfailed training run and one serving checkpoint, cached in the workdir (ref
 seed list is printed; `--seeds S` reruns drills alone. Each drill's line: seed, family, kind, state, survived, exact,
 seconds, incident summary (and the error). `--resume FILE` appends to FILE and skips the seeds it holds. The kind x
 state table (run / survived / exact) of every line in the results file ends the run. Failed drills keep their
-checkpoint folder (incidents.jsonl) in the workdir.
+checkpoint folder (incidents.jsonl) in the workdir. `touch WORKDIR/STOP` ends the campaign after the drill under
+way (its cluster stopped), for a later --resume.
 """
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in
            "if not path:\n    raise ValueError(", "@classmethod\n", "try:\n    pass\nexcept", "s = "]
 SERVE = {"page_size": 4, "pages_per_rank": 128, "slots_per_rank": 8, "token_budget": 16, "max_waiting": 16,
          "max_tokens": 64}
-INCIDENT_KEYS = ("kind", "step", "ranks", "ep", "action", "attempts", "interrupted", "requeued", "spares_used")
+INCIDENT_KEYS = ("kind", "step", "ranks", "ep", "action", "attempts", "interrupted", "requeued", "spares_used",
+                 "seconds", "why")
 
 
 def serving_plan(seed: int) -> dict:
@@ -301,6 +303,10 @@ def main() -> None:
         for i, seed in enumerate(seeds):
             if seed in done:
                 continue
+            if (workdir / "STOP").exists():
+                (workdir / "STOP").unlink()
+                print("STOP file found: stopping before the next drill (--resume goes on)", flush=True)
+                break
             drill = campaign_plan(seed, args.serving)
             print(f"[{i + 1}/{len(seeds)}] {time.strftime('%H:%M:%S')} {drill}", flush=True)
             t0 = time.perf_counter()
