@@ -254,7 +254,7 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def start_cluster() -> tuple[str, str]:
+def start_cluster(preload: bool) -> tuple[str, str]:
     """A head of 8 CPUs on loopback, this process connected; (its temp dir, GCS address)."""
     if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")
             or (Path.home() / ".ray" / "auth_token").exists()):
@@ -262,6 +262,9 @@ def start_cluster() -> tuple[str, str]:
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
         os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+    if preload:  # the raylets start each worker process with these imported, pooled ones too: a drill's
+        # replacement workers start in seconds instead of importing torch on a loaded machine
+        os.environ["RAY_preload_python_modules"] = "torch,k3ray.controller.worker"
     port = free_port()
     head = tempfile.mkdtemp(prefix="k3ray-campaign-", dir="/tmp")
     start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")
@@ -278,6 +281,7 @@ def main() -> None:
     ap.add_argument("--serving", type=float, default=0.3, help="share of serving drills")
     ap.add_argument("--results", default="runs/drill_campaign/results.jsonl")
     ap.add_argument("--resume", metavar="FILE", help="append to FILE, skipping the seeds it holds")
+    ap.add_argument("--no-preload", action="store_true", help="worker processes import torch when an actor starts")
     ap.add_argument("--workdir", default="runs/drill_campaign", help="references and failed drills' folders")
     args = ap.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "token")
@@ -296,7 +300,7 @@ def main() -> None:
     if args.resume and results_path.exists():
         done = {json.loads(line)["seed"] for line in results_path.read_text().splitlines() if line.strip()}
         print(f"resuming {results_path}: {len(done)} drills done", flush=True)
-    head, address = start_cluster()
+    head, address = start_cluster(not args.no_preload)
     try:
         ref = references(workdir)
         reference = None

@@ -87,6 +87,7 @@ class FakeGroup:
         if not self.room_for(self.pp * (ep - self.ep)):
             raise TopologyError(f"could not place {self.pp * (ep - self.ep)} more workers")
         self.cluster.calls.append(("grow", self.ep, ep))
+        self.parts = []  # every worker takes its place in the grown grid: the parts it was writing are forgotten
         self.ep, self.home = ep, list(home)
         self.launch_seconds = {"place_and_start_workers": 0.0}
         self.restore(restore)
@@ -471,6 +472,19 @@ def test_worker_lost_while_growing_back_recovers_shrunk():
     assert kinds == ["worker_lost", "worker_lost"] and ctrl.incidents[1]["ep"] == [4, 3]
     assert states(ctrl)[-3:] == ["resizing", "recovering", "running"]
     assert cluster.groups[-1].trained == tuple(range(9))
+
+
+def test_checkpoint_pending_when_growing_back_is_committed_first(tmp_path):
+    """The shrunk grid writes the step-7 checkpoint; at the next boundary the grid grows back, and its workers leave
+    the old grid (forgetting what they wrote): the checkpoint is committed before, not lost as a failed write."""
+    cluster = Cluster(capacity=4, lose={6: 2})
+    ctrl = run(cluster, 7, **{"parallel.ep": 4, "fault_tolerance.grow_back_after_steps": 2,
+                              "checkpoint.dir": str(tmp_path), "checkpoint.every_n_steps": 7})
+    cluster.capacity = 7
+    ctrl.train_step(7)  # the boundary writes the step-7 checkpoint (shrunk)
+    ctrl.train_step(8)  # grows back
+    assert [i["kind"] for i in ctrl.incidents] == ["worker_lost", "grow_back"]
+    assert ckpt.list_committed(tmp_path) == [7] and ctrl.status()["ep"] == 4
 
 
 def test_final_checkpoint_survives_a_writer_lost_at_shutdown(tmp_path):
