@@ -15,7 +15,8 @@ polled throughout (unavailable while no grid serves, ok at the end).
 ONE Ray cluster (a head of 8 CPUs on loopback, a second raylet joining for each node drill) for the whole campaign;
 one unfailed training run and one serving checkpoint, cached in the workdir (reference.json) across resumes. The
 seed list is printed; `--seeds S` reruns drills alone. Each drill's line: seed, family, kind, state, survived, exact,
-seconds, incident summary (and the error). `--resume FILE` appends to FILE and skips the seeds it holds. The kind x
+seconds, incident summary (and the error). `--resume FILE` appends to FILE and skips the seeds it holds (but
+reruns those named with --seeds; the table counts a seed's last run). The kind x
 state table (run / survived / exact) of every line in the results file ends the run. Failed drills keep their
 checkpoint folder (incidents.jsonl) in the workdir. `touch WORKDIR/STOP` ends the campaign after the drill under
 way (its cluster stopped), for a later --resume.
@@ -119,6 +120,22 @@ def references(workdir: Path) -> dict:
 
 # ---- one drill ----
 
+def join(address: str, tries: int = 3) -> str:
+    """A second raylet joined to the cluster (its temp dir). `ray start` on this shared machine can fail on its own
+    (a free port taken by another process before the raylet binds it): tried again with new ports, and each failure
+    printed."""
+    for attempt in range(1, tries + 1):
+        node = tempfile.mkdtemp(prefix="k3ray-campaign-node-", dir="/tmp")
+        try:
+            join_node(node, address, 2)
+            return node
+        except (RuntimeError, TimeoutError) as err:
+            stop_node(node)
+            print(f"    node join {attempt}/{tries} failed: {err}", flush=True)
+            if attempt == tries:
+                raise
+
+
 def training_drill(drill: dict, ref: dict, workdir: Path, address: str) -> dict:
     ckpt = workdir / f"drill-{drill['seed']}"
     cfg = load_config("configs/tiny.yaml", {**drill_overrides(str(ckpt), drill["faults"]),
@@ -126,8 +143,7 @@ def training_drill(drill: dict, ref: dict, workdir: Path, address: str) -> dict:
     node = None
     try:
         if drill["kind"] == "node":  # 2 workers on the head, 2 on a node of their own
-            node = tempfile.mkdtemp(prefix="k3ray-campaign-node-", dir="/tmp")
-            join_node(node, address, 2)
+            node = join(address)
             with head_room(2), running_job(cfg) as controller:
                 losses, incidents = run_drill(controller, drill, drill["steps"], lambda: kill_node(node))
         else:
@@ -277,7 +293,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--drills", type=int, default=110)
     ap.add_argument("--master-seed", type=int, default=0, help="draws the campaign's seed list")
-    ap.add_argument("--seeds", help="these drill seeds only (comma-separated)")
+    ap.add_argument("--seeds", help="these drill seeds only (comma-separated), run again if done")
     ap.add_argument("--serving", type=float, default=0.3, help="share of serving drills")
     ap.add_argument("--results", default="runs/drill_campaign/results.jsonl")
     ap.add_argument("--resume", metavar="FILE", help="append to FILE, skipping the seeds it holds")
@@ -296,8 +312,8 @@ def main() -> None:
         rng = random.Random(args.master_seed)
         seeds = [rng.randrange(2**31) for _ in range(args.drills)]
     print(f"seeds: {','.join(map(str, seeds))}", flush=True)
-    done = set()
-    if args.resume and results_path.exists():
+    done = set()  # seeds named with --seeds run again (a rerun after a fix), their new line appended
+    if args.resume and results_path.exists() and not args.seeds:
         done = {json.loads(line)["seed"] for line in results_path.read_text().splitlines() if line.strip()}
         print(f"resuming {results_path}: {len(done)} drills done", flush=True)
     head, address = start_cluster(not args.no_preload)
@@ -334,7 +350,11 @@ def main() -> None:
         ray.shutdown()
         stop_node(head)
     results = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
-    print(table(results))
+    last = {r["seed"]: r for r in results}  # a seed run again after a fix counts with its last run
+    if len(last) < len(results):
+        print(f"{len(results) - len(last)} reruns; failed first runs: "
+              f"{[(r['seed'], r['kind'], r['state']) for r in results if not (r['survived'] and r['exact'])]}")
+    print(table(list(last.values())))
 
 
 if __name__ == "__main__":
