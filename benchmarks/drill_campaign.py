@@ -10,14 +10,14 @@ again; exact = every request ends, without an error, with the single-process ref
 polled throughout (unavailable while no grid serves, ok at the end).
 
     python benchmarks/drill_campaign.py [--drills 110] [--master-seed 0] [--results FILE] [--resume FILE]
-                                        [--seeds S,S,...] [--workdir DIR] [--serving 0.3]
+                                        [--seeds S,S,...] [--workdir DIR] [--serving 0.3] [--table]
 
 ONE Ray cluster (a head of 8 CPUs on loopback, a second raylet joining for each node drill) for the whole campaign;
 one unfailed training run and one serving checkpoint, cached in the workdir (reference.json) across resumes. The
 seed list is printed; `--seeds S` reruns drills alone. Each drill's line: seed, family, kind, state, survived, exact,
 seconds, incident summary (and the error). `--resume FILE` appends to FILE and skips the seeds it holds (but
 reruns those named with --seeds; the table counts a seed's last run). The kind x
-state table (run / survived / exact) of every line in the results file ends the run. Failed drills keep their
+state table (run / survived / exact / clean: exact with no incident but those the faults cause) of the results file ends the run. Failed drills keep their
 checkpoint folder (incidents.jsonl) in the workdir. `touch WORKDIR/STOP` ends the campaign after the drill under
 way (its cluster stopped), for a later --resume.
 """
@@ -51,6 +51,9 @@ PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in
            "if not path:\n    raise ValueError(", "@classmethod\n", "try:\n    pass\nexcept", "s = "]
 SERVE = {"page_size": 4, "pages_per_rank": 128, "slots_per_rank": 8, "token_budget": 16, "max_waiting": 16,
          "max_tokens": 64}
+# what a drill's faults should cause; any other incident (a failed checkpoint write, a guard trip, a failed
+# grow-back) is flagged in its line and counted in the table's "clean" column
+EXPECTED_INCIDENTS = {"worker_lost", "checkpoint_abandoned", "grow_back", "rebalance"}
 INCIDENT_KEYS = ("kind", "step", "ranks", "ep", "action", "attempts", "interrupted", "requeued", "spares_used",
                  "seconds", "why")
 
@@ -256,17 +259,18 @@ def serving_drill(drill: dict, ref: dict, reference) -> dict:
 # ---- the campaign ----
 
 def table(results: list[dict]) -> str:
-    rows: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    """kind x state: drills run, survived, exact, and clean (exact with no unexpected incident)."""
+    rows: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0, 0])
     for r in results:
-        row = rows[(r["kind"], r["state"])]
-        row[0] += 1
-        row[1] += r["survived"]
-        row[2] += r["exact"]
-    lines = [f"| {'kind':<24}| {'state':<22}| run | survived | exact |", f"|{'-' * 25}|{'-' * 23}|-----|----------|-------|"]
-    for (kind, state), (n, s, e) in sorted(rows.items()):
-        lines.append(f"| {kind:<24}| {state:<22}| {n:>3} | {s:>8} | {e:>5} |")
-    n, s, e = (sum(r[i] for r in rows.values()) for i in range(3))
-    lines.append(f"| {'all':<24}| {'':<22}| {n:>3} | {s:>8} | {e:>5} |")
+        unexpected = r.get("unexpected", sorted({i["kind"] for i in r["incidents"]} - EXPECTED_INCIDENTS))
+        for i, ok in enumerate((True, r["survived"], r["exact"], r["exact"] and not unexpected)):
+            rows[(r["kind"], r["state"])][i] += ok
+    lines = [f"| {'kind':<24}| {'state':<22}| run | survived | exact | clean |",
+             f"|{'-' * 25}|{'-' * 23}|-----|----------|-------|-------|"]
+    for (kind, state), (n, s, e, c) in sorted(rows.items()):
+        lines.append(f"| {kind:<24}| {state:<22}| {n:>3} | {s:>8} | {e:>5} | {c:>5} |")
+    n, s, e, c = (sum(r[i] for r in rows.values()) for i in range(4))
+    lines.append(f"| {'all':<24}| {'':<22}| {n:>3} | {s:>8} | {e:>5} | {c:>5} |")
     return "\n".join(lines)
 
 
@@ -297,6 +301,7 @@ def main() -> None:
     ap.add_argument("--serving", type=float, default=0.3, help="share of serving drills")
     ap.add_argument("--results", default="runs/drill_campaign/results.jsonl")
     ap.add_argument("--resume", metavar="FILE", help="append to FILE, skipping the seeds it holds")
+    ap.add_argument("--table", action="store_true", help="only print the results file's table")
     ap.add_argument("--no-preload", action="store_true", help="worker processes import torch when an actor starts")
     ap.add_argument("--workdir", default="runs/drill_campaign", help="references and failed drills' folders")
     args = ap.parse_args()
@@ -316,6 +321,8 @@ def main() -> None:
     if args.resume and results_path.exists() and not args.seeds:
         done = {json.loads(line)["seed"] for line in results_path.read_text().splitlines() if line.strip()}
         print(f"resuming {results_path}: {len(done)} drills done", flush=True)
+    if args.table:
+        return report(results_path)
     head, address = start_cluster(not args.no_preload)
     try:
         ref = references(workdir)
@@ -339,6 +346,7 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 - a drill that raised did not survive; the campaign goes on
                 out = {"survived": False, "exact": False, "incidents": [],
                        "error": f"{type(e).__name__}: {str(e)[:2000]}", "traceback": traceback.format_exc()[-3000:]}
+            out["unexpected"] = sorted({i["kind"] for i in out["incidents"]} - EXPECTED_INCIDENTS)
             line = {"seed": seed, "family": drill["family"], "kind": drill["kind"], "state": drill["state"],
                     "survived": out.pop("survived"), "exact": out.pop("exact"),
                     "seconds": round(time.perf_counter() - t0, 1), **out}
@@ -349,6 +357,11 @@ def main() -> None:
     finally:
         ray.shutdown()
         stop_node(head)
+    report(results_path)
+
+
+def report(results_path: Path) -> None:
+    """The kind x state table of a results file (each seed's last run), and the reruns."""
     results = [json.loads(line) for line in results_path.read_text().splitlines() if line.strip()]
     last = {r["seed"]: r for r in results}  # a seed run again after a fix counts with its last run
     if len(last) < len(results):
