@@ -15,11 +15,11 @@ polled throughout (unavailable while no grid serves, ok at the end).
 ONE Ray cluster (a head of 8 CPUs on loopback, a second raylet joining for each node drill) for the whole campaign;
 one unfailed training run and one serving checkpoint, cached in the workdir (reference.json) across resumes. The
 seed list is printed; `--seeds S` reruns drills alone. Each drill's line: seed, family, kind, state, survived, exact,
-seconds, incident summary (and the error). `--resume FILE` appends to FILE and skips the seeds it holds (but
-reruns those named with --seeds; the table counts a seed's last run). The kind x
-state table (run / survived / exact / clean: exact with no incident but those the faults cause) of the results file ends the run. Failed drills keep their
-checkpoint folder (incidents.jsonl) in the workdir. `touch WORKDIR/STOP` ends the campaign after the drill under
-way (its cluster stopped), for a later --resume.
+seconds, incident summary, unexpected incidents (and the error). `--resume FILE` appends to FILE and skips the seeds
+it holds (but reruns those named with --seeds). The kind x state table (run / survived / exact / clean: exact with
+no incident but those the faults cause; a seed counts with its last run) ends the run; `--table` prints it alone.
+Failed drills keep their checkpoint folder (incidents.jsonl) in the workdir. `touch WORKDIR/STOP` ends the campaign
+after the drill under way (its cluster stopped), for a later --resume.
 """
 from __future__ import annotations
 
