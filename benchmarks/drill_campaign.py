@@ -143,21 +143,30 @@ def training_drill(drill: dict, ref: dict, workdir: Path, address: str) -> dict:
     ckpt = workdir / f"drill-{drill['seed']}"
     cfg = load_config("configs/tiny.yaml", {**drill_overrides(str(ckpt), drill["faults"]),
                                             "fault_tolerance.incidents_file": str(ckpt / "incidents.jsonl")})
-    node = None
+    node, at = None, {"begin": time.perf_counter()}
     try:
         if drill["kind"] == "node":  # 2 workers on the head, 2 on a node of their own
             node = join(address)
+            at["node_joined"] = time.perf_counter()
             with head_room(2), running_job(cfg) as controller:
+                at["job_started"] = time.perf_counter()
                 losses, incidents = run_drill(controller, drill, drill["steps"], lambda: kill_node(node))
+                at["steps_done"] = time.perf_counter()
         else:
             with running_job(cfg) as controller:
+                at["job_started"] = time.perf_counter()
                 losses, incidents = run_drill(controller, drill, drill["steps"])
+                at["steps_done"] = time.perf_counter()
+        at["job_stopped"] = time.perf_counter()
     finally:
         if node is not None:
             stop_node(node)
     lost = [i for i in incidents if i["kind"] == "worker_lost"]
     exact = close(losses, ref["losses"][:drill["steps"]])
-    out = {"survived": bool(lost), "exact": exact, "incidents": summarize(incidents)}
+    marks = list(at.items())
+    out = {"survived": bool(lost), "exact": exact, "incidents": summarize(incidents),
+           "phases": {name: round(t - marks[i - 1][1], 1) for i, (name, t) in enumerate(marks) if i},
+           "step": drill["step"], "steps": drill["steps"], "faults": drill["faults"]}
     if not lost:
         out["error"] = "no worker_lost incident: the fault did not land"
     elif not exact:

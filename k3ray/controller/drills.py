@@ -122,7 +122,8 @@ class FaultInjector:
 # Randomized training drills (tests/test_drills.py, benchmarks/drill_campaign.py): pp=1 x ep=4 in float64, snapshots
 # and checkpoints every 3 steps; each drill runs only as many steps as put its faults in their state and see the job
 # through the recovery, and its losses must equal the unfailed run's first losses.
-DRILL_STEPS, SNAPSHOT_EVERY, CHECKPOINT_EVERY = 8, 3, 3
+DRILL_STEPS, SNAPSHOT_EVERY, CHECKPOINT_EVERY = 8, 3, 3  # DRILL_STEPS: the most a drill runs (its reference's)
+FAULT_BEFORE = 5  # faults land in steps 1-4: every state exists by then (the first snapshot at 3, commit at 4)
 # where a kill lands: the state the controller is in when it meets the dead worker
 DRILL_STATES = ("step", "snapshot", "checkpoint_commit", "evaluation", "policy_change", "grow_back", "recovery",
                 "second_at_commit")
@@ -148,11 +149,11 @@ def plan(seed: int, kinds=DRILL_KINDS) -> dict:
     state = rng.choice(NODE_STATES if kind == "node" else DRILL_STATES)
     ranks = rng.sample(range(4), 2 if kind == "two_workers" else 1)
     if state == "snapshot":
-        step = rng.choice(range(SNAPSHOT_EVERY, DRILL_STEPS, SNAPSHOT_EVERY))
+        step = rng.choice(range(SNAPSHOT_EVERY, FAULT_BEFORE, SNAPSHOT_EVERY))
     elif state in ("checkpoint_commit", "second_at_commit"):  # parts written at a boundary commit at the next
-        step = rng.choice(range(CHECKPOINT_EVERY, DRILL_STEPS - 1, CHECKPOINT_EVERY)) + 1
-    else:
-        step = rng.randrange(2 if state in ("grow_back", "recovery") else 1, DRILL_STEPS - 2)
+        step = rng.choice(range(CHECKPOINT_EVERY + 1, FAULT_BEFORE, CHECKPOINT_EVERY))
+    else:  # a grow-back's second loss comes a step later
+        step = rng.randrange(2 if state in ("grow_back", "recovery") else 1, FAULT_BEFORE - 1)
     faults = []
     if kind != "node":
         at = {"step": "step", "evaluation": "after_step"}.get(state, "boundary")
