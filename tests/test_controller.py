@@ -13,6 +13,7 @@ import torch
 
 from k3ray.config import load_config
 from k3ray.controller.controller import Controller, GuardError
+from k3ray.controller.failures import RecoveryFailed
 from k3ray.controller.worker import part_name
 from k3ray.controller.state import TRANSITIONS, IllegalTransition, JobState, StateMachine
 from k3ray.controller.worker_group import TopologyError, WorkerLost
@@ -97,6 +98,7 @@ class FakeGroup:
         return self.cluster.capacity + self.cluster.phantom - held
 
     def launch(self, timeout_s: float, restore: dict | None = None, wait_for_spares: bool = True) -> str:
+        self._die("launch")  # a worker dies, or does not answer, while the grid starts
         if self.cluster.place_fails:
             self.cluster.place_fails -= 1
             raise TopologyError("placement timed out")
@@ -472,6 +474,23 @@ def test_worker_lost_while_growing_back_recovers_shrunk():
     assert kinds == ["worker_lost", "worker_lost"] and ctrl.incidents[1]["ep"] == [4, 3]
     assert states(ctrl)[-3:] == ["resizing", "recovering", "running"]
     assert cluster.groups[-1].trained == tuple(range(9))
+
+
+def test_worker_lost_while_the_first_grid_starts_launches_again():
+    """A worker that dies (or does not answer) while the job's first grid starts: the grid is launched again after
+    the backoff, as a recovery would; past fault_tolerance.recovery_attempts the job stops in one line."""
+    cluster = Cluster(capacity=4, die_in={"launch": (1, {1})})
+    ctrl = run(cluster, 2, **{"parallel.ep": 4, "fault_tolerance.retry_backoff_s": 0.0})
+    assert [i["kind"] for i in ctrl.incidents] == ["launch_failed"] and ctrl.incidents[0]["attempt"] == 1
+    assert cluster.groups[-1].trained == (0, 1) and ctrl.state == JobState.RUNNING
+    assert not cluster.groups[0].alive  # the failed grid was closed
+    cluster = Cluster(capacity=4)
+    cluster.die_every = {"launch": {0}}
+    ctrl = Controller(config(**{"parallel.ep": 4, "fault_tolerance.retry_backoff_s": 0.0,
+                                "fault_tolerance.recovery_attempts": 2}), group_factory=cluster.group)
+    with pytest.raises(RecoveryFailed, match=r"the workers did not start \(2 attempts; last: lost world ranks \[0\]"):
+        ctrl.start()
+    assert ctrl.state == JobState.ERRORED and len(cluster.groups) == 2
 
 
 def test_checkpoint_pending_when_growing_back_is_committed_first(tmp_path):
