@@ -167,19 +167,6 @@ def serving_checkpoint(ray_cluster, tmp_path_factory) -> str:
 def serving_reference(serving_checkpoint):
     """The single-process reference generation from `serving_checkpoint`: (prompt ids, SamplingParams) ->
     (generated ids, finish reason)."""
-    import torch
+    from k3ray.controller.drills import serving_reference as reference
 
-    from k3ray.controller.checkpointing import serving_weights
-    from k3ray.controller.serve_engine import serving_config
-    from k3ray.model.decoder import build_stage
-    from k3ray.optim import AdamW
-    from k3ray.parallel import shards
-    from k3ray.parallel.reference import generate_reference
-
-    torch.set_num_threads(1)
-    w = serving_weights(serving_checkpoint)
-    cfg = serving_config(w.config, 1, 1)
-    model = build_stage(cfg.model, range(cfg.model.n_layers), init=False)
-    shards.load_weights(model, AdamW(cfg.optimizer), w.state, {i: [w.state["experts"][i]] for i in model.layers},
-                        set(range(cfg.model.n_experts)))
-    return lambda prompt_ids, params: generate_reference(model, prompt_ids, params)
+    return reference(serving_checkpoint)

@@ -13,6 +13,7 @@ import torch
 
 from k3ray.config import load_config
 from k3ray.controller.controller import Controller, GuardError
+from k3ray.controller.failures import RecoveryFailed
 from k3ray.controller.worker import part_name
 from k3ray.controller.state import TRANSITIONS, IllegalTransition, JobState, StateMachine
 from k3ray.controller.worker_group import TopologyError, WorkerLost
@@ -87,6 +88,7 @@ class FakeGroup:
         if not self.room_for(self.pp * (ep - self.ep)):
             raise TopologyError(f"could not place {self.pp * (ep - self.ep)} more workers")
         self.cluster.calls.append(("grow", self.ep, ep))
+        self.parts = []  # every worker takes its place in the grown grid: the parts it was writing are forgotten
         self.ep, self.home = ep, list(home)
         self.launch_seconds = {"place_and_start_workers": 0.0}
         self.restore(restore)
@@ -96,6 +98,7 @@ class FakeGroup:
         return self.cluster.capacity + self.cluster.phantom - held
 
     def launch(self, timeout_s: float, restore: dict | None = None, wait_for_spares: bool = True) -> str:
+        self._die("launch")  # a worker dies, or does not answer, while the grid starts
         if self.cluster.place_fails:
             self.cluster.place_fails -= 1
             raise TopologyError("placement timed out")
@@ -471,6 +474,36 @@ def test_worker_lost_while_growing_back_recovers_shrunk():
     assert kinds == ["worker_lost", "worker_lost"] and ctrl.incidents[1]["ep"] == [4, 3]
     assert states(ctrl)[-3:] == ["resizing", "recovering", "running"]
     assert cluster.groups[-1].trained == tuple(range(9))
+
+
+def test_worker_lost_while_the_first_grid_starts_launches_again():
+    """A worker that dies (or does not answer) while the job's first grid starts: the grid is launched again after
+    the backoff, as a recovery would; past fault_tolerance.recovery_attempts the job stops in one line."""
+    cluster = Cluster(capacity=4, die_in={"launch": (1, {1})})
+    ctrl = run(cluster, 2, **{"parallel.ep": 4, "fault_tolerance.retry_backoff_s": 0.0})
+    assert [i["kind"] for i in ctrl.incidents] == ["launch_failed"] and ctrl.incidents[0]["attempt"] == 1
+    assert cluster.groups[-1].trained == (0, 1) and ctrl.state == JobState.RUNNING
+    assert not cluster.groups[0].alive  # the failed grid was closed
+    cluster = Cluster(capacity=4)
+    cluster.die_every = {"launch": {0}}
+    ctrl = Controller(config(**{"parallel.ep": 4, "fault_tolerance.retry_backoff_s": 0.0,
+                                "fault_tolerance.recovery_attempts": 2}), group_factory=cluster.group)
+    with pytest.raises(RecoveryFailed, match=r"the workers did not start \(2 attempts; last: lost world ranks \[0\]"):
+        ctrl.start()
+    assert ctrl.state == JobState.ERRORED and len(cluster.groups) == 2
+
+
+def test_checkpoint_pending_when_growing_back_is_committed_first(tmp_path):
+    """The shrunk grid writes the step-7 checkpoint; at the next boundary the grid grows back, and its workers leave
+    the old grid (forgetting what they wrote): the checkpoint is committed before, not lost as a failed write."""
+    cluster = Cluster(capacity=4, lose={6: 2})
+    ctrl = run(cluster, 7, **{"parallel.ep": 4, "fault_tolerance.grow_back_after_steps": 2,
+                              "checkpoint.dir": str(tmp_path), "checkpoint.every_n_steps": 7})
+    cluster.capacity = 7
+    ctrl.train_step(7)  # the boundary writes the step-7 checkpoint (shrunk)
+    ctrl.train_step(8)  # grows back
+    assert [i["kind"] for i in ctrl.incidents] == ["worker_lost", "grow_back"]
+    assert ckpt.list_committed(tmp_path) == [7] and ctrl.status()["ep"] == 4
 
 
 def test_final_checkpoint_survives_a_writer_lost_at_shutdown(tmp_path):

@@ -5,12 +5,12 @@ A worker killed while the grid is being rebuilt, and another once it serves agai
 the engine's health says why nothing serves."""
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import ray
 
+from k3ray.controller.drills import Stream
 from k3ray.controller.serve_engine import ServingEngine
 from k3ray.data import EOS, encode
 from k3ray.model.sampling import SamplingParams, visible_ids
@@ -30,22 +30,6 @@ def engine(serving_checkpoint):
     finally:
         ray.get(engine.shutdown.remote(), timeout=120)
         ray.kill(engine, no_restart=True)
-
-
-class Stream(threading.Thread):
-    """One request's stream from the engine (what the front door forwards): items with their arrival times."""
-
-    def __init__(self, engine, prompt: list[int], params: dict):
-        super().__init__(daemon=True)
-        self.gen = engine.generate.options(num_returns="streaming").remote(prompt, params)
-        self.items: list[tuple[float, dict]] = []
-
-    def run(self) -> None:
-        for ref in self.gen:
-            self.items.append((time.perf_counter(), ray.get(ref)))
-
-    def tokens(self, before: float = float("inf")) -> list[int]:
-        return [t for at, item in self.items if at < before for t in item.get("tokens", ())]
 
 
 def streaming(engine, serving_reference, params: list[dict], at_least: int) -> tuple[list[list[int]], list[Stream]]:

@@ -26,9 +26,13 @@ def start_raylet(temp_dir: str, *args: str, env: dict | None = None) -> None:
     ports = [f"--{name}={free_port()}" for name in ("metrics-export-port", "dashboard-agent-listen-port",
                                                     "dashboard-agent-grpc-port", "runtime-env-agent-port")
              if f"--{name}" not in args]
-    subprocess.run([shutil.which("ray"), "start", "--temp-dir", temp_dir, "--node-ip-address", "127.0.0.1",
-                    "--disable-usage-stats", *ports, *args], check=True, timeout=300, capture_output=True,
-                   env=env if env is not None else dict(os.environ))
+    done = subprocess.run([shutil.which("ray"), "start", "--temp-dir", temp_dir, "--node-ip-address", "127.0.0.1",
+                           "--disable-usage-stats", *ports, *args], timeout=300, capture_output=True, text=True,
+                          env=env if env is not None else dict(os.environ))
+    if done.returncode != 0:  # what `ray start` said, not only its exit status
+        said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
+        raise RuntimeError(f"ray start {' '.join(args)} in {temp_dir} failed (exit {done.returncode}): "
+                           + " | ".join(said))
 
 
 def join_node(temp_dir: str, address: str, num_cpus: int, timeout_s: float = 60.0) -> str:

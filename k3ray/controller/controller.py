@@ -26,7 +26,7 @@ from k3ray.config import JobConfig
 from k3ray.controller.callbacks import Callback
 from k3ray.controller.checkpointing import DurableCheckpoints, Resumed
 from k3ray.controller.drills import FaultInjector
-from k3ray.controller.failures import FailurePaths, GuardError  # noqa: F401 - GuardError: part of this API
+from k3ray.controller.failures import FailurePaths, GuardError, RecoveryFailed  # noqa: F401 - GuardError: API
 from k3ray.controller.live_policies import LivePolicies
 from k3ray.controller.placement import Placement
 from k3ray.controller.snapshots import Snapshots
@@ -114,18 +114,36 @@ class Controller(FailurePaths):
             self._resume_from(resumed)
             why += f", resuming from {resumed.path} (step {resumed.step}, ep {resumed.meta['ep']} -> {self.table.ep})"
         self.machine.to(JobState.SCHEDULING, why)
-        self.group = self._new_group(self.table.ep, self.table.home)
-        try:
-            backend = self.group.launch(placement_timeout_s, restore=None if resumed is None else resumed.sources)
-        except TopologyError:
-            self.machine.to(JobState.ERRORED, "topology does not fit")
-            raise
+        backend = self._launch(placement_timeout_s, resumed)
         self._push_policies()
         if resumed is not None:
             self.group.call("set_lr_scale", self.lr_scale)
         self.machine.to(JobState.RUNNING, f"{self.group.size} workers, backend {backend}")
         self._notify("on_start", self)
         return {**self.status(), "warnings": self._new_warnings()}
+
+    def _launch(self, timeout_s: float, resumed: Resumed | None) -> str:
+        """The job's first grid, a bounded handler as a recovery is: a worker lost while it starts (died, or no
+        answer within `timeout_s` on a loaded machine) closes it and launches anew after the backoff, up to
+        fault_tolerance.recovery_attempts times; then the job stops in one line."""
+        ft, attempt = self.cfg.fault_tolerance, 0
+        while True:
+            attempt += 1
+            self.group = self._new_group(self.table.ep, self.table.home)
+            try:
+                return self.group.launch(timeout_s, restore=None if resumed is None else resumed.sources)
+            except TopologyError:
+                self.machine.to(JobState.ERRORED, "topology does not fit")
+                raise
+            except WorkerLost as lost:
+                self.group.close()
+                self._log_incident(self._incident("launch_failed", step=self.step, rule="other", why=str(lost),
+                                                  attempt=attempt))
+                if attempt == ft.recovery_attempts:
+                    self.machine.to(JobState.ERRORED, f"the workers did not start: {lost}")
+                    raise RecoveryFailed(f"the workers did not start ({attempt} attempts; last: {lost}); stopping. "
+                                         f"{self._incidents_where()}") from None
+                time.sleep(min(30.0, ft.retry_backoff_s * 2 ** (attempt - 1)))
 
     def _new_warnings(self) -> list[str]:
         """Checkpoint warnings not yet handed to the driver (which shows them on the user's console)."""

@@ -8,6 +8,8 @@ engine and worker code know nothing about drills.
 from __future__ import annotations
 
 import logging
+import random
+import threading
 import time
 
 from k3ray.config import FaultSpec
@@ -115,3 +117,116 @@ class FaultInjector:
                 victim = path / parts[0].name
                 victim.write_bytes(victim.read_bytes()[: parts[0].bytes // 2])
                 log.warning("fault drill: truncated %s", victim)
+
+
+# Randomized training drills (tests/test_drills.py, benchmarks/drill_campaign.py): pp=1 x ep=4 in float64, snapshots
+# and checkpoints every 3 steps; each drill runs only as many steps as put its faults in their state and see the job
+# through the recovery, and its losses must equal the unfailed run's first losses.
+DRILL_STEPS, SNAPSHOT_EVERY, CHECKPOINT_EVERY = 8, 3, 3  # DRILL_STEPS: the most a drill runs (its reference's)
+FAULT_BEFORE = 5  # faults land in steps 1-4: every state exists by then (the first snapshot at 3, commit at 4)
+# where a kill lands: the state the controller is in when it meets the dead worker
+DRILL_STATES = ("step", "snapshot", "checkpoint_commit", "evaluation", "policy_change", "grow_back", "recovery",
+                "second_at_commit")
+TWO_FAULTS = ("grow_back", "recovery", "second_at_commit")  # a first loss, then a second close after it
+NODE_STATES = ("step", "snapshot", "checkpoint_commit", "evaluation", "policy_change")  # a node dies between steps
+DRILL_KINDS = ("worker", "two_workers", "node")
+
+
+def drill_overrides(checkpoint_dir: str, faults=()) -> dict:
+    """configs/tiny.yaml's overrides for a randomized training drill (and, without faults, for its unfailed run)."""
+    return {"parallel.pp": 1, "parallel.ep": 4, "train.eval_every": 0, "model.dtype": "float64",
+            "parallel.collective_timeout_s": 10, "policies.guards.warmup_steps": 100,
+            "fault_tolerance.snapshot_every": SNAPSHOT_EVERY, "fault_tolerance.grow_back_after_steps": 1,
+            "checkpoint.dir": checkpoint_dir, "checkpoint.every_n_steps": CHECKPOINT_EVERY,
+            "checkpoint.at_end": False, "fault_tolerance.faults": list(faults)}
+
+
+def plan(seed: int, kinds=DRILL_KINDS) -> dict:
+    """A training drill: kind, state, the step it lands at, the fault specs that make it happen and the steps to run
+    (the fault's step and enough after it for the recovery, and a grow-back's second loss, to be seen through)."""
+    rng = random.Random(seed)
+    kind = rng.choice(kinds)
+    state = rng.choice(NODE_STATES if kind == "node" else DRILL_STATES)
+    ranks = rng.sample(range(4), 2 if kind == "two_workers" else 1)
+    if state == "snapshot":
+        step = rng.choice(range(SNAPSHOT_EVERY, FAULT_BEFORE, SNAPSHOT_EVERY))
+    elif state in ("checkpoint_commit", "second_at_commit"):  # parts written at a boundary commit at the next
+        step = rng.choice(range(CHECKPOINT_EVERY + 1, FAULT_BEFORE, CHECKPOINT_EVERY))
+    else:  # a grow-back's second loss comes a step later
+        step = rng.randrange(2 if state in ("grow_back", "recovery") else 1, FAULT_BEFORE - 1)
+    faults = []
+    if kind != "node":
+        at = {"step": "step", "evaluation": "after_step"}.get(state, "boundary")
+        if state in ("grow_back", "recovery"):  # a first loss, then one in the grid launched to recover or grow back
+            faults.append({"kind": "kill_worker", "step": step, "worker": 3})
+            at, ranks = "relaunch", [rng.randrange(2 if state == "recovery" else 4)]
+            step += 1 if state == "grow_back" else 0
+        if state == "second_at_commit":  # a loss during the step before a checkpoint commit abandons that commit;
+            # a second at the next boundary, where the shrunk grid commits (and writes the checkpoint again)
+            faults.append({"kind": "kill_worker", "step": step - 1, "worker": rng.randrange(4)})
+            at, ranks = "boundary", [rng.randrange(3)]
+        faults.append({"kind": "kill_worker", "step": step, "workers": sorted(ranks), "at": at})
+    # a lost node may finish its step and be met at the next; a grow-back launches its grid a step after `step`
+    steps = min(DRILL_STEPS, step + (3 if state == "grow_back" else 2) + (kind == "node"))
+    return {"seed": seed, "kind": kind, "state": state, "step": step, "faults": faults, "steps": steps}
+
+
+def run_drill(controller, drill: dict | None, steps: int, lose_node=None) -> tuple[list[float], list[dict]]:
+    """Steps 0..steps-1 of a job's controller with the drill's outside actions (a node lost, a policy pushed, an
+    evaluation); its own kills fire from the job's fault specs. The losses and the job's incidents."""
+    import ray
+
+    losses = []
+    for s in range(steps):
+        if drill and drill["kind"] == "node" and s == drill["step"] and drill["state"] != "evaluation":
+            if drill["state"] == "policy_change":
+                ray.get(controller.set_policy.remote("moonep", {"enabled": True}, "drill"))
+            lose_node()
+        if drill and drill["state"] == "policy_change" and drill["kind"] != "node" and s == drill["step"]:
+            ray.get(controller.set_policy.remote("moonep", {"enabled": True}, "drill"))  # pushed at the boundary
+        losses.append(ray.get(controller.train_step.remote(s), timeout=600)["loss"])
+        if drill and drill["state"] == "evaluation" and s == drill["step"]:
+            if drill["kind"] == "node":
+                lose_node()
+            if not ray.get(controller.evaluate.remote(), timeout=600) > 0:
+                raise RuntimeError(f"the evaluation after step {s} returned no loss")
+    return losses, ray.get(controller.get_incidents.remote())
+
+
+def serving_reference(checkpoint: str):
+    """The single-process reference generation from a checkpoint: (prompt ids, SamplingParams) -> (generated ids,
+    finish reason); what a serving drill's every request must end with."""
+    import torch
+
+    from k3ray.controller.checkpointing import serving_weights
+    from k3ray.controller.serve_engine import serving_config
+    from k3ray.model.decoder import build_stage
+    from k3ray.optim import AdamW
+    from k3ray.parallel import shards
+    from k3ray.parallel.reference import generate_reference
+
+    torch.set_num_threads(1)
+    w = serving_weights(checkpoint)
+    cfg = serving_config(w.config, 1, 1)
+    model = build_stage(cfg.model, range(cfg.model.n_layers), init=False)
+    shards.load_weights(model, AdamW(cfg.optimizer), w.state, {i: [w.state["experts"][i]] for i in model.layers},
+                        set(range(cfg.model.n_experts)))
+    return lambda prompt_ids, params: generate_reference(model, prompt_ids, params)
+
+
+class Stream(threading.Thread):
+    """One request's stream from a serving engine (what the front door forwards): items with their arrival times."""
+
+    def __init__(self, engine, prompt: list[int], params: dict):
+        super().__init__(daemon=True)
+        self.gen = engine.generate.options(num_returns="streaming").remote(prompt, params)
+        self.items: list[tuple[float, dict]] = []
+
+    def run(self) -> None:
+        import ray
+
+        for ref in self.gen:
+            self.items.append((time.perf_counter(), ray.get(ref)))
+
+    def tokens(self, before: float = float("inf")) -> list[int]:
+        return [t for at, item in self.items if at < before for t in item.get("tokens", ())]

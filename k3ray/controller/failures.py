@@ -243,6 +243,8 @@ class FailurePaths:
         if not self.group.room_for(self.cfg.parallel.pp * (full - self.table.ep)):
             return
         t0 = time.perf_counter()
+        # the workers taking their places in the grown grid drop the parts they are writing: commit them first
+        self.checkpoints.commit_pending(self.group)
         self.machine.to(JobState.RESIZING, f"growing back to ep={full}")
         self.snapshots.take(self.group, step, self.guard_state, wait=True)
         old_ep, home = self.table.ep, recovery.grow(self.cfg.model.n_experts, full).tolist()
