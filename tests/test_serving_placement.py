@@ -84,7 +84,7 @@ def test_policies_change_live_and_bad_values_are_refused_with_the_field_named(en
 
 
 def test_scaling_the_grid_down_and_up_amid_streams_changes_no_token(engine, serving_reference):
-    """ep 4 -> 2, then 2 -> 4, while requests keep arriving (one every 0.3 s): each new grid is launched beside the
+    """ep 4 -> 2, then 2 -> 4, while requests keep arriving (one every 0.3 s, more while the resizes last): each new grid is launched beside the
     serving one (tokens keep coming meanwhile) and adopted between two iterations, the requests in flight prefilled
     again on it; every request ends with the reference's tokens. Sizes the grid cannot take are refused, the grid
     untouched."""
@@ -99,10 +99,12 @@ def test_scaling_the_grid_down_and_up_amid_streams_changes_no_token(engine, serv
         sp = SamplingParams(**kw)
         want.append(visible_ids(serving_reference(encode(p), sp)[0], sp, EOS))
     streams: list[Stream] = []
+    scaled = threading.Event()
 
-    def arrivals():
-        for p, kw in zip(PROMPTS, params):
-            streams.append(Stream(engine, encode(p), kw))
+    def arrivals():  # 16, then on while a resize is under way (requests in flight when it adopts), 24 at most
+        while len(streams) < 16 or not scaled.is_set() and len(streams) < 24:
+            i = len(streams) % len(params)
+            streams.append(Stream(engine, encode(PROMPTS[i]), params[i]))
             streams[-1].start()
             time.sleep(0.3)
 
@@ -116,12 +118,14 @@ def test_scaling_the_grid_down_and_up_amid_streams_changes_no_token(engine, serv
     while ray.available_resources().get("CPU", 0) < 4 + 2 and time.time() < until:
         time.sleep(0.2)
     up = ray.get(engine.scale.remote(4), timeout=300)
+    scaled.set()
     arriving.join()
     for s in streams:
         s.join(timeout=300)
-    for i, (s, w) in enumerate(zip(streams, want)):
-        assert not [item for _, item in s.items if "error" in item], f"request {i}"
-        assert s.tokens() == w, f"request {i} ({PROMPTS[i]!r}, {params[i]})"
+    for n, s in enumerate(streams):
+        i = n % len(params)
+        assert not [item for _, item in s.items if "error" in item], f"request {n}"
+        assert s.tokens() == want[i], f"request {n} ({PROMPTS[i]!r}, {params[i]})"
     assert (down["ep"], up["ep"]) == ([4, 2], [2, 4]) and down["action"] == up["action"] == "resize beside"
     assert down["requeued"] + up["requeued"] >= 1
     launched = t_call + down["seconds"]["launched_beside"]  # the new grid was launched while the old one served
