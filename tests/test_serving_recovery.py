@@ -282,3 +282,21 @@ def test_recovery_interrupted_in_assume_plans_on_the_nodes_totals(cfg, monkeypat
     out = grid.recover(WorkerLost({3}, "ActorDiedError in serve_step"))
     assert out["interrupted"] == ["lost world ranks [0]: ActorDiedError in assume"]
     assert len(FakeGroup.launched) == 2 and grid.group.ep == out["ep"][-1] >= 1
+
+
+def test_a_worker_gone_before_the_serving_graph_compiles_is_a_lost_worker(monkeypatch):
+    """A grid rebuilt by a recovery can lose a worker before its first iteration compiles the graph: that is a lost
+    worker (recovered again), not an iteration that fails every request."""
+    from ray.exceptions import ActorDiedError
+
+    from k3ray.controller.serve_dag import ServingGraph
+
+    group = type("Group", (), {"generation": 7, "ep": 2, "size": 4, "workers": [], "dead_ranks": lambda self: {1}})()
+
+    def compile_over_a_dead_worker(self, group):
+        raise ActorDiedError()
+
+    monkeypatch.setattr(ServingGraph, "_compile", compile_over_a_dead_worker)
+    with pytest.raises(WorkerLost) as lost:
+        ServingGraph().run(group, {0: None, 1: None}, timeout_s=5)
+    assert lost.value.ranks == {1} and not lost.value.hung

@@ -28,9 +28,9 @@ class ServingGraph:
 
     def run(self, group: WorkerGroup, plans: dict, timeout_s: float) -> dict:
         """One iteration: rank e -> RankPlan in; rank e -> its stages' answers (StageOutput) in pipeline order."""
-        if self.compiled is None or self.generation != group.generation:
-            self._compile(group)
-        try:
+        try:  # compiling too: a worker of a grid just rebuilt may already be gone
+            if self.compiled is None or self.generation != group.generation:
+                self._compile(group)
             out = ray.get(self.compiled.execute(*[plans[e] for e in range(group.ep)]), timeout=timeout_s)
         except RayTaskError as err:  # raised inside a worker: by a lost peer's broken collective, or its own
             if dead := group.dead_ranks():
