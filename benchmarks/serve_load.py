@@ -89,11 +89,11 @@ def client_process(job: tuple) -> dict:
     return asyncio.run(clients(*job))
 
 
-def level(pool: ProcessPoolExecutor | None, engine, url: str, model: str, concurrency: int, requests: int,
-          max_tokens: int) -> dict:
+def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model: str, concurrency: int,
+          requests: int, max_tokens: int) -> dict:
     """One concurrency level, its clients spread over the pool's processes (one process's openai client parses
     a few thousand SSE events per second: more would measure the client)."""
-    procs = 1 if pool is None else min(pool._max_workers, concurrency)
+    procs = 1 if pool is None else min(procs, concurrency)
     jobs = [(url, model, len(range(i, concurrency, procs)), len(range(i, requests, procs)), max_tokens, i)
             for i in range(procs)]
     busy = GpuBusy()
@@ -212,9 +212,12 @@ def main() -> None:
     try:
         if pool is not None:  # every client process started (Python, the openai import) before any level
             list(pool.map(time.sleep, [0.5] * args.client_procs))
-        level(pool, serving.engine, url, info["model"], 1, 2, 4)  # warm-up: first iteration, connections
-        rows = [level(pool, serving.engine, url, info["model"], c, args.requests or max(4 * c, 16), args.max_tokens)
-                for c in args.concurrency]
+        def run_level(concurrency: int, requests: int, max_tokens: int) -> dict:
+            return level(pool, args.client_procs, serving.engine, url, info["model"], concurrency, requests,
+                         max_tokens)
+
+        run_level(1, 2, 4)  # warm-up: first iteration, connections
+        rows = [run_level(c, args.requests or max(4 * c, 16), args.max_tokens) for c in args.concurrency]
     finally:
         if pool is not None:
             pool.shutdown()

@@ -56,6 +56,15 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
     return JSONResponse(oa.error(message, kind, param, code), status_code=status, headers=headers)
 
 
+async def _json_object(request: Request) -> dict | None:
+    """The request's body as a JSON object; None if it is not one."""
+    try:
+        body = json.loads(await request.body())
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
 class BadRequest(Exception):
     def __init__(self, response: JSONResponse):
         self.response = response
@@ -168,11 +177,8 @@ class FrontDoor:
         the next iteration; 400 naming the field for a bad value, 404 for an unknown policy."""
         if (denied := self._denied(request)) is not None:
             return denied
-        try:
-            params = json.loads(await request.body())
-        except ValueError:
-            params = None
-        if not isinstance(params, dict):
+        params = await _json_object(request)
+        if params is None:
             return _error(400, "body: a JSON object of policy fields, e.g. {\"enabled\": false}", "body")
         return await self._engine_answer(request, "set_policy", name, params, "serve-api")
 
@@ -181,11 +187,8 @@ class FrontDoor:
         body, 409 where the grid cannot take that size."""
         if (denied := self._denied(request)) is not None:
             return denied
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            body = None
-        ep = body.get("ep") if isinstance(body, dict) else None
+        body = await _json_object(request)
+        ep = None if body is None else body.get("ep")
         if not isinstance(ep, int) or isinstance(ep, bool):
             return _error(400, "body: {\"ep\": N} with N a whole number", "ep")
         return await self._engine_answer(request, "scale", ep)
