@@ -35,8 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from k3ray.config import JobConfig, load_config, parse_assignments  # noqa: E402
+from k3ray.control.local_nodes import free_port  # noqa: E402
 from k3ray.model.params import model_totals  # noqa: E402
-from moe_deepspeed import free_port, zipf_bias  # noqa: E402  (the same skew for both systems)
+from moe_deepspeed import zipf_bias  # noqa: E402  (the same skew for both systems)
 
 ZIPFS = (0.0, 0.5, 1.0, 1.2, 1.5)
 

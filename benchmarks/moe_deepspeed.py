@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -41,6 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from k3ray.control.local_nodes import free_port
 
 ZIPFS = (0.0, 1.2, 1.5)
 _GATING_FNS = ("top1gating", "top2gating", "topkgating")
@@ -252,12 +253,6 @@ def deepspeed_moe_layer_ms(tokens: int, d_model: int, d_latent: int, inner: int,
 
 
 # ----------------------------------------------------------------------------- launcher
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, args: argparse.Namespace, port: int) -> None:
     on_cuda = args.device.startswith("cuda")

@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                  f"parallel.device={args.device}"]))
     cuda = args.device == "cuda"
     from k3ray.parallel.engine import StageEngine
-    from e2e_gpu import free_port
+    from k3ray.control.local_nodes import free_port
 
     if cuda:
         torch.cuda.set_device(0)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from k3ray.control.local_nodes import free_port, join_node, start_raylet, stop_node
+from k3ray.control.local_nodes import free_ports, join_node, start_raylet, stop_node
 
 # Ray >= 2.5x turns token auth on for clusters started with `ray start`; clients then need token mode, and Ray
 # reads it when it is imported: set it before any test module imports ray.
@@ -53,7 +53,7 @@ class RayCluster:
 def ray_cluster():
     import ray
 
-    gcs, dash, metrics = free_port(), free_port(), free_port()
+    gcs, dash, metrics = free_ports(3)
     temp_dir = tempfile.mkdtemp(prefix="k3ray-ray-", dir="/tmp")  # ours alone: teardown stops only this cluster
     start_raylet(temp_dir, "--head", "--port", str(gcs), "--num-cpus", "8", "--include-dashboard", "true",
                  "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dash), "--metrics-export-port", str(metrics))

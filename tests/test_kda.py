@@ -9,7 +9,6 @@ bf16 tolerance (fla against the fp32 reference on identical bf16 inputs): relati
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from k3ray import kernels
+from k3ray.control.local_nodes import free_port
 from k3ray.kernels import kda as K
 
 F64 = torch.float64
@@ -108,12 +108,6 @@ def test_affine_map_of_a_slice():
 
 
 # -- CPU: context parallelism over gloo ----------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _cp_rank(rank, world, port, T_local, device, backend, results):
     torch.set_num_threads(1)
     if device == "cuda":
@@ -135,7 +129,7 @@ def _cp_rank(rank, world, port, T_local, device, backend, results):
 def run_cp(world, T_local, device, backend):
     # the Manager's server process is spawned, not forked: on CUDA this process is multi-threaded by now
     results = mp.get_context("spawn").Manager().dict()
-    mp.spawn(_cp_rank, args=(world, _free_port(), T_local, device, backend, results), nprocs=world, join=True)
+    mp.spawn(_cp_rank, args=(world, free_port(), T_local, device, backend, results), nprocs=world, join=True)
     return [torch.cat([results[r][i] for r in range(world)], dim=1) for i in range(6)]
 
 

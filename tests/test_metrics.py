@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -16,17 +15,12 @@ import yaml
 
 from k3ray.config import load_config
 from k3ray.control.dashboards import all_dashboards, export, panel_queries
+from k3ray.control.local_nodes import free_port
 from k3ray.control.metrics import SPECS
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = "metricstest"
 PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_metric_names_follow_prometheus_conventions():
@@ -85,7 +79,7 @@ def prometheus(ray_cluster, tmp_path):
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "scrape_configs": [{"job_name": "ray", "file_sd_configs": [{"files": [str(sd)], "refresh_interval": "2s"}]}],
     }))
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                              f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -15,7 +15,7 @@ import ray
 
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
-from k3ray.control.local_nodes import head_room, kill_node, silence_node
+from k3ray.control.local_nodes import free_ports, head_room, kill_node, silence_node
 
 STEPS = 9
 
@@ -80,3 +80,10 @@ def test_silent_node_is_found_by_the_step_timeout_and_avoided(unfailed_losses, s
     # found by the step's collective timeout (10 s) plus the grace for the silent ranks, not by Ray's node health check
     assert lost[0]["seconds"]["detection"] < 20, lost[0]["seconds"]
     assert losses == pytest.approx(unfailed_losses, rel=1e-12, abs=0)
+
+
+def test_free_ports_are_distinct_while_chosen_together():
+    """Ports for one raylet's agents are chosen together, so no two of them are the same."""
+    for _ in range(20):
+        ports = free_ports(8)
+        assert len(set(ports)) == 8

@@ -27,8 +27,8 @@ import openai
 import pytest
 import ray
 
-from conftest import free_port
 from k3ray.control.cli import main
+from k3ray.control.local_nodes import free_port
 from k3ray.control.serve import start_serving, stop_serving
 from k3ray.control.serve_metrics import SERVE_SPECS, ServeMetrics
 from k3ray.data import EOS, chat_prompt, decode, encode

@@ -14,25 +14,44 @@ from contextlib import contextmanager
 from pathlib import Path
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports free now. The sockets stay bound until all are chosen: ports taken one at a
+    time can repeat, since the kernel may hand a just-released port out again."""
+    socks = [socket.socket() for _ in range(count)]
+    try:
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
-def start_raylet(temp_dir: str, *args: str, env: dict | None = None) -> None:
+_AGENT_PORTS = ("metrics-export-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                "runtime-env-agent-port")
+
+
+def start_raylet(temp_dir: str, *args: str, env: dict | None = None, attempts: int = 3) -> None:
     """`ray start --temp-dir temp_dir ARGS` on 127.0.0.1 with free ports for its agents and metrics (unless ARGS
-    name them)."""
-    ports = [f"--{name}={free_port()}" for name in ("metrics-export-port", "dashboard-agent-listen-port",
-                                                    "dashboard-agent-grpc-port", "runtime-env-agent-port")
-             if f"--{name}" not in args]
-    done = subprocess.run([shutil.which("ray"), "start", "--temp-dir", temp_dir, "--node-ip-address", "127.0.0.1",
-                           "--disable-usage-stats", *ports, *args], timeout=300, capture_output=True, text=True,
-                          env=env if env is not None else dict(os.environ))
-    if done.returncode != 0:  # what `ray start` said, not only its exit status
+    name them). A port chosen free can be taken by another process before Ray binds it; when `ray start` says a
+    port is in use, it is tried again with new ports."""
+    for attempt in range(attempts):
+        names = [name for name in _AGENT_PORTS if f"--{name}" not in args]
+        ports = [f"--{name}={port}" for name, port in zip(names, free_ports(len(names)))]
+        done = subprocess.run([shutil.which("ray"), "start", "--temp-dir", temp_dir, "--node-ip-address",
+                               "127.0.0.1", "--disable-usage-stats", *ports, *args], timeout=300, capture_output=True,
+                              text=True, env=env if env is not None else dict(os.environ))
+        if done.returncode == 0:
+            return
         said = (done.stderr.strip() or done.stdout.strip()).splitlines()[-3:]
-        raise RuntimeError(f"ray start {' '.join(args)} in {temp_dir} failed (exit {done.returncode}): "
-                           + " | ".join(said))
+        port_clash = any("port" in line and "used" in line for line in said)
+        if not port_clash or attempt == attempts - 1:  # what `ray start` said, not only its exit status
+            raise RuntimeError(f"ray start {' '.join(args)} in {temp_dir} failed (exit {done.returncode}): "
+                               + " | ".join(said))
 
 
 def join_node(temp_dir: str, address: str, num_cpus: int, timeout_s: float = 60.0) -> str:
