@@ -13,6 +13,7 @@ import random
 
 import pytest
 
+from conftest import SMALL_BATCH
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
 from k3ray.control.local_nodes import head_room, kill_node
@@ -22,7 +23,7 @@ KINDS = tuple(os.environ.get("K3RAY_DRILL_KINDS", ",".join(DRILL_KINDS)).split("
 
 
 def tiny(tmp_path, faults=()):
-    return load_config("configs/tiny.yaml", drill_overrides(str(tmp_path / "ckpt"), faults))
+    return load_config("configs/tiny.yaml", {**drill_overrides(str(tmp_path / "ckpt"), faults), **SMALL_BATCH})
 
 
 def seeds() -> list[int]:

@@ -9,14 +9,14 @@ import pytest
 import ray
 
 from k3ray.config import load_config
-from conftest import run_job
+from conftest import SMALL_BATCH, run_job
 from k3ray.control.driver import running_job
 
 
 def tiny(**overrides):
     base = {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "train.steps": 20, "model.dtype": "float64", "parallel.collective_timeout_s": 10,
             "fault_tolerance.snapshot_every": 4, "policies.guards.warmup_steps": 100,
-            "checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-faults-")}  # a folder belongs to one job
+            "checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-faults-"), **SMALL_BATCH}  # a folder belongs to one job
     return load_config("configs/tiny.yaml", {**base, **overrides})
 
 

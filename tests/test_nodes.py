@@ -13,6 +13,7 @@ import signal
 import pytest
 import ray
 
+from conftest import SMALL_BATCH
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
 from k3ray.control.local_nodes import free_ports, head_room, kill_node, silence_node
@@ -24,7 +25,7 @@ def tiny(**overrides):
     base = {"parallel.pp": 1, "parallel.ep": 4, "train.eval_every": 0, "model.dtype": "float64",
             "checkpoint.at_end": False, "parallel.collective_timeout_s": 10, "fault_tolerance.snapshot_every": 4,
             "policies.guards.warmup_steps": 100, "fault_tolerance.grow_back_after_steps": 1,
-            "checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-nodes-")}  # a folder belongs to one job
+            "checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-nodes-"), **SMALL_BATCH}  # a folder belongs to one job
     return load_config("configs/tiny.yaml", {**base, **overrides})
 
 

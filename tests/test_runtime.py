@@ -8,7 +8,7 @@ import ray
 import torch
 
 from k3ray.config import load_config
-from conftest import RELEASED, UNFAILED_STEPS, run_job
+from conftest import RELEASED, SMALL_BATCH, UNFAILED_STEPS, run_job
 from k3ray.control.driver import running_job, start_controller
 from k3ray.parallel.reference import ReferenceTrainer
 
@@ -17,7 +17,7 @@ STEPS = UNFAILED_STEPS  # the shared unfailed run's length and train.steps, whic
 
 def tiny(**overrides):
     return load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "train.steps": STEPS,
-                                            "checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-runtime-"), **overrides})
+                                            "checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-runtime-"), **SMALL_BATCH, **overrides})
 
 
 @pytest.fixture(scope="module")
