@@ -40,8 +40,9 @@ RELEASED = {"model.q_lora_rank": 24, "model.mla_rope_dim": 4, "model.mla_rope": 
             "model.kda_gate_lower_bound": -5.0, "model.kda_scaled_read": True, "model.attn_res_block_size": 2,
             "model.norm_eps": 1e-5}
 
-# The fault, drill, node, runtime and checkpoint tests train on 2 sequences per micro-batch, not tiny.yaml's 8: their
-# claims (exact trajectories, recoveries) hold at any batch, and the suite runs in a quarter of the compute.
+# The fault, drill, node, runtime and checkpoint tests (and the serving tests' checkpoint) train on 2 sequences per
+# micro-batch, not tiny.yaml's 8: their claims (exact trajectories, recoveries) hold at any batch size, at a quarter
+# of the compute.
 SMALL_BATCH = {"data.micro_batch_size": 2}
 
 
@@ -120,11 +121,11 @@ UNFAILED_STEPS = 12  # the warmup's 10 steps and 2 of the cosine decay
 
 @pytest.fixture(scope="session")
 def unfailed_ep4(ray_cluster, tmp_path_factory) -> Run:
-    """An unfailed run of the tiny model in float64 on pp=1 x ep=4 (MoonEP on, no evaluation, train.steps=12):
-    UNFAILED_STEPS steps on SMALL_BATCH, parameters after 4 and 10. Run once per session; the float64 runtime test checks it against
-    the single-process reference, and the fault, drill and node tests must reproduce its trajectory (snapshot,
-    checkpoint, timeout, guard-warmup and grow-back settings do not change it; train.steps does only after the 10
-    warmup steps)."""
+    """An unfailed run of the tiny model in float64 on pp=1 x ep=4 (MoonEP on, no evaluation, train.steps=12,
+    SMALL_BATCH): UNFAILED_STEPS steps, parameters after 4 and 10. Run once per session; the float64 runtime test
+    checks it against the single-process reference, and the fault, drill and node tests must reproduce its trajectory
+    (snapshot, checkpoint, timeout, guard-warmup and grow-back settings do not change it; train.steps does only
+    after the 10 warmup steps)."""
     from k3ray.config import load_config
 
     cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 4, "train.eval_every": 0,
@@ -162,7 +163,7 @@ def serving_checkpoint(ray_cluster, tmp_path_factory) -> str:
     root = tmp_path_factory.mktemp("serve") / "ckpt"
     cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "model.dtype": "float64", "parallel.pp": 1,
                                             "parallel.ep": 2, "checkpoint.dir": str(root),
-                                            "checkpoint.every_n_steps": 3})
+                                            "checkpoint.every_n_steps": 3, **SMALL_BATCH})
     run_job(cfg, 4)
     return str(root)
 

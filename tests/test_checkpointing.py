@@ -16,8 +16,8 @@ from conftest import REPO, SMALL_BATCH, run_job
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
 
-BASE = {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "model.dtype": "float64", "checkpoint.every_n_steps": 4,
-        **SMALL_BATCH}
+BASE = {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "model.dtype": "float64",
+        "checkpoint.every_n_steps": 4, **SMALL_BATCH}
 
 
 def tiny(tmp_path, **overrides):

@@ -47,7 +47,8 @@ def test_drill_kills_a_worker_and_reports_the_recovery(ray_cluster, tmp_path):
     cmd = _k3ray("drill", "--config", "configs/tiny.yaml", "--kind", "kill_worker", "--at-step", "3", "--worker", "1",
                  "--steps", "6", "--address", ray_cluster.address, "--json", "--set", f"checkpoint.dir={tmp_path}",
                  "--set", "parallel.pp=1", "--set", "parallel.ep=2", "--set", "train.eval_every=0",
-                 "--set", "fault_tolerance.snapshot_every=2", "--set", "fault_tolerance.grow_back=false")
+                 "--set", "fault_tolerance.snapshot_every=2", "--set", "fault_tolerance.grow_back=false",
+                 "--set", "data.micro_batch_size=2")
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])

@@ -48,7 +48,8 @@ def test_train_in_a_terminal_shows_api_bar_log_lines_and_summary(ray_cluster, tm
     # The default topology (pp=2 x ep=2), 6 steps, a log line every 5 steps: lines for steps 0 and 5 only.
     code, out = run_in_terminal(["train", "--config", "configs/tiny.yaml", "--steps", "6", "--address",
                                  ray_cluster.address, "--set", "name=console", "--set", "train.eval_every=0",
-                                 "--set", "train.log_every=5", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}"])
+                                 "--set", "train.log_every=5", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                                 "--set", "data.micro_batch_size=2"])
     assert code == 0, out[-3000:]
     assert "Traceback" not in out
     assert "4 workers (pp 2 x ep 2)" in out

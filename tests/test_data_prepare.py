@@ -91,7 +91,7 @@ def shard_job(ray_cluster, inputs, tmp_path_factory):
             "parallel.pp": 2, "parallel.ep": 2, "train.eval_every": 0, "train.steps": STEPS, "model.dtype": "float64",
             "model.vocab_size": 512, "data.source": str(out), "data.tokenizer": str(tok),
             "data.document_masking": True,
-            "data.micro_batch_size": 4, "parallel.collective_timeout_s": 10, "fault_tolerance.grow_back": False,
+            "data.micro_batch_size": 2, "parallel.collective_timeout_s": 10, "fault_tolerance.grow_back": False,
             "fault_tolerance.snapshot_every": 2, "checkpoint.every_n_steps": 3,
             "policies.guards.warmup_steps": 100, "checkpoint.at_end": False,
             "checkpoint.dir": str(tmp_path_factory.mktemp("ckpt")), **overrides})
@@ -106,10 +106,10 @@ def test_pp2_ep2_on_shards_equals_the_single_process_reference(shard_job):
     _, want, run, checkpoints = shard_job
     got = [r["loss"] for r in run.reports]
     assert got == pytest.approx(want, rel=1e-8, abs=0)
-    assert run.reports[0]["tokens"] == 2 * 2 * 4 * 128
+    assert run.reports[0]["tokens"] == 2 * 2 * 2 * 128
     newest = ckpt.latest_verified(checkpoints)  # a checkpoint records what the steps before it trained on
-    assert newest.step > 0 and newest.meta["tokens_consumed"] == newest.step * 2 * 2 * 4 * 128
-    assert newest.meta["samples_read"] == newest.step * 2 * 2 * 4
+    assert newest.step > 0 and newest.meta["tokens_consumed"] == newest.step * 2 * 2 * 2 * 128
+    assert newest.meta["samples_read"] == newest.step * 2 * 2 * 2
 
 
 def test_worker_killed_on_shards_resumes_with_the_unfailed_losses(shard_job):

@@ -25,7 +25,8 @@ def run_submit(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 def test_ray_job_submit_trains_to_success(ray_cluster):
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     cmd = [shutil.which("ray"), "job", "submit", "--address", ray_cluster.dashboard_url, "--working-dir", ".",
-           "--", "k3ray", "train", "--config", "configs/tiny.yaml", "--steps", "6", "--no-progress"]
+           "--", "k3ray", "train", "--config", "configs/tiny.yaml", "--steps", "6", "--no-progress",
+           "--set", "data.micro_batch_size=2"]
     done = run_submit(cmd, cwd=REPO, env=env, timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
@@ -40,7 +41,7 @@ def test_ray_job_submit_trains_to_success(ray_cluster):
 def test_k3ray_submit_status_and_logs(ray_cluster):
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     sub = run_submit(["k3ray", "submit", "--address", ray_cluster.dashboard_url, "--config", "configs/tiny.yaml",
-                      "--steps", "3", "--wait"], cwd=REPO, env=env, timeout=600)
+                      "--steps", "3", "--set", "data.micro_batch_size=2", "--wait"], cwd=REPO, env=env, timeout=600)
     assert sub.returncode == 0, (sub.stdout + sub.stderr)[-3000:]
     job_id = sub.stdout.split()[0]
     status = subprocess.run(["k3ray", "job", "status", job_id, "--address", ray_cluster.dashboard_url], env=env,

@@ -16,8 +16,9 @@ STEPS = UNFAILED_STEPS  # the shared unfailed run's length and train.steps, whic
 
 
 def tiny(**overrides):
-    return load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0, "train.steps": STEPS,
-                                            "checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-runtime-"), **SMALL_BATCH, **overrides})
+    return load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1, "train.eval_every": 0,
+                                            "train.steps": STEPS, **SMALL_BATCH,
+                                            "checkpoint.dir": tempfile.mkdtemp(prefix="k3ray-runtime-"), **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -289,6 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("submit", help="submit `k3ray train --config X` to a cluster as a Ray job; prints the job id")
     s.add_argument("--config", required=True, help="config to train")
     s.add_argument("--steps", type=_positive_int)
+    s.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override any config field")
     s.add_argument("--working-dir", default=".")
     s.add_argument("--wait", action="store_true", help="follow the job until it ends, then print its logs")
     _ray_jobs_address(s)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import shlex
 import time
 
+from k3ray.config import load_config, parse_assignments
+
 
 def _client(address: str):
     from ray.job_submission import JobSubmissionClient
@@ -15,11 +17,14 @@ def _client(address: str):
 
 
 def cmd_submit(args) -> int:
-    """`k3ray submit --config X`: submit `k3ray train` as a Ray job; print its id (and with --wait, its logs)."""
+    """`k3ray submit --config X [--set K=V ...]`: submit `k3ray train` as a Ray job; print its id (and with --wait,
+    its logs). The config and its overrides are checked here first, so a bad value fails before anything is sent."""
+    load_config(args.config, parse_assignments(args.set))
     client = _client(args.address)
     entrypoint = f"k3ray train --config {shlex.quote(args.config)} --no-progress"
     if args.steps:
         entrypoint += f" --steps {args.steps}"
+    entrypoint += "".join(f" --set {shlex.quote(item)}" for item in args.set)
     job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": args.working_dir})
     print(job_id)
     if not args.wait:
