@@ -272,10 +272,11 @@ class Controller(FailurePaths):
         return step % self.cfg.fault_tolerance.snapshot_every == 0 and step not in taken
 
     def _rebalance(self) -> None:
-        moved = self.table.rebalance(self.group)
-        if moved:
-            self._incident("rebalance", step=self.step, moved=moved)
-            log.info("rebalance at step %d moved experts %s", self.step, moved)
+        before = self.table.copies
+        moved, copies = self.table.rebalance(self.group)
+        if moved or copies != before:
+            self._incident("rebalance", step=self.step, moved=moved, copies=copies)
+            log.info("rebalance at step %d moved experts %s, copies %s", self.step, moved, copies)
 
     # -- policies and placement ----------------------------------------------------------------------------------
     def _push_policies(self) -> None:

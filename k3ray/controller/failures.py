@@ -59,6 +59,7 @@ class FailurePaths:
         self.lr_scale = decision.lr_scale
         self.snapshots.commit(self.group, wait=True, timeout_s=self.cfg.fault_tolerance.wait_timeout_s)
         self.group.restore(self.snapshots.committed.sources())
+        self.table.drop_copies()  # the restored workers hold none
         incident["restore_seconds"] = time.perf_counter() - t0
         self.group.call("set_lr_scale", self.lr_scale)
         self._replay(step)

@@ -236,6 +236,8 @@ class StageEngine:
 
     def _finish_step(self, step: int, loss_sum: torch.Tensor) -> dict:
         cfg = self.cfg
+        for moe in self.stage.moe_layers().values():  # copies' gradients join their home's (its optimizer state)
+            moe.experts.return_copy_grads()
         # dense gradients: sum over the stage's EP group (one flat all-reduce)
         grads = [p.grad for p in self.dense.values() if p.grad is not None]
         if self.ep > 1 and grads:
@@ -253,6 +255,8 @@ class StageEngine:
         sq, loss = totals.tolist()
         lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)
         self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
+        if any(self.ctx.copies):
+            self._fetch_copies(self.ctx.copies)  # the copies take the home's new weights
         return {"step": step, "loss": loss, "grad_norm": sq ** 0.5, "lr": lr, **self._balance()}
 
     def _balance(self) -> dict:
@@ -325,7 +329,9 @@ class StageEngine:
         return out
 
     def set_placement(self, home: list[int], imports: dict[int, list[dict]] | None = None) -> None:
-        """Adopt a new home table: drop experts no longer homed here, add imported ones (layer -> payloads)."""
+        """Adopt a new home table: drop experts no longer homed here, add imported ones (layer -> payloads). Any
+        copies are dropped."""
+        self._drop_copies()
         self.home.copy_(torch.tensor(home, dtype=torch.int64))
         mine = set((self.home == self.ep_rank).nonzero().flatten().tolist())
         for layer, shard in self.stage.expert_shards().items():
@@ -340,6 +346,26 @@ class StageEngine:
     def set_policies(self, policies: PoliciesConfig) -> None:
         """The data-path policies from now on: the EP placement planner and the expert-GEMM order."""
         self.ctx.set_policies(policies)
+
+    # -- trained expert copies ---------------------------------------------------------------------------------------
+    def set_trained_copies(self, table: list[list[int]]) -> int:
+        """Training, at a step boundary: hold copies of the experts table[ep_rank] (R lists of expert ids, the same
+        on every rank of every stage) in spare slots from now on, fetched from their homes; each step's tokens of an
+        expert are split over its holders (k3ray.policies.copies.copy_alloc), the copies' gradients go home before
+        the optimizer step and the copies are fetched again after it. Results equal training without copies.
+        Returns the bytes fetched."""
+        return self._fetch_copies(table)
+
+    def _fetch_copies(self, table: list[list[int]]) -> int:
+        nbytes = sum(moe.experts.fetch_copies(table) for moe in self.stage.moe_layers().values())
+        self.ctx.set_copies(table)
+        return nbytes
+
+    def _drop_copies(self) -> None:
+        """Weights or homes replaced (a restore, a re-homing): the copies are gone until the next table."""
+        for moe in self.stage.moe_layers().values():
+            moe.experts.drop_copies()
+        self.ctx.set_copies([[] for _ in range(self.ep)])
 
     # -- read-only expert copies (serving) -------------------------------------------------------------------------
     @torch.no_grad()
@@ -405,5 +431,6 @@ class StageEngine:
         self.opt.steps = dense_state["opt_steps"]
         self.lr_scale = dense_state["lr_scale"]
         mine = set((self.home == self.ep_rank).nonzero().flatten().tolist())
+        self._drop_copies()
         shards.load_weights(self.stage, self.opt, dense_state, expert_payloads, mine)
         self._refresh_params()
