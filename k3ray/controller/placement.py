@@ -52,7 +52,7 @@ class Placement:
         each step's tokens of an expert are split over its holders; without, MoonEP balances each micro-batch on
         top. Returns the experts moved and the copy table now in use."""
         policy = self.cfg.policies.replication
-        moved = self._rehome_from_history()
+        moved = self._rehome_from_history(group)
         table = [[] for _ in range(self.ep)]
         if policy.spare_slots_per_rank > 0 and self.load_history is not None:
             table = copies_policy.place_copies(self.load_history, self.home, self.ep, policy.spare_slots_per_rank,
@@ -62,7 +62,7 @@ class Placement:
             self.copies = table
         return moved, self.copies
 
-    def _rehome_from_history(self) -> list[int]:
+    def _rehome_from_history(self, group) -> list[int]:
         E, R = self.cfg.model.n_experts, self.ep
         if E % R or self.load_history is None:
             return []
