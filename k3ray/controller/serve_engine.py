@@ -283,7 +283,8 @@ class Engine(Availability, LiveServing):
                 log.exception("collecting the expert load failed")
                 loads = None
             for observer in self.observers if loads is not None else ():
-                self._observe(observer, "expert_load", loads)
+                self._observe(observer, "expert_load", loads, list(self.grid.group.home),
+                              self.placement.view(self.grid)["copies"])
             if loads is not None and for_placement:
                 self.placement.observe(loads, replication)
         if time.monotonic() - self.spares_checked > SPARES_CHECK_S:
