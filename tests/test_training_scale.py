@@ -1,6 +1,7 @@
 """`k3ray scale --ep N` for training jobs: the control API and the CLI queue a resize for the next step boundary and
-refuse a bad size in one line naming the field; scaling a float64 job 4 -> 2 -> 4 mid-run (down as after a loss, up
-as a grow-back, the global batch kept) leaves the losses of the unscaled run."""
+refuse a bad size in one line naming the field; scaling a float64 job 4 -> 2 -> 4 mid-run (down as after a loss, the
+workers left out standing by; up as a grow-back into those workers; the global batch kept) leaves the losses of the
+unscaled run."""
 from __future__ import annotations
 
 import pytest
@@ -50,10 +51,10 @@ def test_scaling_a_training_job_down_and_up_mid_run_leaves_the_losses(ray_cluste
             if s in (1, 3):
                 ray.get(controller.request_scale.remote(2 if s == 1 else 4))
             losses.append(ray.get(controller.train_step.remote(s), timeout=300)["loss"])
-            if s == 1:
-                assert ray.get(controller.status.remote())["ep"] == 2
+            if s == 1:  # the workers left out stand by, and fill the places when the grid grows again
+                assert {k: ray.get(controller.status.remote())[k] for k in ("ep", "spares")} == {"ep": 2, "spares": 2}
         incidents = ray.get(controller.get_incidents.remote())
         status = ray.get(controller.status.remote())
     assert [(i["kind"], i["step"], i["ep"]) for i in incidents] == [("scaled", 1, [4, 2]), ("scaled", 3, [2, 4])]
-    assert status["ep"] == 4 and status["state"] == "running"
+    assert status["ep"] == 4 and status["spares"] == 0 and status["state"] == "running"
     assert losses == pytest.approx(unfailed_ep4.losses[:steps], rel=1e-12, abs=0)

@@ -236,7 +236,8 @@ class FailurePaths:
     def _maybe_scale(self, step: int) -> None:
         """A resize asked for (`request_scale`), at the boundary of `step`: from a snapshot of this boundary, down
         as after a loss (the kept EP columns, experts re-homed by load; the workers left out stand by as spares),
-        up as a grow-back (added workers placed first: one that does not fit leaves the grid as it was). The
+        up as a grow-back (ready spares, such as those, fill the added places first; the others are placed first,
+        and a placement that does not fit leaves the grid as it was). The
         data-parallel width stays parallel.ep, so the global batch and the results do not change."""
         ep, self.scale_to = self.scale_to, None
         old_ep = self.table.ep
@@ -257,7 +258,8 @@ class FailurePaths:
                 self.group.regroup(set(), ep, home, keep, set(), sources, timeout_s=60.0)
             else:
                 home = recovery.grow(self.cfg.model.n_experts, ep).tolist()
-                self.group.grow(ep, home, sources, timeout_s=min(60.0, self.cfg.fault_tolerance.wait_timeout_s))
+                self.group.grow(ep, home, sources, timeout_s=min(60.0, self.cfg.fault_tolerance.wait_timeout_s),
+                                use_spares=True)
                 self.table.reset(ep, home)
         except TopologyError as err:  # nothing changed: the grid trains on at its size
             self._log_incident(self._incident("scale_failed", step=step, ep=[old_ep, ep], why=str(err)))
