@@ -11,8 +11,9 @@ load before -> after, copies fetched, bytes moved, seconds from decision to swit
 With `--train`: the same skew in training instead (Ray-free: 4 processes over gloo, the tiny config in float32 with
 the router's balancing off so the skew stays): plain expert parallelism, the same with copies of the hot experts
 in `--slots` spare slots per rank (placed from step 0's load, fetched before step 1, gradients returned home and
-copies refreshed every step), and MoonEP's per-micro-batch replicas. Prints per run the median step time, the
-balancedness (mean / max rows per EP rank, summed over the MoE layers) and the last loss (the copies' equals plain
+copies refreshed every step), and MoonEP's per-micro-batch replicas. Prints per run the median step time and the
+part of it after the backward (gradient reductions, the optimizer, and with copies their gradients going home and
+their refresh), the balancedness (mean / max rows per EP rank, summed over the MoE layers) and the last loss (the copies' equals plain
 EP's up to float32 summation order).
 
     python benchmarks/serve_placement.py [--clients 16] [--phase-s 8] [--beta 1.5] [--slots 4]
@@ -126,7 +127,7 @@ def _train_rank(rank: int, ports: list[int], steps: int, beta: float, slots: int
         engine.init_process_groups(f"tcp://127.0.0.1:{port}", "gloo")
         for moe in engine.stage.moe_layers().values():
             moe.router.bias.copy_(skew_bias(list(range(E)), beta))
-        seconds, balance, loss = [], [], None
+        seconds, boundary, balance, loss = [], [], [], None
         for step in range(steps):
             report = engine.train_step(step, step)
             if step == 0 and name.endswith("copies"):  # placed from step 0's load, used from step 1 on
@@ -135,9 +136,10 @@ def _train_rank(rank: int, ports: list[int], steps: int, beta: float, slots: int
             if step > 0:
                 per_rank = sum(torch.tensor(r, dtype=torch.float64) for r in report["rank_load"].values())
                 seconds.append(report["timings"]["total"])
+                boundary.append(report["timings"]["optimizer"])  # with copies: gradients home, copies refreshed
                 balance.append(float(per_rank.mean() / per_rank.max()))
             loss = report["loss"]
-        results[name] = {"seconds": seconds, "balance": balance, "loss": loss}
+        results[name] = {"seconds": seconds, "boundary": boundary, "balance": balance, "loss": loss}
         engine.leave_process_groups()
     torch.save(results, f"{out}/{rank}.pt")
 
@@ -150,10 +152,12 @@ def train_main(args) -> None:
     print(f"training, pp=1 x ep={EP} over gloo (4 processes), tiny float32, balancing off, beta={args.beta}, "
           f"spare slots per rank={args.slots}, steps 1-{args.steps - 1} (step 0 places the copies), "
           f"torch {torch.__version__}")
-    print(f"{'run':18} {'step s (median)':>15} {'balancedness':>12} {'last loss':>10}")
+    print(f"{'run':18} {'step s (median)':>15} {'of it after backward s':>22} {'balancedness':>12} "
+          f"{'last loss':>10}")
     for name in TRAIN_RUNS:
-        step_s = statistics.median(max(r[name]["seconds"][i] for r in ranks) for i in range(args.steps - 1))
-        print(f"{name:18} {step_s:15.3f} {statistics.median(ranks[0][name]['balance']):12.3f} "
+        step_s, after_s = (statistics.median(max(r[name][k][i] for r in ranks) for i in range(args.steps - 1))
+                           for k in ("seconds", "boundary"))
+        print(f"{name:18} {step_s:15.3f} {after_s:22.3f} {statistics.median(ranks[0][name]['balance']):12.3f} "
               f"{ranks[0][name]['loss']:10.5f}")
 
 

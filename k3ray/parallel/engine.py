@@ -237,8 +237,7 @@ class StageEngine(EngineCopies):
 
     def _finish_step(self, step: int, loss_sum: torch.Tensor) -> dict:
         cfg = self.cfg
-        for moe in self.stage.moe_layers().values():  # copies' gradients join their home's (its optimizer state)
-            moe.experts.return_copy_grads()
+        self._return_copy_grads()  # copies' gradients join their home's (where the optimizer state is)
         # dense gradients: sum over the stage's EP group (one flat all-reduce)
         grads = [p.grad for p in self.dense.values() if p.grad is not None]
         if self.ep > 1 and grads:

@@ -1,7 +1,7 @@
 """Expert copies held by a stage engine (k3ray.parallel.engine.StageEngine mixes this in): in training, copies of hot
 experts in spare slots, fetched from their homes at a step boundary and again after each optimizer step, their
-gradients returned home before it (`set_trained_copies`; the engine's step calls `_fetch_copies`, the layers'
-`return_copy_grads`); in serving, read-only copies fetched from the held weights beside the iterations and switched
+gradients returned home before it (`set_trained_copies`; the engine's step calls `_return_copy_grads` and
+`_fetch_copies`; one all-to-all for all the stage's MoE layers each); in serving, read-only copies fetched from the held weights beside the iterations and switched
 to between two iterations (`stage_copies`, `use_copies`). Whatever replaces the weights or the homes drops them
 (`_drop_copies`). Uses the engine's stage, EP context, ep size and rank."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from k3ray.parallel import shards
-from k3ray.parallel.ep import ExpertCopies
+from k3ray.parallel.ep import ExpertCopies, all_to_all
 
 
 class EngineCopies:
@@ -22,10 +22,37 @@ class EngineCopies:
         Returns the bytes fetched."""
         return self._fetch_copies(table)
 
+    @torch.no_grad()
     def _fetch_copies(self, table: list[list[int]]) -> int:
-        nbytes = sum(moe.experts.fetch_copies(table) for moe in self.stage.moe_layers().values())
+        """Every MoE layer's copies of table[ep_rank] from their homes, in one all-to-all over the EP group (every
+        rank calls it with the same table); the bytes received."""
+        layers = [moe.experts for moe in self.stage.moe_layers().values()]
+        nbytes = 0
+        if not any(table):
+            for layer in layers:
+                layer.drop_copies()
+        elif layers:
+            parts = [layer.copy_rows_to_send(table) for layer in layers]
+            routes = layers[0].routes  # the splits depend on the table and the homes only: the same in every layer
+            got = all_to_all(torch.cat(parts, dim=1), routes.recv_splits, routes.send_splits, self.ctx.group)
+            for layer, part in zip(layers, got.split([p.shape[1] for p in parts], dim=1)):
+                layer.hold_copies(sorted(table[self.ep_rank]), part)
+            nbytes = got.numel() * got.element_size()
         self.ctx.set_copies(table)
         return nbytes
+
+    @torch.no_grad()
+    def _return_copy_grads(self) -> None:
+        """After the step's backward: every MoE layer's copy gradients go home and join the shard's, in one
+        all-to-all over the EP group (the reverse of `_fetch_copies`); nothing while no rank holds a copy."""
+        layers = [moe.experts for moe in self.stage.moe_layers().values()]
+        if not layers or layers[0].routes is None:
+            return
+        parts = [layer.copy_grads_to_send() for layer in layers]
+        routes = layers[0].routes
+        back = all_to_all(torch.cat(parts, dim=1), routes.send_splits, routes.recv_splits, self.ctx.group)
+        for layer, part in zip(layers, back.split([p.shape[1] for p in parts], dim=1)):
+            layer.add_home_grads(part)
 
     def _drop_copies(self) -> None:
         """Weights or homes replaced (a restore, a re-homing): the copies are gone until the next table."""

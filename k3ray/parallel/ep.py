@@ -7,7 +7,7 @@ Notation: R EP ranks, E experts, K top-k, T local tokens, D = d_latent. Per micr
   3. replica weights travel home -> computing rank (all-to-all; autograd returns their gradients home), unless the
      computing rank holds a copy of the expert (`ExpertCopies`, placed by k3ray.policies.copies: read-only in
      serving; in training fetched from home at a step boundary and after each optimizer step, their gradients
-     summed over the step's micro-batches and returned home once before the optimizer step, `return_copy_grads`);
+     summed over the step's micro-batches and returned home once before the optimizer step);
   4. routes are scattered straight into the send buffer (ordered by destination rank, then expert), all-to-all,
      regrouped by expert, the grouped expert FFN, then the reverse path and a weighted sum per token.
 Every rank derives the same plan from the same counts, so splits agree without further negotiation.
@@ -59,7 +59,7 @@ class Exchange:
 class ExpertCopies:
     """Copies of some non-home experts of one MoE layer on one rank: expert_ids [n] sorted, w1 [n, d_latent, 2I],
     w2 [n, I, d_latent] (the shard's layout). Read-only in serving; in training w1 and w2 are leaves that gather
-    the gradients of the rows computed with them (sent home by `ExpertParallelExperts.return_copy_grads`)."""
+    the gradients of the rows computed with them (sent home once per step, k3ray.parallel.engine_copies)."""
     expert_ids: list[int]
     w1: torch.Tensor
     w2: torch.Tensor
@@ -303,49 +303,46 @@ class ExpertParallelExperts(nn.Module):
         }
 
     # -- trained copies: fetched from home, gradients returned home --------------------------------------------------
+    # The stage engine runs one all-to-all for all its MoE layers (k3ray.parallel.engine_copies): each layer gives
+    # its rows to send and takes its part of what arrived; rows are [n, w1 + w2 values] in the routes' order.
     @torch.no_grad()
-    def fetch_copies(self, table: list[list[int]]) -> int:
-        """Training: hold copies of the experts table[rank] from now on, their weights fetched from their homes
-        (one all-to-all over the group; every rank calls it with the same table). Returns the bytes received."""
-        ctx = self.ctx
-        if not any(table):
-            self.drop_copies()
-            return 0
-        self.routes = CopyRoutes.of(table, ctx.home.tolist(), ctx.rank, self.shard.expert_ids)
+    def copy_rows_to_send(self, table: list[list[int]]) -> torch.Tensor:
+        """Training: this layer's routes for copy table `table`; returns my shard's rows the holders get [n, W]."""
+        self.routes = CopyRoutes.of(table, self.ctx.home.tolist(), self.ctx.rank, self.shard.expert_ids)
         w1, w2 = self.shard.w1, self.shard.w2
-        flat = torch.cat([w1.flatten(1), w2.flatten(1)], dim=1)
-        got = all_to_all(flat[self.routes.send_rows], self.routes.recv_splits, self.routes.send_splits, ctx.group)
-        mine = sorted(table[ctx.rank])
-        if not mine:
-            self.copies = None
-            return 0
-        got = got[[self.routes.arrival.index(e) for e in mine]]  # arrival order -> expert order
-        n1 = w1[0].numel()
-        self.copies = ExpertCopies(mine, got[:, :n1].reshape(-1, *w1.shape[1:]).requires_grad_(True),
-                                   got[:, n1:].reshape(-1, *w2.shape[1:]).requires_grad_(True))
-        return got.numel() * got.element_size()
+        return torch.cat([w1.flatten(1), w2.flatten(1)], dim=1)[self.routes.send_rows]
 
     @torch.no_grad()
-    def return_copy_grads(self) -> None:
-        """Training, after the step's backward: the copies' gradients (summed over the micro-batches) go home and
-        are added to the shard's (one all-to-all over the group, the reverse of `fetch_copies`). Every rank calls
-        it; ranks of a table without copies do nothing."""
-        routes = self.routes
-        if routes is None:  # no copies anywhere in the group
+    def hold_copies(self, experts: list[int], arrived: torch.Tensor) -> None:
+        """Hold copies of `experts` (this rank's entry of the table) from the rows that arrived [n, W] (arrival
+        order), as leaves that gather the gradients of the rows computed with them."""
+        if not experts:
+            self.copies = None
             return
+        got = arrived[[self.routes.arrival.index(e) for e in experts]]  # arrival order -> expert order
         w1, w2 = self.shard.w1, self.shard.w2
         n1 = w1[0].numel()
-        width = n1 + w2[0].numel()
+        self.copies = ExpertCopies(experts, got[:, :n1].reshape(-1, *w1.shape[1:]).requires_grad_(True),
+                                   got[:, n1:].reshape(-1, *w2.shape[1:]).requires_grad_(True))
+
+    @torch.no_grad()
+    def copy_grads_to_send(self) -> torch.Tensor:
+        """After the step's backward: the copies' gradients (summed over the micro-batches) in arrival order [n, W],
+        to go home; the copies' own are cleared."""
+        w1, w2 = self.shard.w1, self.shard.w2
         if self.copies is None:
-            out = w1.new_zeros(0, width)
-        else:
-            mine = self.copies.expert_ids
-            grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in (self.copies.w1, self.copies.w2)]
-            flat = torch.cat([grads[0].flatten(1), grads[1].flatten(1)], dim=1)
-            out = flat[[mine.index(e) for e in routes.arrival]]  # expert order -> arrival order (grouped by home)
-            self.copies.w1.grad = self.copies.w2.grad = None
-        back = all_to_all(out, routes.send_splits, routes.recv_splits, self.ctx.group)
-        rows = torch.tensor(routes.send_rows, dtype=torch.long, device=back.device)
+            return w1.new_zeros(0, w1[0].numel() + w2[0].numel())
+        grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in (self.copies.w1, self.copies.w2)]
+        flat = torch.cat([grads[0].flatten(1), grads[1].flatten(1)], dim=1)
+        self.copies.w1.grad = self.copies.w2.grad = None
+        return flat[[self.copies.expert_ids.index(e) for e in self.routes.arrival]]
+
+    @torch.no_grad()
+    def add_home_grads(self, back: torch.Tensor) -> None:
+        """Add the gradients of my experts' copies that came home [n, W] (send order) to the shard's."""
+        w1, w2 = self.shard.w1, self.shard.w2
+        n1 = w1[0].numel()
+        rows = torch.tensor(self.routes.send_rows, dtype=torch.long, device=back.device)
         for w, part in ((w1, back[:, :n1]), (w2, back[:, n1:])):
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
