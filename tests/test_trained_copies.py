@@ -83,3 +83,39 @@ def test_float64_training_with_copies_equals_training_without(tmp_path):
         assert ids == [3]
         torch.testing.assert_close(w1[0], home_rows[(layer, 3, "w1")], rtol=0, atol=0)
     assert all(c is None for c in copied[0]["copies"].values())
+
+
+class RecordingGroup:
+    """The worker group's calls that placement makes, recorded (no workers: shards carry no layers here)."""
+
+    def __init__(self):
+        self.calls, self.home = [], None
+
+    def call(self, method, *args):
+        self.calls.append((method, args))
+        return []
+
+    def call_each(self, method, args):
+        self.calls.append((method, args))
+        return {rank: {} for rank in args}
+
+
+def test_the_controllers_placement_puts_copies_of_hot_experts_in_spare_slots_and_forgets_them_on_reset():
+    from k3ray.controller.placement import Placement
+
+    cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 4,
+                                            "policies.replication.spare_slots_per_rank": 2})
+    placement = Placement(cfg)
+    E = cfg.model.n_experts
+    placement.load_history = torch.tensor([1.0 / (e + 1) ** 1.2 for e in range(E)], dtype=torch.float64)
+    group = RecordingGroup()
+    moved, table = placement.rebalance(group)
+    assert any(table) and table == placement.copies
+    assert all(len(c) <= 2 and all(placement.home[e] != r for e in c) for r, c in enumerate(table))
+    assert group.calls[-1] == ("set_trained_copies", (table,))
+    view = placement.view(None)
+    assert view["copies"] == table and any(len(h) > 1 for h in view["holders"])
+    calls = len(group.calls)
+    assert placement.rebalance(group) == ([], table) and len(group.calls) == calls  # same load: nothing moves
+    placement.reset(2, [e * 2 // E for e in range(E)])
+    assert placement.copies == [[], []]  # a new grid holds none
