@@ -17,7 +17,12 @@ their refresh), the balancedness (mean / max rows per EP rank, summed over the M
 EP's up to float32 summation order).
 
     python benchmarks/serve_placement.py [--clients 16] [--phase-s 8] [--beta 1.5] [--slots 4]
+With `--train-scale`: a training job (tiny, float32, pp=1 x ep=4, on a local Ray cluster) scaled to ep=2 before step
+2 and back to ep=4 before step 4 (`Controller.request_scale`, what `k3ray scale --ep N` asks for); prints each
+resize's seconds at its boundary, every step's time and loss, and the losses of the same job unscaled.
+
     python benchmarks/serve_placement.py --train [--steps 8] [--beta 1.5] [--slots 4]
+    python benchmarks/serve_placement.py --train-scale
 """
 from __future__ import annotations
 
@@ -161,6 +166,36 @@ def train_main(args) -> None:
               f"{ranks[0][name]['loss']:10.5f}")
 
 
+def train_scale_main() -> None:
+    from k3ray.control.driver import running_job
+
+    init_ray(None, 2 * EP + 1)
+    root = tempfile.mkdtemp(prefix="k3ray-train-scale-")
+    runs = {}
+    for name, sizes in (("scaled", {2: 2, 4: EP}), ("unscaled", {})):
+        cfg = load_config("configs/tiny.yaml", {"name": f"scale-{name}", "parallel.pp": 1, "parallel.ep": EP,
+                                                "train.eval_every": 0, "train.steps": 6, "checkpoint.at_end": False,
+                                                "checkpoint.dir": f"{root}/{name}", "api.enabled": False})
+        steps = []
+        with running_job(cfg) as controller:
+            for step in range(6):
+                if step in sizes:
+                    ray.get(controller.request_scale.remote(sizes[step]))
+                t0 = time.perf_counter()
+                report = ray.get(controller.train_step.remote(step), timeout=600)
+                steps.append((time.perf_counter() - t0, report["loss"]))
+            incidents = [i for i in ray.get(controller.get_incidents.remote()) if i["kind"] == "scaled"]
+        runs[name] = (steps, incidents)
+    print(f"training job, tiny float32, pp=1, ep {EP} -> 2 at step 2 -> {EP} at step 4, torch {torch.__version__}, "
+          f"ray {ray.__version__}")
+    for i in runs["scaled"][1]:
+        print(f"scale ep {i['ep'][0]} -> {i['ep'][1]} at step {i['step']}: {i['seconds']:.2f}s at the boundary "
+              f"(snapshot, regroup or grow, restore)")
+    print(f"{'step':>4} {'scaled s':>9} {'loss':>9} {'unscaled s':>10} {'loss':>9}")
+    for step, ((a, la), (b, lb)) in enumerate(zip(runs["scaled"][0], runs["unscaled"][0])):
+        print(f"{step:4d} {a:9.2f} {la:9.5f} {b:10.2f} {lb:9.5f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=16)
@@ -171,9 +206,13 @@ def main() -> None:
     ap.add_argument("--scale", action="store_true", help="then scale the grid to ep=2 and back to 4 under the load")
     ap.add_argument("--train", action="store_true", help="training with and without copies instead (Ray-free)")
     ap.add_argument("--steps", type=int, default=8, help="training steps per run (--train)")
+    ap.add_argument("--train-scale", action="store_true", help="a training job scaled down and up instead")
     args = ap.parse_args()
     if args.train:
         train_main(args)
+        return
+    if args.train_scale:
+        train_scale_main()
         return
     init_ray(None, 2 * EP + 1)  # room for a second grid: scaling launches the new one beside the serving one
     root = tempfile.mkdtemp(prefix="k3ray-placement-") + "/ckpt"
