@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from k3ray.config import load_config
-from conftest import run_job  # noqa: F401 - the shared fixtures' module (unfailed_ep4)
+from conftest import SMALL_BATCH
 
 
 def test_scale_requests_are_validated_and_queued_through_the_api_and_cli(tmp_path, capsys):
@@ -44,7 +44,7 @@ def test_scaling_a_training_job_down_and_up_mid_run_leaves_the_losses(ray_cluste
 
     cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 4, "train.eval_every": 0,
                                             "train.steps": 12, "model.dtype": "float64", "checkpoint.at_end": False,
-                                            "checkpoint.dir": str(tmp_path / "ckpt")})
+                                            "checkpoint.dir": str(tmp_path / "ckpt"), **SMALL_BATCH})
     steps, losses = 4, []
     with running_job(cfg) as controller:
         for s in range(steps):
