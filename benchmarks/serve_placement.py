@@ -8,7 +8,21 @@ its switch, `after`; then the hot set shifts to other ranks' experts (`shifted`)
 counters), ITL p50 / p99 over every client, tokens/s; and per move: balancedness the policy planned on the decayed
 load before -> after, copies fetched, bytes moved, seconds from decision to switch. Failed requests are counted.
 
+With `--train`: the same skew in training instead (Ray-free: 4 processes over gloo, the tiny config in float32 with
+the router's balancing off so the skew stays): plain expert parallelism, the same with copies of the hot experts
+in `--slots` spare slots per rank (placed from step 0's load, fetched before step 1, gradients returned home and
+copies refreshed every step), and MoonEP's per-micro-batch replicas. Prints per run the median step time and the
+part of it after the backward (gradient reductions, the optimizer, and with copies their gradients going home and
+their refresh), the balancedness (mean / max rows per EP rank, summed over the MoE layers) and the last loss (the copies' equals plain
+EP's up to float32 summation order).
+
     python benchmarks/serve_placement.py [--clients 16] [--phase-s 8] [--beta 1.5] [--slots 4]
+With `--train-scale`: a training job (tiny, float32, pp=1 x ep=4, on a local Ray cluster) scaled to ep=2 before step
+2 and back to ep=4 before step 4 (`Controller.request_scale`, what `k3ray scale --ep N` asks for); prints each
+resize's seconds at its boundary, every step's time and loss, and the losses of the same job unscaled.
+
+    python benchmarks/serve_placement.py --train [--steps 8] [--beta 1.5] [--slots 4]
+    python benchmarks/serve_placement.py --train-scale
 """
 from __future__ import annotations
 
@@ -23,6 +37,7 @@ import torch
 
 from k3ray.config import load_config
 from k3ray.control.driver import init_ray
+from k3ray.control.local_nodes import free_port
 from k3ray.controller.checkpointing import write_seeded_weights
 from k3ray.controller.serve_engine import ServingEngine
 from k3ray.data import encode
@@ -99,6 +114,88 @@ class Clients:
         return [gap for arr in self.arrivals for at, gap in arr if t0 <= at < t1]
 
 
+TRAIN_RUNS = {"plain EP": {"policies.moonep.enabled": False}, "plain EP + copies": {"policies.moonep.enabled": False},
+              "MoonEP": {"policies.moonep.enabled": True}}
+
+
+def _train_rank(rank: int, ports: list[int], steps: int, beta: float, slots: int, out: str) -> None:
+    from k3ray.parallel.engine import StageEngine
+    from k3ray.policies import copies
+
+    torch.set_num_threads(1)
+    results = {}
+    for port, (name, overrides) in zip(ports, TRAIN_RUNS.items()):
+        cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": EP, "model.balancing": "none",
+                                                "train.eval_every": 0, **overrides})
+        home = [e * EP // E for e in range(E)]
+        engine = StageEngine(cfg, 0, rank, home, EP)
+        engine.init_process_groups(f"tcp://127.0.0.1:{port}", "gloo")
+        for moe in engine.stage.moe_layers().values():
+            moe.router.bias.copy_(skew_bias(list(range(E)), beta))
+        seconds, boundary, balance, loss = [], [], [], None
+        for step in range(steps):
+            report = engine.train_step(step, step)
+            if step == 0 and name.endswith("copies"):  # placed from step 0's load, used from step 1 on
+                load = sum(torch.tensor(t, dtype=torch.float64).sum(0) for t in report["tokens_per_expert"].values())
+                engine.set_trained_copies(copies.place_copies(load, home, EP, slots))
+            if step > 0:
+                per_rank = sum(torch.tensor(r, dtype=torch.float64) for r in report["rank_load"].values())
+                seconds.append(report["timings"]["total"])
+                boundary.append(report["timings"]["optimizer"])  # with copies: gradients home, copies refreshed
+                balance.append(float(per_rank.mean() / per_rank.max()))
+            loss = report["loss"]
+        results[name] = {"seconds": seconds, "boundary": boundary, "balance": balance, "loss": loss}
+        engine.leave_process_groups()
+    torch.save(results, f"{out}/{rank}.pt")
+
+
+def train_main(args) -> None:
+    out = tempfile.mkdtemp(prefix="k3ray-train-copies-")
+    torch.multiprocessing.spawn(_train_rank, args=([free_port() for _ in TRAIN_RUNS], args.steps, args.beta,
+                                                   args.slots, out), nprocs=EP, join=True)
+    ranks = [torch.load(f"{out}/{r}.pt") for r in range(EP)]
+    print(f"training, pp=1 x ep={EP} over gloo (4 processes), tiny float32, balancing off, beta={args.beta}, "
+          f"spare slots per rank={args.slots}, steps 1-{args.steps - 1} (step 0 places the copies), "
+          f"torch {torch.__version__}")
+    print(f"{'run':18} {'step s (median)':>15} {'of it after backward s':>22} {'balancedness':>12} "
+          f"{'last loss':>10}")
+    for name in TRAIN_RUNS:
+        step_s, after_s = (statistics.median(max(r[name][k][i] for r in ranks) for i in range(args.steps - 1))
+                           for k in ("seconds", "boundary"))
+        print(f"{name:18} {step_s:15.3f} {after_s:22.3f} {statistics.median(ranks[0][name]['balance']):12.3f} "
+              f"{ranks[0][name]['loss']:10.5f}")
+
+
+def train_scale_main() -> None:
+    from k3ray.control.driver import running_job
+
+    init_ray(None, 2 * EP + 1)
+    root = tempfile.mkdtemp(prefix="k3ray-train-scale-")
+    runs = {}
+    for name, sizes in (("scaled", {2: 2, 4: EP}), ("unscaled", {})):
+        cfg = load_config("configs/tiny.yaml", {"name": f"scale-{name}", "parallel.pp": 1, "parallel.ep": EP,
+                                                "train.eval_every": 0, "train.steps": 6, "checkpoint.at_end": False,
+                                                "checkpoint.dir": f"{root}/{name}", "api.enabled": False})
+        steps = []
+        with running_job(cfg) as controller:
+            for step in range(6):
+                if step in sizes:
+                    ray.get(controller.request_scale.remote(sizes[step]))
+                t0 = time.perf_counter()
+                report = ray.get(controller.train_step.remote(step), timeout=600)
+                steps.append((time.perf_counter() - t0, report["loss"]))
+            incidents = [i for i in ray.get(controller.get_incidents.remote()) if i["kind"] == "scaled"]
+        runs[name] = (steps, incidents)
+    print(f"training job, tiny float32, pp=1, ep {EP} -> 2 at step 2 -> {EP} at step 4, torch {torch.__version__}, "
+          f"ray {ray.__version__}")
+    for i in runs["scaled"][1]:
+        print(f"scale ep {i['ep'][0]} -> {i['ep'][1]} at step {i['step']}: {i['seconds']:.2f}s at the boundary "
+              f"(snapshot, regroup or grow, restore)")
+    print(f"{'step':>4} {'scaled s':>9} {'loss':>9} {'unscaled s':>10} {'loss':>9}")
+    for step, ((a, la), (b, lb)) in enumerate(zip(runs["scaled"][0], runs["unscaled"][0])):
+        print(f"{step:4d} {a:9.2f} {la:9.5f} {b:10.2f} {lb:9.5f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--clients", type=int, default=16)
@@ -107,7 +204,16 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=4, help="replication.spare_slots_per_rank")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--scale", action="store_true", help="then scale the grid to ep=2 and back to 4 under the load")
+    ap.add_argument("--train", action="store_true", help="training with and without copies instead (Ray-free)")
+    ap.add_argument("--steps", type=int, default=8, help="training steps per run (--train)")
+    ap.add_argument("--train-scale", action="store_true", help="a training job scaled down and up instead")
     args = ap.parse_args()
+    if args.train:
+        train_main(args)
+        return
+    if args.train_scale:
+        train_scale_main()
+        return
     init_ray(None, 2 * EP + 1)  # room for a second grid: scaling launches the new one beside the serving one
     root = tempfile.mkdtemp(prefix="k3ray-placement-") + "/ckpt"
     write_seeded_weights(load_config("configs/tiny.yaml"), root)

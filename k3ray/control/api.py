@@ -77,6 +77,11 @@ class PolicyChange(BaseModel):
     applies_at_step: int
 
 
+class ScaleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ep: int
+
+
 def finite(obj: Any) -> Any:
     """JSON-safe copy: NaN/inf floats become None (a blown-up loss must not turn into a 500)."""
     if isinstance(obj, float):
@@ -178,6 +183,14 @@ def build_app(ctrl, token: str) -> FastAPI:
     def checkpoint() -> dict[str, Any]:
         """A durable checkpoint at the next step boundary (written asynchronously, committed one step later)."""
         return ctrl.request_checkpoint()
+
+    @v1.post("/scale", status_code=202, responses={422: {"model": Error, "description": "ep is invalid"}})
+    def scale(body: ScaleRequest) -> dict[str, Any]:
+        """Resize the grid to pp x ep at the next step boundary (`k3ray scale --ep N`); the global batch is kept."""
+        try:
+            return ctrl.request_scale(body.ep)
+        except ValueError as err:
+            raise HTTPException(422, str(err)) from None
 
     @v1.get("/incidents")
     def incidents() -> list[dict[str, Any]]:

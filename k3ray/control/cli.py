@@ -312,13 +312,11 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("status", "incidents", "placement", "audit"):
             _serve_args(cp, f"the {name} of a `k3ray serve` endpoint instead")
 
-    sc = sub.add_parser("scale", help="resize a serving job's EP dimension between two iterations (no request "
-                                      "dropped)")
-    sc.add_argument("--ep", type=int, required=True, help="the new EP size (data-parallel ranks of the serving grid)")
-    sc.add_argument("--serve", metavar="URL", required=True, help="the `k3ray serve` endpoint (serving jobs only)")
-    sc.add_argument("--api-key-file", metavar="F", help="that endpoint's API key (else $K3RAY_API_KEY)")
-    sc.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the new grid")
-    sc.add_argument("--json", action="store_true", help="JSON output for scripts")
+    sc = sub.add_parser("scale", help="resize a job's EP dimension: a training job at the next step boundary (the "
+                                      "global batch kept), a serving job between two iterations (no request dropped)")
+    sc.add_argument("--ep", type=int, required=True, help="the new EP size")
+    _control_args(sc)
+    _serve_args(sc, "a `k3ray serve` endpoint instead (the request then waits for the new grid)")
     sc.set_defaults(func=client.cmd_scale)
 
     pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")

@@ -231,7 +231,13 @@ def cmd_incidents(args) -> int:
 
 
 def cmd_scale(args) -> int:
-    """`k3ray scale --ep N --serve URL`: resize a serving grid's EP dimension (every request goes on)."""
+    """`k3ray scale --ep N`: resize a training job's grid at its next step boundary; with `--serve URL` a serving
+    grid's (every request goes on; the request waits for the new grid)."""
+    if not getattr(args, "serve", None):
+        change = Client.from_args(args).request("POST", "/v1/scale", {"ep": args.ep})
+        _show(args, change, lambda c: f"ep {c['ep'][0]} -> {c['ep'][1]} at step {c['applies_at_step']}")
+        return 0
+    args.timeout = max(args.timeout, 600.0)  # a new serving grid is launched before the answer
     change = _on_serve(args, "/v1/scale", "POST", {"ep": args.ep})
     _show(args, change, lambda c: f"ep {c['ep'][0]} -> {c['ep'][1]}" + (
         "" if c.get("action") == "none" else f" in {c['seconds']['total']:.2f}s, {c['requeued']} requests "

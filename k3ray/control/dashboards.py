@@ -137,6 +137,12 @@ def serving(ds_uid: str = DATASOURCE_UID) -> dict:
         panel("Served expert load / mean", [
             (f"sum by (le) (increase(ray_k3ray_serve_expert_load_ratio_bucket{{{SEL}}}[$__rate_interval]))",
              "{{le}}")], kind="heatmap", options={"calculate": False, "cellGap": 1}),
+        panel("Served tokens per expert", [(q("k3ray_serve_expert_tokens"), "e{{expert}}")], kind="bargauge",
+              options={"displayMode": "basic", "orientation": "vertical"}),
+        panel("Replica map: EP ranks holding each expert", [(q("k3ray_serve_expert_holders"), "e{{expert}}")],
+              kind="bargauge", options={"displayMode": "basic", "orientation": "vertical"}),
+        panel("Balancedness (mean / max rank load)", [(q("k3ray_serve_balancedness_ratio"), "{{placement}}")],
+              unit="percentunit", w=24),
     ], ds_uid)
 
 

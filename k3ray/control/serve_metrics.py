@@ -2,11 +2,16 @@
 actor after every iteration (`ServeMetrics` is one of its observers; it builds the metrics in the engine's process).
 
 Same conventions as k3ray.control.metrics: base units, `_total` counters, bounded labels: k3ray_job, state
-(running, waiting), finish (stop, length, cancelled, error), layer. Per-expert load is a per-layer histogram of
-load / mean load, collected from the workers every `expert_load_every` iterations."""
+(running, waiting), finish (stop, length, cancelled, error), layer, expert (E values), placement (copies, home).
+Per-expert load is a per-layer histogram of load / mean load and, summed over layers, a gauge per expert, collected
+from the workers every `expert_load_every` iterations; with it the replica map (holders per expert: its home and its
+read-only copies) and the balancedness (mean / max rank load) under the copies and with homes only."""
 from __future__ import annotations
 
+import torch
+
 from k3ray.control.metrics import EXPERT_LOAD_BUCKETS, build_metric
+from k3ray.policies import copies as copies_policy
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
 FINISH = ("stop", "length", "cancelled", "error")
@@ -24,6 +29,12 @@ SERVE_SPECS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "k3ray_serve_requests_total": ("counter", "requests finished, by finish reason", ("finish",)),
     "k3ray_serve_expert_load_ratio": ("histogram", "per-expert served load / mean load, one observation per expert "
                                       "and collection", ("layer",)),
+    "k3ray_serve_expert_tokens": ("gauge", "routed tokens per expert since the last collection, all MoE layers",
+                                  ("expert",)),
+    "k3ray_serve_expert_holders": ("gauge", "EP ranks holding each expert: its home and its read-only copies",
+                                   ("expert",)),
+    "k3ray_serve_balancedness_ratio": ("gauge", "mean / max EP-rank load of the last collection's expert load, "
+                                       "under the copies in use and with homes only", ("placement",)),
 }
 
 
@@ -70,8 +81,10 @@ class ServeMetrics:
         m["k3ray_serve_kv_pages_total"].set(u["pages_total"])
         m["k3ray_serve_tokens_per_second"].set(tokens / seconds if seconds > 0 else 0.0)
 
-    def expert_load(self, per_worker: list[dict[int, list[int]]]) -> None:
-        """Workers' routed-token counts by layer and expert since the last collection."""
+    def expert_load(self, per_worker: list[dict[int, list[int]]], home: list[int] | None = None,
+                    copies: list[list[int]] | None = None) -> None:
+        """Workers' routed-token counts by layer and expert since the last collection; with the grid's homes [E] and
+        copy table (R lists of expert ids), the replica map and the balancedness too."""
         m, totals = self._metrics(), {}
         for worker in per_worker:
             for layer, counts in worker.items():
@@ -82,3 +95,16 @@ class ServeMetrics:
             if mean > 0:
                 for x in load:
                     m["k3ray_serve_expert_load_ratio"].observe(x / mean, tags={"layer": str(layer)})
+        if not totals:
+            return
+        per_expert = [sum(col) for col in zip(*totals.values())]
+        for e, tokens in enumerate(per_expert):
+            m["k3ray_serve_expert_tokens"].set(tokens, tags={"expert": str(e)})
+        if home is not None:
+            table = copies or [[] for _ in range(max(home) + 1)]
+            for e, ranks in enumerate(copies_policy.holders_of(home, table)):
+                m["k3ray_serve_expert_holders"].set(len(ranks), tags={"expert": str(e)})
+            load = torch.tensor(per_expert, dtype=torch.float64)
+            for placement, used in (("copies", table), ("home", [[] for _ in table])):
+                m["k3ray_serve_balancedness_ratio"].set(copies_policy.balancedness(load, home, used),
+                                                        tags={"placement": placement})

@@ -80,6 +80,7 @@ class Controller(FailurePaths):
         self.incidents: list[dict] = []
         self.avoid_nodes: set[str] = set()  # nodes found silent (Ray may still report them alive): never placed on
         self.grow_back_failures = 0  # grow-backs in a row whose placement failed
+        self.scale_to: int | None = None  # EP size asked for (`request_scale`), applied at the next step boundary
         self._warned = 0  # checkpoint warnings handed to the driver so far
 
     @property
@@ -235,6 +236,7 @@ class Controller(FailurePaths):
         """What happens between steps: queued policy changes, growing back, the snapshot and checkpoint due."""
         self.drills.kill_at(self.group, step, "boundary")
         self._apply_pending_policies(step)
+        self._maybe_scale(step)
         self._maybe_grow_back(step)
         if self._snapshot_due(step):
             self.snapshots.take(self.group, step, self.guard_state)
@@ -272,10 +274,11 @@ class Controller(FailurePaths):
         return step % self.cfg.fault_tolerance.snapshot_every == 0 and step not in taken
 
     def _rebalance(self) -> None:
-        moved = self.table.rebalance(self.group)
-        if moved:
-            self._incident("rebalance", step=self.step, moved=moved)
-            log.info("rebalance at step %d moved experts %s", self.step, moved)
+        before = self.table.copies
+        moved, copies = self.table.rebalance(self.group)
+        if moved or copies != before:
+            self._incident("rebalance", step=self.step, moved=moved, copies=copies)
+            log.info("rebalance at step %d moved experts %s, copies %s", self.step, moved, copies)
 
     # -- policies and placement ----------------------------------------------------------------------------------
     def _push_policies(self) -> None:
@@ -302,6 +305,16 @@ class Controller(FailurePaths):
             new_home[e] = dst_ep_rank
         self.table.rehome(self.group, new_home)
         return self.placement()
+
+    def request_scale(self, ep) -> dict:
+        """Resize the grid to pp x ep at the next step boundary (`k3ray scale --ep N`), through the recovery's paths
+        with the global batch kept, so the results do not change. ValueError naming the field for a bad ep."""
+        full = self.cfg.parallel.ep
+        if isinstance(ep, bool) or not isinstance(ep, int) or not 1 <= ep <= full:
+            raise ValueError(f"ep: must be a whole number from 1 to parallel.ep={full} (the data-parallel width), "
+                             f"got {ep!r}")
+        self.scale_to = ep
+        return {"ep": [self.table.ep, ep], "applies_at_step": self.step}
 
     def request_checkpoint(self) -> dict:
         return self.checkpoints.request(self.step)

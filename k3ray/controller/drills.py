@@ -49,10 +49,25 @@ def _hang(worker) -> None:
     worker.engine.stage.register_forward_pre_hook(lambda mod, args: time.sleep(10**6))
 
 
-def inject(group, kind: str, ranks: list[int], layer: int | None = None, token: int | None = None) -> None:
+def _slow_copies(worker, seconds: float) -> None:
+    """Inside a worker: each of its fetches of read-only expert copies (serving) first waits `seconds`, so a fault
+    can land while copies are on their way."""
+    engine = worker.engine
+    fetch = engine.stage_copies
+
+    def slow(*args):
+        time.sleep(seconds)
+        return fetch(*args)
+
+    engine.stage_copies = slow
+
+
+def inject(group, kind: str, ranks: list[int], layer: int | None = None, token: int | None = None,
+           seconds: float = 5.0) -> None:
     """Fault `kind` into the given world ranks of a worker group, now: kill_worker (the actors die), nan (the routed
     output of MoE layer `layer`, default 0, becomes NaN on every worker, until `clear`), nan_token (the embedding of
-    byte `token` becomes NaN, until `clear`: the requests holding it blow up, serving), hang_collective."""
+    byte `token` becomes NaN, until `clear`: the requests holding it blow up, serving), hang_collective, slow_copies
+    (serving: each fetch of expert copies takes `seconds` more)."""
     if kind == "kill_worker":
         for rank in ranks:
             if rank < group.size:  # a smaller grid than the drill was written for has no such rank
@@ -63,8 +78,11 @@ def inject(group, kind: str, ranks: list[int], layer: int | None = None, token: 
         group.run_on(list(range(group.size)), _poison_token, token)
     elif kind == "hang_collective":
         group.run_on(ranks, _hang)
+    elif kind == "slow_copies":
+        group.run_on(ranks, _slow_copies, seconds)
     else:
-        raise ValueError(f"drill kind: {kind!r} is not one of kill_worker, nan, nan_token, hang_collective")
+        raise ValueError(f"drill kind: {kind!r} is not one of kill_worker, nan, nan_token, hang_collective, "
+                         f"slow_copies")
 
 
 def clear(group) -> None:

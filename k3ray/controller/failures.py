@@ -59,6 +59,7 @@ class FailurePaths:
         self.lr_scale = decision.lr_scale
         self.snapshots.commit(self.group, wait=True, timeout_s=self.cfg.fault_tolerance.wait_timeout_s)
         self.group.restore(self.snapshots.committed.sources())
+        self.table.drop_copies()  # the restored workers hold none
         incident["restore_seconds"] = time.perf_counter() - t0
         self.group.call("set_lr_scale", self.lr_scale)
         self._replay(step)
@@ -231,6 +232,43 @@ class FailurePaths:
         self.group.call("set_lr_scale", self.lr_scale)
         snap = self.snapshots.committed
         self.group.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
+
+    def _maybe_scale(self, step: int) -> None:
+        """A resize asked for (`request_scale`), at the boundary of `step`: from a snapshot of this boundary, down
+        as after a loss (the kept EP columns, experts re-homed by load; the workers left out stand by as spares),
+        up as a grow-back (ready spares, such as those, fill the added places first; the others are placed first,
+        and a placement that does not fit leaves the grid as it was). The
+        data-parallel width stays parallel.ep, so the global batch and the results do not change."""
+        ep, self.scale_to = self.scale_to, None
+        old_ep = self.table.ep
+        if ep is None or ep == old_ep:
+            return
+        t0 = time.perf_counter()
+        self.checkpoints.commit_pending(self.group)
+        self.machine.to(JobState.RESIZING, f"scaling to ep={ep}")
+        self.snapshots.take(self.group, step, self.guard_state, wait=True)
+        sources = self.snapshots.committed.sources()
+        try:
+            if ep < old_ep:
+                keep = list(range(ep))
+                home, _ = recovery.shrink(torch.tensor(self.table.home), set(range(ep, old_ep)),
+                                          self.table.expert_load(self.last_report))
+                home = home.tolist()
+                self.table.reset(ep, home)
+                self.group.regroup(set(), ep, home, keep, set(), sources, timeout_s=60.0)
+            else:
+                home = recovery.grow(self.cfg.model.n_experts, ep).tolist()
+                self.group.grow(ep, home, sources, timeout_s=min(60.0, self.cfg.fault_tolerance.wait_timeout_s),
+                                use_spares=True)
+                self.table.reset(ep, home)
+        except TopologyError as err:  # nothing changed: the grid trains on at its size
+            self._log_incident(self._incident("scale_failed", step=step, ep=[old_ep, ep], why=str(err)))
+            self.machine.to(JobState.RUNNING, f"scaling to ep={ep} did not fit ({err})")
+            return
+        self._joined()
+        self.shrunk_at = None  # the size asked for: no grow-back from it
+        self._log_incident(self._incident("scaled", step=step, ep=[old_ep, ep], seconds=time.perf_counter() - t0))
+        self.machine.to(JobState.RUNNING, f"scaled to {self.group.size} workers")
 
     def _maybe_grow_back(self, step: int) -> None:
         """Grow back to the configured EP size when the cluster has room again, in place: the grid in use keeps

@@ -283,7 +283,8 @@ class Engine(Availability, LiveServing):
                 log.exception("collecting the expert load failed")
                 loads = None
             for observer in self.observers if loads is not None else ():
-                self._observe(observer, "expert_load", loads)
+                self._observe(observer, "expert_load", loads, list(self.grid.group.home),
+                              self.placement.view(self.grid)["copies"])
             if loads is not None and for_placement:
                 self.placement.observe(loads, replication)
         if time.monotonic() - self.spares_checked > SPARES_CHECK_S:
@@ -335,7 +336,7 @@ class Engine(Availability, LiveServing):
         return await asyncio.to_thread(self.grid.expert_load)
 
     async def drill(self, kind: str, workers: list[int] = (), layer: int | None = None,
-                    token: int | None = None) -> bool:
+                    token: int | None = None, seconds: float = 5.0) -> bool:
         """Inject a fault into the grid now (k3ray.controller.drills.inject); kind 'clear' removes the NaN hooks.
         Off the event loop. During a recovery it reaches the grid being built: kill_worker kills those of `workers`
         that it has started so far. Whether anything was injected."""
@@ -347,7 +348,7 @@ class Engine(Availability, LiveServing):
             workers = [r for r in workers if r < len(group.workers)]
             if not workers:
                 return False
-        await asyncio.to_thread(inject, group, kind, list(workers), layer, token)
+        await asyncio.to_thread(inject, group, kind, list(workers), layer, token, seconds)
         return True
 
     def shutdown(self) -> bool:

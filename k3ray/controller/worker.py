@@ -145,6 +145,12 @@ class Worker:
         return True
 
     @fenced
+    def set_trained_copies(self, table: list[list[int]]) -> int:
+        """Hold copies of hot experts in spare slots from the next step on (k3ray.parallel.engine.StageEngine.
+        set_trained_copies); the bytes fetched."""
+        return self.engine.set_trained_copies(table)
+
+    @fenced
     def set_policies(self, policies: dict) -> bool:
         self.engine.set_policies(PoliciesConfig.model_validate(policies))
         return True

@@ -130,21 +130,28 @@ class WorkerGroup:
         have = alive_resources(True, self.avoid_nodes)
         return all(have.get(res, 0) >= amount * n for res, amount in self.bundle.items())
 
-    def grow(self, ep: int, home: list[int], restore: dict[int, list], timeout_s: float) -> None:
+    def grow(self, ep: int, home: list[int], restore: dict[int, list], timeout_s: float,
+             use_spares: bool = False) -> None:
         """Grow this grid to `ep` EP ranks per stage in place: the added workers are placed and started first, so a
         placement that fails (TopologyError) leaves the grid as it was; then every worker takes its place in the
         grown grid (the old ones keep their (p, e)), the process groups are rebuilt and the state restored (a loss
-        meanwhile: WorkerLost naming ranks of the grown grid)."""
+        meanwhile: WorkerLost naming ranks of the grown grid). use_spares: ready spares (among them the workers a
+        planned scale-down left standing by) fill the added places first, in the slots they hold."""
         t0 = time.perf_counter()
         added = self.pp * (ep - self.ep)
-        pg = placement_group([dict(self.bundle) for _ in range(added)], strategy="PACK",
-                             bundle_label_selector=self._avoid_selector(added))
-        if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
-            remove_placement_group(pg)
-            raise TopologyError(f"could not place {added} more workers within {timeout_s:g}s")
-        self.pgs.append(pg)
-        where = ray.util.placement_group_table(pg)["bundles_to_node_id"]
-        new = iter([(self._start_worker((pg, i)), (pg, i), where[i]) for i in range(added)])
+        from_spares = min(added, self.spares_ready()) if use_spares else 0
+        placed = added - from_spares
+        started = []
+        if placed:
+            pg = placement_group([dict(self.bundle) for _ in range(placed)], strategy="PACK",
+                                 bundle_label_selector=self._avoid_selector(placed))
+            if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
+                remove_placement_group(pg)
+                raise TopologyError(f"could not place {placed} more workers within {timeout_s:g}s")
+            self.pgs.append(pg)
+            where = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+            started = [(self._start_worker((pg, i)), (pg, i), where[i]) for i in range(placed)]
+        new = iter([(s.actor, s.slot, s.node) for s in self.spares.take(from_spares)] + started)
         old_ep, old = self.ep, list(zip(self.workers, self.slots, self.nodes))
         grid = [old[p * old_ep + e] if e < old_ep else next(new) for p in range(self.pp) for e in range(ep)]
         self.workers, self.slots, self.nodes = map(list, zip(*grid))

@@ -34,7 +34,8 @@ from k3ray.model.layers import Documents
 from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, set_execution, stage_layers
 from k3ray.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from k3ray.parallel import shards
-from k3ray.parallel.ep import EPContext, ExpertCopies, ExpertParallelExperts
+from k3ray.parallel.engine_copies import EngineCopies
+from k3ray.parallel.ep import EPContext, ExpertParallelExperts
 from k3ray.parallel.pipeline import one_f_one_b
 from k3ray.parallel.step import activation_stats, lm_loss, update_router_bias
 from k3ray.policies import recovery
@@ -60,7 +61,7 @@ class _LeftGroup:
         self._refuse()
 
 
-class StageEngine:
+class StageEngine(EngineCopies):
     """ep_size is the live number of EP ranks, which differs from cfg.parallel.ep while the job runs shrunk after a
     worker loss (then homes may be uneven: 16 experts on 3 ranks). The data-parallel width stays cfg.parallel.ep
     whatever the live size: EP rank e runs the micro-batches of every DP rank d with d % ep_size == e (`dp_ranks`),
@@ -236,6 +237,7 @@ class StageEngine:
 
     def _finish_step(self, step: int, loss_sum: torch.Tensor) -> dict:
         cfg = self.cfg
+        self._return_copy_grads()  # copies' gradients join their home's (where the optimizer state is)
         # dense gradients: sum over the stage's EP group (one flat all-reduce)
         grads = [p.grad for p in self.dense.values() if p.grad is not None]
         if self.ep > 1 and grads:
@@ -253,6 +255,8 @@ class StageEngine:
         sq, loss = totals.tolist()
         lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)
         self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
+        if any(self.ctx.copies):
+            self._fetch_copies(self.ctx.copies)  # the copies take the home's new weights
         return {"step": step, "loss": loss, "grad_norm": sq ** 0.5, "lr": lr, **self._balance()}
 
     def _balance(self) -> dict:
@@ -325,7 +329,9 @@ class StageEngine:
         return out
 
     def set_placement(self, home: list[int], imports: dict[int, list[dict]] | None = None) -> None:
-        """Adopt a new home table: drop experts no longer homed here, add imported ones (layer -> payloads)."""
+        """Adopt a new home table: drop experts no longer homed here, add imported ones (layer -> payloads). Any
+        copies are dropped."""
+        self._drop_copies()
         self.home.copy_(torch.tensor(home, dtype=torch.int64))
         mine = set((self.home == self.ep_rank).nonzero().flatten().tolist())
         for layer, shard in self.stage.expert_shards().items():
@@ -340,37 +346,6 @@ class StageEngine:
     def set_policies(self, policies: PoliciesConfig) -> None:
         """The data-path policies from now on: the EP placement planner and the expert-GEMM order."""
         self.ctx.set_policies(policies)
-
-    # -- read-only expert copies (serving) -------------------------------------------------------------------------
-    @torch.no_grad()
-    def stage_copies(self, experts: list[int], states: list[dict]) -> int:
-        """Fetch copies of `experts` for every MoE layer of the stage from whole-stage states (their expert
-        payloads) and hold them aside until `use_copies`; returns the bytes fetched. Safe beside an iteration: the
-        live copies are not touched."""
-        staged, nbytes = {}, 0
-        for i, moe in self.stage.moe_layers().items():
-            shard = moe.experts.shard
-            w = shards.read_only_copies([s["experts"][i] for s in states], experts, shard.w1.device, shard.w1.dtype)
-            staged[i] = dict(zip(experts, zip(w["w1"], w["w2"])))
-            nbytes += sum(t.numel() * t.element_size() for t in w.values())
-        self.staged_copies = {i: {**self.staged_copies.get(i, {}), **rows} for i, rows in staged.items()}
-        return nbytes
-
-    def use_copies(self, table: list[list[int]]) -> None:
-        """Switch to the copy table (R lists of expert ids, the same on every rank): this rank keeps the copies it
-        holds or staged that the table names, drops the rest, and plans with the table from the next layer on."""
-        mine = sorted(table[self.ep_rank])
-        for i, moe in self.stage.moe_layers().items():
-            held = {} if moe.experts.copies is None else dict(zip(moe.experts.copies.expert_ids,
-                                                                  zip(moe.experts.copies.w1, moe.experts.copies.w2)))
-            rows = {**held, **self.staged_copies.get(i, {})}
-            missing = [e for e in mine if e not in rows]
-            if missing:
-                raise ValueError(f"layer {i}: the copy table names experts {missing} this rank never fetched")
-            moe.experts.copies = None if not mine else ExpertCopies(
-                mine, torch.stack([rows[e][0] for e in mine]), torch.stack([rows[e][1] for e in mine]))
-        self.staged_copies = {}
-        self.ctx.set_copies(table)
 
     # -- whole-worker state (snapshots, checkpoints, restore onto another topology) ------------------------------
     def state_tensors(self, dense: bool = True) -> dict:
@@ -405,5 +380,6 @@ class StageEngine:
         self.opt.steps = dense_state["opt_steps"]
         self.lr_scale = dense_state["lr_scale"]
         mine = set((self.home == self.ep_rank).nonzero().flatten().tolist())
+        self._drop_copies()
         shards.load_weights(self.stage, self.opt, dense_state, expert_payloads, mine)
         self._refresh_params()

@@ -5,8 +5,9 @@ Notation: R EP ranks, E experts, K top-k, T local tokens, D = d_latent. Per micr
   2. plan alloc [E, R] with the worker's Planner (k3ray.policies.planner: MoonEP when enabled, else every expert on
      its home rank), and this rank's slices of the send matrix: what it sends [E, R] and receives [R, E];
   3. replica weights travel home -> computing rank (all-to-all; autograd returns their gradients home), unless the
-     computing rank holds a read-only copy of the expert (serving: `ExpertCopies`, placed by
-     k3ray.policies.copies);
+     computing rank holds a copy of the expert (`ExpertCopies`, placed by k3ray.policies.copies: read-only in
+     serving; in training fetched from home at a step boundary and after each optimizer step, their gradients
+     summed over the step's micro-batches and returned home once before the optimizer step);
   4. routes are scattered straight into the send buffer (ordered by destination rank, then expert), all-to-all,
      regrouped by expert, the grouped expert FFN, then the reverse path and a weighted sum per token.
 Every rank derives the same plan from the same counts, so splits agree without further negotiation.
@@ -56,11 +57,32 @@ class Exchange:
 
 @dataclass(frozen=True)
 class ExpertCopies:
-    """Read-only copies of some non-home experts of one MoE layer on one rank (serving): expert_ids [n] sorted,
-    w1 [n, d_latent, 2I], w2 [n, I, d_latent] (the shard's layout)."""
+    """Copies of some non-home experts of one MoE layer on one rank: expert_ids [n] sorted, w1 [n, d_latent, 2I],
+    w2 [n, I, d_latent] (the shard's layout). Read-only in serving; in training w1 and w2 are leaves that gather
+    the gradients of the rows computed with them (sent home once per step, k3ray.parallel.engine_copies)."""
     expert_ids: list[int]
     w1: torch.Tensor
     w2: torch.Tensor
+
+
+@dataclass(frozen=True)
+class CopyRoutes:
+    """Where one rank's copies of a layer come from: a copy table (R lists of expert ids, the same on every rank)
+    seen from rank `me`. Weights go home -> holder with send_rows (my shard rows, destination-major, experts
+    ascending) and send_splits; they arrive ordered by home rank, then expert id (arrival [n] expert ids,
+    recv_splits per home rank). Gradients take the reverse path."""
+    send_rows: list[int]
+    send_splits: list[int]
+    arrival: list[int]
+    recv_splits: list[int]
+
+    @classmethod
+    def of(cls, table: list[list[int]], home: list[int], me: int, shard_ids: list[int]) -> "CopyRoutes":
+        row = {e: i for i, e in enumerate(shard_ids)}
+        to = [sorted(e for e in held if home[e] == me) for held in table]
+        arrival = sorted(table[me], key=lambda e: (home[e], e))
+        return cls([row[e] for experts in to for e in experts], [len(x) for x in to], arrival,
+                   [sum(home[e] == r for e in arrival) for r in range(len(table))])
 
 
 class _ExpertExchange(torch.autograd.Function):
@@ -72,7 +94,7 @@ class _ExpertExchange(torch.autograd.Function):
     engine's node order or on whether a rank happened to use a received tensor."""
 
     @staticmethod
-    def forward(ctx, send_buf, w1, w2, ex: Exchange, group, build_graph: bool, timer):
+    def forward(ctx, send_buf, w1, w2, c1, c2, ex: Exchange, group, build_graph: bool, timer):
         ctx.ex, ctx.group, ctx.timer = ex, group, timer
         recv = timer(all_to_all, send_buf, ex.out_splits, ex.in_splits, group)
         shape1, shape2 = w1.shape[1:], w2.shape[1:]
@@ -86,6 +108,10 @@ class _ExpertExchange(torch.autograd.Function):
             if received is not None:  # every rank joins the weight exchange once any rank computes a replica
                 received_l = received.detach().requires_grad_(build_graph)
                 leaves.append(received_l)
+            if c1 is not None:  # copies held here (training: their gradients are gathered, then sent home)
+                c1_l, c2_l = (t.detach().requires_grad_(build_graph and t.requires_grad) for t in (c1, c2))
+                if c1_l.requires_grad:
+                    leaves += [c1_l, c2_l]
             if any(r >= 0 for r in ex.replica_rows + ex.copy_rows):  # weights from shard + copies + received
                 # One gather per weight, so each is contiguous: the expert GEMMs then read it through TMA, the
                 # same compiled kernels as without replicas.
@@ -94,8 +120,8 @@ class _ExpertExchange(torch.autograd.Function):
                         for h, c, r in zip(ex.home_rows, ex.copy_rows, ex.replica_rows)]
                 parts1, parts2 = [w1_l.flatten(1)], [w2_l.flatten(1)]
                 if n_copies:
-                    parts1.append(ex.copies.w1.flatten(1))
-                    parts2.append(ex.copies.w2.flatten(1))
+                    parts1.append(c1_l.flatten(1))
+                    parts2.append(c2_l.flatten(1))
                 if received is not None:
                     parts1.append(received_l[:, :n1])
                     parts2.append(received_l[:, n1:])
@@ -109,6 +135,7 @@ class _ExpertExchange(torch.autograd.Function):
                                    group_order=ex.group_order)
             y_recv = y.index_select(0, ex.to_group)
         ctx.graph = (y_recv, leaves) if build_graph else None
+        ctx.copies_grad = c1 is not None and c1_l.requires_grad
         return timer(all_to_all, y_recv.detach(), ex.in_splits, ex.out_splits, group)
 
     @staticmethod
@@ -120,6 +147,7 @@ class _ExpertExchange(torch.autograd.Function):
         grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves)]
         grad_send = timer(all_to_all, grads[0], ex.in_splits, ex.out_splits, group)
         grad_w1, grad_w2 = grads[1], grads[2]
+        grad_c1, grad_c2 = (grads[-2], grads[-1]) if ctx.copies_grad else (None, None)
         if ex.any_replicas:
             back = timer(all_to_all, grads[3], ex.w_in_splits, ex.w_out_splits, group)
             n1 = grad_w1[0].numel()
@@ -127,7 +155,7 @@ class _ExpertExchange(torch.autograd.Function):
             grad_w1 = grad_w1.index_add(0, rows, back[:, :n1].view(-1, *grad_w1.shape[1:]))
             grad_w2 = grad_w2.index_add(0, rows, back[:, n1:].view(-1, *grad_w2.shape[1:]))
         ctx.graph = None
-        return grad_send, grad_w1, grad_w2, None, None, None, None
+        return grad_send, grad_w1, grad_w2, grad_c1, grad_c2, None, None, None, None
 
 
 class EPContext:
@@ -171,7 +199,8 @@ class ExpertParallelExperts(nn.Module):
     def __init__(self, shard: ExpertShard, ctx: EPContext):
         super().__init__()
         self.shard, self.ctx = shard, ctx
-        self.copies: ExpertCopies | None = None  # read-only copies held here (EPContext.copies[rank] names them)
+        self.copies: ExpertCopies | None = None  # copies held here (EPContext.copies[rank] names them)
+        self.routes: CopyRoutes | None = None  # training: where the copies came from (None: no copies in the group)
         self.rank_load: torch.Tensor | None = None  # [R] rows computed per rank, summed over the step
         self.tokens_per_rank_expert: torch.Tensor | None = None  # [R, E] summed over the step
 
@@ -232,7 +261,8 @@ class ExpertParallelExperts(nn.Module):
                       group_order=None if ctx.gemm_order is None else ctx.gemm_order(rows_per_group).to(dev),
                       copies=self.copies, **self._weight_routes(groups, alloc))
         send_buf = permute_rows(h_TD, dest, flat.numel())
-        back = _ExpertExchange.apply(send_buf, self.shard.w1, self.shard.w2, ex, ctx.group,
+        c1, c2 = (None, None) if self.copies is None else (self.copies.w1, self.copies.w2)
+        back = _ExpertExchange.apply(send_buf, self.shard.w1, self.shard.w2, c1, c2, ex, ctx.group,
                                      torch.is_grad_enabled(), self._timed)
         return unpermute_rows(back, dest, weight_TK)
 
@@ -271,6 +301,55 @@ class ExpertParallelExperts(nn.Module):
             "w_in_splits": [len(x) for x in mine_to],
             "w_out_splits": torch.bincount(from_home, minlength=R).tolist(),
         }
+
+    # -- trained copies: fetched from home, gradients returned home --------------------------------------------------
+    # The stage engine runs one all-to-all for all its MoE layers (k3ray.parallel.engine_copies): each layer gives
+    # its rows to send and takes its part of what arrived; rows are [n, w1 + w2 values] in the routes' order.
+    @torch.no_grad()
+    def copy_rows_to_send(self, table: list[list[int]]) -> torch.Tensor:
+        """Training: this layer's routes for copy table `table`; returns my shard's rows the holders get [n, W]."""
+        self.routes = CopyRoutes.of(table, self.ctx.home.tolist(), self.ctx.rank, self.shard.expert_ids)
+        w1, w2 = self.shard.w1, self.shard.w2
+        return torch.cat([w1.flatten(1), w2.flatten(1)], dim=1)[self.routes.send_rows]
+
+    @torch.no_grad()
+    def hold_copies(self, experts: list[int], arrived: torch.Tensor) -> None:
+        """Hold copies of `experts` (this rank's entry of the table) from the rows that arrived [n, W] (arrival
+        order), as leaves that gather the gradients of the rows computed with them."""
+        if not experts:
+            self.copies = None
+            return
+        got = arrived[[self.routes.arrival.index(e) for e in experts]]  # arrival order -> expert order
+        w1, w2 = self.shard.w1, self.shard.w2
+        n1 = w1[0].numel()
+        self.copies = ExpertCopies(experts, got[:, :n1].reshape(-1, *w1.shape[1:]).requires_grad_(True),
+                                   got[:, n1:].reshape(-1, *w2.shape[1:]).requires_grad_(True))
+
+    @torch.no_grad()
+    def copy_grads_to_send(self) -> torch.Tensor:
+        """After the step's backward: the copies' gradients (summed over the micro-batches) in arrival order [n, W],
+        to go home; the copies' own are cleared."""
+        w1, w2 = self.shard.w1, self.shard.w2
+        if self.copies is None:
+            return w1.new_zeros(0, w1[0].numel() + w2[0].numel())
+        grads = [torch.zeros_like(t) if t.grad is None else t.grad for t in (self.copies.w1, self.copies.w2)]
+        flat = torch.cat([grads[0].flatten(1), grads[1].flatten(1)], dim=1)
+        self.copies.w1.grad = self.copies.w2.grad = None
+        return flat[[self.copies.expert_ids.index(e) for e in self.routes.arrival]]
+
+    @torch.no_grad()
+    def add_home_grads(self, back: torch.Tensor) -> None:
+        """Add the gradients of my experts' copies that came home [n, W] (send order) to the shard's."""
+        w1, w2 = self.shard.w1, self.shard.w2
+        n1 = w1[0].numel()
+        rows = torch.tensor(self.routes.send_rows, dtype=torch.long, device=back.device)
+        for w, part in ((w1, back[:, :n1]), (w2, back[:, n1:])):
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            w.grad.index_add_(0, rows, part.reshape(-1, *w.shape[1:]))
+
+    def drop_copies(self) -> None:
+        self.copies, self.routes = None, None
 
     def _account(self, tpe_RE: torch.Tensor, alloc: torch.Tensor) -> None:
         load = alloc.sum(0)
