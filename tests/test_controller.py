@@ -80,13 +80,17 @@ class FakeGroup:
     def room_for(self, n: int) -> bool:
         return sum(g.held for g in self.cluster.groups) + self.cluster.others + n <= self.cluster.capacity
 
-    def grow(self, ep: int, home: list[int], restore: dict, timeout_s: float) -> None:
-        """In place: the added workers are placed first; a placement that fails leaves the grid as it was."""
+    def grow(self, ep: int, home: list[int], restore: dict, timeout_s: float, use_spares: bool = False) -> None:
+        """In place: the added workers are placed first (ready spares first with use_spares); a placement that
+        fails leaves the grid as it was."""
+        added = self.pp * (ep - self.ep)
+        from_spares = min(added, len(self.spares)) if use_spares else 0
         if self.cluster.place_fails:
             self.cluster.place_fails -= 1
             raise TopologyError("placement timed out")
-        if not self.room_for(self.pp * (ep - self.ep)):
-            raise TopologyError(f"could not place {self.pp * (ep - self.ep)} more workers")
+        if not self.room_for(added - from_spares):
+            raise TopologyError(f"could not place {added - from_spares} more workers")
+        self.spares = self.spares[from_spares:]
         self.cluster.calls.append(("grow", self.ep, ep))
         self.parts = []  # every worker takes its place in the grown grid: the parts it was writing are forgotten
         self.ep, self.home = ep, list(home)
@@ -278,6 +282,25 @@ def test_lost_worker_shrinks_rehomes_replays_then_grows_back():
     assert [i["kind"] for i in ctrl.incidents] == ["worker_lost", "grow_back"]
     assert ctrl.status()["ep"] == 4 and ctrl.placement()["home"] == recovery.grow(16, 4).tolist()
     assert states(ctrl) == ["scheduling", "running", "recovering", "running", "resizing", "running"]
+
+
+def test_after_a_scale_down_a_loss_grows_back_to_the_size_asked_for_not_the_configured_one():
+    cluster = Cluster(capacity=8)
+    ctrl = run(cluster, 2, **{"parallel.ep": 4, "fault_tolerance.grow_back_after_steps": 1})
+    ctrl.request_scale(2)
+    ctrl.train_step(2)
+    assert ctrl.status()["ep"] == 2 and ctrl.status()["ep_target"] == 2
+    cluster.lose[3] = 1
+    ctrl.train_step(3)  # the loss leaves 1 rank
+    assert ctrl.status()["ep"] == 1
+    for s in range(4, 7):
+        ctrl.train_step(s)
+    assert [i["kind"] for i in ctrl.incidents] == ["scaled", "worker_lost", "grow_back"]
+    assert ctrl.incidents[-1]["ep"] == [1, 2] and ctrl.status()["ep"] == 2  # never back to parallel.ep=4
+    ctrl.request_scale(4)
+    ctrl.train_step(7)
+    assert ctrl.status()["ep"] == 4 and ctrl.status()["ep_target"] == 4
+    assert cluster.groups[-1].trained == tuple(range(8))
 
 
 def test_lost_stage_restarts_the_same_grid():

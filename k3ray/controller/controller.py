@@ -81,6 +81,7 @@ class Controller(FailurePaths):
         self.avoid_nodes: set[str] = set()  # nodes found silent (Ray may still report them alive): never placed on
         self.grow_back_failures = 0  # grow-backs in a row whose placement failed
         self.scale_to: int | None = None  # EP size asked for (`request_scale`), applied at the next step boundary
+        self.ep_target = cfg.parallel.ep  # the size grow-back returns to: the last one `request_scale` applied
         self._warned = 0  # checkpoint warnings handed to the driver so far
 
     @property
@@ -323,7 +324,8 @@ class Controller(FailurePaths):
     def status(self) -> dict:
         par = self.cfg.parallel
         out = {"name": self.cfg.name, "state": self.state.value, "step": self.step, "pp": par.pp,
-               "ep": self.table.ep, "ep_configured": par.ep, "workers": par.pp * self.table.ep, "device": par.device,
+               "ep": self.table.ep, "ep_configured": par.ep, "ep_target": self.ep_target,
+               "workers": par.pp * self.table.ep, "device": par.device,
                "spares": 0 if self.group is None else len(self.group.spares),
                "skipped_batches": sorted(self.skip), "lr_scale": self.lr_scale,
                "loss": None if self.last_report is None else self.last_report["loss"],

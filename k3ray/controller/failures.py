@@ -143,7 +143,7 @@ class FailurePaths:
                 incident["outcome"] = f"interrupted: {again}"
                 self._log_incident(incident)
             raise
-        self.shrunk_at = step if decision.ep < self.cfg.parallel.ep else None
+        self.shrunk_at = step if decision.ep < self.ep_target else None
         launch = self.group.launch_seconds
         incident["seconds"] = {
             "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
@@ -266,15 +266,16 @@ class FailurePaths:
             self.machine.to(JobState.RUNNING, f"scaling to ep={ep} did not fit ({err})")
             return
         self._joined()
-        self.shrunk_at = None  # the size asked for: no grow-back from it
+        self.ep_target, self.shrunk_at = ep, None  # the size asked for: a later loss grows back to it, not beyond
         self._log_incident(self._incident("scaled", step=step, ep=[old_ep, ep], seconds=time.perf_counter() - t0))
         self.machine.to(JobState.RUNNING, f"scaled to {self.group.size} workers")
 
     def _maybe_grow_back(self, step: int) -> None:
-        """Grow back to the configured EP size when the cluster has room again, in place: the grid in use keeps
-        running until the added workers are placed (a placement that fails leaves it as it was, and the job goes
-        on shrunk, trying again later; after `grow_back_attempts` failures in a row it stays shrunk)."""
-        ft, full = self.cfg.fault_tolerance, self.cfg.parallel.ep
+        """Grow back to the EP size asked for (parallel.ep, or the last `k3ray scale`) when the cluster has room
+        again, in place: the grid in use keeps running until the added workers are placed (a placement that fails
+        leaves it as it was, and the job goes on shrunk, trying again later; after `grow_back_attempts` failures in
+        a row it stays shrunk)."""
+        ft, full = self.cfg.fault_tolerance, self.ep_target
         if self.grow_back_failures >= ft.grow_back_attempts or not recovery.grow_back_due(
                 step, self.shrunk_at, self.table.ep, full, ft.grow_back, ft.grow_back_after_steps):
             return

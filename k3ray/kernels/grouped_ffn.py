@@ -10,7 +10,6 @@ from __future__ import annotations
 import threading
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3ray.kernels import grouped_gemm as gg
