@@ -55,7 +55,7 @@ class FakeGrid:
         self.executor = LocalExecutor(model, sizes)
         self.lose_at, self.recover_fails, self.relaunch_fails = set(lose_at), recover_fails, relaunch_fails
         self.iterations, self.calls, self.gate, self.fail_at = 0, [], None, set()
-        self.group = type("Group", (), {"workers": [None]})()
+        self.group = type("Group", (), {"workers": [None], "home": [0] * model.cfg.n_experts})()
 
     def run(self, plans):
         self.iterations += 1
@@ -198,7 +198,7 @@ def test_an_observer_that_raises_does_not_stop_the_engine(cfg, model):
             Broken.seen += 1
             raise RuntimeError("metrics backend down")
 
-        def expert_load(self, loads):
+        def expert_load(self, loads, home, copies):
             raise RuntimeError("metrics backend down")
 
     engine = Engine(cfg, 0, FakeGrid(model, sizes(cfg)), observers=[Broken()])
