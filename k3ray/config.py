@@ -356,6 +356,8 @@ class JobConfig(_Strict):
             raise ValueError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}")
         if p.pp > m.n_layers:
             raise ValueError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}")
+        if self.execution.compile_blocks and p.device != "cuda":
+            raise ValueError("execution.compile_blocks: CUDA only (parallel.device is cpu)")
         if self.data.seq_len > m.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         for i, fault in enumerate(self.fault_tolerance.faults):

@@ -89,3 +89,21 @@ def test_fused_adamw_clipping_equals_foreach():
             opt.step(params, 1e-2, grad_scale=0.3)
         out[device] = params["w"].detach().cpu()
     torch.testing.assert_close(out["cuda"], out["cpu"], rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_blocks_are_refused_on_cpu_with_the_field_named():
+    from k3ray.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"execution.compile_blocks: CUDA only"):
+        load_config(TINY, {"execution.compile_blocks": True})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the kernels are wrapped by torch.compiler.disable")
+def test_without_cuda_a_worker_process_does_not_import_torch_dynamo():
+    """Nothing compiles without CUDA, so no worker pays torch._dynamo's import (~1 s of CPU per process)."""
+    import subprocess
+    import sys
+
+    code = "import sys, k3ray.controller.worker, k3ray.parallel.engine; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]

@@ -16,7 +16,7 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | kda_gate(raw, A_log, dt_bias, lower_bound) | kda.kda_gate_reference | kda.kda_gate_fla | all |
 | short_conv(x, weight, state, output_final_state, cu_seqlens) | short_conv.*_reference | short_conv.*_fla (no state) | all |
 
-Every public function here runs outside torch.compile's graphs (`torch.compiler.disable`): a compiled decoder block
+Every public function here runs outside torch.compile's graphs (`outside_compile`): a compiled decoder block
 (execution.compile_blocks) breaks its graph around each kernel call instead of tracing into Triton launchers and fla's
 autograd Functions; Inductor fuses what lies between them. Outside compilation the wrapper costs well under 1 us.
 
@@ -50,11 +50,18 @@ def set_backend(name: str) -> None:
     _backend = name
 
 
+def outside_compile(fn):
+    """`torch.compiler.disable(fn)` where CUDA is, else fn: compiled blocks (execution.compile_blocks, CUDA only)
+    break their graphs around it. Without CUDA nothing is compiled, and every process (each Ray worker) is spared
+    importing torch._dynamo (~1 s of CPU)."""
+    return torch.compiler.disable(fn) if torch.cuda.is_available() else fn
+
+
 def _triton(t: torch.Tensor) -> bool:
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)
 
 
-@torch.compiler.disable
+@outside_compile
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = _situ.BETA,
               beta_lin: float = _situ.BETA_LIN) -> torch.Tensor:
     if _triton(gate):
@@ -62,7 +69,7 @@ def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = _situ.BETA,
     return _situ.situ_glu_reference(gate, up, beta, beta_lin)
 
 
-@torch.compiler.disable
+@outside_compile
 def grouped_expert_ffn(
     x: torch.Tensor,
     w1: torch.Tensor,
@@ -78,21 +85,21 @@ def grouped_expert_ffn(
     return _ffn.grouped_expert_ffn_reference(x, w1, w2, group_ends, row_scale)
 
 
-@torch.compiler.disable
+@outside_compile
 def permute_rows(x: torch.Tensor, dest: torch.Tensor, num_rows: int) -> torch.Tensor:
     if _triton(x):
         return _perm.permute_rows_triton(x, dest, num_rows)
     return _perm.permute_rows_reference(x, dest, num_rows)
 
 
-@torch.compiler.disable
+@outside_compile
 def unpermute_rows(y: torch.Tensor, dest: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     if _triton(y):
         return _perm.unpermute_rows_triton(y, dest, weights)
     return _perm.unpermute_rows_reference(y, dest, weights)
 
 
-@torch.compiler.disable
+@outside_compile
 def score_histogram(values: torch.Tensor, lo: float, hi: float, bins: int) -> torch.Tensor:
     if _triton(values):
         return _hist.score_histogram_triton(values, lo, hi, bins)
@@ -103,7 +110,7 @@ def _fla(t: torch.Tensor) -> bool:
     return _backend != "reference" and t.is_cuda and _kda.fla_ops() is not None
 
 
-@torch.compiler.disable
+@outside_compile
 def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None):
     """KDA for training and prefill (see kernels/kda.py for shapes): fla's chunk_kda, or the torch reference (the
     chunked one for sequences longer than one chunk). Returns (o, final state or None)."""
@@ -113,7 +120,7 @@ def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False
     return ref(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
 
 
-@torch.compiler.disable
+@outside_compile
 def kda_decode(q, k, v, g, beta, initial_state=None, output_final_state=True, cu_seqlens=None):
     """KDA for decoding a few tokens from given states: fla's fused_recurrent_kda, or the recurrent reference."""
     if _fla(q):
@@ -121,7 +128,7 @@ def kda_decode(q, k, v, g, beta, initial_state=None, output_final_state=True, cu
     return _kda.kda_recurrent_reference(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
 
 
-@torch.compiler.disable
+@outside_compile
 def kda_decode_slots(q, k, v, g, beta, pool, slots):
     """One token of each of N sequences from its state slot, the slots updated in place (kernels/kda.py)."""
     if _fla(q):
@@ -129,7 +136,7 @@ def kda_decode_slots(q, k, v, g, beta, pool, slots):
     return _kda.kda_decode_slots_reference(q, k, v, g, beta, pool, slots)
 
 
-@torch.compiler.disable
+@outside_compile
 def kda_context_parallel(q, k, v, g, beta, group):
     """KDA over a sequence split contiguously across the ranks of `group`; returns this rank's o."""
     if _fla(q):
@@ -137,7 +144,7 @@ def kda_context_parallel(q, k, v, g, beta, group):
     return _kda.kda_context_parallel_reference(q, k, v, g, beta, group)
 
 
-@torch.compiler.disable
+@outside_compile
 def kda_gate(raw, A_log, dt_bias, lower_bound=None):
     """KDA's forget gate log alpha [..., H, K] fp32 (kernels/kda.py): fla's fused gate, or the torch reference."""
     if _fla(raw):
@@ -145,7 +152,7 @@ def kda_gate(raw, A_log, dt_bias, lower_bound=None):
     return _kda.kda_gate_reference(raw, A_log, dt_bias, lower_bound)
 
 
-@torch.compiler.disable
+@outside_compile
 def short_conv(x, weight, state=None, output_final_state=False, cu_seqlens=None):
     """Causal short convolution + SiLU (kernels/short_conv.py). fla's kernel on CUDA when no state is carried (training
     and whole-sequence forward); the torch reference otherwise (serving carries each request's last W-1 inputs)."""

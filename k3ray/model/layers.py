@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import kda_attention, kda_gate, short_conv, situ_glu
+from k3ray.kernels import kda_attention, kda_gate, outside_compile, short_conv, situ_glu
 
 if TYPE_CHECKING:
     from k3ray.model.cache import IterationCache
@@ -159,7 +159,7 @@ class Documents:
         self.cu_seqlens = torch.cat([first, first.new_tensor([B * S])])
 
 
-@torch.compiler.disable  # cuDNN/flash attention chosen by sdpa_kernel, eager in a compiled block as every kernel
+@outside_compile  # cuDNN/flash attention chosen by sdpa_kernel, eager in a compiled block as every kernel
 def causal_attention(q_BSHe: torch.Tensor, k_BSHe: torch.Tensor, v_BSHh: torch.Tensor, scale: float,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax attention -> [B, S, H, h], or with `mask` [B, 1, S, S] (True: attend) that mask instead (it

@@ -15,7 +15,7 @@ from k3ray.dtypes import up32
 from torch import nn
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import grouped_expert_ffn, permute_rows, unpermute_rows
+from k3ray.kernels import grouped_expert_ffn, outside_compile, permute_rows, unpermute_rows
 from k3ray.model.balancing import quantile_histogram, select_experts
 from k3ray.model.layers import RMSNorm, SiTUFFN
 
@@ -65,7 +65,7 @@ class LocalExperts(nn.Module):
         super().__init__()
         self.shard = shard
 
-    @torch.compiler.disable  # data-dependent grouping: eager, between a compiled block's graphs
+    @outside_compile  # data-dependent grouping: eager, between a compiled block's graphs
     def forward(self, h_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
         dest, _, ends = route_order(idx_TK, len(self.shard.expert_ids))
         rows = permute_rows(h_TD, dest, idx_TK.numel())
@@ -160,7 +160,7 @@ class LatentMoE(nn.Module):
             y = y + shared(x)
         return y.view_as(x_BSd)
 
-    @torch.compiler.disable  # fills RoutingStats (host-side bookkeeping); its kernels are few and small
+    @outside_compile  # fills RoutingStats (host-side bookkeeping); its kernels are few and small
     @torch.no_grad()
     def _note_stats(self, scores: torch.Tensor, idx: torch.Tensor, y_lat: torch.Tensor) -> None:
         cfg = self.cfg

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3ray.config import ModelConfig, PoliciesConfig
-from k3ray.kernels import grouped_expert_ffn, permute_rows, unpermute_rows
+from k3ray.kernels import grouped_expert_ffn, outside_compile, permute_rows, unpermute_rows
 from k3ray.model.moe import ExpertShard, route_order
 from k3ray.policies import copies as copies_policy
 from k3ray.policies import moonep
@@ -210,7 +210,7 @@ class ExpertParallelExperts(nn.Module):
         self.ctx.comm_seconds += time.perf_counter() - t0
         return out
 
-    @torch.compiler.disable  # host-planned exchange and collectives: eager, between a compiled block's graphs
+    @outside_compile  # host-planned exchange and collectives: eager, between a compiled block's graphs
     def forward(self, h_TD: torch.Tensor, idx_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
         ctx, me = self.ctx, self.ctx.rank
         R, E = ctx.num_ranks, ctx.home.numel()
