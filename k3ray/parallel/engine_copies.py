@@ -2,8 +2,9 @@
 experts in spare slots, fetched from their homes at a step boundary and again after each optimizer step, their
 gradients returned home before it (`set_trained_copies`; the engine's step calls `_return_copy_grads` and
 `_fetch_copies`; one all-to-all for all the stage's MoE layers each); in serving, read-only copies fetched from the
-held weights beside the iterations and switched to between two iterations (`stage_copies`, `use_copies`). Whatever replaces the weights or the homes drops them
-(`_drop_copies`). Uses the engine's stage, EP context, ep size and rank."""
+held weights beside the iterations and switched to between two iterations (`stage_copies`, `use_copies`). Whatever
+replaces the weights or the homes drops them (`_drop_copies`). Uses the engine's stage, EP context, ep size and
+rank."""
 from __future__ import annotations
 
 import torch
