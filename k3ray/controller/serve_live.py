@@ -13,6 +13,7 @@ import time
 
 from k3ray.config import JobConfig
 from k3ray.controller.live_policies import LivePolicies
+from k3ray.controller.serve_iterations import BoundaryLock
 from k3ray.controller.serve_placement import ServePlacement
 from k3ray.controller.worker_group import TopologyError
 
@@ -23,7 +24,7 @@ class LiveServing:
     def live_serving_init(self, cfg: JobConfig) -> None:
         self.live = LivePolicies(cfg.policies)  # changes through the front door, applied between iterations
         self.placement = ServePlacement(cfg.model.n_experts)  # read-only copies of hot experts, moved live
-        self.between_iterations = asyncio.Lock()  # held by each iteration; a resize takes it to run between two
+        self.between_iterations = BoundaryLock()  # held by each iteration; a resize takes it to run between two
 
     async def _at_boundary(self) -> None:
         """Between two iterations: queued policy changes take effect, a placement move is decided (its copies are
