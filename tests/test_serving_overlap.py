@@ -188,3 +188,34 @@ def test_the_engine_recovers_a_lost_worker_with_two_iterations_in_flight(model):
     assert eng.cfg.serve.overlap and grid.calls == ["recover"] and eng.incidents[0]["kind"] == "worker_lost"
     for i, items in enumerate(streams):
         assert [t for item in items for t in item.get("tokens", [])] == reference(model, i)
+
+
+@pytest.mark.parametrize("bucket", [3, 4])
+def test_the_decode_graph_body_takes_the_tokens_in_flight_on_the_device(model, bucket):
+    """What a decode CUDA graph holds (`StageServer.decode_step`, run eagerly here on CPU): rows flagged from_device
+    read the slot's last sampled token, and give the tokens (and, unpadded, the max-abs) of the eager step fed those
+    tokens from the host."""
+    from k3ray.parallel.serving import RankPlan, pack_decode
+    from k3ray.model.cache import SeqAdmit
+
+    sizes = PoolSizes(pages=24, page_size=4, slots=4)
+    prompts = [encode(t) for t in TEXTS[:3]]
+    prefill = RankPlan(slots=[0, 1, 2], starts=[0, 0, 0], counts=[len(p) for p in prompts],
+                       tokens=[t for p in prompts for t in p], counters=[0, 0, 0],
+                       admit=[SeqAdmit(i, list(range(8 * i, 8 * i + 8)), 0.7 * (i == 1), 1.0, 9 + i) for i in range(3)])
+    eager, graph_body = LocalExecutor(model, sizes), LocalExecutor(model, sizes)
+    first = eager.server.step(prefill).tokens
+    assert graph_body.server.step(prefill).tokens == first
+    decode = RankPlan(slots=[0, 1, 2], starts=[len(p) for p in prompts], counts=[1, 1, 1], tokens=first,
+                      counters=[1, 1, 1])
+    want = eager.server.step(decode)
+    decode.tokens, decode.from_device = [0, first[1], 0], [True, False, True]
+    server = graph_body.server
+    packed = pack_decode(decode, bucket, server.pools.scratch_slot, True)
+    with torch.no_grad():
+        _, tokens, maxabs = server.decode_step(packed, None, server.pools.context_bucket(max(decode.starts) + 1),
+                                               greedy=False)
+    assert tokens[:3].tolist() == want.tokens
+    if bucket == 3:  # with a padding row the last real row's max-abs differs a little, from_device rows or none
+        assert torch.allclose(maxabs[:3], torch.tensor(want.maxabs, dtype=maxabs.dtype))
+    assert server.pools.last_token[:3].tolist() == want.tokens

@@ -7,7 +7,8 @@ the serving grid's pp x ep like a resume (each worker keeps its stage's names an
 Requests stream: `generate` is an async generator (a Ray streaming call); its first item says whether the request
 was accepted, then one item per iteration in which it got tokens, the last one with the finish reason. Cancelling
 the call (a client that went away) cancels the request and frees its pages and slot. The iteration loop runs while
-there is work: schedule, every worker's `serve_step` (the last stage's answers are the logits), complete.
+there is work: schedule, every worker's `serve_step` (the last stage's answers are the sampled tokens), complete;
+with serve.overlap two iterations are in flight (k3ray.controller.serve_iterations).
 
 Lost workers (k3ray.controller.serve_grid): the grid is rebuilt from the weights the engine holds and every
 unfinished request is prefilled again from its prompt and the tokens generated so far; its stream goes on from the

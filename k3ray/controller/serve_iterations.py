@@ -119,7 +119,7 @@ class IterationLoop:
         t0 = time.perf_counter()
         try:
             outputs = await self._on_grid(self.grid.collect, ahead[1])
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
             self._iteration_done(self._iteration_failed(err), t0)
             return
         t1 = time.perf_counter()

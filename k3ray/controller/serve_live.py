@@ -2,8 +2,8 @@
 applied at the next iteration), the expert placement (read-only copies of hot experts moved in the background,
 k3ray.controller.serve_placement) and the grid's size (`scale`: a new grid launched beside the serving one, then
 adopted). A mixin of `k3ray.controller.serve_engine.Engine`: it uses the engine's grid, scheduler, `_on_grid`,
-`_restore`, `_incident` and `_ensure_loop`; the engine holds `between_iterations` around each iteration and calls
-`_at_boundary` at its start.
+`_restore`, `_incident` and `_ensure_loop`; the engine holds `between_iterations` around each iteration (around each
+stretch of overlapped ones: nothing is in flight while it is free) and calls `_at_boundary` at its start.
 """
 from __future__ import annotations
 

@@ -144,9 +144,31 @@ class StageServer:
         maxabs = torch.where(torch.isfinite(out).all(-1), maxabs, torch.inf)
         return out, tokens, maxabs
 
+    def decode_step(self, packed: torch.Tensor, hidden: torch.Tensor | None, context: int, greedy: bool):
+        """A decode iteration from its packed inputs (`pack_decode`: [6, B] on the device; `hidden`: the stage's
+        input on stages after the first) as `forward` gives it: what a decode CUDA graph holds, no host sync."""
+        slots, starts, counters, tokens, valid, from_device = packed
+        cache = IterationCache(self.pools, slots, starts, torch.ones_like(slots),
+                               torch.arange(len(slots), device=slots.device), valid.bool(), nmax=1, context=context,
+                               decode=True)
+        if hidden is None:  # rows scheduled before their token came back read it on the device (overlap)
+            tokens = torch.where(from_device.bool(), self.pools.last_token[slots], tokens)
+        return self.forward(tokens[None] if hidden is None else hidden, cache, counters, greedy)
+
     def expert_load(self) -> dict[int, list[int]]:
         """layer -> routes this worker's tokens sent to each expert since the last call (then reset)."""
         return self.pools.take_load()
+
+
+def pack_decode(plan: RankPlan, bucket: int, scratch_slot: int, first_stage: bool) -> torch.Tensor:
+    """A decode plan's inputs as one host tensor [6, bucket] (slots, starts, counters, token ids, valid, from_device),
+    padded with rows that read and write only the scratch slot."""
+    n = len(plan.slots)
+    pad = bucket - n
+    from_device = plan.from_device or [False] * n
+    return torch.tensor([plan.slots + [scratch_slot] * pad, plan.starts + [0] * pad, plan.counters + [0] * pad,
+                         (plan.tokens if first_stage else [0] * n) + [0] * pad, [1] * n + [0] * pad,
+                         [int(f) for f in from_device] + [0] * pad], dtype=torch.int64)
 
 
 class DecodeGraphs:
@@ -201,12 +223,7 @@ class DecodeGraphs:
         if captured is None:
             return None
         graph, inputs, outputs = captured
-        pad = bucket - n
-        from_device = plan.from_device or [False] * n
-        host = torch.tensor([plan.slots + [pools.scratch_slot] * pad, plan.starts + [0] * pad,
-                             plan.counters + [0] * pad, (plan.tokens if x is None else [0] * n) + [0] * pad,
-                             [1] * n + [0] * pad, [int(f) for f in from_device] + [0] * pad], dtype=torch.int64)
-        inputs["packed"].copy_(host, non_blocking=False)
+        inputs["packed"].copy_(pack_decode(plan, bucket, pools.scratch_slot, x is None), non_blocking=False)
         if x is not None:
             inputs["hidden"][..., :n, :].copy_(x)
         graph.replay()
@@ -224,12 +241,7 @@ class DecodeGraphs:
         inputs = {"packed": packed, "hidden": hidden}
 
         def step():
-            slots, starts, counters, tokens, valid, from_device = packed
-            cache = IterationCache(pools, slots, starts, torch.ones_like(slots), torch.arange(bucket, device=dev),
-                                   valid.bool(), nmax=1, context=context, decode=True)
-            if hidden is None:  # rows scheduled before their token came back read it on the device (overlap)
-                tokens = torch.where(from_device.bool(), pools.last_token[slots], tokens)
-            return server.forward(tokens[None] if hidden is None else hidden, cache, counters, greedy)
+            return server.decode_step(packed, hidden, context, greedy)
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
