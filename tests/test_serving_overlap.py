@@ -134,8 +134,8 @@ def test_a_guard_trip_fails_one_request_alone_with_iterations_overlapped(model):
     handle = poison_token(model, poison)
     try:
         bad_prompt = encode("x = 1\n" * 4 + "~ = 2\n")
-        drive(sched, ex, overlap=True, submit_at={0: [(encode(t), params) for t in texts[:2]] + [(bad_prompt, params)]
-                                                  + [(encode(t), params) for t in texts[2:]]})
+        arrivals = [(encode(t), params) for t in texts[:2]] + [(bad_prompt, params)]
+        drive(sched, ex, overlap=True, submit_at={0: arrivals + [(encode(t), params) for t in texts[2:]]})
     finally:
         handle.remove()
     reqs = sorted(sched.requests.values(), key=lambda r: r.id)
@@ -219,3 +219,13 @@ def test_the_decode_graph_body_takes_the_tokens_in_flight_on_the_device(model, b
     if bucket == 3:  # with a padding row the last real row's max-abs differs a little, from_device rows or none
         assert torch.allclose(maxabs[:3], torch.tensor(want.maxabs, dtype=maxabs.dtype))
     assert server.pools.last_token[:3].tolist() == want.tokens
+
+
+def test_overlap_defaults_on_for_one_stage_and_is_refused_with_more():
+    from k3ray.controller.serve_engine import overlap
+
+    assert overlap(load_config("configs/tiny.yaml", {"parallel.pp": 1}))
+    assert not overlap(load_config("configs/tiny.yaml", {"parallel.pp": 2}))
+    assert not overlap(load_config("configs/tiny.yaml", {"parallel.pp": 1, "serve.overlap": False}))
+    with pytest.raises(Exception, match=r"serve.overlap=true needs parallel.pp=1 \(got 2\)"):
+        load_config("configs/tiny.yaml", {"parallel.pp": 2, "serve.overlap": True})

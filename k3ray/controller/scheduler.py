@@ -15,9 +15,10 @@ and `unconfirmed` the sampled tokens not yet back; `complete` of n confirms. A r
 may generate (max_tokens, the context: known on the host); one that ends in n (end-of-text, stop string, guard trip,
 cancel) while in n+1 has n+1's token dropped, and its slot and pages are freed once n+1 completes.
 
-A request's state is its prompt and the tokens generated so far (`Request.ids`, confirmed tokens only); the caches on the workers can be
-rebuilt from it by prefilling again (`reset`, after the grid holding them was lost): the next token then comes from
-the same logits, so greedy and seeded outputs are those of an undisturbed run.
+A request's state is its prompt and the tokens generated so far (`Request.ids`: confirmed tokens only); the caches
+on the workers can be rebuilt from it by prefilling again (`reset`, after the grid holding them was lost, with any
+iterations in flight: they are void): the next token then comes from the same logits, so greedy and seeded outputs
+are those of an undisturbed run.
 
 Prefill batching (`prefill_hold_s` > 0): while requests are decoding, prompt chunks are scheduled at most once per
 hold, all that the budget takes then. A decode-only iteration replays a CUDA graph; one with any prompt chunk runs

@@ -37,9 +37,10 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class RankPlan:
     """One data-parallel rank's iteration: its sequences (by state slot, with the tokens already cached and the
     number of new ones), their new token ids packed in sequence order, each sequence's sample counter (how many
-    tokens it has generated: the index of its sampling noise), and the sequences new on the rank. A row flagged `from_device` (one token: the engine scheduled it before
-    the iteration sampling that token came back, serve.overlap) takes its token from the slot's last sampled token
-    on the device (`CachePools.last_token`); its entry in `tokens` is a placeholder."""
+    tokens it has generated: the index of its sampling noise), and the sequences new on the rank. A row flagged
+    `from_device` (one token: the engine scheduled it before the iteration sampling that token came back,
+    serve.overlap) takes its token from the slot's last sampled token on the device (`CachePools.last_token`); its
+    entry in `tokens` is a placeholder."""
     slots: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
