@@ -75,7 +75,7 @@ class IterationLoop:
         ahead = None  # (plans, handle): the iteration submitted and not yet completed
         for count in range(BOUNDARY_EVERY):
             t0 = time.perf_counter()
-            submitted, t1 = None, t0
+            submitted, t1, submit_s = None, t0, 0.0
             if self.sched.has_work and (count == 0 or not self._boundary_due()):
                 plans = self.sched.schedule()
                 if ahead is None or any(p.slots or p.admit for p, _ in plans.values()):
@@ -89,7 +89,7 @@ class IterationLoop:
                     if handle is None:  # workers lost: the grid is rebuilt, the iteration in flight void
                         self._iteration_done([], t0)
                         return
-                    submitted = (plans, handle)
+                    submitted, submit_s = (plans, handle), time.perf_counter() - t1
             if ahead is None:
                 if submitted is None:
                     return
@@ -107,7 +107,7 @@ class IterationLoop:
                 return
             t3 = time.perf_counter()
             changed = self.sched.complete(ahead[0], outputs)
-            self._time_phases(t1 - t0, t3 - t2, time.perf_counter() - t3, outputs)
+            self._time_phases(t1 - t0, submit_s + t3 - t2, time.perf_counter() - t3, outputs)
             self._iteration_done(changed, t0)
             ahead = submitted
             if ahead is None:
