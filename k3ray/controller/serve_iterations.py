@@ -9,8 +9,8 @@ to text, stops, guards, waking streams) runs while the workers run the one befor
 Rows of n+1 whose token n samples take it on the device (`Scheduler.schedule`, `RankPlan.from_device`). The grid runs
 iterations in the order submitted (`grid.submit` -> handle, `grid.collect(handle)` -> answers). A stretch of
 overlapped iterations holds `between_iterations` and ends with nothing in flight whenever something must happen
-between two iterations: someone waits for the lock (a resize), a policy change is queued, the expert load or hot
-spares are due, or every BOUNDARY_EVERY iterations (a placement move whose copies arrived). A failure with two in
+between two iterations: someone waits for the lock (a resize), a policy change is queued, a placement move is to be
+decided or its copies arrived, the expert load or hot spares are due, and at least every BOUNDARY_EVERY iterations. A failure with two in
 flight takes the sequential path's way out: a lost worker voids both (the grid is rebuilt and every unfinished
 request prefilled again from its confirmed tokens), any other failure fails every request.
 """
@@ -138,8 +138,9 @@ class IterationLoop:
 
     def _boundary_due(self) -> bool:
         """Whether the stretch should end after the iteration in flight: something waits for a boundary."""
-        return bool(self.between_iterations.waiting or self.live.pending or self.chores or self.placement.decide_next
-                    or time.monotonic() - self.spares_checked > SPARES_CHECK_S)
+        placement = self.placement
+        return bool(self.between_iterations.waiting or self.live.pending or self.chores or placement.decide_next
+                    or placement.fetched or time.monotonic() - self.spares_checked > SPARES_CHECK_S)
 
     def _iteration_failed(self, err: Exception) -> list:
         log.error("serving iteration failed", exc_info=err)
