@@ -229,3 +229,35 @@ def test_overlap_defaults_on_for_one_stage_and_is_refused_with_more():
     assert not overlap(load_config("configs/tiny.yaml", {"parallel.pp": 1, "serve.overlap": False}))
     with pytest.raises(Exception, match=r"serve.overlap=true needs parallel.pp=1 \(got 2\)"):
         load_config("configs/tiny.yaml", {"parallel.pp": 2, "serve.overlap": True})
+
+
+def test_whoever_waits_between_iterations_gets_in_with_nothing_in_flight(model):
+    """A resize takes `between_iterations`: an overlapped stretch drains and lets it in with no iteration in flight,
+    and serving goes on after it, every request ending as the reference."""
+    from test_serving_recovery import SERVE, FakeGrid, collect, reference, sizes
+
+    from k3ray.controller.serve_engine import Engine
+
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", "parallel.pp": 1, "parallel.ep": 1,
+                                            **{f"serve.{k}": v for k, v in SERVE.items()}})
+    grid = FakeGrid(model, sizes(cfg))
+    seen = []
+
+    async def between(eng):
+        while eng.iterations < 4:
+            await asyncio.sleep(0.001)
+        for _ in range(3):
+            async with eng.between_iterations:
+                seen.append(sum(r.in_flight for r in eng.sched.running.values()))
+            await asyncio.sleep(0.005)
+
+    async def main():
+        eng = Engine(cfg, 0, grid)
+        streams = asyncio.gather(*(collect(eng, i) for i in range(3)))
+        await between(eng)
+        return await streams
+
+    streams = asyncio.run(main())
+    assert seen == [0, 0, 0]
+    for i, items in enumerate(streams):
+        assert [t for item in items for t in item.get("tokens", [])] == reference(model, i)
