@@ -180,6 +180,7 @@ def main() -> None:
     ap.add_argument("--token-budget", type=int, default=256, help="serve.token_budget")
     ap.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
     ap.add_argument("--prefill-hold-ms", type=float, help="serve.prefill_hold_ms (default: the config's)")
+    ap.add_argument("--overlap", choices=["on", "off"], help="serve.overlap (default: the config's: on for pp=1)")
     ap.add_argument("--front-doors", type=int, default=1, help="HTTP front-door processes")
     ap.add_argument("--client-procs", type=int, default=1, help="processes the clients are spread over")
     args = ap.parse_args()
@@ -203,11 +204,13 @@ def main() -> None:
     top = max(args.concurrency)
     serve_cfg = {"slots_per_rank": -(-top // args.ep), "pages_per_rank": 8 * -(-top // args.ep),
                  "max_waiting": top, "token_budget": args.token_budget, "stream_interval": args.stream_interval,
-                 **({} if args.prefill_hold_ms is None else {"prefill_hold_ms": args.prefill_hold_ms})}
+                 **({} if args.prefill_hold_ms is None else {"prefill_hold_ms": args.prefill_hold_ms}),
+                 **({} if args.overlap is None else {"overlap": args.overlap == "on"})}
     serving = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg,
                             front_doors=args.front_doors)
     url, info = serving.url, serving.info
     hold_ms = 1e3 * ray.get(serving.engine.__ray_call__.remote(lambda e: e.sched.limits.prefill_hold_s))
+    overlap = ray.get(serving.engine.__ray_call__.remote(lambda e: e.overlap))
     pool = ProcessPoolExecutor(args.client_procs, mp_context=get_context("spawn")) if args.client_procs > 1 else None
     try:
         if pool is not None:  # every client process started (Python, the openai import) before any level
@@ -225,7 +228,7 @@ def main() -> None:
     print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, "
           f"max_tokens={args.max_tokens}, greedy, streaming, stream_interval={args.stream_interval}, "
           f"{args.front_doors} front doors, clients in {args.client_procs} processes, prefill hold "
-          f"{hold_ms:g} ms")
+          f"{hold_ms:g} ms, overlap {'on' if overlap else 'off'}")
     print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | tokens per chunk "
           "| GPU busy |")
     print("|---|---|---|---|---|---|---|")
@@ -244,13 +247,16 @@ def main() -> None:
                  for r in rows]
         print(f"| {name} | " + " | ".join(cells) + " |")
     print("\nThe engine's iterations (ms each, means over the level): its wall time, and in it scheduling, "
-          "waiting for the grid (of which the workers' own step), completing and waking the streams")
-    print("| concurrency | iterations | wall | schedule | grid wait | worker step | complete | wake |")
-    print("|---|---|---|---|---|---|---|---|")
+          "waiting for the grid (of which the workers' own step), completing and waking the streams; host = schedule "
+          "+ complete + wake, " + ("run while the workers run the iteration before (overlap: hidden where shorter "
+                                   "than the step)" if overlap else "between the workers' steps (overlap off)"))
+    print("| concurrency | iterations | wall | schedule | grid wait | worker step | complete | wake | host |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p = r["phases"]
         print(f"| {r['concurrency']} | {r['iterations']} | {1e3 * r['wall'] / r['iterations']:.2f} | "
-              + " | ".join(f"{1e3 * p[k]:.2f}" for k in ("schedule", "grid", "worker", "complete", "wake")) + " |")
+              + " | ".join(f"{1e3 * p[k]:.2f}" for k in ("schedule", "grid", "worker", "complete", "wake"))
+              + f" | {1e3 * (p['schedule'] + p['complete'] + p['wake']):.2f} |")
     base = rows[0]["tokens_per_s"]
     print("throughput vs concurrency 1: " + ", ".join(f"{r['concurrency']}: {r['tokens_per_s'] / base:.2f}x"
                                                       for r in rows))

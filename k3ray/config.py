@@ -304,6 +304,10 @@ class ServeConfig(_Strict):
                                           "waits up to this long to be batched: fewer eager (prefill) iterations "
                                           "between graphed decode ones, first tokens later by half of it on average; "
                                           f"default {DEFAULT_PREFILL_HOLD_MS:g} on GPUs (decode graphs), 0 on CPU")
+    overlap: bool | None = Field(None, description="schedule iteration n+1 while the workers run n (two "
+                                 "iterations in flight; n+1 takes n's sampled tokens on the device): the engine's "
+                                 "host time per iteration hidden behind the step; default on where parallel.pp=1, "
+                                 "the only layout it supports (the last stage samples, the first reads the tokens)")
     graphs_at_start: bool = Field(True, description="GPU: capture every decode CUDA graph when a grid starts "
                                   "(seconds more per start and recovery) rather than on first use (an iteration "
                                   "then waits for its capture)")
@@ -358,6 +362,9 @@ class JobConfig(_Strict):
             raise ValueError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}")
         if self.execution.compile_blocks and p.device != "cuda":
             raise ValueError("execution.compile_blocks: CUDA only (parallel.device is cpu)")
+        if self.serve.overlap and p.pp > 1:
+            raise ValueError(f"serve.overlap=true needs parallel.pp=1 (got {p.pp}): the sampled tokens stay on the "
+                             f"last stage")
         if self.data.seq_len > m.max_seq_len:
             raise ValueError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         for i, fault in enumerate(self.fault_tolerance.faults):

@@ -8,9 +8,17 @@ pages for its whole possible length (prompt + max_tokens, capped by the context)
 mid-generation, and nothing is ever preempted. A request lives on one rank until it finishes; its pages and slot
 return to the rank's free lists when it finishes or is cancelled.
 
-A request's state is its prompt and the tokens generated so far (`Request.ids`); the caches on the workers can be
-rebuilt from it by prefilling again (`reset`, after the grid holding them was lost): the next token then comes from
-the same logits, so greedy and seeded outputs are those of an undisturbed run.
+Overlap (serve.overlap): the engine may schedule iteration n+1 while n runs. A request whose row in n samples a token
+decodes on in n+1 with that token, unknown on the host: its row is flagged `from_device` (the workers take the token
+their last stage sampled for the slot). Per request, `planned` counts the positions whose cache entries are scheduled
+and `unconfirmed` the sampled tokens not yet back; `complete` of n confirms. A request never gets a row past what it
+may generate (max_tokens, the context: known on the host); one that ends in n (end-of-text, stop string, guard trip,
+cancel) while in n+1 has n+1's token dropped, and its slot and pages are freed once n+1 completes.
+
+A request's state is its prompt and the tokens generated so far (`Request.ids`: confirmed tokens only); the caches
+on the workers can be rebuilt from it by prefilling again (`reset`, after the grid holding them was lost, with any
+iterations in flight: they are void): the next token then comes from the same logits, so greedy and seeded outputs
+are those of an undisturbed run.
 
 Prefill batching (`prefill_hold_s` > 0): while requests are decoding, prompt chunks are scheduled at most once per
 hold, all that the budget takes then. A decode-only iteration replays a CUDA graph; one with any prompt chunk runs
@@ -62,6 +70,9 @@ class Request:
     pages: list[int] = field(default_factory=list)
     slot: int = -1
     cached: int = 0  # tokens of `ids` whose cache entries the workers hold
+    planned: int = 0  # positions whose cache entries are scheduled: `cached` and those of iterations in flight
+    unconfirmed: int = 0  # tokens sampled by iterations in flight, not yet appended to `out`
+    in_flight: int = 0  # iterations in flight with a row of this request (its slot and pages stay taken)
     finish: str | None = None  # 'stop', 'length', 'cancelled', 'error'
     error: str = ""
     trip: guards.Trip | None = None  # the guard that stopped it (finish 'error')
@@ -103,7 +114,6 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: dict[int, Request] = {}
         self.requests: dict[int, Request] = {}  # every request not yet forgotten (`forget`)
-        self.in_flight: set[int] = set()  # requests in the plans being run
         self._ids = itertools.count()
         self.rank_tokens = [0] * limits.dp  # tokens each rank has run (prefill and decode), since the start
         self.last_prefill = -float("inf")  # when an iteration last took prompt work (`prefill_hold_s`)
@@ -134,17 +144,17 @@ class Scheduler:
         req.finish = "cancelled"
         if req in self.waiting:
             self.waiting.remove(req)
-        elif rid not in self.in_flight:  # else its caches are freed when the iteration it is in completes
+        elif req.in_flight == 0:  # else its caches are freed when the last iteration it is in completes
             self._release(req)
 
     def fail_all(self, message: str) -> list[Request]:
         """End every request with finish 'error' (an iteration failed: the caches may be inconsistent)."""
-        failed = list(self.waiting) + list(self.running.values())
+        failed = list(self.waiting) + [r for r in self.running.values() if not r.done]
         for req in failed:
             req.finish, req.error = "error", message
-            if req.rank >= 0 and req.slot >= 0:
-                self._release(req)
-        self.waiting, self.in_flight = [], set()
+        for req in list(self.running.values()):  # also those that ended while an iteration held their caches
+            self._release(req)
+        self.waiting = []
         return failed
 
     def reset(self, dp: int) -> list[Request]:
@@ -153,11 +163,12 @@ class Scheduler:
         generated so far; its output so far stands. Returns the requeued requests."""
         requeued = sorted((r for r in self.running.values() if not r.done), key=lambda r: r.arrival)
         for req in requeued:
-            req.rank, req.pages, req.slot, req.cached = -1, [], -1, 0
+            req.rank, req.pages, req.slot = -1, [], -1
+            req.cached = req.planned = req.unconfirmed = req.in_flight = 0  # the iterations in flight are void
         self.limits = replace(self.limits, dp=dp)
         self.ranks = [_RankPool(self.limits.pools) for _ in range(dp)]
         self.rank_tokens = (self.rank_tokens + [0] * dp)[:dp]
-        self.running, self.in_flight = {}, set()
+        self.running = {}
         self.waiting = requeued + self.waiting
         return requeued
 
@@ -172,7 +183,7 @@ class Scheduler:
         pool = self.ranks[req.rank]
         pool.free_pages += req.pages
         pool.free_slots.append(req.slot)
-        req.pages, req.slot = [], -1
+        req.pages, req.slot, req.in_flight, req.unconfirmed = [], -1, 0, 0
         self.running.pop(req.id, None)
 
     # -- iterations ----------------------------------------------------------------------------------------------
@@ -181,27 +192,35 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> dict[int, tuple[RankPlan, list[Request]]]:
-        """This iteration's plan of every rank (also ranks with nothing to do: they join the EP exchanges)."""
+        """This iteration's plan of every rank (also ranks with nothing to do: they join the EP exchanges). With an
+        iteration in flight (overlap), its sampled tokens are taken on the workers (`RankPlan.from_device`)."""
         budget = [self.limits.token_budget] * self.limits.dp
         plans = {r: (RankPlan(), []) for r in range(self.limits.dp)}
 
         def add(req: Request, n: int) -> None:
             plan, reqs = plans[req.rank]
-            plan.tokens += req.tokens(req.cached, n)
+            from_device = req.planned >= req.length  # the token an iteration in flight samples for it
+            plan.tokens += [0] if from_device else req.tokens(req.planned, n)
+            plan.from_device.append(from_device)
             plan.slots.append(req.slot)
-            plan.starts.append(req.cached)
+            plan.starts.append(req.planned)
             plan.counts.append(n)
-            plan.counters.append(len(req.out))
+            plan.counters.append(len(req.out) + req.unconfirmed)
             reqs.append(req)
             budget[req.rank] -= n
             self.rank_tokens[req.rank] += n
+            req.planned += n
+            req.in_flight += 1
+            if req.planned == req.length + req.unconfirmed:  # the row reaches the end: it samples the next token
+                req.unconfirmed += 1
 
-        running = sorted(self.running.values(), key=lambda r: (r.cached < len(r.prompt), r.arrival))
+        running = sorted((r for r in self.running.values() if self._may_continue(r)),
+                         key=lambda r: (r.planned < len(r.prompt), r.arrival))
         now = self.clock()
         prefill = (now - self.last_prefill >= self.limits.prefill_hold_s
-                   or not any(r.length - r.cached == 1 for r in running))
+                   or not any(r.length + r.unconfirmed - r.planned == 1 for r in running))
         for req in running:  # decoding first (one token each), then prompt chunks
-            n = min(req.length - req.cached, budget[req.rank])
+            n = min(req.length + req.unconfirmed - req.planned, budget[req.rank])
             if n == 1 or n > 1 and prefill:
                 add(req, n)
         while self.waiting and prefill:
@@ -222,8 +241,13 @@ class Scheduler:
             self.last_prefill = now
         for plan, reqs in plans.values():
             plan.greedy = all(r.params.temperature == 0 for r in reqs)
-        self.in_flight = {req.id for _, reqs in plans.values() for req in reqs}
         return plans
+
+    def _may_continue(self, req: Request) -> bool:
+        """Whether `req` may get a row now: not ended, and the tokens in flight leave it room to generate another
+        (max_tokens and the context are known on the host; end-of-text and stop strings are not)."""
+        return (not req.done and len(req.out) + req.unconfirmed < req.params.max_tokens
+                and req.length + req.unconfirmed < self.limits.max_seq_len)
 
     def _admit_rank(self, req: Request) -> int | None:
         need = self._pages_for(len(req.prompt), req.params)
@@ -234,28 +258,34 @@ class Scheduler:
                  ) -> list[Request]:
         """Take an iteration's answers (rank -> StageOutput: next tokens [N] and max-abs [N], one per sequence of
         the plan): a sequence that tripped the guards fails alone (finish 'error', `trip` set); where a sequence
-        reached its last known token, its sampled token is appended; finish and free what ended. Returns the
-        requests that got a token or finished."""
+        reached its last known token, its sampled token is appended; finish what ended, and free it once no iteration
+        in flight holds it (overlap: the next one's row of a request that ended is dropped). Iterations complete in
+        the order they were scheduled. Returns the requests that got a token or finished."""
         now, changed = self.clock(), []
         for rank, (plan, reqs) in plans.items():
             out = outputs[rank]
             trips = guards.check_sequences(out.maxabs, self.limits.guards)
             for row, (n, req) in enumerate(zip(plan.counts, reqs)):
                 req.cached += n
-                if req.done:  # cancelled while in flight
-                    self._release(req)
-                    changed.append(req)
+                req.in_flight -= 1
+                if req.done:  # cancelled while in flight, or ended by the iteration before (its token dropped)
+                    if req.in_flight == 0:
+                        self._release(req)
+                        if req.finish == "cancelled":
+                            changed.append(req)
                     continue
                 if row in trips:
                     trip = trips[row]
                     req.finish, req.trip = "error", trip
                     req.error = (f"stopped: this request's activations blew up ({trip.rule} {trip.detail}: "
                                  f"{trip.value:g}); other requests are unaffected")
-                    self._release(req)
+                    if req.in_flight == 0:
+                        self._release(req)
                     changed.append(req)
                     continue
                 if req.cached < req.length:
                     continue  # a prompt chunk short of the end: nothing to sample yet
+                req.unconfirmed -= 1
                 req.out.append(out.tokens[row])
                 req.token_times.append(now)
                 req.text += req.detok.push(req.out[-1:])
@@ -263,9 +293,9 @@ class Scheduler:
                                            self.limits.max_seq_len - req.length, req.detok)
                 if req.done:
                     req.text += req.detok.push([], final=True)
-                    self._release(req)
+                    if req.in_flight == 0:
+                        self._release(req)
                 changed.append(req)
-        self.in_flight = set()
         return changed
 
     def step(self, executor) -> list[Request]:

@@ -18,6 +18,8 @@ from ray.exceptions import RayError, RayTaskError
 from k3ray.controller.worker_group import WorkerError, WorkerGroup, WorkerLost, cause_line
 
 log = logging.getLogger("k3ray.serve")
+MAX_IN_FLIGHT = 2  # iterations submitted before the first is collected (serve.overlap: the next one is scheduled and
+# submitted while the workers run the one before)
 TEARDOWN_S = 5.0  # how long dropping a graph waits for a worker still inside a step (a lost peer's)
 
 
@@ -28,10 +30,27 @@ class ServingGraph:
 
     def run(self, group: WorkerGroup, plans: dict, timeout_s: float) -> dict:
         """One iteration: rank e -> RankPlan in; rank e -> its stages' answers (StageOutput) in pipeline order."""
-        try:  # compiling too: a worker of a grid just rebuilt may already be gone
-            if self.compiled is None or self.generation != group.generation:
-                self._compile(group)
-            out = ray.get(self.compiled.execute(*[plans[e] for e in range(group.ep)]), timeout=timeout_s)
+        return self.collect(group, self.submit(group, plans, timeout_s), timeout_s)
+
+    def submit(self, group: WorkerGroup, plans: dict, timeout_s: float):
+        """Start an iteration (up to MAX_IN_FLIGHT at once: serve.overlap); its answers come from `collect`, which
+        must be called for every iteration, in the order submitted."""
+        return self._guarded(group, timeout_s, lambda: self._execute(group, plans))
+
+    def collect(self, group: WorkerGroup, ref, timeout_s: float) -> dict:
+        """rank e -> its stages' answers (StageOutput) in pipeline order, of the iteration `ref` from `submit`."""
+        out = self._guarded(group, timeout_s, lambda: ray.get(ref, timeout=timeout_s))
+        return {e: out[e::group.ep] for e in range(group.ep)}
+
+    def _execute(self, group: WorkerGroup, plans: dict):
+        if self.compiled is None or self.generation != group.generation:  # a worker of a grid just rebuilt may
+            self._compile(group)  # already be gone: compiling fails as a call would
+        return self.compiled.execute(*[plans[e] for e in range(group.ep)])
+
+    def _guarded(self, group: WorkerGroup, timeout_s: float, call):
+        """call() with the failures of workers in their one meaning: WorkerLost, WorkerError."""
+        try:
+            return call()
         except RayTaskError as err:  # raised inside a worker: by a lost peer's broken collective, or its own
             if dead := group.dead_ranks():
                 self.drop()
@@ -43,14 +62,14 @@ class ServingGraph:
             raise WorkerLost(dead or set(range(group.size)), f"{type(err).__name__} in serve_step" if dead else
                              f"no answer to serve_step within {timeout_s:g}s (hung collective or silent node?)",
                              hung=not dead) from None
-        return {e: out[e::group.ep] for e in range(group.ep)}
 
     def _compile(self, group: WorkerGroup) -> None:
         self.drop()
         with InputNode() as plans:
             dag = MultiOutputNode([w.serve_step.bind(group.generation, plans[r % group.ep])
                                    for r, w in enumerate(group.workers)])
-        self.compiled, self.generation = dag.experimental_compile(), group.generation
+        self.compiled = dag.experimental_compile(_max_inflight_executions=MAX_IN_FLIGHT)
+        self.generation = group.generation
 
     def drop(self) -> None:
         """Tear the graph down (its workers may be dead: Ray's complaints about those are expected)."""

@@ -7,7 +7,8 @@ the serving grid's pp x ep like a resume (each worker keeps its stage's names an
 Requests stream: `generate` is an async generator (a Ray streaming call); its first item says whether the request
 was accepted, then one item per iteration in which it got tokens, the last one with the finish reason. Cancelling
 the call (a client that went away) cancels the request and frees its pages and slot. The iteration loop runs while
-there is work: schedule, every worker's `serve_step` (the last stage's answers are the logits), complete.
+there is work: schedule, every worker's `serve_step` (the last stage's answers are the sampled tokens), complete;
+with serve.overlap two iterations are in flight (k3ray.controller.serve_iterations).
 
 Lost workers (k3ray.controller.serve_grid): the grid is rebuilt from the weights the engine holds and every
 unfinished request is prefilled again from its prompt and the tokens generated so far; its stream goes on from the
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 
 import ray
@@ -35,6 +35,7 @@ from k3ray.controller.drills import clear, inject
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.controller.serve_availability import Availability
 from k3ray.controller.serve_grid import ServingGrid
+from k3ray.controller.serve_iterations import IterationLoop
 from k3ray.controller.serve_live import LiveServing
 from k3ray.controller.worker_group import WorkerLost
 from k3ray.model.sampling import SamplingParams
@@ -42,7 +43,6 @@ from k3ray.parallel.serving import PoolSizes
 from k3ray.tokenizer import load_tokenizer
 
 log = logging.getLogger("k3ray.serve")
-SPARES_CHECK_S = 5.0  # how often missing hot spares are looked for room
 BROKEN_AFTER_FAILURES = 3  # grid calls failing in a row (no worker lost) before the grid is relaunched
 
 
@@ -65,11 +65,16 @@ def prefill_hold_ms(cfg: JobConfig) -> float:
     return DEFAULT_PREFILL_HOLD_MS if cfg.parallel.device != "cpu" else 0.0
 
 
+def overlap(cfg: JobConfig) -> bool:
+    """serve.overlap, or its default: on where the workers hold the tokens they sampled (pp = 1)."""
+    return cfg.serve.overlap if cfg.serve.overlap is not None else cfg.parallel.pp == 1
+
+
 def pool_sizes(cfg: JobConfig) -> PoolSizes:
     return PoolSizes(cfg.serve.pages_per_rank, cfg.serve.page_size, cfg.serve.slots_per_rank)
 
 
-class Engine(Availability, LiveServing):
+class Engine(Availability, LiveServing, IterationLoop):
     """The engine on a launched grid (a ServingGrid, or any object with its methods), without Ray: the
     ServingEngine actor below loads the checkpoint and launches the grid first."""
 
@@ -93,6 +98,8 @@ class Engine(Availability, LiveServing):
         self.down: dict | None = None  # while no grid serves: why, and since when (`health`)
         self.serving: asyncio.Event | None = None  # set while a grid serves
         self.spares_checked = time.monotonic()
+        self.chores: set[str] = set()  # grid calls due between iterations: 'expert_load', 'placement'
+        self.overlap = overlap(cfg)  # two iterations in flight (k3ray.controller.serve_iterations)
         self.failures_in_row = 0  # grid calls that failed, no worker lost, since the last that did not
         # where the iterations' time went (seconds, summed): scheduling, waiting for the grid (of which the workers'
         # own time in the step: `worker`), completing (tokens to text, stops, guards) and waking the streams
@@ -218,88 +225,6 @@ class Engine(Availability, LiveServing):
         for req in changed:
             if req.id in self.updates:
                 self.updates[req.id].set()
-
-    async def _loop(self) -> None:
-        while True:
-            if not self.sched.has_work:
-                self.wake.clear()
-                await self.wake.wait()
-                continue
-            async with self.between_iterations:
-                await self._at_boundary()
-                t0 = time.perf_counter()
-                plans = self.sched.schedule()
-                t1 = time.perf_counter()
-                try:
-                    outputs = await self._on_grid(self.grid.run, {r: p for r, (p, _) in plans.items()})
-                except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
-                    log.exception("serving iteration failed")
-                    changed = self.sched.fail_all(f"the iteration failed: {type(err).__name__}: {err}")
-                    self._incident("iteration_failed", action="failed every request", requests=len(changed),
-                                   why=f"{type(err).__name__}: {err}")
-                else:
-                    t2 = time.perf_counter()
-                    changed = [] if outputs is None else self.sched.complete(plans, outputs)
-                    self._time_phases(t0, t1, t2, outputs)
-            for req in changed:
-                if req.trip is not None:
-                    log.warning("serving: request %d stopped by the guards (%s %s: %g)", req.id, req.trip.rule,
-                                req.trip.detail, req.trip.value)
-                    value = req.trip.value if math.isfinite(req.trip.value) else str(req.trip.value)  # JSON-able
-                    self._incident("blowup", action="failed the request", request=req.id, rule=req.trip.rule,
-                                   value=value, detail=req.trip.detail)
-            self.iterations += 1
-            got_token = [r for r in changed if r.finish not in ("cancelled", "error")]
-            self.tokens_out += len(got_token)
-            if got_token and self.gap_from is not None:  # the serving gap: the loss found -> the next token
-                incident, t_found = self.gap_from
-                incident["seconds"]["to_next_token"] = time.perf_counter() - t_found
-                self.gap_from = None
-            t3 = time.perf_counter()
-            for req in changed:
-                if req.id in self.updates:
-                    self.updates[req.id].set()
-            self.phase_s["wake"] += time.perf_counter() - t3
-            await self._after_iteration(changed, time.perf_counter() - t0)
-
-    def _time_phases(self, t0: float, t1: float, t2: float, outputs: dict | None) -> None:
-        now, p = time.perf_counter(), self.phase_s
-        p["schedule"] += t1 - t0
-        p["grid"] += t2 - t1
-        p["complete"] += now - t2
-        p["worker"] += max((o.seconds for o in (outputs or {}).values()), default=0.0)
-
-    async def _after_iteration(self, changed: list, seconds: float) -> None:
-        """The observers (metrics) see the iteration, and every so often the workers' expert load; missing hot spares
-        are started where there is room. An observer that fails is logged, never the end of the loop."""
-        for observer in self.observers:
-            self._observe(observer, "iteration", changed, self.sched, seconds)
-        replication = self.cfg.policies.replication
-        for_placement = self.placement.due(self.iterations, replication)
-        if for_placement or self.observers and self.iterations % self.observers[0].expert_load_every == 0:
-            try:
-                loads = await self._on_grid(self.grid.expert_load)
-            except Exception:  # noqa: BLE001 - not a lost worker (those are recovered): the next iteration shows
-                log.exception("collecting the expert load failed")
-                loads = None
-            for observer in self.observers if loads is not None else ():
-                self._observe(observer, "expert_load", loads, list(self.grid.group.home),
-                              self.placement.view(self.grid)["copies"])
-            if loads is not None and for_placement:
-                self.placement.observe(loads, replication)
-        if time.monotonic() - self.spares_checked > SPARES_CHECK_S:
-            self.spares_checked = time.monotonic()
-            try:
-                await self._on_grid(self.grid.top_up_spares)
-            except Exception:  # noqa: BLE001 - a spare is an optimisation: serving goes on without it
-                log.exception("starting hot spares failed")
-
-    @staticmethod
-    def _observe(observer, method: str, *args) -> None:
-        try:
-            getattr(observer, method)(*args)
-        except Exception:  # noqa: BLE001 - metrics must not stop serving
-            log.exception("serving observer %s.%s failed", type(observer).__name__, method)
 
     async def _on_grid(self, fn, *args):
         """fn(*args) off the event loop (requests keep arriving and leaving meanwhile). None when workers were lost:

@@ -66,7 +66,16 @@ class ServingGrid:
     def run(self, plans: dict) -> dict[int, StageOutput]:
         """One iteration: rank -> RankPlan in, rank -> its stages' merged answer out (WorkerLost if a worker is).
         After the first iteration on a recovered grid, the spares that replaced lost workers are started again."""
-        outs = self.graph.run(self.group, plans, self.cfg.parallel.collective_timeout_s)
+        return self.collect(self.submit(plans))
+
+    def submit(self, plans: dict):
+        """Start an iteration (rank -> RankPlan) while the one before may still run (serve.overlap); `collect` its
+        answers, every iteration's, in the order submitted."""
+        return self.graph.submit(self.group, plans, self.cfg.parallel.collective_timeout_s)
+
+    def collect(self, handle) -> dict[int, StageOutput]:
+        """The answers of an iteration from `submit`, as `run`'s."""
+        outs = self.graph.collect(self.group, handle, self.cfg.parallel.collective_timeout_s)
         if self.spares_due:
             self.spares_due = False
             self.group.start_spares()

@@ -2,8 +2,8 @@
 applied at the next iteration), the expert placement (read-only copies of hot experts moved in the background,
 k3ray.controller.serve_placement) and the grid's size (`scale`: a new grid launched beside the serving one, then
 adopted). A mixin of `k3ray.controller.serve_engine.Engine`: it uses the engine's grid, scheduler, `_on_grid`,
-`_restore`, `_incident` and `_ensure_loop`; the engine holds `between_iterations` around each iteration and calls
-`_at_boundary` at its start.
+`_restore`, `_incident` and `_ensure_loop`; the engine holds `between_iterations` around each iteration (around each
+stretch of overlapped ones: nothing is in flight while it is free) and calls `_at_boundary` at its start.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import time
 
 from k3ray.config import JobConfig
 from k3ray.controller.live_policies import LivePolicies
+from k3ray.controller.serve_iterations import BoundaryLock
 from k3ray.controller.serve_placement import ServePlacement
 from k3ray.controller.worker_group import TopologyError
 
@@ -23,7 +24,7 @@ class LiveServing:
     def live_serving_init(self, cfg: JobConfig) -> None:
         self.live = LivePolicies(cfg.policies)  # changes through the front door, applied between iterations
         self.placement = ServePlacement(cfg.model.n_experts)  # read-only copies of hot experts, moved live
-        self.between_iterations = asyncio.Lock()  # held by each iteration; a resize takes it to run between two
+        self.between_iterations = BoundaryLock()  # held by each iteration; a resize takes it to run between two
 
     async def _at_boundary(self) -> None:
         """Between two iterations: queued policy changes take effect, a placement move is decided (its copies are

@@ -91,6 +91,11 @@ class ServePlacement:
         log.info("serving placement: move decided, copies %s, fetching %s", table, fetch)
         return True
 
+    @property
+    def fetched(self) -> bool:
+        """Whether a move's fetches all ended: it switches at the next boundary (`ready`)."""
+        return self.move is not None and self.move["task"].done()
+
     def ready(self, grid) -> list[list[int]] | None:
         """At an iteration boundary: the table to switch to now (every fetch of the move ended), else None. EP
         ranks whose fetch failed switch to the old table's copies that the new one keeps."""

@@ -65,6 +65,8 @@ class CachePools:
         self.temperature = torch.zeros(slots + 1, dtype=torch.float32, device=device)
         self.top_p = torch.ones(slots + 1, dtype=torch.float32, device=device)
         self.seed = torch.zeros(slots + 1, dtype=torch.int64, device=device)
+        # per slot: the token the last stage sampled last (pp = 1: the input of a row scheduled before it came back)
+        self.last_token = torch.zeros(slots + 1, dtype=torch.int64, device=device)
 
     @property
     def scratch_slot(self) -> int:

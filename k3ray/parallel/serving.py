@@ -16,6 +16,7 @@ made (serve.graphs_at_start) or on first use (`DecodeGraphs`); prefill chunks ru
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -36,13 +37,17 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class RankPlan:
     """One data-parallel rank's iteration: its sequences (by state slot, with the tokens already cached and the
     number of new ones), their new token ids packed in sequence order, each sequence's sample counter (how many
-    tokens it has generated: the index of its sampling noise), and the sequences new on the rank."""
+    tokens it has generated: the index of its sampling noise), and the sequences new on the rank. A row flagged
+    `from_device` (one token: the engine scheduled it before the iteration sampling that token came back,
+    serve.overlap) takes its token from the slot's last sampled token on the device (`CachePools.last_token`); its
+    entry in `tokens` is a placeholder."""
     slots: list[int] = field(default_factory=list)
     starts: list[int] = field(default_factory=list)
     counts: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     counters: list[int] = field(default_factory=list)
     admit: list[SeqAdmit] = field(default_factory=list)
+    from_device: list[bool] = field(default_factory=list)
     greedy: bool = False  # every sequence decodes greedily: the last stage takes the argmax and draws no noise
 
 
@@ -99,7 +104,7 @@ class StageServer:
         else:
             cache = IterationCache.from_plan(self.pools, plan.slots, plan.starts, plan.counts, self.device)
             if self.stage.is_first:
-                x = torch.tensor(plan.tokens, dtype=torch.int64, device=self.device)[None]
+                x = self._input_ids(plan)[None]
             counters = torch.tensor(plan.counters, dtype=torch.int64, device=self.device)
             out, tokens, maxabs = self.forward(x, cache, counters, plan.greedy)
         if not self.stage.is_last:
@@ -109,6 +114,18 @@ class StageServer:
         both = torch.cat([tokens.double(), maxabs])  # one device-to-host copy
         host = both.cpu()
         return StageOutput(host[:n].long().tolist(), host[n:].tolist(), time.perf_counter() - t0)
+
+    def _input_ids(self, plan: RankPlan) -> torch.Tensor:
+        """The plan's token ids [T] on the device, those of `from_device` rows taken from the slots' last sampled
+        tokens (a device-side gather: no host sync)."""
+        ids = torch.tensor(plan.tokens, dtype=torch.int64, device=self.device)
+        rows = [i for i, f in enumerate(plan.from_device) if f]
+        if rows:
+            first = [0, *itertools.accumulate(plan.counts)]  # each row's first packed token
+            at = torch.tensor([first[i] for i in rows], dtype=torch.int64, device=self.device)
+            slots = torch.tensor([plan.slots[i] for i in rows], dtype=torch.int64, device=self.device)
+            ids[at] = self.pools.last_token[slots]
+        return ids
 
     def forward(self, x: torch.Tensor, cache: IterationCache, counters_N: torch.Tensor, greedy: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -124,12 +141,35 @@ class StageServer:
             tokens = out.argmax(-1)
         else:
             tokens = sample_tokens(out, p.temperature[s], p.top_p[s], p.seed[s], counters_N)
+        p.last_token[s] = tokens  # the next iteration, scheduled before these come back, may read them (overlap)
         maxabs = torch.where(torch.isfinite(out).all(-1), maxabs, torch.inf)
         return out, tokens, maxabs
+
+    def decode_step(self, packed: torch.Tensor, hidden: torch.Tensor | None, context: int, greedy: bool):
+        """A decode iteration from its packed inputs (`pack_decode`: [6, B] on the device; `hidden`: the stage's
+        input on stages after the first) as `forward` gives it: what a decode CUDA graph holds, no host sync."""
+        slots, starts, counters, tokens, valid, from_device = packed
+        cache = IterationCache(self.pools, slots, starts, torch.ones_like(slots),
+                               torch.arange(len(slots), device=slots.device), valid.bool(), nmax=1, context=context,
+                               decode=True)
+        if hidden is None:  # rows scheduled before their token came back read it on the device (overlap)
+            tokens = torch.where(from_device.bool(), self.pools.last_token[slots], tokens)
+        return self.forward(tokens[None] if hidden is None else hidden, cache, counters, greedy)
 
     def expert_load(self) -> dict[int, list[int]]:
         """layer -> routes this worker's tokens sent to each expert since the last call (then reset)."""
         return self.pools.take_load()
+
+
+def pack_decode(plan: RankPlan, bucket: int, scratch_slot: int, first_stage: bool) -> torch.Tensor:
+    """A decode plan's inputs as one host tensor [6, bucket] (slots, starts, counters, token ids, valid, from_device),
+    padded with rows that read and write only the scratch slot."""
+    n = len(plan.slots)
+    pad = bucket - n
+    from_device = plan.from_device or [False] * n
+    return torch.tensor([plan.slots + [scratch_slot] * pad, plan.starts + [0] * pad, plan.counters + [0] * pad,
+                         (plan.tokens if first_stage else [0] * n) + [0] * pad, [1] * n + [0] * pad,
+                         [int(f) for f in from_device] + [0] * pad], dtype=torch.int64)
 
 
 class DecodeGraphs:
@@ -184,11 +224,7 @@ class DecodeGraphs:
         if captured is None:
             return None
         graph, inputs, outputs = captured
-        pad = bucket - n
-        host = torch.tensor([plan.slots + [pools.scratch_slot] * pad, plan.starts + [0] * pad,
-                             plan.counters + [0] * pad, (plan.tokens if x is None else [0] * n) + [0] * pad,
-                             [1] * n + [0] * pad], dtype=torch.int64)
-        inputs["packed"].copy_(host, non_blocking=False)
+        inputs["packed"].copy_(pack_decode(plan, bucket, pools.scratch_slot, x is None), non_blocking=False)
         if x is not None:
             inputs["hidden"][..., :n, :].copy_(x)
         graph.replay()
@@ -198,7 +234,7 @@ class DecodeGraphs:
     def _capture(self, bucket: int, context: int, greedy: bool):
         server, dev = self.server, self.server.device
         pools = server.pools
-        packed = torch.zeros(5, bucket, dtype=torch.int64, device=dev)
+        packed = torch.zeros(6, bucket, dtype=torch.int64, device=dev)
         packed[0] = pools.scratch_slot  # capture and warm-up touch only the scratch slot and page
         stage = server.stage
         hidden = None if stage.is_first else \
@@ -206,10 +242,7 @@ class DecodeGraphs:
         inputs = {"packed": packed, "hidden": hidden}
 
         def step():
-            slots, starts, counters, tokens, valid = packed
-            cache = IterationCache(pools, slots, starts, torch.ones_like(slots), torch.arange(bucket, device=dev),
-                                   valid.bool(), nmax=1, context=context, decode=True)
-            return server.forward(tokens[None] if hidden is None else hidden, cache, counters, greedy)
+            return server.decode_step(packed, hidden, context, greedy)
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))

@@ -1,0 +1,217 @@
+"""The serving engine's iteration loop, sequential or overlapped (a mixin of `k3ray.controller.serve_engine.Engine`).
+
+Sequential: schedule, run on the grid, complete, one iteration at a time. Overlapped (serve.overlap, pp = 1): up to
+two iterations in flight, so that the engine's host work of an iteration (scheduling, Ray's hop, completing: tokens
+to text, stops, guards, waking streams) runs while the workers run the one before, instead of between the two:
+
+    submit n | schedule n+1, submit n+1 | wait n, complete n | schedule n+2, submit n+2 | wait n+1, complete n+1 ...
+
+Rows of n+1 whose token n samples take it on the device (`Scheduler.schedule`, `RankPlan.from_device`). The grid runs
+iterations in the order submitted (`grid.submit` -> handle, `grid.collect(handle)` -> answers). A stretch of
+overlapped iterations holds `between_iterations` and ends with nothing in flight whenever something must happen
+between two iterations: someone waits for the lock (a resize), a policy change is queued, a placement move is to be
+decided or its copies arrived, the expert load or hot spares are due, and at least every BOUNDARY_EVERY iterations. A failure with two in
+flight takes the sequential path's way out: a lost worker voids both (the grid is rebuilt and every unfinished
+request prefilled again from its confirmed tokens), any other failure fails every request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+
+log = logging.getLogger("k3ray.serve")
+BOUNDARY_EVERY = 32  # overlapped iterations at most between two boundaries (policies, placement moves)
+SPARES_CHECK_S = 5.0  # how often missing hot spares are looked for room
+
+
+class BoundaryLock(asyncio.Lock):
+    """An asyncio.Lock that counts who waits for it: an overlapped stretch holding it drains and lets them in."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting = 0
+
+    async def acquire(self) -> bool:
+        self.waiting += 1
+        try:
+            return await super().acquire()
+        finally:
+            self.waiting -= 1
+
+
+class IterationLoop:
+    async def _loop(self) -> None:
+        while True:
+            if not self.sched.has_work:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            async with self.between_iterations:
+                await self._at_boundary()
+                if self.overlap:
+                    await self._overlapped_stretch()
+                else:
+                    await self._sequential_iteration()
+            await self._grid_chores()
+
+    async def _sequential_iteration(self) -> None:
+        t0 = time.perf_counter()
+        plans = self.sched.schedule()
+        t1 = time.perf_counter()
+        try:
+            outputs = await self._on_grid(self.grid.run, {r: p for r, (p, _) in plans.items()})
+        except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
+            changed = self._iteration_failed(err)
+        else:
+            t2 = time.perf_counter()
+            changed = [] if outputs is None else self.sched.complete(plans, outputs)
+            self._time_phases(t1 - t0, t2 - t1, time.perf_counter() - t2, outputs)
+        self._iteration_done(changed, t0)
+
+    async def _overlapped_stretch(self) -> None:
+        """Overlapped iterations until a boundary is due or the work ends; returns with nothing in flight."""
+        ahead = None  # (plans, handle): the iteration submitted and not yet completed
+        for count in range(BOUNDARY_EVERY):
+            t0 = time.perf_counter()
+            submitted, t1, submit_s = None, t0, 0.0
+            if self.sched.has_work and (count == 0 or not self._boundary_due()):
+                plans = self.sched.schedule()
+                if ahead is None or any(p.slots or p.admit for p, _ in plans.values()):
+                    t1 = time.perf_counter()
+                    try:
+                        handle = await self._on_grid(self.grid.submit, {r: p for r, (p, _) in plans.items()})
+                    except Exception as err:  # noqa: BLE001 - as a failed iteration, with the one in flight
+                        await self._discard(ahead)
+                        self._iteration_done(self._iteration_failed(err), t0)
+                        return
+                    if handle is None:  # workers lost: the grid is rebuilt, the iteration in flight void
+                        self._iteration_done([], t0)
+                        return
+                    submitted, submit_s = (plans, handle), time.perf_counter() - t1
+            if ahead is None:
+                if submitted is None:
+                    return
+                ahead = submitted
+                continue
+            t2 = time.perf_counter()
+            try:
+                outputs = await self._on_grid(self.grid.collect, ahead[1])
+            except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
+                await self._discard(submitted)
+                self._iteration_done(self._iteration_failed(err), t0)
+                return
+            if outputs is None:  # workers lost: both iterations void, every unfinished request requeued
+                self._iteration_done([], t0)
+                return
+            t3 = time.perf_counter()
+            changed = self.sched.complete(ahead[0], outputs)
+            self._time_phases(t1 - t0, submit_s + t3 - t2, time.perf_counter() - t3, outputs)
+            self._iteration_done(changed, t0)
+            ahead = submitted
+            if ahead is None:
+                return
+        if ahead is not None:  # the stretch's last iteration (not reached when it ends early)
+            await self._drain(ahead)
+
+    async def _drain(self, ahead) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = await self._on_grid(self.grid.collect, ahead[1])
+        except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
+            self._iteration_done(self._iteration_failed(err), t0)
+            return
+        t1 = time.perf_counter()
+        changed = [] if outputs is None else self.sched.complete(ahead[0], outputs)
+        self._time_phases(0.0, t1 - t0, time.perf_counter() - t1, outputs)
+        self._iteration_done(changed, t0)
+
+    async def _discard(self, submitted) -> None:
+        """Wait for an iteration whose results no longer count (the grid answers iterations in order)."""
+        if submitted is None:
+            return
+        try:
+            await self._on_grid(self.grid.collect, submitted[1])
+        except Exception:  # noqa: BLE001 - its requests have failed already
+            log.debug("an iteration after a failed one failed too", exc_info=True)
+
+    def _boundary_due(self) -> bool:
+        """Whether the stretch should end after the iteration in flight: something waits for a boundary."""
+        placement = self.placement
+        return bool(self.between_iterations.waiting or self.live.pending or self.chores or placement.decide_next
+                    or placement.fetched or time.monotonic() - self.spares_checked > SPARES_CHECK_S)
+
+    def _iteration_failed(self, err: Exception) -> list:
+        log.error("serving iteration failed", exc_info=err)
+        changed = self.sched.fail_all(f"the iteration failed: {type(err).__name__}: {err}")
+        self._incident("iteration_failed", action="failed every request", requests=len(changed),
+                       why=f"{type(err).__name__}: {err}")
+        return changed
+
+    def _iteration_done(self, changed: list, t0: float) -> None:
+        """An iteration's requests: guard trips recorded, tokens counted, streams woken, observers told."""
+        for req in changed:
+            if req.trip is not None:
+                log.warning("serving: request %d stopped by the guards (%s %s: %g)", req.id, req.trip.rule,
+                            req.trip.detail, req.trip.value)
+                value = req.trip.value if math.isfinite(req.trip.value) else str(req.trip.value)  # JSON-able
+                self._incident("blowup", action="failed the request", request=req.id, rule=req.trip.rule,
+                               value=value, detail=req.trip.detail)
+        self.iterations += 1
+        if self.placement.due(self.iterations, self.cfg.policies.replication):
+            self.chores.add("placement")
+        if self.observers and self.iterations % self.observers[0].expert_load_every == 0:
+            self.chores.add("expert_load")
+        got_token = [r for r in changed if r.finish not in ("cancelled", "error")]
+        self.tokens_out += len(got_token)
+        if got_token and self.gap_from is not None:  # the serving gap: the loss found -> the next token
+            incident, t_found = self.gap_from
+            incident["seconds"]["to_next_token"] = time.perf_counter() - t_found
+            self.gap_from = None
+        t3 = time.perf_counter()
+        for req in changed:
+            if req.id in self.updates:
+                self.updates[req.id].set()
+        self.phase_s["wake"] += time.perf_counter() - t3
+        for observer in self.observers:
+            self._observe(observer, "iteration", changed, self.sched, time.perf_counter() - t0)
+
+    def _time_phases(self, schedule_s: float, grid_s: float, complete_s: float, outputs: dict | None) -> None:
+        p = self.phase_s
+        p["schedule"] += schedule_s
+        p["grid"] += grid_s
+        p["complete"] += complete_s
+        p["worker"] += max((o.seconds for o in (outputs or {}).values()), default=0.0)
+
+    async def _grid_chores(self) -> None:
+        """Between iterations, nothing in flight: every so often the workers' expert load (observers, placement);
+        missing hot spares are started where there is room. An observer that fails is logged, never the end of the
+        loop."""
+        replication = self.cfg.policies.replication
+        chores, self.chores = self.chores, set()
+        for_placement = "placement" in chores
+        if chores:
+            try:
+                loads = await self._on_grid(self.grid.expert_load)
+            except Exception:  # noqa: BLE001 - not a lost worker (those are recovered): the next iteration shows
+                log.exception("collecting the expert load failed")
+                loads = None
+            for observer in self.observers if loads is not None else ():
+                self._observe(observer, "expert_load", loads, list(self.grid.group.home),
+                              self.placement.view(self.grid)["copies"])
+            if loads is not None and for_placement:
+                self.placement.observe(loads, replication)
+        if time.monotonic() - self.spares_checked > SPARES_CHECK_S:
+            self.spares_checked = time.monotonic()
+            try:
+                await self._on_grid(self.grid.top_up_spares)
+            except Exception:  # noqa: BLE001 - a spare is an optimisation: serving goes on without it
+                log.exception("starting hot spares failed")
+
+    @staticmethod
+    def _observe(observer, method: str, *args) -> None:
+        try:
+            getattr(observer, method)(*args)
+        except Exception:  # noqa: BLE001 - metrics must not stop serving
+            log.exception("serving observer %s.%s failed", type(observer).__name__, method)
