@@ -10,9 +10,9 @@ Rows of n+1 whose token n samples take it on the device (`Scheduler.schedule`, `
 iterations in the order submitted (`grid.submit` -> handle, `grid.collect(handle)` -> answers). A stretch of
 overlapped iterations holds `between_iterations` and ends with nothing in flight whenever something must happen
 between two iterations: someone waits for the lock (a resize), a policy change is queued, a placement move is to be
-decided or its copies arrived, the expert load or hot spares are due, and at least every BOUNDARY_EVERY iterations. A failure with two in
-flight takes the sequential path's way out: a lost worker voids both (the grid is rebuilt and every unfinished
-request prefilled again from its confirmed tokens), any other failure fails every request.
+decided or its copies arrived, the expert load or hot spares are due, and at least every BOUNDARY_EVERY iterations. A
+failure with two in flight takes the sequential path's way out: a lost worker voids both (the grid is rebuilt and
+every unfinished request prefilled again from its confirmed tokens), any other failure fails every request.
 """
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ device. Only token ids and each sequence's largest activation (for the per-reque
 A plan is small: the sequences by slot with their start and token count, the new token ids, and for sequences new
 on the rank their pages and sampling parameters (sent once). Decode iterations (one token per sequence) on a stage
 whose experts are all local run as CUDA graphs, one per (batch bucket, context bucket), captured when the pools are
-made (serve.graphs_at_start) or on first use (`DecodeGraphs`); prefill chunks run eagerly. The same code runs on CPU without graphs.
+made (serve.graphs_at_start) or on first use (`DecodeGraphs`); prefill chunks run eagerly. The same code runs on CPU
+without graphs.
 """
 from __future__ import annotations
 
