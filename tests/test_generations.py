@@ -200,3 +200,26 @@ def test_a_spare_that_never_comes_up_is_given_up_and_its_slot_on_a_silent_node_n
     assert pool.free_slots == [("pg", 3)]
     started = pool.start(room=0, start_worker=lambda slot: Starting(), new_slot=lambda: ("new", 0))
     assert started == 1 and pool.free_slots == [] and [s.slot for s in pool][-1] == ("pg", 3)
+
+
+def test_every_grid_joined_takes_a_new_generation_that_its_workers_are_told(monkeypatch):
+    """Launched, grown or rebuilt around spares: each join numbers the grid anew, so a call (or a compiled serving
+    graph) made for the grid before is refused or rebuilt, never run on the new one."""
+    cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 2})
+    told = []
+
+    def fake_calls(group: WorkerGroup) -> WorkerGroup:
+        monkeypatch.setattr(group, "call_each", lambda method, args, timeout_s=None: (
+            told.append((method, group.generation)) or {0: ("127.0.0.1", 1)}))
+        monkeypatch.setattr(group, "call", lambda method, *args, timeout_s=None: told.append(
+            (method, group.generation)))
+        return group
+
+    home = [e % 2 for e in range(cfg.model.n_experts)]
+    first, second = fake_calls(WorkerGroup(cfg, 2, home)), fake_calls(WorkerGroup(cfg, 2, home))
+    generations = []
+    for group in (first, second, first):
+        group._join(10.0, None, 0.0, "place_and_start_workers")
+        generations.append(group.generation)
+    assert generations[0] < generations[1] < generations[2]
+    assert [gen for method, gen in told if method == "assume"] == generations

@@ -199,6 +199,7 @@ class WorkerGroup:
     def _join(self, timeout_s: float, restore: dict[int, list] | None, t0: float, first_phase: str) -> str:
         """Every worker takes its place (p, e) of this grid, the process groups are built (rendezvous on world rank
         0) and the state restored; the phases' seconds go to launch_seconds (the first one counted from t0)."""
+        self.generation = next(_generations)  # calls queued for the grid before this one are refused from now on
         self.call_each("assume", {r: (r // self.ep, r % self.ep, self.home, self.ep, restore is None)
                                   for r in range(self.size)}, timeout_s)
         ip, port = self.call_each("rendezvous_address", {0: ()}, timeout_s)[0]
