@@ -291,6 +291,7 @@ class ApiConfig(_Strict):
 
 
 DEFAULT_PREFILL_HOLD_MS = 30.0
+DEFAULT_STEPWISE_PREFILL_MAX = 64
 
 
 class ServeConfig(_Strict):
@@ -304,6 +305,11 @@ class ServeConfig(_Strict):
                                           "waits up to this long to be batched: fewer eager (prefill) iterations "
                                           "between graphed decode ones, first tokens later by half of it on average; "
                                           f"default {DEFAULT_PREFILL_HOLD_MS:g} on GPUs (decode graphs), 0 on CPU")
+    stepwise_prefill_max: int | None = Field(None, ge=0, description="prompts of at most this many tokens are fed "
+                                             "one token per iteration as decode rows, so their iterations replay "
+                                             "the decode CUDA graph instead of running a prefill chunk eagerly; "
+                                             f"default {DEFAULT_STEPWISE_PREFILL_MAX} on GPUs where the grid starts "
+                                             "with ep=1 (decode graphs), 0 (chunks only) elsewhere")
     overlap: bool | None = Field(None, description="schedule iteration n+1 while the workers run n (two "
                                  "iterations in flight; n+1 takes n's sampled tokens on the device): the engine's "
                                  "host time per iteration hidden behind the step; default on where parallel.pp=1, "

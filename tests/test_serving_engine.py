@@ -100,6 +100,37 @@ def test_prefill_hold_batches_prompt_work_while_requests_decode_and_changes_no_o
     assert [r.out for r in [first, *late]] == want
 
 
+def test_stepwise_prefill_feeds_short_prompts_as_decode_rows_and_changes_no_output(model):
+    """Prompts of at most stepwise_prefill_max tokens take one row per iteration (decode-shaped: a CUDA graph on a
+    GPU), longer ones chunks as before; greedy and seeded outputs equal the reference, also for requests arriving
+    while others decode and for a request prefilled again after its caches were lost."""
+    limit = 12
+    params = [SamplingParams(max_tokens=4 + i % 5, temperature=0.8 if i % 3 == 1 else 0.0, seed=i)
+              for i in range(len(TEXTS))]
+    prompts = [encode(t) for t in TEXTS]
+    want = [generate_reference(model, p, sp)[0] for p, sp in zip(prompts, params)]
+    sched, ex = engine(model)
+    sched.limits.stepwise_prefill_max = limit
+    rows = []  # (tokens to prefill when the row was planned, its count)
+
+    def iteration():
+        plans = sched.schedule()
+        rows.extend((r.length, c) for plan, reqs in plans.values() for r, c in zip(reqs, plan.counts))
+        sched.complete(plans, ex.run({r: p for r, (p, _) in plans.items()}))
+
+    reqs = [sched.submit(p, sp) for p, sp in zip(prompts[:4], params[:4])]
+    for _ in range(3):
+        iteration()
+    sched.reset(1)  # the caches lost: every unfinished request prefilled again (stepwise where short enough)
+    reqs += [sched.submit(p, sp) for p, sp in zip(prompts[4:], params[4:])]
+    while sched.has_work:
+        iteration()
+    assert [r.out for r in reqs] == want
+    assert all(c == 1 for length, c in rows if length <= limit)  # short prompts: rows of one token
+    assert any(c > 1 for length, c in rows if length > limit)  # longer ones: chunks
+    assert sum(len(p) <= limit for p in prompts) >= 6
+
+
 @pytest.mark.parametrize("rope", [False, True], ids=["no_rope_absorbed", "rope"])
 def test_batched_engine_equals_reference_with_the_released_features(rope):
     """Every released feature on (conftest.RELEASED): each request's KDA convolution state (its last 3 inputs of q,

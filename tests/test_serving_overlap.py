@@ -221,6 +221,33 @@ def test_the_decode_graph_body_takes_the_tokens_in_flight_on_the_device(model, b
     assert server.pools.last_token[:3].tolist() == want.tokens
 
 
+def test_overlapped_iterations_with_stepwise_prefill_equal_sequential_ones(model):
+    """Short prompts fed as decode rows (stepwise prefill) while two iterations are in flight: a prompt's last row
+    samples, and the next iteration's row for it takes that token on the device. Outputs as without either."""
+    seq, ex = engine(model)
+    drive(seq, ex, overlap=False, submit_at=workload())
+    sched, ex = engine(model)
+    sched.limits.stepwise_prefill_max = 16
+    log = []
+    drive(sched, ex, overlap=True, submit_at=workload(), log=log)
+    assert outcomes(sched) == outcomes(seq)
+    rows = [(r.length, c) for plans in log for plan, reqs in plans.values() for r, c in zip(reqs, plan.counts)]
+    assert sum(length <= 16 for length, _ in rows) > 30 and all(c == 1 for length, c in rows if length <= 16)
+    assert sched.usage()["pages_used"] == sched.usage()["slots_used"] == 0
+
+
+def test_stepwise_prefill_defaults_on_where_decode_iterations_are_graphs():
+    from k3ray.controller.serve_engine import stepwise_prefill_max
+
+    assert stepwise_prefill_max(load_config("configs/tiny.yaml", {})) == 0  # CPU: every iteration eager
+    gpu = {"parallel.device": "cuda", "parallel.ep": 1}
+    assert stepwise_prefill_max(load_config("configs/tiny.yaml", gpu)) == 64
+    assert stepwise_prefill_max(load_config("configs/tiny.yaml", {**gpu, "parallel.ep": 2})) == 0
+    assert stepwise_prefill_max(load_config("configs/tiny.yaml", {**gpu, "serve.stepwise_prefill_max": 8})) == 8
+    with pytest.raises(Exception, match="stepwise_prefill_max"):
+        load_config("configs/tiny.yaml", {"serve.stepwise_prefill_max": -1})
+
+
 def test_overlap_defaults_on_for_one_stage_and_is_refused_with_more():
     from k3ray.controller.serve_engine import overlap
 

@@ -26,6 +26,12 @@ eagerly, several times slower, so under a steady stream of arrivals (a new reque
 concurrency) batching them keeps most iterations graphed, for a first token later by half the hold on average.
 Without decoding requests, prompts start at once.
 
+Stepwise prefill (`stepwise_prefill_max` > 0): a request whose prompt (with any output to prefill again) has at most
+that many tokens is fed one token per iteration, as a decode row whose sampled token is dropped until the last one.
+Every iteration of such requests is decode-shaped, so it replays a CUDA graph (a few ms at any batch) instead of
+running eagerly; a short prompt's first token comes after as many iterations as it has tokens. The caches hold what
+a chunk would leave (the same recurrence and attention, one position at a time: in float64, the reference's).
+
 Interface: `submit`, `cancel`, `schedule` -> plans by rank, `complete(plans, answers by rank)`; `step` runs both
 with a synchronous executor (tests, the single-process engine).
 """
@@ -57,6 +63,7 @@ class EngineLimits:
     guards: GuardPolicy = field(default_factory=GuardPolicy)  # a sequence that trips them fails alone
     tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # end-of-text, and the text stop strings are met in
     prefill_hold_s: float = 0.0  # while requests decode, prompt work waits up to this long to be batched (see doc)
+    stepwise_prefill_max: int = 0  # prompts of at most this many tokens are fed one token per iteration (see doc)
 
 
 @dataclass
@@ -219,12 +226,19 @@ class Scheduler:
         now = self.clock()
         prefill = (now - self.last_prefill >= self.limits.prefill_hold_s
                    or not any(r.length + r.unconfirmed - r.planned == 1 for r in running))
+        eager = False  # whether this iteration holds a prompt chunk (more than one token of a request)
         for req in running:  # decoding first (one token each), then prompt chunks
             n = min(req.length + req.unconfirmed - req.planned, budget[req.rank])
+            if n > 1 and self._stepwise(req):
+                n = 1
             if n == 1 or n > 1 and prefill:
                 add(req, n)
-        while self.waiting and prefill:
+                eager |= n > 1
+        while self.waiting:
             req = self.waiting[0]
+            stepwise = self._stepwise(req)
+            if not (prefill or stepwise):
+                break
             rank = self._admit_rank(req)
             if rank is None or budget[rank] <= 0:
                 break
@@ -236,12 +250,18 @@ class Scheduler:
             self.running[req.id] = req
             p = req.params
             plans[rank][0].admit.append(SeqAdmit(req.slot, req.pages, p.temperature, p.top_p, req.seed))
-            add(req, min(req.length, budget[rank]))  # a requeued request (`reset`) also re-prefills its output
-        if any(c > 1 for plan, _ in plans.values() for c in plan.counts) or any(p.admit for p, _ in plans.values()):
+            n = 1 if stepwise else min(req.length, budget[rank])  # a requeued request re-prefills its output too
+            add(req, n)
+            eager |= not stepwise
+        if eager:
             self.last_prefill = now
         for plan, reqs in plans.values():
             plan.greedy = all(r.params.temperature == 0 for r in reqs)
         return plans
+
+    def _stepwise(self, req: Request) -> bool:
+        """Whether `req`'s prompt (and output, after a `reset`) is fed one token per iteration."""
+        return req.length <= self.limits.stepwise_prefill_max
 
     def _may_continue(self, req: Request) -> bool:
         """Whether `req` may get a row now: not ended, and the tokens in flight leave it room to generate another

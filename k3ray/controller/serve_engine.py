@@ -29,7 +29,7 @@ import time
 
 import ray
 
-from k3ray.config import DEFAULT_PREFILL_HOLD_MS, JobConfig
+from k3ray.config import DEFAULT_PREFILL_HOLD_MS, DEFAULT_STEPWISE_PREFILL_MAX, JobConfig
 from k3ray.controller.checkpointing import serving_weights
 from k3ray.controller.drills import clear, inject
 from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
@@ -65,6 +65,14 @@ def prefill_hold_ms(cfg: JobConfig) -> float:
     return DEFAULT_PREFILL_HOLD_MS if cfg.parallel.device != "cpu" else 0.0
 
 
+def stepwise_prefill_max(cfg: JobConfig) -> int:
+    """serve.stepwise_prefill_max, or its default: short prompts fed as decode rows where decode iterations are CUDA
+    graphs (a GPU, one EP rank per stage), none elsewhere (every iteration is eager there: chunks are cheaper)."""
+    if cfg.serve.stepwise_prefill_max is not None:
+        return cfg.serve.stepwise_prefill_max
+    return DEFAULT_STEPWISE_PREFILL_MAX if cfg.parallel.device != "cpu" and cfg.parallel.ep == 1 else 0
+
+
 def overlap(cfg: JobConfig) -> bool:
     """serve.overlap, or its default: on where the workers hold the tokens they sampled (pp = 1)."""
     return cfg.serve.overlap if cfg.serve.overlap is not None else cfg.parallel.pp == 1
@@ -83,7 +91,7 @@ class Engine(Availability, LiveServing, IterationLoop):
         sc = cfg.serve
         self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, grid.ep, sc.token_budget, sc.max_waiting,
                                             pool_sizes(cfg), cfg.policies.guards, load_tokenizer(cfg.data.tokenizer),
-                                            prefill_hold_ms(cfg) / 1e3))
+                                            prefill_hold_ms(cfg) / 1e3, stepwise_prefill_max(cfg)))
         self.grid = grid
         self.incidents: list[dict] = []
         self.gap_from: tuple[dict, float] | None = None  # (incident, when the loss was found) until the next token
