@@ -110,11 +110,12 @@ def bare_step(model, cfg, batch: int, context: int, iters: int, bandwidth: float
             "x_limit": step / limit, "busy": dev / step, "tok_s": batch / step}
 
 
-def engine_level(model, cfg, concurrency: int, requests: int, max_tokens: int, budget: int, device="cuda") -> dict:
+def engine_level(model, cfg, concurrency: int, requests: int, max_tokens: int, budget: int, device="cuda",
+                 stepwise: int = 0) -> dict:
     slots = max(concurrency, 1)
     sizes = PoolSizes(pages=slots * (-(-(64 + max_tokens) // 16)) + 8, page_size=16, slots=slots)
-    sched = Scheduler(EngineLimits(cfg.model.max_seq_len, 1, budget, 4 * requests,
-                                   sizes, cfg.policies.guards))
+    sched = Scheduler(EngineLimits(cfg.model.max_seq_len, 1, budget, 4 * requests, sizes, cfg.policies.guards,
+                                   stepwise_prefill_max=stepwise))
     ex = LocalExecutor(model, sizes, device=device)
     prompts = [[ord(c) for c in PROMPTS[i % len(PROMPTS)]] for i in range(requests)]
     submitted, host, steps, t_first = 0, [], [], {}
@@ -143,20 +144,23 @@ def engine_level(model, cfg, concurrency: int, requests: int, max_tokens: int, b
             "host_ms": statistics.median(host) * 1e3, "iterations": len(steps)}
 
 
-def graphs_match_eager(model, cfg, n: int = 8, max_tokens: int = 24) -> tuple[int, int]:
-    """Greedy outputs of n requests served together with decode graphs and eagerly: (tokens equal, tokens)."""
-    outs = []
-    for graphs in (True, False):
-        sizes = PoolSizes(pages=n * 8 + 8, page_size=16, slots=n)
-        sched = Scheduler(EngineLimits(cfg.model.max_seq_len, 1, 512, 64, sizes, cfg.policies.guards))
-        ex = LocalExecutor(model, sizes, device="cuda", graphs=graphs)
-        reqs = [sched.submit([ord(c) for c in PROMPTS[i % len(PROMPTS)]], SamplingParams(max_tokens=max_tokens))
-                for i in range(n)]
-        while sched.has_work:
-            sched.step(ex)
-        outs.append([r.out for r in reqs])
-    same = sum(a == b for ga, ea in zip(*outs) for a, b in zip(ga, ea))
-    return same, sum(len(o) for o in outs[1])
+def greedy_outputs(model, cfg, graphs: bool, stepwise: int, n: int = 8, max_tokens: int = 24) -> list[list[int]]:
+    """Greedy outputs of n requests served together (decode graphs or eagerly; prompts stepwise up to `stepwise`
+    tokens, else in chunks)."""
+    sizes = PoolSizes(pages=n * 8 + 8, page_size=16, slots=n)
+    sched = Scheduler(EngineLimits(cfg.model.max_seq_len, 1, 512, 64, sizes, cfg.policies.guards,
+                                   stepwise_prefill_max=stepwise))
+    ex = LocalExecutor(model, sizes, device="cuda", graphs=graphs)
+    reqs = [sched.submit([ord(c) for c in PROMPTS[i % len(PROMPTS)]], SamplingParams(max_tokens=max_tokens))
+            for i in range(n)]
+    while sched.has_work:
+        sched.step(ex)
+    return [r.out for r in reqs]
+
+
+def tokens_equal(a: list[list[int]], b: list[list[int]]) -> tuple[int, int]:
+    """(tokens equal at the same place, tokens) of two runs' outputs."""
+    return sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb)), sum(len(r) for r in b)
 
 
 def main() -> None:
@@ -171,6 +175,8 @@ def main() -> None:
     ap.add_argument("--profile", type=int, nargs="*", default=[], help="print the kernels of an eager step at these batches")
     ap.add_argument("--device", default="cuda", help="cpu: the engine table only (host time per iteration)")
     ap.add_argument("--token-budget", type=int, default=2048, help="tokens per iteration (decode + prefill)")
+    ap.add_argument("--stepwise", type=int, nargs="+", default=[0],
+                    help="serve.stepwise_prefill_max values for the engine table (0: prompts in chunks)")
     args = ap.parse_args()
     cfg = load_config(args.config, parse_assignments(args.set))
     t0 = time.perf_counter()
@@ -181,12 +187,14 @@ def main() -> None:
           f"{torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'}", flush=True)
     if args.device == "cuda":
         gpu_tables(model, cfg, args)
-    print("| concurrency | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms | engine host ms/iter | iterations |")
-    print("|---|---|---|---|---|---|---|")
-    for c in args.concurrency:
-        r = engine_level(model, cfg, c, max(2 * c, 8), args.max_tokens, args.token_budget, args.device)
-        print(f"| {c} | {r['tok_s']:.0f} | {r['ttft_p50_ms']:.1f} | {r['itl_p50_ms']:.2f} | {r['itl_p99_ms']:.2f} | "
-              f"{r['host_ms']:.3f} | {r['iterations']} |", flush=True)
+    print("| stepwise prefill up to | concurrency | output tok/s | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
+          "| engine host ms/iter | iterations |")
+    print("|---|---|---|---|---|---|---|---|")
+    for stepwise in args.stepwise:
+        for c in args.concurrency:
+            r = engine_level(model, cfg, c, max(2 * c, 8), args.max_tokens, args.token_budget, args.device, stepwise)
+            print(f"| {stepwise} | {c} | {r['tok_s']:.0f} | {r['ttft_p50_ms']:.1f} | {r['itl_p50_ms']:.2f} | "
+                  f"{r['itl_p99_ms']:.2f} | {r['host_ms']:.3f} | {r['iterations']} |", flush=True)
     for b in args.profile:  # last: a capture after the profiler has run can fail
         bare_step(model, cfg, b, args.context, 5, 1.0, profile=True)
 
@@ -194,8 +202,12 @@ def main() -> None:
 def gpu_tables(model, cfg, args) -> None:
     bw = copy_bandwidth("cuda")
     print(f"[decode] copy bandwidth {bw / 1e12:.2f} TB/s (read + written)", flush=True)
-    same, total = graphs_match_eager(model, cfg)
+    eager = greedy_outputs(model, cfg, graphs=False, stepwise=0)
+    same, total = tokens_equal(greedy_outputs(model, cfg, graphs=True, stepwise=0), eager)
     print(f"[decode] greedy tokens equal with graphs and eagerly: {same} / {total}", flush=True)
+    same, total = tokens_equal(greedy_outputs(model, cfg, graphs=True, stepwise=64), eager)
+    print(f"[decode] greedy tokens equal with prompts stepwise (graphs) and in chunks (eagerly): {same} / {total}",
+          flush=True)
     print("| batch | step ms (host+graph) | graph replay ms | bandwidth limit ms | step / limit | GPU busy | tok/s |")
     print("|---|---|---|---|---|---|---|")
     for b in args.batches:

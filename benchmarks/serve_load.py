@@ -181,6 +181,7 @@ def main() -> None:
     ap.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
     ap.add_argument("--prefill-hold-ms", type=float, help="serve.prefill_hold_ms (default: the config's)")
     ap.add_argument("--overlap", choices=["on", "off"], help="serve.overlap (default: the config's: on for pp=1)")
+    ap.add_argument("--stepwise-prefill-max", type=int, help="serve.stepwise_prefill_max (default: the config's)")
     ap.add_argument("--front-doors", type=int, default=1, help="HTTP front-door processes")
     ap.add_argument("--client-procs", type=int, default=1, help="processes the clients are spread over")
     args = ap.parse_args()
@@ -205,12 +206,14 @@ def main() -> None:
     serve_cfg = {"slots_per_rank": -(-top // args.ep), "pages_per_rank": 8 * -(-top // args.ep),
                  "max_waiting": top, "token_budget": args.token_budget, "stream_interval": args.stream_interval,
                  **({} if args.prefill_hold_ms is None else {"prefill_hold_ms": args.prefill_hold_ms}),
-                 **({} if args.overlap is None else {"overlap": args.overlap == "on"})}
+                 **({} if args.overlap is None else {"overlap": args.overlap == "on"}),
+                 **({} if args.stepwise_prefill_max is None else {"stepwise_prefill_max": args.stepwise_prefill_max})}
     serving = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg,
                             front_doors=args.front_doors)
     url, info = serving.url, serving.info
     hold_ms = 1e3 * ray.get(serving.engine.__ray_call__.remote(lambda e: e.sched.limits.prefill_hold_s))
     overlap = ray.get(serving.engine.__ray_call__.remote(lambda e: e.overlap))
+    stepwise = ray.get(serving.engine.__ray_call__.remote(lambda e: e.sched.limits.stepwise_prefill_max))
     pool = ProcessPoolExecutor(args.client_procs, mp_context=get_context("spawn")) if args.client_procs > 1 else None
     try:
         if pool is not None:  # every client process started (Python, the openai import) before any level
@@ -228,7 +231,7 @@ def main() -> None:
     print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, "
           f"max_tokens={args.max_tokens}, greedy, streaming, stream_interval={args.stream_interval}, "
           f"{args.front_doors} front doors, clients in {args.client_procs} processes, prefill hold "
-          f"{hold_ms:g} ms, overlap {'on' if overlap else 'off'}")
+          f"{hold_ms:g} ms, overlap {'on' if overlap else 'off'}, prompts of up to {stepwise} tokens stepwise")
     print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | tokens per chunk "
           "| GPU busy |")
     print("|---|---|---|---|---|---|---|")
