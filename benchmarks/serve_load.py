@@ -208,6 +208,7 @@ def main() -> None:
                  **({} if args.prefill_hold_ms is None else {"prefill_hold_ms": args.prefill_hold_ms}),
                  **({} if args.overlap is None else {"overlap": args.overlap == "on"}),
                  **({} if args.stepwise_prefill_max is None else {"stepwise_prefill_max": args.stepwise_prefill_max})}
+    t_start = time.perf_counter()
     serving = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg,
                             front_doors=args.front_doors)
     url, info = serving.url, serving.info
@@ -218,9 +219,15 @@ def main() -> None:
     try:
         if pool is not None:  # every client process started (Python, the openai import) before any level
             list(pool.map(time.sleep, [0.5] * args.client_procs))
+        print(f"[serve_load] serving after {time.perf_counter() - t_start:.0f}s", flush=True)
+
         def run_level(concurrency: int, requests: int, max_tokens: int) -> dict:
-            return level(pool, args.client_procs, serving.engine, url, info["model"], concurrency, requests,
-                         max_tokens)
+            t0 = time.perf_counter()
+            row = level(pool, args.client_procs, serving.engine, url, info["model"], concurrency, requests,
+                        max_tokens)
+            print(f"[serve_load] concurrency {concurrency}: {row['tokens_per_s']:,.0f} tok/s, "
+                  f"{time.perf_counter() - t0:.1f}s", flush=True)
+            return row
 
         run_level(1, 2, 4)  # warm-up: first iteration, connections
         rows = [run_level(c, args.requests or max(4 * c, 16), args.max_tokens) for c in args.concurrency]
