@@ -30,7 +30,8 @@ Stepwise prefill (`stepwise_prefill_max` > 0): a request whose prompt (with any 
 that many tokens is fed one token per iteration, as a decode row whose sampled token is dropped until the last one.
 Every iteration of such requests is decode-shaped, so it replays a CUDA graph (a few ms at any batch) instead of
 running eagerly; a short prompt's first token comes after as many iterations as it has tokens. The caches hold what
-a chunk would leave (the same recurrence and attention, one position at a time: in float64, the reference's).
+a chunk would leave (the same recurrence and attention, one position at a time: in float64 the outputs are the
+reference's; in bf16 the rounding differs from a chunk's, as it does between chunks of other sizes).
 
 Interface: `submit`, `cancel`, `schedule` -> plans by rank, `complete(plans, answers by rank)`; `step` runs both
 with a synchronous executor (tests, the single-process engine).
