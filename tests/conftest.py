@@ -2,6 +2,7 @@
 metrics export port, so Jobs and Prometheus tests talk to the same cluster as the runtime tests."""
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import tempfile
@@ -175,3 +176,33 @@ def serving_reference(serving_checkpoint):
     from k3ray.controller.drills import serving_reference as reference
 
     return reference(serving_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def visible_reference(serving_reference):
+    """(prompt text, sampling parameters as a request's dict) -> the reference's token ids as a stream shows them."""
+    from k3ray.data import EOS, encode
+    from k3ray.model.sampling import SamplingParams, visible_ids
+
+    def visible(prompt: str, params: dict) -> list[int]:
+        sp = SamplingParams(**params)
+        return visible_ids(serving_reference(encode(prompt), sp)[0], sp, EOS)
+
+    return visible
+
+
+@contextlib.contextmanager
+def serving_engine(checkpoint: str, pp: int, ep: int, serve: dict):
+    """A ServingEngine actor serving `checkpoint` on a pp x ep grid (`serve`: serve.* overrides), ready; shut down
+    and killed afterwards."""
+    import ray
+
+    from k3ray.controller.serve_engine import ServingEngine
+
+    engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve)
+    ray.get(engine.ready.remote(), timeout=300)
+    try:
+        yield engine
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=120)
+        ray.kill(engine, no_restart=True)

@@ -8,10 +8,9 @@ import time
 import pytest
 import ray
 
+from conftest import serving_engine
 from k3ray.controller.drills import Stream
-from k3ray.controller.serve_engine import ServingEngine
-from k3ray.data import EOS, encode
-from k3ray.model.sampling import SamplingParams, visible_ids
+from k3ray.data import encode
 
 PROMPTS = ["def ", "import sys\n", "x", "for k, v in d.items():\n", "return ", "@classmethod\n"]
 SERVE = {"page_size": 4, "pages_per_rank": 64, "slots_per_rank": 6, "token_budget": 16, "max_waiting": 16,
@@ -20,25 +19,17 @@ SERVE = {"page_size": 4, "pages_per_rank": 64, "slots_per_rank": 6, "token_budge
 
 @pytest.fixture
 def engine(serving_checkpoint):
-    engine = ServingEngine.options(num_cpus=0).remote(serving_checkpoint, 1, 2, SERVE)
-    ray.get(engine.ready.remote(), timeout=300)
-    try:
+    with serving_engine(serving_checkpoint, 1, 2, SERVE) as engine:
         yield engine
-    finally:
-        ray.get(engine.shutdown.remote(), timeout=120)
-        ray.kill(engine, no_restart=True)
 
 
-def test_a_worker_killed_while_copies_are_fetched_discards_the_move_and_fails_no_request(engine, serving_reference):
+def test_a_worker_killed_while_copies_are_fetched_discards_the_move_and_fails_no_request(engine, visible_reference):
     assert ray.get(engine.set_policy.remote("replication", {"enabled": True, "every_n_steps": 1000,
                                                            "spare_slots_per_rank": 2}))["value"]["enabled"]
     assert ray.get(engine.drill.remote("slow_copies", [0, 1], seconds=30.0))  # the move stays under way
     params = [{"max_tokens": 24 + 2 * i, "temperature": 0.0 if i % 2 else 0.8, "seed": 90 + i}
               for i in range(len(PROMPTS))]
-    want = []
-    for p, kw in zip(PROMPTS, params):
-        sp = SamplingParams(**kw)
-        want.append(visible_ids(serving_reference(encode(p), sp)[0], sp, EOS))
+    want = [visible_reference(p, kw) for p, kw in zip(PROMPTS, params)]
     streams = [Stream(engine, encode(p), kw) for p, kw in zip(PROMPTS, params)]
     for s in streams:
         s.start()

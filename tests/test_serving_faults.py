@@ -10,10 +10,9 @@ import time
 import pytest
 import ray
 
+from conftest import serving_engine
 from k3ray.controller.drills import Stream
-from k3ray.controller.serve_engine import ServingEngine
-from k3ray.data import EOS, encode
-from k3ray.model.sampling import SamplingParams, visible_ids
+from k3ray.data import encode
 
 PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in d.items():\n", "return ",
            "if not path:\n    raise ValueError(", "@classmethod\n", "try:\n    pass\nexcept", "s = "]
@@ -23,22 +22,14 @@ SERVE = {"page_size": 4, "pages_per_rank": 128, "slots_per_rank": 6, "token_budg
 
 @pytest.fixture
 def engine(serving_checkpoint):
-    engine = ServingEngine.options(num_cpus=0).remote(serving_checkpoint, 2, 2, SERVE)
-    ray.get(engine.ready.remote(), timeout=300)
-    try:
+    with serving_engine(serving_checkpoint, 2, 2, SERVE) as engine:
         yield engine
-    finally:
-        ray.get(engine.shutdown.remote(), timeout=120)
-        ray.kill(engine, no_restart=True)
 
 
-def streaming(engine, serving_reference, params: list[dict], at_least: int) -> tuple[list[list[int]], list[Stream]]:
+def streaming(engine, visible_reference, params: list[dict], at_least: int) -> tuple[list[list[int]], list[Stream]]:
     """The reference's visible output of each prompt with its params, and the requests streaming from the engine
     once `at_least` of them have had 2 tokens (or 120 s have passed)."""
-    want = []
-    for p, kw in zip(PROMPTS, params):
-        sp = SamplingParams(**kw)
-        want.append(visible_ids(serving_reference(encode(p), sp)[0], sp, EOS))
+    want = [visible_reference(p, kw) for p, kw in zip(PROMPTS, params)]
     streams = [Stream(engine, encode(p), kw) for p, kw in zip(PROMPTS, params)]
     for s in streams:
         s.start()
@@ -48,10 +39,10 @@ def streaming(engine, serving_reference, params: list[dict], at_least: int) -> t
     return want, streams
 
 
-def test_killed_worker_every_request_completes_as_undisturbed(engine, serving_reference):
+def test_killed_worker_every_request_completes_as_undisturbed(engine, visible_reference):
     params = [{"max_tokens": 28 + 3 * i, "temperature": 0.0 if i % 3 else 0.8, "seed": 70 + i}
               for i in range(len(PROMPTS))]
-    want, streams = streaming(engine, serving_reference, params, 8)
+    want, streams = streaming(engine, visible_reference, params, 8)
     t_kill = time.perf_counter()
     ray.get(engine.drill.remote("kill_worker", [2]))  # stage 1 of EP rank 0: its caches and experts are lost
     for s in streams:
@@ -76,11 +67,11 @@ def test_killed_worker_every_request_completes_as_undisturbed(engine, serving_re
     assert (stats["ep"], stats["running"], stats["pages_used"]) == (1, 0, 0)
 
 
-def test_a_kill_during_the_recovery_then_another_every_request_completes_as_undisturbed(engine, serving_reference):
+def test_a_kill_during_the_recovery_then_another_every_request_completes_as_undisturbed(engine, visible_reference):
     """Rank 2 is killed while 6 requests stream; while no grid serves (health: unavailable), a worker of the grid
     being launched is killed (the recovery is interrupted and plans again); once serving, another worker."""
     params = [{"max_tokens": 30 + 2 * i, "temperature": 0.0 if i % 2 else 0.8, "seed": 90 + i} for i in range(6)]
-    want, streams = streaming(engine, serving_reference, params, 4)
+    want, streams = streaming(engine, visible_reference, params, 4)
     ray.get(engine.drill.remote("kill_worker", [2]))
 
     def wait_for(status: str) -> dict:

@@ -10,10 +10,9 @@ import time
 import pytest
 import ray
 
-from k3ray.controller.serve_engine import ServingEngine
-from k3ray.data import EOS, encode
-from k3ray.model.sampling import SamplingParams, visible_ids
-from tests.test_serving_faults import Stream
+from conftest import serving_engine
+from k3ray.controller.drills import Stream
+from k3ray.data import encode
 
 PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in d.items():\n", "return ",
            "if not path:\n    raise ValueError(", "@classmethod\n", "try:\n    pass\nexcept", "s = ", "while True:\n",
@@ -24,23 +23,15 @@ SERVE = {"page_size": 4, "pages_per_rank": 64, "slots_per_rank": 4, "token_budge
 
 @pytest.fixture(scope="module")
 def engine(serving_checkpoint):
-    engine = ServingEngine.options(num_cpus=0).remote(serving_checkpoint, 1, 4, SERVE)
-    ray.get(engine.ready.remote(), timeout=300)
-    try:
+    with serving_engine(serving_checkpoint, 1, 4, SERVE) as engine:
         yield engine
-    finally:
-        ray.get(engine.shutdown.remote(), timeout=120)
-        ray.kill(engine, no_restart=True)
 
 
-def test_a_rebalance_amid_16_streams_changes_no_token_and_fails_no_request(engine, serving_reference):
+def test_a_rebalance_amid_16_streams_changes_no_token_and_fails_no_request(engine, visible_reference):
     assert ray.get(engine.set_policy.remote("replication", {"enabled": True, "every_n_steps": 1000,
                                                            "spare_slots_per_rank": 4}))["value"]["enabled"]
     params = [{"max_tokens": 20 + i, "temperature": 0.0 if i % 3 else 0.8, "seed": 40 + i} for i in range(16)]
-    want = []
-    for p, kw in zip(PROMPTS, params):
-        sp = SamplingParams(**kw)
-        want.append(visible_ids(serving_reference(encode(p), sp)[0], sp, EOS))
+    want = [visible_reference(p, kw) for p, kw in zip(PROMPTS, params)]
     streams = [Stream(engine, encode(p), kw) for p, kw in zip(PROMPTS, params)]
     for s in streams:
         s.start()
@@ -83,10 +74,10 @@ def test_policies_change_live_and_bad_values_are_refused_with_the_field_named(en
     assert [(a["policy"], a["params"], a["source"]) for a in audit][-1] == ("moonep", {"enabled": False}, "test")
 
 
-def test_scaling_the_grid_down_and_up_amid_streams_changes_no_token(engine, serving_reference):
-    """ep 4 -> 2, then 2 -> 4, while requests keep arriving (one every 0.3 s, more while the resizes last): each new grid is launched beside the
-    serving one (tokens keep coming meanwhile) and adopted between two iterations, the requests in flight prefilled
-    again on it; every request ends with the reference's tokens. Sizes the grid cannot take are refused, the grid
+def test_scaling_the_grid_down_and_up_amid_streams_changes_no_token(engine, visible_reference):
+    """ep 4 -> 2, then 2 -> 4, while requests keep arriving (one every 0.3 s, more while the resizes last): each new
+    grid is launched beside the serving one (tokens keep coming meanwhile) and adopted between two iterations, the
+    requests in flight prefilled again on it; every request ends with the reference's tokens. Sizes the grid cannot take are refused, the grid
     untouched."""
     assert ray.get(engine.scale.remote(0))["status"] == 400
     assert "ep=3 does not divide model.n_experts=16" in ray.get(engine.scale.remote(3))["error"]
@@ -94,10 +85,7 @@ def test_scaling_the_grid_down_and_up_amid_streams_changes_no_token(engine, serv
     assert too_big["status"] == 409 and "a 1 x 16 grid needs 16" in too_big["error"]
     assert ray.get(engine.stats.remote())["ep"] == 4
     params = [{"max_tokens": 24 + i, "temperature": 0.0 if i % 2 else 0.8, "seed": 60 + i} for i in range(16)]
-    want = []
-    for p, kw in zip(PROMPTS, params):
-        sp = SamplingParams(**kw)
-        want.append(visible_ids(serving_reference(encode(p), sp)[0], sp, EOS))
+    want = [visible_reference(p, kw) for p, kw in zip(PROMPTS, params)]
     streams: list[Stream] = []
     scaled = threading.Event()
 
