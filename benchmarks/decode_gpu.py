@@ -19,7 +19,7 @@ import time
 import torch
 
 from k3ray.config import load_config, parse_assignments
-from k3ray.controller.scheduler import EngineLimits, Scheduler
+from k3ray.serve.scheduler import EngineLimits, Scheduler
 from k3ray.model.cache import SeqAdmit
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams

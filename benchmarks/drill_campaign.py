@@ -1,6 +1,6 @@
 """A drill campaign: N randomized fault drills on CPU, each one survived and exact or not, one JSON line each.
 
-Training drills (k3ray.controller.drills.plan, as tests/test_drills.py): pp=1 x ep=4 in float64, one worker, two at
+Training drills (k3ray.train.drills.plan, as tests/test_drills.py): pp=1 x ep=4 in float64, one worker, two at
 once, two close together (the second during the recovery, during a grow-back, at the checkpoint commit) or a whole
 node (a second raylet, every process of it SIGKILLed) lost during a step, a snapshot, a checkpoint commit, an
 evaluation, a policy push or a grow-back; exact = every loss equals the unfailed run's at rel 1e-12.
@@ -42,8 +42,8 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
 from k3ray.control.local_nodes import free_port, head_room, join_node, kill_node, start_raylet, stop_node
-from k3ray.controller.drills import (DRILL_STEPS, Stream, drill_overrides, plan, run_drill, serving_reference)
-from k3ray.controller.serve_engine import ServingEngine
+from k3ray.train.drills import (DRILL_STEPS, Stream, drill_overrides, plan, run_drill, serving_reference)
+from k3ray.serve.engine import ServingEngine
 from k3ray.data import EOS, encode
 from k3ray.model.sampling import SamplingParams, visible_ids
 
@@ -293,7 +293,7 @@ def start_cluster(preload: bool) -> tuple[str, str]:
         os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
     if preload:  # the raylets start each worker process with these imported, pooled ones too: a drill's
         # replacement workers start in seconds instead of importing torch on a loaded machine
-        os.environ["RAY_preload_python_modules"] = "torch,k3ray.controller.worker"
+        os.environ["RAY_preload_python_modules"] = "torch,k3ray.grid.worker"
     port = free_port()
     head = tempfile.mkdtemp(prefix="k3ray-campaign-", dir="/tmp")
     start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")

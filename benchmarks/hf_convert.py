@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from k3ray.io import hf_keys
-from k3ray.io.hf_files import ShardWriter
+from k3ray.formats.hf import keys as hf_keys
+from k3ray.formats.hf.files import ShardWriter
 
 MODEL = {  # K3's structure (q-LoRA MLA without RoPE, KDA with convolution, dense first layer, AttnRes), reduced
     "vocab_size": 32768, "d_model": 1024, "n_layers": 6, "n_heads": 8, "head_dim": 128, "kv_rank": 256,
@@ -37,7 +37,7 @@ MODEL = {  # K3's structure (q-LoRA MLA without RoPE, KDA with convolution, dens
 def synthesize(out: Path) -> int:
     """A release folder of MODEL with random bf16 weights, streamed tensor by tensor; returns its tensor bytes."""
     from k3ray.config import ModelConfig
-    from k3ray.controller.hf_convert import model_layout
+    from k3ray.formats.hf.convert import model_layout
 
     cfg = ModelConfig.model_validate(MODEL)
     layout = model_layout(cfg)
@@ -85,7 +85,7 @@ def main() -> None:
     nbytes = synthesize(root / "hf")
     print(f"synthetic release folder: {nbytes / 1e9:.2f} GB of tensors, {time.perf_counter() - t0:.1f} s to write")
     cli = ["-m", "k3ray.control.cli"]
-    _, base, base_cpu = run("-c", "import k3ray.control.cli, k3ray.controller.hf_convert; print('{}')")
+    _, base, base_cpu = run("-c", "import k3ray.control.cli, k3ray.formats.hf.convert; print('{}')")
     rows = [("imports only (baseline)", "", None, base, base_cpu)]
     for ep in args.ep:
         info, rss, cpu = run(*cli, "convert", "--from-hf", str(root / "hf"), "--to", str(root / f"k3-ep{ep}"),

@@ -22,7 +22,7 @@ import time
 import ray
 
 from k3ray.control.driver import init_ray
-from k3ray.controller.serve_engine import ServingEngine
+from k3ray.serve.engine import ServingEngine
 from k3ray.data import encode
 
 from serve_load import train_checkpoint

@@ -25,7 +25,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.state import list_actors
 
 from k3ray.control.local_nodes import free_port
-from k3ray.controller.serve_engine import ServingEngine
+from k3ray.serve.engine import ServingEngine
 from k3ray.data import encode
 
 from serve_load import train_checkpoint

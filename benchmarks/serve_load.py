@@ -33,7 +33,7 @@ import ray
 
 from k3ray.config import load_config, parse_assignments
 from k3ray.control.driver import init_ray, running_job
-from k3ray.control.serve import start_serving, stop_serving
+from k3ray.serve.app import start_serving, stop_serving
 
 PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self", "for i in range(",
            "# Licensed to the PSF\n\"\"\"Helpers for ", "    if not data:\n        return "]
@@ -189,7 +189,7 @@ def main() -> None:
     if root is None:
         root = tempfile.mkdtemp(prefix="k3ray-serve-bench-")
         if args.config:
-            from k3ray.controller.checkpointing import write_seeded_weights
+            from k3ray.train.checkpointing import write_seeded_weights
 
             cfg = load_config(args.config, parse_assignments(args.set))
             t0 = time.perf_counter()

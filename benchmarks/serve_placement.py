@@ -38,8 +38,8 @@ import torch
 from k3ray.config import load_config
 from k3ray.control.driver import init_ray
 from k3ray.control.local_nodes import free_port
-from k3ray.controller.checkpointing import write_seeded_weights
-from k3ray.controller.serve_engine import ServingEngine
+from k3ray.train.checkpointing import write_seeded_weights
+from k3ray.serve.engine import ServingEngine
 from k3ray.data import encode
 
 PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self", "for i in range(", "x = ",

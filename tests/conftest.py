@@ -173,7 +173,7 @@ def serving_checkpoint(ray_cluster, tmp_path_factory) -> str:
 def serving_reference(serving_checkpoint):
     """The single-process reference generation from `serving_checkpoint`: (prompt ids, SamplingParams) ->
     (generated ids, finish reason)."""
-    from k3ray.controller.drills import serving_reference as reference
+    from k3ray.train.drills import serving_reference as reference
 
     return reference(serving_checkpoint)
 
@@ -197,7 +197,7 @@ def serving_engine(checkpoint: str, pp: int, ep: int, serve: dict):
     and killed afterwards."""
     import ray
 
-    from k3ray.controller.serve_engine import ServingEngine
+    from k3ray.serve.engine import ServingEngine
 
     engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve)
     ray.get(engine.ready.remote(), timeout=300)

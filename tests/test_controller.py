@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from k3ray.config import load_config
-from k3ray.controller.controller import Controller, GuardError
-from k3ray.controller.failures import RecoveryFailed
-from k3ray.controller.worker import part_name
-from k3ray.controller.state import TRANSITIONS, IllegalTransition, JobState, StateMachine
-from k3ray.controller.worker_group import TopologyError, WorkerLost
+from k3ray.train.controller import Controller, GuardError
+from k3ray.train.failures import RecoveryFailed
+from k3ray.grid.worker import part_name
+from k3ray.train.state import TRANSITIONS, IllegalTransition, JobState, StateMachine
+from k3ray.grid.worker_group import TopologyError, WorkerLost
 from k3ray.io import checkpoint as ckpt
 from k3ray.policies import ladder, recovery
 

@@ -18,7 +18,7 @@ from conftest import SMALL_BATCH
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
 from k3ray.control.local_nodes import head_room, kill_node
-from k3ray.controller.drills import DRILL_KINDS, DRILL_STEPS, TWO_FAULTS, drill_overrides, plan, run_drill
+from k3ray.train.drills import DRILL_KINDS, DRILL_STEPS, TWO_FAULTS, drill_overrides, plan, run_drill
 
 KINDS = tuple(os.environ.get("K3RAY_DRILL_KINDS", ",".join(DRILL_KINDS)).split(","))
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3ray.config import ReplicationPolicy, load_config
-from k3ray.controller.serve_placement import ServePlacement
+from k3ray.serve.placement import ServePlacement
 from k3ray.model.moe import ExpertShard
 from k3ray.parallel.ep import EPContext, ExpertCopies, ExpertParallelExperts
 from k3ray.policies import copies

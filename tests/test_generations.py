@@ -9,9 +9,9 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from k3ray.config import load_config
 from k3ray.control.local_nodes import free_port
-from k3ray.controller import worker_group
-from k3ray.controller.worker import StaleGeneration, fenced
-from k3ray.controller.worker_group import WorkerError, WorkerGroup, WorkerLost
+from k3ray.grid import worker_group
+from k3ray.grid.worker import StaleGeneration, fenced
+from k3ray.grid.worker_group import WorkerError, WorkerGroup, WorkerLost
 from k3ray.parallel.engine import LeftGrid, StageEngine
 
 
@@ -152,7 +152,7 @@ def test_worker_lost_crosses_ray_whole():
 
 def plain_worker(generation: int):
     """A Worker's own class (the actor's, without Ray) on standby at `generation`."""
-    from k3ray.controller.worker import Worker
+    from k3ray.grid.worker import Worker
 
     w = object.__new__(Worker.__ray_metadata__.modified_class.__mro__[1])
     w.cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1})
@@ -181,8 +181,8 @@ class Starting:
 
 
 def test_a_spare_that_never_comes_up_is_given_up_and_its_slot_on_a_silent_node_never_reused(monkeypatch):
-    from k3ray.controller import spares
-    from k3ray.controller.spares import Spare, SparePool
+    from k3ray.grid import spares
+    from k3ray.grid.spares import Spare, SparePool
 
     monkeypatch.setattr(spares.ray, "wait", lambda refs, **_: ([], refs))  # never answers
     killed = []

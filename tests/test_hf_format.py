@@ -12,10 +12,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3ray.control.cli import main
-from k3ray.controller.checkpointing import serving_weights
-from k3ray.controller.hf_convert import convert_from_hf, export_hf, export_weights_only
+from k3ray.train.checkpointing import serving_weights
+from k3ray.formats.hf.convert import convert_from_hf, export_hf, export_weights_only
 from k3ray.io import checkpoint as ckpt
-from k3ray.io.hf_files import HFFolder
+from k3ray.formats.hf.files import HFFolder
 
 D, H, HD, P, QL, R, LAT, E, I, DENSE, W, VOCAB = 64, 4, 16, 8, 24, 32, 32, 8, 32, 96, 4, 256
 CONFIG = {  # the released K3's fields at a reduced size: 4 layers, MLA at 0-based 2 and 3 (as K3's 91 and 92)
@@ -294,7 +294,7 @@ def _release_k3_config() -> dict:
 def test_release_config_is_configs_k3():
     """The released config.json describes exactly configs/k3.yaml's model."""
     from k3ray.config import ModelConfig, load_config
-    from k3ray.io.hf_keys import config_from_hf
+    from k3ray.formats.hf.keys import config_from_hf
 
     want = load_config("configs/k3.yaml").model
     assert ModelConfig.model_validate(config_from_hf({"model_type": "kimi_k3", "text_config": _release_k3_config()},
@@ -307,7 +307,7 @@ def test_model_config_survives_config_json(path, released):
     """k3ray -> config.json -> k3ray gives the same ModelConfig (k3ray-only fields travel under `k3ray`)."""
     from conftest import RELEASED
     from k3ray.config import ModelConfig, load_config
-    from k3ray.io.hf_keys import config_from_hf, config_to_hf
+    from k3ray.formats.hf.keys import config_from_hf, config_to_hf
 
     cfg = load_config(path, RELEASED if released else {}).model
     assert ModelConfig.model_validate(config_from_hf(json.loads(json.dumps(config_to_hf(cfg))))) == cfg

@@ -34,5 +34,5 @@ def test_no_module_imports_upward():
 
 def test_the_check_sees_an_upward_import(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from k3ray.controller.worker_group import WorkerGroup\n")
+    module.write_text("def f():\n    from k3ray.grid.worker_group import WorkerGroup\n")
     assert k3ray_imports(module) == ["controller"]

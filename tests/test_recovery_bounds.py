@@ -10,10 +10,10 @@ import threading
 import pytest
 
 from k3ray.config import load_config
-from k3ray.controller import failures
-from k3ray.controller.controller import Controller, GuardError
-from k3ray.controller.failures import RecoveryFailed
-from k3ray.controller.state import AttemptsExhausted, JobState, StateMachine
+from k3ray.train import failures
+from k3ray.train.controller import Controller, GuardError
+from k3ray.train.failures import RecoveryFailed
+from k3ray.train.state import AttemptsExhausted, JobState, StateMachine
 from k3ray.io.checkpoint import CheckpointError
 from test_controller import Cluster, config, run, states
 

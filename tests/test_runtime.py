@@ -131,7 +131,7 @@ def test_gpu_jobs_run_at_normal_priority(ray_cluster):
     thread feeds the GPU) get a runtime env that runs them at normal priority; a CPU job asks for none."""
     import os
 
-    from k3ray.controller.worker_group import actor_runtime_env
+    from k3ray.grid.worker_group import actor_runtime_env
 
     assert actor_runtime_env(tiny()) is None
     gpu_env = actor_runtime_env(tiny(**{"parallel.device": "cuda"}))
@@ -139,7 +139,7 @@ def test_gpu_jobs_run_at_normal_priority(ray_cluster):
 
 
 def test_more_workers_than_cluster_fails_fast(ray_cluster):
-    from k3ray.controller.worker_group import TopologyError
+    from k3ray.grid.worker_group import TopologyError
 
     cfg = tiny(**{"parallel.pp": 4, "parallel.ep": 4})  # 16 workers on an 8-CPU cluster
     with pytest.raises(TopologyError, match="needs 16 CPU"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from k3ray.control.dashboards import panel_queries, serving
-from k3ray.control.serve_metrics import SERVE_SPECS, ServeMetrics
+from k3ray.serve.metrics import SERVE_SPECS, ServeMetrics
 from k3ray.policies import copies
 
 

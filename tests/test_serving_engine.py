@@ -10,8 +10,8 @@ import torch
 
 from conftest import RELEASED
 from k3ray.config import load_config
-from k3ray.controller.drills import poison_token
-from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
+from k3ray.train.drills import poison_token
+from k3ray.serve.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.data import chat_prompt, decode, encode
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams, visible_ids
@@ -289,7 +289,7 @@ def test_decode_iterations_do_no_work_that_grows_with_the_context(model, monkeyp
     it or check its stop strings."""
     import pickle
 
-    from k3ray.controller.scheduler import Request
+    from k3ray.serve.scheduler import Request
 
     sizes = {}
     for prompt_len in (8, 96):
@@ -316,7 +316,7 @@ def test_init_writes_the_seeded_weights_as_a_servable_checkpoint(tmp_path, capsy
     """`k3ray init`: the model's initial weights (a function of the seed and the config) as a checkpoint that serving
     loads, equal to the model built from the seed; a directory that is not empty is refused in one line."""
     from k3ray.control.cli import main
-    from k3ray.controller.checkpointing import serving_weights
+    from k3ray.train.checkpointing import serving_weights
 
     out = tmp_path / "seeded"
     assert main(["init", "--config", "configs/tiny.yaml", "--out", str(out), "--set", "train.seed=7"]) == 0

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from k3ray.config import load_config
-from k3ray.controller.drills import poison_token
-from k3ray.controller.scheduler import EngineLimits, Scheduler
+from k3ray.train.drills import poison_token
+from k3ray.serve.scheduler import EngineLimits, Scheduler
 from k3ray.data import encode
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams
@@ -174,7 +174,7 @@ def test_the_engine_recovers_a_lost_worker_with_two_iterations_in_flight(model):
     uncompleted): every request ends as the reference."""
     from test_serving_recovery import SERVE, FakeGrid, collect, reference, sizes
 
-    from k3ray.controller.serve_engine import Engine
+    from k3ray.serve.engine import Engine
 
     cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", "parallel.pp": 1, "parallel.ep": 1,
                                             **{f"serve.{k}": v for k, v in SERVE.items()}, "serve.overlap": True})
@@ -237,7 +237,7 @@ def test_overlapped_iterations_with_stepwise_prefill_equal_sequential_ones(model
 
 
 def test_stepwise_prefill_defaults_on_where_decode_iterations_are_graphs():
-    from k3ray.controller.serve_engine import stepwise_prefill_max
+    from k3ray.serve.engine import stepwise_prefill_max
 
     assert stepwise_prefill_max(load_config("configs/tiny.yaml", {})) == 0  # CPU: every iteration eager
     gpu = {"parallel.device": "cuda", "parallel.ep": 1}
@@ -249,7 +249,7 @@ def test_stepwise_prefill_defaults_on_where_decode_iterations_are_graphs():
 
 
 def test_overlap_defaults_on_for_one_stage_and_is_refused_with_more():
-    from k3ray.controller.serve_engine import overlap
+    from k3ray.serve.engine import overlap
 
     assert overlap(load_config("configs/tiny.yaml", {"parallel.pp": 1}))
     assert not overlap(load_config("configs/tiny.yaml", {"parallel.pp": 2}))
@@ -263,7 +263,7 @@ def test_whoever_waits_between_iterations_gets_in_with_nothing_in_flight(model):
     and serving goes on after it, every request ending as the reference."""
     from test_serving_recovery import SERVE, FakeGrid, collect, reference, sizes
 
-    from k3ray.controller.serve_engine import Engine
+    from k3ray.serve.engine import Engine
 
     cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", "parallel.pp": 1, "parallel.ep": 1,
                                             **{f"serve.{k}": v for k, v in SERVE.items()}})

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from k3ray.config import load_config
-from k3ray.controller import serve_grid
-from k3ray.controller.serve_engine import Engine
-from k3ray.controller.worker_group import TopologyError, WorkerLost
+from k3ray.serve import grid as serve_grid
+from k3ray.serve.engine import Engine
+from k3ray.grid.worker_group import TopologyError, WorkerLost
 from k3ray.data import EOS, encode
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams, visible_ids
@@ -221,7 +221,7 @@ def test_an_observer_that_raises_does_not_stop_the_engine(cfg, model):
 @pytest.mark.parametrize("call", ["expert_load", "drill"])
 def test_expert_load_and_drill_leave_the_event_loop_running(cfg, model, monkeypatch, call):
     """The grid call takes 0.5 s (the workers' answers, a kill): meanwhile the engine's event loop keeps ticking."""
-    from k3ray.controller import serve_engine
+    from k3ray.serve import engine as serve_engine
 
     monkeypatch.setattr(serve_engine, "inject", lambda *args: time.sleep(0.5))
     engine = Engine(cfg, 0, FakeGrid(model, sizes(cfg)))
@@ -296,7 +296,7 @@ def test_a_worker_gone_before_the_serving_graph_compiles_is_a_lost_worker(monkey
     worker (recovered again), not an iteration that fails every request."""
     from ray.exceptions import ActorDiedError
 
-    from k3ray.controller.serve_dag import ServingGraph
+    from k3ray.serve.dag import ServingGraph
 
     group = type("Group", (), {"generation": 7, "ep": 2, "size": 4, "workers": [], "dead_ranks": lambda self: {1}})()
 

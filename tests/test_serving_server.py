@@ -29,8 +29,8 @@ import ray
 
 from k3ray.control.cli import main
 from k3ray.control.local_nodes import free_port
-from k3ray.control.serve import start_serving, stop_serving
-from k3ray.control.serve_metrics import SERVE_SPECS, ServeMetrics
+from k3ray.serve.app import start_serving, stop_serving
+from k3ray.serve.metrics import SERVE_SPECS, ServeMetrics
 from k3ray.data import EOS, chat_prompt, decode, encode
 from k3ray.model.sampling import SamplingParams, visible_ids
 from k3ray.tokenizer import load_tokenizer

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from k3ray.control import openai_schema as oa
-from k3ray.control.front_door import prompt_ids
-from k3ray.controller.scheduler import EngineLimits, Scheduler
+from k3ray.serve import openai_schema as oa
+from k3ray.serve.front_door import prompt_ids
+from k3ray.serve.scheduler import EngineLimits, Scheduler
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import PoolSizes, StageOutput
 from k3ray.tokenizer import load_tokenizer

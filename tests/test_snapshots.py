@@ -1,10 +1,10 @@
-"""Snapshot packing (k3ray.controller.snapshots): a nested state survives pack -> object store -> unpack bit for bit."""
+"""Snapshot packing (k3ray.grid.snapshots): a nested state survives pack -> object store -> unpack bit for bit."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from k3ray.controller.snapshots import ALIGN, Packed, SnapshotStager, as_state, layout, unpack
+from k3ray.grid.snapshots import ALIGN, Packed, SnapshotStager, as_state, layout, unpack
 
 
 def _state(seed: int) -> dict:

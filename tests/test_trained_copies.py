@@ -101,7 +101,7 @@ class RecordingGroup:
 
 
 def test_the_controllers_placement_puts_copies_of_hot_experts_in_spare_slots_and_forgets_them_on_reset():
-    from k3ray.controller.placement import Placement
+    from k3ray.train.placement import Placement
 
     cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 4,
                                             "policies.replication.spare_slots_per_rank": 2})

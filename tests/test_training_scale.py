@@ -13,7 +13,7 @@ from conftest import SMALL_BATCH
 def test_scale_requests_are_validated_and_queued_through_the_api_and_cli(tmp_path, capsys):
     from k3ray.control.api import ApiServer, build_app
     from k3ray.control.cli import main
-    from k3ray.controller.controller import Controller
+    from k3ray.train.controller import Controller
 
     cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 4,
                                             "checkpoint.dir": str(tmp_path / "ckpt")})

@@ -27,7 +27,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, create_model
 
 from k3ray.config import PoliciesConfig
-from k3ray.controller.callbacks import Callback
+from k3ray.train.callbacks import Callback
 
 log = logging.getLogger("k3ray.api")
 

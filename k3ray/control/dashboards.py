@@ -117,7 +117,7 @@ def reliability(ds_uid: str = DATASOURCE_UID) -> dict:
 
 
 def serving(ds_uid: str = DATASOURCE_UID) -> dict:
-    """`k3ray serve`: latency, load, cache use, per-expert served load (k3ray.control.serve_metrics)."""
+    """`k3ray serve`: latency, load, cache use, per-expert served load (k3ray.serve.metrics)."""
     def quantiles(metric: str) -> list[tuple[str, str]]:
         return [(f"histogram_quantile({p}, sum by (le) (rate(ray_{metric}_bucket{{{SEL}}}[$__rate_interval])))",
                  f"p{int(p * 100)}") for p in (0.5, 0.99)]

@@ -1,5 +1,5 @@
 """`k3ray convert --from-hf DIR --to CKPT_DIR` and `k3ray export --hf CKPT_DIR OUT | --weights-only CKPT_DIR OUT`:
-k3ray checkpoints to and from the released (Hugging Face) format (k3ray.controller.hf_convert); `k3ray init`: a
+k3ray checkpoints to and from the released (Hugging Face) format (k3ray.formats.hf.convert); `k3ray init`: a
 config's seeded initial weights as a checkpoint."""
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ def _readable(fn):
     """Bad input (a folder, a tensor, a checkpoint) is one line and exit 2, as a config error is."""
     def run(args) -> int:
         from k3ray.io.checkpoint import CheckpointError
-        from k3ray.io.hf_files import HFFormatError
-        from k3ray.io.hf_keys import UnmappedName
+        from k3ray.formats.hf.files import HFFormatError
+        from k3ray.formats.hf.keys import UnmappedName
 
         try:
             return fn(args)
@@ -45,7 +45,7 @@ def _readable(fn):
 
 @_readable
 def cmd_convert(args) -> int:
-    from k3ray.controller.hf_convert import convert_from_hf
+    from k3ray.formats.hf.convert import convert_from_hf
 
     base = load_config(args.config) if args.config else None
     t0 = time.perf_counter()
@@ -58,7 +58,7 @@ def cmd_convert(args) -> int:
 def cmd_export(args) -> int:
     import torch
 
-    from k3ray.controller.hf_convert import export_hf, export_weights_only
+    from k3ray.formats.hf.convert import export_hf, export_weights_only
 
     weights = getattr(torch, args.dtype)
     t0 = time.perf_counter()
@@ -73,7 +73,7 @@ def cmd_export(args) -> int:
 @_readable
 def check_release(path: str) -> None:
     """A release folder's config and tensors fit k3ray's model (names, shapes, dtypes), else ConfigError."""
-    from k3ray.controller.hf_convert import read_release
+    from k3ray.formats.hf.convert import read_release
 
     read_release(path)
 
@@ -81,7 +81,7 @@ def check_release(path: str) -> None:
 @_readable
 def cmd_init(args) -> int:
     from k3ray.config import parse_assignments
-    from k3ray.controller.checkpointing import write_seeded_weights
+    from k3ray.train.checkpointing import write_seeded_weights
 
     cfg = load_config(args.config, parse_assignments(args.set))
     t0 = time.perf_counter()

@@ -5,7 +5,7 @@ label sets only: k3ray_job (the job name; `job` is Prometheus' own label), layer
 phase (step phases), rule (INCIDENT_RULES), policy (POLICY_NAMES), state (JobState values), le (buckets). Per-expert load is a per-layer histogram of
 load / mean load, never one series per expert.
 
-`MetricsCallback` hooks them into the controller (k3ray.controller.callbacks): `JobMetrics.publish` once per step
+`MetricsCallback` hooks them into the controller (k3ray.train.callbacks): `JobMetrics.publish` once per step
 with the merged report, folding in what changed in the controller since the last step (policy changes, incidents,
 state transitions). Reliability counters are exported at zero from the start so dashboards show 0 rather than
 "no data" before the first incident.
@@ -17,8 +17,8 @@ import time
 from ray.util.metrics import Counter, Gauge, Histogram
 
 from k3ray.config import POLICY_NAMES
-from k3ray.controller.callbacks import Callback
-from k3ray.controller.state import JobState
+from k3ray.train.callbacks import Callback
+from k3ray.train.state import JobState
 
 PHASES = ("compute", "dispatch_combine", "pipeline_wait", "optimizer", "step")
 INCIDENT_RULES = ("nonfinite_loss", "nonfinite_grad", "activation", "loss_spike", "grad_norm_spike", "worker_lost",

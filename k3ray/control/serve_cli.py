@@ -16,10 +16,10 @@ DOOR_CHECK_S = 5.0  # how often `k3ray serve` looks for front doors that died
 def cmd_serve(args) -> int:
     """Serve a checkpoint until Ctrl-C (or SIGTERM)."""
     from k3ray.control.driver import init_ray
-    from k3ray.control.serve import check_exposure, start_serving, stop_serving
-    from k3ray.control.serve_metrics import ServeMetrics
+    from k3ray.serve.app import check_exposure, start_serving, stop_serving
+    from k3ray.serve.metrics import ServeMetrics
     from k3ray.io import checkpoint as ckpt
-    from k3ray.io.hf_files import is_hf_folder
+    from k3ray.formats.hf.files import is_hf_folder
     from k3ray.tokenizer import load_tokenizer
 
     try:

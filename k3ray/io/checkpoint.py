@@ -74,6 +74,11 @@ class Manifest:
 
 
 # -- paths --------------------------------------------------------------------------------------------------------
+def part_name(world_rank: int) -> str:
+    """The file name of world rank `world_rank`'s part inside a step directory."""
+    return f"rank{world_rank:05d}.pt"
+
+
 def step_dir(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step_{step:09d}"
 

@@ -1,7 +1,7 @@
 """What of the serving engine changes while it serves, between two iterations: the live policies (validated, audited,
 applied at the next iteration), the expert placement (read-only copies of hot experts moved in the background,
-k3ray.controller.serve_placement) and the grid's size (`scale`: a new grid launched beside the serving one, then
-adopted). A mixin of `k3ray.controller.serve_engine.Engine`: it uses the engine's grid, scheduler, `_on_grid`,
+k3ray.serve.placement) and the grid's size (`scale`: a new grid launched beside the serving one, then
+adopted). A mixin of `k3ray.serve.engine.Engine`: it uses the engine's grid, scheduler, `_on_grid`,
 `_restore`, `_incident` and `_ensure_loop`; the engine holds `between_iterations` around each iteration (around each
 stretch of overlapped ones: nothing is in flight while it is free) and calls `_at_boundary` at its start.
 """
@@ -12,10 +12,10 @@ import logging
 import time
 
 from k3ray.config import JobConfig
-from k3ray.controller.live_policies import LivePolicies
-from k3ray.controller.serve_iterations import BoundaryLock
-from k3ray.controller.serve_placement import ServePlacement
-from k3ray.controller.worker_group import TopologyError
+from k3ray.train.live_policies import LivePolicies
+from k3ray.serve.iterations import BoundaryLock
+from k3ray.serve.placement import ServePlacement
+from k3ray.grid.worker_group import TopologyError
 
 log = logging.getLogger("k3ray.serve")
 

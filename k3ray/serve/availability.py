@@ -1,4 +1,4 @@
-"""Serving never stays broken: the serving engine's part (a mixin of `Engine`, k3ray.controller.serve_engine, on its
+"""Serving never stays broken: the serving engine's part (a mixin of `Engine`, k3ray.serve.engine, on its
 state: cfg, sched, grid, updates, incidents) that rebuilds the grid after a loss and says, meanwhile, why nothing
 serves.
 
@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 
-from k3ray.controller.worker_group import WorkerLost
+from k3ray.grid.worker_group import WorkerLost
 
 log = logging.getLogger("k3ray.serve")
 MAX_BACKOFF_S = 30.0  # between attempts to serve again after a loss

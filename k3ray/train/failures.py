@@ -1,8 +1,8 @@
 """The controller's failure paths, carrying out the policies' decisions: roll back on a guard trip, recover from lost
-workers (in any state), grow back when capacity returns. A part of `Controller` (k3ray.controller.controller), kept
+workers (in any state), grow back when capacity returns. A part of `Controller` (k3ray.train.controller), kept
 in its own file; it uses the controller's state and parts.
 
-Recovery and grow-back are bounded handlers of the state machine (k3ray.controller.state): each attempt is a
+Recovery and grow-back are bounded handlers of the state machine (k3ray.train.state): each attempt is a
 transition into its state, a loss during an attempt starts the next one after a backoff, and the machine refuses
 the attempt past the limit; then the job stops with one line naming what happened and where the incidents are
 (`RecoveryFailed`). The grid in use is kept until the one replacing it is placed."""
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from k3ray.controller.state import AttemptsExhausted, JobState
-from k3ray.controller.worker_group import TopologyError, WorkerLost
+from k3ray.train.state import AttemptsExhausted, JobState
+from k3ray.grid.worker_group import TopologyError, WorkerLost
 from k3ray.policies import guards, ladder, recovery
 
 log = logging.getLogger("k3ray.controller")

@@ -216,8 +216,8 @@ def serving_reference(checkpoint: str):
     finish reason); what a serving drill's every request must end with."""
     import torch
 
-    from k3ray.controller.checkpointing import serving_weights
-    from k3ray.controller.serve_engine import serving_config
+    from k3ray.train.checkpointing import serving_weights
+    from k3ray.serve.engine import serving_config
     from k3ray.model.decoder import build_stage
     from k3ray.optim import AdamW
     from k3ray.parallel import shards

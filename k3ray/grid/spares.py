@@ -1,5 +1,5 @@
 """The spare pool of a worker grid (`fault_tolerance.spares`): standby Worker actors, each holding its own resources,
-that take lost ranks' places without a process start (k3ray.controller.worker_group: `WorkerGroup.regroup`).
+that take lost ranks' places without a process start (k3ray.grid.worker_group: `WorkerGroup.regroup`).
 
 The pool starts spares (in slots lost workers left on healthy nodes first, else in placement groups of their own),
 tells which are up on alive nodes, gives up the dead ones, those on nodes found silent and those that never came up

@@ -1,4 +1,4 @@
-"""The serving engine on the worker grid: a Ray actor that owns the scheduler (k3ray.controller.scheduler) and drives
+"""The serving engine on the worker grid: a Ray actor that owns the scheduler (k3ray.serve.scheduler) and drives
 the same Worker actors as training (their stages, expert shards and EP exchange, with cache pools added).
 
 Loading: the newest verified durable checkpoint, merged out of its grid (`serving_weights`), then restored onto
@@ -8,9 +8,9 @@ Requests stream: `generate` is an async generator (a Ray streaming call); its fi
 was accepted, then one item per iteration in which it got tokens, the last one with the finish reason. Cancelling
 the call (a client that went away) cancels the request and frees its pages and slot. The iteration loop runs while
 there is work: schedule, every worker's `serve_step` (the last stage's answers are the sampled tokens), complete;
-with serve.overlap two iterations are in flight (k3ray.controller.serve_iterations).
+with serve.overlap two iterations are in flight (k3ray.serve.iterations).
 
-Lost workers (k3ray.controller.serve_grid): the grid is rebuilt from the weights the engine holds and every
+Lost workers (k3ray.serve.grid): the grid is rebuilt from the weights the engine holds and every
 unfinished request is prefilled again from its prompt and the tokens generated so far; its stream goes on from the
 next token, none lost or repeated. Each loss is an incident (`incident_log`), with its phases and the serving gap
 (the loss found -> the next token of any request). Serving never stays broken: a recovery that fails is tried
@@ -30,14 +30,14 @@ import time
 import ray
 
 from k3ray.config import DEFAULT_PREFILL_HOLD_MS, DEFAULT_STEPWISE_PREFILL_MAX, JobConfig
-from k3ray.controller.checkpointing import serving_weights
-from k3ray.controller.drills import clear, inject
-from k3ray.controller.scheduler import EngineLimits, Overloaded, Scheduler
-from k3ray.controller.serve_availability import Availability
-from k3ray.controller.serve_grid import ServingGrid
-from k3ray.controller.serve_iterations import IterationLoop
-from k3ray.controller.serve_live import LiveServing
-from k3ray.controller.worker_group import WorkerLost
+from k3ray.train.checkpointing import serving_weights
+from k3ray.train.drills import clear, inject
+from k3ray.serve.scheduler import EngineLimits, Overloaded, Scheduler
+from k3ray.serve.availability import Availability
+from k3ray.serve.grid import ServingGrid
+from k3ray.serve.iterations import IterationLoop
+from k3ray.serve.live import LiveServing
+from k3ray.grid.worker_group import WorkerLost
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import PoolSizes
 from k3ray.tokenizer import load_tokenizer
@@ -100,19 +100,19 @@ class Engine(Availability, LiveServing, IterationLoop):
         self.loop_task: asyncio.Task | None = None
         self.iterations, self.tokens_out, self.started = 0, 0, time.time()
         # observers.iteration(changed requests, scheduler, seconds) after every iteration, .expert_load(workers'
-        # counts) every .expert_load_every iterations: metrics (k3ray.control.serve_metrics)
+        # counts) every .expert_load_every iterations: metrics (k3ray.serve.metrics)
         self.observers: list = observers or []
         self.outboxes: dict[str, Outbox] = {}  # subscriber (a front door) -> its requests' pending items
         self.down: dict | None = None  # while no grid serves: why, and since when (`health`)
         self.serving: asyncio.Event | None = None  # set while a grid serves
         self.spares_checked = time.monotonic()
         self.chores: set[str] = set()  # grid calls due between iterations: 'expert_load', 'placement'
-        self.overlap = overlap(cfg)  # two iterations in flight (k3ray.controller.serve_iterations)
+        self.overlap = overlap(cfg)  # two iterations in flight (k3ray.serve.iterations)
         self.failures_in_row = 0  # grid calls that failed, no worker lost, since the last that did not
         # where the iterations' time went (seconds, summed): scheduling, waiting for the grid (of which the workers'
         # own time in the step: `worker`), completing (tokens to text, stops, guards) and waking the streams
         self.phase_s = dict.fromkeys(("schedule", "grid", "worker", "complete", "wake"), 0.0)
-        self.live_serving_init(cfg)  # live policies, expert copies, resizes (k3ray.controller.serve_live)
+        self.live_serving_init(cfg)  # live policies, expert copies, resizes (k3ray.serve.live)
 
     def ready(self) -> dict:
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
@@ -270,7 +270,7 @@ class Engine(Availability, LiveServing, IterationLoop):
 
     async def drill(self, kind: str, workers: list[int] = (), layer: int | None = None,
                     token: int | None = None, seconds: float = 5.0) -> bool:
-        """Inject a fault into the grid now (k3ray.controller.drills.inject); kind 'clear' removes the NaN hooks.
+        """Inject a fault into the grid now (k3ray.train.drills.inject); kind 'clear' removes the NaN hooks.
         Off the event loop. During a recovery it reaches the grid being built: kill_worker kills those of `workers`
         that it has started so far. Whether anything was injected."""
         group = self.grid.group

@@ -9,7 +9,7 @@ collateral errors.
 
 Hot spares (`fault_tolerance.spares`): standby workers started with the grid, each holding its own resources, which
 take lost ranks' places without a process start (`regroup`); new ones are started afterwards (`start_spares`). The
-spare pool is a part of its own (k3ray.controller.spares).
+spare pool is a part of its own (k3ray.grid.spares).
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from k3ray.controller.spares import SparePool
-from k3ray.controller.worker import Worker
+from k3ray.grid.spares import SparePool
+from k3ray.grid.worker import Worker
 from k3ray.config import JobConfig
 
 log = logging.getLogger("k3ray.controller")
@@ -56,7 +56,7 @@ def alive_resources(free: bool, avoid_nodes: frozenset[str] = frozenset()) -> di
 
 
 # Grid generations, one sequence per controller process: every grid (launched, or rebuilt around spares) takes the
-# next number, and every call to its workers names it (k3ray.controller.worker: a worker refuses older ones).
+# next number, and every call to its workers names it (k3ray.grid.worker: a worker refuses older ones).
 _generations = itertools.count(1)
 
 

@@ -15,12 +15,11 @@ from typing import Callable
 import torch
 
 from k3ray.config import CheckpointConfig
-from k3ray.controller.hf_convert import hf_serving_state
-from k3ray.controller.snapshots import restore_sources
-from k3ray.controller.worker import part_name
-from k3ray.controller.worker_group import WorkerLost
+from k3ray.formats.hf.convert import hf_serving_state
+from k3ray.grid.snapshots import restore_sources
+from k3ray.grid.worker_group import WorkerLost
 from k3ray.io import checkpoint as ckpt
-from k3ray.io.hf_files import is_hf_folder
+from k3ray.formats.hf.files import is_hf_folder
 
 log = logging.getLogger("k3ray.controller")
 
@@ -113,7 +112,7 @@ class DurableCheckpoints:
                         "; ".join(changed))
             self.on_incident("resumed_with_changes", step=manifest.step, rule="resumed_with_changes",
                              changed=changed)
-        states = {r: ckpt.load_part(root, manifest.step, part_name(r)) for r in range(meta["pp"] * meta["ep"])}
+        states = {r: ckpt.load_part(root, manifest.step, ckpt.part_name(r)) for r in range(meta["pp"] * meta["ep"])}
         return Resumed(str(manifest.path), manifest.step, meta, restore_sources(states, meta["pp"], meta["ep"]))
 
     def _warn(self, kind: str, message: str, **fields) -> None:
@@ -242,7 +241,7 @@ def serving_weights(root: str) -> ServingWeights:
     meta = manifest.meta
     state = {"dense": {}, "opt_dense": {}, "router_bias": {}, "experts": {}, "opt_steps": 0, "lr_scale": 1.0}
     for r in range(meta["pp"] * meta["ep"]):
-        part = ckpt.load_part(root, manifest.step, part_name(r))
+        part = ckpt.load_part(root, manifest.step, ckpt.part_name(r))
         state["dense"].update(part["dense"])
         state["router_bias"].update(part["router_bias"])
         for layer, payload in part["experts"].items():
@@ -279,6 +278,6 @@ def write_seeded_weights(cfg, out: str) -> dict:
     one = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"pp": 1, "ep": 1})})
     meta = {"pp": 1, "ep": 1, "home": [0] * m.n_experts, "last_batch": None, "skip": [], "lr_scale": 1.0,
             "guard_state": {}, "job": cfg.name, "config": one.model_dump(mode="json")}
-    part = ckpt.write_part(out, 0, part_name(0), state)
+    part = ckpt.write_part(out, 0, ckpt.part_name(0), state)
     path = ckpt.commit(out, 0, [part], meta, keep=1)
     return {"checkpoint": str(path), "parameters": sum(p.numel() for p in stage.parameters()), "bytes": part.bytes}

@@ -1,5 +1,5 @@
 """The Worker actor: one per device, a thin holder of a StageEngine (pipeline stage p, expert shard e) and of its
-snapshot buffers (k3ray.controller.snapshots).
+snapshot buffers (k3ray.grid.snapshots).
 
 A worker starts on standby (its process up, torch and the model code imported, on GPU its CUDA context made) and
 takes a place in a grid with `assume`: every grid worker right after its start, a hot spare when it replaces a lost
@@ -21,12 +21,8 @@ import ray
 import torch
 
 from k3ray.config import JobConfig, PoliciesConfig
-from k3ray.controller.snapshots import Packed, SnapshotStager, as_state
-from k3ray.io.checkpoint import AsyncWriter
-
-
-def part_name(world_rank: int) -> str:
-    return f"rank{world_rank:05d}.pt"
+from k3ray.grid.snapshots import Packed, SnapshotStager, as_state
+from k3ray.io.checkpoint import AsyncWriter, part_name
 
 
 # Calls a worker must absorb while still answering its current grid: losses that come close together (inside one

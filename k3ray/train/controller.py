@@ -1,16 +1,16 @@
 """The job controller: one per job. It owns the topology, the training progress (step, data order, skipped batches,
 learning-rate scale, guard statistics) and its parts, each with its own state:
 
-    machine      JobState and the transition table (k3ray.controller.state)
-    table        the expert placement table and load history (k3ray.controller.placement)
-    policies     live policies, queued changes and their audit (k3ray.controller.live_policies)
-    snapshots    in-memory snapshots (k3ray.controller.snapshots)
-    checkpoints  durable checkpoints (k3ray.controller.checkpointing)
-    drills       fault drills (k3ray.controller.drills)
-    group        the worker grid, the only part that talks to workers (k3ray.controller.worker_group)
+    machine      JobState and the transition table (k3ray.train.state)
+    table        the expert placement table and load history (k3ray.train.placement)
+    policies     live policies, queued changes and their audit (k3ray.train.live_policies)
+    snapshots    in-memory snapshots (k3ray.grid.snapshots)
+    checkpoints  durable checkpoints (k3ray.train.checkpointing)
+    drills       fault drills (k3ray.train.drills)
+    group        the worker grid, the only part that talks to workers (k3ray.grid.worker_group)
 
 Decisions come from k3ray.policies (guards, the failure ladder, shrink-or-restart, re-homing); the controller
-carries them out (the failure paths: k3ray.controller.failures). `Controller` is plain Python: its tests give it a fake worker group; `ControllerActor` is the same
+carries them out (the failure paths: k3ray.train.failures). `Controller` is plain Python: its tests give it a fake worker group; `ControllerActor` is the same
 class as a Ray actor, which is how jobs run it.
 """
 from __future__ import annotations
@@ -23,15 +23,15 @@ import time
 import ray
 
 from k3ray.config import JobConfig
-from k3ray.controller.callbacks import Callback
-from k3ray.controller.checkpointing import DurableCheckpoints, Resumed
-from k3ray.controller.drills import FaultInjector
-from k3ray.controller.failures import FailurePaths, GuardError, RecoveryFailed  # noqa: F401 - GuardError: API
-from k3ray.controller.live_policies import LivePolicies
-from k3ray.controller.placement import Placement
-from k3ray.controller.snapshots import Snapshots
-from k3ray.controller.state import JobState, StateMachine
-from k3ray.controller.worker_group import TopologyError, WorkerGroup, WorkerLost
+from k3ray.train.callbacks import Callback
+from k3ray.train.checkpointing import DurableCheckpoints, Resumed
+from k3ray.train.drills import FaultInjector
+from k3ray.train.failures import FailurePaths, GuardError, RecoveryFailed  # noqa: F401 - GuardError: API
+from k3ray.train.live_policies import LivePolicies
+from k3ray.train.placement import Placement
+from k3ray.grid.snapshots import Snapshots
+from k3ray.train.state import JobState, StateMachine
+from k3ray.grid.worker_group import TopologyError, WorkerGroup, WorkerLost
 from k3ray.io import checkpoint as ckpt
 from k3ray.io.checkpoint import CheckpointError
 from k3ray.parallel.step import StepReport

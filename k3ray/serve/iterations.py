@@ -1,4 +1,4 @@
-"""The serving engine's iteration loop, sequential or overlapped (a mixin of `k3ray.controller.serve_engine.Engine`).
+"""The serving engine's iteration loop, sequential or overlapped (a mixin of `k3ray.serve.engine.Engine`).
 
 Sequential: schedule, run on the grid, complete, one iteration at a time. Overlapped (serve.overlap, pp = 1): up to
 two iterations in flight, so that the engine's host work of an iteration (scheduling, Ray's hop, completing: tokens

@@ -20,8 +20,8 @@ import ray
 import torch
 
 from k3ray.config import JobConfig
-from k3ray.controller.serve_dag import ServingGraph
-from k3ray.controller.worker_group import TopologyError, WorkerGroup, WorkerLost
+from k3ray.serve.dag import ServingGraph
+from k3ray.grid.worker_group import TopologyError, WorkerGroup, WorkerLost
 from k3ray.parallel.serving import PoolSizes, StageOutput
 from k3ray.policies import recovery
 

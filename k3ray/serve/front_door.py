@@ -1,4 +1,4 @@
-"""The front door's HTTP routes (FastAPI), one instance per front-door process (k3ray.control.serve starts
+"""The front door's HTTP routes (FastAPI), one instance per front-door process (k3ray.serve.app starts
 them), in front of the serving engine actor.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent events, ending in
@@ -43,7 +43,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
-from k3ray.control import openai_schema as oa
+from k3ray.serve import openai_schema as oa
 from k3ray.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("k3ray.serve")

@@ -1,11 +1,11 @@
 """k3ray checkpoints <-> the released (Hugging Face) format, one tensor at a time.
 
-`convert_from_hf` reads a release folder (k3ray.io.hf_files) and writes a verified k3ray checkpoint
+`convert_from_hf` reads a release folder (k3ray.formats.hf.files) and writes a verified k3ray checkpoint
 (k3ray.io.checkpoint: one part per worker of a pp x ep grid, as training writes them, no optimizer state) that
 `k3ray train --resume` restores onto any EP size (pp as written) and `k3ray serve` onto any pp x ep. `export_hf`
 writes a k3ray checkpoint back in the release's format; `export_weights_only` keeps k3ray's format and drops the
 optimizer state. `hf_serving_state` gives serving the merged weights of a release folder directly. The names are
-k3ray.io.hf_keys'; the tensor shapes come from the model itself, built on the meta device.
+k3ray.formats.hf.keys'; the tensor shapes come from the model itself, built on the meta device.
 
 Memory: convert holds one part at a time (dense layers of a stage, the experts of one EP rank of it) and the source
 pages of one layer; export maps one part at a time from disk and holds one tensor more.
@@ -23,10 +23,9 @@ import yaml
 from pydantic import ValidationError
 
 from k3ray.config import ConfigError, JobConfig, ModelConfig, parse_config
-from k3ray.controller.worker import part_name
 from k3ray.io import checkpoint as ckpt
-from k3ray.io import hf_keys as keys
-from k3ray.io.hf_files import DTYPES, HFFolder, HFFormatError, ShardWriter
+from k3ray.formats.hf import keys
+from k3ray.formats.hf.files import DTYPES, HFFolder, HFFormatError, ShardWriter
 from k3ray.model.decoder import build_stage, is_expert_param, stage_layers
 from k3ray.policies.guards import GuardState
 
@@ -35,7 +34,7 @@ WEIGHTS_DTYPE = torch.bfloat16  # the release's
 
 @dataclass
 class ModelLayout:
-    """What a ModelConfig's model holds, without memory: dense groups (k3ray.io.hf_keys.Group) in model order, the
+    """What a ModelConfig's model holds, without memory: dense groups (k3ray.formats.hf.keys.Group) in model order, the
     k3ray shape and dtype of every dense tensor, the layers that have routed experts, one expert's w1/w2 shapes."""
     cfg: ModelConfig
     groups: list[keys.Group]
@@ -192,7 +191,7 @@ def convert_from_hf(src: str, dst: str, pp: int = 1, ep: int = 1, dtype: str | N
         for e in range(ep):
             state = rank_state(folder, layout, layers, [x for x in range(len(home)) if home[x] == e], dense=e == 0)
             state["stage"] = p
-            parts.append(ckpt.write_part(root, 0, part_name(p * ep + e), state))
+            parts.append(ckpt.write_part(root, 0, ckpt.part_name(p * ep + e), state))
             del state
             folder.release()
     meta = {"pp": pp, "ep": ep, "home": home, "last_batch": None, "skip": [], "lr_scale": 1.0,
@@ -222,7 +221,7 @@ def _parts(root: str, manifest: ckpt.Manifest) -> Iterator[tuple[int, int, dict]
     meta = manifest.meta
     for p in range(meta["pp"]):
         for e in range(meta["ep"]):
-            yield p, e, ckpt.load_part(root, manifest.step, part_name(p * meta["ep"] + e), mmap=True)
+            yield p, e, ckpt.load_part(root, manifest.step, ckpt.part_name(p * meta["ep"] + e), mmap=True)
 
 
 def _planned(layout: ModelLayout, meta: dict, weights: torch.dtype) -> list[tuple[str, tuple, torch.dtype]]:
@@ -315,7 +314,7 @@ def export_weights_only(root: str, out: str, weights: torch.dtype = WEIGHTS_DTYP
                              for i, x in part["experts"].items()},
                  "router_bias": {i: b.to(torch.float32) for i, b in part["router_bias"].items()},
                  "opt_steps": 0, "lr_scale": 1.0}
-        parts.append(ckpt.write_part(out, manifest.step, part_name(p * meta["ep"] + e), state))
+        parts.append(ckpt.write_part(out, manifest.step, ckpt.part_name(p * meta["ep"] + e), state))
         del part, state
     path = ckpt.commit(out, manifest.step, parts, meta, keep=1)
     return {"checkpoint": str(path), "step": manifest.step, "parts": len(parts), "bytes": sum(p.bytes for p in parts)}

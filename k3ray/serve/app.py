@@ -1,5 +1,5 @@
 """`k3ray serve`: OpenAI-compatible front doors (FastAPI on uvicorn, one Ray actor process each; their routes:
-k3ray.control.front_door) in front of the serving engine actor (k3ray.controller.serve_engine), which drives the
+k3ray.serve.front_door) in front of the serving engine actor (k3ray.serve.engine), which drives the
 worker grid.
 
 Front doors: `--front-doors N` processes all listen on host:port (SO_REUSEPORT: the kernel spreads connections over
@@ -25,7 +25,7 @@ import ray.util.scheduling_strategies
 import uvicorn
 
 from k3ray.control.client import API_KEY_ENV
-from k3ray.control.front_door import FrontDoor, build_app
+from k3ray.serve.front_door import FrontDoor, build_app
 
 log = logging.getLogger("k3ray.serve")
 
@@ -114,7 +114,7 @@ def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.
                   spares: int = 0, api_key: str | None = None, insecure: bool = False) -> Serving:
     """Start the engine (workers loaded from the checkpoint) and `front_doors` HTTP processes on host:port. With
     `api_key` every route but /health needs it (`check_exposure` first: ValueError)."""
-    from k3ray.controller.serve_engine import ServingEngine
+    from k3ray.serve.engine import ServingEngine
 
     check_exposure(host, api_key, insecure)
     engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve_overrides, observers=observers,
