@@ -15,20 +15,41 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from e2e_gpu import RayProgram, _run  # noqa: E402
+from e2e_gpu import RayProgram  # noqa: E402
 from k3ray.config import load_config, parse_assignments  # noqa: E402
 from k3ray.parallel.step import StepReport  # noqa: E402
 
 
-def snapshot_job(cfg, steps: int) -> dict:
+def run_steps(program, steps: int) -> tuple[list[float], list[dict]]:
+    """Driver-timed seconds and reports of steps 0..steps-1, each printed as it ends."""
+    times, reports = [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        reports.append(program.step(step))
+        times.append(time.perf_counter() - t0)
+        vio = StepReport(**{k: v for k, v in reports[-1].items() if k not in ("warnings", "worker_seconds")})
+        print(f"step {step}: {times[-1]:.3f} s, loss {vio.loss:.4f}, MaxVio mean {vio.mean_maxvio:.3f}"
+              + "".join(f"; warning: {w}" for w in reports[-1].get("warnings", [])), flush=True)
+    return times, reports
+
+
+def launched(cfg) -> RayProgram:
+    t0 = time.perf_counter()
     program = RayProgram(cfg)
+    print(f"launched in {time.perf_counter() - t0:.1f} s", flush=True)
+    return program
+
+
+def snapshot_job(cfg, steps: int) -> dict:
+    program = launched(cfg)
     try:
-        times, reports = _run(program, steps)
+        times, reports = run_steps(program, steps)
         snaps = program.call(lambda self: {
             "stall_s": list(self.snapshots.stall_seconds), "total_s": list(self.snapshots.total_seconds),
             "skipped": list(self.snapshots.skipped),
@@ -37,8 +58,6 @@ def snapshot_job(cfg, steps: int) -> dict:
         program.close()
     maxvio = [StepReport(**{k: v for k, v in r.items() if k not in ("warnings", "worker_seconds")}).mean_maxvio
               for r in reports]
-    for s, (t, r, v) in enumerate(zip(times, reports, maxvio)):
-        print(f"step {s}: {t:.3f} s, loss {r['loss']:.4f}, MaxVio mean {v:.3f}", flush=True)
     every = cfg.fault_tolerance.snapshot_every
     others = [t for s, t in enumerate(times) if s % every and s > 1]
     median = statistics.median(others) if others else float("nan")
@@ -61,9 +80,9 @@ def main() -> int:
     cfg = load_config(args.config, {**sets, "fault_tolerance.snapshot_every": args.snapshot_every})
     out = {"job1": snapshot_job(cfg, args.steps)}
     if args.warm_steps:
-        program = RayProgram(load_config(args.config, sets))
+        program = launched(load_config(args.config, sets))
         try:
-            times, _ = _run(program, args.warm_steps)
+            times, _ = run_steps(program, args.warm_steps)
         finally:
             program.close()
         out["job2_step_seconds"] = times
