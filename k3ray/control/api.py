@@ -50,14 +50,18 @@ class Status(BaseModel):
 
 
 class ControllerSteering:
-    """The training controller as a `Steering` implementation: KeyError is a 404, ValueError a 422."""
+    """The training controller as a `Steering` implementation."""
 
     def __init__(self, ctrl):
         self.ctrl = ctrl
 
     async def _call(self, method: str, *args) -> Any:
+        return await asyncio.to_thread(getattr(self.ctrl, method), *args)
+
+    async def _request(self, method: str, *args) -> Any:
+        """A call that may be refused: KeyError (an unknown policy) a 404, ValueError (a bad value, named) a 422."""
         try:
-            return await asyncio.to_thread(getattr(self.ctrl, method), *args)
+            return await self._call(method, *args)
         except KeyError as err:
             raise Refused(404, err.args[0]) from None
         except ValueError as err:
@@ -76,16 +80,16 @@ class ControllerSteering:
         return await self._call("placement")
 
     async def policies(self, name: str | None = None) -> dict[str, Any]:
-        return await self._call("get_policies", name)
+        return await self._request("get_policies", name)
 
     async def set_policy(self, name: str, params: dict[str, Any], source: str) -> dict[str, Any]:
-        return await self._call("set_policy", name, params, source)
+        return await self._request("set_policy", name, params, source)
 
     async def audit(self) -> list[dict[str, Any]]:
         return await self._call("audit_log")
 
     async def scale(self, ep: int) -> dict[str, Any]:
-        return await self._call("request_scale", ep)
+        return await self._request("request_scale", ep)
 
     async def incidents(self) -> list[dict[str, Any]]:
         return await self._call("get_incidents")
