@@ -42,7 +42,8 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
 from k3ray.control.local_nodes import free_port, head_room, join_node, kill_node, start_raylet, stop_node
-from k3ray.train.drills import (DRILL_STEPS, Stream, drill_overrides, plan, run_drill, serving_reference)
+from k3ray.serve.drills import Stream, serving_reference
+from k3ray.train.drills import DRILL_STEPS, drill_overrides, plan, run_drill
 from k3ray.serve.engine import ServingEngine
 from k3ray.data import EOS, encode
 from k3ray.model.sampling import SamplingParams, visible_ids

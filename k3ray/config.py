@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from k3ray.faults import TRAINING_FAULTS
+
 
 class ConfigError(ValueError):
     """A configuration problem, with the file and field it concerns."""
@@ -242,7 +244,7 @@ class PoliciesConfig(_Strict):
 
 
 class FaultSpec(_Strict):
-    kind: Literal["kill_worker", "nan", "hang_collective", "corrupt_checkpoint"]
+    kind: Literal[TRAINING_FAULTS]  # k3ray.faults.FAULT_KINDS: the training drills
     step: int = Field(ge=0)
     worker: int | None = Field(None, ge=0)
     workers: list[int] = Field(default_factory=list, description="kill_worker: these world ranks at once")
@@ -404,6 +406,18 @@ class JobConfig(_Strict):
         """Tokens one step trains on with `ep` EP ranks (default: the configured size; fewer while shrunk)."""
         ep = self.parallel.ep if ep is None else ep
         return ep * self.parallel.micro_batches * self.data.micro_batch_size * self.data.seq_len
+
+
+def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None = None, spares: int = 0) -> JobConfig:
+    """The training job's config on the serving grid (pp x ep, `spares` hot spares), with `serve.*` overrides (a
+    `serve` section the checkpoint carries is the training job's default, not a serving choice: it is dropped; so
+    are its spares)."""
+    cfg = JobConfig.model_validate({k: v for k, v in train_config.items() if k != "serve"})
+    par = cfg.parallel.model_copy(update={"pp": pp, "ep": ep})
+    serve = cfg.serve.model_copy(update=overrides or {})
+    ft = cfg.fault_tolerance.model_copy(update={"spares": spares})
+    return JobConfig.model_validate({**cfg.model_dump(), "parallel": par.model_dump(), "serve": serve.model_dump(),
+                                     "fault_tolerance": ft.model_dump()})
 
 
 def _format_errors(err: ValidationError, source: str) -> str:

@@ -173,7 +173,7 @@ def serving_checkpoint(ray_cluster, tmp_path_factory) -> str:
 def serving_reference(serving_checkpoint):
     """The single-process reference generation from `serving_checkpoint`: (prompt ids, SamplingParams) ->
     (generated ids, finish reason)."""
-    from k3ray.train.drills import serving_reference as reference
+    from k3ray.serve.drills import serving_reference as reference
 
     return reference(serving_checkpoint)
 

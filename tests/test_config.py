@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import get_args
 
 import pytest
 import yaml
 
-from k3ray.control.cli import main
-from k3ray.config import ConfigError, JobConfig, load_config
+from k3ray.control.cli import build_parser, main
+from k3ray.config import ConfigError, FaultSpec, JobConfig, load_config
+from k3ray.faults import FAULT_KINDS, SERVING_FAULTS, TRAINING_FAULTS, inject
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -132,3 +134,13 @@ def test_a_relative_data_folder_is_read_from_where_the_user_ran_the_command(tmp_
     monkeypatch.chdir(tmp_path)
     cfg = load_config(Path(__file__).parents[1] / "configs/tiny.yaml", {"data.source": "corpus"})
     assert cfg.with_paths_from(tmp_path).data.source == str(corpus)
+
+
+def test_fault_kinds_come_from_one_registry():
+    """The config, `k3ray drill` and `inject` take the kinds k3ray.faults.FAULT_KINDS names, and no others."""
+    assert get_args(FaultSpec.model_fields["kind"].annotation) == TRAINING_FAULTS
+    drill = build_parser()._subparsers._group_actions[0].choices["drill"]
+    assert next(a.choices for a in drill._actions if a.dest == "kind") == TRAINING_FAULTS
+    assert set(TRAINING_FAULTS) | set(SERVING_FAULTS) == set(FAULT_KINDS)
+    with pytest.raises(ValueError, match="drill kind: 'melt' is not one of kill_worker, nan"):
+        inject(None, "melt", [])

@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from conftest import serving_engine
-from k3ray.train.drills import Stream
+from k3ray.serve.drills import Stream
 from k3ray.data import encode
 
 PROMPTS = ["def ", "import sys\n", "x", "for k, v in d.items():\n", "return ", "@classmethod\n"]

@@ -10,7 +10,7 @@ import torch
 
 from conftest import RELEASED
 from k3ray.config import load_config
-from k3ray.train.drills import poison_token
+from k3ray.faults import poison_token
 from k3ray.serve.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.data import chat_prompt, decode, encode
 from k3ray.model.decoder import build_stage

@@ -11,7 +11,7 @@ import pytest
 import ray
 
 from conftest import serving_engine
-from k3ray.train.drills import Stream
+from k3ray.serve.drills import Stream
 from k3ray.data import encode
 
 PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in d.items():\n", "return ",

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from k3ray.config import load_config
-from k3ray.train.drills import poison_token
+from k3ray.faults import poison_token
 from k3ray.serve.scheduler import EngineLimits, Scheduler
 from k3ray.data import encode
 from k3ray.model.decoder import build_stage

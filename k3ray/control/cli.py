@@ -15,6 +15,7 @@ from pathlib import Path
 from k3ray.config import ConfigError, JobConfig, load_config, parse_assignments
 from k3ray.control import client, hf_cli, jobs, serve_cli, warmup
 from k3ray.control import prepare as prepare_command
+from k3ray.faults import TRAINING_FAULTS
 
 log = logging.getLogger("k3ray")
 
@@ -248,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("drill", help="fault drill: train with one injected fault and report the recovery")
     d.add_argument("--config", required=True)
-    d.add_argument("--kind", required=True, choices=["kill_worker", "nan", "hang_collective", "corrupt_checkpoint"])
+    d.add_argument("--kind", required=True, choices=TRAINING_FAULTS)
     d.add_argument("--at-step", type=int, required=True, help="step to inject at")
     d.add_argument("--worker", type=int, help="world rank (kill_worker, hang_collective)")
     d.add_argument("--workers", type=_rank_list, help="kill_worker: several world ranks at once, e.g. 1,2")

@@ -29,9 +29,9 @@ import time
 
 import ray
 
-from k3ray.config import DEFAULT_PREFILL_HOLD_MS, DEFAULT_STEPWISE_PREFILL_MAX, JobConfig
+from k3ray.config import DEFAULT_PREFILL_HOLD_MS, DEFAULT_STEPWISE_PREFILL_MAX, JobConfig, serving_config
 from k3ray.train.checkpointing import serving_weights
-from k3ray.train.drills import clear, inject
+from k3ray.faults import clear, inject
 from k3ray.serve.scheduler import EngineLimits, Overloaded, Scheduler
 from k3ray.serve.availability import Availability
 from k3ray.serve.grid import ServingGrid
@@ -44,18 +44,6 @@ from k3ray.tokenizer import load_tokenizer
 
 log = logging.getLogger("k3ray.serve")
 BROKEN_AFTER_FAILURES = 3  # grid calls failing in a row (no worker lost) before the grid is relaunched
-
-
-def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None = None, spares: int = 0) -> JobConfig:
-    """The training job's config on the serving grid (pp x ep, `spares` hot spares), with `serve.*` overrides (a
-    `serve` section the checkpoint carries is the training job's default, not a serving choice: it is dropped; so
-    are its spares)."""
-    cfg = JobConfig.model_validate({k: v for k, v in train_config.items() if k != "serve"})
-    par = cfg.parallel.model_copy(update={"pp": pp, "ep": ep})
-    serve = cfg.serve.model_copy(update=overrides or {})
-    ft = cfg.fault_tolerance.model_copy(update={"spares": spares})
-    return JobConfig.model_validate({**cfg.model_dump(), "parallel": par.model_dump(), "serve": serve.model_dump(),
-                                     "fault_tolerance": ft.model_dump()})
 
 
 def prefill_hold_ms(cfg: JobConfig) -> float:
@@ -270,7 +258,7 @@ class Engine(Availability, LiveServing, IterationLoop):
 
     async def drill(self, kind: str, workers: list[int] = (), layer: int | None = None,
                     token: int | None = None, seconds: float = 5.0) -> bool:
-        """Inject a fault into the grid now (k3ray.train.drills.inject); kind 'clear' removes the NaN hooks.
+        """Inject a fault into the grid now (k3ray.faults.inject); kind 'clear' removes the NaN hooks.
         Off the event loop. During a recovery it reaches the grid being built: kill_worker kills those of `workers`
         that it has started so far. Whether anything was injected."""
         group = self.grid.group

@@ -1,93 +1,20 @@
-"""Fault drills (`fault_tolerance.faults`, `k3ray drill`): faults injected from outside the training code.
+"""Training fault drills (`fault_tolerance.faults`, `k3ray drill`): faults injected from outside the training code.
 
-The FaultInjector is a controller callback. A drill acts on the workers through the worker group only: it kills an
-actor, or runs a function inside workers' processes that hooks their stage (a forward hook that turns a layer's
-routed output into NaN, a forward pre-hook that never returns), or truncates a committed checkpoint part. Model,
-engine and worker code know nothing about drills.
+The FaultInjector is a controller callback: it fires each configured fault (kinds: k3ray.faults.TRAINING_FAULTS)
+through `k3ray.faults.inject`, or truncates a committed checkpoint part. Below it, the randomized training drills
+that tests/test_drills.py and benchmarks/drill_campaign.py run (serving drills: k3ray.serve.drills).
 """
 from __future__ import annotations
 
 import logging
 import random
-import threading
-import time
+
+import ray
 
 from k3ray.config import FaultSpec
+from k3ray.faults import clear, inject
 
 log = logging.getLogger("k3ray.controller")
-
-
-def _poison(worker, layer: int | None) -> None:
-    """Inside a worker: the routed output of MoE layer `layer` (if this stage holds it) becomes NaN; None clears."""
-    for handle in getattr(worker, "drill_hooks", []):
-        handle.remove()
-    worker.drill_hooks = []
-    for i, moe in worker.engine.stage.moe_layers().items():
-        if i == layer:
-            worker.drill_hooks.append(moe.experts.register_forward_hook(lambda mod, args, out: out * float("nan")))
-
-
-def poison_token(stage, token: int):
-    """The embedding of `token` becomes NaN in `stage` (if it is the first), so exactly the sequences holding that
-    token blow up. Returns the hook's handle (None on other stages)."""
-    if stage.embed is None:
-        return None
-
-    def hook(mod, args, out):
-        return out.masked_fill((args[0] == token)[..., None], float("nan"))
-
-    return stage.embed.register_forward_hook(hook)
-
-
-def _poison_token(worker, token: int) -> None:
-    handle = poison_token(worker.engine.stage, token)
-    worker.drill_hooks = getattr(worker, "drill_hooks", []) + ([handle] if handle is not None else [])
-
-
-def _hang(worker) -> None:
-    """Inside a worker: its next forward never returns, so its peers' collectives wait on it (a hung collective)."""
-    worker.engine.stage.register_forward_pre_hook(lambda mod, args: time.sleep(10**6))
-
-
-def _slow_copies(worker, seconds: float) -> None:
-    """Inside a worker: each of its fetches of read-only expert copies (serving) first waits `seconds`, so a fault
-    can land while copies are on their way."""
-    engine = worker.engine
-    fetch = engine.stage_copies
-
-    def slow(*args):
-        time.sleep(seconds)
-        return fetch(*args)
-
-    engine.stage_copies = slow
-
-
-def inject(group, kind: str, ranks: list[int], layer: int | None = None, token: int | None = None,
-           seconds: float = 5.0) -> None:
-    """Fault `kind` into the given world ranks of a worker group, now: kill_worker (the actors die), nan (the routed
-    output of MoE layer `layer`, default 0, becomes NaN on every worker, until `clear`), nan_token (the embedding of
-    byte `token` becomes NaN, until `clear`: the requests holding it blow up, serving), hang_collective, slow_copies
-    (serving: each fetch of expert copies takes `seconds` more)."""
-    if kind == "kill_worker":
-        for rank in ranks:
-            if rank < group.size:  # a smaller grid than the drill was written for has no such rank
-                group.kill(rank)
-    elif kind == "nan":
-        group.run_on(list(range(group.size)), _poison, layer or 0)
-    elif kind == "nan_token":
-        group.run_on(list(range(group.size)), _poison_token, token)
-    elif kind == "hang_collective":
-        group.run_on(ranks, _hang)
-    elif kind == "slow_copies":
-        group.run_on(ranks, _slow_copies, seconds)
-    else:
-        raise ValueError(f"drill kind: {kind!r} is not one of kill_worker, nan, nan_token, hang_collective, "
-                         f"slow_copies")
-
-
-def clear(group) -> None:
-    """Remove the nan and nan_token drills' hooks from every worker."""
-    group.run_on(list(range(group.size)), _poison, None)
 
 
 class FaultInjector:
@@ -192,8 +119,6 @@ def plan(seed: int, kinds=DRILL_KINDS) -> dict:
 def run_drill(controller, drill: dict | None, steps: int, lose_node=None) -> tuple[list[float], list[dict]]:
     """Steps 0..steps-1 of a job's controller with the drill's outside actions (a node lost, a policy pushed, an
     evaluation); its own kills fire from the job's fault specs. The losses and the job's incidents."""
-    import ray
-
     losses = []
     for s in range(steps):
         if drill and drill["kind"] == "node" and s == drill["step"] and drill["state"] != "evaluation":
@@ -209,42 +134,3 @@ def run_drill(controller, drill: dict | None, steps: int, lose_node=None) -> tup
             if not ray.get(controller.evaluate.remote(), timeout=600) > 0:
                 raise RuntimeError(f"the evaluation after step {s} returned no loss")
     return losses, ray.get(controller.get_incidents.remote())
-
-
-def serving_reference(checkpoint: str):
-    """The single-process reference generation from a checkpoint: (prompt ids, SamplingParams) -> (generated ids,
-    finish reason); what a serving drill's every request must end with."""
-    import torch
-
-    from k3ray.train.checkpointing import serving_weights
-    from k3ray.serve.engine import serving_config
-    from k3ray.model.decoder import build_stage
-    from k3ray.optim import AdamW
-    from k3ray.parallel import shards
-    from k3ray.parallel.reference import generate_reference
-
-    torch.set_num_threads(1)
-    w = serving_weights(checkpoint)
-    cfg = serving_config(w.config, 1, 1)
-    model = build_stage(cfg.model, range(cfg.model.n_layers), init=False)
-    shards.load_weights(model, AdamW(cfg.optimizer), w.state, {i: [w.state["experts"][i]] for i in model.layers},
-                        set(range(cfg.model.n_experts)))
-    return lambda prompt_ids, params: generate_reference(model, prompt_ids, params)
-
-
-class Stream(threading.Thread):
-    """One request's stream from a serving engine (what the front door forwards): items with their arrival times."""
-
-    def __init__(self, engine, prompt: list[int], params: dict):
-        super().__init__(daemon=True)
-        self.gen = engine.generate.options(num_returns="streaming").remote(prompt, params)
-        self.items: list[tuple[float, dict]] = []
-
-    def run(self) -> None:
-        import ray
-
-        for ref in self.gen:
-            self.items.append((time.perf_counter(), ray.get(ref)))
-
-    def tokens(self, before: float = float("inf")) -> list[int]:
-        return [t for at, item in self.items if at < before for t in item.get("tokens", ())]
