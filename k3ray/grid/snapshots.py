@@ -198,9 +198,10 @@ class Snapshots:
     """The controller's in-memory snapshots: the committed one that recovery falls back on, and at most one pending
     (started at a step boundary, bytes still arriving while the next step runs).
 
-    Interface: `take` at a boundary, `commit` after the step (or at once), `drop_pending` when a worker is lost,
-    `committed` to restore from; `stall_seconds` / `total_seconds` per committed snapshot and `skipped` (the steps
-    whose snapshot was due while the previous one was still arriving) for the benchmarks; `warnings` for the user."""
+    Interface: `due` and `take` at a boundary, `commit` after the step (or at once), `drop_pending` when a worker is
+    lost, `committed` to restore from; `stall_seconds` / `total_seconds` per committed snapshot and `skipped` (the
+    steps whose snapshot was due while the previous one was still arriving) for the benchmarks; `warnings` for the
+    user."""
 
     def __init__(self, on_commit=None, on_skip=None, timeout_s: float = 600.0):
         """timeout_s: the longest wait for a snapshot's bytes (`commit(wait=True)` without a timeout of its own)."""
@@ -213,6 +214,11 @@ class Snapshots:
         self.warnings: list[str] = []
         self.on_commit = on_commit  # called with each committed Snapshot (metrics)
         self.on_skip = on_skip  # called with (step skipped, step of the snapshot still arriving)
+
+    def due(self, step: int, every: int) -> bool:
+        """Whether the boundary of `step` takes a snapshot: every `every` steps, unless one of it exists already."""
+        taken = {s.step for s in (self.committed, self.pending) if s is not None}
+        return step % every == 0 and step not in taken
 
     def take(self, group, step: int, guard: Any, wait: bool = False) -> bool:
         """Start a snapshot of the state to run `step` from; it becomes the one to fall back on once every worker's

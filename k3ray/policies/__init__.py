@@ -16,4 +16,7 @@ Modules:
     expert_cost  modelled seconds of a layer's expert work: busiest rank's rows + weight copies (NVLink, InfiniBand)
     replication  persistent replicas from a load history (DeepSeek EPLB vocabulary)
     scheduling   the order in which a GPU runs its local expert GEMMs
+    ladder       a blow-up: roll back and skip batches, lower the learning rate, or stop (TripDecision)
+    recovery     workers lost: hot spares, shrink or restart, experts re-homed (LossDecision)
+    resize       a resize asked for or a grow-back due at a step boundary (ResizeDecision)
 """

@@ -108,7 +108,3 @@ def silent_nodes(node_of_rank: list[str], hung_ranks: set[int]) -> set[str]:
     silent = {n for n in nodes if all(r in hung_ranks for r, m in enumerate(node_of_rank) if m == n)}
     return silent if silent != nodes else set()
 
-
-def grow_back_due(step: int, shrunk_at: int | None, ep: int, full_ep: int, enabled: bool, after_steps: int) -> bool:
-    """Whether to try growing a shrunk job back to `full_ep` at the boundary of `step` (if the resources are free)."""
-    return enabled and shrunk_at is not None and ep < full_ep and step - shrunk_at >= after_steps

@@ -8,10 +8,15 @@ learning-rate scale, guard statistics) and its parts, each with its own state:
     checkpoints  durable checkpoints (k3ray.train.checkpointing)
     drills       fault drills (k3ray.train.drills)
     group        the worker grid, the only part that talks to workers (k3ray.grid.worker_group)
+    incidents    the incident log (k3ray.train.incidents)
+    recovery     carries out the failure policies' decisions: rollback, lost workers (k3ray.train.failures)
+    scaling      carries out the resize policy's decisions: `k3ray scale`, grow-back (k3ray.train.scaling)
 
-Decisions come from k3ray.policies (guards, the failure ladder, shrink-or-restart, re-homing); the controller
-carries them out (the failure paths: k3ray.train.failures). `Controller` is plain Python: its tests give it a fake worker group; `ControllerActor` is the same
-class as a Ray actor, which is how jobs run it.
+One step reads `train_step`: the boundary (`_boundary`: policies, scaling, snapshot, checkpoint), the step on the
+grid (`run`), the guards, and on a trip or a lost worker the recovery part. Decisions come from k3ray.policies
+(guards, the failure ladder, shrink-or-restart, resize, re-homing); the controller and its parts carry them out.
+`Controller` is plain Python: its tests give it a fake worker group; `ControllerActor` is the same class as a Ray
+actor, which is how jobs run it.
 """
 from __future__ import annotations
 
@@ -26,12 +31,14 @@ from k3ray.config import JobConfig
 from k3ray.train.callbacks import Callback
 from k3ray.train.checkpointing import DurableCheckpoints, Resumed
 from k3ray.train.drills import FaultInjector
-from k3ray.train.failures import FailurePaths, GuardError, RecoveryFailed  # noqa: F401 - GuardError: API
+from k3ray.train.failures import GuardError, Recovery  # noqa: F401 - GuardError: API
+from k3ray.train.incidents import IncidentLog
 from k3ray.train.live_policies import LivePolicies
 from k3ray.train.placement import Placement
+from k3ray.train.scaling import Scaling
 from k3ray.grid.snapshots import Snapshots
 from k3ray.train.state import JobState, StateMachine
-from k3ray.grid.worker_group import TopologyError, WorkerGroup, WorkerLost
+from k3ray.grid.worker_group import WorkerGroup, WorkerLost
 from k3ray.io import checkpoint as ckpt
 from k3ray.io.checkpoint import CheckpointError
 from k3ray.parallel.step import StepReport
@@ -50,12 +57,13 @@ def holding_the_grid(method):
     return call
 
 
-class Controller(FailurePaths):
+class Controller:
     def __init__(self, cfg: JobConfig | dict, callbacks: list[Callback] = (), group_factory=WorkerGroup):
         self.cfg = cfg if isinstance(cfg, JobConfig) else JobConfig.model_validate(cfg)
         cfg = self.cfg
-        self.new_group = group_factory  # (cfg, ep, home, avoid_nodes) -> a worker group
+        self.group_factory = group_factory  # (cfg, ep, home, avoid_nodes) -> a worker group
         self.group = None
+        self.incidents = IncidentLog(cfg.fault_tolerance.incidents_file)
         self.callbacks = list(callbacks)
         ft = cfg.fault_tolerance
         self.machine = StateMachine({JobState.RECOVERING: ft.recovery_attempts}, backoff_s=ft.retry_backoff_s)
@@ -63,13 +71,13 @@ class Controller(FailurePaths):
         self.policies = LivePolicies(cfg.policies)
         self.grid_lock = threading.RLock()  # see holding_the_grid
         self.snapshots = Snapshots(on_commit=lambda snap: self._notify("on_snapshot", snap.stall_seconds),
-                                   on_skip=lambda step, arriving: self._log_incident(self._incident(
+                                   on_skip=lambda step, arriving: self.incidents.write(self.incidents.record(
                                        "snapshot_skipped", step=step, still_arriving=arriving)),
                                    timeout_s=ft.wait_timeout_s)
         self.drills = FaultInjector(cfg.fault_tolerance.faults)
         self.checkpoints = DurableCheckpoints(
             cfg.checkpoint, on_commit=[self.drills.on_checkpoint, lambda *a: self._notify("on_checkpoint", *a)],
-            on_incident=lambda kind, **fields: self._log_incident(self._incident(kind, **fields)),
+            on_incident=lambda kind, **fields: self.incidents.write(self.incidents.record(kind, **fields)),
             timeout_s=ft.wait_timeout_s, job=cfg.name)
         # training progress: what a replay, a snapshot or a checkpoint must reproduce
         self.step = 0
@@ -77,13 +85,10 @@ class Controller(FailurePaths):
         self.batches: dict[int, int] = {}  # step -> batch index it trained on
         self.guard_state = guards.GuardState()
         self.lr_scale = 1.0
-        self.shrunk_at: int | None = None  # step at which the job last shrank (None: at full size)
         self.last_report: dict | None = None
-        self.incidents: list[dict] = []
-        self.avoid_nodes: set[str] = set()  # nodes found silent (Ray may still report them alive): never placed on
-        self.grow_back_failures = 0  # grow-backs in a row whose placement failed
         self.scale_to: int | None = None  # EP size asked for (`request_scale`), applied at the next step boundary
-        self.ep_target = cfg.parallel.ep  # the size grow-back returns to: the last one `request_scale` applied
+        self.recovery = Recovery(self)
+        self.scaling = Scaling(self)
         self._warned = (0, 0)  # checkpoint and snapshot warnings handed to the driver so far
 
     @property
@@ -118,36 +123,13 @@ class Controller(FailurePaths):
             self._resume_from(resumed)
             why += f", resuming from {resumed.path} (step {resumed.step}, ep {resumed.meta['ep']} -> {self.table.ep})"
         self.machine.to(JobState.SCHEDULING, why)
-        backend = self._launch(placement_timeout_s, resumed)
+        backend = self.recovery.launch(placement_timeout_s, None if resumed is None else resumed.sources)
         self._push_policies()
         if resumed is not None:
             self.group.call("set_lr_scale", self.lr_scale)
         self.machine.to(JobState.RUNNING, f"{self.group.size} workers, backend {backend}")
         self._notify("on_start", self)
         return {**self.status(), "warnings": self._new_warnings()}
-
-    def _launch(self, timeout_s: float, resumed: Resumed | None) -> str:
-        """The job's first grid, a bounded handler as a recovery is: a worker lost while it starts (died, or no
-        answer within `timeout_s` on a loaded machine) closes it and launches anew after the backoff, up to
-        fault_tolerance.recovery_attempts times; then the job stops in one line."""
-        ft, attempt = self.cfg.fault_tolerance, 0
-        while True:
-            attempt += 1
-            self.group = self._new_group(self.table.ep, self.table.home)
-            try:
-                return self.group.launch(timeout_s, restore=None if resumed is None else resumed.sources)
-            except TopologyError:
-                self.machine.to(JobState.ERRORED, "topology does not fit")
-                raise
-            except WorkerLost as lost:
-                self.group.close()
-                self._log_incident(self._incident("launch_failed", step=self.step, rule="other", why=str(lost),
-                                                  attempt=attempt))
-                if attempt == ft.recovery_attempts:
-                    self.machine.to(JobState.ERRORED, f"the workers did not start: {lost}")
-                    raise RecoveryFailed(f"the workers did not start ({attempt} attempts; last: {lost}); stopping. "
-                                         f"{self._incidents_where()}") from None
-                time.sleep(min(30.0, ft.retry_backoff_s * 2 ** (attempt - 1)))
 
     def _new_warnings(self) -> list[str]:
         """Checkpoint and snapshot warnings not yet handed to the driver (which shows them on the user's console)."""
@@ -202,7 +184,7 @@ class Controller(FailurePaths):
                 if batch_index is not None and attempts == 0 and batch != batch_index:
                     raise ValueError(f"step {step}: batch {batch_index} requested, data order gives {batch}")
                 try:
-                    report = self._run(step, batch)
+                    report = self.run(step, batch)
                 finally:
                     self.drills.after_attempt(self.group)
                 gp = self.cfg.policies.guards
@@ -210,9 +192,9 @@ class Controller(FailurePaths):
                 if trip is None:
                     break
                 attempts += 1
-                self._rollback(step, batch, trip, attempts)
+                self.recovery.rollback(step, batch, trip, attempts)
             except WorkerLost as lost:
-                self._recover(step, lost, detected_after=time.perf_counter() - t_attempt)
+                self.recovery.recover(step, lost, detected_after=time.perf_counter() - t_attempt)
                 at_boundary = True
         self.guard_state = guards.accept(report, self.guard_state)
         self.batches[step] = batch
@@ -230,7 +212,7 @@ class Controller(FailurePaths):
             if rp.enabled and self.step % rp.every_n_steps == 0:
                 self._rebalance()
         except WorkerLost as lost:  # after the step: the state to recover is the boundary before self.step
-            self._recover(self.step, lost, detected_after=0.0)
+            self.recovery.recover(self.step, lost, detected_after=0.0)
         self._notify("on_step", self, report, time.perf_counter() - t0)
         warnings = self._new_warnings()
         return {**report, "warnings": warnings} if warnings else report
@@ -238,10 +220,11 @@ class Controller(FailurePaths):
     def _boundary(self, step: int) -> None:
         """What happens between steps: queued policy changes, growing back, the snapshot and checkpoint due."""
         self.drills.kill_at(self.group, step, "boundary")
-        self._apply_pending_policies(step)
-        self._maybe_scale(step)
-        self._maybe_grow_back(step)
-        if self._snapshot_due(step):
+        if self.policies.take_pending(step):
+            self._push_policies()
+        asked, self.scale_to = self.scale_to, None
+        self.scaling.at_boundary(step, asked)
+        if self.snapshots.due(step, self.cfg.fault_tolerance.snapshot_every):
             self.snapshots.take(self.group, step, self.guard_state)
         self.checkpoints.boundary(self.group, step, lambda: self._progress(step))
 
@@ -252,44 +235,30 @@ class Controller(FailurePaths):
             b += 1
         return b
 
-    def _run(self, step: int, batch: int) -> dict:
+    def run(self, step: int, batch: int) -> dict:
+        """`step` on `batch` on the grid: the workers' reports merged into one (no guards, no bookkeeping)."""
         reports = self.group.run_step(step, batch, self.cfg.parallel.collective_timeout_s + 30.0)
-        return self._merge(step, batch, reports).to_dict()
-
-    def _merge(self, step: int, batch_index: int, reports: list[dict]) -> StepReport:
-        ep = self.table.ep
-        tpe, rank_load, acts = {}, {}, {}
-        for i, r in enumerate(reports):
-            if i % ep == 0:  # every EP rank of a stage holds the same gathered counts
-                tpe.update(r["tokens_per_expert"])
-                rank_load.update(r["rank_load"])
-            for layer, a in r["activations"].items():
-                prev = acts.get(layer)
-                acts[layer] = a if prev is None else {k: max(prev[k], a[k]) for k in a}
-        phases = reports[0]["timings"].keys()
-        timings = {k: max(r["timings"][k] for r in reports) for k in phases}
-        return StepReport(step=step, batch_index=batch_index, loss=reports[0]["loss"],
-                          grad_norm=reports[0]["grad_norm"], lr=reports[0]["lr"], tokens=self.cfg.step_tokens(),
-                          tokens_per_expert=tpe, activations=acts, timings=timings, rank_load=rank_load)
-
-    def _snapshot_due(self, step: int) -> bool:
-        taken = {s.step for s in (self.snapshots.committed, self.snapshots.pending) if s is not None}
-        return step % self.cfg.fault_tolerance.snapshot_every == 0 and step not in taken
+        return merge_reports(step, batch, reports, self.table.ep, self.cfg.step_tokens()).to_dict()
 
     def _rebalance(self) -> None:
         before = self.table.copies
         moved, copies = self.table.rebalance(self.group)
         if moved or copies != before:
-            self._incident("rebalance", step=self.step, moved=moved, copies=copies)
+            self.incidents.record("rebalance", step=self.step, moved=moved, copies=copies)
             log.info("rebalance at step %d moved experts %s, copies %s", self.step, moved, copies)
 
     # -- policies and placement ----------------------------------------------------------------------------------
     def _push_policies(self) -> None:
         self.group.call("set_policies", self.cfg.policies.model_dump())
 
-    def _apply_pending_policies(self, step: int) -> None:
-        if self.policies.take_pending(step):
-            self._push_policies()
+    def joined(self) -> None:
+        """A grid that has just taken the snapshot's state (recovered or resized): drills due on it, live policies,
+        the learning-rate scale, the neighbours' snapshot copies."""
+        self.drills.kill_at(self.group, self.step, "relaunch")
+        self._push_policies()
+        self.group.call("set_lr_scale", self.lr_scale)
+        snap = self.snapshots.committed
+        self.group.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
 
     def get_policies(self, name: str | None = None) -> dict:
         return self.policies.get(name)
@@ -326,7 +295,7 @@ class Controller(FailurePaths):
     def status(self) -> dict:
         par = self.cfg.parallel
         out = {"name": self.cfg.name, "state": self.state.value, "step": self.step, "pp": par.pp,
-               "ep": self.table.ep, "ep_configured": par.ep, "ep_target": self.ep_target,
+               "ep": self.table.ep, "ep_configured": par.ep, "ep_target": self.scaling.target_ep,
                "workers": par.pp * self.table.ep, "device": par.device,
                "spares": 0 if self.group is None else len(self.group.spares),
                "skipped_batches": sorted(self.skip), "lr_scale": self.lr_scale,
@@ -361,8 +330,8 @@ class Controller(FailurePaths):
                 return self.group.call("evaluate", timeout_s=ft.wait_timeout_s)[0]
             except WorkerLost as lost:
                 if attempt == ft.recovery_attempts:
-                    self._give_up(self.step, f"evaluation lost workers {attempt} times (last: {lost})")
-                self._recover(self.step, lost, detected_after=0.0)
+                    self.recovery.give_up(self.step, f"evaluation lost workers {attempt} times (last: {lost})")
+                self.recovery.recover(self.step, lost, detected_after=0.0)
 
     @holding_the_grid
     def shutdown(self) -> None:
@@ -397,7 +366,24 @@ class Controller(FailurePaths):
                 if attempt == 2:
                     log.warning("no final checkpoint: %s", lost)
                     return
-                self._recover(self.step, lost, detected_after=0.0)
+                self.recovery.recover(self.step, lost, detected_after=0.0)
+
+
+def merge_reports(step: int, batch_index: int, reports: list[dict], ep: int, tokens: int) -> StepReport:
+    """The step report of a grid with `ep` EP ranks per stage from its workers' reports (world-rank order)."""
+    tpe, rank_load, acts = {}, {}, {}
+    for i, r in enumerate(reports):
+        if i % ep == 0:  # every EP rank of a stage holds the same gathered counts
+            tpe.update(r["tokens_per_expert"])
+            rank_load.update(r["rank_load"])
+        for layer, a in r["activations"].items():
+            prev = acts.get(layer)
+            acts[layer] = a if prev is None else {k: max(prev[k], a[k]) for k in a}
+    phases = reports[0]["timings"].keys()
+    timings = {k: max(r["timings"][k] for r in reports) for k in phases}
+    return StepReport(step=step, batch_index=batch_index, loss=reports[0]["loss"], grad_norm=reports[0]["grad_norm"],
+                      lr=reports[0]["lr"], tokens=tokens, tokens_per_expert=tpe, activations=acts, timings=timings,
+                      rank_load=rank_load)
 
 
 # The same class as a Ray actor: one per job, threaded so the control API's calls run beside the step loop.

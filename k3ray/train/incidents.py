@@ -1,0 +1,40 @@
+"""The job's incident log: what went wrong and what the job did about it (a blow-up rolled back, workers lost and
+recovered from, a resize, a checkpoint write that failed), in order. `k3ray incidents`, the metrics and the status
+read the list; each incident is also appended to `fault_tolerance.incidents_file` (JSON lines), where the user reads
+it after a stop. An incident updated later (its outcome, its seconds) is written again: the last line wins."""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+log = logging.getLogger("k3ray.controller")
+
+
+class IncidentLog(list):
+    """list[dict] of incidents, each {"time", "kind", ...fields}."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path  # the incidents file ("" while none: tests of the controller alone)
+
+    def record(self, kind: str, **fields) -> dict:
+        """A new incident, in the list now; returned for updates (`write` puts it in the file once complete)."""
+        incident = {"time": time.time(), "kind": kind, **fields}
+        self.append(incident)
+        return incident
+
+    def write(self, incident: dict) -> None:
+        if not self.path:
+            return
+        try:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(incident, default=str) + "\n")
+        except OSError as err:
+            log.warning("incident not written to %s: %s", self.path, err)
+
+    def where(self) -> str:
+        """Where the user finds the incidents, for the one line a stopping job prints."""
+        return f"Incidents: {self.path}" if self.path else "Incidents: `k3ray incidents` while the job runs"
