@@ -3,9 +3,8 @@ workers (the controller itself is Ray-free, and its tests drive it with a fake g
 
 It launches the grid inside a placement group on alive nodes, builds the process groups (rendezvous on world rank 0),
 runs steps and takes in-memory snapshots (into the object store, owned by the caller; a worker on another node maps a
-copy of each). Every call to workers goes through one failure path (`_gather`): a dead or hung worker, whatever the
-call, becomes WorkerLost naming every lost rank (all of a lost node's at once), told apart from the survivors'
-collateral errors.
+copy of each). Every call to workers goes through one failure path (k3ray.grid.calls): a dead or hung worker,
+whatever the call, becomes WorkerLost naming every lost rank.
 
 Hot spares (`fault_tolerance.spares`): standby workers started with the grid, each holding its own resources, which
 take lost ranks' places without a process start (`regroup`); new ones are started afterwards (`start_spares`). The
@@ -18,10 +17,12 @@ import logging
 import time
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from k3ray.grid import calls
+from k3ray.grid.calls import TopologyError, WorkerError, WorkerLost, cause_line  # noqa: F401 - the group's errors
 from k3ray.grid.kernel_cache import kernel_cache_env
 from k3ray.grid.snapshots import store_shortfall
 from k3ray.grid.spares import SparePool
@@ -63,38 +64,6 @@ def alive_resources(free: bool, avoid_nodes: frozenset[str] = frozenset()) -> di
 # Grid generations, one sequence per controller process: every grid (launched, or rebuilt around spares) takes the
 # next number, and every call to its workers names it (k3ray.grid.worker: a worker refuses older ones).
 _generations = itertools.count(1)
-
-
-class WorkerError(RuntimeError):
-    """A call failed inside workers that are alive (not a lost worker): the first failing rank's error, readable."""
-
-
-def cause_line(err: BaseException) -> str:
-    """The error raised inside an actor, as one line (Ray's wrapping taken off; a cause that could not be sent
-    back whole still carries its message in Ray's text)."""
-    cause = err
-    while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None \
-            and cause.cause is not cause:
-        cause = cause.cause
-    text = str(cause).strip()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return f"{type(cause).__name__}: {lines[-1]}" if lines else type(cause).__name__
-
-
-class TopologyError(RuntimeError):
-    """The cluster cannot hold the requested topology."""
-
-
-class WorkerLost(RuntimeError):
-    """Workers died or hung (in any call to them); `ranks` are their world ranks, every one found lost; `hung`: found
-    by a timeout (some gave no answer) rather than by Ray reporting them dead."""
-
-    def __init__(self, ranks: set[int], why: str, hung: bool = False):
-        super().__init__(f"lost world ranks {sorted(ranks)}: {why}")
-        self.ranks, self.why, self.hung = ranks, why, hung
-
-    def __reduce__(self):  # raised on through Ray to the driver: unpickled with its own arguments, readable there
-        return WorkerLost, (self.ranks, self.why, self.hung)
 
 
 class WorkerGroup:
@@ -269,11 +238,11 @@ class WorkerGroup:
         self._join(timeout_s, restore, t0, "swap_in_spares")
         # survivors left out stand by for this generation (refusing the old grid's calls); one that does not
         # answer is no spare
-        calls = {o: actor.stand_by.remote(self.generation) for o, actor, _, _ in standing_by}
-        done, _ = ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
+        answers = {o: actor.stand_by.remote(self.generation) for o, actor, _, _ in standing_by}
+        done, _ = ray.wait(list(answers.values()), num_returns=len(answers), timeout=timeout_s)
         for o, actor, slot, node in standing_by:
             try:
-                ok = calls[o] in done and ray.get(calls[o])
+                ok = answers[o] in done and ray.get(answers[o])
             except RayError:
                 ok = False
             if ok:
@@ -305,67 +274,14 @@ class WorkerGroup:
         """`fn(worker, *args)` inside the given workers' processes (fault drills)."""
         return self._gather([(r, self.workers[r].__ray_call__.remote(fn, *args)) for r in ranks], 120.0, "drill")
 
-    def _gather(self, calls: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what: str,
+    def _gather(self, sent: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what: str,
                 grace_s: float = 5.0) -> list:
-        """The one failure path of every call to workers: the results of (world rank, call) in order, or WorkerLost
-        naming every dead or hung worker. A dead worker (RayActorError) is lost, together with every other worker a
-        ping finds dead or whose node Ray reports lost (a lost node takes all of its ranks); the survivors are given
-        grace_s to finish or fail first, so that the recovery does not start while they still compute. A worker is
-        hung when it gives no answer within timeout_s, or within grace_s after some peers have already failed
-        (their collectives timed out waiting for it). Survivors' errors caused by a lost peer (RayTaskError) do not
-        count as lost; errors with no worker lost are raised as WorkerError (the first failing rank's, readable)."""
-        index = {ref: i for i, (_, ref) in enumerate(calls)}
-        results: dict[int, object] = {}
-        errors: dict[int, Exception] = {}
-        dead: set[int] = set()
-        pending = [ref for _, ref in calls]
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while pending:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-            if not ready:
-                break
-            i = index[ready[0]]
-            try:
-                results[i] = ray.get(ready[0])
-                continue
-            except RayActorError as err:
-                if err.actor_init_failed:  # its __init__ raised: an error to show, not a worker to replace
-                    errors[i] = err
-                else:
-                    dead.add(calls[i][0])
-            except RayTaskError as err:
-                errors[i] = err
-            deadline = time.monotonic() + grace_s if deadline is None else min(deadline, time.monotonic() + grace_s)
-        answered = {calls[j][0] for j in results} | {calls[j][0] for j in errors}
-        if dead:
-            first = next(iter(sorted(dead)))
-            raise WorkerLost(dead | self.dead_ranks(exclude=answered | dead) | dead,
-                             f"ActorDiedError in {what} (rank {first} first)")
-        if pending:
-            hung = {calls[index[f]][0] for f in pending} | self.dead_ranks(exclude=answered)
-            raise WorkerLost(hung, f"no answer to {what} within {timeout_s if not errors else grace_s:g}s "
-                                   f"(hung collective or silent node?)", hung=True)
-        if errors:
-            rank, err = min((calls[i][0], e) for i, e in errors.items())
-            raise WorkerError(f"{what} failed on {len(errors)} of {len(calls)} workers (rank {rank}: "
-                              f"{cause_line(err)})") from None
-        return [results[i] for i in range(len(calls))]
+        """The results of (world rank, call) in order, through the one failure path (`calls.gather`)."""
+        return calls.gather(sent, timeout_s, what, self.dead_ranks, grace_s)
 
     def dead_ranks(self, exclude: set[int] = frozenset(), timeout_s: float = 2.0) -> set[int]:
-        """World ranks whose node Ray reports lost, or whose actor it reports dead or unreachable: each worker
-        answers a ping on its second thread even mid-step, so a ping that fails names a lost worker; one that is
-        merely slow does not."""
-        alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-        dead = {r for r, node in enumerate(self.nodes) if node not in alive and r not in exclude}
-        pings = {w.__ray_ready__.remote(): r for r, w in enumerate(self.workers) if r not in exclude | dead}
-        ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
-        for ref in ready:
-            try:
-                ray.get(ref)
-            except RayError:
-                dead.add(pings[ref])
-        return dead
+        """World ranks found lost (`calls.dead_ranks`) but those in `exclude`."""
+        return calls.dead_ranks(self.workers, self.nodes, exclude, timeout_s)
 
     def kill(self, rank: int) -> None:
         ray.kill(self.workers[rank], no_restart=True)
@@ -404,13 +320,13 @@ class WorkerGroup:
         node than the one holding it, the next such rank after its own (placement-aware neighbour), so a copy
         survives the loss of that node; on one node, simply the next rank."""
         where = ray.experimental.get_object_locations(refs)
-        calls = []
+        holds = []
         for i, ref in enumerate(refs):
             holding = set(where.get(ref, {}).get("node_ids") or [])
             order = [(i + k) % self.size for k in range(1, self.size + 1)]
             holder = next((r for r in order if self.nodes and self.nodes[r] not in holding), order[0])
-            calls.append((holder, self.workers[holder].hold_peer_snapshot.remote(self.generation, i, step, ref)))
-        self._gather(calls, 300, "hold_peer_snapshots")
+            holds.append((holder, self.workers[holder].hold_peer_snapshot.remote(self.generation, i, step, ref)))
+        self._gather(holds, 300, "hold_peer_snapshots")
 
     def close(self) -> None:
         for w in self.workers + self.spares.clear():

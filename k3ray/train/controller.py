@@ -38,7 +38,8 @@ from k3ray.train.placement import Placement
 from k3ray.train.scaling import Scaling
 from k3ray.grid.snapshots import Snapshots
 from k3ray.train.state import JobState, StateMachine
-from k3ray.grid.worker_group import WorkerGroup, WorkerLost
+from k3ray.grid.calls import WorkerLost
+from k3ray.grid.worker_group import WorkerGroup
 from k3ray.io import checkpoint as ckpt
 from k3ray.io.checkpoint import CheckpointError
 from k3ray.parallel.step import StepReport

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from k3ray.grid.worker_group import TopologyError, WorkerLost
+from k3ray.grid.calls import TopologyError, WorkerLost
 from k3ray.policies import guards, ladder, recovery
 from k3ray.train.state import AttemptsExhausted, JobState
 

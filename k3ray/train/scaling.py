@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from k3ray.grid.worker_group import TopologyError
+from k3ray.grid.calls import TopologyError
 from k3ray.policies import resize
 from k3ray.policies.resize import ResizeDecision
 from k3ray.train.state import JobState

@@ -1,0 +1,106 @@
+"""Every call to workers and its one failure path: `gather` turns a dead or hung worker, whatever the call, into
+WorkerLost naming every lost rank (all of a lost node's at once), told apart from the survivors' collateral errors
+(WorkerError when no worker is lost). The worker group (k3ray.grid.worker_group) sends every call through it."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import ray
+from ray.exceptions import RayActorError, RayError, RayTaskError
+
+
+class WorkerError(RuntimeError):
+    """A call failed inside workers that are alive (not a lost worker): the first failing rank's error, readable."""
+
+
+def cause_line(err: BaseException) -> str:
+    """The error raised inside an actor, as one line (Ray's wrapping taken off; a cause that could not be sent
+    back whole still carries its message in Ray's text)."""
+    cause = err
+    while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None \
+            and cause.cause is not cause:
+        cause = cause.cause
+    text = str(cause).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return f"{type(cause).__name__}: {lines[-1]}" if lines else type(cause).__name__
+
+
+class TopologyError(RuntimeError):
+    """The cluster cannot hold the requested topology."""
+
+
+class WorkerLost(RuntimeError):
+    """Workers died or hung (in any call to them); `ranks` are their world ranks, every one found lost; `hung`: found
+    by a timeout (some gave no answer) rather than by Ray reporting them dead."""
+
+    def __init__(self, ranks: set[int], why: str, hung: bool = False):
+        super().__init__(f"lost world ranks {sorted(ranks)}: {why}")
+        self.ranks, self.why, self.hung = ranks, why, hung
+
+    def __reduce__(self):  # raised on through Ray to the driver: unpickled with its own arguments, readable there
+        return WorkerLost, (self.ranks, self.why, self.hung)
+
+
+def gather(calls: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what: str,
+           dead_ranks: Callable[..., set[int]], grace_s: float = 5.0) -> list:
+    """The one failure path of every call to workers: the results of (world rank, call) in order, or WorkerLost
+    naming every dead or hung worker. A dead worker (RayActorError) is lost, together with every other worker a
+    ping finds dead or whose node Ray reports lost (a lost node takes all of its ranks); the survivors are given
+    grace_s to finish or fail first, so that the recovery does not start while they still compute. A worker is
+    hung when it gives no answer within timeout_s, or within grace_s after some peers have already failed
+    (their collectives timed out waiting for it). Survivors' errors caused by a lost peer (RayTaskError) do not
+    count as lost; errors with no worker lost are raised as WorkerError (the first failing rank's, readable).
+    dead_ranks(exclude=...): the ranks found dead besides (the group's `dead_ranks`)."""
+    index = {ref: i for i, (_, ref) in enumerate(calls)}
+    results: dict[int, object] = {}
+    errors: dict[int, Exception] = {}
+    dead: set[int] = set()
+    pending = [ref for _, ref in calls]
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            break
+        i = index[ready[0]]
+        try:
+            results[i] = ray.get(ready[0])
+            continue
+        except RayActorError as err:
+            if err.actor_init_failed:  # its __init__ raised: an error to show, not a worker to replace
+                errors[i] = err
+            else:
+                dead.add(calls[i][0])
+        except RayTaskError as err:
+            errors[i] = err
+        deadline = time.monotonic() + grace_s if deadline is None else min(deadline, time.monotonic() + grace_s)
+    answered = {calls[j][0] for j in results} | {calls[j][0] for j in errors}
+    if dead:
+        first = next(iter(sorted(dead)))
+        raise WorkerLost(dead | dead_ranks(exclude=answered | dead) | dead,
+                         f"ActorDiedError in {what} (rank {first} first)")
+    if pending:
+        hung = {calls[index[f]][0] for f in pending} | dead_ranks(exclude=answered)
+        raise WorkerLost(hung, f"no answer to {what} within {timeout_s if not errors else grace_s:g}s "
+                               f"(hung collective or silent node?)", hung=True)
+    if errors:
+        rank, err = min((calls[i][0], e) for i, e in errors.items())
+        raise WorkerError(f"{what} failed on {len(errors)} of {len(calls)} workers (rank {rank}: "
+                          f"{cause_line(err)})") from None
+    return [results[i] for i in range(len(calls))]
+
+def dead_ranks(workers: list, nodes: list[str], exclude: set[int] = frozenset(), timeout_s: float = 2.0) -> set[int]:
+    """World ranks whose node Ray reports lost, or whose actor it reports dead or unreachable: each worker
+    answers a ping on its second thread even mid-step, so a ping that fails names a lost worker; one that is
+    merely slow does not."""
+    alive = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    dead = {r for r, node in enumerate(nodes) if node not in alive and r not in exclude}
+    pings = {w.__ray_ready__.remote(): r for r, w in enumerate(workers) if r not in exclude | dead}
+    ready, _ = ray.wait(list(pings), num_returns=len(pings), timeout=timeout_s)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayError:
+            dead.add(pings[ref])
+    return dead
