@@ -1,5 +1,5 @@
 """`k3ray convert --from-hf DIR --to CKPT_DIR` and `k3ray export --hf CKPT_DIR OUT | --weights-only CKPT_DIR OUT`:
-k3ray checkpoints to and from the released (Hugging Face) format (k3ray.formats.hf.convert); `k3ray init`: a
+k3ray checkpoints to and from the released (Hugging Face) format (k3ray.formats.hf); `k3ray init`: a
 config's seeded initial weights as a checkpoint."""
 from __future__ import annotations
 
@@ -32,20 +32,19 @@ def _size(text: str) -> int:
 def _readable(fn):
     """Bad input (a folder, a tensor, a checkpoint) is one line and exit 2, as a config error is."""
     def run(args) -> int:
+        from k3ray.formats.hf import FORMAT_ERRORS
         from k3ray.io.checkpoint import CheckpointError
-        from k3ray.formats.hf.files import HFFormatError
-        from k3ray.formats.hf.keys import UnmappedName
 
         try:
             return fn(args)
-        except (HFFormatError, UnmappedName, CheckpointError) as err:
+        except (*FORMAT_ERRORS, CheckpointError) as err:
             raise ConfigError(str(err).strip().splitlines()[0]) from None
     return run
 
 
 @_readable
 def cmd_convert(args) -> int:
-    from k3ray.formats.hf.convert import convert_from_hf
+    from k3ray.formats.hf import convert_from_hf
 
     base = load_config(args.config) if args.config else None
     t0 = time.perf_counter()
@@ -58,7 +57,7 @@ def cmd_convert(args) -> int:
 def cmd_export(args) -> int:
     import torch
 
-    from k3ray.formats.hf.convert import export_hf, export_weights_only
+    from k3ray.formats.hf import export_hf, export_weights_only
 
     weights = getattr(torch, args.dtype)
     t0 = time.perf_counter()
@@ -73,7 +72,7 @@ def cmd_export(args) -> int:
 @_readable
 def check_release(path: str) -> None:
     """A release folder's config and tensors fit k3ray's model (names, shapes, dtypes), else ConfigError."""
-    from k3ray.formats.hf.convert import read_release
+    from k3ray.formats.hf import read_release
 
     read_release(path)
 

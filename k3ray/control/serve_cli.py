@@ -20,7 +20,7 @@ def cmd_serve(args) -> int:
     from k3ray.serve.app import check_exposure, start_serving, stop_serving
     from k3ray.serve.metrics import ServeMetrics
     from k3ray.io import checkpoint as ckpt
-    from k3ray.formats.hf.files import is_hf_folder
+    from k3ray.formats.hf import is_hf_folder
     from k3ray.tokenizer import load_tokenizer
 
     try:

@@ -15,11 +15,10 @@ from typing import Callable
 import torch
 
 from k3ray.config import CheckpointConfig
-from k3ray.formats.hf.convert import hf_serving_state
+from k3ray.formats.hf import hf_serving_state, is_hf_folder
 from k3ray.grid.snapshots import restore_sources
 from k3ray.grid.calls import WorkerLost
 from k3ray.io import checkpoint as ckpt
-from k3ray.formats.hf.files import is_hf_folder
 
 log = logging.getLogger("k3ray.controller")
 

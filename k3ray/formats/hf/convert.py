@@ -28,6 +28,7 @@ from k3ray.formats.hf import keys
 from k3ray.formats.hf.files import DTYPES, HFFolder, HFFormatError, ShardWriter
 from k3ray.model.decoder import build_stage, is_expert_param, stage_layers
 from k3ray.policies.guards import GuardState
+from k3ray.policies.moonep import default_home
 
 WEIGHTS_DTYPE = torch.bfloat16  # the release's
 
@@ -67,11 +68,6 @@ def model_layout(cfg: ModelConfig) -> ModelLayout:
 
 def _is_bias(name: str) -> bool:
     return name.endswith("moe.router.bias")
-
-
-def contiguous_home(n_experts: int, ep: int) -> list[int]:
-    per = n_experts // ep
-    return [e // per for e in range(n_experts)]
 
 
 # -- reading the release ----------------------------------------------------------------------------------------
@@ -184,7 +180,7 @@ def convert_from_hf(src: str, dst: str, pp: int = 1, ep: int = 1, dtype: str | N
     _fresh_dir(root)
     name = re.sub(r"[^A-Za-z0-9_.-]", "-", Path(src).resolve().name)[:64].lstrip("_.-") or "converted"
     job = job_config(layout.cfg, base, pp, ep, dst, name)
-    home = contiguous_home(layout.cfg.n_experts, ep)
+    home = default_home(layout.cfg.n_experts, ep).tolist()  # what a fresh job of this grid places
     parts = []
     for p in range(pp):
         layers = stage_layers(layout.cfg.n_layers, pp, p)
