@@ -1,9 +1,9 @@
 """The fault kinds k3ray can inject, in one registry, and what injects and clears them in a worker group.
 
-`FAULT_KINDS` is the one list: the config (`fault_tolerance.faults[].kind`), the CLI (`k3ray drill --kind`), the
-training drills (k3ray.train.drills) and the serving engine's `drill` read it. A kind is a training drill (a
-`fault_tolerance.faults` entry fired by the controller at its step), a serving drill (injected into a serving grid
-now, `ServingEngine.drill`), or both.
+`FAULT_KINDS` is the one list: the config (`fault_tolerance.faults[].kind`) and the CLI (`k3ray drill --kind`)
+take its training kinds, and `inject` (what the training drills, k3ray.train.drills, and the serving engine's `drill`
+call) refuses any kind it does not name. A kind is a training drill (a `fault_tolerance.faults` entry fired by the
+controller at its step), a serving drill (injected into a serving grid now, `ServingEngine.drill`), or both.
 
 `inject` acts on workers through the worker group only (duck-typed: `size`, `kill(rank)`, `run_on(ranks, fn, *args)`):
 it kills actors, or runs a function inside workers' processes that hooks their stage (a forward hook that turns a
