@@ -29,10 +29,10 @@ import time
 
 import ray
 
-from k3ray.config import DEFAULT_PREFILL_HOLD_MS, DEFAULT_STEPWISE_PREFILL_MAX, JobConfig
+from k3ray.config import JobConfig
 from k3ray.train.checkpointing import serving_weights
 from k3ray.train.drills import clear, inject
-from k3ray.serve.scheduler import EngineLimits, Overloaded, Scheduler
+from k3ray.serve.scheduler import Overloaded, Scheduler
 from k3ray.serve.availability import Availability
 from k3ray.serve.grid import ServingGrid
 from k3ray.serve.iterations import IterationLoop
@@ -58,24 +58,16 @@ def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None 
                                      "fault_tolerance": ft.model_dump()})
 
 
-def prefill_hold_ms(cfg: JobConfig) -> float:
-    """serve.prefill_hold_ms, or its default: a hold where decode iterations are CUDA graphs, none on CPU."""
-    if cfg.serve.prefill_hold_ms is not None:
-        return cfg.serve.prefill_hold_ms
-    return DEFAULT_PREFILL_HOLD_MS if cfg.parallel.device != "cpu" else 0.0
-
-
-def stepwise_prefill_max(cfg: JobConfig) -> int:
-    """serve.stepwise_prefill_max, or its default: short prompts fed as decode rows where decode iterations are CUDA
-    graphs (a GPU, one EP rank per stage), none elsewhere (every iteration is eager there: chunks are cheaper)."""
-    if cfg.serve.stepwise_prefill_max is not None:
-        return cfg.serve.stepwise_prefill_max
-    return DEFAULT_STEPWISE_PREFILL_MAX if cfg.parallel.device != "cpu" and cfg.parallel.ep == 1 else 0
-
-
 def overlap(cfg: JobConfig) -> bool:
     """serve.overlap, or its default: on where the workers hold the tokens they sampled (pp = 1)."""
     return cfg.serve.overlap if cfg.serve.overlap is not None else cfg.parallel.pp == 1
+
+
+def resolve_serve(cfg: JobConfig) -> JobConfig:
+    """cfg with serve.* resolved for its device and grid (`ServeConfig.resolved`), in place."""
+    p = cfg.parallel
+    cfg.serve = cfg.serve.resolved(p.device, p.ep)
+    return cfg
 
 
 def pool_sizes(cfg: JobConfig) -> PoolSizes:
@@ -88,10 +80,11 @@ class Engine(Availability, LiveServing, IterationLoop):
 
     def __init__(self, cfg: JobConfig, step: int, grid, observers: list | None = None):
         self.cfg, self.model_name, self.step = cfg, cfg.name, step
-        sc = cfg.serve
-        self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, grid.ep, sc.token_budget, sc.max_waiting,
-                                            pool_sizes(cfg), cfg.policies.guards, load_tokenizer(cfg.data.tokenizer),
-                                            prefill_hold_ms(cfg) / 1e3, stepwise_prefill_max(cfg)))
+        resolve_serve(cfg)
+        if cfg.serve.pages_per_rank is None:  # a GPU grid that did not measure its pools: the CPU's size
+            cfg.serve = cfg.serve.resolved("cpu")
+        self.sched = Scheduler(cfg.serve, cfg.model.max_seq_len, grid.ep, cfg.policies.guards,
+                               load_tokenizer(cfg.data.tokenizer))
         self.grid = grid
         self.incidents: list[dict] = []
         self.gap_from: tuple[dict, float] | None = None  # (incident, when the loss was found) until the next token
@@ -308,7 +301,7 @@ class ServingEngine(Engine):
                  launch_timeout_s: float = 300.0, observers: list | None = None, spares: int = 0):
         weights = serving_weights(checkpoint)
         cfg = serving_config(weights.config, pp, ep, serve_overrides, spares)
-        grid = ServingGrid(cfg, weights.state, pool_sizes(cfg), launch_timeout_s)
+        grid = ServingGrid(resolve_serve(cfg), weights.state, launch_timeout_s)
         grid.launch(ep)
         super().__init__(cfg, weights.step, grid, observers)
         log.info("serving %s step %d from %s on pp=%d x ep=%d", cfg.name, weights.step, weights.path, pp, ep)

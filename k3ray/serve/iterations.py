@@ -61,7 +61,7 @@ class IterationLoop:
         plans = self.sched.schedule()
         t1 = time.perf_counter()
         try:
-            outputs = await self._on_grid(self.grid.run, {r: p for r, (p, _) in plans.items()})
+            outputs = await self._on_grid(self.grid.run, plans.plans())
         except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
             changed = self._iteration_failed(err)
         else:
@@ -78,10 +78,10 @@ class IterationLoop:
             submitted, t1, submit_s = None, t0, 0.0
             if self.sched.has_work and (count == 0 or not self._boundary_due()):
                 plans = self.sched.schedule()
-                if ahead is None or any(p.slots or p.admit for p, _ in plans.values()):
+                if ahead is None or not plans.empty:
                     t1 = time.perf_counter()
                     try:
-                        handle = await self._on_grid(self.grid.submit, {r: p for r, (p, _) in plans.items()})
+                        handle = await self._on_grid(self.grid.submit, plans.plans())
                     except Exception as err:  # noqa: BLE001 - as a failed iteration, with the one in flight
                         await self._discard(ahead)
                         self._iteration_done(self._iteration_failed(err), t0)
