@@ -111,11 +111,13 @@ def _fla(t: torch.Tensor) -> bool:
 
 
 @outside_compile
-def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None):
+def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  cu_seqlens_cpu=None):
     """KDA for training and prefill (see kernels/kda.py for shapes): fla's chunk_kda, or the torch reference (the
-    chunked one for sequences longer than one chunk). Returns (o, final state or None)."""
+    chunked one for sequences longer than one chunk). Returns (o, final state or None). cu_seqlens_cpu: the offsets
+    on the host too (serving: no host sync inside the forward)."""
     if _fla(q):
-        return _kda.kda_chunk_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+        return _kda.kda_chunk_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu)
     ref = _kda.kda_chunk_reference if q.shape[1] > _kda.CHUNK else _kda.kda_recurrent_reference
     return ref(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
 

@@ -153,6 +153,7 @@ class PromptRows:
     rows: torch.Tensor
     kv_seq: torch.Tensor
     kv_pos: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor  # [N + 1] every row's offsets in the packed tokens, on the host (fla's chunk indices)
 
 
 class IterationCache:
@@ -226,7 +227,7 @@ class IterationCache:
         out = torch.cat(parts).to(device).split(sizes)
         sn, seq_t, rows, kv_seq_d, kv_pos_d = out
         prompt = PromptRows([firsts[i] for i in pre], [counts[i] for i in pre], lens.tolist(), rows[len(dec):],
-                            kv_seq_d, kv_pos_d)
+                            kv_seq_d, kv_pos_d, torch.tensor(firsts, dtype=torch.int64))
         return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, torch.ones(n, dtype=torch.bool, device=device),
                    context, prompt, rows[:len(dec)])
 
@@ -285,7 +286,7 @@ class IterationCache:
             as_batch = [t.transpose(0, 1) for t in (q, k, v, g, beta)]
             return kda_decode_slots(*as_batch, pool, self.slots).transpose(0, 1)
         o, s1 = kda_attention(q, k, v, g, beta, initial_state=pool[self.slots], output_final_state=True,
-                              cu_seqlens=self.cu_seqlens)
+                              cu_seqlens=self.cu_seqlens, cu_seqlens_cpu=self.prompt.cu_seqlens_cpu)
         pool.index_copy_(0, self.slots, s1.to(pool.dtype))
         return o
 
