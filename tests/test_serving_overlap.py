@@ -291,3 +291,20 @@ def test_whoever_waits_between_iterations_gets_in_with_nothing_in_flight(model):
     assert seen == [0, 0, 0]
     for i, items in enumerate(streams):
         assert [t for item in items for t in item.get("tokens", [])] == reference(model, i)
+
+
+def test_serving_sizes_default_by_device_and_gpu_pools_fit_the_free_memory():
+    """Unset sizes take the device's defaults (a GPU: 8,192 tokens per iteration and 256 slots, as vLLM / SGLang on
+    an H200; pages measured at start); a set value stands. The pages that fit grow with the free memory, up to every
+    slot's whole context."""
+    from k3ray.config import ServeConfig
+    from k3ray.model.cache import pages_that_fit
+
+    cpu, gpu = ServeConfig().resolved("cpu"), ServeConfig().resolved("cuda")
+    assert (cpu.token_budget, cpu.slots_per_rank, cpu.pages_per_rank) == (128, 16, 256)
+    assert (gpu.token_budget, gpu.slots_per_rank, gpu.pages_per_rank) == (8192, 256, None)
+    assert ServeConfig(token_budget=512).resolved("cuda").token_budget == 512
+    cfg = load_config("configs/tiny.yaml", {}).model
+    layers = range(cfg.n_layers)
+    few, more, all_ = (pages_that_fit(cfg, layers, 16, 8, b) for b in (2**20, 2**22, 2**40))
+    assert 0 < few < more < all_ == 8 * (-(-cfg.max_seq_len // 16))
