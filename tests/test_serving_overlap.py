@@ -306,5 +306,5 @@ def test_serving_sizes_default_by_device_and_gpu_pools_fit_the_free_memory():
     assert ServeConfig(token_budget=512).resolved("cuda").token_budget == 512
     cfg = load_config("configs/tiny.yaml", {}).model
     layers = range(cfg.n_layers)
-    few, more, all_ = (pages_that_fit(cfg, layers, 16, 8, b) for b in (2**20, 2**22, 2**40))
+    few, more, all_ = (pages_that_fit(cfg, layers, 16, 8, b) for b in (2**17, 2**18, 2**40))
     assert 0 < few < more < all_ == 8 * (-(-cfg.max_seq_len // 16))
