@@ -200,6 +200,7 @@ class Scheduler:
         pool.free_pages += held.pages
         pool.free_slots.append(held.slot)
         pool.held_pages -= len(held.pages)
+
     # -- iterations ----------------------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
@@ -239,7 +240,9 @@ class Scheduler:
         for req in running:  # decoding first (one token each), then prompt chunks
             if req.id not in self.running:  # preempted for an older request in this iteration
                 continue
-            n = 1 if self._stepwise(req) else min(req.to_run, budget[req.rank])
+            n = min(req.to_run, budget[req.rank])
+            if n > 1 and self._stepwise(req):
+                n = 1
             n = self._grow(req, n, scheduled, out) if n > 0 else 0
             if n > 0:
                 add(req, n)
