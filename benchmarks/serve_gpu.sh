@@ -4,6 +4,7 @@
 # so one call stays inside its limit. The seeded weights are written once per model (`k3ray init`) and served by
 # every variant: VARIANTS4 holds serve_load.py argument sets separated by ';' (default: the config's settings).
 #   bash benchmarks/serve_gpu.sh [extra serve_load.py arguments for every run]
+#   bash benchmarks/serve_gpu.sh --prompt-tokens 200:1200 --max-tokens 32:256   # real prompt lengths, defaults
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/site /root
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site
@@ -15,7 +16,7 @@ rm -rf /root/k3 && cp -r . /root/k3 && cd /root/k3   # a later device call repla
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, ray, uvicorn; print(torch.__version__, ray.__version__, uvicorn.__version__)" | tee -a "$OUT/gpu.txt"
-COMMON=(--max-tokens 64 --token-budget 2048 --front-doors "${FRONT_DOORS:-4}" --client-procs "${CLIENT_PROCS:-8}")
+COMMON=(--max-tokens 64 --front-doors "${FRONT_DOORS:-4}" --client-procs "${CLIENT_PROCS:-8}")
 
 serve_model() {  # name, layers, timeout, levels, variants
     local name=$1 layers=$2 limit=$3 levels=$4 variants=$5 t0=$SECONDS i=0

@@ -180,9 +180,9 @@ class FakeGroup:
             return [float(len(self.trained))] * self.size
         return [True] * self.size
 
-    def begin_snapshot(self, step: int) -> tuple[list, list]:
+    def begin_snapshot(self, step: int) -> tuple[list, list, None]:
         self._die("begin_snapshot")
-        return [self.trained] * self.size, [1] * self.size
+        return [self.trained] * self.size, [1] * self.size, None
 
     def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int:
         self._die("snapshot_bytes")

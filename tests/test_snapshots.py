@@ -73,3 +73,55 @@ def test_packed_through_object_store_is_zero_copy_and_exact(ray_cluster):
     _assert_same(_state(3), as_state(back))
     plain = _state(4)
     assert as_state(plain) is plain
+
+
+GiB = 2**30
+
+
+def test_stores_that_hold_two_snapshots_of_their_parts_pass_and_a_small_one_is_named_in_one_line():
+    from k3ray.grid.snapshots import store_shortfall
+    assert store_shortfall([10 * GiB], ["a"], {"a": 20 * GiB}) is None
+    line = store_shortfall([29 * GiB, 29 * GiB], ["a", "a"], {"a": 20 * GiB})
+    assert "\n" not in line
+    assert "116.0 GiB" in line and "58.0 GiB of parts, held 2 times" in line and "has 20.0 GiB" in line
+    assert "K3RAY_OBJECT_STORE_GB" in line
+    # on two nodes each also holds its neighbour's committed parts
+    assert store_shortfall([10 * GiB, 10 * GiB], ["a", "b"], {"a": 25 * GiB, "b": 25 * GiB}) is not None
+    assert store_shortfall([10 * GiB, 10 * GiB], ["a", "b"], {"a": 30 * GiB, "b": 30 * GiB}) is None
+
+
+class SlowStoreGroup:
+    """A worker group whose snapshots arrive only when told (`arrive`), and whose store is too small."""
+    pp, ep = 1, 2
+
+    def __init__(self):
+        self.arrived: set[int] = set()
+        self.begun: list[int] = []
+
+    def begin_snapshot(self, step):
+        self.begun.append(step)
+        return [f"ref{step}"] * 2, [step] * 2, "snapshots need more store"
+
+    def snapshot_bytes(self, size_refs, timeout_s):
+        if size_refs[0] in self.arrived or timeout_s != 0:
+            return 8
+        return None
+
+    def hold_peer_snapshots(self, step, refs):
+        pass
+
+
+def test_a_snapshot_due_while_the_previous_one_still_arrives_is_skipped_not_waited_for():
+    from k3ray.grid.snapshots import Snapshots
+    skips = []
+    snaps, group = Snapshots(on_skip=lambda step, arriving: skips.append((step, arriving))), SlowStoreGroup()
+    assert snaps.take(group, 0, guard=None)
+    assert not snaps.take(group, 10, guard=None)  # step 0's bytes have not arrived: no wait, no new staging
+    assert group.begun == [0] and snaps.skipped == [10] and skips == [(10, 0)]
+    assert snaps.committed is None and snaps.pending.step == 0
+    group.arrived.add(0)
+    assert snaps.take(group, 20, guard=None)  # arrived meanwhile: committed, and the next one starts
+    assert snaps.committed.step == 0 and snaps.pending.step == 20 and group.begun == [0, 20]
+    assert snaps.take(group, 30, guard=None, wait=True)  # a resize or recovery waits for this boundary's state
+    assert snaps.committed.step == 30 and snaps.pending is None
+    assert snaps.warnings == ["snapshots need more store"]  # said once, however often the group says it

@@ -13,7 +13,7 @@ import traceback
 from pathlib import Path
 
 from k3ray.config import ConfigError, JobConfig, load_config, parse_assignments
-from k3ray.control import client, hf_cli, jobs, serve_cli
+from k3ray.control import client, hf_cli, jobs, serve_cli, warmup
 from k3ray.control import prepare as prepare_command
 
 log = logging.getLogger("k3ray")
@@ -262,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_drill, pp=None, ep=None)
 
     serve_cli.add_parser(sub, _count)
+    warmup.add_parser(sub)
     hf_cli.add_commands(sub, _positive_int)
     prepare_command.add_parser(sub, _positive_int)
 

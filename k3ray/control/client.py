@@ -13,6 +13,7 @@ import httpx
 
 from k3ray.config import parse_assignments
 from k3ray.control.dashboards import all_dashboards, export
+from k3ray.steering.auth import API_KEY_ENV, read_api_key
 
 
 class ControlError(RuntimeError):
@@ -120,26 +121,12 @@ def cmd_status(args) -> int:
     return 0
 
 
-API_KEY_ENV = "K3RAY_API_KEY"
-
-
-def read_api_key(path: str | None) -> str | None:
-    """A `k3ray serve` endpoint's API key: the first line of `path`, else $K3RAY_API_KEY, else None. ControlError
-    names what is wrong (an unreadable or empty file)."""
-    if path:
-        try:
-            key = Path(path).read_text().strip()
-        except OSError as err:
-            raise ControlError(f"--api-key-file {path}: cannot read it ({err.strerror})") from None
-        if not key:
-            raise ControlError(f"--api-key-file {path}: empty")
-        return key
-    return os.environ.get(API_KEY_ENV) or None
-
-
-def _serving_stats(url: str, timeout: float, path: str = "/v1/stats", api_key_file: str | None = None,
+def _serving_stats(url: str, timeout: float, path: str = "/v1/status", api_key_file: str | None = None,
                    method: str = "GET", body: dict | None = None):
-    key = read_api_key(api_key_file)
+    try:
+        key = read_api_key(api_key_file)
+    except ValueError as err:
+        raise ControlError(str(err)) from None
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         r = httpx.request(method, f"{url.rstrip('/')}{path}", timeout=timeout, headers=headers, json=body)

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import time
 
-from ray.util.metrics import Counter, Gauge, Histogram
-
 from k3ray.config import POLICY_NAMES
+from k3ray.steering.metrics import EXPERT_LOAD_BUCKETS, build_metric
 from k3ray.train.callbacks import Callback
 from k3ray.train.state import JobState
 
@@ -25,7 +24,6 @@ INCIDENT_RULES = ("nonfinite_loss", "nonfinite_grad", "activation", "loss_spike"
                   "collective_timeout", "checkpoint_damaged", "checkpoint_none", "checkpoint_abandoned",
                   "checkpoint_write_failed", "resumed_with_changes", "other")
 STATES = tuple(s.value for s in JobState)
-EXPERT_LOAD_BUCKETS = [0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0]
 STEP_SECONDS_BUCKETS = [0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0, 10.0, 30.0]
 
 # name -> (kind, description, tag keys); the dashboards and their test use this table.
@@ -65,20 +63,6 @@ _ZERO_COUNTERS = {"k3ray_incidents_total": [{"rule": r} for r in INCIDENT_RULES]
                   "k3ray_rollbacks_total": [{}], "k3ray_recoveries_total": [{}], "k3ray_recovery_seconds_total": [{}],
                   "k3ray_snapshots_total": [{}], "k3ray_snapshot_seconds_total": [{}],
                   "k3ray_checkpoints_total": [{}], "k3ray_checkpoint_seconds_total": [{}]}
-
-
-def build_metric(name: str, spec: tuple[str, str, tuple[str, ...]], job: str, buckets: list[float] | None = None):
-    """One metric from its (kind, description, tag keys) spec, tagged with the job."""
-    kind, desc, tags = spec
-    keys = ("k3ray_job",) + tags
-    if kind == "gauge":
-        metric = Gauge(name, desc, tag_keys=keys)
-    elif kind == "counter":
-        metric = Counter(name, desc, tag_keys=keys)
-    else:
-        metric = Histogram(name, desc, boundaries=buckets, tag_keys=keys)
-    metric.set_default_tags({"k3ray_job": job})
-    return metric
 
 
 def _build(name: str, job: str):

@@ -8,7 +8,8 @@ import sys
 import time
 
 from k3ray.config import ConfigError, parse_assignments
-from k3ray.control import client, hf_cli
+from k3ray.control import hf_cli
+from k3ray.steering.auth import read_api_key
 
 DOOR_CHECK_S = 5.0  # how often `k3ray serve` looks for front doors that died
 
@@ -23,9 +24,9 @@ def cmd_serve(args) -> int:
     from k3ray.tokenizer import load_tokenizer
 
     try:
-        api_key = client.read_api_key(args.api_key_file)
+        api_key = read_api_key(args.api_key_file)
         check_exposure(args.host, api_key, args.insecure)
-    except (client.ControlError, ValueError) as err:
+    except ValueError as err:
         raise ConfigError(str(err)) from None
     overrides = {k.removeprefix("serve."): v for k, v in parse_assignments(args.set, "serve.max_waiting=32").items()}
     newest = None if is_hf_folder(args.checkpoint) else ckpt.latest_verified(args.checkpoint)

@@ -12,6 +12,7 @@ The controller keeps the committed snapshot and the pending one (`Snapshots`).
 """
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 ALIGN = 64  # bytes; every tensor starts aligned, so dtype views of the byte buffer are legal
+log = logging.getLogger("k3ray.snapshots")
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,9 @@ class SnapshotStager:
         return self.staging
 
     @torch.no_grad()
-    def stage(self, state: Any, step: int) -> None:
-        """Copy `state` (live tensors: the state to run `step` from) aside; when this returns, training may modify
-        them."""
+    def stage(self, state: Any, step: int) -> int:
+        """Copy `state` (live tensors: the state to run `step` from) aside and return its size in bytes; when this
+        returns, training may modify them."""
         tree, tensors, nbytes = layout(state)
         staging = self._staging(nbytes)
         target = staging if staging is not None else self._host(nbytes)
@@ -126,6 +128,7 @@ class SnapshotStager:
         elif self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.staged = (step, tree, nbytes, event)
+        return nbytes
 
     @torch.no_grad()
     def packed(self, step: int) -> Packed:
@@ -144,6 +147,27 @@ class SnapshotStager:
                 host[:nbytes].copy_(self.staging[:nbytes], non_blocking=True)
             self.stream.synchronize()
         return Packed(tree, host[:nbytes].numpy())
+
+
+def store_shortfall(part_bytes: list[int], nodes: list[str], store_bytes: dict[str, float]) -> str | None:
+    """One line when some node's object store cannot hold its snapshots, else None. A node holds its workers' parts
+    (`part_bytes`, `nodes`: by world rank) twice while a snapshot arrives (the committed one and the next), and on
+    several nodes a neighbour's committed parts too (`hold_peer_snapshots`). Past that the store spills to disk:
+    snapshots arrive late (and are skipped) and fill the disk."""
+    own: dict[str, int] = {}
+    for node, nbytes in zip(nodes, part_bytes):
+        own[node] = own.get(node, 0) + nbytes
+    peers = 1 if len(own) > 1 else 0
+    need = {node: (2 + peers) * nbytes for node, nbytes in own.items()}
+    short = max(need, key=lambda node: need[node] - store_bytes.get(node, 0.0))
+    have = store_bytes.get(short, 0.0)
+    if need[short] <= have:
+        return None
+    gib = 2.0**30
+    return (f"snapshots need {need[short] / gib:.1f} GiB of object store on a node ({own[short] / gib:.1f} GiB of "
+            f"parts, held {2 + peers} times) and it has {have / gib:.1f} GiB: they spill to disk and arrive late "
+            f"(late ones are skipped); give every node's store {need[short] / gib:.0f} GiB (K3RAY_OBJECT_STORE_GB "
+            f"for a local cluster, `ray start --object-store-memory` on a cluster, /dev/shm at least as large)")
 
 
 def restore_sources(states: dict[int, Any], pp: int, ep: int) -> dict[int, list]:
@@ -175,26 +199,41 @@ class Snapshots:
     (started at a step boundary, bytes still arriving while the next step runs).
 
     Interface: `take` at a boundary, `commit` after the step (or at once), `drop_pending` when a worker is lost,
-    `committed` to restore from; `stall_seconds` / `total_seconds` per committed snapshot for the benchmarks."""
+    `committed` to restore from; `stall_seconds` / `total_seconds` per committed snapshot and `skipped` (the steps
+    whose snapshot was due while the previous one was still arriving) for the benchmarks; `warnings` for the user."""
 
-    def __init__(self, on_commit=None, timeout_s: float = 600.0):
+    def __init__(self, on_commit=None, on_skip=None, timeout_s: float = 600.0):
         """timeout_s: the longest wait for a snapshot's bytes (`commit(wait=True)` without a timeout of its own)."""
         self.timeout_s = timeout_s
         self.committed: Snapshot | None = None
         self.pending: Snapshot | None = None
         self.stall_seconds: list[float] = []  # training stalled per snapshot
         self.total_seconds: list[float] = []  # start to committed
+        self.skipped: list[int] = []
+        self.warnings: list[str] = []
         self.on_commit = on_commit  # called with each committed Snapshot (metrics)
+        self.on_skip = on_skip  # called with (step skipped, step of the snapshot still arriving)
 
-    def take(self, group, step: int, guard: Any, wait: bool = False) -> None:
+    def take(self, group, step: int, guard: Any, wait: bool = False) -> bool:
         """Start a snapshot of the state to run `step` from; it becomes the one to fall back on once every worker's
-        bytes have arrived (`commit`, after the step, or at once with wait=True)."""
-        self.commit(group, wait=True)  # the previous one must be done: buffers are reused
+        bytes have arrived (`commit`, after the step, or at once with wait=True). A snapshot is never waited for
+        at a boundary: when the previous one is still arriving (its buffers are in use), this one is skipped
+        (False) unless `wait` (a resize or recovery needs this boundary's state)."""
+        self.commit(group, wait=wait)
+        if self.pending is not None:
+            self.skipped.append(step)
+            log.warning("snapshot of step %d skipped: the one of step %d is still arriving", step, self.pending.step)
+            if self.on_skip is not None:
+                self.on_skip(step, self.pending.step)
+            return False
         t0 = time.perf_counter()
-        refs, size_refs = group.begin_snapshot(step)
+        refs, size_refs, shortfall = group.begin_snapshot(step)
         self.pending = Snapshot(step, guard, group.pp, group.ep, refs, size_refs, t0, time.perf_counter() - t0)
+        if shortfall is not None and shortfall not in self.warnings:
+            self.warnings.append(shortfall)
         if wait:
             self.commit(group, wait=True)
+        return True
 
     def commit(self, group, wait: bool, timeout_s: float | None = None, hold: bool = True) -> None:
         """Make the pending snapshot the committed one once all of it has arrived (WorkerLost if a worker died

@@ -158,12 +158,12 @@ class Worker:
 
     # -- snapshots -----------------------------------------------------------------------------------------------
     @fenced
-    def stage_snapshot(self, step: int) -> bool:
-        """Copy the state to run `step` from aside (the short part, at the step boundary). Dense state only from EP
-        rank 0 of the stage: the other EP ranks hold identical copies, and restores read it from rank 0's."""
+    def stage_snapshot(self, step: int) -> int:
+        """Copy the state to run `step` from aside (the short part, at the step boundary) and return its size in
+        bytes. Dense state only from EP rank 0 of the stage: the other EP ranks hold identical copies, and restores
+        read it from rank 0's."""
         self.stager = self.stager or SnapshotStager(self.engine.device)
-        self.stager.stage(self.engine.state_tensors(dense=self.engine.ep_rank == 0), step)
-        return True
+        return self.stager.stage(self.engine.state_tensors(dense=self.engine.ep_rank == 0), step)
 
     @ray.method(num_returns=2)
     @fenced

@@ -22,6 +22,8 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from k3ray.grid.kernel_cache import kernel_cache_env
+from k3ray.grid.snapshots import store_shortfall
 from k3ray.grid.spares import SparePool
 from k3ray.grid.worker import Worker
 from k3ray.config import JobConfig
@@ -35,10 +37,13 @@ NORMAL_PRIORITY = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 def actor_runtime_env(cfg: JobConfig) -> dict | None:
-    """The controller's and the workers' runtime env: normal priority for GPU jobs. CPU jobs keep Ray's default (and
-    workers inherit the controller's env), so their compute leaves Ray's own processes the CPU on small hosts: at
-    normal priority the CPU test suite ran 10 % slower on 2 cores."""
-    return NORMAL_PRIORITY if cfg.parallel.device == "cuda" else None
+    """The controller's and the workers' runtime env: for GPU jobs normal priority and the kept kernel caches
+    (k3ray.grid.kernel_cache). CPU jobs keep Ray's default (and workers inherit the controller's env), so their
+    compute leaves Ray's own processes the CPU on small hosts: at normal priority the CPU test suite ran 10 % slower
+    on 2 cores."""
+    if cfg.parallel.device != "cuda":
+        return None
+    return {"env_vars": {**NORMAL_PRIORITY["env_vars"], **kernel_cache_env()}}
 
 
 def alive_resources(free: bool, avoid_nodes: frozenset[str] = frozenset()) -> dict[str, float]:
@@ -102,6 +107,7 @@ class WorkerGroup:
         self.workers: list = []  # world rank -> actor
         self.slots: list[tuple] = []  # world rank -> (placement group, bundle index) it holds
         self.nodes: list[str] = []  # world rank -> Ray node id
+        self.store_checked = False  # whether the object stores were checked against a snapshot's size
         self.spares = SparePool(cfg.fault_tolerance.spares)  # hot spares: standby workers, own resources
         self.launch_seconds: dict[str, float] = {}  # start workers (or swap in spares), process groups, restore
         self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
@@ -369,13 +375,19 @@ class WorkerGroup:
         return self._gather([(r, w.train_step.remote(self.generation, step, batch_index))
                              for r, w in enumerate(self.workers)], timeout_s, f"step {step}")
 
-    def begin_snapshot(self, step: int) -> tuple[list, list]:
+    def begin_snapshot(self, step: int) -> tuple[list, list, str | None]:
         """Stage every worker's state to run `step` from (training stalls only for this), then ask for the bytes,
         which arrive while the next step runs: per world rank, a reference to them (owned by the caller) and one
-        to their size (small: it tells when they have arrived, or that the worker died first)."""
-        self.call("stage_snapshot", step, timeout_s=300)
+        to their size (small: it tells when they have arrived, or that the worker died first); and, on this grid's
+        first snapshot, a line if the nodes' object stores are too small for them (else None)."""
+        part_bytes = self.call("stage_snapshot", step, timeout_s=300)
+        shortfall = None
+        if not self.store_checked:
+            self.store_checked = True
+            stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0.0) for n in ray.nodes() if n["Alive"]}
+            shortfall = store_shortfall(part_bytes, self.nodes, stores)
         pairs = [w.snapshot.remote(self.generation, step) for w in self.workers]
-        return [p[0] for p in pairs], [p[1] for p in pairs]
+        return [p[0] for p in pairs], [p[1] for p in pairs], shortfall
 
     def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int | None:
         """The total size once every part of a snapshot has arrived: timeout_s=0 waits not at all (None while some

@@ -24,8 +24,8 @@ import ray
 import ray.util.scheduling_strategies
 import uvicorn
 
-from k3ray.control.client import API_KEY_ENV
-from k3ray.serve.front_door import FrontDoor, build_app
+from k3ray.steering.auth import API_KEY_ENV
+from k3ray.serve.front_door import build_app
 
 log = logging.getLogger("k3ray.serve")
 
@@ -61,12 +61,12 @@ def shared_port_socket(host: str, port: int) -> socket.socket:
 
 @ray.remote(num_cpus=0)
 class FrontDoorProcess:
-    """One front-door process: uvicorn serving `build_app(FrontDoor)` on host:port, shared with the other front
+    """One front-door process: uvicorn serving `build_app` on host:port, shared with the other front
     doors, in a thread of its own (its event loop also awaits the engine's stream)."""
 
     def __init__(self, engine, info: dict, api_key: str | None, host: str, port: int):
         sock = shared_port_socket(host, port)
-        config = uvicorn.Config(build_app(FrontDoor(engine, info, api_key)), log_level="warning", access_log=False,
+        config = uvicorn.Config(build_app(engine, info, api_key), log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="front-door",

@@ -2,10 +2,10 @@
 them), in front of the serving engine actor.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both with "stream": true as server-sent events, ending in
-`data: [DONE]`), GET /v1/models, GET /health, GET /v1/stats and /v1/incidents (the serving view and incident log), GET
-/v1/placement (expert load, copies, balancedness), GET /v1/policies[/NAME], PUT /v1/policies/NAME (live policies,
-applied at the next iteration), GET /v1/audit, and POST /v1/scale ({"ep": N}: the grid resized, no request
-dropped).
+`data: [DONE]`), GET /v1/models, and the steering routes training jobs answer too (k3ray.steering.router over
+`EngineSteering`): GET /health and /healthz, /v1/status (alias /v1/stats: the serving view), /v1/incidents,
+/v1/placement (expert load, copies, balancedness), /v1/policies[/NAME], PUT /v1/policies/NAME (live policies,
+applied at the next iteration), GET /v1/audit, and POST /v1/scale ({"ep": N}: the grid resized, no request dropped).
 
 Limits, enforced here before the engine sees a request: max_tokens <= serve.max_tokens; prompt + max_tokens within
 the model's context (max_seq_len); the engine's queue holds serve.max_waiting requests, beyond that 429 with
@@ -15,9 +15,10 @@ away cancels its request (Starlette cancels the handler; the handler asks the en
 request's pages and slot). Each front door takes every request's tokens from the engine through one stream
 (`EngineStreams`): one message per engine iteration for all of its requests, not one per request.
 
-Authentication: with an API key (`--api-key-file F` or K3RAY_API_KEY) every route but /health needs
-`Authorization: Bearer <key>` (the `openai` client's api_key), else 401 in the OpenAI error shape. A server on a
-host other than loopback refuses to start without a key unless told `--insecure` (`check_exposure`).
+Authentication: with an API key (`--api-key-file F` or K3RAY_API_KEY) every route but /health and /healthz needs
+`Authorization: Bearer <key>` (the `openai` client's api_key), else 401 with the body of k3ray.steering.auth (the
+OpenAI error shape, code invalid_api_key). A server on a host other than loopback refuses to start without a key
+unless told `--insecure` (`check_exposure`).
 
 Availability: /health answers 200 while a grid serves and 503 with the reason (and Retry-After) while none does (the
 engine recovers or relaunches it); a request that found no grid within serve.unavailable_wait_s gets 503 with
@@ -31,38 +32,29 @@ Text: the training job's tokenizer (data.tokenizer, k3ray.tokenizer) encodes pro
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
 import time
 import uuid
 
-import ray
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from k3ray.serve import openai_schema as oa
+from k3ray.serve.steering import EngineSteering
+from k3ray.steering.auth import BearerAuth
+from k3ray.steering.router import steering_app
 from k3ray.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("k3ray.serve")
 DEFAULT_MAX_TOKENS = 16
 
 
-
 def _error(status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
            code: str | None = None, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(oa.error(message, kind, param, code), status_code=status, headers=headers)
-
-
-async def _json_object(request: Request) -> dict | None:
-    """The request's body as a JSON object; None if it is not one."""
-    try:
-        body = json.loads(await request.body())
-    except ValueError:
-        return None
-    return body if isinstance(body, dict) else None
 
 
 class BadRequest(Exception):
@@ -134,85 +126,14 @@ class EngineStreams:
 class FrontDoor:
     """The OpenAI routes of one front-door process (`build_app` mounts them), in front of the engine actor."""
 
-    def __init__(self, engine, info: dict, api_key: str | None = None):
-        self.engine, self.info, self.api_key = engine, info, api_key
+    def __init__(self, engine, info: dict):
+        self.engine, self.info = engine, info
         self.streams = EngineStreams(engine)
         self.model, self.created = info["model"], int(time.time())
         self.max_seq_len, self.limits = info["max_seq_len"], info["serve"]
         self.tokenizer = load_tokenizer(info["tokenizer"])
 
-    async def health(self):
-        """200 while a grid serves; 503 with the reason while the engine is gone or recovers its grid."""
-        try:
-            state = await self.engine.health.remote()
-        except ray.exceptions.RayError as err:
-            return _error(503, f"engine unavailable: {type(err).__name__}", kind="server_error")
-        if state["status"] != "ok":
-            return JSONResponse({**state, "model": self.model}, status_code=503,
-                                headers={"Retry-After": str(state["retry_after"])})
-        return {"status": "ok", "model": self.model}
-
-    async def stats(self, request: Request):
-        """The serving view (`k3ray status --serve URL`): requests, pages, tokens generated."""
-        if (denied := self._denied(request)) is not None:
-            return denied
-        info = {k: self.info[k] for k in ("model", "step", "pp", "ep")}
-        return {**info, **(await self.engine.stats.remote())}
-
-    async def incidents(self, request: Request):
-        """The engine's incident log (`k3ray incidents --serve URL`): lost workers, requests stopped by the guards."""
-        if (denied := self._denied(request)) is not None:
-            return denied
-        return await self.engine.incident_log.remote()
-
-    async def policies(self, request: Request):
-        """The engine's live policies (`k3ray policy get --serve URL`)."""
-        return await self._engine_answer(request, "policies")
-
-    async def policy(self, name: str, request: Request):
-        return await self._engine_answer(request, "policies", name)
-
-    async def set_policy(self, name: str, request: Request):
-        """Change fields of one policy (`k3ray policy set NAME k=v --serve URL`): validated, audited, applied at
-        the next iteration; 400 naming the field for a bad value, 404 for an unknown policy."""
-        if (denied := self._denied(request)) is not None:
-            return denied
-        params = await _json_object(request)
-        if params is None:
-            return _error(400, "body: a JSON object of policy fields, e.g. {\"enabled\": false}", "body")
-        return await self._engine_answer(request, "set_policy", name, params, "serve-api")
-
-    async def scale(self, request: Request):
-        """Resize the grid's EP dimension (`k3ray scale --ep N --serve URL`), no request dropped; 400 for a bad
-        body, 409 where the grid cannot take that size."""
-        if (denied := self._denied(request)) is not None:
-            return denied
-        body = await _json_object(request)
-        ep = None if body is None else body.get("ep")
-        if not isinstance(ep, int) or isinstance(ep, bool):
-            return _error(400, "body: {\"ep\": N} with N a whole number", "ep")
-        return await self._engine_answer(request, "scale", ep)
-
-    async def audit(self, request: Request):
-        """Every policy change: what, when, from where, at which iteration it applied."""
-        return await self._engine_answer(request, "policy_audit")
-
-    async def placement(self, request: Request):
-        """Expert placement (`k3ray placement --serve URL`): per-expert load, copies, balancedness, moves."""
-        return await self._engine_answer(request, "placement_view")
-
-    async def _engine_answer(self, request: Request, method: str, *args):
-        """The engine's `method(*args)` for an authorised request; its {'error', 'status'} as that HTTP status."""
-        if (denied := self._denied(request)) is not None:
-            return denied
-        answer = await getattr(self.engine, method).remote(*args)
-        if isinstance(answer, dict) and "error" in answer and "status" in answer:
-            return JSONResponse({"detail": answer["error"]}, status_code=answer["status"])
-        return answer
-
-    async def models(self, request: Request):
-        if (denied := self._denied(request)) is not None:
-            return denied
+    async def models(self):
         return oa.model_list(self.model, self.created)
 
     async def completions(self, request: Request):
@@ -221,20 +142,8 @@ class FrontDoor:
     async def chat_completions(self, request: Request):
         return await self._serve(request, chat=True)
 
-    def _denied(self, request: Request) -> JSONResponse | None:
-        """401 unless the request carries this server's API key (every route but /health; no key: open)."""
-        if self.api_key is None:
-            return None
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self.api_key.encode()):
-            return None
-        why = "invalid API key" if given.strip() else "no API key given"
-        return _error(401, f"{why}: send Authorization: Bearer <key>", code="invalid_api_key")
-
     # -- one request -------------------------------------------------------------------------------------------------
     async def _serve(self, request: Request, chat: bool):
-        if (denied := self._denied(request)) is not None:
-            return denied
         try:
             req, ids, sampling = self._validate(await request.body(), chat)
         except BadRequest as bad:
@@ -340,21 +249,14 @@ class FrontDoor:
             self.streams.close(key, cancel=finish is None)
 
 
-def build_app(door: FrontDoor) -> FastAPI:
-    """The HTTP routes of a front door (no OpenAPI pages: no open routes but /health)."""
-    app = FastAPI(title="k3ray serve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_api_route("/health", door.health, methods=["GET"])
-    app.add_api_route("/v1/stats", door.stats, methods=["GET"])
-    app.add_api_route("/v1/incidents", door.incidents, methods=["GET"])
-    app.add_api_route("/v1/models", door.models, methods=["GET"])
-    app.add_api_route("/v1/placement", door.placement, methods=["GET"])
-    app.add_api_route("/v1/policies", door.policies, methods=["GET"])
-    app.add_api_route("/v1/policies/{name}", door.policy, methods=["GET"])
-    app.add_api_route("/v1/policies/{name}", door.set_policy, methods=["PUT"])
-    app.add_api_route("/v1/audit", door.audit, methods=["GET"])
-    app.add_api_route("/v1/scale", door.scale, methods=["POST"])
-    app.add_api_route("/v1/completions", door.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", door.chat_completions, methods=["POST"])
+def build_app(engine, info: dict, api_key: str | None = None) -> FastAPI:
+    """A front door's app: the steering routes over the engine (k3ray.steering.router; a bad body there is a 400,
+    as everywhere here) and the OpenAI routes, every route but /health and /healthz behind `api_key` (None: open).
+    No OpenAPI pages: no open routes but the health ones."""
+    auth, door = BearerAuth(api_key), FrontDoor(engine, info)
+    app = steering_app(EngineSteering(engine, info), auth, "k3ray serve", docs=False, invalid_status=400)
+    guarded = [Depends(auth)]
+    app.add_api_route("/v1/models", door.models, methods=["GET"], dependencies=guarded)
+    app.add_api_route("/v1/completions", door.completions, methods=["POST"], dependencies=guarded)
+    app.add_api_route("/v1/chat/completions", door.chat_completions, methods=["POST"], dependencies=guarded)
     return app
-
-

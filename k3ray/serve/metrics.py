@@ -1,8 +1,9 @@
 """Serving metrics through `ray.util.metrics` (exported as `ray_k3ray_serve_*`), published by the serving engine
 actor after every iteration (`ServeMetrics` is one of its observers; it builds the metrics in the engine's process).
 
-Same conventions as k3ray.control.metrics: base units, `_total` counters, bounded labels: k3ray_job, state
-(running, waiting), finish (stop, length, cancelled, error), layer, expert (E values), placement (copies, home).
+Same conventions as the training job's (k3ray.steering.metrics): base units, `_total` counters, bounded labels:
+k3ray_job, state (running, waiting), finish (stop, length, cancelled, error), layer, expert (E values), placement
+(copies, home).
 Per-expert load is a per-layer histogram of load / mean load and, summed over layers, a gauge per expert, collected
 from the workers every `expert_load_every` iterations; with it the replica map (holders per expert: its home and its
 read-only copies) and the balancedness (mean / max rank load) under the copies and with homes only."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from k3ray.control.metrics import EXPERT_LOAD_BUCKETS, build_metric
+from k3ray.steering.metrics import EXPERT_LOAD_BUCKETS, build_metric
 from k3ray.policies import copies as copies_policy
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]

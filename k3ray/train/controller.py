@@ -63,6 +63,8 @@ class Controller(FailurePaths):
         self.policies = LivePolicies(cfg.policies)
         self.grid_lock = threading.RLock()  # see holding_the_grid
         self.snapshots = Snapshots(on_commit=lambda snap: self._notify("on_snapshot", snap.stall_seconds),
+                                   on_skip=lambda step, arriving: self._log_incident(self._incident(
+                                       "snapshot_skipped", step=step, still_arriving=arriving)),
                                    timeout_s=ft.wait_timeout_s)
         self.drills = FaultInjector(cfg.fault_tolerance.faults)
         self.checkpoints = DurableCheckpoints(
@@ -82,7 +84,7 @@ class Controller(FailurePaths):
         self.grow_back_failures = 0  # grow-backs in a row whose placement failed
         self.scale_to: int | None = None  # EP size asked for (`request_scale`), applied at the next step boundary
         self.ep_target = cfg.parallel.ep  # the size grow-back returns to: the last one `request_scale` applied
-        self._warned = 0  # checkpoint warnings handed to the driver so far
+        self._warned = (0, 0)  # checkpoint and snapshot warnings handed to the driver so far
 
     @property
     def state(self) -> JobState:
@@ -148,9 +150,9 @@ class Controller(FailurePaths):
                 time.sleep(min(30.0, ft.retry_backoff_s * 2 ** (attempt - 1)))
 
     def _new_warnings(self) -> list[str]:
-        """Checkpoint warnings not yet handed to the driver (which shows them on the user's console)."""
-        new = self.checkpoints.warnings[self._warned:]
-        self._warned += len(new)
+        """Checkpoint and snapshot warnings not yet handed to the driver (which shows them on the user's console)."""
+        new = self.checkpoints.warnings[self._warned[0]:] + self.snapshots.warnings[self._warned[1]:]
+        self._warned = (len(self.checkpoints.warnings), len(self.snapshots.warnings))
         return new
 
     def _resume_from(self, resumed: Resumed) -> None:

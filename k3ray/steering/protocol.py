@@ -1,0 +1,53 @@
+"""What a live job answers to its steering API: the training controller and the serving engine each implement
+`Steering` (through an adapter beside their app), and `k3ray.steering.router` serves any implementation.
+
+Every method is a coroutine returning JSON-ready values; a request the job refuses raises `Refused` with the HTTP
+status and a one-line reason naming what is wrong (404 unknown policy, 4xx bad value, 409 a size the grid cannot take).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class Refused(Exception):
+    """The job refused a request: answered as {"detail": message} with `status`."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+@dataclass
+class Health:
+    """A job's health: `body` answered with `status` (200 while it serves; 503 with the reason while it cannot)."""
+    body: dict[str, Any]
+    status: int = 200
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+class Steering(Protocol):
+    async def health(self) -> Health:
+        """Whether the job serves (GET /health, /healthz); never needs the token."""
+
+    async def status(self) -> dict[str, Any]:
+        """The job at a glance (GET /v1/status): training its step and loss, serving its requests and pages."""
+
+    async def placement(self) -> dict[str, Any]:
+        """Experts on ranks and their load (GET /v1/placement)."""
+
+    async def policies(self, name: str | None = None) -> dict[str, Any]:
+        """The live policies, or one of them (GET /v1/policies[/NAME]); Refused(404) for an unknown name."""
+
+    async def set_policy(self, name: str, params: dict[str, Any], source: str) -> dict[str, Any]:
+        """Queue a change of one policy for the next step or iteration, audited with `source`: {'policy', 'value',
+        'applies_at_step'} (PUT /v1/policies/NAME). `params` has passed the policy's update model."""
+
+    async def audit(self) -> list[dict[str, Any]]:
+        """Every policy change: what, when, from where, when it applied (GET /v1/audit)."""
+
+    async def scale(self, ep: int) -> dict[str, Any]:
+        """Resize the grid's EP dimension (POST /v1/scale)."""
+
+    async def incidents(self) -> list[dict[str, Any]]:
+        """The incident log (GET /v1/incidents)."""
