@@ -27,6 +27,10 @@ class Calibration:
     hang_grace_s: float = 5.0                # after parallel.collective_timeout_s, the grace for peers' answers
     start_workers_s: float = 5.2             # place and start a worker process (parallel over nodes; GPU drill)
     spare_swap_s: float = 0.05               # hand a ready spare its place, no process start (CPU, 1 spare)
+    grow_back_start_s: float = 16.2          # a grow-back's start of the added workers: 75.3 s - snapshot 45.2 s -
+                                             # groups 9.0 s - restore 4.9 s (GPU drill)
+    warmup_s: float = 4.8                    # a new grid's first steps over a warm one's: 12.8 s replaying 5 steps
+                                             # at 2 x 0.8 s (GPU drill)
     process_groups_s: float = 9.0            # build the process groups of a grid of process_groups_world ranks
     process_groups_world: int = 2            # (NCCL, 2 H200s)
     restore_gb_per_s: float = 59.0 / 4.9     # object store -> device, per worker (59.0 GB in 4.9 s)
@@ -101,6 +105,8 @@ def from_incidents(incidents: list[dict], pp: int, state_bytes_per_worker: float
         return statistics.median(values) if values else None
 
     crash = [i for i in lost if i.get("rule") != "collective_timeout"]
+    warm = [i["seconds"]["replay"] - (i["replayed_steps"][1] - i["replayed_steps"][0]) * step_s
+            * -(-i["ep"][0] // i["ep"][1]) for i in lost if step_s and "replay" in i["seconds"] and "replayed_steps" in i]
     launched = [i for i in lost if "place_and_start_workers" in i["seconds"]]
     swapped = [i for i in lost if "swap_in_spares" in i["seconds"]]
     measured = {"incidents": len(lost), "detection_s": median("detection", crash),
@@ -110,9 +116,14 @@ def from_incidents(incidents: list[dict], pp: int, state_bytes_per_worker: float
                 "world": statistics.median(i["ep"][1] * pp for i in lost)}
     grow = [i["seconds"] for i in incidents if i.get("kind") == "grow_back" and isinstance(i.get("seconds"), float)]
     measured["grow_back_s"] = statistics.median(grow) if grow else None
+    measured["warmup_s"] = statistics.median(warm) if warm else None
     update = {"detect_crash_s": measured["detection_s"], "start_workers_s": measured["place_and_start_workers_s"],
               "spare_swap_s": measured["swap_in_spares_s"], "process_groups_s": measured["process_groups_s"],
-              "process_groups_world": int(measured["world"]), "step_s": step_s}
+              "process_groups_world": int(measured["world"]), "step_s": step_s,
+              "warmup_s": None if measured["warmup_s"] is None else max(measured["warmup_s"], 0.0)}
+    if grow:
+        update["grow_back_start_s"] = max(measured["grow_back_s"] - (measured["process_groups_s"] or 0.0)
+                                          - (measured["restore_s"] or 0.0), 0.0)
     if measured["restore_s"]:
         update["restore_gb_per_s"] = state_bytes_per_worker / GB / measured["restore_s"]
     update = {k: v for k, v in update.items() if v is not None and (k != "process_groups_world" or v > 1)}

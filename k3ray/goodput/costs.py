@@ -55,6 +55,7 @@ class PhaseCosts:
     checkpoint_load_s: float      # every worker's part from durable storage
     checkpoint_write_s: float     # one replica's state to durable storage
     grow_back_s: float            # snapshot to the object store + start the added workers + groups + restore
+    warmup_s: float               # a new grid's first steps, over what warm workers take
     grow_back_after_steps: int
     snapshot_stage_s: float       # training stalls while a worker stages its snapshot
     snapshot_offload_s: float     # the staged snapshot reaches the object store, beside training
@@ -96,7 +97,7 @@ def phase_costs(cfg, gpus: int, calib: Calibration, gpus_per_node: int = 8) -> P
         relaunch_s=calib.start_workers_s + groups_s, swap_s=calib.spare_swap_s + groups_s, restore_s=restore_s,
         checkpoint_load_s=replicas * state / GB / calib.storage_gb_per_s,
         checkpoint_write_s=state / GB / calib.storage_gb_per_s,
-        grow_back_s=offload_s + calib.start_workers_s + groups_s + restore_s,
+        grow_back_s=offload_s + calib.grow_back_start_s + groups_s + restore_s, warmup_s=calib.warmup_s,
         grow_back_after_steps=cfg.fault_tolerance.grow_back_after_steps,
         snapshot_stage_s=per_worker / GB / calib.stall_gb_per_s, snapshot_offload_s=offload_s,
         checkpoint_stage_s=per_worker / GB / calib.d2h_gb_per_s)
@@ -128,8 +129,9 @@ def formulas(cfg, calib: Calibration, costs: PhaseCosts) -> list[str]:
         f"storage {calib.storage_gb_per_s:g} GB/s = {c.checkpoint_load_s:.1f} s; write = b / storage = "
         f"{c.checkpoint_write_s:.1f} s",
         f"replay = (steps since the snapshot) x t_step x ceil(C / C_alive); shrunk: every step x ceil(C / C_alive) "
-        f"until grow-back = offload + start + groups + restore = {c.grow_back_s:.1f} s, once the lost GPUs are back "
-        f"and {c.grow_back_after_steps} step(s) ran shrunk",
+        f"until grow-back = offload + start added {calib.grow_back_start_s:g} s + groups + restore = "
+        f"{c.grow_back_s:.1f} s, once the lost GPUs are back and {c.grow_back_after_steps} step(s) ran shrunk; "
+        f"warm-up of every new grid's first steps {c.warmup_s:g} s",
         f"snapshot stall = b_w / {calib.stall_gb_per_s:.0f} GB/s + max(0, b_w / {calib.offload_gb_per_s:.2f} GB/s - "
         f"E_s x t_step) = {c.snapshot_stage_s:.3f} s + max(0, {c.snapshot_offload_s:.1f} s - E_s x t_step)",
         f"checkpoint stall = b_w / {calib.d2h_gb_per_s:g} GB/s + max(0, write - E_c x t_step) = "

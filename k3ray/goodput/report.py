@@ -81,7 +81,7 @@ def _row(label: str, g: int, o: Outcome) -> str:
 
 
 def format_table(cfg, profile: Profile, calib: Calibration, plans: list[GridPlan], days: float, seeds: int) -> str:
-    heads = {"detection": "detect", "swap": "swap", "relaunch": "launch", "restore": "restore", "replay": "replay",
+    heads = {"detection": "detect", "swap": "swap", "relaunch": "launch", "restore": "restore", "warmup": "warmup", "replay": "replay",
              "shrunk": "shrunk", "grow_back": "growbk", "snapshot_stall": "snap", "checkpoint_stall": "ckpt",
              "spares_idle": "spares"}
     lines = [f"goodput of {cfg.name} under {profile.name} faults, {days:g} days, mean of {seeds} seeded runs; "

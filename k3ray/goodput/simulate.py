@@ -6,7 +6,8 @@ faults the job trains: each step takes t_step x ceil(C / C_alive) plus its share
 stalls. A fault, as k3ray handles it (k3ray.train.failures):
   - gpu or node scope, found by detection (crash, node, hang): roll back to the last snapshot; hot spares take the
     lost places when enough are free (swap, the grid keeps its size), else the grid is launched anew without the
-    lost columns (relaunch; shrunk until the grow-back); the state is restored and the lost steps run again;
+    lost columns (relaunch; shrunk until the grow-back; when no column survives, the same grid once its GPUs are
+    back); the state is restored, the new workers' first steps are slower (warm-up), the lost steps run again;
   - guard (a blow-up, e.g. silent data corruption): roll back to the last snapshot and replay, on the same grid;
   - job scope, or a node fault on the node holding the controller (node 0): the whole job restarts from the last
     durable checkpoint (planned stops write one first, so they lose no steps).
@@ -25,7 +26,7 @@ import numpy as np
 from k3ray.goodput.costs import PhaseCosts
 from k3ray.goodput.profiles import Profile
 
-PHASES = ("detection", "swap", "relaunch", "restore", "replay", "shrunk", "grow_back", "snapshot_stall",
+PHASES = ("detection", "swap", "relaunch", "restore", "warmup", "replay", "shrunk", "grow_back", "snapshot_stall",
           "checkpoint_stall", "spares_idle")
 
 
@@ -79,8 +80,10 @@ class Outcome:
 class _Run:
     """The job's state while the loop walks the faults; `wall[phase]` holds grid seconds by phase."""
 
-    def __init__(self, costs: PhaseCosts, policy: Policy):
+    def __init__(self, costs: PhaseCosts, policy: Policy, stop_steps: float | None):
         self.c, self.p = costs, policy
+        self.stop_steps = stop_steps    # end once this many steps are kept (None: at the end of the time)
+        self.done = False
         self.t = 0.0                    # wall seconds
         self.steps = 0.0                # steps done (fractions: a step under way)
         self.lost_columns = 0
@@ -102,6 +105,9 @@ class _Run:
         f = self.c.slowdown(self.lost_columns)
         per_step = self.c.step_s * f + self.snap_stall + self.ckpt_stall
         n = dt / per_step
+        if self.stop_steps is not None and self.steps + n >= self.stop_steps:
+            n, self.done = self.stop_steps - self.steps, True
+            until = self.t + n * per_step
         self.steps += n
         self.useful += n * self.c.step_s
         self.wall["shrunk"] += n * self.c.step_s * (f - 1)
@@ -111,13 +117,14 @@ class _Run:
 
     def advance(self, until: float) -> None:
         """Train until `until`, growing back on the way when due."""
-        while self.lost_columns and self.t < until:
+        while self.lost_columns and self.t < until and not self.done:
             due = max(self.back_at, self.shrunk_since + self.c.grow_back_after_steps * self.c.step_s
                       * self.c.slowdown(self.lost_columns))
             if due >= until:
                 break
             self._train(max(due, self.t))
             self.pause("grow_back", self.c.grow_back_s)
+            self.pause("warmup", self.c.warmup_s)
             self.lost_columns = 0
         self._train(until)
 
@@ -140,9 +147,11 @@ class _Run:
         self.spares_free += sum(back)
 
 
-def simulate(costs: PhaseCosts, profile: Profile, policy: Policy, faults: Faults, seconds: float) -> Outcome:
-    """Run `seconds` of wall time under `faults` (sample_faults); see the module's docstring."""
-    c, run = costs, _Run(costs, policy)
+def simulate(costs: PhaseCosts, profile: Profile, policy: Policy, faults: Faults, seconds: float,
+             steps: float | None = None) -> Outcome:
+    """Run `seconds` of wall time under `faults` (sample_faults), or, with `steps`, until that many steps are kept
+    (a run of a fixed length, as the validation's); see the module's docstring."""
+    c, run = costs, _Run(costs, policy, steps)
     repair_s = profile.repair_hours * 3600.0
     per_class = [dict(faults=0, seconds=0.0) for _ in profile.classes]
     fault_steps = []
@@ -150,6 +159,8 @@ def simulate(costs: PhaseCosts, profile: Profile, policy: Policy, faults: Faults
         if when >= seconds:
             break
         run.advance(when)
+        if run.done:
+            break
         fc = profile.classes[ci]
         before = dict(run.wall), run.useful
         fault_steps.append(int(run.steps))
@@ -163,6 +174,7 @@ def simulate(costs: PhaseCosts, profile: Profile, policy: Policy, faults: Faults
                 run.roll_back(policy.checkpoint_every)
             run.pause("relaunch", c.relaunch_s)
             run.pause("restore", c.checkpoint_load_s)
+            run.pause("warmup", c.warmup_s)
         elif fc.detection == "guard":
             run.roll_back(policy.snapshot_every)
             run.pause("restore", c.restore_s)
@@ -176,18 +188,21 @@ def simulate(costs: PhaseCosts, profile: Profile, policy: Policy, faults: Faults
                 run.spares_free -= lost
                 run.spare_returns.append((back, lost))
                 run.pause("swap", c.swap_s)
-            else:
-                if run.lost_columns + lost >= c.columns:
-                    raise ValueError(f"{lost} more GPUs lost leave no column of the {c.columns}: nothing to train on")
+            elif run.lost_columns + lost < c.columns:
                 run.pause("relaunch", c.relaunch_s)
                 run.lost_columns += lost
                 run.back_at = max(run.back_at, back)
                 run.shrunk_since = run.t
+            else:  # no column survives: the same grid starts again once its GPUs are back (LossDecision restart)
+                run.back_at = max(run.back_at, back)
+                run.pause("relaunch", max(run.back_at - run.t, 0.0) + c.relaunch_s)
+                run.lost_columns = 0
             run.pause("restore", c.restore_s)
+            run.pause("warmup", c.warmup_s)
         stats = per_class[ci]
         stats["faults"] += 1
         stats["seconds"] += sum(run.wall.values()) - sum(before[0].values()) + before[1] - run.useful
-    run.advance(max(seconds, run.t))
+    run.advance(math.inf if steps is not None else max(seconds, run.t))
     total = run.t * (c.gpus + policy.spares)                           # GPU-seconds of the grid and its spares
     losses = {k: v * c.gpus / total for k, v in run.wall.items()}
     losses["spares_idle"] = run.t * policy.spares / total
