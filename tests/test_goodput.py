@@ -98,9 +98,9 @@ def test_a_run_of_fixed_length_ends_at_its_steps():
 
 
 def test_calibration_from_incidents(tmp_path):
-    lines = [{"time": 1.0, "kind": "worker_lost", "rule": "worker_lost", "ep": [4, 3], "replayed_steps": [5, 7], "seconds": {
-        "detection": 0.04, "find_snapshot": 0.0, "replan": 0.02, "place_and_start_workers": 4.0,
-        "process_groups": 0.4, "restore": 0.02, "launch_other": 0.01, "replay": 7.0}},
+    lines = [{"time": 1.0, "kind": "worker_lost", "rule": "worker_lost", "ep": [4, 3], "replayed_steps": [5, 7],
+              "seconds": {"detection": 0.04, "find_snapshot": 0.0, "replan": 0.02, "place_and_start_workers": 4.0,
+                          "process_groups": 0.4, "restore": 0.02, "launch_other": 0.01, "replay": 7.0}},
              {"time": 2.0, "kind": "grow_back", "ep": [3, 4], "seconds": 3.5}]
     path = tmp_path / "incidents.jsonl"
     path.write_text("".join(json.dumps(i) + "\n" for i in lines))

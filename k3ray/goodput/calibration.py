@@ -105,13 +105,16 @@ def from_incidents(incidents: list[dict], pp: int, state_bytes_per_worker: float
         return statistics.median(values) if values else None
 
     crash = [i for i in lost if i.get("rule") != "collective_timeout"]
+    # the replay's time over (steps replayed) x t_step x the shrunk grid's slowdown: the new workers' warm-up
     warm = [i["seconds"]["replay"] - (i["replayed_steps"][1] - i["replayed_steps"][0]) * step_s
-            * -(-i["ep"][0] // i["ep"][1]) for i in lost if step_s and "replay" in i["seconds"] and "replayed_steps" in i]
+            * -(-i["ep"][0] // i["ep"][1])
+            for i in lost if step_s and "replay" in i["seconds"] and "replayed_steps" in i]
     launched = [i for i in lost if "place_and_start_workers" in i["seconds"]]
     swapped = [i for i in lost if "swap_in_spares" in i["seconds"]]
     measured = {"incidents": len(lost), "detection_s": median("detection", crash),
                 "place_and_start_workers_s": median("place_and_start_workers", launched),
-                "swap_in_spares_s": median("swap_in_spares", swapped), "process_groups_s": median("process_groups", lost),
+                "swap_in_spares_s": median("swap_in_spares", swapped),
+                "process_groups_s": median("process_groups", lost),
                 "restore_s": median("restore", lost), "replay_s": median("replay", lost),
                 "world": statistics.median(i["ep"][1] * pp for i in lost)}
     grow = [i["seconds"] for i in incidents if i.get("kind") == "grow_back" and isinstance(i.get("seconds"), float)]

@@ -110,9 +110,10 @@ def formulas(cfg, calib: Calibration, costs: PhaseCosts) -> list[str]:
     workers = par.pp * par.ep
     w_gb = total * calib.state_bytes_per_param / workers / GB
     state_gb = w_gb * workers
-    step = (f"t_step = tokens x 6 x N_active / (pp x ep x peak x MFU) = {cfg.global_batch_sequences * cfg.data.seq_len:,}"
-            f" x 6 x {active / 1e9:.1f}e9 / ({workers} x {calib.peak_tflops:g} TFLOP/s x {calib.mfu:g}) = "
-            f"{c.step_s:.1f} s" if calib.step_s is None else f"t_step = {c.step_s:.3f} s (measured)")
+    tokens = cfg.global_batch_sequences * cfg.data.seq_len
+    step = (f"t_step = tokens x 6 x N_active / (pp x ep x peak x MFU) = {tokens:,} x 6 x {active / 1e9:.1f}e9 / "
+            f"({workers} x {calib.peak_tflops:g} TFLOP/s x {calib.mfu:g}) = {c.step_s:.1f} s"
+            if calib.step_s is None else f"t_step = {c.step_s:.3f} s (measured)")
     groups = c.swap_s - calib.spare_swap_s
     return [
         f"G = {c.gpus:,}: pp {c.pp} x C {c.columns:,} columns ({c.gpus // workers} replicas of pp x ep = {workers}); "

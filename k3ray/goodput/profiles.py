@@ -29,7 +29,8 @@ DETECTIONS = ("crash", "node", "hang", "guard", "planned")
 
 # Llama 3 405B: 16,384 H100s for 54 days (Table 5). Each row: (cause, interruptions, scope, detection, hardware to
 # repair). The counts add up to 419 and the shares match them except the first row's (148 is 35.3 % of 419; the
-# paper prints 30.1 %): the counts are used. Which scope and detection each cause maps to is this simulator's reading of the cause, not the paper's.
+# paper prints 30.1 %): the counts are used. Which scope and detection each cause maps to is this simulator's
+# reading of the cause, not the paper's.
 LLAMA3_GPUS, LLAMA3_DAYS = 16384, 54
 LLAMA3_TABLE = (
     ("faulty GPU", 148, "gpu", "crash", True),

@@ -3,6 +3,7 @@ formulas, the JSON, and an SVG of goodput against GPUs for several policies (wri
 dependency)."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 
@@ -81,9 +82,9 @@ def _row(label: str, g: int, o: Outcome) -> str:
 
 
 def format_table(cfg, profile: Profile, calib: Calibration, plans: list[GridPlan], days: float, seeds: int) -> str:
-    heads = {"detection": "detect", "swap": "swap", "relaunch": "launch", "restore": "restore", "warmup": "warmup", "replay": "replay",
-             "shrunk": "shrunk", "grow_back": "growbk", "snapshot_stall": "snap", "checkpoint_stall": "ckpt",
-             "spares_idle": "spares"}
+    heads = {"detection": "detect", "swap": "swap", "relaunch": "launch", "restore": "restore", "warmup": "warmup",
+             "replay": "replay", "shrunk": "shrunk", "grow_back": "growbk", "snapshot_stall": "snap",
+             "checkpoint_stall": "ckpt", "spares_idle": "spares"}
     lines = [f"goodput of {cfg.name} under {profile.name} faults, {days:g} days, mean of {seeds} seeded runs; "
              f"repair {profile.repair_hours:g} h; calibration: {'; '.join(calib.sources)}",
              "  losses in % of the GPU time of the grid and its spares (they add up to 100 - goodput)",
@@ -140,9 +141,9 @@ def svg(plans: list[GridPlan], title: str) -> str:
                    f'<text x="{left - 6}" y="{py(y) + 4:.1f}" text-anchor="end">{y}</text>')
     for x, p in zip(xs, plans):
         out.append(f'<text x="{px(x):.1f}" y="{py(y0) + 16}" text-anchor="middle">{p.costs.gpus:,}</text>')
+    mid = (top + height - bottom) / 2
     out.append(f'<text x="{(left + width - right) / 2}" y="{height - 12}" text-anchor="middle">GPUs</text>'
-               f'<text x="14" y="{(top + height - bottom) / 2}" transform="rotate(-90 14 {(top + height - bottom) / 2})"'
-               f' text-anchor="middle">goodput %</text>')
+               f'<text x="14" y="{mid}" transform="rotate(-90 14 {mid})" text-anchor="middle">goodput %</text>')
     for i, (name, outs) in enumerate(series.items()):
         pts = " ".join(f"{px(x):.1f},{py(100 * o.goodput):.1f}" for x, o in zip(xs, outs))
         out.append(f'<polyline points="{pts}" fill="none" stroke="{colors[name]}" stroke-width="2"/>')
@@ -171,7 +172,5 @@ def plan_command(cfg, faults: str, gpus: str, spares: str | None, snapshot_every
         except OSError as err:
             raise ValueError(f"--svg {svg_path}: {err.strerror or err}") from None
     if as_json:
-        import json
-
         return json.dumps(to_json(profile, calib, plans, day_count))
     return format_table(cfg, profile, calib, plans, day_count, seeds)
