@@ -2,12 +2,15 @@
 injected failure process, its measured goodput next to what k3ray.goodput predicts for that small grid.
 
     python benchmarks/goodput_validate.py [--steps 24] [--faults 3] [--seed 1] [--out runs/goodput_validate]
+                                          [--calibration FILE]
 
 1. Calibration run: `--calibration-steps` steps, one worker killed mid-run; its incidents.jsonl, median step and
-   snapshot stalls become a calibration file (OUT/calibration.json, k3ray.goodput.calibration).
+   snapshot stalls become a calibration file (OUT/calibration.json, k3ray.goodput.calibration);
+   `--calibration FILE` takes an earlier one instead.
 2. The failure process: every worker dies once in H hours (H chosen so that about `--faults` faults land in the
    run; the place is usable again at once, as after a software fault), sampled by the simulator's own sampler and
    placed on steps by the simulator's timeline; those steps become `fault_tolerance.faults` (kill_worker) drills.
+   The first seed from `--seed` on whose draw puts at least 2 faults in the run is taken (printed).
 3. Validation run: `--steps` steps with those faults; measured goodput = steps x median step / wall seconds.
 4. The simulator on the same faults, calibrated by run 1 only: its goodput and its losses by phase.
 """
@@ -15,11 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import time
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import ray
 
 from k3ray.config import load_config
@@ -27,7 +32,7 @@ from k3ray.control.driver import init_ray, running_job
 from k3ray.goodput import calibration
 from k3ray.goodput.costs import phase_costs, state_bytes
 from k3ray.goodput.profiles import FailureClass, Profile
-from k3ray.goodput.simulate import PHASES, Policy, sample_faults, simulate
+from k3ray.goodput.simulate import PHASES, Faults, Policy, sample_faults, simulate
 
 SNAPSHOT_EVERY = 3
 
@@ -55,6 +60,30 @@ def run(cfg, steps: int) -> tuple[list[float], float, list[float]]:
     return times, wall, stalls
 
 
+def calibrate(cfg, steps: int, out: Path):
+    """Run 1: (calibration, its measured figures, the median step) from a run with one worker killed at step 5."""
+    times, _, stalls = run(cfg, steps)
+    step_s = statistics.median(times[1:5] + times[7:])     # not the faulted step, nor the grow-back after it
+    per_worker = state_bytes(cfg, calibration.Calibration()) / cfg.parallel.world_size
+    calib, measured = calibration.from_incidents(
+        calibration.read_incidents([str(out / "calibrate" / "incidents.jsonl")]), 1, per_worker, step_s,
+        sources=("benchmarks/goodput_validate.py calibration run",))
+    stall = statistics.median(stalls) if stalls else 1e-3
+    calib = replace(calib, stall_gb_per_s=per_worker / 1e9 / max(stall, 1e-6))
+    (out / "calibration.json").write_text(json.dumps({**calib.to_json(), "measured": measured}, indent=1) + "\n")
+    return calib, measured, step_s
+
+
+def faults_at_steps(costs, profile: Profile, policy: Policy, steps: list[int], workers: list[int]) -> Faults:
+    """The faults placed in time so that each lands in the middle of its step on the simulator's timeline (the run's
+    drills fire by step): fault i at the second the simulation, with faults 0..i-1, reaches step steps[i] + 0.5."""
+    times: list[float] = []
+    for k in steps:
+        sofar = Faults(np.array(times), np.zeros(len(times), dtype=int), np.array(workers[:len(times)], dtype=int))
+        times.append(simulate(costs, profile, policy, sofar, math.inf, steps=k + 0.5).seconds)
+    return Faults(np.array(times), np.zeros(len(times), dtype=int), np.array(workers, dtype=int))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=24)
@@ -62,6 +91,7 @@ def main() -> None:
     ap.add_argument("--faults", type=float, default=3.0, help="faults expected in the validation run")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="runs/goodput_validate")
+    ap.add_argument("--calibration", help="a calibration file of an earlier run: no calibration run")
     args = ap.parse_args()
     out = Path(args.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
@@ -71,15 +101,12 @@ def main() -> None:
 
     # 1. calibration
     cal_cfg = job_config(out, "calibrate", [{"kind": "kill_worker", "step": 5, "worker": 2}])
-    times, _, stalls = run(cal_cfg, args.calibration_steps)
-    step_s = statistics.median(times[1:5])
-    per_worker = state_bytes(cal_cfg, calibration.Calibration()) / cal_cfg.parallel.world_size
-    calib, measured = calibration.from_incidents(
-        calibration.read_incidents([str(out / "calibrate" / "incidents.jsonl")]), 1, per_worker, step_s,
-        sources=("benchmarks/goodput_validate.py calibration run",))
-    stall = statistics.median(stalls) if stalls else 1e-3
-    calib = replace(calib, stall_gb_per_s=per_worker / 1e9 / max(stall, 1e-6))
-    (out / "calibration.json").write_text(json.dumps({**calib.to_json(), "measured": measured}, indent=1) + "\n")
+    if args.calibration:
+        calib = calibration.load(args.calibration)
+        measured = json.loads(Path(args.calibration).read_text()).get("measured", {})
+        step_s = calib.step_s
+    else:
+        calib, measured, step_s = calibrate(cal_cfg, args.calibration_steps, out)
 
     # 2. the failure process, placed on steps by the simulator
     costs = phase_costs(cal_cfg, 4, calib)
@@ -90,8 +117,11 @@ def main() -> None:
     hours = 4 * horizon / 3600 / args.faults                   # per-worker MTBF: `--faults` faults expected
     profile = Profile(f"mtbf {hours * 3600:.0f} s", (FailureClass("killed worker", 1 / hours, "gpu", "crash", False),),
                       repair_hours=0.0, gpus_per_node=1)
-    faults = sample_faults(profile, 4, 10 * horizon, args.seed)
-    predicted = simulate(costs, profile, policy, faults, 10 * horizon, steps=args.steps)
+    for seed in range(args.seed, args.seed + 100):
+        faults = sample_faults(profile, 4, 10 * horizon, seed)
+        predicted = simulate(costs, profile, policy, faults, 10 * horizon, steps=args.steps)
+        if len(predicted.fault_steps) >= 2:
+            break
     drills, taken = [], set()
     for s, gpu in zip(predicted.fault_steps, faults.gpu.tolist()):
         s = max(s, 1)                                           # after the first snapshot
@@ -107,10 +137,12 @@ def main() -> None:
     incidents = calibration.read_incidents([str(out / "validate" / "incidents.jsonl")])
     kinds = [i["kind"] for i in incidents]
 
-    # 4. the simulator on those faults, with the validation run's median step (the machine's load drifts)
+    # 4. the simulator on those faults (at the same steps), with the validation run's median step (the load drifts)
     costs = phase_costs(cal_cfg, 4, replace(calib, step_s=median))
-    sim = simulate(costs, profile, policy, faults, 10 * horizon, steps=args.steps)
-    rows = [("faults injected (steps)", ", ".join(str(d["step"]) for d in drills)),
+    placed = faults_at_steps(costs, profile, policy, [d["step"] for d in drills], [d["worker"] for d in drills])
+    sim = simulate(costs, profile, policy, placed, math.inf, steps=args.steps)
+    rows = [(f"faults injected (steps; seed {seed}, MTBF a worker {hours * 3600:.0f} s)",
+             ", ".join(str(d["step"]) for d in drills)),
             ("incidents", ", ".join(f"{kinds.count(k)} {k}" for k in sorted(set(kinds)))),
             ("median step, calibration run / validation run", f"{step_s:.3f} s / {median:.3f} s"),
             ("wall seconds of the steps, measured / simulated", f"{wall:.1f} / {sim.seconds:.1f}"),

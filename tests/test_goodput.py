@@ -27,7 +27,7 @@ def costs_by_hand(**fields) -> PhaseCosts:
     """A grid whose phases are all free unless given."""
     base = dict(gpus=1024, pp=1, columns=1024, gpus_per_node=8, step_s=1.0,
                 detect_s=dict.fromkeys(("crash", "node", "hang", "guard", "planned"), 0.0), relaunch_s=0.0,
-                swap_s=0.0, restore_s=0.0, checkpoint_load_s=0.0, checkpoint_write_s=0.0, grow_back_s=0.0, warmup_s=0.0,
+                swap_s=0.0, restore_s=0.0, checkpoint_load_s=0.0, checkpoint_write_s=0.0, grow_back_s=0.0, warmup_s=0.0, shrunk_share=1.0,
                 grow_back_after_steps=1, snapshot_stage_s=0.0, snapshot_offload_s=0.0, checkpoint_stage_s=0.0)
     return PhaseCosts(**{**base, **fields})
 
@@ -110,7 +110,8 @@ def test_calibration_from_incidents(tmp_path):
     assert calib.process_groups_world == 3 and calib.step_s == 1.5
     assert calib.restore_gb_per_s == pytest.approx(2e6 / 1e9 / 0.02)
     assert measured["grow_back_s"] == 3.5 and calib.grow_back_start_s == pytest.approx(3.5 - 0.4 - 0.02)
-    assert calib.warmup_s == pytest.approx(7.0 - 2 * 1.5 * 2)      # 2 steps replayed at ceil(4/3) = 2x
+    assert calib.shrunk_share == pytest.approx((7.0 / 2 / 1.5 - 1) / (2 - 1))  # 2 steps replayed, ceil(4/3) = 2
+    assert calib.warmup_s == pytest.approx(0.0, abs=1e-5)  # no replay on a grid kept whole: the warm-up is in the share
     out = tmp_path / "calib.json"
     out.write_text(json.dumps({**calib.to_json(), "measured": measured}))
     assert calibration.load(str(out)) == calib

@@ -31,6 +31,8 @@ class Calibration:
                                              # groups 9.0 s - restore 4.9 s (GPU drill)
     warmup_s: float = 4.8                    # a new grid's first steps over a warm one's: 12.8 s replaying 5 steps
                                              # at 2 x 0.8 s (GPU drill)
+    shrunk_share: float = 1.0                # a shrunk step takes 1 + share x (ceil(C / C_alive) - 1) steps: 1 on
+                                             # GPUs (survivors run the lost columns' micro-batches after their own)
     process_groups_s: float = 9.0            # build the process groups of a grid of process_groups_world ranks
     process_groups_world: int = 2            # (NCCL, 2 H200s)
     restore_gb_per_s: float = 59.0 / 4.9     # object store -> device, per worker (59.0 GB in 4.9 s)
@@ -105,10 +107,12 @@ def from_incidents(incidents: list[dict], pp: int, state_bytes_per_worker: float
         return statistics.median(values) if values else None
 
     crash = [i for i in lost if i.get("rule") != "collective_timeout"]
-    # the replay's time over (steps replayed) x t_step x the shrunk grid's slowdown: the new workers' warm-up
-    warm = [i["seconds"]["replay"] - (i["replayed_steps"][1] - i["replayed_steps"][0]) * step_s
-            * -(-i["ep"][0] // i["ep"][1])
-            for i in lost if step_s and "replay" in i["seconds"] and "replayed_steps" in i]
+    # a replay on a grid of the same size: its time over (steps replayed) x t_step is the new workers' warm-up; on a
+    # shrunk one, its steps over t_step give the share of the ceil(C / C_alive) - 1 extra a shrunk step takes
+    replays = [(i["seconds"]["replay"], i["replayed_steps"][1] - i["replayed_steps"][0], -(-i["ep"][0] // i["ep"][1]))
+               for i in lost if step_s and "replay" in i["seconds"] and "replayed_steps" in i]
+    warm = [replay - steps * step_s for replay, steps, ceil in replays if ceil == 1]
+    share = [(replay / steps / step_s - 1) / (ceil - 1) for replay, steps, ceil in replays if ceil > 1 and steps]
     launched = [i for i in lost if "place_and_start_workers" in i["seconds"]]
     swapped = [i for i in lost if "swap_in_spares" in i["seconds"]]
     measured = {"incidents": len(lost), "detection_s": median("detection", crash),
@@ -120,10 +124,14 @@ def from_incidents(incidents: list[dict], pp: int, state_bytes_per_worker: float
     grow = [i["seconds"] for i in incidents if i.get("kind") == "grow_back" and isinstance(i.get("seconds"), float)]
     measured["grow_back_s"] = statistics.median(grow) if grow else None
     measured["warmup_s"] = statistics.median(warm) if warm else None
+    measured["shrunk_share"] = statistics.median(share) if share else None
     update = {"detect_crash_s": measured["detection_s"], "start_workers_s": measured["place_and_start_workers_s"],
               "spare_swap_s": measured["swap_in_spares_s"], "process_groups_s": measured["process_groups_s"],
               "process_groups_world": int(measured["world"]), "step_s": step_s,
-              "warmup_s": None if measured["warmup_s"] is None else max(measured["warmup_s"], 0.0)}
+              "warmup_s": None if measured["warmup_s"] is None else max(measured["warmup_s"], 0.0),
+              "shrunk_share": None if measured["shrunk_share"] is None else max(measured["shrunk_share"], 0.0)}
+    if share and not warm:  # only shrunk replays: their warm-up is in the share measured
+        update["warmup_s"] = 0.0
     if grow:
         update["grow_back_start_s"] = max(measured["grow_back_s"] - (measured["process_groups_s"] or 0.0)
                                           - (measured["restore_s"] or 0.0), 0.0)

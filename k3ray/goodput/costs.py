@@ -57,6 +57,7 @@ class PhaseCosts:
     grow_back_s: float            # snapshot to the object store + start the added workers + groups + restore
     warmup_s: float               # a new grid's first steps, over what warm workers take
     grow_back_after_steps: int
+    shrunk_share: float           # of ceil(C / C_alive) - 1 (calibration.shrunk_share)
     snapshot_stage_s: float       # training stalls while a worker stages its snapshot
     snapshot_offload_s: float     # the staged snapshot reaches the object store, beside training
     checkpoint_stage_s: float     # training stalls while a worker copies its part to host staging
@@ -71,9 +72,10 @@ class PhaseCosts:
             return 0.0
         return self.checkpoint_stage_s + max(0.0, self.checkpoint_write_s - every * self.step_s)
 
-    def slowdown(self, lost_columns: int) -> int:
-        """A shrunk grid's step over a full one's: the busiest survivor runs ceil(C / C_alive) columns' batches."""
-        return math.ceil(self.columns / (self.columns - lost_columns))
+    def slowdown(self, lost_columns: int) -> float:
+        """A shrunk grid's step over a full one's: the busiest survivor runs ceil(C / C_alive) columns' batches
+        (times the calibrated share of the extra: 1 on GPUs)."""
+        return 1.0 + self.shrunk_share * (math.ceil(self.columns / (self.columns - lost_columns)) - 1)
 
 
 def phase_costs(cfg, gpus: int, calib: Calibration, gpus_per_node: int = 8) -> PhaseCosts:
@@ -98,7 +100,7 @@ def phase_costs(cfg, gpus: int, calib: Calibration, gpus_per_node: int = 8) -> P
         checkpoint_load_s=replicas * state / GB / calib.storage_gb_per_s,
         checkpoint_write_s=state / GB / calib.storage_gb_per_s,
         grow_back_s=offload_s + calib.grow_back_start_s + groups_s + restore_s, warmup_s=calib.warmup_s,
-        grow_back_after_steps=cfg.fault_tolerance.grow_back_after_steps,
+        grow_back_after_steps=cfg.fault_tolerance.grow_back_after_steps, shrunk_share=calib.shrunk_share,
         snapshot_stage_s=per_worker / GB / calib.stall_gb_per_s, snapshot_offload_s=offload_s,
         checkpoint_stage_s=per_worker / GB / calib.d2h_gb_per_s)
 
@@ -129,7 +131,8 @@ def formulas(cfg, calib: Calibration, costs: PhaseCosts) -> list[str]:
         f"restore = b_w / {calib.restore_gb_per_s:.1f} GB/s = {c.restore_s:.2f} s; checkpoint load = replicas x b / "
         f"storage {calib.storage_gb_per_s:g} GB/s = {c.checkpoint_load_s:.1f} s; write = b / storage = "
         f"{c.checkpoint_write_s:.1f} s",
-        f"replay = (steps since the snapshot) x t_step x ceil(C / C_alive); shrunk: every step x ceil(C / C_alive) "
+        f"replay = (steps since the snapshot) x t_step x slowdown; shrunk: every step x slowdown, slowdown = 1 + "
+        f"{c.shrunk_share:g} x (ceil(C / C_alive) - 1) "
         f"until grow-back = offload + start added {calib.grow_back_start_s:g} s + groups + restore = "
         f"{c.grow_back_s:.1f} s, once the lost GPUs are back and {c.grow_back_after_steps} step(s) ran shrunk; "
         f"warm-up of every new grid's first steps {c.warmup_s:g} s",
