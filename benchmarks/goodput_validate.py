@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import statistics
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +29,8 @@ import numpy as np
 import ray
 
 from k3ray.config import load_config
-from k3ray.control.driver import init_ray, running_job
+from k3ray.control.driver import running_job
+from k3ray.control.local_nodes import free_port, start_raylet, stop_node
 from k3ray.goodput import calibration
 from k3ray.goodput.costs import phase_costs, state_bytes
 from k3ray.goodput.profiles import FailureClass, Profile
@@ -92,12 +94,26 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", default="runs/goodput_validate")
     ap.add_argument("--calibration", help="a calibration file of an earlier run: no calibration run")
+    ap.add_argument("--from-result", action="store_true", help="with --calibration and the same flags: simulate the "
+                                                               "validation run recorded in OUT again, no Ray")
     args = ap.parse_args()
     out = Path(args.out).absolute()
+    if args.from_result:
+        return validate(args, out)
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*/incidents.jsonl"):
         old.unlink()
-    init_ray(None, 8)
+    head, port = tempfile.mkdtemp(prefix="k3ray-goodput-"), free_port()  # a loopback cluster of its own
+    start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")
+    try:
+        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
+        validate(args, out)
+    finally:
+        ray.shutdown()
+        stop_node(head)
+
+
+def validate(args, out: Path) -> None:
 
     # 1. calibration
     cal_cfg = job_config(out, "calibrate", [{"kind": "kill_worker", "step": 5, "worker": 2}])
@@ -131,7 +147,12 @@ def main() -> None:
         drills.append({"kind": "kill_worker", "step": s, "worker": gpu % 3})  # ranks 0-2 exist on a shrunk grid too
 
     # 3. the validation run
-    times, wall, _ = run(job_config(out, "validate", drills), args.steps)
+    if args.from_result:
+        recorded = json.loads((out / "result.json").read_text())
+        assert recorded["drills"] == drills, "the recorded run had other faults: give the same flags"
+        times, wall = recorded["times"], recorded["wall"]
+    else:
+        times, wall, _ = run(job_config(out, "validate", drills), args.steps)
     median = statistics.median(times)
     measured_goodput = args.steps * median / wall
     incidents = calibration.read_incidents([str(out / "validate" / "incidents.jsonl")])

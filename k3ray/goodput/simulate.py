@@ -12,7 +12,8 @@ stalls. A fault, as k3ray handles it (k3ray.train.failures):
   - job scope, or a node fault on the node holding the controller (node 0): the whole job restarts from the last
     durable checkpoint (planned stops write one first, so they lose no steps).
 Spares in use and lost GPUs come back `repair_hours` after a fault that needs repair (at once otherwise); the grid
-grows back to full size when every lost GPU is back and grow_back_after_steps steps ran shrunk.
+grows back to full size when every lost GPU is back and grow_back_after_steps steps ran shrunk, taking a snapshot
+there (a later fault goes back no further).
 
 Losses are fractions of the GPU time of the grid and its spares; with the goodput they add up to 1.
 """
@@ -89,6 +90,7 @@ class _Run:
         self.lost_columns = 0
         self.back_at = 0.0              # when every lost GPU is back
         self.shrunk_since = 0.0         # wall second the grid shrank (grow-back waits grow_back_after_steps)
+        self.grown_back_at = 0.0        # step of the last grow-back: it takes a snapshot there
         self.spares_free = policy.spares
         self.spare_returns: list[tuple[float, int]] = []
         self.wall = dict.fromkeys(PHASES, 0.0)
@@ -126,15 +128,19 @@ class _Run:
             self.pause("grow_back", self.c.grow_back_s)
             self.pause("warmup", self.c.warmup_s)
             self.lost_columns = 0
+            self.grown_back_at = self.steps
         self._train(until)
 
     def pause(self, phase: str, seconds: float) -> None:
         self.wall[phase] += seconds
         self.t += seconds
 
-    def roll_back(self, every: int) -> float:
-        """Back to the last snapshot (or checkpoint: `every` steps apart; 0 = the start); returns the lost steps."""
+    def roll_back(self, every: int, snapshot: bool = True) -> float:
+        """Back to the last snapshot (the periodic one, or a grow-back's), or to the last checkpoint (`snapshot`
+        False; `every` 0 = the start); returns the lost steps."""
         kept = math.floor(self.steps / every + 1e-9) * every if every else 0.0
+        kept = max(kept, self.grown_back_at) if snapshot else kept
+        self.grown_back_at = min(self.grown_back_at, kept)
         lost = self.steps - kept
         self.steps = kept
         self.useful -= lost * self.c.step_s
@@ -168,10 +174,10 @@ def simulate(costs: PhaseCosts, profile: Profile, policy: Policy, faults: Faults
         if fc.scope == "job" or node_zero:
             if fc.detection == "planned":
                 run.pause("checkpoint_stall", c.checkpoint_write_s)   # a checkpoint on request, then the stop
-                run.roll_back(1)
+                run.roll_back(1, snapshot=False)
             else:
                 run.pause("detection", c.detect_s[fc.detection])
-                run.roll_back(policy.checkpoint_every)
+                run.roll_back(policy.checkpoint_every, snapshot=False)
             run.pause("relaunch", c.relaunch_s)
             run.pause("restore", c.checkpoint_load_s)
             run.pause("warmup", c.warmup_s)
