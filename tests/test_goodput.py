@@ -152,6 +152,9 @@ def test_plan_faults_table_json_and_svg(capsys, tmp_path):
     (["--calibration", "/nonexistent.json"], "--calibration /nonexistent.json:"),
 ])
 def test_plan_faults_bad_input_is_one_line_and_exit_2(capsys, flags, message):
+    if flags[0] == "--gpus":  # the goodput flags need --faults
+        assert main(["plan", "--config", "configs/tiny.yaml"] + flags) == 2
+        assert "go with --faults" in capsys.readouterr().err
     args = ["plan", "--config", "configs/tiny.yaml", "--faults", "mtbf:1000", "--gpus", "4", "--days", "1"]
     assert main(args + flags) == 2
     err = capsys.readouterr().err

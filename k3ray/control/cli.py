@@ -195,6 +195,11 @@ def cmd_plan(args) -> int:
     from k3ray.sim import format_table, run_simulation
 
     cfg = load_config(args.config, parse_assignments(args.set))
+    goodput_flags = (args.gpus, args.spares, args.snapshot_every, args.checkpoint_every, args.days, args.calibration,
+                     args.svg)
+    if not args.faults and any(flag is not None for flag in goodput_flags):
+        raise UsageError("plan: --gpus, --spares, --snapshot-every, --checkpoint-every, --days, --calibration and "
+                         "--svg go with --faults")
     if args.faults:
         from k3ray.goodput.report import plan_command
 
@@ -295,11 +300,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", action="store_true")
     g = pl.add_argument_group("goodput under faults (k3ray.goodput): --faults replaces the placement simulation")
     g.add_argument("--faults", help="llama3 | mtbf:H | node-mtbf:H | hang-mtbf:H (joined by +) | a YAML/JSON file")
-    g.add_argument("--gpus", default="1024,4096,16384", help="GPU counts, whole replicas of pp x ep")
+    g.add_argument("--gpus", help="GPU counts, whole replicas of pp x ep (default 1024,4096,16384)")
     g.add_argument("--spares", help="hot spare GPUs (default fault_tolerance.spares)")
     g.add_argument("--snapshot-every", help="steps (default fault_tolerance.snapshot_every)")
     g.add_argument("--checkpoint-every", help="steps, 0 = none (default checkpoint.every_n_steps)")
-    g.add_argument("--days", default="54")
+    g.add_argument("--days", help="days simulated (default 54)")
     g.add_argument("--calibration", metavar="FILE", help="measured phase figures (python -m k3ray.goodput.calibration)")
     g.add_argument("--svg", metavar="FILE", help="write a plot of goodput against GPUs")
     pl.set_defaults(func=cmd_plan)

@@ -154,11 +154,12 @@ def svg(plans: list[GridPlan], title: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def plan_command(cfg, faults: str, gpus: str, spares: str | None, snapshot_every: str | None,
-                 checkpoint_every: str | None, days: str, seed: int, calibration: str | None, svg_path: str | None,
+def plan_command(cfg, faults: str, gpus: str | None, spares: str | None, snapshot_every: str | None,
+                 checkpoint_every: str | None, days: str | None, seed: int, calibration: str | None, svg_path: str | None,
                  as_json: bool) -> str:
     """`k3ray plan --faults`: the flags as given (text), checked here so that a bad one is one line (ValueError);
     the policy flags default to the config's fault_tolerance and checkpoint sections."""
+    gpus, days = gpus or "1024,4096,16384", days or "54"
     ft = cfg.fault_tolerance
     policy = Policy(parse_count("--snapshot-every", snapshot_every, ft.snapshot_every, 1),
                     parse_count("--checkpoint-every", checkpoint_every, cfg.checkpoint.every_n_steps, 0),
