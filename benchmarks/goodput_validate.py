@@ -104,8 +104,8 @@ def main() -> None:
     for old in out.glob("*/incidents.jsonl"):
         old.unlink()
     head, port = tempfile.mkdtemp(prefix="k3ray-goodput-"), free_port()  # a loopback cluster of its own
-    start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")
     try:
+        start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")
         ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
         validate(args, out)
     finally:
