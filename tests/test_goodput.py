@@ -3,7 +3,6 @@ simulator's best interval, calibration from incidents, and `k3ray plan --faults`
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 
@@ -138,7 +137,9 @@ def test_plan_faults_table_json_and_svg(capsys, tmp_path):
     given = result["grids"][0]["given"]
     assert given["policy"] == {"snapshot_every": 2, "checkpoint_every": 10, "spares": 4}
     assert given["goodput"] + sum(given["losses"].values()) == pytest.approx(1.0)
-    assert not math.isnan(result["grids"][1]["best"]["young_daly_snapshot_every"])
+    assert result["grids"][1]["best"]["young_daly_snapshot_every"] > 0
+    assert main(args[:4] + ["mtbf:2000", "--gpus", "16", "--days", "1", "--json"]) == 0   # no fault goes to a checkpoint
+    assert json.loads(capsys.readouterr().out)["grids"][0]["best"]["young_daly_checkpoint_every"] is None
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -30,8 +30,9 @@ class Best:
     candidates: int
 
     def to_json(self) -> dict:
-        return {**self.outcome.to_json(), "young_daly_snapshot_every": self.young_daly_snapshot,
-                "young_daly_checkpoint_every": self.young_daly_checkpoint, "candidates": self.candidates}
+        finite = lambda x: x if math.isfinite(x) else None  # noqa: E731 - JSON has no infinity
+        return {**self.outcome.to_json(), "young_daly_snapshot_every": finite(self.young_daly_snapshot),
+                "young_daly_checkpoint_every": finite(self.young_daly_checkpoint), "candidates": self.candidates}
 
 
 def young_daly(stall_s: float, mtbf_s: float, step_s: float) -> float:
@@ -72,10 +73,9 @@ def evaluate(costs: PhaseCosts, profile: Profile, policies: list[Policy], second
     return [average([simulate(costs, profile, p, f, seconds) for f in faults]) for p in policies]
 
 
-def best_policy(costs: PhaseCosts, profile: Profile, seconds: float, seeds: list[int],
-                spares: tuple[int, ...] | None = None) -> Best:
+def best_policy(costs: PhaseCosts, profile: Profile, seconds: float, seeds: list[int]) -> Best:
     """The candidate with the highest mean goodput (ties: the first, i.e. the fewest spares and saves)."""
-    spare_counts = spares if spares is not None else tuple(n * costs.gpus_per_node for n in SPARES_PER_NODE)
+    spare_counts = tuple(n * costs.gpus_per_node for n in SPARES_PER_NODE)
     policies = [Policy(s, c, n) for n, s, c in itertools.product(spare_counts, SNAPSHOT_EVERY, CHECKPOINT_EVERY)]
     outcomes = evaluate(costs, profile, policies, seconds, seeds)
     best = max(outcomes, key=lambda o: o.goodput)
