@@ -11,8 +11,8 @@ the run's; a policy changes only who would have been picked):
 - run's policy: b <- b + quantile_step (b_hat(step t) - b), the step size the run had (reproduces its MaxVio exactly)
 - lagged, step 1: b_{t+1} = b_hat from step t's scores (Quantile Balancing as released: one step stale)
 - after the update: b_{t+1} = b_hat from step t's inputs under the updated router weights
-- per micro-batch: each micro-batch routed with the bias from its own scores, one quantile pass from the lagged
-  step-1 bias (no lag; the sampling noise of one micro-batch)
+- per micro-batch: each micro-batch routed with the bias from its own scores, three quantile passes from the lagged
+  step-1 bias (model.quantile_bias_from: micro_batch, as LatentMoE does it)
 - same batch: the global batch routed with the bias from its own scores (the best any bias can do)
 
 Diagnostics per layer (from the same-batch bias b*): drift/spread = the median over experts of |b*_t - b*_{t-1}| over
@@ -83,7 +83,7 @@ def replay_layer(bal: Balancer, records: list[dict], step_size: float) -> dict[s
         out["lagged, step 1"].append(maxvio(bal.load(scores, b_lag if b_lag is not None else zero)))
         out["after the update"].append(maxvio(bal.load(scores, b_after if b_after is not None else zero)))
         start = b_lag if b_lag is not None else zero
-        out["per micro-batch"].append(maxvio(sum(bal.load(m, bal.b_hat(m, start)) for m in micro)))
+        out["per micro-batch"].append(maxvio(sum(bal.load(m, bal.b_hat(m, start, passes=3)) for m in micro)))
         out["same batch"].append(maxvio(bal.load(scores, b_star)))
         spread = margin_spread(scores, b_star, bal.k)
         drift = (b_star - b_prev_star).abs() if b_prev_star is not None else torch.full_like(b_star, float("nan"))

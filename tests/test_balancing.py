@@ -55,10 +55,14 @@ def test_micro_batch_bias_balances_the_batch_it_routes(bias_from):
 
 
 def test_evaluation_routes_with_the_step_bias():
+    """Without gradients, or in eval mode (a stage as build_stage returns it: serving, tests), the step's bias."""
     moe = _moe("micro_batch")
     E = moe.cfg.n_experts
     with torch.no_grad():
         moe(_x())
+    assert moe.stats.tokens_per_expert.tolist() == moe.stats.balance[:E].tolist()
+    moe.stats.reset()
+    moe.eval()(_x())
     assert moe.stats.tokens_per_expert.tolist() == moe.stats.balance[:E].tolist()
 
 

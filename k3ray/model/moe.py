@@ -157,7 +157,7 @@ class LatentMoE(nn.Module):
         hist = micro_bias = None
         if cache is None and cfg.balancing == "quantile":
             hist, micro_bias = self._quantile(scores)
-            if cfg.quantile_bias_from == "micro_batch" and torch.is_grad_enabled():  # training, not evaluation
+            if cfg.quantile_bias_from == "micro_batch" and self.training and torch.is_grad_enabled():  # training
                 bias = micro_bias
         idx, weight = select_experts(scores, bias, cfg.top_k)
         y_lat = self.experts(self.w_down(x), idx, weight)

@@ -138,6 +138,7 @@ class StageEngine(EngineCopies):
         self.stage = build_stage(self.cfg.model, self.layers, mine, seed=self.cfg.train.seed,
                                  experts_factory=lambda layer, shard: ExpertParallelExperts(shard, self.ctx),
                                  device=self.device, init=self.init_weights)
+        self.stage.train()
         set_execution(self.stage, self.cfg.execution)
         self._refresh_params()
 

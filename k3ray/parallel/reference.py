@@ -22,7 +22,7 @@ class ReferenceTrainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         torch.manual_seed(cfg.train.seed)
-        self.model = build_stage(cfg.model, range(cfg.model.n_layers), seed=cfg.train.seed)
+        self.model = build_stage(cfg.model, range(cfg.model.n_layers), seed=cfg.train.seed).train()
         self.params = dict(self.model.named_parameters())
         self.opt = AdamW(cfg.optimizer)
         self.data = open_token_data(cfg)
