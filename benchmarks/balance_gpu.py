@@ -114,7 +114,8 @@ def main() -> None:
         "step_seconds_median": statistics.median(r["seconds"] for r in rows),
     }
     print(f"\n{args.label}: MaxVio (mean over layers) over steps {start}-{args.steps - 1}: median "
-          f"{summary['maxvio_median']:.3f}, max {summary['maxvio_max']:.3f} (worst layer {summary['maxvio_max_layer']:.3f}); "
+          f"{summary['maxvio_median']:.3f}, max {summary['maxvio_max']:.3f} "
+          f"(worst layer {summary['maxvio_max_layer']:.3f}); "
           f"the step's bias would give {summary['step_bias_median']:.3f}, each micro-batch's own "
           f"{summary['micro_batch_bias_median']:.3f}; per layer "
           + ", ".join(f"{k}: {v:.3f}" for k, v in per_layer.items()))

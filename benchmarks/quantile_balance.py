@@ -35,7 +35,8 @@ class Balancer:
 
     def __init__(self, model: dict):
         self.k, self.e = model["top_k"], model["n_experts"]
-        self.bins, self.window, self.res = model["quantile_bins"], model["quantile_window"], model["quantile_resolution"]
+        self.bins, self.window = model["quantile_bins"], model["quantile_window"]
+        self.res = model["quantile_resolution"]
 
     def b_hat(self, scores_TE: torch.Tensor, bias_E: torch.Tensor, passes: int = 1) -> torch.Tensor:
         for _ in range(passes):
