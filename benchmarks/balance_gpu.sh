@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Router balance of gpu2 (8 layers, the released K3's features, ep=1) in real training on one H200: stages each under
-# its own timeout, logs and JSON in $OUT. STAGES picks them (default: bpe_data bpe byte, ~8 minutes cold):
+# its own timeout, logs and JSON in $OUT. STAGES picks them (default: bpe_data bpe byte; about 8 minutes with a cold
+# Triton cache: ~1 for the data, ~5.5 for BPE with fla's autotuning, ~1.5 for bytes):
 #   bpe_data  a byte-level BPE tokenizer.json (benchmarks/train_bpe.py, BPE_VOCAB tokens) trained on the device's
 #             Python standard library sources, then `k3ray data prepare` of the same files into $WORK/bpe_data
 #   bpe       STEPS steps on the BPE shards with the released defaults (configs/gpu2.yaml: micro-batch biases);
 #             the first stage to train pays fla's autotuning (~200 s cold, TRITON_CACHE_DIR keeps it)
-#   byte      STEPS steps on byte data (the embedded corpus of .py sources)
+#   byte      BYTE_STEPS steps on byte data (the embedded corpus of .py sources)
 #   before    BEFORE_STEPS steps on the BPE shards with the former rule (the previous step's quantile, step 0.3)
 # Each training stage prints the per-step table (loss, MaxVio mean and max over layers, what the step's bias and each
 # micro-batch's own bias give, saturated scores), held-out MaxVio at steps 0, 50 and the end, and a summary line.
@@ -16,6 +17,7 @@ OUT=${OUT:-runs/balance}
 WORK=${WORK:-$OUT/work}
 STAGES=${STAGES:-bpe_data bpe byte}
 STEPS=${STEPS:-100}
+BYTE_STEPS=${BYTE_STEPS:-60}
 BEFORE_STEPS=${BEFORE_STEPS:-60}
 BPE_VOCAB=${BPE_VOCAB:-16384}
 TEXT_MB=${TEXT_MB:-24}
@@ -52,9 +54,9 @@ print(f'{total / 2**20:.1f} MiB of text')"
 for s in $STAGES; do
   case $s in
     bpe_data) export -f bpe_data; stage bpe_data "${BPE_DATA_S:-150}" bash -c bpe_data ;;
-    bpe) stage bpe "${BPE_S:-360}" python benchmarks/balance_gpu.py $GPU2 $RELEASED $BPE --steps "$STEPS" \
+    bpe) stage bpe "${BPE_S:-420}" python benchmarks/balance_gpu.py $GPU2 $RELEASED $BPE --steps "$STEPS" \
       --label "gpu2 8 layers, BPE $BPE_VOCAB" --json "$OUT/bpe.json" ;;
-    byte) stage byte "${BYTE_S:-200}" python benchmarks/balance_gpu.py $GPU2 $RELEASED --steps "$STEPS" \
+    byte) stage byte "${BYTE_S:-200}" python benchmarks/balance_gpu.py $GPU2 $RELEASED --steps "$BYTE_STEPS" \
       --label "gpu2 8 layers, bytes" --json "$OUT/byte.json" ;;
     before) stage before "${BEFORE_S:-200}" python benchmarks/balance_gpu.py $GPU2 $RELEASED $BPE \
       --set model.quantile_bias_from=previous_step --set model.quantile_step=0.3 --steps "$BEFORE_STEPS" \
