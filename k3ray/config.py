@@ -90,6 +90,10 @@ class ModelConfig(_Strict):
     quantile_step: float = Field(1.0, gt=0, le=1, description="b <- b + step (b_hat - b); 1 is Quantile Balancing "
                                                               "as released (no step size); below 1 averages one "
                                                               "batch's quantile noise over ~(2 - step)/step steps")
+    quantile_bias_from: Literal["previous_step", "micro_batch"] = Field(
+        "previous_step", description="where a training micro-batch's routing bias comes from: the previous step's "
+                                     "global histogram (as released: one step of lag), or one quantile pass over "
+                                     "the micro-batch's own scores from the step's bias (no lag; model/balancing.py)")
     quantile_resolution: float = Field(1e-5, gt=0, description="the histogram's bins are log-spaced around the "
                                                                "decision boundary: about this wide there, wider in "
                                                                "proportion to the distance (model/balancing.py)")

@@ -258,11 +258,12 @@ class Controller(FailurePaths):
 
     def _merge(self, step: int, batch_index: int, reports: list[dict]) -> StepReport:
         ep = self.table.ep
-        tpe, rank_load, acts = {}, {}, {}
+        tpe, rank_load, balance, acts = {}, {}, {}, {}
         for i, r in enumerate(reports):
             if i % ep == 0:  # every EP rank of a stage holds the same gathered counts
                 tpe.update(r["tokens_per_expert"])
                 rank_load.update(r["rank_load"])
+                balance.update(r.get("balance", {}))
             for layer, a in r["activations"].items():
                 prev = acts.get(layer)
                 acts[layer] = a if prev is None else {k: max(prev[k], a[k]) for k in a}
@@ -270,7 +271,8 @@ class Controller(FailurePaths):
         timings = {k: max(r["timings"][k] for r in reports) for k in phases}
         return StepReport(step=step, batch_index=batch_index, loss=reports[0]["loss"],
                           grad_norm=reports[0]["grad_norm"], lr=reports[0]["lr"], tokens=self.cfg.step_tokens(),
-                          tokens_per_expert=tpe, activations=acts, timings=timings, rank_load=rank_load)
+                          tokens_per_expert=tpe, activations=acts, timings=timings, rank_load=rank_load,
+                          balance=balance)
 
     def _snapshot_due(self, step: int) -> bool:
         taken = {s.step for s in (self.snapshots.committed, self.snapshots.pending) if s is not None}
