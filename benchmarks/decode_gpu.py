@@ -19,7 +19,8 @@ import time
 import torch
 
 from k3ray.config import load_config, parse_assignments
-from k3ray.serve.scheduler import EngineLimits, Scheduler
+from k3ray.config import ServeConfig
+from k3ray.serve.scheduler import Scheduler
 from k3ray.model.cache import SeqAdmit
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams
@@ -110,12 +111,17 @@ def bare_step(model, cfg, batch: int, context: int, iters: int, bandwidth: float
             "x_limit": step / limit, "busy": dev / step, "tok_s": batch / step}
 
 
+def serve_config(sizes: PoolSizes, budget: int, max_waiting: int, stepwise: int) -> ServeConfig:
+    return ServeConfig(page_size=sizes.page_size, pages_per_rank=sizes.pages, slots_per_rank=sizes.slots,
+                       token_budget=budget, max_waiting=max_waiting, stepwise_prefill_max=stepwise)
+
+
 def engine_level(model, cfg, concurrency: int, requests: int, max_tokens: int, budget: int, device="cuda",
                  stepwise: int = 0) -> dict:
     slots = max(concurrency, 1)
     sizes = PoolSizes(pages=slots * (-(-(64 + max_tokens) // 16)) + 8, page_size=16, slots=slots)
-    sched = Scheduler(EngineLimits(cfg.model.max_seq_len, 1, budget, 4 * requests, sizes, cfg.policies.guards,
-                                   stepwise_prefill_max=stepwise))
+    sched = Scheduler(serve_config(sizes, budget, 4 * requests, stepwise), cfg.model.max_seq_len, 1,
+                      cfg.policies.guards)
     ex = LocalExecutor(model, sizes, device=device)
     prompts = [[ord(c) for c in PROMPTS[i % len(PROMPTS)]] for i in range(requests)]
     submitted, host, steps, t_first = 0, [], [], {}
@@ -128,7 +134,7 @@ def engine_level(model, cfg, concurrency: int, requests: int, max_tokens: int, b
         h0 = time.perf_counter()
         plans = sched.schedule()
         h1 = time.perf_counter()
-        outs = ex.run({r: p for r, (p, _) in plans.items()})
+        outs = ex.run(plans.plans())
         h2 = time.perf_counter()
         sched.complete(plans, outs)
         h3 = time.perf_counter()
@@ -149,8 +155,7 @@ def greedy_outputs(model, cfg, graphs: bool, stepwise: int, n: int = 8, max_toke
     """Greedy outputs of n requests served together (decode graphs or eagerly; prompts stepwise up to `stepwise`
     tokens, else in chunks of the token budget)."""
     sizes = PoolSizes(pages=n * 8 + 8, page_size=16, slots=n)
-    sched = Scheduler(EngineLimits(cfg.model.max_seq_len, 1, budget, 64, sizes, cfg.policies.guards,
-                                   stepwise_prefill_max=stepwise))
+    sched = Scheduler(serve_config(sizes, budget, 64, stepwise), cfg.model.max_seq_len, 1, cfg.policies.guards)
     ex = LocalExecutor(model, sizes, device="cuda", graphs=graphs)
     reqs = [sched.submit([ord(c) for c in PROMPTS[i % len(PROMPTS)]], SamplingParams(max_tokens=max_tokens))
             for i in range(n)]

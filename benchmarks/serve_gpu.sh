@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # The served path on one GPU machine (device tool): `serve_load.py` on the gpu2 model (4 layers, then 8), logging to
-# $OUT. Carry .carry/ray (benchmarks/carry_ray.sh) and .carry/tcache (fla's Triton cache). Each stage has a timeout
+# $OUT. Carry .carry/ray (benchmarks/carry_ray.sh) and .carry/kcache (the kept kernel cache that
+# benchmarks/weeks_gpu.sh brings back). Each stage has a timeout
 # so one call stays inside its limit. The seeded weights are written once per model (`k3ray init`) and served by
 # every variant: VARIANTS4 holds serve_load.py argument sets separated by ';' (default: the config's settings).
 #   bash benchmarks/serve_gpu.sh [extra serve_load.py arguments for every run]
+#   bash benchmarks/serve_gpu.sh --prompt-tokens 200:1200 --max-tokens 32:256   # real prompt lengths, defaults
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/site /root
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site
-[[ -f .carry/tcache/tcache.tar.xz ]] && tar -xJf .carry/tcache/tcache.tar.xz -C /root
-export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 TRITON_CACHE_DIR=/root/tcache PYTHONUNBUFFERED=1 \
+mkdir -p /root/kcache; [[ -f .carry/kcache/kcache.tar.xz ]] && tar -xJf .carry/kcache/kcache.tar.xz -C /root/kcache
+export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 K3RAY_KERNEL_CACHE=/root/kcache PYTHONUNBUFFERED=1 \
        K3RAY_OBJECT_STORE_GB=24 RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0
 mount -o remount,size=80G /dev/shm 2>/dev/null || true
 rm -rf /root/k3 && cp -r . /root/k3 && cd /root/k3   # a later device call replaces the repository folder
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, ray, uvicorn; print(torch.__version__, ray.__version__, uvicorn.__version__)" | tee -a "$OUT/gpu.txt"
-COMMON=(--max-tokens 64 --token-budget 2048 --front-doors "${FRONT_DOORS:-4}" --client-procs "${CLIENT_PROCS:-8}")
+COMMON=(--max-tokens 64 --front-doors "${FRONT_DOORS:-4}" --client-procs "${CLIENT_PROCS:-8}")
 
 serve_model() {  # name, layers, timeout, levels, variants
     local name=$1 layers=$2 limit=$3 levels=$4 variants=$5 t0=$SECONDS i=0

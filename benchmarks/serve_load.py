@@ -1,9 +1,16 @@
 """Serving under a bounded load: `k3ray serve` on a local Ray cluster, driven by the `openai` async client at fixed
 concurrencies (each of C clients sends its next streaming completion when the previous one ends, `--requests` in
-all per level). Prints output tokens/s, time to first token and inter-token latency (p50 / p99) per concurrency.
+all per level), with the server's defaults for its sizes (token budget, pools). Prints per concurrency output
+tokens/s, time to first token (p50 / p99), inter-token latency (p50 / p90 / p99), tokens per engine iteration,
+prompt tokens/s and the workers' step time per prompt token.
 
-    python benchmarks/serve_load.py [--checkpoint runs/tiny/checkpoints] [--pp 1 --ep 1] [--concurrency 1 4 16 64]
+    python benchmarks/serve_load.py [--checkpoint runs/tiny/checkpoints] [--pp 1 --ep 1] [--concurrency 1 16 64 256]
     python benchmarks/serve_load.py --config configs/gpu2.yaml --set model.n_layers=4 ...   # seeded weights
+    python benchmarks/serve_load.py ... --prompt-tokens 200:1200 --max-tokens 32:256        # real prompt lengths
+
+Prompts: without --prompt-tokens, a few short code snippets; with it, request i's prompt is a slice of that many
+tokens (drawn uniformly, seeded by --seed and i) of Python's own standard library source read from disk, so every
+level and every run serves the same requests. --max-tokens is one number or a range drawn alike.
 
 Without --checkpoint: with --config, the config's seeded weights (`k3ray init`) in a temporary directory; else it
 first trains the tiny config for a few steps there. On a GPU machine the GPU's busy share (nvidia-smi, sampled every
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import re
 import shutil
 import socket
@@ -39,6 +47,39 @@ PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self"
            "# Licensed to the PSF\n\"\"\"Helpers for ", "    if not data:\n        return "]
 
 
+def span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def stdlib_tokens(tokenizer, want: int) -> list[int]:
+    """At least `want` tokens of Python's standard library source (files in name order, from disk)."""
+    root, ids = os.path.dirname(os.__file__), []
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py"):
+            with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
+                ids += tokenizer.encode(f.read())
+            if len(ids) >= want:
+                break
+    return ids
+
+
+def workload(tokenizer, n: int, prompt_tokens: str | None, max_tokens: str, seed: int) -> list[tuple[str, int]]:
+    """n requests (prompt text, max_tokens), request i's drawn by Random((seed, i)): the same whatever n."""
+    lo_m, hi_m = span(max_tokens)
+    if prompt_tokens is None:
+        return [(PROMPTS[i % len(PROMPTS)], random.Random(f"{seed}/{i}").randint(lo_m, hi_m)) for i in range(n)]
+    lo, hi = span(prompt_tokens)
+    corpus = stdlib_tokens(tokenizer, 64 * hi)
+    out = []
+    for i in range(n):
+        rng = random.Random(f"{seed}/{i}")
+        length = rng.randint(lo, hi)
+        start = rng.randrange(len(corpus) - length)
+        out.append((tokenizer.decode(corpus[start:start + length]), rng.randint(lo_m, hi_m)))
+    return out
+
+
 def train_checkpoint(root: str) -> None:
     cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "parallel.pp": 1, "parallel.ep": 1,
                                             "checkpoint.dir": root, "checkpoint.every_n_steps": 4})
@@ -54,22 +95,24 @@ def pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
-async def clients(url: str, model: str, concurrency: int, requests: int, max_tokens: int, offset: int = 0) -> dict:
-    """`concurrency` clients in this process, `requests` completions in all: their TTFTs, ITLs, tokens, chunks."""
+async def clients(url: str, model: str, concurrency: int, requests: list[tuple[str, int]]) -> dict:
+    """`concurrency` clients in this process, sending `requests` (prompt, max_tokens) in order: their TTFTs, ITLs,
+    output and prompt tokens, chunks."""
     api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-    ttft, itl, tokens, left, chunks = [], [], [0], [requests], [0]
+    ttft, itl, tokens, prompt_tokens, chunks = [], [], [0], [0], [0]
+    queue = list(reversed(requests))
 
-    async def client(c: int) -> None:
-        while left[0] > 0:
-            left[0] -= 1
+    async def client() -> None:
+        while queue:
+            prompt, max_tokens = queue.pop()
             t0 = time.perf_counter()
             last = None
-            stream = await api.completions.create(model=model, prompt=PROMPTS[(c + left[0]) % len(PROMPTS)],
-                                                  max_tokens=max_tokens, temperature=0, stream=True,
-                                                  stream_options={"include_usage": True})
+            stream = await api.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
             async for chunk in stream:
                 if chunk.usage is not None:
                     tokens[0] += chunk.usage.completion_tokens
+                    prompt_tokens[0] += chunk.usage.prompt_tokens
                 if not chunk.choices:
                     continue
                 chunks[0] += 1
@@ -80,9 +123,9 @@ async def clients(url: str, model: str, concurrency: int, requests: int, max_tok
                     itl.append(now - last)
                 last = now
 
-    await asyncio.gather(*(client(offset + c) for c in range(concurrency)))
+    await asyncio.gather(*(client() for _ in range(concurrency)))
     await api.close()
-    return {"ttft": ttft, "itl": itl, "tokens": tokens[0], "chunks": chunks[0]}
+    return {"ttft": ttft, "itl": itl, "tokens": tokens[0], "prompt_tokens": prompt_tokens[0], "chunks": chunks[0]}
 
 
 def client_process(job: tuple) -> dict:
@@ -90,12 +133,11 @@ def client_process(job: tuple) -> dict:
 
 
 def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model: str, concurrency: int,
-          requests: int, max_tokens: int) -> dict:
+          requests: list[tuple[str, int]]) -> dict:
     """One concurrency level, its clients spread over the pool's processes (one process's openai client parses
     a few thousand SSE events per second: more would measure the client)."""
     procs = 1 if pool is None else min(procs, concurrency)
-    jobs = [(url, model, len(range(i, concurrency, procs)), len(range(i, requests, procs)), max_tokens, i)
-            for i in range(procs)]
+    jobs = [(url, model, len(range(i, concurrency, procs)), requests[i::procs]) for i in range(procs)]
     busy = GpuBusy()
     stats0 = ray.get(engine.stats.remote())
     cpu0 = process_cpu_seconds()
@@ -109,11 +151,16 @@ def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model:
     ttft = [x for p in parts for x in p["ttft"]]
     itl = [x for p in parts for x in p["itl"]]
     tokens, chunks = sum(p["tokens"] for p in parts), sum(p["chunks"] for p in parts)
-    return {"concurrency": concurrency, "requests": requests, "tokens": tokens, "seconds": wall,
+    prompt_tokens = sum(p["prompt_tokens"] for p in parts)
+    run = sum(stats["tokens_per_rank"]) - sum(stats0["tokens_per_rank"])  # prompt and decode tokens the workers ran
+    worker_s = stats["phase_seconds"]["worker"] - stats0["phase_seconds"]["worker"]
+    return {"concurrency": concurrency, "requests": len(requests), "tokens": tokens, "seconds": wall,
             "gpu_busy": busy.stop(), "tokens_per_chunk": tokens / max(chunks, 1),
             "tokens_per_s": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
-            "itl_p50": pct(itl, 50), "itl_p99": pct(itl, 99), "cpu": cpu, "wall": wall,
-            "iterations": iterations, "phases": phases}
+            "itl_p50": pct(itl, 50), "itl_p90": pct(itl, 90), "itl_p99": pct(itl, 99), "cpu": cpu, "wall": wall,
+            "iterations": iterations, "phases": phases, "tokens_per_iteration": run / iterations,
+            "prompt_tokens_per_s": prompt_tokens / wall, "worker_us_per_prompt_token": 1e6 * worker_s
+            / max(prompt_tokens, 1), "preemptions": stats.get("preemptions", 0) - stats0.get("preemptions", 0)}
 
 
 def process_cpu_seconds() -> dict[str, float]:
@@ -172,14 +219,16 @@ def main() -> None:
     ap.add_argument("--checkpoint")
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(4C, 16))")
-    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--max-tokens", default="32", help="N or LO:HI (drawn per request, seeded)")
+    ap.add_argument("--prompt-tokens", help="LO:HI: prompts of that many tokens of Python's stdlib source (seeded); "
+                                            "default: short code snippets")
+    ap.add_argument("--seed", type=int, default=0, help="the prompt and max_tokens draws")
     ap.add_argument("--config", help="serve this config's seeded weights (no --checkpoint)")
     ap.add_argument("--set", action="append", default=[], help="config override, with --config")
-    ap.add_argument("--token-budget", type=int, default=256, help="serve.token_budget")
+    ap.add_argument("--token-budget", type=int, help="serve.token_budget (default: the server's, by device)")
     ap.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
-    ap.add_argument("--prefill-hold-ms", type=float, help="serve.prefill_hold_ms (default: the config's)")
     ap.add_argument("--overlap", choices=["on", "off"], help="serve.overlap (default: the config's: on for pp=1)")
     ap.add_argument("--stepwise-prefill-max", type=int, help="serve.stepwise_prefill_max (default: the config's)")
     ap.add_argument("--front-doors", type=int, default=1, help="HTTP front-door processes")
@@ -203,50 +252,56 @@ def main() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     top = max(args.concurrency)
-    serve_cfg = {"slots_per_rank": -(-top // args.ep), "pages_per_rank": 8 * -(-top // args.ep),
-                 "max_waiting": top, "token_budget": args.token_budget, "stream_interval": args.stream_interval,
-                 **({} if args.prefill_hold_ms is None else {"prefill_hold_ms": args.prefill_hold_ms}),
+    serve_cfg = {"max_waiting": top, "stream_interval": args.stream_interval,  # queue room for every client
+                 **({} if args.token_budget is None else {"token_budget": args.token_budget}),
                  **({} if args.overlap is None else {"overlap": args.overlap == "on"}),
                  **({} if args.stepwise_prefill_max is None else {"stepwise_prefill_max": args.stepwise_prefill_max})}
     t_start = time.perf_counter()
     serving = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg,
                             front_doors=args.front_doors)
     url, info = serving.url, serving.info
-    hold_ms = 1e3 * ray.get(serving.engine.__ray_call__.remote(lambda e: e.sched.limits.prefill_hold_s))
     overlap = ray.get(serving.engine.__ray_call__.remote(lambda e: e.overlap))
-    stepwise = ray.get(serving.engine.__ray_call__.remote(lambda e: e.sched.limits.stepwise_prefill_max))
+    sizes = ray.get(serving.engine.__ray_call__.remote(lambda e: e.cfg.serve.model_dump()))
+    stepwise = sizes.get("stepwise_prefill_max")
+    from k3ray.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(info["tokenizer"])
     pool = ProcessPoolExecutor(args.client_procs, mp_context=get_context("spawn")) if args.client_procs > 1 else None
     try:
         if pool is not None:  # every client process started (Python, the openai import) before any level
             list(pool.map(time.sleep, [0.5] * args.client_procs))
         print(f"[serve_load] serving after {time.perf_counter() - t_start:.0f}s", flush=True)
 
-        def run_level(concurrency: int, requests: int, max_tokens: int) -> dict:
+        def run_level(concurrency: int, requests: list[tuple[str, int]]) -> dict:
             t0 = time.perf_counter()
-            row = level(pool, args.client_procs, serving.engine, url, info["model"], concurrency, requests,
-                        max_tokens)
+            row = level(pool, args.client_procs, serving.engine, url, info["model"], concurrency, requests)
             print(f"[serve_load] concurrency {concurrency}: {row['tokens_per_s']:,.0f} tok/s, "
                   f"{time.perf_counter() - t0:.1f}s", flush=True)
             return row
 
-        run_level(1, 2, 4)  # warm-up: first iteration, connections
-        rows = [run_level(c, args.requests or max(4 * c, 16), args.max_tokens) for c in args.concurrency]
+        run_level(1, [(p, 4) for p, _ in workload(tokenizer, 2, args.prompt_tokens, "4", args.seed)])  # warm-up
+        rows = [run_level(c, workload(tokenizer, args.requests or max(4 * c, 16), args.prompt_tokens,
+                                      args.max_tokens, args.seed)) for c in args.concurrency]
     finally:
         if pool is not None:
             pool.shutdown()
         stop_serving(serving)
-    print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, "
-          f"max_tokens={args.max_tokens}, greedy, streaming, stream_interval={args.stream_interval}, "
-          f"{args.front_doors} front doors, clients in {args.client_procs} processes, prefill hold "
-          f"{hold_ms:g} ms, overlap {'on' if overlap else 'off'}, prompts of up to {stepwise} tokens stepwise")
-    print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | tokens per chunk "
-          "| GPU busy |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, prompts "
+          f"{args.prompt_tokens or 'short'} tokens, max_tokens={args.max_tokens} (seed {args.seed}), greedy, "
+          f"streaming, stream_interval={args.stream_interval}, {args.front_doors} front doors, clients in "
+          f"{args.client_procs} processes, overlap {'on' if overlap else 'off'}, prompts of up to {stepwise} tokens "
+          f"stepwise; server sizes: token_budget {sizes.get('token_budget')}, slots {sizes.get('slots_per_rank')}, "
+          f"pages {sizes.get('pages_per_rank')} x {sizes.get('page_size')} tokens per rank")
+    print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p90 / p99 (ms) | tokens per "
+          "iteration | prompt tokens/s | worker us per prompt token | preempted | tokens per chunk | GPU busy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         busy = "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0f} %"
         print(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:,.1f} | {r['ttft_p50']:.3f} / "
-              f"{r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.2f} / {1e3 * r['itl_p99']:.2f} | "
-              f"{r['tokens_per_chunk']:.2f} | {busy} |", flush=True)
+              f"{r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.2f} / {1e3 * r['itl_p90']:.2f} / {1e3 * r['itl_p99']:.2f} "
+              f"| {r['tokens_per_iteration']:.1f} | {r['prompt_tokens_per_s']:,.0f} | "
+              f"{r['worker_us_per_prompt_token']:.1f} | {r['preemptions']} | {r['tokens_per_chunk']:.2f} | {busy} |",
+              flush=True)
     print("\nHost CPU per process kind: share of one core during the level (CPU seconds / wall seconds), and CPU ms "
           "per 1000 output tokens")
     names = sorted({k for r in rows for k, v in r["cpu"].items() if v > 0.05 * r["wall"]})

@@ -92,6 +92,10 @@ class ModelConfig(_Strict):
     quantile_step: float = Field(1.0, gt=0, le=1, description="b <- b + step (b_hat - b); 1 is Quantile Balancing "
                                                               "as released (no step size); below 1 averages one "
                                                               "batch's quantile noise over ~(2 - step)/step steps")
+    quantile_bias_from: Literal["previous_step", "micro_batch"] = Field(
+        "previous_step", description="where a training micro-batch's routing bias comes from: the previous step's "
+                                     "global histogram (as released: one step of lag), or one quantile pass over "
+                                     "the micro-batch's own scores from the step's bias (no lag; model/balancing.py)")
     quantile_resolution: float = Field(1e-5, gt=0, description="the histogram's bins are log-spaced around the "
                                                                "decision boundary: about this wide there, wider in "
                                                                "proportion to the distance (model/balancing.py)")
@@ -292,21 +296,28 @@ class ApiConfig(_Strict):
     token_file: str | None = None
 
 
-DEFAULT_PREFILL_HOLD_MS = 30.0
+# serving defaults by device: a GPU batches as vLLM / SGLang do on an H200 (8,192 tokens per iteration, pools from
+# free memory); the CPU keeps iterations small (its tests and demos stay fast)
+SERVE_DEFAULTS = {"cpu": {"token_budget": 128, "slots_per_rank": 16, "pages_per_rank": 256},
+                  "gpu": {"token_budget": 8192, "slots_per_rank": 256, "pages_per_rank": None}}
 DEFAULT_STEPWISE_PREFILL_MAX = 64
 
 
 class ServeConfig(_Strict):
     """`k3ray serve`: cache pools per data-parallel rank (every EP rank of a stage serves its own requests), the
-    iteration's token budget, and the limits the front door enforces."""
+    iteration's token budget, and the limits the front door enforces. Unset sizes take the device's defaults
+    (`resolved`)."""
     page_size: int = Field(16, gt=0, description="tokens per latent-KV page")
-    pages_per_rank: int = Field(256, gt=0, description="latent-KV pages per data-parallel rank")
-    slots_per_rank: int = Field(16, gt=0, description="KDA state slots per rank: its running requests at most")
-    token_budget: int = Field(128, gt=0, description="tokens per iteration and rank (decode + prefill chunks)")
-    prefill_hold_ms: float | None = Field(None, ge=0, le=1000, description="while requests decode, prompt work "
-                                          "waits up to this long to be batched: fewer eager (prefill) iterations "
-                                          "between graphed decode ones, first tokens later by half of it on average; "
-                                          f"default {DEFAULT_PREFILL_HOLD_MS:g} on GPUs (decode graphs), 0 on CPU")
+    pages_per_rank: int | None = Field(None, gt=0, description="latent-KV pages per data-parallel rank; default "
+                                       "256 on CPU, on GPUs what serve.gpu_memory_fraction of the memory free at "
+                                       "start holds (at most every slot's full context)")
+    slots_per_rank: int | None = Field(None, gt=0, description="KDA state slots per rank: its running requests at "
+                                       "most; default 16 on CPU, 256 on GPUs")
+    token_budget: int | None = Field(None, gt=0, description="tokens per iteration and rank (every decode row plus "
+                                     "prompt chunks); default 128 on CPU, 8192 on GPUs")
+    gpu_memory_fraction: float = Field(0.8, gt=0, le=1, description="GPUs: the part of the memory free once the "
+                                       "weights are loaded that the latent-KV pages may take (the rest: activations "
+                                       "of a full iteration, CUDA graphs)")
     stepwise_prefill_max: int | None = Field(None, ge=0, description="prompts of at most this many tokens are fed "
                                              "one token per iteration as decode rows, so their iterations replay "
                                              "the decode CUDA graph instead of running a prefill chunk eagerly; "
@@ -330,6 +341,15 @@ class ServeConfig(_Strict):
     recovery_backoff_s: float = Field(1.0, ge=0, le=60, description="wait before the 2nd attempt, doubling after")
     unavailable_wait_s: float = Field(30.0, ge=0, description="while no grid serves, how long a new request waits "
                                                               "(then 503) and a stream in flight (then an error)")
+
+    def resolved(self, device: str = "cpu", ep: int = 1) -> "ServeConfig":
+        """This config with its unset sizes filled for `device` ('cpu', 'cuda') and a grid of `ep` EP ranks. On a
+        GPU pages_per_rank stays unset: the grid measures it when it starts (k3ray.serve.grid)."""
+        defaults = SERVE_DEFAULTS["cpu" if device == "cpu" else "gpu"]
+        update = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        if self.stepwise_prefill_max is None:
+            update["stepwise_prefill_max"] = DEFAULT_STEPWISE_PREFILL_MAX if device != "cpu" and ep == 1 else 0
+        return self.model_copy(update=update)
 
 
 POLICY_NAMES: tuple[str, ...] = tuple(PoliciesConfig.model_fields)  # the live policies, in one place

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3ray.control.local_nodes import free_ports, join_node, start_raylet, stop_node
 
@@ -35,11 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 # configs/tiny.yaml with every feature of the released K3 on, at tiny size (`load_config(tiny, RELEASED)`): q-LoRA
 # MLA without RoPE (a 4-wide unrotated slice), MLA layers listed, a dense first layer, KDA's short convolution,
 # lower-bound gate and scaled read, Block AttnRes over blocks of 2 layers (with pp=2 the second stage receives a block
-# summary), RMSNorm eps 1e-5.
+# summary), RMSNorm eps 1e-5, and each micro-batch routed with the bias from its own scores.
 RELEASED = {"model.q_lora_rank": 24, "model.mla_rope_dim": 4, "model.mla_rope": False, "model.mla_layers": [1, 3],
             "model.first_dense_layers": 1, "model.dense_inner": 96, "model.kda_conv_size": 4,
             "model.kda_gate_lower_bound": -5.0, "model.kda_scaled_read": True, "model.attn_res_block_size": 2,
-            "model.norm_eps": 1e-5}
+            "model.norm_eps": 1e-5, "model.quantile_bias_from": "micro_batch"}
 
 # The fault, drill, node, runtime and checkpoint tests (and the serving tests' checkpoint) train on 2 sequences per
 # micro-batch, not tiny.yaml's 8: their claims (exact trajectories, recoveries) hold at any batch size, at a quarter
@@ -206,3 +207,12 @@ def serving_engine(checkpoint: str, pp: int, ep: int, serve: dict):
     finally:
         ray.get(engine.shutdown.remote(), timeout=120)
         ray.kill(engine, no_restart=True)
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on a small shared machine two threads oversubscribe the cores and run ~5x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

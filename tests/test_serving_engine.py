@@ -11,7 +11,8 @@ import torch
 from conftest import RELEASED
 from k3ray.config import load_config
 from k3ray.faults import poison_token
-from k3ray.serve.scheduler import EngineLimits, Overloaded, Scheduler
+from k3ray.config import ServeConfig
+from k3ray.serve.scheduler import Overloaded, Scheduler
 from k3ray.data import chat_prompt, decode, encode
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams, visible_ids
@@ -33,10 +34,9 @@ def model():
 
 
 def engine(model, budget=24, pages=48, page_size=4, slots=8, max_waiting=64):
-    sizes = PoolSizes(pages=pages, page_size=page_size, slots=slots)
-    limits = EngineLimits(max_seq_len=model.cfg.max_seq_len, token_budget=budget, max_waiting=max_waiting,
-                          pools=sizes)
-    return Scheduler(limits), LocalExecutor(model, sizes)
+    serve = ServeConfig(page_size=page_size, pages_per_rank=pages, slots_per_rank=slots, token_budget=budget,
+                        max_waiting=max_waiting)
+    return Scheduler(serve, model.cfg.max_seq_len), LocalExecutor(model, PoolSizes(pages, page_size, slots))
 
 
 def run(sched, executor, submit_at: dict[int, list] | None = None) -> int:
@@ -72,32 +72,50 @@ def test_batched_engine_equals_reference_greedy(model):
     assert sched.usage()["pages_used"] == 0 and sched.usage()["slots_used"] == 0
 
 
-def test_prefill_hold_batches_prompt_work_while_requests_decode_and_changes_no_output(model):
-    """With a hold, prompts that arrive while others decode wait (decode-only iterations) until the hold since the
-    last prompt work has passed, then start together; with nothing decoding they start at once. Outputs are those of
-    the reference either way."""
+def test_prompts_that_arrive_while_others_decode_start_at_once_together(model):
+    """No hold: prompts that arrive while a request decodes are all prefilled in the next iteration beside its
+    decode row (several prompts share an iteration, oldest first); a prompt longer than what the budget leaves gets
+    a partial chunk. Outputs are the reference's."""
     prompts = [encode(t) for t in TEXTS[:6]]
     params = [SamplingParams(max_tokens=20 if i == 0 else 8) for i in range(len(prompts))]
     want = [generate_reference(model, p, sp)[0] for p, sp in zip(prompts, params)]
-    now = [0.0]
-    sched, ex = engine(model, budget=256, pages=96)
-    sched.clock = lambda: now[0]
-    sched.limits.prefill_hold_s = 0.010  # one hold = 10 iterations of this fake clock's 1 ms
+    sched, ex = engine(model, budget=100, pages=96)
     first = sched.submit(prompts[0], params[0])
-    plans = sched.schedule()  # nothing decodes: the prompt starts at once
-    assert plans[0][0].counts == [len(prompts[0])]
-    sched.complete(plans, ex.run({r: p for r, (p, _) in plans.items()}))
+    sched.step(ex)
     late = [sched.submit(p, sp) for p, sp in zip(prompts[1:], params[1:])]
-    counts = []
+    plans = sched.schedule()
+    counts = plans.ranks[0].plan.counts
+    assert counts[0] == 1 and len(counts) == 6 and plans.total_tokens == sum(counts) <= 100
+    assert counts[1:-1] == [len(p) for p in prompts[1:-1]] and 0 < counts[-1] < len(prompts[-1])
+    sched.complete(plans, ex.run(plans.plans()))
     while sched.has_work:
-        now[0] += 0.001
-        plans = sched.schedule()
-        counts.append(list(plans[0][0].counts))
-        sched.complete(plans, ex.run({r: p for r, (p, _) in plans.items()}))
-    assert counts[0] == [1]  # the first request decodes alone while the others wait for the hold
-    started = next(i for i, c in enumerate(counts) if len(c) > 1)
-    assert 8 <= started <= 10 and sorted(counts[started])[-5:] == sorted(len(p) for p in prompts[1:])
+        sched.step(ex)
     assert [r.out for r in [first, *late]] == want
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
+def test_pages_are_allocated_on_demand_and_preemption_recomputes_without_changing_outputs(model, overlap):
+    """Pools too small for every request's whole length: pages are taken as requests grow (admission needs only
+    the first chunk's), and where they run out the newest requests give theirs back and are prefilled again from
+    prompt + output. Greedy and seeded outputs equal the reference (no token lost or repeated), the preempted
+    requests' streams included; every page comes back."""
+    from test_serving_overlap import drive
+
+    params = [SamplingParams(max_tokens=16 + i % 5, temperature=0.8 if i % 3 == 1 else 0.0, seed=30 + i)
+              for i in range(10)]
+    prompts = [encode(t) for t in TEXTS[:10]]
+    want = [generate_reference(model, p, sp)[0] for p, sp in zip(prompts, params)]
+    sched, ex = engine(model, budget=32, pages=32, page_size=4, slots=8)
+    log = []
+    drive(sched, ex, overlap, submit_at={0: list(zip(prompts, params))}, log=log)
+    reqs = sorted(sched.requests.values(), key=lambda r: r.id)
+    assert [r.out for r in reqs] == want
+    preempted = {rid for plans in log for rid in plans.preempted}
+    assert sched.preemptions >= 2 and len(preempted) >= 2
+    assert sum(len(b.plan.grow) for plans in log for b in plans.ranks.values()) > 10
+    assert sum(-(-(len(p) + sp.max_tokens) // 4) for p, sp in zip(prompts[:8], params)) > 32  # 8 slots: no fit
+    usage = sched.usage()
+    assert (usage["pages_used"], usage["slots_used"]) == (0, 0) and not sched.held
 
 
 def test_stepwise_prefill_feeds_short_prompts_as_decode_rows_and_changes_no_output(model):
@@ -110,13 +128,13 @@ def test_stepwise_prefill_feeds_short_prompts_as_decode_rows_and_changes_no_outp
     prompts = [encode(t) for t in TEXTS]
     want = [generate_reference(model, p, sp)[0] for p, sp in zip(prompts, params)]
     sched, ex = engine(model)
-    sched.limits.stepwise_prefill_max = limit
+    sched.serve = sched.serve.model_copy(update={"stepwise_prefill_max": limit})
     rows = []  # (tokens to prefill when the row was planned, its count)
 
     def iteration():
         plans = sched.schedule()
-        rows.extend((r.length, c) for plan, reqs in plans.values() for r, c in zip(reqs, plan.counts))
-        sched.complete(plans, ex.run({r: p for r, (p, _) in plans.items()}))
+        rows.extend((r.length, c) for b in plans.ranks.values() for r, c in zip(b.requests, b.plan.counts))
+        sched.complete(plans, ex.run(plans.plans()))
 
     reqs = [sched.submit(p, sp) for p, sp in zip(prompts[:4], params[:4])]
     for _ in range(3):
@@ -173,12 +191,13 @@ def test_cancel_frees_pages_and_slots_and_spares_the_others(model):
     queued = sched.submit(encode("y"), SamplingParams(max_tokens=5))
     sched.step(ex)
     sched.step(ex)
-    used = sched.usage()["pages_used"]
-    assert used > 0 and gone[0].out
+    assert gone[0].out
     plans = sched.schedule()  # cancel one request while its iteration is in flight: freed when it completes
+    used = sched.usage()["pages_used"]  # (scheduling takes the pages the rows grow into)
+    assert used > 0
     sched.cancel(gone[0].id)
     assert sched.usage()["pages_used"] == used
-    sched.complete(plans, ex.run({r: p for r, (p, _) in plans.items()}))
+    sched.complete(plans, ex.run(plans.plans()))
     sched.cancel(gone[1].id)  # between iterations: freed at once
     sched.cancel(queued.id)  # still waiting
     sched.cancel(gone[2].id)
@@ -205,7 +224,7 @@ def test_requests_whose_caches_were_lost_are_prefilled_again_and_end_as_undistur
     before = {r.id: list(r.out) for r in reqs}
     assert sum(1 for r in reqs if r.out and not r.done) >= 4
     plans = sched.schedule()  # lost with the iteration in flight: its plans are never completed
-    cancelled = plans[0][1][0]
+    cancelled = plans.ranks[0].requests[0]
     sched.cancel(cancelled.id)
     admitted = [r for r in sched.running.values() if r is not cancelled]
     requeued = sched.reset(dp=1)
@@ -301,7 +320,7 @@ def test_decode_iterations_do_no_work_that_grows_with_the_context(model, monkeyp
         built = []
         monkeypatch.setattr(Request, "ids", property(lambda r: built.append(r.id) or r.prompt + r.out))
         plans = sched.schedule()
-        plan = plans[0][0]
+        plan = plans.ranks[0].plan
         assert plan.counts == [1, 1, 1] and len(plan.tokens) == 3 and plan.admit == []
         sizes[prompt_len] = len(pickle.dumps(plan))
         sched.complete(plans, ex.run({0: plan}))

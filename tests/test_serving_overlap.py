@@ -14,7 +14,8 @@ import torch
 
 from k3ray.config import load_config
 from k3ray.faults import poison_token
-from k3ray.serve.scheduler import EngineLimits, Scheduler
+from k3ray.config import ServeConfig
+from k3ray.serve.scheduler import Scheduler
 from k3ray.data import encode
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams
@@ -37,10 +38,10 @@ class SpaceEnds(ByteTokenizer):
 
 
 def engine(model, budget=24, pages=96, page_size=4, slots=8):
-    sizes = PoolSizes(pages=pages, page_size=page_size, slots=slots)
-    limits = EngineLimits(max_seq_len=model.cfg.max_seq_len, token_budget=budget, max_waiting=64, pools=sizes,
-                          tokenizer=SpaceEnds())
-    return Scheduler(limits), LocalExecutor(model, sizes)
+    serve = ServeConfig(page_size=page_size, pages_per_rank=pages, slots_per_rank=slots, token_budget=budget,
+                        max_waiting=64)
+    return (Scheduler(serve, model.cfg.max_seq_len, tokenizer=SpaceEnds()),
+            LocalExecutor(model, PoolSizes(pages, page_size, slots)))
 
 
 def drive(sched, ex, overlap: bool, submit_at=None, cancel_at=None, log=None) -> dict[int, int]:
@@ -58,13 +59,14 @@ def drive(sched, ex, overlap: bool, submit_at=None, cancel_at=None, log=None) ->
             ahead = None
         plans = sched.schedule()
         if ahead is not None:  # nothing of the plan in flight is reused by the next one
-            for rank, (plan, _) in plans.items():
-                assert {a.slot for a in plan.admit}.isdisjoint(ahead[0][rank][0].slots)
-        for plan, rows in plans.values():
-            run_tokens.update({r.id: n for r, n in zip(rows, plan.counts)})
+            for rank, batch in plans.ranks.items():
+                assert {a.slot for a in batch.plan.admit}.isdisjoint(ahead[0].ranks[rank].plan.slots)
+        for batch in plans.ranks.values():
+            run_tokens.update({r.id: n for r, n, e in zip(batch.requests, batch.plan.counts, batch.epochs)
+                               if e == r.epoch})
         if log is not None:
             log.append(plans)
-        outputs = ex.run({r: p for r, (p, _) in plans.items()})
+        outputs = ex.run(plans.plans())
         if ahead is not None:
             sched.complete(*ahead)
         ahead, i = (plans, outputs), i + 1
@@ -105,7 +107,7 @@ def test_overlapped_iterations_equal_sequential_ones(model):
     finishes = Counter(f for _, f in want)
     eos = [out for out, f in want if f == "stop" and out[-1] == SpaceEnds.eos_id]
     assert len(want) >= 16 and finishes["length"] and finishes["stop"] > len(eos) > 0  # EOS and stop strings
-    assert sum(sum(p.from_device) for plans in log for p, _ in plans.values()) > 50
+    assert sum(sum(b.plan.from_device) for plans in log for b in plans.ranks.values()) > 50
     for r in sched.requests.values():
         extra = ran[r.id] - (r.length - 1)
         assert extra == 0 if r.finish == "length" else extra in (0, 1), f"request {r.id} ({r.finish})"
@@ -130,7 +132,7 @@ def test_a_guard_trip_fails_one_request_alone_with_iterations_overlapped(model):
     params = SamplingParams(max_tokens=10)
     want = [generate_reference(model, encode(t), params)[0] for t in texts]
     sched, ex = engine(model, budget=16, pages=24, slots=2)
-    sched.limits.tokenizer = ByteTokenizer()
+    sched.tokenizer = ByteTokenizer()
     handle = poison_token(model, poison)
     try:
         bad_prompt = encode("x = 1\n" * 4 + "~ = 2\n")
@@ -152,15 +154,15 @@ def test_a_grid_lost_with_two_iterations_in_flight_discards_both(model):
     prompts = [encode(t) for t in TEXTS[:9]]
     want = [generate_reference(model, p, sp)[0] for p, sp in zip(prompts, params)]
     sched, ex = engine(model, slots=6)
-    sched.limits.tokenizer = ByteTokenizer()
+    sched.tokenizer = ByteTokenizer()
     reqs = [sched.submit(p, sp) for p, sp in zip(prompts, params)]
     for _ in range(5):
         sched.step(ex)
     before = {r.id: list(r.out) for r in reqs}
     n = sched.schedule()
-    ex.run({r: p for r, (p, _) in n.items()})
+    ex.run(n.plans())
     n1 = sched.schedule()  # n+1 before n's tokens are back
-    assert any(n1[0][0].from_device) and any(r.unconfirmed == 2 for r in sched.running.values())
+    assert any(n1.ranks[0].plan.from_device) and any(r.unconfirmed == 2 for r in sched.running.values())
     requeued = sched.reset(dp=1)
     assert len(requeued) >= 4 and all(r.planned == r.unconfirmed == r.in_flight == 0 for r in requeued)
     assert {r.id: r.out for r in reqs} == before and sched.usage()["pages_used"] == 0
@@ -227,17 +229,18 @@ def test_overlapped_iterations_with_stepwise_prefill_equal_sequential_ones(model
     seq, ex = engine(model)
     drive(seq, ex, overlap=False, submit_at=workload())
     sched, ex = engine(model)
-    sched.limits.stepwise_prefill_max = 16
+    sched.serve = sched.serve.model_copy(update={"stepwise_prefill_max": 16})
     log = []
     drive(sched, ex, overlap=True, submit_at=workload(), log=log)
     assert outcomes(sched) == outcomes(seq)
-    rows = [(r.length, c) for plans in log for plan, reqs in plans.values() for r, c in zip(reqs, plan.counts)]
+    rows = [(r.length, c) for plans in log for b in plans.ranks.values() for r, c in zip(b.requests, b.plan.counts)]
     assert sum(length <= 16 for length, _ in rows) > 30 and all(c == 1 for length, c in rows if length <= 16)
     assert sched.usage()["pages_used"] == sched.usage()["slots_used"] == 0
 
 
 def test_stepwise_prefill_defaults_on_where_decode_iterations_are_graphs():
-    from k3ray.serve.engine import stepwise_prefill_max
+    def stepwise_prefill_max(cfg):
+        return cfg.serve.resolved(cfg.parallel.device, cfg.parallel.ep).stepwise_prefill_max
 
     assert stepwise_prefill_max(load_config("configs/tiny.yaml", {})) == 0  # CPU: every iteration eager
     gpu = {"parallel.device": "cuda", "parallel.ep": 1}
@@ -288,3 +291,20 @@ def test_whoever_waits_between_iterations_gets_in_with_nothing_in_flight(model):
     assert seen == [0, 0, 0]
     for i, items in enumerate(streams):
         assert [t for item in items for t in item.get("tokens", [])] == reference(model, i)
+
+
+def test_serving_sizes_default_by_device_and_gpu_pools_fit_the_free_memory():
+    """Unset sizes take the device's defaults (a GPU: 8,192 tokens per iteration and 256 slots, as vLLM / SGLang on
+    an H200; pages measured at start); a set value stands. The pages that fit grow with the free memory, up to every
+    slot's whole context."""
+    from k3ray.config import ServeConfig
+    from k3ray.model.cache import pages_that_fit
+
+    cpu, gpu = ServeConfig().resolved("cpu"), ServeConfig().resolved("cuda")
+    assert (cpu.token_budget, cpu.slots_per_rank, cpu.pages_per_rank) == (128, 16, 256)
+    assert (gpu.token_budget, gpu.slots_per_rank, gpu.pages_per_rank) == (8192, 256, None)
+    assert ServeConfig(token_budget=512).resolved("cuda").token_budget == 512
+    cfg = load_config("configs/tiny.yaml", {}).model
+    layers = range(cfg.n_layers)
+    few, more, all_ = (pages_that_fit(cfg, layers, 16, 8, b) for b in (2**17, 2**18, 2**40))
+    assert 0 < few < more < all_ == 8 * (-(-cfg.max_seq_len // 16))

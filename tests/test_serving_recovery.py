@@ -284,7 +284,7 @@ def test_recovery_interrupted_in_assume_plans_on_the_nodes_totals(cfg, monkeypat
     FakeGroup.launched = []
     grid_cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"pp": 2, "ep": 2}),
                                       "fault_tolerance": cfg.fault_tolerance.model_copy(update={"spares": 1})})
-    grid = serve_grid.ServingGrid(grid_cfg, {}, sizes(cfg))
+    grid = serve_grid.ServingGrid(grid_cfg, {})
     grid.group = FakeGroup(grid_cfg, 2, serve_grid.recovery.grow(cfg.model.n_experts, 2).tolist())
     out = grid.recover(WorkerLost({3}, "ActorDiedError in serve_step"))
     assert out["interrupted"] == ["lost world ranks [0]: ActorDiedError in assume"]

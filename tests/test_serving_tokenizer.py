@@ -9,7 +9,8 @@ import pytest
 
 from k3ray.serve import openai_schema as oa
 from k3ray.serve.front_door import prompt_ids
-from k3ray.serve.scheduler import EngineLimits, Scheduler
+from k3ray.config import ServeConfig
+from k3ray.serve.scheduler import Scheduler
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import PoolSizes, StageOutput
 from k3ray.tokenizer import load_tokenizer
@@ -45,7 +46,8 @@ class ScriptedExecutor:
 def serve(tok, outputs: list[str], params: list[SamplingParams]) -> list[tuple[list[str], object]]:
     """Run requests to the end; per request the text pieces as an engine streams them (one per iteration) and the
     request."""
-    sched = Scheduler(EngineLimits(max_seq_len=128, token_budget=16, pools=SIZES, tokenizer=tok))
+    sched = Scheduler(ServeConfig(page_size=SIZES.page_size, pages_per_rank=SIZES.pages, slots_per_rank=SIZES.slots,
+                                  token_budget=16), max_seq_len=128, tokenizer=tok)
     reqs = [sched.submit(tok.encode("<|user|>say it<|assistant|>"), p) for p in params]
     executor = ScriptedExecutor(sched, {r.id: tok.encode(o) for r, o in zip(reqs, outputs)}, tok.eos_id)
     sent, pieces = {r.id: 0 for r in reqs}, {r.id: [] for r in reqs}

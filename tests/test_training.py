@@ -27,15 +27,6 @@ def test_batches_are_replayable_and_distinct():
     assert not torch.equal(data.val_batch(0), data.val_batch(1))
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread: on a small shared machine two threads oversubscribe the cores and run ~5x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_tiny_training_lowers_validation_loss_by_30_percent(one_thread):
     # 60 steps of 4 sequences: ~0.45x (100 steps of 8: ~0.42x, 200: ~0.37x)
     cfg = load_config(TINY, {"train.steps": 60, "parallel.ep": 1, "data.micro_batch_size": 4})

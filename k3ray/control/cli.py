@@ -196,6 +196,20 @@ def cmd_plan(args) -> int:
     from k3ray.sim import format_table, run_simulation
 
     cfg = load_config(args.config, parse_assignments(args.set))
+    goodput_flags = (args.gpus, args.spares, args.snapshot_every, args.checkpoint_every, args.days, args.calibration,
+                     args.svg)
+    if not args.faults and any(flag is not None for flag in goodput_flags):
+        raise UsageError("plan: --gpus, --spares, --snapshot-every, --checkpoint-every, --days, --calibration and "
+                         "--svg go with --faults")
+    if args.faults:
+        from k3ray.goodput.report import plan_command
+
+        try:
+            print(plan_command(cfg, args.faults, args.gpus, args.spares, args.snapshot_every, args.checkpoint_every,
+                               args.days, args.seed, args.calibration, args.svg, args.json))
+        except ValueError as err:
+            raise UsageError(f"plan --faults: {err}") from None
+        return 0
     try:
         result = run_simulation(cfg, ranks=args.ranks, trace=args.trace, steps=args.steps, layers=args.layers,
                                 tokens_per_rank=args.tokens_per_rank, seed=args.seed, progress=not args.json)
@@ -286,6 +300,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override config fields, e.g. policies.moonep.ib_gb_per_s=25 policies.moonep.ranks_per_node=4")
     pl.add_argument("--json", action="store_true")
+    g = pl.add_argument_group("goodput under faults (k3ray.goodput): --faults replaces the placement simulation")
+    g.add_argument("--faults", help="llama3 | mtbf:H | node-mtbf:H | hang-mtbf:H (joined by +) | a YAML/JSON file")
+    g.add_argument("--gpus", help="GPU counts, whole replicas of pp x ep (default 1024,4096,16384)")
+    g.add_argument("--spares", help="hot spare GPUs (default fault_tolerance.spares)")
+    g.add_argument("--snapshot-every", help="steps (default fault_tolerance.snapshot_every)")
+    g.add_argument("--checkpoint-every", help="steps, 0 = none (default checkpoint.every_n_steps)")
+    g.add_argument("--days", help="days simulated (default 54)")
+    g.add_argument("--calibration", metavar="FILE", help="measured phase figures (python -m k3ray.goodput.calibration)")
+    g.add_argument("--svg", metavar="FILE", help="write a plot of goodput against GPUs")
     pl.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("submit", help="submit `k3ray train --config X` to a cluster as a Ray job; prints the job id")

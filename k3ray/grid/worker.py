@@ -227,6 +227,16 @@ class Worker:
         return graphs.capture_all() if capture_graphs and graphs is not None else 0
 
     @fenced
+    def serve_pages_that_fit(self, page_size: int, slots: int, fraction: float) -> int:
+        """Latent pages of this worker's stage that `fraction` of its device's free memory holds beside `slots`
+        sequences' state (k3ray.model.cache.pages_that_fit)."""
+        from k3ray.model.cache import pages_that_fit
+
+        e = self.engine
+        free, _ = torch.cuda.mem_get_info(e.device)
+        return pages_that_fit(e.cfg.model, e.layers, page_size, slots, fraction * free)
+
+    @fenced
     def serve_step(self, plan):
         """This worker's part of a serving iteration: its rank's plan (k3ray.parallel.serving.RankPlan) in, a
         StageOutput out."""

@@ -14,7 +14,7 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | kda_decode_slots(q, k, v, g, beta, pool, slots) | kda.*_reference | kda.*_fla | - |
 | kda_context_parallel(q, k, v, g, beta, group) | kda.*_context_parallel_reference | kda.*_context_parallel_fla | all |
 | kda_gate(raw, A_log, dt_bias, lower_bound) | kda.kda_gate_reference | kda.kda_gate_fla | all |
-| short_conv(x, weight, state, output_final_state, cu_seqlens) | short_conv.*_reference | short_conv.*_fla (no state) | all |
+| short_conv(x, weight, state, output_final_state, cu_seqlens) | short_conv.*_reference | *_fla (no state), *_varlen | all |
 
 Every public function here runs outside torch.compile's graphs (`outside_compile`): a compiled decoder block
 (execution.compile_blocks) breaks its graph around each kernel call instead of tracing into Triton launchers and fla's
@@ -111,11 +111,13 @@ def _fla(t: torch.Tensor) -> bool:
 
 
 @outside_compile
-def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None):
+def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  cu_seqlens_cpu=None):
     """KDA for training and prefill (see kernels/kda.py for shapes): fla's chunk_kda, or the torch reference (the
-    chunked one for sequences longer than one chunk). Returns (o, final state or None)."""
+    chunked one for sequences longer than one chunk). Returns (o, final state or None). cu_seqlens_cpu: the offsets
+    on the host too (serving: no host sync inside the forward)."""
     if _fla(q):
-        return _kda.kda_chunk_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+        return _kda.kda_chunk_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu)
     ref = _kda.kda_chunk_reference if q.shape[1] > _kda.CHUNK else _kda.kda_recurrent_reference
     return ref(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
 
@@ -155,11 +157,15 @@ def kda_gate(raw, A_log, dt_bias, lower_bound=None):
 @outside_compile
 def short_conv(x, weight, state=None, output_final_state=False, cu_seqlens=None):
     """Causal short convolution + SiLU (kernels/short_conv.py). fla's kernel on CUDA when no state is carried (training
-    and whole-sequence forward); the torch reference otherwise (serving carries each request's last W-1 inputs)."""
-    if _backend != "reference" and x.is_cuda and _conv.fla_conv() is not None and state is None \
-            and not output_final_state:
-        return _conv.short_conv_fla(x, weight, state, output_final_state, cu_seqlens)
-    return _conv.short_conv_reference(x, weight, state, output_final_state, cu_seqlens)
+    and whole-sequence forward); with a carried state (serving keeps each request's last W-1 inputs) every packed
+    sequence at once (short_conv_varlen)."""
+    if _backend == "reference":
+        return _conv.short_conv_reference(x, weight, state, output_final_state, cu_seqlens)
+    if state is None and not output_final_state:
+        if x.is_cuda and _conv.fla_conv() is not None:
+            return _conv.short_conv_fla(x, weight, state, output_final_state, cu_seqlens)
+        return _conv.short_conv_reference(x, weight, state, output_final_state, cu_seqlens)
+    return _conv.short_conv_varlen(x, weight, state, output_final_state, cu_seqlens)
 
 
 __all__ = ["situ_glu", "grouped_expert_ffn", "permute_rows", "unpermute_rows", "score_histogram", "kda_attention",

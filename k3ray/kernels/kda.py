@@ -25,6 +25,7 @@ fla's chunk_kda(cp_context=...) does the same on CUDA.
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -213,10 +214,20 @@ def _fla_inputs(q, k, v, g, beta):
     return q.to(dt), k.to(dt), v, g.float(), beta.to(dt)
 
 
-def kda_chunk_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None):
+@functools.cache
+def _takes_cu_seqlens_cpu(fn) -> bool:
+    return "cu_seqlens_cpu" in inspect.signature(fn).parameters
+
+
+def kda_chunk_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  cu_seqlens_cpu=None):
+    """cu_seqlens_cpu: the same offsets on the host, where fla takes them: its chunk indices are then computed from
+    them, not by reading cu_seqlens back from the device (a host sync mid-forward)."""
     chunk_kda, _ = fla_ops()
+    host = {"cu_seqlens_cpu": cu_seqlens_cpu} if cu_seqlens_cpu is not None and _takes_cu_seqlens_cpu(chunk_kda) \
+        else {}
     o, s = chunk_kda(*_fla_inputs(q, k, v, g, beta), scale=1.0, initial_state=initial_state,
-                     output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, **host)
     return o.to(v.dtype), s
 
 

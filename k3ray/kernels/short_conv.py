@@ -11,7 +11,8 @@ cu_seqlens=None).
 
 | function | what |
 |---|---|
-| short_conv_reference | torch (any device); carries the state (serving's decode and chunked prefill) |
+| short_conv_reference | torch (any device), one sequence at a time; carries the state |
+| short_conv_varlen | torch (any device), every packed sequence at once by one gather: serving's chunked prefill |
 | short_conv_fla | fla.modules.causal_conv1d on CUDA (training: no state in or out) |
 """
 from __future__ import annotations
@@ -51,6 +52,36 @@ def short_conv_reference(x, weight, state=None, output_final_state=False, cu_seq
     out_dtype = x.dtype if state is None else state.dtype
     final = torch.cat(states).to(out_dtype) if states else x.new_zeros(0, weight.shape[1] - 1, x.shape[2])
     return y, final
+
+
+def short_conv_varlen(x, weight, state=None, output_final_state=False, cu_seqlens=None):
+    """`short_conv_reference` with the packed sequences all at once (no loop, no host sync: a CUDA graph can hold
+    it): each token's W inputs gathered from [carried states | x], then one weighted sum. Without cu_seqlens, the
+    reference (rows of equal length are one batched convolution already)."""
+    if cu_seqlens is None:
+        return short_conv_reference(x, weight, state, output_final_state)
+    if x.shape[0] != 1:
+        raise ValueError(f"cu_seqlens needs the sequences packed into batch 1, got batch {x.shape[0]}")
+    T, C, W, N = x.shape[1], x.shape[2], weight.shape[1], cu_seqlens.numel() - 1
+    f32 = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dev, w1 = x.device, W - 1
+    past = x.new_zeros(N, w1, C, dtype=f32) if state is None else state.to(f32)
+    full = torch.cat([past.reshape(N * w1, C), x[0].to(f32)])  # [N (W-1) + T, C]
+    cu = cu_seqlens.to(dev, torch.int64)
+    t = torch.arange(T, device=dev)
+    seq = torch.searchsorted(cu[1:], t, right=True)  # [T] each token's sequence
+    j = t - cu[seq]  # [T] its place in the sequence
+    d = torch.arange(w1, -1, -1, device=dev)  # [W] how far back weight column w reads: W-1-w
+    back = j[:, None] - d[None, :]  # [T, W] the input's place in the sequence (< 0: in the carried state)
+    src = torch.where(back >= 0, N * w1 + t[:, None] - d[None, :], seq[:, None] * w1 + w1 + back)
+    y = F.silu((full[src] * weight.to(f32).t()[None]).sum(1)).to(x.dtype)[None]  # [1, T, C]
+    if not output_final_state:
+        return y, None
+    lengths = cu[1:] - cu[:-1]
+    k = torch.arange(-w1, 0, device=dev)  # the last W-1 places, relative to each sequence's end
+    at = lengths[:, None] + k[None, :]  # [N, W-1]
+    idx = torch.where(at >= 0, N * w1 + cu[:-1, None] + at, torch.arange(N, device=dev)[:, None] * w1 + w1 + at)
+    return y, full[idx].to(x.dtype if state is None else state.dtype)
 
 
 @functools.cache

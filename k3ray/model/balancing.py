@@ -15,6 +15,16 @@ puts the margins of most tokens near the boundary within 1e-3 of each other, one
 interpolated quantile is then off by a large share of the tokens and the bias oscillates (MaxVio 0.6-2.5 on gpu2,
 ~1 in benchmarks/quantile_balance.py, 0.09 with the log-spaced bins). Margins beyond +-w clamp to the edge bins,
 which bounds one update's move to w. Counts are integers: the cross-rank cost is one integer all-reduce.
+
+Where the quantile is taken (model.quantile_bias_from). "previous_step", as released: the bias of step t+1 comes from
+step t's global histogram, so it lags the router by one step of training (a different batch, weights before the
+optimizer step); measured on real router inputs (benchmarks/quantile_balance.py over a benchmarks/balance_dump.py
+dump) that lag, not drift of the ideal bias, saturation or ties, is what leaves MaxVio near 1 at a high learning rate
+(and the 0.3 step size of the smoothing doubles it). "micro_batch": each training micro-batch is routed with the bias
+from one quantile pass over its own scores, started from the step's bias; the step's bias is still updated from the
+global histogram as above and is what evaluation, serving and checkpoints hold, and what the next step starts from.
+The micro-batch's bias is a pure function of its scores and the step's bias, so a replay and the distributed run
+route exactly as the reference trainer does.
 """
 from __future__ import annotations
 
@@ -62,9 +72,7 @@ def quantile_bias(counts_Eb: torch.Tensor, bias_E: torch.Tensor, top_k: int, win
     log-spaced coordinate)."""
     num_experts, bins = counts_Eb.shape
     counts = counts_Eb.double()
-    total = counts[0].sum()
-    if total == 0:
-        return bias_E
+    total = counts[0].sum()  # an empty histogram keeps the bias (a where, not a host sync: called per micro-batch)
     target = total * top_k / num_experts
     # above[j, i] = tokens of expert j in bins >= i (above[:, bins] = 0)
     above = torch.cat([counts.flip(1).cumsum(1).flip(1), counts.new_zeros(num_experts, 1)], dim=1)
@@ -75,7 +83,7 @@ def quantile_bias(counts_Eb: torch.Tensor, bias_E: torch.Tensor, top_k: int, win
     frac = torch.where(in_bin > 0, need / in_bin.clamp(min=1), torch.zeros_like(need)).clamp(0, 1)
     quantile = unwarp_margins(-1 + (i.double() + 1 - frac) * (2 / bins), window, resolution)
     b_hat = bias_E.double() - quantile
-    return (b_hat - b_hat.mean()).to(bias_E.dtype)
+    return torch.where(total > 0, b_hat - b_hat.mean(), bias_E.double()).to(bias_E.dtype)
 
 
 def sign_bias(load_E: torch.Tensor, bias_E: torch.Tensor, rate: float) -> torch.Tensor:

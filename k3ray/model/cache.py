@@ -21,21 +21,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from k3ray.config import ModelConfig
-from k3ray.dtypes import up32
 from k3ray.kernels import kda_attention, kda_decode_slots, short_conv
+from k3ray.model.serving_attention import decode_attention, prompt_attention
 
 
 @dataclass(frozen=True)
 class SeqAdmit:
-    """A sequence new on a data-parallel rank: its state slot, its KV pages and its sampling parameters."""
+    """A sequence new on a data-parallel rank: its state slot, its first KV pages and its sampling parameters."""
     slot: int
     pages: list[int]
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+
+
+@dataclass(frozen=True)
+class SeqPages:
+    """KV pages a running sequence grew by: they take its page table's entries first, first + 1, ..."""
+    slot: int
+    first: int
+    pages: list[int]
 
 
 class CachePools:
@@ -88,6 +95,16 @@ class CachePools:
         self.top_p[slots] = torch.tensor([s.top_p for s in seqs], dtype=torch.float32, device=dev)
         self.seed[slots] = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
 
+    def grow(self, seqs: list[SeqPages]) -> None:
+        """Append pages to running sequences' page tables (one copy for all)."""
+        if not seqs:
+            return
+        rows = [s.slot for s in seqs for _ in s.pages]
+        cols = [s.first + i for s in seqs for i in range(len(s.pages))]
+        dev = self.page_table.device
+        self.page_table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
+            [p for s in seqs for p in s.pages], dtype=torch.int64, device=dev)
+
     def take_load(self) -> dict[int, list[int]]:
         """layer -> routes served to each expert since the last call (then reset)."""
         out = {layer: t.tolist() for layer, t in self.load.items()}
@@ -102,20 +119,57 @@ class CachePools:
         return min(1 << (pages - 1).bit_length(), self.max_pages) * self.page_size
 
 
+def pages_that_fit(cfg: ModelConfig, layers: range, page_size: int, slots: int, free_bytes: float) -> int:
+    """How many latent pages of this stage's layers fit in `free_bytes` beside the per-slot state (KDA state and
+    convolution, page tables) of `slots` sequences; at most every slot's full context (more pages serve nobody)."""
+    elem = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
+    state_elem = 8 if elem == 8 else 4
+    mla = [layer for layer in layers if cfg.layer_kind(layer) == "mla"]
+    kda = len(layers) - len(mla)
+    h = cfg.kda_head_dim
+    per_slot = kda * (cfg.n_heads * h * h * state_elem + max(cfg.kda_conv_size - 1, 0) * 3 * cfg.n_heads * h * elem)
+    max_pages = -(-cfg.max_seq_len // page_size)
+    per_slot += max_pages * 8  # its page table row
+    per_page = len(mla) * page_size * (cfg.kv_rank + cfg.mla_rope_dim) * elem
+    cap = slots * max_pages
+    if per_page == 0:
+        return cap
+    return int(max(0, min(cap, (free_bytes - (slots + 1) * per_slot) // per_page - 1)))
+
+
 def new_pools(cfg: ModelConfig, layers: range, pages: int, page_size: int, slots: int, device=None) -> CachePools:
     return CachePools(cfg, layers, pages, page_size, slots, device)
+
+
+@dataclass
+class PromptRows:
+    """The rows of an iteration with more than one new token (prompt chunks), for attention in the non-absorbed
+    form (k3ray.model.serving_attention): per row (host ints) its first packed token, its new tokens n and its
+    context L (cached + new); rows [R]: their row indices; kv_seq / kv_pos [sum L]: each context position's row
+    (index into rows) and position, packed row after row."""
+    first: list[int]
+    counts: list[int]
+    contexts: list[int]
+    rows: torch.Tensor
+    kv_seq: torch.Tensor
+    kv_pos: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor  # [N + 1] every row's offsets in the packed tokens, on the host (fla's chunk indices)
 
 
 class IterationCache:
     """One iteration of N sequences on a stage: their new tokens packed into one row [1, T].
 
     Device inputs: slots_N, starts_N (tokens already cached), counts_N (new tokens), seq_of_token_T, valid_N (False:
-    a padding row of a graph bucket). Host ints: nmax (the largest count), context (Lc). `decode`: every count is 1,
-    so KDA runs the batched recurrent kernel over the N sequences as a batch."""
+    a padding row of a graph bucket). Host: context (Lc, the decode rows' attention length); `prompt`: the rows with
+    more than one new token (None: every row is a decode row, so KDA runs the batched recurrent kernel over the N
+    sequences as a batch and a CUDA graph can hold the iteration); decode_rows [Nd]: the rows of one new token
+    (None: all)."""
 
     def __init__(self, pools: CachePools, slots_N: torch.Tensor, starts_N: torch.Tensor, counts_N: torch.Tensor,
-                 seq_of_token_T: torch.Tensor, valid_N: torch.Tensor, nmax: int, context: int, decode: bool):
-        self.pools, self.decode, self.nmax, self.context = pools, decode, nmax, context
+                 seq_of_token_T: torch.Tensor, valid_N: torch.Tensor, context: int, prompt: PromptRows | None = None,
+                 decode_rows: torch.Tensor | None = None):
+        self.pools, self.context, self.prompt = pools, context, prompt
+        self.decode = prompt is None
         self.slots, self.starts, self.counts, self.valid = slots_N, starts_N, counts_N, valid_N
         self.seq_of_token = seq_of_token_T
         dev = slots_N.device
@@ -128,15 +182,18 @@ class IterationCache:
         self.positions = starts_N[seq_of_token_T] + tok - first[seq_of_token_T]  # [T]
         table = pools.page_table[slots_N]  # [N, max_pages]
         self.write_rows = table[seq_of_token_T, self.positions // P] * P + self.positions % P  # [T]
+        # decode rows: their token's packed index [Nd] and their context through the page tables [Nd, Lc]
+        self.decode_rows = decode_rows
+        dec_table, dec_starts = table, starts_N
+        if decode_rows is not None:
+            dec_table, dec_starts = table[decode_rows], starts_N[decode_rows]
+        self.decode_tokens = first if decode_rows is None else first[decode_rows]
         j = torch.arange(context, device=dev)
-        self.read_rows = table[:, j // P] * P + j % P  # [N, Lc]
-        t = torch.arange(nmax, device=dev)
-        self.pad_index = (first[:, None] + t[None, :]).clamp(max=max(seq_of_token_T.numel() - 1, 0))  # [N, nmax]
-        self.pad_valid = t[None, :] < counts_N[:, None]  # [N, nmax]
-        self.token_index = tok - first[seq_of_token_T]  # [T] each token's place within its sequence's new tokens
-        # query t of sequence i (position start_i + t) sees positions <= start_i + t: [N, 1, nmax, Lc]
-        self.mask = (j[None, None, :] <= (starts_N[:, None] + t[None, :])[:, :, None])[:, None]
-        self.in_context = j[None, :] < (starts_N + counts_N)[:, None]  # [N, Lc]
+        self.read_rows = dec_table[:, j // P] * P + j % P  # [Nd, Lc]
+        self.in_context = j[None, :] < (dec_starts + 1)[:, None]  # [Nd, Lc]
+        if prompt is not None:  # each prompt row's whole context, packed: [sum L]
+            kv_slots = slots_N[prompt.rows][prompt.kv_seq]
+            self.prompt_read_rows = pools.page_table[kv_slots, prompt.kv_pos // P] * P + prompt.kv_pos % P
         self.token_weight = valid_N[seq_of_token_T].to(torch.int64)  # [T] 0 for padding rows (routes not counted)
         self.layer = -1  # set by each block before its attention runs
         # [T] the largest |residual| of each token over the blocks run, for the serving guards, which stop only the
@@ -146,15 +203,33 @@ class IterationCache:
     @classmethod
     def from_plan(cls, pools: CachePools, slots: list[int], starts: list[int], counts: list[int], device,
                   context: int | None = None) -> "IterationCache":
-        """An eager iteration's cache from the plan's lists: one host-to-device copy of the packed indices."""
+        """An eager iteration's cache from the plan's lists: every index computed on the host, then one
+        host-to-device copy (no host sync inside the forward)."""
         n = len(slots)
-        seq_of_token = torch.repeat_interleave(torch.arange(n), torch.tensor(counts, dtype=torch.int64))
-        packed = torch.cat([torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token])
-        packed = packed.to(device)
-        longest = max((s + c for s, c in zip(starts, counts)), default=1)
-        return cls(pools, packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:],
-                   torch.ones(n, dtype=torch.bool, device=device), max(counts, default=1),
-                   context or pools.context_bucket(longest), decode=n > 0 and max(counts) == 1)
+        counts_t = torch.tensor(counts, dtype=torch.int64)
+        seq_of_token = torch.repeat_interleave(torch.arange(n), counts_t)
+        dec = [i for i, c in enumerate(counts) if c == 1]
+        pre = [i for i, c in enumerate(counts) if c > 1]
+        longest = max((starts[i] + 1 for i in dec), default=1)
+        context = context or pools.context_bucket(longest)
+        if not pre:
+            packed = torch.cat([torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token])
+            packed = packed.to(device)
+            return cls(pools, packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:],
+                       torch.ones(n, dtype=torch.bool, device=device), context)
+        firsts = [0, *torch.cumsum(counts_t, 0).tolist()]
+        lens = torch.tensor([starts[i] + counts[i] for i in pre], dtype=torch.int64)
+        kv_seq = torch.repeat_interleave(torch.arange(len(pre)), lens)
+        kv_pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        parts = [torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token,
+                 torch.tensor(dec + pre, dtype=torch.int64), kv_seq, kv_pos]
+        sizes = [p.numel() for p in parts]
+        out = torch.cat(parts).to(device).split(sizes)
+        sn, seq_t, rows, kv_seq_d, kv_pos_d = out
+        prompt = PromptRows([firsts[i] for i in pre], [counts[i] for i in pre], lens.tolist(), rows[len(dec):],
+                            kv_seq_d, kv_pos_d, torch.tensor(firsts, dtype=torch.int64))
+        return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, torch.ones(n, dtype=torch.bool, device=device),
+                   context, prompt, rows[:len(dec)])
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
         """Fold a block's output (the residual stream) into each token's max-abs (NaN propagates)."""
@@ -177,36 +252,28 @@ class IterationCache:
 
     def mla_attention(self, q_1THe: torch.Tensor, lat_1Tl: torch.Tensor, mla) -> torch.Tensor:
         """Store this iteration's latents [c | k_p], then causal attention of each sequence's new queries over its
-        cached context, all sequences at once: queries padded to [N, nmax], context gathered to [N, Lc] through the
-        page tables and masked. `mla` is the layer (layers.GatedMLA). Returns [1, T, H, h].
-
-        Without RoPE (the released K3) the up-projection is absorbed, as DeepSeek's MLA decodes: scores
-        q_n . (W_uk c) = (W_uk^T q_n) . c, and o = W_uv (sum_j p_j c_j), so attention runs over the latents
-        themselves (one shared key/value head of width r + p / r), never over [N, Lc, H, h] keys and values. With
-        RoPE the keys depend on positions after the up-projection: they are recomputed from the latents."""
+        cached context (k3ray.model.serving_attention): decode rows in the absorbed form over the paged latents,
+        prompt rows in the non-absorbed form over their own context, one packed segment each. `mla` is the layer
+        (layers.GatedMLA). Returns [1, T, H, h]."""
         if not self.slots.numel():
             return q_1THe.new_zeros(q_1THe.shape[:-1] + (mla.head_dim,))
         pool = self.pools.latent[self.layer]
         flat = pool.view(-1, pool.shape[-1])
         flat.index_copy_(0, self.write_rows, lat_1Tl[0].to(flat.dtype))
-        # positions past a sequence's end are masked, but whatever a reused page still holds there (even NaN from
-        # a request that blew up) must not reach the value sum: 0 * NaN is NaN
-        lat = flat[self.read_rows].masked_fill(~self.in_context[..., None], 0.0)  # [N, Lc, r + p]
-        q = q_1THe[0][self.pad_index]  # [N, nmax, H, h + p]
-        if mla.rotate:
-            k, v = mla.up(lat)  # [N, Lc, H, h + p], [N, Lc, H, h]
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=self.mask, scale=mla.scale).transpose(1, 2)
-        else:
-            H, h, r = mla.n_heads, mla.head_dim, mla.kv_rank
-            w_ukv = mla.w_ukv.weight.view(H, 2 * h, r)
-            q_n, q_p = q.split([h, q.shape[-1] - h], dim=-1)
-            q_lat = torch.cat([torch.einsum("nthd,hdr->nthr", q_n, w_ukv[:, :h]), q_p], dim=-1)  # [N, nmax, H, r+p]
-            scores = up32(torch.einsum("nthe,nle->nhtl", q_lat, lat)) * mla.scale  # [N, H, nmax, Lc]
-            probs = torch.softmax(scores.masked_fill(~self.mask, -torch.inf), dim=-1).to(lat.dtype)
-            o_lat = torch.einsum("nhtl,nlr->nthr", probs, lat[..., :r])  # [N, nmax, H, r]
-            o = torch.einsum("nthr,hdr->nthd", o_lat, w_ukv[:, h:])  # [N, nmax, H, h]
-        return o[self.seq_of_token, self.token_index][None]
+        q = q_1THe[0]  # [T, H, e]
+        if self.prompt is None:
+            return decode_attention(q[self.decode_tokens], flat[self.read_rows], self.in_context, mla)[None]
+        o = q.new_zeros(q.shape[:-1] + (mla.head_dim,))  # [T, H, h]
+        if self.decode_rows.numel():
+            o[self.decode_tokens] = decode_attention(q[self.decode_tokens], flat[self.read_rows], self.in_context,
+                                                     mla).to(o.dtype)
+        p = self.prompt
+        lat = flat[self.prompt_read_rows]  # [sum L, r + p]
+        kv0 = 0
+        for first, n, L in zip(p.first, p.counts, p.contexts):
+            o[first:first + n] = prompt_attention(q[first:first + n], lat[kv0:kv0 + L], mla).to(o.dtype)
+            kv0 += L
+        return o[None]
 
     def kda(self, q, k, v, g, beta) -> torch.Tensor:
         """KDA over the packed sequences from their slots' states; the final states go back into the slots. Decode
@@ -219,7 +286,7 @@ class IterationCache:
             as_batch = [t.transpose(0, 1) for t in (q, k, v, g, beta)]
             return kda_decode_slots(*as_batch, pool, self.slots).transpose(0, 1)
         o, s1 = kda_attention(q, k, v, g, beta, initial_state=pool[self.slots], output_final_state=True,
-                              cu_seqlens=self.cu_seqlens)
+                              cu_seqlens=self.cu_seqlens, cu_seqlens_cpu=self.prompt.cu_seqlens_cpu)
         pool.index_copy_(0, self.slots, s1.to(pool.dtype))
         return o
 

@@ -251,7 +251,9 @@ def new_shard(cfg: ModelConfig, expert_ids: list[int], device=None) -> ExpertSha
 
 def build_stage(cfg: ModelConfig, layers: range, expert_ids: list[int] | None = None, seed: int = 0,
                 experts_factory: ExpertsFactory | None = None, device=None, init: bool = True) -> K3Stage:
-    """A stage holding `expert_ids` (default: every expert) of each of its MoE layers."""
+    """A stage holding `expert_ids` (default: every expert) of each of its MoE layers, in eval mode: the trainers
+    set train mode, the one mode in which a forward that records gradients is a training forward (a MoE layer with
+    model.quantile_bias_from=micro_batch then routes each micro-batch with its own bias)."""
     ids = list(range(cfg.n_experts)) if expert_ids is None else expert_ids
     shards = {i: new_shard(cfg, ids, device) for i in layers if cfg.is_moe_layer(i)}
     stage = K3Stage(cfg, layers, shards, experts_factory)
@@ -260,6 +262,7 @@ def build_stage(cfg: ModelConfig, layers: range, expert_ids: list[int] | None = 
         moe.router.bias.data = moe.router.bias.data.float()  # the bias stays fp32 in every dtype
     if init:
         init_stage_(stage, seed)
+    stage.eval()
     return stage.to(device) if device is not None else stage
 
 

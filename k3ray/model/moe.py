@@ -16,7 +16,7 @@ from torch import nn
 
 from k3ray.config import ModelConfig
 from k3ray.kernels import grouped_expert_ffn, outside_compile, permute_rows, unpermute_rows
-from k3ray.model.balancing import quantile_histogram, select_experts
+from k3ray.model.balancing import quantile_bias, quantile_histogram, select_experts
 from k3ray.model.layers import RMSNorm, SiTUFFN
 
 if TYPE_CHECKING:
@@ -97,6 +97,9 @@ class RoutingStats:
 
     def reset(self) -> None:
         self.histogram: torch.Tensor | None = None  # [E, bins] int64
+        # [2E + 2] int64: routes under the step's bias [E], under each micro-batch's own bias [E], scores exactly
+        # 1.0, scores (what the step report's balance diagnostics are made of)
+        self.balance: torch.Tensor | None = None
         self.tokens_per_expert: torch.Tensor | None = None  # [E] int64, this rank's routes
         self.routed_maxabs: torch.Tensor | None = None
         self.routed_sumsq: torch.Tensor | None = None
@@ -106,9 +109,10 @@ class RoutingStats:
     def _add(a, b):
         return b if a is None else a + b
 
-    def add(self, histogram, tokens_per_expert, routed: torch.Tensor) -> None:
+    def add(self, histogram, balance, tokens_per_expert, routed: torch.Tensor) -> None:
         if histogram is not None:
             self.histogram = self._add(self.histogram, histogram)
+            self.balance = self._add(self.balance, balance)
         self.tokens_per_expert = self._add(self.tokens_per_expert, tokens_per_expert)
         r = up32(routed.detach())
         m = maxabs(r)
@@ -149,23 +153,49 @@ class LatentMoE(nn.Module):
         cfg = self.cfg
         x = x_BSd.reshape(-1, cfg.d_model)
         scores = self.router(x)
-        idx, weight = select_experts(scores, self.router.bias, cfg.top_k)
+        bias = self.router.bias
+        hist = micro_bias = None
+        if cache is None and cfg.balancing == "quantile":
+            hist, micro_bias = self._quantile(scores)
+            if cfg.quantile_bias_from == "micro_batch" and self.training and torch.is_grad_enabled():  # training
+                bias = micro_bias
+        idx, weight = select_experts(scores, bias, cfg.top_k)
         y_lat = self.experts(self.w_down(x), idx, weight)
         if cache is not None:
             cache.note_routes(idx)
         else:
-            self._note_stats(scores, idx, y_lat)
+            self._note_stats(scores, idx, y_lat, hist, micro_bias, bias is micro_bias)
         y = self.w_up(self.norm(y_lat))
         for shared in self.shared:
             y = y + shared(x)
         return y.view_as(x_BSd)
 
+    @outside_compile  # the histogram kernel and the quantile: eager, between a compiled block's graphs
+    @torch.no_grad()
+    def _quantile(self, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This micro-batch's margin histogram [E, bins] under the step's bias, and its own bias [E]: three quantile
+        passes over its margins from the step's bias (a pass moves alpha, the (k+1)-th biased score, so one pass is
+        only close; from a step's bias MaxVio ~2 away, the third reaches the histogram's floor)."""
+        cfg = self.cfg
+        bias, first = self.router.bias, None
+        for _ in range(3):
+            hist = quantile_histogram(scores_TE, bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window,
+                                      cfg.quantile_resolution)
+            first = hist if first is None else first
+            bias = quantile_bias(hist, bias, cfg.top_k, cfg.quantile_window, cfg.quantile_resolution)
+        return first, bias
+
     @outside_compile  # fills RoutingStats (host-side bookkeeping); its kernels are few and small
     @torch.no_grad()
-    def _note_stats(self, scores: torch.Tensor, idx: torch.Tensor, y_lat: torch.Tensor) -> None:
+    def _note_stats(self, scores: torch.Tensor, idx: torch.Tensor, y_lat: torch.Tensor, hist: torch.Tensor | None,
+                    micro_bias: torch.Tensor | None, used_micro: bool) -> None:
         cfg = self.cfg
-        hist = None
-        if cfg.balancing == "quantile":
-            hist = quantile_histogram(scores, self.router.bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window,
-                                      cfg.quantile_resolution)
-        self.stats.add(hist, count_routes(idx, cfg.n_experts), y_lat)
+        routes = count_routes(idx, cfg.n_experts)
+        balance = None
+        if hist is not None:  # the routes under the bias that was not used, to report what each would give
+            other = self.router.bias if used_micro else micro_bias
+            other_routes = count_routes(select_experts(scores, other, cfg.top_k)[0], cfg.n_experts)
+            step_routes, micro_routes = (other_routes, routes) if used_micro else (routes, other_routes)
+            counts = torch.stack([(scores == 1.0).sum(), torch.tensor(scores.numel(), device=scores.device)])
+            balance = torch.cat([step_routes, micro_routes, counts.to(torch.int64)])
+        self.stats.add(hist, balance, routes, y_lat)

@@ -28,6 +28,10 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
 
+    def __post_init__(self):
+        # stop strings may arrive as a list (JSON) or None: held as a tuple, the params stay immutable
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+
     def resolved_seed(self) -> int:
         """The request's seed: its own, or a random one (drawn once per request, then fixed)."""
         return self.seed if self.seed is not None else random.getrandbits(62)

@@ -37,7 +37,7 @@ from k3ray.parallel import shards
 from k3ray.parallel.engine_copies import EngineCopies
 from k3ray.parallel.ep import EPContext, ExpertParallelExperts
 from k3ray.parallel.pipeline import one_f_one_b
-from k3ray.parallel.step import activation_stats, lm_loss, update_router_bias
+from k3ray.parallel.step import activation_stats, balance_diagnostics, lm_loss, update_router_bias
 from k3ray.policies import recovery
 
 
@@ -138,6 +138,7 @@ class StageEngine(EngineCopies):
         self.stage = build_stage(self.cfg.model, self.layers, mine, seed=self.cfg.train.seed,
                                  experts_factory=lambda layer, shard: ExpertParallelExperts(shard, self.ctx),
                                  device=self.device, init=self.init_weights)
+        self.stage.train()
         set_execution(self.stage, self.cfg.execution)
         self._refresh_params()
 
@@ -271,11 +272,11 @@ class StageEngine(EngineCopies):
             st = moe.stats
             parts.append(st.tokens_per_expert.reshape(-1))
             if st.histogram is not None:
-                parts.append(st.histogram.reshape(-1))
+                parts += [st.histogram.reshape(-1), st.balance]
         flat = torch.cat(parts)
         if self.ep > 1:
             dist.all_reduce(flat, group=self.ep_group)
-        offset, tpe, rank_load = 0, {}, {}
+        offset, tpe, rank_load, balance = 0, {}, {}, {}
         for layer, moe in moes.items():
             load = flat[offset:offset + E]
             offset += E
@@ -284,10 +285,13 @@ class StageEngine(EngineCopies):
                 n = moe.stats.histogram.numel()
                 hist = flat[offset:offset + n].view_as(moe.stats.histogram)
                 offset += n
+                balance[layer] = balance_diagnostics(flat[offset:offset + 2 * E + 2], E)
+                offset += 2 * E + 2
             update_router_bias(self.cfg.model, moe, hist, load)
             tpe[layer] = moe.experts.tokens_per_rank_expert.tolist()
             rank_load[layer] = moe.experts.rank_load.tolist()
-        return {"tokens_per_expert": tpe, "rank_load": rank_load, "activations": activation_stats(self.stage)}
+        return {"tokens_per_expert": tpe, "rank_load": rank_load, "balance": balance,
+                "activations": activation_stats(self.stage)}
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -12,7 +12,7 @@ from k3ray.model.decoder import K3Stage, build_stage
 from k3ray.model.layers import Documents
 from k3ray.model.sampling import SamplingParams, finish_reason, next_token
 from k3ray.optim import AdamW, clip_coefficient, lr_at
-from k3ray.parallel.step import StepReport, activation_stats, lm_loss, update_router_bias
+from k3ray.parallel.step import StepReport, activation_stats, balance_diagnostics, lm_loss, update_router_bias
 
 
 class ReferenceTrainer:
@@ -22,7 +22,7 @@ class ReferenceTrainer:
     def __init__(self, cfg: JobConfig):
         self.cfg = cfg
         torch.manual_seed(cfg.train.seed)
-        self.model = build_stage(cfg.model, range(cfg.model.n_layers), seed=cfg.train.seed)
+        self.model = build_stage(cfg.model, range(cfg.model.n_layers), seed=cfg.train.seed).train()
         self.params = dict(self.model.named_parameters())
         self.opt = AdamW(cfg.optimizer)
         self.data = open_token_data(cfg)
@@ -48,14 +48,16 @@ class ReferenceTrainer:
         sq = sum(float(p.grad.float().square().sum()) for p in self.params.values() if p.grad is not None)
         lr = lr_at(cfg.optimizer, step, cfg.train.steps)
         self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
-        tpe = {}
+        tpe, balance = {}, {}
         for layer, moe in model.moe_layers().items():
             update_router_bias(cfg.model, moe, moe.stats.histogram, moe.stats.tokens_per_expert)
             tpe[layer] = [moe.stats.tokens_per_expert.tolist()]
+            if moe.stats.balance is not None:
+                balance[layer] = balance_diagnostics(moe.stats.balance, cfg.model.n_experts)
         t2 = time.perf_counter()
         return StepReport(step=step, batch_index=batch_index, loss=float(loss_sum), grad_norm=sq ** 0.5, lr=lr,
                           tokens=cfg.step_tokens(), tokens_per_expert=tpe, activations=activation_stats(model),
-                          timings={"compute": t1 - t0, "optimizer": t2 - t1})
+                          timings={"compute": t1 - t0, "optimizer": t2 - t1}, balance=balance)
 
     @torch.no_grad()
     def evaluate(self) -> float:

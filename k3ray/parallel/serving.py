@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, new_pools
+from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, SeqPages, new_pools
 from k3ray.model.decoder import K3Stage, boundary_shape
 from k3ray.model.sampling import sample_tokens
 
@@ -38,7 +38,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 class RankPlan:
     """One data-parallel rank's iteration: its sequences (by state slot, with the tokens already cached and the
     number of new ones), their new token ids packed in sequence order, each sequence's sample counter (how many
-    tokens it has generated: the index of its sampling noise), and the sequences new on the rank. A row flagged
+    tokens it has generated: the index of its sampling noise), the sequences new on the rank and the pages running
+    ones grew by. A row flagged
     `from_device` (one token: the engine scheduled it before the iteration sampling that token came back,
     serve.overlap) takes its token from the slot's last sampled token on the device (`CachePools.last_token`); its
     entry in `tokens` is a placeholder."""
@@ -48,6 +49,7 @@ class RankPlan:
     tokens: list[int] = field(default_factory=list)
     counters: list[int] = field(default_factory=list)
     admit: list[SeqAdmit] = field(default_factory=list)
+    grow: list[SeqPages] = field(default_factory=list)  # pages running sequences grew by (allocated on demand)
     from_device: list[bool] = field(default_factory=list)
     greedy: bool = False  # every sequence decodes greedily: the last stage takes the argmax and draws no noise
 
@@ -91,6 +93,7 @@ class StageServer:
         """Run this stage on the plan: every stage's max-abs per sequence, and on the last stage the next tokens."""
         t0 = time.perf_counter()
         self.pools.admit(plan.admit)
+        self.pools.grow(plan.grow)
         n, T = len(plan.slots), len(plan.tokens) if self.stage.is_first else sum(plan.counts)
         x = None
         if not self.stage.is_first:
@@ -151,8 +154,7 @@ class StageServer:
         input on stages after the first) as `forward` gives it: what a decode CUDA graph holds, no host sync."""
         slots, starts, counters, tokens, valid, from_device = packed
         cache = IterationCache(self.pools, slots, starts, torch.ones_like(slots),
-                               torch.arange(len(slots), device=slots.device), valid.bool(), nmax=1, context=context,
-                               decode=True)
+                               torch.arange(len(slots), device=slots.device), valid.bool(), context)
         if hidden is None:  # rows scheduled before their token came back read it on the device (overlap)
             tokens = torch.where(from_device.bool(), self.pools.last_token[slots], tokens)
         return self.forward(tokens[None] if hidden is None else hidden, cache, counters, greedy)

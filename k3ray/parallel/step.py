@@ -34,6 +34,16 @@ def update_router_bias(cfg: ModelConfig, moe: LatentMoE, histogram: torch.Tensor
         bias.copy_(sign_bias(load_E, bias, cfg.sign_update_rate))
 
 
+def balance_diagnostics(counts: torch.Tensor, num_experts: int) -> dict[str, float]:
+    """A layer's step balance diagnostics from its (globally reduced) RoutingStats.balance [2E + 2]: the MaxVio the
+    global batch gets routed with the step's bias and with each micro-batch's own bias (whichever was not used is
+    what it would have given), and the share of scores saturated at exactly 1.0 (ties no bias can split)."""
+    step_routes, micro_routes, rest = counts.split([num_experts, num_experts, 2])
+    saturated, total = rest.tolist()
+    return {"maxvio_step_bias": maxvio([step_routes.tolist()]),
+            "maxvio_micro_batch_bias": maxvio([micro_routes.tolist()]), "saturated": saturated / max(total, 1)}
+
+
 def activation_stats(stage: K3Stage) -> dict[int, dict[str, float]]:
     """Per-layer max-abs and RMS of the routed output and max-abs of the residual stream, one host copy."""
     layers = [key for key, block in stage.blocks.items() if block.moe is not None]
@@ -63,6 +73,7 @@ class StepReport:
     activations: dict[int, dict[str, float]] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)  # seconds by phase
     rank_load: dict[int, list[int]] = field(default_factory=dict)  # layer -> tokens computed per EP rank
+    balance: dict[int, dict[str, float]] = field(default_factory=dict)  # layer -> balance_diagnostics
 
     def __post_init__(self) -> None:
         self.maxvio = {layer: maxvio(rows) for layer, rows in self.tokens_per_expert.items()}

@@ -1,11 +1,11 @@
-"""Serving never stays broken: the serving engine's part (a mixin of `Engine`, k3ray.serve.engine, on its
-state: cfg, sched, grid, updates, incidents) that rebuilds the grid after a loss and says, meanwhile, why nothing
-serves.
+"""Serving never stays broken: the serving engine's `Availability` runs every call on the grid (`call`), rebuilds
+the grid after a loss and says, meanwhile, why nothing serves.
 
 A recovery is tried serve.recovery_attempts times, then the grid is relaunched from the held weights until one
 serves, with a doubling backoff. While no grid serves: `health` answers why and since when (the front door's /health:
 503), new requests wait up to serve.unavailable_wait_s (then 'unavailable'), and past that the requests in flight
 end with an error, never a hang. Afterwards every unfinished request is prefilled again from its prompt and output.
+The serving gap of a loss (the loss found -> the next token of any request) goes into its incident.
 """
 from __future__ import annotations
 
@@ -14,31 +14,64 @@ import itertools
 import logging
 import time
 
+from k3ray.config import ServeConfig
 from k3ray.grid.worker_group import WorkerLost
+from k3ray.serve.record import IncidentLog
+from k3ray.serve.scheduler import Scheduler
+from k3ray.serve.streams import RequestEvents
 
 log = logging.getLogger("k3ray.serve")
 MAX_BACKOFF_S = 30.0  # between attempts to serve again after a loss
 MAX_FAILURES_KEPT = 10  # failed attempts an incident lists (the newest)
+BROKEN_AFTER_FAILURES = 3  # grid calls failing in a row (no worker lost) before the grid is relaunched
 
 
 class Availability:
-    async def _restore(self, lost: WorkerLost | None, broken: str = "") -> None:
+    def __init__(self, serve: ServeConfig, grid, sched: Scheduler, incidents: IncidentLog, events: RequestEvents):
+        self.serve, self.grid, self.sched, self.incidents, self.events = serve, grid, sched, incidents, events
+        self.down: dict | None = None  # while no grid serves: why, and since when (`health`)
+        self.serving: asyncio.Event | None = None  # set while a grid serves
+        self.failures_in_row = 0  # grid calls that failed, no worker lost, since the last that did not
+        self.gap_from: tuple[dict, float] | None = None  # (incident, when the loss was found) until the next token
+
+    async def call(self, fn, *args):
+        """fn(*args) off the event loop (requests keep arriving and leaving meanwhile). None when workers were lost:
+        the grid is then rebuilt and every unfinished request requeued, to be prefilled again (no request fails)."""
+        try:
+            out = await asyncio.to_thread(fn, *args)
+        except WorkerLost as lost:
+            self.failures_in_row = 0
+            await self.restore(lost)
+            return None
+        except Exception as err:
+            # no worker lost, yet the grid fails (its process groups broken?): the caller fails what was running;
+            # failing again and again, the grid is relaunched
+            self.failures_in_row += 1
+            if self.failures_in_row >= BROKEN_AFTER_FAILURES:
+                self.failures_in_row = 0
+                await self.restore(None, f"{BROKEN_AFTER_FAILURES} grid calls in a row failed, the last: "
+                                         f"{type(err).__name__}: {err}")
+            raise
+        self.failures_in_row = 0
+        return out
+
+    async def restore(self, lost: WorkerLost | None, broken: str = "") -> None:
         """Serve again after losing workers, whatever it takes: the recovery (`ServingGrid.recover`) up to
         serve.recovery_attempts times, then relaunches of the whole grid from the held weights until one serves,
         waiting serve.recovery_backoff_s before the second attempt and twice as long before each next (at most
-        MAX_BACKOFF_S). Meanwhile `health` says why nothing serves, new requests wait (`_until_serving`), and past
+        MAX_BACKOFF_S). Meanwhile `health` says why nothing serves, new requests wait (`unavailable`), and past
         serve.unavailable_wait_s the requests in flight end with an error (`_expire_in_flight`). Then every
         unfinished request is requeued, to be prefilled again. No worker lost (`broken` says what failed): relaunches
         only."""
         t0 = time.perf_counter()
-        sc = self.cfg.serve
         if lost is None:
-            incident = self._incident("grid_broken", requests=len(self.sched.running), why=broken)
+            incident = self.incidents.record("grid_broken", requests=len(self.sched.running), why=broken)
         else:
-            incident = self._incident("worker_lost", requests=len(self.sched.running), ranks=sorted(lost.ranks))
+            incident = self.incidents.record("worker_lost", requests=len(self.sched.running),
+                                             ranks=sorted(lost.ranks))
         self._go_down(f"recovering from {lost}" if lost is not None else f"relaunching the grid: {broken}")
         for attempt in itertools.count(1):
-            relaunch = lost is None or attempt > sc.recovery_attempts
+            relaunch = lost is None or attempt > self.serve.recovery_attempts
             try:
                 fields = await asyncio.to_thread(*((self.grid.relaunch,) if relaunch else (self.grid.recover, lost)))
                 break
@@ -51,7 +84,7 @@ class Availability:
             failed = incident.setdefault("failed_attempts", [])
             failed[:] = [*failed[-(MAX_FAILURES_KEPT - 1):], what]
             self.down["reason"] = what
-            await asyncio.sleep(min(MAX_BACKOFF_S, sc.recovery_backoff_s * 2 ** (attempt - 1)))
+            await asyncio.sleep(min(MAX_BACKOFF_S, self.serve.recovery_backoff_s * 2 ** (attempt - 1)))
         incident.update(fields)
         incident["attempts"] = attempt
         incident.setdefault("seconds", {})["total"] = time.perf_counter() - t0  # the failed attempts included
@@ -62,9 +95,15 @@ class Availability:
                     "relaunched" if fields.get("action") == "relaunch" else "recovered", self.grid.pp, self.grid.ep,
                     time.perf_counter() - t0, incident["requeued"])
 
-    # -- availability --------------------------------------------------------------------------------------------
+    def tokens_arrived(self) -> None:
+        """Some request got a token: a serving gap open since a loss ends here."""
+        if self.gap_from is not None:
+            incident, t_found = self.gap_from
+            incident["seconds"]["to_next_token"] = time.perf_counter() - t_found
+            self.gap_from = None
+
     def _go_down(self, reason: str) -> None:
-        expiry = asyncio.get_running_loop().call_later(self.cfg.serve.unavailable_wait_s, self._expire_in_flight)
+        expiry = asyncio.get_running_loop().call_later(self.serve.unavailable_wait_s, self._expire_in_flight)
         self.down = {"reason": reason, "since": time.time(), "expiry": expiry}
         if self.serving is not None:
             self.serving.clear()
@@ -75,32 +114,27 @@ class Availability:
         if self.serving is not None:
             self.serving.set()
 
-    async def _until_serving(self) -> bool:
-        """Wait for a grid to serve, serve.unavailable_wait_s at most; whether one does."""
+    async def unavailable(self) -> str | None:
+        """None once a grid serves (waiting serve.unavailable_wait_s at most while none does), else why none does."""
+        if self.down is None:
+            return None
         if self.serving is None:
             self.serving = asyncio.Event()
-        if self.down is None:
-            self.serving.set()
-            return True
         try:
-            await asyncio.wait_for(self.serving.wait(), self.cfg.serve.unavailable_wait_s)
+            await asyncio.wait_for(self.serving.wait(), self.serve.unavailable_wait_s)
         except asyncio.TimeoutError:
-            return False
-        return True
+            return self.down["reason"] if self.down is not None else "the grid was being rebuilt"
+        return None
 
     def _expire_in_flight(self) -> None:
         """No grid for serve.unavailable_wait_s: the requests accepted before end with an error, not a hang (new
-        ones wait, then are refused: `_until_serving`)."""
-        failed = self.sched.fail_all(f"no serving grid for {self.cfg.serve.unavailable_wait_s:g}s: "
-                                     f"{self.down['reason']}")
-        for req in failed:
-            if req.id in self.updates:
-                self.updates[req.id].set()
+        ones wait, then are refused: `unavailable`)."""
+        self.events.wake(self.sched.fail_all(f"no serving grid for {self.serve.unavailable_wait_s:g}s: "
+                                             f"{self.down['reason']}"))
 
     def health(self) -> dict:
         """{'status': 'ok'}, or 'unavailable' with the reason and since when (the front door's /health: 503)."""
         if self.down is None:
             return {"status": "ok", "pp": self.grid.pp, "ep": self.grid.ep}
         return {"status": "unavailable", "reason": self.down["reason"], "since": self.down["since"],
-                "retry_after": self.cfg.serve.retry_after_s}
-
+                "retry_after": self.serve.retry_after_s}

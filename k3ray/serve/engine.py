@@ -4,19 +4,26 @@ the same Worker actors as training (their stages, expert shards and EP exchange,
 Loading: the newest verified durable checkpoint, merged out of its grid (`serving_weights`), then restored onto
 the serving grid's pp x ep like a resume (each worker keeps its stage's names and the experts homed on it).
 
+Parts, each a class of its own, owned here and handed what they use in their constructors (as vLLM v1's EngineCore
+owns a scheduler and an executor): the scheduler (k3ray.serve.scheduler), the iteration loop (schedule -> run on the
+grid -> complete, k3ray.serve.iterations), the availability (every grid call, recoveries, `health`,
+k3ray.serve.availability), the live placement (policies, expert copies, resizes, k3ray.serve.live) and the
+requests' streams (k3ray.serve.streams); they share the incident log and the iterations' counters
+(k3ray.serve.record). The engine's own methods are its Ray API.
+
 Requests stream: `generate` is an async generator (a Ray streaming call); its first item says whether the request
 was accepted, then one item per iteration in which it got tokens, the last one with the finish reason. Cancelling
 the call (a client that went away) cancels the request and frees its pages and slot. The iteration loop runs while
 there is work: schedule, every worker's `serve_step` (the last stage's answers are the sampled tokens), complete;
-with serve.overlap two iterations are in flight (k3ray.serve.iterations).
+with serve.overlap two iterations are in flight.
 
 Lost workers (k3ray.serve.grid): the grid is rebuilt from the weights the engine holds and every
 unfinished request is prefilled again from its prompt and the tokens generated so far; its stream goes on from the
 next token, none lost or repeated. Each loss is an incident (`incident_log`), with its phases and the serving gap
 (the loss found -> the next token of any request). Serving never stays broken: a recovery that fails is tried
-again, then the grid is relaunched until one serves (`_restore`); meanwhile `health` says why, new requests wait
-(then get 'unavailable') and streams in flight end with an error past serve.unavailable_wait_s. Observers (metrics)
-that fail, and the loop itself failing, never leave a stream waiting.
+again, then the grid is relaunched until one serves (`Availability.restore`); meanwhile `health` says why, new
+requests wait (then get 'unavailable') and streams in flight end with an error past serve.unavailable_wait_s.
+Observers (metrics) that fail, and the loop itself failing, never leave a stream waiting.
 
 `Engine` is all of this without Ray (tests drive it on a fake grid); `ServingEngine` is the actor that loads the
 checkpoint and launches the grid first.
@@ -24,41 +31,28 @@ checkpoint and launches the grid first.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
 import ray
 
-from k3ray.config import DEFAULT_PREFILL_HOLD_MS, DEFAULT_STEPWISE_PREFILL_MAX, JobConfig, serving_config
+from k3ray.config import JobConfig, serving_config
 from k3ray.train.checkpointing import serving_weights
 from k3ray.faults import clear, inject
-from k3ray.serve.scheduler import EngineLimits, Overloaded, Scheduler
+from k3ray.serve.scheduler import Overloaded, Scheduler
 from k3ray.serve.availability import Availability
 from k3ray.serve.grid import ServingGrid
 from k3ray.serve.iterations import IterationLoop
-from k3ray.serve.live import LiveServing
-from k3ray.grid.worker_group import WorkerLost
+from k3ray.serve.live import BoundaryLock, LivePlacement
+from k3ray.serve.record import IncidentLog, ServingStats
+from k3ray.serve.streams import RequestEvents, Subscribers
 from k3ray.model.sampling import SamplingParams
-from k3ray.parallel.serving import PoolSizes
 from k3ray.tokenizer import load_tokenizer
 
 log = logging.getLogger("k3ray.serve")
-BROKEN_AFTER_FAILURES = 3  # grid calls failing in a row (no worker lost) before the grid is relaunched
 
 
-def prefill_hold_ms(cfg: JobConfig) -> float:
-    """serve.prefill_hold_ms, or its default: a hold where decode iterations are CUDA graphs, none on CPU."""
-    if cfg.serve.prefill_hold_ms is not None:
-        return cfg.serve.prefill_hold_ms
-    return DEFAULT_PREFILL_HOLD_MS if cfg.parallel.device != "cpu" else 0.0
-
-
-def stepwise_prefill_max(cfg: JobConfig) -> int:
-    """serve.stepwise_prefill_max, or its default: short prompts fed as decode rows where decode iterations are CUDA
-    graphs (a GPU, one EP rank per stage), none elsewhere (every iteration is eager there: chunks are cheaper)."""
-    if cfg.serve.stepwise_prefill_max is not None:
-        return cfg.serve.stepwise_prefill_max
-    return DEFAULT_STEPWISE_PREFILL_MAX if cfg.parallel.device != "cpu" and cfg.parallel.ep == 1 else 0
 
 
 def overlap(cfg: JobConfig) -> bool:
@@ -66,41 +60,52 @@ def overlap(cfg: JobConfig) -> bool:
     return cfg.serve.overlap if cfg.serve.overlap is not None else cfg.parallel.pp == 1
 
 
-def pool_sizes(cfg: JobConfig) -> PoolSizes:
-    return PoolSizes(cfg.serve.pages_per_rank, cfg.serve.page_size, cfg.serve.slots_per_rank)
+def resolve_serve(cfg: JobConfig) -> JobConfig:
+    """cfg with serve.* resolved for its device and grid (`ServeConfig.resolved`), in place."""
+    p = cfg.parallel
+    cfg.serve = cfg.serve.resolved(p.device, p.ep)
+    return cfg
 
 
-class Engine(Availability, LiveServing, IterationLoop):
+class Engine:
     """The engine on a launched grid (a ServingGrid, or any object with its methods), without Ray: the
-    ServingEngine actor below loads the checkpoint and launches the grid first."""
+    ServingEngine actor below loads the checkpoint and launches the grid first. It owns its parts and answers for
+    them: the scheduler, the availability (every grid call, recoveries, `health`), the live placement (policies,
+    expert copies, resizes) and the iteration loop; each gets what it uses in its constructor."""
 
     def __init__(self, cfg: JobConfig, step: int, grid, observers: list | None = None):
-        self.cfg, self.model_name, self.step = cfg, cfg.name, step
+        self.cfg, self.model_name, self.step, self.grid = cfg, cfg.name, step, grid
+        resolve_serve(cfg)
+        if cfg.serve.pages_per_rank is None:  # a GPU grid that did not measure its pools: the CPU's size
+            cfg.serve = cfg.serve.resolved("cpu")
         sc = cfg.serve
-        self.sched = Scheduler(EngineLimits(cfg.model.max_seq_len, grid.ep, sc.token_budget, sc.max_waiting,
-                                            pool_sizes(cfg), cfg.policies.guards, load_tokenizer(cfg.data.tokenizer),
-                                            prefill_hold_ms(cfg) / 1e3, stepwise_prefill_max(cfg)))
-        self.grid = grid
-        self.incidents: list[dict] = []
-        self.gap_from: tuple[dict, float] | None = None  # (incident, when the loss was found) until the next token
-        self.wake: asyncio.Event | None = None
-        self.updates: dict[int, asyncio.Event] = {}
-        self.loop_task: asyncio.Task | None = None
-        self.iterations, self.tokens_out, self.started = 0, 0, time.time()
+        self.sched = Scheduler(sc, cfg.model.max_seq_len, grid.ep, cfg.policies.guards,
+                               load_tokenizer(cfg.data.tokenizer))
+        self.counts = ServingStats()
+        self.incidents = IncidentLog(self.counts)
+        self.events = RequestEvents()
+        self.between_iterations = BoundaryLock()  # held by each iteration; a resize takes it to run between two
+        self.availability = Availability(sc, grid, self.sched, self.incidents, self.events)
+        self.live = LivePlacement(cfg, grid, self.sched, self.availability, self.incidents, self.counts,
+                                  self.between_iterations)
         # observers.iteration(changed requests, scheduler, seconds) after every iteration, .expert_load(workers'
-        # counts) every .expert_load_every iterations: metrics (k3ray.serve.metrics)
-        self.observers: list = observers or []
-        self.outboxes: dict[str, Outbox] = {}  # subscriber (a front door) -> its requests' pending items
-        self.down: dict | None = None  # while no grid serves: why, and since when (`health`)
-        self.serving: asyncio.Event | None = None  # set while a grid serves
-        self.spares_checked = time.monotonic()
-        self.chores: set[str] = set()  # grid calls due between iterations: 'expert_load', 'placement'
-        self.overlap = overlap(cfg)  # two iterations in flight (k3ray.serve.iterations)
-        self.failures_in_row = 0  # grid calls that failed, no worker lost, since the last that did not
-        # where the iterations' time went (seconds, summed): scheduling, waiting for the grid (of which the workers'
-        # own time in the step: `worker`), completing (tokens to text, stops, guards) and waking the streams
-        self.phase_s = dict.fromkeys(("schedule", "grid", "worker", "complete", "wake"), 0.0)
-        self.live_serving_init(cfg)  # live policies, expert copies, resizes (k3ray.serve.live)
+        # counts, homes, copies) every .expert_load_every iterations: metrics (k3ray.serve.metrics)
+        self.loop = IterationLoop(grid, self.sched, self.availability, self.live, self.between_iterations,
+                                  self.counts, self.incidents, self.events, observers or [], overlap(cfg))
+        self.subscribers = Subscribers(self.generate)
+
+    @property
+    def iterations(self) -> int:
+        return self.counts.iterations
+
+    @property
+    def overlap(self) -> bool:
+        """Whether two iterations are in flight (serve.overlap); settable before the first request."""
+        return self.loop.overlap
+
+    @overlap.setter
+    def overlap(self, on: bool) -> None:
+        self.loop.overlap = on
 
     def ready(self) -> dict:
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
@@ -108,19 +113,24 @@ class Engine(Availability, LiveServing, IterationLoop):
                 "tokenizer": self.cfg.data.tokenizer}
 
     def stats(self) -> dict:
-        return {**self.sched.usage(), "iterations": self.iterations, "tokens_out": self.tokens_out,
-                "uptime_s": time.time() - self.started, "pp": self.grid.pp, "ep": self.grid.ep,
-                "incidents": len(self.incidents), "phase_seconds": dict(self.phase_s)}
+        c = self.counts
+        return {**self.sched.usage(), "iterations": c.iterations, "tokens_out": c.tokens_out,
+                "uptime_s": time.time() - c.started, "pp": self.grid.pp, "ep": self.grid.ep,
+                "incidents": len(self.incidents), "phase_seconds": dict(c.phase_s)}
 
-    async def generate(self, prompt: list[int], params: dict):
+    def health(self) -> dict:
+        """{'status': 'ok'}, or 'unavailable' with the reason and since when (the front door's /health: 503)."""
+        return self.availability.health()
+
+    async def generate(self, prompt: list[int], params: SamplingParams | dict):
         """Stream a request: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'} or {'error':
         'unavailable', 'message', 'retry_after'} (no grid served within serve.unavailable_wait_s), then items
         {'text': new final text, 'tokens': the token ids it came from, 'finish': None | 'stop' | 'length'}, or
         {'error': 'internal', ...}. The text never ends inside a character nor in what a stop string may still cut
-        (the request's detokenizer holds that back)."""
-        sp = SamplingParams(**{**params, "stop": tuple(params.get("stop") or ())})
-        if self.down is not None and not await self._until_serving():
-            why = self.down["reason"] if self.down is not None else "the grid was being rebuilt"
+        (the request's detokenizer holds that back). `params`: SamplingParams (a dict of its fields from scripts
+        and drills)."""
+        sp = params if isinstance(params, SamplingParams) else SamplingParams(**params)
+        if (why := await self.availability.unavailable()) is not None:
             yield {"error": "unavailable", "message": f"no serving grid: {why}",
                    "retry_after": self.cfg.serve.retry_after_s}
             return
@@ -132,8 +142,8 @@ class Engine(Availability, LiveServing, IterationLoop):
         except ValueError as err:
             yield {"error": "invalid", "message": str(err)}
             return
-        self._ensure_loop()
-        event = self.updates[req.id] = asyncio.Event()
+        self.loop.ensure_running()
+        event = self.events.open(req.id)
         sent, sent_text, interval = 0, 0, self.cfg.serve.stream_interval
         try:
             yield {"accepted": req.id}
@@ -153,104 +163,59 @@ class Engine(Availability, LiveServing, IterationLoop):
         finally:  # also when the caller cancels the stream: the request ends and its caches are freed
             self.sched.cancel(req.id)
             self.sched.forget(req.id)
-            self.updates.pop(req.id, None)
+            self.events.close(req.id)
 
-    # -- many requests' streams over one (a front door's) ---------------------------------------------------------
-    async def submit(self, prompt: list[int], params: dict, subscriber: str, key: int) -> dict:
+    # -- many requests' streams over one (a front door's): k3ray.serve.streams ------------------------------------
+    async def submit(self, prompt: list[int], params: SamplingParams, subscriber: str, key: int) -> dict:
         """Start a request whose items (those of `generate`) go to `subscriber`'s batched stream under `key`;
-        returns its first item ({'accepted': id} or an error). A Ray streaming item per request and iteration
-        would cost one RPC per token: at 64 streams the engine's event loop, not the GPU, would set the pace."""
-        gen = self.generate(prompt, params)
-        first = await gen.__anext__()
-        if "accepted" not in first:
-            await gen.aclose()
-            return first
-        box = self.outboxes.setdefault(subscriber, Outbox())
-        box.tasks[key] = asyncio.get_running_loop().create_task(self._forward(gen, box, key))
-        return first
-
-    @staticmethod
-    async def _forward(gen, box: "Outbox", key: int) -> None:
-        try:
-            async for item in gen:
-                box.put(key, item)
-        finally:  # cancelled (`cancel`, or the subscriber went away): generate's own cleanup frees the request
-            box.tasks.pop(key, None)
-            await gen.aclose()
+        returns its first item ({'accepted': id} or an error)."""
+        return await self.subscribers.submit(prompt, params, subscriber, key)
 
     def cancel(self, subscriber: str, key: int) -> None:
         """The client of `key` went away: end its request."""
-        box = self.outboxes.get(subscriber)
-        task = None if box is None else box.tasks.get(key)
-        if task is not None:
-            task.cancel()
+        self.subscribers.cancel(subscriber, key)
 
     async def subscribe(self, subscriber: str):
         """The batched stream of a subscriber: one item per wake-up, {key: [items in order]} of every request it
         submitted that has news. Ends (and ends those requests) when the subscriber goes away."""
-        box = self.outboxes.setdefault(subscriber, Outbox())
-        try:
-            while True:
-                await box.ready.wait()
-                box.ready.clear()
-                batch, box.items = box.items, {}
+        async with contextlib.aclosing(self.subscribers.subscribe(subscriber)) as batches:
+            async for batch in batches:
                 yield batch
-        finally:
-            for task in list(box.tasks.values()):
-                task.cancel()
-            self.outboxes.pop(subscriber, None)
 
-    def _ensure_loop(self) -> None:
-        if self.wake is None:
-            self.wake = asyncio.Event()
-        self.wake.set()
-        if self.loop_task is None or self.loop_task.done():
-            self.loop_task = asyncio.get_running_loop().create_task(self._loop())
-            self.loop_task.add_done_callback(self._loop_ended)
+    # -- steering: k3ray.serve.live --------------------------------------------------------------------------------
+    def policies(self, name: str | None = None) -> dict:
+        """The live policies (changes waiting for the next iteration on top), or {'error', 'status': 404}."""
+        return self.live.policies(name)
 
-    def _loop_ended(self, task: asyncio.Task) -> None:
-        """The iteration loop ended by an error (a bug): no stream may wait for it. Every request fails with the
-        error; the next request starts the loop again."""
-        if task.cancelled() or task.exception() is None:
-            return
-        err = task.exception()
-        log.error("serving: the iteration loop failed", exc_info=err)
-        changed = self.sched.fail_all(f"the engine loop failed: {type(err).__name__}: {err}")
-        self._incident("loop_failed", action="failed every request", requests=len(changed),
-                       why=f"{type(err).__name__}: {err}")
-        for req in changed:
-            if req.id in self.updates:
-                self.updates[req.id].set()
+    def set_policy(self, name: str, params: dict, source: str = "api") -> dict:
+        """Change one policy at the next iteration (audited): {'policy', 'value', 'applies_at_step'}, or {'error',
+        'status'}: 404 for an unknown policy, 400 naming the field for a bad value; nothing changes then."""
+        return self.live.set_policy(name, params, source)
 
-    async def _on_grid(self, fn, *args):
-        """fn(*args) off the event loop (requests keep arriving and leaving meanwhile). None when workers were lost:
-        the grid is then rebuilt and every unfinished request requeued, to be prefilled again (no request fails)."""
-        try:
-            out = await asyncio.to_thread(fn, *args)
-        except WorkerLost as lost:
-            self.failures_in_row = 0
-            await self._restore(lost)
-            return None
-        except Exception as err:
-            # no worker lost, yet the grid fails (its process groups broken?): the caller fails what was running;
-            # failing again and again, the grid is relaunched
-            self.failures_in_row += 1
-            if self.failures_in_row >= BROKEN_AFTER_FAILURES:
-                self.failures_in_row = 0
-                await self._restore(None, f"{BROKEN_AFTER_FAILURES} grid calls in a row failed, the last: "
-                                          f"{type(err).__name__}: {err}")
-            raise
-        self.failures_in_row = 0
-        return out
+    def policy_audit(self) -> list[dict]:
+        return self.live.audit()
 
-    def _incident(self, kind: str, **fields) -> dict:
-        """Record an incident (`incident_log`: the front door's /v1/incidents, `k3ray incidents --serve`)."""
-        incident = {"time": time.time(), "kind": kind, "iteration": self.iterations, **fields}
-        self.incidents.append(incident)
-        return incident
+    def placement_view(self) -> dict:
+        """`k3ray placement --serve`: per-expert load, homes, copies, rank loads, balancedness, moves."""
+        return {**self.live.view(), "iteration": self.counts.iterations}
+
+    def rebalance(self) -> bool:
+        """Decide a placement move from the load after the next iteration instead of waiting for
+        replication.every_n_steps (with replication enabled)."""
+        self.live.rebalance()
+        return True
+
+    async def scale(self, ep: int) -> dict:
+        """Resize the grid to pp x ep, no request dropped (`LivePlacement.scale`): the incident's fields, or
+        {'error', 'status'}: 400 for an ep below 1, 409 where the grid cannot take that size, 500 where it failed."""
+        fields = await self.live.scale(ep)
+        if self.sched.has_work:
+            self.loop.ensure_running()
+        return fields
 
     def incident_log(self) -> list[dict]:
-        return list(self.incidents)
+        """Lost workers, relaunches, resizes, guard trips, failed iterations (`k3ray incidents --serve`)."""
+        return list(self.incidents.entries)
 
     async def expert_load(self) -> list[dict]:
         """Every worker's expert load since the last call (off the event loop: requests keep streaming)."""
@@ -277,26 +242,13 @@ class Engine(Availability, LiveServing, IterationLoop):
         return True
 
 
-class Outbox:
-    """One subscriber's pending items by request key, and the tasks forwarding its requests' streams."""
-
-    def __init__(self):
-        self.items: dict[int, list[dict]] = {}
-        self.ready = asyncio.Event()
-        self.tasks: dict[int, asyncio.Task] = {}
-
-    def put(self, key: int, item: dict) -> None:
-        self.items.setdefault(key, []).append(item)
-        self.ready.set()
-
-
 @ray.remote
 class ServingEngine(Engine):
     def __init__(self, checkpoint: str, pp: int, ep: int, serve_overrides: dict | None = None,
                  launch_timeout_s: float = 300.0, observers: list | None = None, spares: int = 0):
         weights = serving_weights(checkpoint)
         cfg = serving_config(weights.config, pp, ep, serve_overrides, spares)
-        grid = ServingGrid(cfg, weights.state, pool_sizes(cfg), launch_timeout_s)
+        grid = ServingGrid(resolve_serve(cfg), weights.state, launch_timeout_s)
         grid.launch(ep)
         super().__init__(cfg, weights.step, grid, observers)
         log.info("serving %s step %d from %s on pp=%d x ep=%d", cfg.name, weights.step, weights.path, pp, ep)

@@ -29,8 +29,8 @@ log = logging.getLogger("k3ray.serve")
 
 
 class ServingGrid:
-    def __init__(self, cfg: JobConfig, weights_state: dict, sizes: PoolSizes, launch_timeout_s: float = 300.0):
-        self.cfg, self.sizes, self.launch_timeout_s = cfg, sizes, launch_timeout_s
+    def __init__(self, cfg: JobConfig, weights_state: dict, launch_timeout_s: float = 300.0):
+        self.cfg, self.launch_timeout_s = cfg, launch_timeout_s  # cfg.serve resolved for the device
         self.weights = ray.put(weights_state)  # once: every worker of every grid reads its part of this object
         self.load = torch.ones(cfg.model.n_experts, dtype=torch.float64)
         self.group: WorkerGroup | None = None
@@ -56,11 +56,24 @@ class ServingGrid:
     def _sources(self) -> dict[int, list]:
         return {p: [self.weights] for p in range(self.pp)}
 
-    def _cache_pools(self) -> float:
-        t0 = time.perf_counter()
-        s = self.sizes
-        self.group.call("serve_init", s.pages, s.page_size, s.slots, self.cfg.serve.graphs_at_start,
-                        timeout_s=self.launch_timeout_s)
+    @property
+    def sizes(self) -> PoolSizes:
+        s = self.cfg.serve
+        return PoolSizes(s.pages_per_rank, s.page_size, s.slots_per_rank)
+
+    def _cache_pools(self, group: WorkerGroup | None = None) -> float:
+        """Every worker's cache pools (and decode graphs); the first time on GPUs with serve.pages_per_rank unset,
+        as many pages as every worker's free memory holds (serve.gpu_memory_fraction), the fewest any worker
+        holds: every grid launched later keeps that size."""
+        t0, group, s = time.perf_counter(), group or self.group, self.cfg.serve
+        if s.pages_per_rank is None:
+            fits = group.call("serve_pages_that_fit", s.page_size, s.slots_per_rank, s.gpu_memory_fraction,
+                              timeout_s=self.launch_timeout_s)
+            self.cfg.serve = s.model_copy(update={"pages_per_rank": max(1, min(fits))})
+            log.info("serving: %d KV pages of %d tokens per rank (free GPU memory)", min(fits), s.page_size)
+        sizes = self.sizes
+        group.call("serve_init", sizes.pages, sizes.page_size, sizes.slots, self.cfg.serve.graphs_at_start,
+                   timeout_s=self.launch_timeout_s)
         return time.perf_counter() - t0
 
     def run(self, plans: dict) -> dict[int, StageOutput]:
@@ -196,10 +209,8 @@ class ServingGrid:
         group = WorkerGroup(self.cfg, ep, recovery.grow(self.cfg.model.n_experts, ep).tolist())
         try:
             group.launch(self.launch_timeout_s, restore=self._sources(), wait_for_spares=False)
-            s = self.sizes
             t1 = time.perf_counter()
-            group.call("serve_init", s.pages, s.page_size, s.slots, self.cfg.serve.graphs_at_start,
-                       timeout_s=self.launch_timeout_s)
+            self._cache_pools(group)
         except BaseException:
             group.close()
             raise

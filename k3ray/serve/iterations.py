@@ -1,4 +1,5 @@
-"""The serving engine's iteration loop, sequential or overlapped (a mixin of `k3ray.serve.engine.Engine`).
+"""The serving engine's iteration loop (`IterationLoop`), sequential or overlapped: schedule -> run on the grid ->
+complete, while the scheduler has work.
 
 Sequential: schedule, run on the grid, complete, one iteration at a time. Overlapped (serve.overlap, pp = 1): up to
 two iterations in flight, so that the engine's host work of an iteration (scheduling, Ray's hop, completing: tokens
@@ -9,10 +10,15 @@ to text, stops, guards, waking streams) runs while the workers run the one befor
 Rows of n+1 whose token n samples take it on the device (`Scheduler.schedule`, `RankPlan.from_device`). The grid runs
 iterations in the order submitted (`grid.submit` -> handle, `grid.collect(handle)` -> answers). A stretch of
 overlapped iterations holds `between_iterations` and ends with nothing in flight whenever something must happen
-between two iterations: someone waits for the lock (a resize), a policy change is queued, a placement move is to be
-decided or its copies arrived, the expert load or hot spares are due, and at least every BOUNDARY_EVERY iterations. A
+between two iterations: someone waits for the lock (a resize), the live placement wants a boundary
+(`LivePlacement.boundary_due`), the expert load or hot spares are due, and at least every BOUNDARY_EVERY iterations. A
 failure with two in flight takes the sequential path's way out: a lost worker voids both (the grid is rebuilt and
 every unfinished request prefilled again from its confirmed tokens), any other failure fails every request.
+
+Every grid call goes through `Availability.call` (a lost worker: None, the grid rebuilt). Observers (metrics) are
+told after every iteration (`iteration(changed requests, scheduler, seconds)`) and every `expert_load_every`
+iterations (`expert_load(workers' counts, homes, copies)`); one that fails is logged, never the end of the loop. The
+loop itself failing (a bug) fails every request, and the next request starts it again.
 """
 from __future__ import annotations
 
@@ -21,35 +27,59 @@ import logging
 import math
 import time
 
+from k3ray.serve.availability import Availability
+from k3ray.serve.live import BoundaryLock, LivePlacement
+from k3ray.serve.record import IncidentLog, ServingStats
+from k3ray.serve.scheduler import Scheduler
+from k3ray.serve.streams import RequestEvents
+
 log = logging.getLogger("k3ray.serve")
 BOUNDARY_EVERY = 32  # overlapped iterations at most between two boundaries (policies, placement moves)
 SPARES_CHECK_S = 5.0  # how often missing hot spares are looked for room
 
 
-class BoundaryLock(asyncio.Lock):
-    """An asyncio.Lock that counts who waits for it: an overlapped stretch holding it drains and lets them in."""
-
-    def __init__(self):
-        super().__init__()
-        self.waiting = 0
-
-    async def acquire(self) -> bool:
-        self.waiting += 1
-        try:
-            return await super().acquire()
-        finally:
-            self.waiting -= 1
-
-
 class IterationLoop:
-    async def _loop(self) -> None:
+    def __init__(self, grid, sched: Scheduler, availability: Availability, live: LivePlacement,
+                 between_iterations: BoundaryLock, stats: ServingStats, incidents: IncidentLog, events: RequestEvents,
+                 observers: list, overlap: bool):
+        self.grid, self.sched, self.availability, self.live = grid, sched, availability, live
+        self.between_iterations, self.stats, self.incidents, self.events = between_iterations, stats, incidents, events
+        self.observers = observers
+        self.overlap = overlap  # two iterations in flight
+        self.wake: asyncio.Event | None = None  # set when work arrives
+        self.task: asyncio.Task | None = None
+        self.chores: set[str] = set()  # grid calls due between iterations: 'expert_load', 'placement'
+        self.spares_checked = time.monotonic()
+
+    def ensure_running(self) -> None:
+        """Work arrived: wake the loop, or start it (on the running event loop) where it is not running."""
+        if self.wake is None:
+            self.wake = asyncio.Event()
+        self.wake.set()
+        if self.task is None or self.task.done():
+            self.task = asyncio.get_running_loop().create_task(self._run())
+            self.task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        """The loop ended by an error (a bug): no stream may wait for it. Every request fails with the error; the
+        next request starts the loop again."""
+        if task.cancelled() or task.exception() is None:
+            return
+        err = task.exception()
+        log.error("serving: the iteration loop failed", exc_info=err)
+        changed = self.sched.fail_all(f"the engine loop failed: {type(err).__name__}: {err}")
+        self.incidents.record("loop_failed", action="failed every request", requests=len(changed),
+                              why=f"{type(err).__name__}: {err}")
+        self.events.wake(changed)
+
+    async def _run(self) -> None:
         while True:
             if not self.sched.has_work:
                 self.wake.clear()
                 await self.wake.wait()
                 continue
             async with self.between_iterations:
-                await self._at_boundary()
+                await self.live.at_boundary()
                 if self.overlap:
                     await self._overlapped_stretch()
                 else:
@@ -61,7 +91,7 @@ class IterationLoop:
         plans = self.sched.schedule()
         t1 = time.perf_counter()
         try:
-            outputs = await self._on_grid(self.grid.run, {r: p for r, (p, _) in plans.items()})
+            outputs = await self.availability.call(self.grid.run, plans.plans())
         except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
             changed = self._iteration_failed(err)
         else:
@@ -78,10 +108,10 @@ class IterationLoop:
             submitted, t1, submit_s = None, t0, 0.0
             if self.sched.has_work and (count == 0 or not self._boundary_due()):
                 plans = self.sched.schedule()
-                if ahead is None or any(p.slots or p.admit for p, _ in plans.values()):
+                if ahead is None or not plans.empty:
                     t1 = time.perf_counter()
                     try:
-                        handle = await self._on_grid(self.grid.submit, {r: p for r, (p, _) in plans.items()})
+                        handle = await self.availability.call(self.grid.submit, plans.plans())
                     except Exception as err:  # noqa: BLE001 - as a failed iteration, with the one in flight
                         await self._discard(ahead)
                         self._iteration_done(self._iteration_failed(err), t0)
@@ -97,7 +127,7 @@ class IterationLoop:
                 continue
             t2 = time.perf_counter()
             try:
-                outputs = await self._on_grid(self.grid.collect, ahead[1])
+                outputs = await self.availability.call(self.grid.collect, ahead[1])
             except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
                 await self._discard(submitted)
                 self._iteration_done(self._iteration_failed(err), t0)
@@ -118,7 +148,7 @@ class IterationLoop:
     async def _drain(self, ahead) -> None:
         t0 = time.perf_counter()
         try:
-            outputs = await self._on_grid(self.grid.collect, ahead[1])
+            outputs = await self.availability.call(self.grid.collect, ahead[1])
         except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
             self._iteration_done(self._iteration_failed(err), t0)
             return
@@ -132,21 +162,20 @@ class IterationLoop:
         if submitted is None:
             return
         try:
-            await self._on_grid(self.grid.collect, submitted[1])
+            await self.availability.call(self.grid.collect, submitted[1])
         except Exception:  # noqa: BLE001 - its requests have failed already
             log.debug("an iteration after a failed one failed too", exc_info=True)
 
     def _boundary_due(self) -> bool:
         """Whether the stretch should end after the iteration in flight: something waits for a boundary."""
-        placement = self.placement
-        return bool(self.between_iterations.waiting or self.live.pending or self.chores or placement.decide_next
-                    or placement.fetched or time.monotonic() - self.spares_checked > SPARES_CHECK_S)
+        return bool(self.between_iterations.waiting or self.live.boundary_due() or self.chores
+                    or time.monotonic() - self.spares_checked > SPARES_CHECK_S)
 
     def _iteration_failed(self, err: Exception) -> list:
         log.error("serving iteration failed", exc_info=err)
         changed = self.sched.fail_all(f"the iteration failed: {type(err).__name__}: {err}")
-        self._incident("iteration_failed", action="failed every request", requests=len(changed),
-                       why=f"{type(err).__name__}: {err}")
+        self.incidents.record("iteration_failed", action="failed every request", requests=len(changed),
+                              why=f"{type(err).__name__}: {err}")
         return changed
 
     def _iteration_done(self, changed: list, t0: float) -> None:
@@ -156,29 +185,26 @@ class IterationLoop:
                 log.warning("serving: request %d stopped by the guards (%s %s: %g)", req.id, req.trip.rule,
                             req.trip.detail, req.trip.value)
                 value = req.trip.value if math.isfinite(req.trip.value) else str(req.trip.value)  # JSON-able
-                self._incident("blowup", action="failed the request", request=req.id, rule=req.trip.rule,
-                               value=value, detail=req.trip.detail)
-        self.iterations += 1
-        if self.placement.due(self.iterations, self.cfg.policies.replication):
+                self.incidents.record("blowup", action="failed the request", request=req.id, rule=req.trip.rule,
+                                      value=value, detail=req.trip.detail)
+        stats = self.stats
+        stats.iterations += 1
+        if self.live.load_due(stats.iterations):
             self.chores.add("placement")
-        if self.observers and self.iterations % self.observers[0].expert_load_every == 0:
+        if self.observers and stats.iterations % self.observers[0].expert_load_every == 0:
             self.chores.add("expert_load")
         got_token = [r for r in changed if r.finish not in ("cancelled", "error")]
-        self.tokens_out += len(got_token)
-        if got_token and self.gap_from is not None:  # the serving gap: the loss found -> the next token
-            incident, t_found = self.gap_from
-            incident["seconds"]["to_next_token"] = time.perf_counter() - t_found
-            self.gap_from = None
+        stats.tokens_out += len(got_token)
+        if got_token:
+            self.availability.tokens_arrived()
         t3 = time.perf_counter()
-        for req in changed:
-            if req.id in self.updates:
-                self.updates[req.id].set()
-        self.phase_s["wake"] += time.perf_counter() - t3
+        self.events.wake(changed)
+        stats.phase_s["wake"] += time.perf_counter() - t3
         for observer in self.observers:
             self._observe(observer, "iteration", changed, self.sched, time.perf_counter() - t0)
 
     def _time_phases(self, schedule_s: float, grid_s: float, complete_s: float, outputs: dict | None) -> None:
-        p = self.phase_s
+        p = self.stats.phase_s
         p["schedule"] += schedule_s
         p["grid"] += grid_s
         p["complete"] += complete_s
@@ -188,24 +214,21 @@ class IterationLoop:
         """Between iterations, nothing in flight: every so often the workers' expert load (observers, placement);
         missing hot spares are started where there is room. An observer that fails is logged, never the end of the
         loop."""
-        replication = self.cfg.policies.replication
         chores, self.chores = self.chores, set()
-        for_placement = "placement" in chores
         if chores:
             try:
-                loads = await self._on_grid(self.grid.expert_load)
+                loads = await self.availability.call(self.grid.expert_load)
             except Exception:  # noqa: BLE001 - not a lost worker (those are recovered): the next iteration shows
                 log.exception("collecting the expert load failed")
                 loads = None
             for observer in self.observers if loads is not None else ():
-                self._observe(observer, "expert_load", loads, list(self.grid.group.home),
-                              self.placement.view(self.grid)["copies"])
-            if loads is not None and for_placement:
-                self.placement.observe(loads, replication)
+                self._observe(observer, "expert_load", loads, list(self.grid.group.home), self.live.view()["copies"])
+            if loads is not None and "placement" in chores:
+                self.live.observe_load(loads)
         if time.monotonic() - self.spares_checked > SPARES_CHECK_S:
             self.spares_checked = time.monotonic()
             try:
-                await self._on_grid(self.grid.top_up_spares)
+                await self.availability.call(self.grid.top_up_spares)
             except Exception:  # noqa: BLE001 - a spare is an optimisation: serving goes on without it
                 log.exception("starting hot spares failed")
 

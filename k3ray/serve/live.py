@@ -1,9 +1,11 @@
-"""What of the serving engine changes while it serves, between two iterations: the live policies (validated, audited,
-applied at the next iteration), the expert placement (read-only copies of hot experts moved in the background,
-k3ray.serve.placement) and the grid's size (`scale`: a new grid launched beside the serving one, then
-adopted). A mixin of `k3ray.serve.engine.Engine`: it uses the engine's grid, scheduler, `_on_grid`,
-`_restore`, `_incident` and `_ensure_loop`; the engine holds `between_iterations` around each iteration (around each
-stretch of overlapped ones: nothing is in flight while it is free) and calls `_at_boundary` at its start.
+"""What of the serving engine changes while it serves, between two iterations (`LivePlacement`): the live policies
+(validated, audited, applied at the next iteration), the expert placement (read-only copies of hot experts moved in
+the background, k3ray.serve.placement) and the grid's size (`scale`: a new grid launched beside the serving one,
+then adopted).
+
+The iteration loop holds `between_iterations` (a `BoundaryLock`) around each iteration (around each stretch of
+overlapped ones: nothing is in flight while it is free), asks `boundary_due` whether a stretch should end, calls
+`at_boundary` at its start, and hands over the workers' expert load when `load_due` said it was wanted.
 """
 from __future__ import annotations
 
@@ -12,38 +14,75 @@ import logging
 import time
 
 from k3ray.config import JobConfig
-from k3ray.train.live_policies import LivePolicies
-from k3ray.serve.iterations import BoundaryLock
-from k3ray.serve.placement import ServePlacement
 from k3ray.grid.worker_group import TopologyError
+from k3ray.serve.availability import Availability
+from k3ray.serve.placement import ServePlacement
+from k3ray.serve.record import IncidentLog, ServingStats
+from k3ray.serve.scheduler import Scheduler
+from k3ray.train.live_policies import LivePolicies
 
 log = logging.getLogger("k3ray.serve")
 
 
-class LiveServing:
-    def live_serving_init(self, cfg: JobConfig) -> None:
+class BoundaryLock(asyncio.Lock):
+    """An asyncio.Lock that counts who waits for it: an overlapped stretch holding it drains and lets them in."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting = 0
+
+    async def acquire(self) -> bool:
+        self.waiting += 1
+        try:
+            return await super().acquire()
+        finally:
+            self.waiting -= 1
+
+
+class LivePlacement:
+    def __init__(self, cfg: JobConfig, grid, sched: Scheduler, availability: Availability, incidents: IncidentLog,
+                 stats: ServingStats, between_iterations: BoundaryLock):
+        self.policy_cfg = cfg.policies  # the live values: a change taken at a boundary is set on it
         self.live = LivePolicies(cfg.policies)  # changes through the front door, applied between iterations
         self.placement = ServePlacement(cfg.model.n_experts)  # read-only copies of hot experts, moved live
-        self.between_iterations = BoundaryLock()  # held by each iteration; a resize takes it to run between two
+        self.grid, self.sched, self.availability = grid, sched, availability
+        self.incidents, self.stats, self.between_iterations = incidents, stats, between_iterations
 
-    async def _at_boundary(self) -> None:
+    async def at_boundary(self) -> None:
         """Between two iterations: queued policy changes take effect, a placement move is decided (its copies are
         fetched in the background), and a move whose fetches all ended switches every worker to its table."""
         try:
-            changed = self.live.take_pending(self.iterations)
+            changed = self.live.take_pending(self.stats.iterations)
             if changed & {"moonep", "scheduling"}:
-                await self._on_grid(self.grid.group.call, "set_policies", self.cfg.policies.model_dump())
+                await self.availability.call(self.grid.group.call, "set_policies", self.policy_cfg.model_dump())
             if "replication" in changed or self.placement.decide_next:
-                self.placement.start(self.grid, self.cfg.policies.replication)
+                self.placement.start(self.grid, self.policy_cfg.replication)
             record = self.placement.ready(self.grid)
-            if record is not None and await self._on_grid(self.grid.use_copies, record["copies"]):
-                self.placement.switched(record, self.iterations)
+            if record is not None and await self.availability.call(self.grid.use_copies, record["copies"]):
+                self.placement.switched(record, self.stats.iterations)
                 log.info("serving placement: switched to copies %s (balancedness %s -> %s, %d bytes fetched)",
                          record["copies"], record["balancedness_before"], record["balancedness_after"],
                          record["bytes_moved"])
         except Exception as err:  # noqa: BLE001 - placement and policies are optimisations: serving goes on
             log.exception("serving: applying policies or a placement move failed")
-            self._incident("placement_failed", action="kept the placement", why=f"{type(err).__name__}: {err}")
+            self.incidents.record("placement_failed", action="kept the placement", why=f"{type(err).__name__}: {err}")
+
+    def boundary_due(self) -> bool:
+        """Whether a boundary is wanted: a policy change is queued, a placement move is to be decided or its copies
+        arrived."""
+        return bool(self.live.pending or self.placement.decide_next or self.placement.fetched)
+
+    def load_due(self, iteration: int) -> bool:
+        """Whether the workers' expert load should be collected after `iteration` (for `observe_load`)."""
+        return self.placement.due(iteration, self.policy_cfg.replication)
+
+    def observe_load(self, loads: list[dict]) -> None:
+        """The workers' routed-token counts since the last call: a placement move is decided from them next."""
+        self.placement.observe(loads, self.policy_cfg.replication)
+
+    def view(self) -> dict:
+        """Per-expert load, homes, copies, rank loads, balancedness, moves (k3ray.serve.placement)."""
+        return self.placement.view(self.grid)
 
     def policies(self, name: str | None = None) -> dict:
         """The live policies (changes waiting for the next iteration on top), or {'error', 'status': 404}."""
@@ -52,29 +91,24 @@ class LiveServing:
         except KeyError as err:
             return {"error": err.args[0], "status": 404}
 
-    def set_policy(self, name: str, params: dict, source: str = "api") -> dict:
+    def set_policy(self, name: str, params: dict, source: str) -> dict:
         """Validate a change to one policy and apply it at the next iteration (audited): {'policy', 'value',
         'applies_at_step'}, or {'error', 'status'}: 404 for an unknown policy, 400 naming the field for a bad value;
         nothing changes then."""
         try:
-            return self.live.set(name, params, source, self.iterations)
+            return self.live.set(name, params, source, self.stats.iterations)
         except KeyError as err:
             return {"error": err.args[0], "status": 404}
         except ValueError as err:
             return {"error": str(err), "status": 400}
 
-    def policy_audit(self) -> list[dict]:
+    def audit(self) -> list[dict]:
         return self.live.audit_log()
 
-    def placement_view(self) -> dict:
-        """`k3ray placement --serve`: per-expert load, homes, copies, rank loads, balancedness, moves."""
-        return {**self.placement.view(self.grid), "iteration": self.iterations}
-
-    def rebalance(self) -> bool:
+    def rebalance(self) -> None:
         """Decide a placement move from the load after the next iteration instead of waiting for
         replication.every_n_steps (with replication enabled)."""
         self.placement.ask()
-        return True
 
     async def scale(self, ep: int) -> dict:
         """Resize the grid to pp x ep: launched beside the serving grid from the held weights while iterations go on
@@ -82,7 +116,7 @@ class LiveServing:
         relaunched at the new size (serving pauses meanwhile). Every unfinished request is prefilled again on the
         new grid, as after a loss: none dropped, outputs unchanged. The incident's fields, or {'error', 'status'}:
         400 for an ep below 1, 409 where the grid cannot take that size (nothing changes), 500 where the launch
-        failed (a relaunch that fails goes the failure path, `_restore`)."""
+        failed (a relaunch that fails goes the failure path, `Availability.restore`)."""
         if not isinstance(ep, int) or ep < 1:
             return {"error": f"ep: must be a whole number >= 1, got {ep!r}", "status": 400}
         if ep == self.grid.ep:
@@ -102,14 +136,12 @@ class LiveServing:
                 try:
                     fields = await asyncio.to_thread(self.grid.resize, ep)
                 except Exception as err:  # noqa: BLE001 - the old grid is gone: serve again, whatever it takes
-                    await self._restore(None, f"scaling to ep={ep} failed: {type(err).__name__}: {err}")
+                    await self.availability.restore(None, f"scaling to ep={ep} failed: {type(err).__name__}: {err}")
                     return {"error": f"scaling to ep={ep} failed ({type(err).__name__}: {err}); serving on ep="
                                      f"{self.grid.ep}", "status": 500}
             fields["requeued"] = len(self.sched.reset(self.grid.ep))
             fields["seconds"]["total"] = time.perf_counter() - t0
-            self._incident("scaled", **fields)
+            self.incidents.record("scaled", **fields)
             log.warning("serving: scaled to pp=%d x ep=%d (%s) in %.2fs, %d requests to prefill again", self.grid.pp,
                         self.grid.ep, fields["action"], fields["seconds"]["total"], fields["requeued"])
-        if self.sched.has_work:
-            self._ensure_loop()
         return fields

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from k3ray.data import CHAT_ROLES
+from k3ray.model.sampling import SamplingParams
 
 
 class _Request(BaseModel):
@@ -33,9 +34,10 @@ class _Request(BaseModel):
             raise ValueError("up to 4 non-empty stop strings")
         return stops
 
-    def sampling(self, max_tokens: int, extra_stop: tuple[str, ...] = ()) -> dict:
-        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed,
-                "stop": list(self.stop or []) + list(extra_stop)}
+    def sampling(self, max_tokens: int, extra_stop: tuple[str, ...] = ()) -> SamplingParams:
+        """What the engine samples with (what crosses the Ray hop to it)."""
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, seed=self.seed,
+                              stop=(*(self.stop or ()), *extra_stop))
 
 
 class CompletionRequest(_Request):

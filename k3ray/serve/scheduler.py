@@ -1,30 +1,33 @@
 """The serving engine's scheduler (Ray-free): the request table, iteration-level continuous batching with chunked
 prefill under a token budget, and the allocation of KV pages and KDA state slots.
 
-Every iteration, per data-parallel rank: first one token for each running request that is decoding, then the next
-prompt chunk of requests still prefilling, then new requests admitted in arrival order, while the rank's token
-budget lasts. A request is admitted onto the rank with the most free pages once that rank has a free state slot and
-pages for its whole possible length (prompt + max_tokens, capped by the context): it then never waits for memory
-mid-generation, and nothing is ever preempted. A request lives on one rank until it finishes; its pages and slot
-return to the rank's free lists when it finishes or is cancelled.
+Every iteration, per data-parallel rank, while the rank's token budget (serve.token_budget) lasts: one token for
+each running request that is decoding, then the next prompt chunks of requests still prefilling, oldest first, then
+new requests admitted in arrival order: several prompts share an iteration, and none waits for a time to pass. A
+request is admitted onto the rank with the most free pages that has a free state slot and pages for its first chunk
+(keeping one page per running request of the rank in reserve, so that decoding rarely preempts). A request lives on
+one rank until it finishes or is preempted; its pages and slot return to the rank's free lists then.
+
+Pages are allocated on demand, as a request's scheduled positions reach a new page (`RankPlan.grow` tells the
+workers). Where a rank's free pages run out, the newest running requests of the rank not yet scheduled in this
+iteration are preempted by recompute: their pages and slot go back, and they are requeued (in arrival order) to be
+prefilled again from prompt + generated tokens; the stream goes on with no token lost or repeated (the next token
+comes from the same logits and the same sampling counter). A prompt chunk that finds too few pages is cut to those
+there are; a decoding request that finds none and can preempt nobody newer is preempted itself.
 
 Overlap (serve.overlap): the engine may schedule iteration n+1 while n runs. A request whose row in n samples a token
 decodes on in n+1 with that token, unknown on the host: its row is flagged `from_device` (the workers take the token
 their last stage sampled for the slot). Per request, `planned` counts the positions whose cache entries are scheduled
 and `unconfirmed` the sampled tokens not yet back; `complete` of n confirms. A request never gets a row past what it
 may generate (max_tokens, the context: known on the host); one that ends in n (end-of-text, stop string, guard trip,
-cancel) while in n+1 has n+1's token dropped, and its slot and pages are freed once n+1 completes.
+cancel) while in n+1 has n+1's token dropped, and its slot and pages are freed once n+1 completes. A request
+preempted while an iteration in flight holds its caches starts a new incarnation (`Request.epoch`): the rows of the
+old one are void when they complete, and its old pages and slot return only then (`_Held`).
 
 A request's state is its prompt and the tokens generated so far (`Request.ids`: confirmed tokens only); the caches
 on the workers can be rebuilt from it by prefilling again (`reset`, after the grid holding them was lost, with any
 iterations in flight: they are void): the next token then comes from the same logits, so greedy and seeded outputs
 are those of an undisturbed run.
-
-Prefill batching (`prefill_hold_s` > 0): while requests are decoding, prompt chunks are scheduled at most once per
-hold, all that the budget takes then. A decode-only iteration replays a CUDA graph; one with any prompt chunk runs
-eagerly, several times slower, so under a steady stream of arrivals (a new request nearly every iteration at high
-concurrency) batching them keeps most iterations graphed, for a first token later by half the hold on average.
-Without decoding requests, prompts start at once.
 
 Stepwise prefill (`stepwise_prefill_max` > 0): a request whose prompt (with any output to prefill again) has at most
 that many tokens is fed one token per iteration, as a decode row whose sampled token is dropped until the last one.
@@ -33,21 +36,25 @@ running eagerly; a short prompt's first token comes after as many iterations as 
 a chunk would leave (the same recurrence and attention, one position at a time: in float64 the outputs are the
 reference's; in bf16 the rounding differs from a chunk's, as it does between chunks of other sizes).
 
-Interface: `submit`, `cancel`, `schedule` -> plans by rank, `complete(plans, answers by rank)`; `step` runs both
-with a synchronous executor (tests, the single-process engine).
+Interface: `submit`, `cancel`, `schedule` -> SchedulerOutput, `complete(output, answers by rank)`; `step` runs both
+with a synchronous executor (tests, the single-process engine). Sizes come from serve.* (ServeConfig, resolved for
+the device: `ServeConfig.resolved`).
 """
 from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-from k3ray.config import GuardPolicy
-from k3ray.model.cache import SeqAdmit
+from k3ray.config import GuardPolicy, ServeConfig
+from k3ray.model.cache import SeqAdmit, SeqPages
 from k3ray.model.sampling import SamplingParams, finish_reason
-from k3ray.parallel.serving import PoolSizes, RankPlan, StageOutput
+from k3ray.parallel.serving import StageOutput
 from k3ray.policies import guards
-from k3ray.tokenizer import ByteTokenizer, Detokenizer, Tokenizer
+from k3ray.serve.scheduler_output import RankBatch, Request, SchedulerOutput
+from k3ray.tokenizer import ByteTokenizer, Tokenizer
+
+__all__ = ["Overloaded", "RankBatch", "Request", "Scheduler", "SchedulerOutput"]
 
 
 class Overloaded(RuntimeError):
@@ -55,92 +62,62 @@ class Overloaded(RuntimeError):
 
 
 @dataclass
-class EngineLimits:
-    max_seq_len: int  # context length: prompt + generated tokens
-    dp: int = 1  # data-parallel ranks (requests are spread over them)
-    token_budget: int = 64  # tokens per iteration and rank (decode tokens + prefill chunks)
-    max_waiting: int = 64  # queued requests (beyond those a free slot will take) past which submit is Overloaded
-    pools: PoolSizes = field(default_factory=lambda: PoolSizes(pages=64, page_size=16, slots=16))
-    guards: GuardPolicy = field(default_factory=GuardPolicy)  # a sequence that trips them fails alone
-    tokenizer: Tokenizer = field(default_factory=ByteTokenizer)  # end-of-text, and the text stop strings are met in
-    prefill_hold_s: float = 0.0  # while requests decode, prompt work waits up to this long to be batched (see doc)
-    stepwise_prefill_max: int = 0  # prompts of at most this many tokens are fed one token per iteration (see doc)
-
-
-@dataclass
-class Request:
-    id: int
-    prompt: list[int]
-    params: SamplingParams
-    arrival: float
-    out: list[int] = field(default_factory=list)
-    rank: int = -1
-    pages: list[int] = field(default_factory=list)
-    slot: int = -1
-    cached: int = 0  # tokens of `ids` whose cache entries the workers hold
-    planned: int = 0  # positions whose cache entries are scheduled: `cached` and those of iterations in flight
-    unconfirmed: int = 0  # tokens sampled by iterations in flight, not yet appended to `out`
-    in_flight: int = 0  # iterations in flight with a row of this request (its slot and pages stay taken)
-    finish: str | None = None  # 'stop', 'length', 'cancelled', 'error'
-    error: str = ""
-    trip: guards.Trip | None = None  # the guard that stopped it (finish 'error')
-    token_times: list[float] = field(default_factory=list)  # wall time of each generated token
-    seed: int = 0  # the sampling noise's seed (the request's own, or drawn at submit)
-    detok: Detokenizer | None = None  # the output as text, token by token: stop strings are checked on it
-    text: str = ""  # the output text so far that is final (no half character, nothing a stop string may still cut)
-
-    @property
-    def ids(self) -> list[int]:
-        return self.prompt + self.out
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.out)
-
-    def tokens(self, start: int, n: int) -> list[int]:
-        """ids[start:start + n] without building ids (decode steps ask for the last token only)."""
-        p = len(self.prompt)
-        if start >= p:
-            return self.out[start - p:start - p + n]
-        return (self.prompt[start:start + n] + self.out[:max(0, start + n - p)])[:n]
-
-    @property
-    def done(self) -> bool:
-        return self.finish is not None
+class _Held:
+    """The pages and slot of a preempted incarnation that iterations in flight still hold."""
+    rank: int
+    pages: list[int]
+    slot: int
+    in_flight: int
 
 
 class _RankPool:
-    def __init__(self, sizes: PoolSizes):
-        self.free_pages = list(range(sizes.pages))
-        self.free_slots = list(range(sizes.slots))
+    def __init__(self, pages: int, slots: int):
+        self.free_pages = list(range(pages))
+        self.free_slots = list(range(slots))
+        self.held_pages = 0  # pages of preempted incarnations that return once their iterations complete
 
 
 class Scheduler:
-    def __init__(self, limits: EngineLimits, clock=time.monotonic):
-        self.limits, self.clock = limits, clock
-        self.ranks = [_RankPool(limits.pools) for _ in range(limits.dp)]
+    """serve: the serving config, its sizes resolved (`ServeConfig.resolved`); dp: data-parallel ranks (requests
+    are spread over them); guards: a sequence that trips them fails alone; tokenizer: end-of-text, and the text stop
+    strings are met in."""
+
+    def __init__(self, serve: ServeConfig, max_seq_len: int, dp: int = 1, guards: GuardPolicy | None = None,
+                 tokenizer: Tokenizer | None = None, clock=time.monotonic):
+        unset = [k for k in ("pages_per_rank", "slots_per_rank", "token_budget") if getattr(serve, k) is None]
+        if unset:
+            raise ValueError(f"serve.{unset[0]} is unset: resolve the serving config for the device first")
+        self.serve, self.max_seq_len, self.dp, self.clock = serve, max_seq_len, dp, clock
+        self.guards = guards or GuardPolicy()
+        self.tokenizer = tokenizer or ByteTokenizer()
+        self.ranks = [self._new_pool() for _ in range(dp)]
         self.waiting: list[Request] = []
         self.running: dict[int, Request] = {}
         self.requests: dict[int, Request] = {}  # every request not yet forgotten (`forget`)
+        self.held: dict[tuple[int, int], _Held] = {}  # (request, epoch) -> caches of a preempted incarnation
         self._ids = itertools.count()
-        self.rank_tokens = [0] * limits.dp  # tokens each rank has run (prefill and decode), since the start
-        self.last_prefill = -float("inf")  # when an iteration last took prompt work (`prefill_hold_s`)
+        self.rank_tokens = [0] * dp  # tokens each rank has run (prefill and decode), since the start
+        self.preemptions = 0
+
+    def _new_pool(self) -> _RankPool:
+        return _RankPool(self.serve.pages_per_rank, self.serve.slots_per_rank)
 
     # -- requests ------------------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
-        L = self.limits
+        s = self.serve
         if not prompt:
             raise ValueError("prompt: empty")
-        if len(prompt) >= L.max_seq_len:
+        if len(prompt) >= self.max_seq_len:
             raise ValueError(f"prompt: {len(prompt)} tokens leave no room to generate in the context of "
-                             f"{L.max_seq_len} tokens")
-        if self._pages_for(len(prompt), params) > L.pools.pages:
-            raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than a rank has ({L.pools.pages})")
+                             f"{self.max_seq_len} tokens")
+        if self._pages(min(len(prompt) + params.max_tokens, self.max_seq_len)) > s.pages_per_rank:
+            raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than a rank has "
+                             f"({s.pages_per_rank})")
         free_slots = sum(len(p.free_slots) for p in self.ranks)  # admitted at the next iteration: not queued
-        if len(self.waiting) >= L.max_waiting + free_slots:
-            raise Overloaded(f"{len(self.waiting) - free_slots} requests waiting (limit {L.max_waiting})")
+        if len(self.waiting) >= s.max_waiting + free_slots:
+            raise Overloaded(f"{len(self.waiting) - free_slots} requests waiting (limit {s.max_waiting})")
         req = Request(next(self._ids), list(prompt), params, self.clock(), seed=params.resolved_seed(),
-                      detok=L.tokenizer.detokenizer(params.stop))
+                      detok=self.tokenizer.detokenizer(params.stop))
         self.waiting.append(req)
         self.requests[req.id] = req
         return req
@@ -162,6 +139,8 @@ class Scheduler:
             req.finish, req.error = "error", message
         for req in list(self.running.values()):  # also those that ended while an iteration held their caches
             self._release(req)
+        for key in list(self.held):
+            self._free_held(key)
         self.waiting = []
         return failed
 
@@ -171,21 +150,25 @@ class Scheduler:
         generated so far; its output so far stands. Returns the requeued requests."""
         requeued = sorted((r for r in self.running.values() if not r.done), key=lambda r: r.arrival)
         for req in requeued:
-            req.rank, req.pages, req.slot = -1, [], -1
-            req.cached = req.planned = req.unconfirmed = req.in_flight = 0  # the iterations in flight are void
-        self.limits = replace(self.limits, dp=dp)
-        self.ranks = [_RankPool(self.limits.pools) for _ in range(dp)]
+            self._forget_caches(req)  # the iterations in flight are void
+        self.dp = dp
+        self.ranks = [self._new_pool() for _ in range(dp)]
         self.rank_tokens = (self.rank_tokens + [0] * dp)[:dp]
-        self.running = {}
-        self.waiting = requeued + self.waiting
+        self.running, self.held = {}, {}
+        self.waiting = requeued + [r for r in self.waiting if r not in requeued]
+        self.waiting.sort(key=lambda r: r.arrival)
         return requeued
 
     def forget(self, rid: int) -> None:
         self.requests.pop(rid, None)
 
-    def _pages_for(self, prompt_len: int, params: SamplingParams) -> int:
-        tokens = min(prompt_len + params.max_tokens, self.limits.max_seq_len)
-        return -(-tokens // self.limits.pools.page_size)
+    def _pages(self, tokens: int) -> int:
+        return -(-tokens // self.serve.page_size)
+
+    @staticmethod
+    def _forget_caches(req: Request) -> None:
+        req.rank, req.pages, req.slot = -1, [], -1
+        req.cached = req.planned = req.unconfirmed = req.in_flight = 0
 
     def _release(self, req: Request) -> None:
         pool = self.ranks[req.rank]
@@ -194,19 +177,46 @@ class Scheduler:
         req.pages, req.slot, req.in_flight, req.unconfirmed = [], -1, 0, 0
         self.running.pop(req.id, None)
 
+    def _preempt(self, req: Request) -> None:
+        """Give `req`'s pages and slot back (once no iteration in flight holds them) and requeue it, in arrival
+        order, to be prefilled again from its prompt and confirmed output."""
+        pool = self.ranks[req.rank]
+        if req.in_flight:
+            self.held[(req.id, req.epoch)] = _Held(req.rank, req.pages, req.slot, req.in_flight)
+            pool.held_pages += len(req.pages)
+        else:
+            pool.free_pages += req.pages
+            pool.free_slots.append(req.slot)
+        self.running.pop(req.id, None)
+        self._forget_caches(req)
+        req.epoch += 1
+        self.preemptions += 1
+        self.waiting.append(req)
+        self.waiting.sort(key=lambda r: r.arrival)
+
+    def _free_held(self, key: tuple[int, int]) -> None:
+        held = self.held.pop(key)
+        pool = self.ranks[held.rank]
+        pool.free_pages += held.pages
+        pool.free_slots.append(held.slot)
+        pool.held_pages -= len(held.pages)
+
     # -- iterations ----------------------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> dict[int, tuple[RankPlan, list[Request]]]:
-        """This iteration's plan of every rank (also ranks with nothing to do: they join the EP exchanges). With an
-        iteration in flight (overlap), its sampled tokens are taken on the workers (`RankPlan.from_device`)."""
-        budget = [self.limits.token_budget] * self.limits.dp
-        plans = {r: (RankPlan(), []) for r in range(self.limits.dp)}
+    def schedule(self) -> SchedulerOutput:
+        """This iteration: every decode row, then prompt chunks oldest first, then new requests, while each rank's
+        token budget lasts; pages allocated as rows reach them, newer requests preempted where they run out. With
+        an iteration in flight (overlap), its sampled tokens are taken on the workers (`RankPlan.from_device`)."""
+        budget = [self.serve.token_budget] * self.dp
+        out = SchedulerOutput({r: RankBatch() for r in range(self.dp)})
+        scheduled: set[int] = set()
 
         def add(req: Request, n: int) -> None:
-            plan, reqs = plans[req.rank]
+            batch = out.ranks[req.rank]
+            plan = batch.plan
             from_device = req.planned >= req.length  # the token an iteration in flight samples for it
             plan.tokens += [0] if from_device else req.tokens(req.planned, n)
             plan.from_device.append(from_device)
@@ -214,8 +224,11 @@ class Scheduler:
             plan.starts.append(req.planned)
             plan.counts.append(n)
             plan.counters.append(len(req.out) + req.unconfirmed)
-            reqs.append(req)
+            batch.requests.append(req)
+            batch.epochs.append(req.epoch)
+            scheduled.add(req.id)
             budget[req.rank] -= n
+            out.total_tokens += n
             self.rank_tokens[req.rank] += n
             req.planned += n
             req.in_flight += 1
@@ -223,70 +236,106 @@ class Scheduler:
                 req.unconfirmed += 1
 
         running = sorted((r for r in self.running.values() if self._may_continue(r)),
-                         key=lambda r: (r.planned < len(r.prompt), r.arrival))
-        now = self.clock()
-        prefill = (now - self.last_prefill >= self.limits.prefill_hold_s
-                   or not any(r.length + r.unconfirmed - r.planned == 1 for r in running))
-        eager = False  # whether this iteration holds a prompt chunk (more than one token of a request)
+                         key=lambda r: (r.to_run > 1, r.arrival))
         for req in running:  # decoding first (one token each), then prompt chunks
-            n = min(req.length + req.unconfirmed - req.planned, budget[req.rank])
+            if req.id not in self.running:  # preempted for an older request in this iteration
+                continue
+            n = min(req.to_run, budget[req.rank])
             if n > 1 and self._stepwise(req):
                 n = 1
-            if n == 1 or n > 1 and prefill:
+            n = self._grow(req, n, scheduled, out) if n > 0 else 0
+            if n > 0:
                 add(req, n)
-                eager |= n > 1
         while self.waiting:
             req = self.waiting[0]
-            stepwise = self._stepwise(req)
-            if not (prefill or stepwise):
-                break
-            rank = self._admit_rank(req)
-            if rank is None or budget[rank] <= 0:
+            n, rank = self._admit_rank(req, budget)
+            if rank is None:
                 break
             self.waiting.pop(0)
             pool = self.ranks[rank]
-            need = self._pages_for(len(req.prompt), req.params)
             req.rank, req.slot = rank, pool.free_slots.pop(0)
+            need = self._pages(n)
             req.pages, pool.free_pages = pool.free_pages[:need], pool.free_pages[need:]
             self.running[req.id] = req
             p = req.params
-            plans[rank][0].admit.append(SeqAdmit(req.slot, req.pages, p.temperature, p.top_p, req.seed))
-            n = 1 if stepwise else min(req.length, budget[rank])  # a requeued request re-prefills its output too
+            out.ranks[rank].plan.admit.append(SeqAdmit(req.slot, list(req.pages), p.temperature, p.top_p, req.seed))
             add(req, n)
-            eager |= not stepwise
-        if eager:
-            self.last_prefill = now
-        for plan, reqs in plans.values():
-            plan.greedy = all(r.params.temperature == 0 for r in reqs)
-        return plans
+        for batch in out.ranks.values():
+            batch.plan.greedy = all(r.params.temperature == 0 for r in batch.requests)
+        return out
+
+    def _grow(self, req: Request, n: int, scheduled: set[int], out: SchedulerOutput) -> int:
+        """Pages for `req`'s next n positions, preempting newer requests of its rank not scheduled yet where the
+        free pages run short. Returns how many of the n positions got pages (a prompt chunk may be cut; 0: the row
+        waits, or `req` itself was preempted)."""
+        pool, P = self.ranks[req.rank], self.serve.page_size
+
+        def short() -> int:
+            return self._pages(req.planned + n) - len(req.pages) - len(pool.free_pages)
+
+        while short() > pool.held_pages:
+            newer = [r for r in self.running.values() if r.rank == req.rank and not r.done and r.id not in scheduled
+                     and r.arrival > req.arrival and r is not req]
+            if not newer:
+                break
+            victim = max(newer, key=lambda r: r.arrival)
+            self._preempt(victim)
+            out.preempted.append(victim.id)
+        if short() > 0:
+            fit = (len(req.pages) + len(pool.free_pages)) * P - req.planned
+            if fit < 1 and req.to_run == 1 and not pool.held_pages:  # decoding, and no page will come back
+                self._preempt(req)
+                out.preempted.append(req.id)
+                return 0
+            n = max(0, min(n, fit))
+        need = self._pages(req.planned + n) - len(req.pages)
+        if n and need > 0:
+            new, pool.free_pages = pool.free_pages[:need], pool.free_pages[need:]
+            out.ranks[req.rank].plan.grow.append(SeqPages(req.slot, len(req.pages), new))
+            req.pages = req.pages + new
+        return n
 
     def _stepwise(self, req: Request) -> bool:
         """Whether `req`'s prompt (and output, after a `reset`) is fed one token per iteration."""
-        return req.length <= self.limits.stepwise_prefill_max
+        return req.length <= (self.serve.stepwise_prefill_max or 0)
 
     def _may_continue(self, req: Request) -> bool:
         """Whether `req` may get a row now: not ended, and the tokens in flight leave it room to generate another
         (max_tokens and the context are known on the host; end-of-text and stop strings are not)."""
         return (not req.done and len(req.out) + req.unconfirmed < req.params.max_tokens
-                and req.length + req.unconfirmed < self.limits.max_seq_len)
+                and req.length + req.unconfirmed < self.max_seq_len)
 
-    def _admit_rank(self, req: Request) -> int | None:
-        need = self._pages_for(len(req.prompt), req.params)
-        fits = [r for r, p in enumerate(self.ranks) if p.free_slots and len(p.free_pages) >= need]
-        return max(fits, key=lambda r: len(self.ranks[r].free_pages)) if fits else None
+    def _admit_rank(self, req: Request, budget: list[int]) -> tuple[int, int | None]:
+        """(first chunk, rank) for a waiting request: the rank with the most free pages among those with a free slot,
+        budget left and pages for the chunk beside one in reserve per running request; (0, None) if none."""
+        best = None
+        for rank, pool in enumerate(self.ranks):
+            n = 1 if self._stepwise(req) else min(req.length, budget[rank])  # a requeued request re-prefills its output
+            reserve = sum(1 for r in self.running.values() if r.rank == rank)
+            if (n > 0 and pool.free_slots and len(pool.free_pages) >= self._pages(n) + reserve
+                    and (best is None or len(pool.free_pages) > len(self.ranks[best[1]].free_pages))):
+                best = (n, rank)
+        return best or (0, None)
 
-    def complete(self, plans: dict[int, tuple[RankPlan, list[Request]]], outputs: dict[int, StageOutput]
-                 ) -> list[Request]:
+    def complete(self, scheduled: SchedulerOutput, outputs: dict[int, StageOutput]) -> list[Request]:
         """Take an iteration's answers (rank -> StageOutput: next tokens [N] and max-abs [N], one per sequence of
         the plan): a sequence that tripped the guards fails alone (finish 'error', `trip` set); where a sequence
         reached its last known token, its sampled token is appended; finish what ended, and free it once no iteration
-        in flight holds it (overlap: the next one's row of a request that ended is dropped). Iterations complete in
-        the order they were scheduled. Returns the requests that got a token or finished."""
+        in flight holds it (overlap: the next one's row of a request that ended is dropped). Rows of an incarnation
+        preempted since are void. Iterations complete in the order they were scheduled. Returns the requests that
+        got a token or finished."""
         now, changed = self.clock(), []
-        for rank, (plan, reqs) in plans.items():
-            out = outputs[rank]
-            trips = guards.check_sequences(out.maxabs, self.limits.guards)
-            for row, (n, req) in enumerate(zip(plan.counts, reqs)):
+        for rank, batch in scheduled.ranks.items():
+            out, plan = outputs[rank], batch.plan
+            trips = guards.check_sequences(out.maxabs, self.guards)
+            for row, (n, req, epoch) in enumerate(zip(plan.counts, batch.requests, batch.epochs)):
+                if epoch != req.epoch:  # preempted after this was scheduled: its caches return once none holds them
+                    held = self.held.get((req.id, epoch))
+                    if held is not None:
+                        held.in_flight -= 1
+                        if held.in_flight == 0:
+                            self._free_held((req.id, epoch))
+                    continue
                 req.cached += n
                 req.in_flight -= 1
                 if req.done:  # cancelled while in flight, or ended by the iteration before (its token dropped)
@@ -310,8 +359,8 @@ class Scheduler:
                 req.out.append(out.tokens[row])
                 req.token_times.append(now)
                 req.text += req.detok.push(req.out[-1:])
-                req.finish = finish_reason(req.out, req.params, self.limits.tokenizer.eos_id,
-                                           self.limits.max_seq_len - req.length, req.detok)
+                req.finish = finish_reason(req.out, req.params, self.tokenizer.eos_id,
+                                           self.max_seq_len - req.length, req.detok)
                 if req.done:
                     req.text += req.detok.push([], final=True)
                     if req.in_flight == 0:
@@ -321,14 +370,14 @@ class Scheduler:
 
     def step(self, executor) -> list[Request]:
         """One iteration with a synchronous executor: executor.run({rank: RankPlan}) -> {rank: StageOutput}."""
-        plans = self.schedule()
-        return self.complete(plans, executor.run({r: p for r, (p, _) in plans.items()}))
+        scheduled = self.schedule()
+        return self.complete(scheduled, executor.run(scheduled.plans()))
 
     # -- what it holds -------------------------------------------------------------------------------------------
     def usage(self) -> dict:
-        L = self.limits.pools
+        s = self.serve
         return {"waiting": len(self.waiting), "running": len(self.running),
-                "pages_used": sum(L.pages - len(p.free_pages) for p in self.ranks),
-                "pages_total": L.pages * self.limits.dp,
-                "slots_used": sum(L.slots - len(p.free_slots) for p in self.ranks),
-                "tokens_per_rank": list(self.rank_tokens)}
+                "pages_used": sum(s.pages_per_rank - len(p.free_pages) for p in self.ranks),
+                "pages_total": s.pages_per_rank * self.dp,
+                "slots_used": sum(s.slots_per_rank - len(p.free_slots) for p in self.ranks),
+                "tokens_per_rank": list(self.rank_tokens), "preemptions": self.preemptions}

@@ -372,11 +372,12 @@ class Controller:
 
 def merge_reports(step: int, batch_index: int, reports: list[dict], ep: int, tokens: int) -> StepReport:
     """The step report of a grid with `ep` EP ranks per stage from its workers' reports (world-rank order)."""
-    tpe, rank_load, acts = {}, {}, {}
+    tpe, rank_load, balance, acts = {}, {}, {}, {}
     for i, r in enumerate(reports):
         if i % ep == 0:  # every EP rank of a stage holds the same gathered counts
             tpe.update(r["tokens_per_expert"])
             rank_load.update(r["rank_load"])
+            balance.update(r.get("balance", {}))
         for layer, a in r["activations"].items():
             prev = acts.get(layer)
             acts[layer] = a if prev is None else {k: max(prev[k], a[k]) for k in a}
@@ -384,7 +385,7 @@ def merge_reports(step: int, batch_index: int, reports: list[dict], ep: int, tok
     timings = {k: max(r["timings"][k] for r in reports) for k in phases}
     return StepReport(step=step, batch_index=batch_index, loss=reports[0]["loss"], grad_norm=reports[0]["grad_norm"],
                       lr=reports[0]["lr"], tokens=tokens, tokens_per_expert=tpe, activations=acts, timings=timings,
-                      rank_load=rank_load)
+                      rank_load=rank_load, balance=balance)
 
 
 # The same class as a Ray actor: one per job, threaded so the control API's calls run beside the step loop.

@@ -1,0 +1,70 @@
+"""MLA attention of a serving iteration split by phase (k3ray.model.serving_attention): a prompt row's causal
+attention over its context (bottom-right aligned) by torch's fused attention, its blockwise log-sum-exp form for long
+contexts, and a mixed iteration (decode rows absorbed, prompt rows not) equal to each row attended alone. float64."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import RELEASED
+from k3ray.config import load_config
+from k3ray.model import serving_attention
+from k3ray.model.cache import IterationCache, SeqAdmit, new_pools
+from k3ray.model.decoder import build_stage
+from k3ray.model.serving_attention import blockwise_attention, segment_attention
+
+
+def plain_causal(q_nHe, k_LHe, v_LHh, scale):
+    """The definition: query t (position L - n + t) attends to keys 0..L - n + t."""
+    n, L = q_nHe.shape[0], k_LHe.shape[0]
+    s = torch.einsum("nhe,lhe->hnl", q_nHe, k_LHe) * scale
+    mask = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+    p = torch.softmax(s.masked_fill(~mask, -torch.inf), dim=-1)
+    return torch.einsum("hnl,lhd->nhd", p, v_LHh)
+
+
+@pytest.mark.parametrize("n,L,chunk,block", [(5, 5, 2, 2), (7, 30, 8, 3), (1, 17, 4, 4), (12, 40, 64, 5)])
+def test_segment_and_blockwise_attention_equal_the_definition(n, L, chunk, block):
+    g = torch.Generator().manual_seed(n * L)
+    q, k = torch.randn(n, 3, 10, generator=g, dtype=torch.float64), torch.randn(L, 3, 10, generator=g,
+                                                                             dtype=torch.float64)
+    v = torch.randn(L, 3, 6, generator=g, dtype=torch.float64)
+    want = plain_causal(q, k, v, 0.3)
+    torch.testing.assert_close(segment_attention(q, k, v, 0.3), want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(blockwise_attention(q, k, v, 0.3, chunk, block), want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["absorbed", "rope"])
+def test_a_mixed_iteration_equals_each_row_alone(monkeypatch, rope):
+    """Two decode rows and two prompt chunks (one continuing a cached prefix) in one iteration give the outputs each
+    row gives in an iteration of its own (every released feature on: KDA's convolution state too); a tiny
+    PREFIX_CHUNK (the blockwise form) changes nothing."""
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED, "model.mla_rope": rope}).model
+    stage = build_stage(cfg, range(cfg.n_layers), seed=2)
+    g = torch.Generator().manual_seed(0)
+    prefix = {s: torch.randint(0, cfg.vocab_size, (1, 9), generator=g) for s in range(4)}
+
+    def pools():
+        p = new_pools(cfg, stage.layers, 32, 4, 4)
+        p.admit([SeqAdmit(s, list(range(8 * s, 8 * s + 8))) for s in range(4)])
+        for s in (0, 1, 3):  # slots 0, 1 decode after 9 cached tokens; slot 3 prefills on after 9; slot 2 is new
+            stage(prefix[s], IterationCache.from_plan(p, [s], [0], [9], "cpu"))
+        return p
+
+    rows = [(0, 9, 1), (2, 0, 7), (1, 9, 1), (3, 9, 6)]  # (slot, start, count)
+    new = {s: torch.randint(0, cfg.vocab_size, (1, c), generator=g) for s, _, c in rows}
+    with torch.no_grad():
+        alone = {}
+        for s, start, c in rows:
+            p = pools()
+            alone[s] = stage(new[s], IterationCache.from_plan(p, [s], [start], [c], "cpu"))
+        x = torch.cat([new[s] for s, _, _ in rows], dim=1)
+        for chunk in (serving_attention.PREFIX_CHUNK, 3):
+            monkeypatch.setattr(serving_attention, "PREFIX_CHUNK", chunk)
+            p = pools()
+            cache = IterationCache.from_plan(p, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
+                                             "cpu")
+            assert cache.prompt is not None and cache.decode_rows.tolist() == [0, 2]
+            got = stage(x, cache)  # logits of each row's last token [N, V]
+            for i, (s, _, _) in enumerate(rows):
+                torch.testing.assert_close(got[i], alone[s][0], rtol=0, atol=1e-10)
