@@ -1,13 +1,14 @@
-"""Imports flow one way: control -> controller -> parallel -> model -> kernels; policies and io import none of them.
-Checked on the source (every import statement, function-level ones too), so a new upward import fails here."""
+"""Imports flow one way: control -> serve -> train -> formats -> grid -> parallel -> model -> kernels; policies, io
+and steering import none of them, and no module imports one that imports it back. Checked on the source (every
+import statement, function-level ones too), so a new upward import or cycle fails here."""
 from __future__ import annotations
 
 import ast
 
 from conftest import REPO
 
-LAYER = {"control": 5, "controller": 4, "parallel": 3, "model": 2, "kernels": 1}
-PURE = ("policies", "io")
+LAYER = {"control": 8, "serve": 7, "train": 6, "formats": 5, "grid": 4, "parallel": 3, "model": 2, "kernels": 1}
+PURE = ("policies", "io", "steering")
 
 
 def k3ray_imports(path) -> list[str]:
@@ -35,4 +36,38 @@ def test_no_module_imports_upward():
 def test_the_check_sees_an_upward_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from k3ray.grid.worker_group import WorkerGroup\n")
-    assert k3ray_imports(module) == ["controller"]
+    assert k3ray_imports(module) == ["grid"]
+
+
+def _module_imports(path) -> set[str]:
+    """The k3ray modules (dotted names) a module imports, function-level imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("k3ray")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("k3ray"):
+            found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+    return found
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    modules = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (REPO / "k3ray").rglob("*.py")}
+    graph = {m: {t for t in _module_imports(p) if t in modules and t != m and not m.startswith(t + ".")}
+             for m, p in modules.items()}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for t in sorted(graph[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(path[path.index(t):] + [t]))
+            elif t not in state:
+                visit(t, path + [t])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []

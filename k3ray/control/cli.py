@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--snapshot-every", help="steps (default fault_tolerance.snapshot_every)")
     g.add_argument("--checkpoint-every", help="steps, 0 = none (default checkpoint.every_n_steps)")
     g.add_argument("--days", help="days simulated (default 54)")
-    g.add_argument("--calibration", metavar="FILE", help="measured phase figures (python -m k3ray.goodput.calibration)")
+    g.add_argument("--calibration", metavar="FILE", help="measured phase figures (python -m k3ray.goodput.calibrate)")
     g.add_argument("--svg", metavar="FILE", help="write a plot of goodput against GPUs")
     pl.set_defaults(func=cmd_plan)
 

@@ -1,19 +1,17 @@
 """Measured figures the phase costs are scaled from (k3ray.goodput.costs), and the calibration file: JSON written
-from the `incidents.jsonl` of real runs (`python -m k3ray.goodput.calibration`), read by `k3ray plan --faults
+from the `incidents.jsonl` of real runs (`python -m k3ray.goodput.calibrate`), read by `k3ray plan --faults
 --calibration FILE`.
 
 The defaults are k3ray's own measurements on two H200s (benchmarks/RESULTS.md, "Training end to end on 2 H200s":
 the fault drill, the snapshot figures, the MFU) and Ray's health-check defaults (K3_NOTES); the few figures nobody
 measured yet are named in ASSUMED.
 
-    python -m k3ray.goodput.calibration runs/a/incidents.jsonl [more ...] --config configs/gpu2.yaml -o calib.json
+    python -m k3ray.goodput.calibrate runs/a/incidents.jsonl [more ...] --config configs/gpu2.yaml -o calib.json
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -141,31 +139,3 @@ def from_incidents(incidents: list[dict], pp: int, state_bytes_per_worker: float
     # a phase measured as 0 s (a timer's resolution) still costs a little: floor at a microsecond
     update = {k: max(v, 1e-6) if isinstance(v, float) else v for k, v in update.items()}
     return replace(base, **update, sources=tuple(sources) or base.sources), measured
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m k3ray.goodput.calibration",
-                                description="write a calibration file from the incidents.jsonl of real runs")
-    p.add_argument("incidents", nargs="+", help="incidents.jsonl files")
-    p.add_argument("--config", required=True, help="the runs' config (its model gives the bytes a worker holds)")
-    p.add_argument("--step-s", type=float, help="the runs' measured step time without faults")
-    p.add_argument("-o", "--out", required=True)
-    args = p.parse_args(argv)
-    from k3ray.config import load_config
-    from k3ray.goodput.costs import state_bytes
-
-    cfg = load_config(args.config)
-    try:
-        calib, measured = from_incidents(read_incidents(args.incidents), cfg.parallel.pp,
-                                         state_bytes(cfg, Calibration()) / cfg.parallel.world_size, args.step_s,
-                                         sources=tuple(args.incidents))
-    except (OSError, ValueError) as err:
-        print(f"calibration: {err}", file=sys.stderr)
-        return 2
-    Path(args.out).write_text(json.dumps({**calib.to_json(), "measured": measured}, indent=1) + "\n")
-    print(json.dumps(measured))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

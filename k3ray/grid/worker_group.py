@@ -76,7 +76,9 @@ class WorkerGroup:
         self.workers: list = []  # world rank -> actor
         self.slots: list[tuple] = []  # world rank -> (placement group, bundle index) it holds
         self.nodes: list[str] = []  # world rank -> Ray node id
-        self.store_checked = False  # whether the object stores were checked against a snapshot's size
+        # the snapshot size the object stores were last checked against (a snapshot grows: the optimizer's state
+        # exists only after the first step)
+        self.store_checked_bytes = 0
         self.spares = SparePool(cfg.fault_tolerance.spares)  # hot spares: standby workers, own resources
         self.launch_seconds: dict[str, float] = {}  # start workers (or swap in spares), process groups, restore
         self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
@@ -295,11 +297,11 @@ class WorkerGroup:
         """Stage every worker's state to run `step` from (training stalls only for this), then ask for the bytes,
         which arrive while the next step runs: per world rank, a reference to them (owned by the caller) and one
         to their size (small: it tells when they have arrived, or that the worker died first); and, on this grid's
-        first snapshot, a line if the nodes' object stores are too small for them (else None)."""
+        first snapshot and whenever they grow, a line if the nodes' object stores are too small for them (else None)."""
         part_bytes = self.call("stage_snapshot", step, timeout_s=300)
         shortfall = None
-        if not self.store_checked:
-            self.store_checked = True
+        if sum(part_bytes) > self.store_checked_bytes:
+            self.store_checked_bytes = sum(part_bytes)
             stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0.0) for n in ray.nodes() if n["Alive"]}
             shortfall = store_shortfall(part_bytes, self.nodes, stores)
         pairs = [w.snapshot.remote(self.generation, step) for w in self.workers]
