@@ -129,7 +129,12 @@ async def clients(url: str, model: str, concurrency: int, requests: list[tuple[s
 
 
 def client_process(job: tuple) -> dict:
-    return asyncio.run(clients(*job))
+    """One process's clients. An error comes back as a plain RuntimeError with the server's message: the openai
+    client's errors do not pickle, and a pool then reports only that a process died."""
+    try:
+        return asyncio.run(clients(*job))
+    except Exception as err:
+        raise RuntimeError(f"{type(err).__name__}: {err}") from None
 
 
 def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model: str, concurrency: int,
