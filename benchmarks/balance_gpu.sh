@@ -24,11 +24,7 @@ TEXT_MB=${TEXT_MB:-24}
 mkdir -p "$OUT" "$WORK"
 export WORK TEXT_MB BPE_VOCAB
 GPU2="--config configs/gpu2.yaml --set parallel.ep=1"
-# the released K3's features at gpu2's size, as benchmarks/train_speed_gpu.sh sets them
-RELEASED="--set model.q_lora_rank=1024 --set model.mla_rope_dim=64 --set model.mla_rope=false \
- --set model.kda_conv_size=4 --set model.kda_gate_lower_bound=-5.0 --set model.kda_scaled_read=true \
- --set model.attn_res_block_size=2 --set model.first_dense_layers=1 --set model.dense_inner=19456 \
- --set model.norm_eps=1.0e-5"
+. "$(dirname "${BASH_SOURCE[0]}")/released.sh"   # RELEASED: the released K3's features as --set arguments
 BPE="--set data.source=$WORK/bpe_data --set data.tokenizer=$WORK/bpe/tokenizer.json --set model.vocab_size=$BPE_VOCAB"
 stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit ${limit}s)"; \
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? ($(date -u +%T))"; \

@@ -18,13 +18,7 @@ E2E_SET=${E2E_SET:-}
 VARIANTS_SET=${VARIANTS_SET:-}
 TESTS=${TESTS:-tests/test_kda.py::test_fla_short_conv_and_gate_equal_reference tests/test_execution.py}
 GPU2="--config configs/gpu2.yaml --set parallel.ep=1"
-# the released K3's features at gpu2's size, as the serving figures (RESULTS.md) set them: q-LoRA 1024, the 64-wide
-# unrotated slice, KDA's convolution and lower-bound gate and scaled read, AttnRes over blocks of 2 layers, a dense
-# first layer of K3's width ratio (4.75 d), RMSNorm eps 1e-5
-RELEASED="--set model.q_lora_rank=1024 --set model.mla_rope_dim=64 --set model.mla_rope=false \
- --set model.kda_conv_size=4 --set model.kda_gate_lower_bound=-5.0 --set model.kda_scaled_read=true \
- --set model.attn_res_block_size=2 --set model.first_dense_layers=1 --set model.dense_inner=19456 \
- --set model.norm_eps=1.0e-5"
+. "$(dirname "${BASH_SOURCE[0]}")/released.sh"   # RELEASED: the released K3's features as --set arguments
 stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit ${limit}s)"; \
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? ($(date -u +%T))"; tail -n 40 "$OUT/$name.log"; }
 for s in $STAGES; do

@@ -14,10 +14,7 @@ rm -rf /root/k3 && cp -r . /root/k3 && cd /root/k3   # a later device call repla
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, ray, triton; print(torch.__version__, ray.__version__, triton.__version__)" | tee -a "$OUT/gpu.txt"
-RELEASED="--set model.q_lora_rank=1024 --set model.mla_rope_dim=64 --set model.mla_rope=false \
- --set model.kda_conv_size=4 --set model.kda_gate_lower_bound=-5.0 --set model.kda_scaled_read=true \
- --set model.attn_res_block_size=2 --set model.first_dense_layers=1 --set model.dense_inner=19456 \
- --set model.norm_eps=1.0e-5"
+. "$(dirname "${BASH_SOURCE[0]}")/released.sh"   # RELEASED: the released K3's features as --set arguments
 stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit ${limit}s)"; \
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? ($(date -u +%T))"; tail -n 16 "$OUT/$name.log"; }
 # shellcheck disable=SC2086 # RELEASED is a list of arguments
