@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from k3ray.dtypes import up32
 
@@ -65,7 +64,11 @@ def segment_attention(q_nHe: torch.Tensor, k_LHe: torch.Tensor, v_LHh: torch.Ten
     h = v.shape[-1]
     if q.is_cuda and h < q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - h))
-    how = {"is_causal": True} if n == L else {"attn_mask": causal_lower_right(n, L)}
+    if n == L:
+        how = {"is_causal": True}
+    else:  # imported here: torch.nn.attention.bias imports torch._dynamo (~1 s of CPU in every worker process)
+        from torch.nn.attention.bias import causal_lower_right
+        how = {"attn_mask": causal_lower_right(n, L)}
     o = F.scaled_dot_product_attention(q, k, v, scale=scale, **how)[..., :h]
     return o[0].transpose(0, 1)
 
