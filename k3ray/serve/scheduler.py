@@ -76,6 +76,15 @@ class _RankPool:
         self.free_slots = list(range(slots))
         self.held_pages = 0  # pages of preempted incarnations that return once their iterations complete
 
+    def take_pages(self, n: int) -> list[int]:
+        """n free pages, from the end of the free list: O(n) whatever the pool's size (tens of thousands of pages
+        on a GPU), where slicing from the front copied the whole list per allocation."""
+        if n <= 0:
+            return []
+        taken = self.free_pages[-n:]
+        del self.free_pages[-n:]
+        return taken
+
 
 class Scheduler:
     """serve: the serving config, its sizes resolved (`ServeConfig.resolved`); dp: data-parallel ranks (requests
@@ -254,8 +263,7 @@ class Scheduler:
             self.waiting.pop(0)
             pool = self.ranks[rank]
             req.rank, req.slot = rank, pool.free_slots.pop(0)
-            need = self._pages(n)
-            req.pages, pool.free_pages = pool.free_pages[:need], pool.free_pages[need:]
+            req.pages = pool.take_pages(self._pages(n))
             self.running[req.id] = req
             p = req.params
             out.ranks[rank].plan.admit.append(SeqAdmit(req.slot, list(req.pages), p.temperature, p.top_p, req.seed))
@@ -290,7 +298,7 @@ class Scheduler:
             n = max(0, min(n, fit))
         need = self._pages(req.planned + n) - len(req.pages)
         if n and need > 0:
-            new, pool.free_pages = pool.free_pages[:need], pool.free_pages[need:]
+            new = pool.take_pages(need)
             out.ranks[req.rank].plan.grow.append(SeqPages(req.slot, len(req.pages), new))
             req.pages = req.pages + new
         return n

@@ -1,0 +1,257 @@
+"""Serving real prompt lengths on one GPU without Ray: the scheduler and one worker's `StageServer` in this process,
+with the sizes a GPU server picks by default (token budget, slots, pages from the free memory), so the worker's own
+time is measured apart from Ray, the engine's actor and HTTP.
+
+    python benchmarks/prefill_gpu.py --config configs/gpu2.yaml --set model.n_layers=4 [--concurrency 1 16 64]
+
+Stages (each prints as it ends; an exception prints its traceback and the next stage runs):
+1. TTFT of one prompt of `--ttft-tokens` tokens alone (median of 5 after a warm-up): one prefill iteration.
+2. The engine loop at each concurrency: C clients, each sending its next request when the last ends; prompts of
+   `--prompt-tokens` tokens of Python's stdlib source (bytes, seeded), max_tokens drawn from `--max-tokens`.
+   Output tokens/s, TTFT and ITL from the scheduler's token times, prompt tokens/s, the worker's step per
+   iteration (synchronized) binned by tokens per iteration.
+3. A profile of mixed iterations of about `--mixed-tokens` tokens (64 decode rows + prompt chunks): device time by
+   kernel category (attention, KDA, convolution, matmul, experts, elementwise/other) and the worker's wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+import traceback
+
+import torch
+
+from k3ray.config import ServeConfig, load_config, parse_assignments
+from k3ray.model.cache import pages_that_fit
+from k3ray.model.decoder import build_stage
+from k3ray.model.sampling import SamplingParams
+from k3ray.parallel.serving import LocalExecutor, PoolSizes
+from k3ray.serve.scheduler import Scheduler
+
+DEVICE = "cuda"  # --device cpu: a smoke run of the same code at a tiny shape (no profile categories then)
+
+
+def stdlib_bytes(want: int) -> list[int]:
+    """At least `want` bytes of Python's standard library source (files in name order)."""
+    root, ids = os.path.dirname(os.__file__), []
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".py"):
+            with open(os.path.join(root, name), "rb") as f:
+                ids += list(f.read())
+            if len(ids) >= want:
+                break
+    return ids
+
+
+def span(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(":")
+    return int(lo), int(hi or lo)
+
+
+def workload(n: int, prompt_tokens: str, max_tokens: str, seed: int) -> list[tuple[list[int], int]]:
+    (lo, hi), (lo_m, hi_m) = span(prompt_tokens), span(max_tokens)
+    corpus = stdlib_bytes(64 * hi)
+    out = []
+    for i in range(n):
+        rng = random.Random(f"{seed}/{i}")
+        length = rng.randint(lo, hi)
+        start = rng.randrange(len(corpus) - length)
+        out.append((corpus[start:start + length], rng.randint(lo_m, hi_m)))
+    return out
+
+
+class TimedExecutor:
+    """LocalExecutor whose every step is synchronized and timed, with the iteration's shape noted."""
+
+    def __init__(self, inner: LocalExecutor):
+        self.inner, self.steps = inner, []  # (tokens, prompt rows, decode rows, seconds)
+
+    def run(self, plans):
+        plan = plans[0]
+        t0 = time.perf_counter()
+        out = self.inner.run(plans)  # ends with the tokens on the host: synchronous
+        dt = time.perf_counter() - t0
+        rows = sum(c > 1 for c in plan.counts)
+        self.steps.append((sum(plan.counts), rows, len(plan.counts) - rows, dt))
+        return out
+
+
+def pct(values, p):
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))] if s else float("nan")
+
+
+def serve_sizes(model, cfg, fraction: float) -> ServeConfig:
+    serve = cfg.serve.resolved(DEVICE, ep=1)
+    if serve.pages_per_rank:
+        return serve
+    free, _ = torch.cuda.mem_get_info()
+    pages = serve.pages_per_rank or pages_that_fit(cfg.model, model.layers, serve.page_size, serve.slots_per_rank,
+                                                   fraction * free)
+    return serve.model_copy(update={"pages_per_rank": pages})
+
+
+def ttft_one(model, cfg, serve, tokens: int) -> None:
+    prompt = workload(1, f"{tokens}:{tokens}", "1", 7)[0][0]
+    sizes = PoolSizes(serve.pages_per_rank, serve.page_size, serve.slots_per_rank)
+    ex = TimedExecutor(LocalExecutor(model, sizes, device=DEVICE))
+    times = []
+    for _ in range(6):
+        sched = Scheduler(serve, cfg.model.max_seq_len, 1, cfg.policies.guards)
+        t0 = time.perf_counter()
+        req = sched.submit(prompt, SamplingParams(max_tokens=1))
+        while sched.has_work:
+            sched.step(ex)
+        times.append(req.token_times[0] - t0 if req.token_times else float("nan"))
+    print(f"[prefill] TTFT of one {tokens}-token prompt alone: median {statistics.median(times[1:]) * 1e3:.1f} ms "
+          f"(runs {', '.join(f'{t * 1e3:.1f}' for t in times)}); worker step "
+          f"{statistics.median(s[3] for s in ex.steps[1:]) * 1e3:.1f} ms", flush=True)
+
+
+def level(model, cfg, serve, args, concurrency: int) -> None:
+    n = args.requests or max(4 * concurrency, 16)
+    requests = workload(n, args.prompt_tokens, args.max_tokens, args.seed)
+    sizes = PoolSizes(serve.pages_per_rank, serve.page_size, serve.slots_per_rank)
+    sched = Scheduler(serve.model_copy(update={"max_waiting": 10 ** 6}), cfg.model.max_seq_len, 1,
+                      cfg.policies.guards)
+    ex = TimedExecutor(LocalExecutor(model, sizes, device=DEVICE))
+    sent, t_sent, reqs = 0, {}, []
+    t0 = time.perf_counter()
+    while sent < n or sched.has_work:
+        while sent < n and len(sched.running) + len(sched.waiting) < concurrency:
+            prompt, max_tokens = requests[sent]
+            req = sched.submit(prompt, SamplingParams(max_tokens=max_tokens))
+            t_sent[req.id] = time.perf_counter()
+            reqs.append(req)
+            sent += 1
+        sched.step(ex)
+    wall = time.perf_counter() - t0
+    out_tokens = sum(len(r.out) for r in reqs)
+    prompt_tokens = sum(len(r.prompt) for r in reqs)
+    ttft = [r.token_times[0] - t_sent[r.id] for r in reqs if r.token_times]
+    itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
+    worker = sum(s[3] for s in ex.steps)
+    errors = [r.error for r in reqs if r.error]
+    print(f"| {concurrency} | {n} | {out_tokens / wall:,.0f} | {pct(ttft, 50) * 1e3:.0f} / {pct(ttft, 99) * 1e3:.0f} "
+          f"| {pct(itl, 50) * 1e3:.1f} / {pct(itl, 90) * 1e3:.1f} / {pct(itl, 99) * 1e3:.1f} "
+          f"| {sum(s[0] for s in ex.steps) / len(ex.steps):.0f} | {prompt_tokens / wall:,.0f} "
+          f"| {worker / wall:.0%} | {sched.preemptions} | {len(errors)} |", flush=True)
+    bins = {}
+    for tokens, prompts, decodes, dt in ex.steps:
+        b = 1 << max(0, (tokens - 1).bit_length())
+        bins.setdefault(b, []).append((dt, prompts, decodes))
+    print("  worker step by tokens per iteration: " + "; ".join(
+        f"<= {b}: {len(v)} x {statistics.median(x[0] for x in v) * 1e3:.1f} ms "
+        f"({statistics.mean(x[1] for x in v):.1f} prompt + {statistics.mean(x[2] for x in v):.0f} decode rows)"
+        for b, v in sorted(bins.items())), flush=True)
+    if errors:
+        print(f"  first error: {errors[0]}", flush=True)
+    del ex
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+CATEGORIES = (("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
+              ("kda", ("kda", "chunk_", "recurrent", "wy_", "gla", "fwd_kernel", "solve_tril")),
+              ("conv", ("conv",)),
+              ("experts", ("grouped", "expert", "situ", "permute", "histogram")),
+              ("matmul", ("gemm", "sm90", "cutlass", "nvjet", "cublas", "matmul", "xmma")))
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((c for c, keys in CATEGORIES if any(k in low for k in keys)), "elementwise/other")
+
+
+def mixed_profile(model, cfg, serve, args) -> None:
+    """64 decode rows at ~700 tokens of context, then iterations that add prompt chunks up to --mixed-tokens."""
+    requests = workload(256, args.prompt_tokens, "1000", args.seed + 1)
+    sizes = PoolSizes(serve.pages_per_rank, serve.page_size, serve.slots_per_rank)
+    budget = args.mixed_tokens
+    sched = Scheduler(serve.model_copy(update={"max_waiting": 10 ** 6, "token_budget": budget}),
+                      cfg.model.max_seq_len, 1, cfg.policies.guards)
+    ex = TimedExecutor(LocalExecutor(model, sizes, device=DEVICE))
+    for prompt, _ in requests[:64]:
+        sched.submit(prompt, SamplingParams(max_tokens=1000))
+    while any(r.cached < r.length for r in sched.running.values()) or sched.waiting:
+        sched.step(ex)  # the 64 prompts prefilled: from here they decode
+    nxt = 64
+    timed = []
+    for i in range(12):
+        while len(sched.waiting) < 4:
+            sched.submit(requests[nxt][0], SamplingParams(max_tokens=4))
+            nxt += 1
+        if i == 9:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if DEVICE == 'cuda' else torch.profiler.ProfilerActivity.CPU]) as prof:
+                sched.step(ex)
+                if DEVICE == "cuda":
+                    torch.cuda.synchronize()
+        else:
+            sched.step(ex)
+        timed.append(ex.steps[-1])
+    print("  mixed iterations (tokens, prompt rows, decode rows, worker ms): " + ", ".join(
+        f"({t}, {p}, {d}, {s * 1e3:.1f})" for t, p, d, s in timed[2:]), flush=True)
+    by = {}
+    total = 0.0
+    for e in prof.key_averages():
+        t = e.self_device_time_total
+        by[category(e.key)] = by.get(category(e.key), 0.0) + t
+        total += t
+    print(f"  profiled iteration ({timed[9][0]} tokens): device time {total / 1e3:.1f} ms: " + ", ".join(
+        f"{k} {v / 1e3:.1f} ms ({v / total:.0%})" for k, v in sorted(by.items(), key=lambda kv: -kv[1])), flush=True)
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=80),
+          flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default="configs/gpu2.yaml")
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--concurrency", type=int, nargs="*", default=[1, 16, 64])
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (default max(4C, 16))")
+    ap.add_argument("--prompt-tokens", default="200:1200")
+    ap.add_argument("--max-tokens", default="32:256")
+    ap.add_argument("--ttft-tokens", type=int, default=1000)
+    ap.add_argument("--mixed-tokens", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stages", default="ttft,levels,mixed")
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    cfg = load_config(args.config, parse_assignments(args.set + ["parallel.ep=1", "parallel.pp=1"]))
+    t0 = time.perf_counter()
+    model = build_stage(cfg.model, range(cfg.model.n_layers), seed=cfg.train.seed, device=DEVICE)
+    serve = serve_sizes(model, cfg, cfg.serve.gpu_memory_fraction)
+    print(f"[prefill] {cfg.name} {cfg.model.n_layers} layers built in {time.perf_counter() - t0:.0f}s; torch "
+          f"{torch.__version__}, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}; token budget {serve.token_budget}, slots "
+          f"{serve.slots_per_rank}, pages {serve.pages_per_rank} x {serve.page_size}, stepwise prefill up to "
+          f"{serve.stepwise_prefill_max}", flush=True)
+    stages = args.stages.split(",")
+    if "ttft" in stages:
+        try:
+            ttft_one(model, cfg, serve, args.ttft_tokens)
+        except Exception:  # noqa: BLE001 - the benchmark reports every stage's failure and goes on
+            traceback.print_exc()
+    if "levels" in stages:
+        print(f"prompts {args.prompt_tokens} tokens, max_tokens {args.max_tokens}, greedy, no Ray")
+        print("| concurrency | requests | output tok/s | TTFT p50 / p99 ms | ITL p50 / p90 / p99 ms | tokens per "
+              "iteration | prompt tok/s | worker busy | preempted | errors |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for c in args.concurrency:
+            try:
+                level(model, cfg, serve, args, c)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+    if "mixed" in stages:
+        try:
+            mixed_profile(model, cfg, serve, args)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+
+
+if __name__ == "__main__":
+    main()
