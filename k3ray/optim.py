@@ -58,6 +58,15 @@ class AdamW:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
 
     @torch.no_grad()
+    def init_state(self, params: dict[str, torch.nn.Parameter]) -> None:
+        """The state of every parameter that has none yet, as its first step would make it (zero moments, its
+        master): a snapshot taken before the first step then has the size of every later one, so its buffers are
+        sized once."""
+        for name, p in params.items():
+            if name not in self.state:
+                self.state[name] = fresh_state(p)
+
+    @torch.no_grad()
     def step(self, params: dict[str, torch.nn.Parameter], lr: float, grad_scale: float = 1.0) -> None:
         """One AdamW step on every parameter with a gradient; grad_scale multiplies the gradients (clipping).
         Weight decay applies to matrices only (ndim >= 2)."""

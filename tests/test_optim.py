@@ -81,3 +81,29 @@ def test_expert_rows_carry_their_masters():
     torch.testing.assert_close(st["master"][0], opt.state["s.w1"]["master"][2])
     assert torch.equal(st["m"][1], torch.zeros_like(st["m"][1]))
     assert torch.equal(st["master"][1], other.w1[1].detach().float())
+
+
+def test_state_made_before_the_first_step_changes_no_update():
+    """`init_state` (snapshots size their buffers from the first one) makes what the first step would: the same
+    parameters, masters and moments after steps, for bf16 and float64 parameters."""
+    cfg = OptimizerConfig()
+    g = torch.Generator().manual_seed(3)
+    init = {"w": torch.randn(4, 3, generator=g).to(torch.bfloat16), "b": torch.randn(3, generator=g, dtype=torch.float64)}
+    grads = [{n: torch.randn(t.shape, generator=g).to(t.dtype) for n, t in init.items()} for _ in range(3)]
+    runs = []
+    for eager in (False, True):
+        params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
+        opt = AdamW(cfg)
+        if eager:
+            opt.init_state(params)
+            assert set(opt.state) == {"w", "b"} and set(opt.state["w"]) == {"m", "v", "master"}
+        for step in grads:
+            for n, p in params.items():
+                p.grad = step[n].clone()
+            opt.step(params, 1e-2)
+        runs.append((params, opt.state))
+    (lazy_p, lazy_s), (eager_p, eager_s) = runs
+    for n in init:
+        assert torch.equal(lazy_p[n], eager_p[n])
+        for k in lazy_s[n]:
+            assert torch.equal(lazy_s[n][k], eager_s[n][k])

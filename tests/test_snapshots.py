@@ -125,3 +125,22 @@ def test_a_snapshot_due_while_the_previous_one_still_arrives_is_skipped_not_wait
     assert snaps.take(group, 30, guard=None, wait=True)  # a resize or recovery waits for this boundary's state
     assert snaps.committed.step == 30 and snaps.pending is None
     assert snaps.warnings == ["snapshots need more store"]  # said once, however often the group says it
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_cuda_snapshots_stage_a_prefix_read_the_rest_live_and_a_write_after_the_fence_does_not_reach_them():
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    state = {"a": torch.randn(1 << 20, device=dev, generator=g), "b": torch.randn(1 << 22, device=dev, generator=g)}
+    stager = SnapshotStager(dev)
+    for step in (0, 1):
+        if step == 1:  # room on the device for "a" alone: "b" is read live
+            stager.staging = torch.empty(state["a"].numel() * 4, dtype=torch.uint8, device=dev)
+        want = {k: v.cpu() for k, v in state.items()}
+        nbytes, reading = stager.stage(state, step)
+        assert nbytes >= 5 * (1 << 22) and reading is not None
+        torch.cuda.current_stream().wait_event(reading)  # what the optimizer does before it writes
+        for t in state.values():
+            t.mul_(2.0)
+        _assert_same(want, unpack(stager.packed(step)))
+    assert stager.staged is None

@@ -1,13 +1,18 @@
 """In-memory snapshots at GPU scale: a worker's whole state (tens of GB) packed into one flat byte buffer.
 
-A snapshot is taken in two parts so that training stalls only for the first:
-  1. `stage` (at the step boundary, before the next step's optimizer can touch anything): copy every tensor into a
-     reused staging buffer on the device (a device-to-device copy, ~10 ms for 26 GB on an H200), or straight into the
-     host buffer when the device has no room for staging (then the stall is the device-to-host copy);
-  2. `packed` (overlapping the next step): device-to-host on a side stream into a reused pinned buffer, returned as
-     a `Packed` whose bytes are one numpy array. Returned from a Ray actor method, it is written once into the
-     node's object store, owned by the caller (the controller): it outlives the worker that took it, and any
-     worker can read it back without a copy (numpy is zero-copy in Ray).
+A snapshot is taken in two parts so that training stalls only for the first, and at most for a device-to-device copy:
+  1. `stage` (at the step boundary): the state's tensors are laid out in one byte buffer. A prefix of them is copied
+     into a reused staging buffer on the device (~4 TB/s on an H200: ~10 ms per 20 GB); the rest is copied from the
+     live tensors straight into a reused pinned host buffer on a side stream, while the next step's forward and
+     backward run (they read the weights, write none of the state). What writes the state next (the optimizer, a
+     restore, a reshard) waits for that transfer on the device (`StageEngine.state_reads`), not on the host. The
+     staging buffer is sized once, at the second snapshot (after a step, when the memory the steps need is held by
+     the allocator), to what the device has free beside them; the first snapshot is read live whole (the first step
+     is long anyway: kernels compile).
+  2. `packed` (on the worker's second thread, overlapping the next step): the staged prefix device-to-host on the
+     side stream into the same pinned buffer, returned as a `Packed` whose bytes are one numpy array. Returned from a
+     Ray actor method, it is written once into the node's object store, owned by the caller (the controller): it
+     outlives the worker that took it, and any worker can read it back without a copy (numpy is zero-copy in Ray).
 The controller keeps the committed snapshot and the pending one (`Snapshots`).
 """
 from __future__ import annotations
@@ -80,16 +85,19 @@ def as_state(x: Any) -> Any:
 
 
 class SnapshotStager:
-    """One worker's reusable snapshot buffers: staging on the device (when it fits) and a host buffer (pinned on
-    CUDA). Grown when a state outgrows them (more experts homed here after a reshard), never shrunk."""
+    """One worker's reusable snapshot buffers: a pinned host buffer for the whole state (pageable on CPU) and, on
+    CUDA, a staging buffer on the device for as much of it as fits beside training. The host buffer grows when a
+    state outgrows it (more experts homed here after a reshard); the staging buffer is never grown past its first
+    size: what does not fit is read live."""
 
     def __init__(self, device: torch.device, device_headroom_bytes: int = 4 << 30):
         self.device = device
         self.headroom = device_headroom_bytes
         self.host: torch.Tensor | None = None
         self.staging: torch.Tensor | None = None
-        # (step, tree, nbytes, event if on device): the state to run `step` from
-        self.staged: tuple[int, Any, int, torch.cuda.Event | None] | None = None
+        self.snapshots = 0  # staged so far: the first is read live whole (no step has shown its memory yet)
+        # (step, tree, nbytes, staged prefix bytes, event after the staging copy): the state to run `step` from
+        self.staged: tuple[int, Any, int, int, torch.cuda.Event | None] | None = None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _host(self, nbytes: int) -> torch.Tensor:
@@ -98,53 +106,69 @@ class SnapshotStager:
             self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
         return self.host
 
-    def _staging(self, nbytes: int) -> torch.Tensor | None:
-        if self.device.type != "cuda":
-            return None
-        if self.staging is not None and self.staging.numel() >= nbytes:
-            return self.staging
-        self.staging = None
-        # Only memory nobody holds counts: blocks cached by the allocator are the next step's activations, so
-        # staging in them would push that step out of memory on a full device.
-        free, _ = torch.cuda.mem_get_info(self.device)
-        if free < nbytes + self.headroom:
-            return None
-        self.staging = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self.staging
+    def _staging_bytes(self, nbytes: int) -> int:
+        """Bytes of the state this snapshot stages on the device (0: all read live)."""
+        if self.device.type != "cuda" or self.snapshots == 0:
+            return 0
+        if self.staging is None:
+            # Only memory nobody holds counts: blocks cached by the allocator are the next step's activations, so
+            # staging in them would push that step out of memory on a full device.
+            free, _ = torch.cuda.mem_get_info(self.device)
+            size = min(nbytes, int(free) - self.headroom) // ALIGN * ALIGN
+            if size <= 0:
+                return 0
+            self.staging = torch.empty(size, dtype=torch.uint8, device=self.device)
+        return min(nbytes, self.staging.numel())
 
     @torch.no_grad()
-    def stage(self, state: Any, step: int) -> int:
-        """Copy `state` (live tensors: the state to run `step` from) aside and return its size in bytes; when this
-        returns, training may modify them."""
+    def stage(self, state: Any, step: int) -> tuple[int, torch.cuda.Event | None]:
+        """Lay `state` (live tensors: the state to run `step` from) out and start copying it aside. Returns its size
+        in bytes and, on CUDA, the event after which the live tensors are no longer read (None: copied already):
+        whatever writes them next must wait for it (on the device)."""
         tree, tensors, nbytes = layout(state)
-        staging = self._staging(nbytes)
-        target = staging if staging is not None else self._host(nbytes)
+        host = self._host(nbytes)
+        budget = self._staging_bytes(nbytes)
+        self.snapshots += 1
+        if self.stream is None:
+            for t, slot in tensors:
+                _view(host, slot).copy_(t)
+            self.staged = (step, tree, nbytes, 0, None)
+            return nbytes, None
+        cut = 0  # tensors ending within the staging budget are staged on the device at their own offsets
         for t, slot in tensors:
-            _view(target, slot).copy_(t, non_blocking=True)
-        event = None
-        if staging is not None:
-            event = torch.cuda.Event()
-            event.record()
-        elif self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.staged = (step, tree, nbytes, event)
-        return nbytes
+            end = slot.offset + t.numel() * t.element_size()
+            if end > budget:
+                break
+            _view(self.staging, slot).copy_(t)
+            cut = end
+        staged = torch.cuda.Event()
+        staged.record()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # reads the state at this boundary
+        with torch.cuda.stream(self.stream):
+            for t, slot in tensors:
+                if slot.offset >= cut:
+                    _view(host, slot).copy_(t, non_blocking=True)
+            read = torch.cuda.Event()
+            read.record()
+        self.staged = (step, tree, nbytes, cut, staged)
+        return nbytes, read
 
     @torch.no_grad()
     def packed(self, step: int) -> Packed:
-        """The state staged for `step` as host bytes (waits for the device-to-host copy, which overlaps training).
+        """The state staged for `step` as host bytes (waits for the device-to-host copies, which overlap training).
         A call for another step (a stale one, queued before a newer staging) is refused and leaves the staged state
         for the call it belongs to."""
         if self.staged is None or self.staged[0] != step:
             have = "nothing" if self.staged is None else f"step {self.staged[0]}"
             raise RuntimeError(f"snapshot of step {step} asked for, {have} staged")
-        _, tree, nbytes, event = self.staged
+        _, tree, nbytes, cut, staged = self.staged
         self.staged = None
         host = self._host(nbytes)
-        if event is not None:
+        if self.stream is not None:
             with torch.cuda.stream(self.stream):
-                self.stream.wait_event(event)
-                host[:nbytes].copy_(self.staging[:nbytes], non_blocking=True)
+                self.stream.wait_event(staged)
+                if cut:
+                    host[:cut].copy_(self.staging[:cut], non_blocking=True)
             self.stream.synchronize()
         return Packed(tree, host[:nbytes].numpy())
 

@@ -163,7 +163,10 @@ class Worker:
         bytes. Dense state only from EP rank 0 of the stage: the other EP ranks hold identical copies, and restores
         read it from rank 0's."""
         self.stager = self.stager or SnapshotStager(self.engine.device)
-        return self.stager.stage(self.engine.state_tensors(dense=self.engine.ep_rank == 0), step)
+        nbytes, still_reading = self.stager.stage(self.engine.state_tensors(dense=self.engine.ep_rank == 0), step)
+        if still_reading is not None:
+            self.engine.state_reads.append(still_reading)
+        return nbytes
 
     @ray.method(num_returns=2)
     @fenced

@@ -83,6 +83,9 @@ class StageEngine(EngineCopies):
         self.left = False  # the grid was left: its groups are gone, and asking for them raises LeftGrid
         self.init_weights = init_weights  # False when a restore follows: initialising would be wasted time
         self.staged_copies: dict[int, dict[int, tuple]] = {}  # layer -> expert -> (w1, w2) fetched, not yet used
+        # CUDA events of copies still reading the live state (a snapshot's device-to-host transfer): whatever writes
+        # the state next (the optimizer, a restore, a reshard) waits for them on the device, not on the host
+        self.state_reads: list = []
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def init_process_groups(self, init_method: str, backend: str, generation: int = 0) -> None:
@@ -255,6 +258,7 @@ class StageEngine(EngineCopies):
         dist.all_reduce(totals, group=self.world)
         sq, loss = totals.tolist()
         lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)
+        self.wait_state_reads()
         self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
         if any(self.ctx.copies):
             self._fetch_copies(self.ctx.copies)  # the copies take the home's new weights
@@ -335,6 +339,7 @@ class StageEngine(EngineCopies):
     def set_placement(self, home: list[int], imports: dict[int, list[dict]] | None = None) -> None:
         """Adopt a new home table: drop experts no longer homed here, add imported ones (layer -> payloads). Any
         copies are dropped."""
+        self.wait_state_reads()
         self._drop_copies()
         self.home.copy_(torch.tensor(home, dtype=torch.int64))
         mine = set((self.home == self.ep_rank).nonzero().flatten().tolist())
@@ -352,11 +357,19 @@ class StageEngine(EngineCopies):
         self.ctx.set_policies(policies)
 
     # -- whole-worker state (snapshots, checkpoints, restore onto another topology) ------------------------------
+    def wait_state_reads(self) -> None:
+        """Order the next write of the live state after the copies still reading it (device-side: no host wait)."""
+        for event in self.state_reads:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self.state_reads = []
+
     def state_tensors(self, dense: bool = True) -> dict:
         """Everything this worker's training depends on, as the live tensors (no copies): dense parameters and
         their optimizer state (left out with dense=False: every EP rank of a stage holds the same), expert shards
         (with theirs), router biases, optimizer step count, learning-rate scale. Snapshots copy it aside;
-        `state_dict` copies it to the host."""
+        `state_dict` copies it to the host. The optimizer state is complete from the start (zero moments before the
+        first step), so every snapshot of a job has the same size."""
+        self.opt.init_state(self.params)
         return {
             "stage": self.pp_rank, "layers": list(self.layers),
             "dense": {n: p.detach() for n, p in self.dense.items()} if dense else {},
@@ -376,6 +389,7 @@ class StageEngine(EngineCopies):
     def load_state(self, dense_state: dict, expert_payloads: dict[int, list[dict]]) -> None:
         """Restore from a stage's dense state (any EP rank's: they are identical) and the expert payloads of the
         stage's layers (from any number of old shards; only the experts homed here are kept)."""
+        self.wait_state_reads()
         for n in list(self.opt.state):
             if not is_expert_param(n):
                 del self.opt.state[n]
