@@ -19,10 +19,10 @@ stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? ($(date -u +%T))"; tail -n 16 "$OUT/$name.log"; }
 # shellcheck disable=SC2086 # RELEASED is a list of arguments
 [[ "${T4:-330}" != 0 ]] && stage weeks4 "${T4:-330}" python3 benchmarks/weeks_gpu.py --config configs/gpu2.yaml \
-  --set parallel.ep=1 $RELEASED --set model.n_layers=4 --steps "${STEPS4:-40}" --snapshot-every 10 --warm-steps 3 \
+  --set parallel.ep=1 $RELEASED --set model.n_layers=4 --steps "${STEPS4:-40}" --snapshot-every "${EVERY4:-10}" --warm-steps "${WARM4:-3}" \
   --out "$OUT/w4"
 # shellcheck disable=SC2086
 [[ "${T8:-150}" != 0 ]] && stage weeks8 "${T8:-150}" python3 benchmarks/weeks_gpu.py --config configs/gpu2.yaml \
-  --set parallel.ep=1 $RELEASED --steps "${STEPS8:-8}" --snapshot-every 50 --warm-steps 0 --out "$OUT/w8"
+  --set parallel.ep=1 $RELEASED --steps "${STEPS8:-8}" --snapshot-every "${EVERY8:-50}" --warm-steps 0 --out "$OUT/w8"
 tar -C /root/kcache -cJf "$OUT/kcache.tar.xz" . && du -h "$OUT/kcache.tar.xz"
 exit 0
