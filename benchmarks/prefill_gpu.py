@@ -185,7 +185,8 @@ def mixed_profile(model, cfg, serve, args) -> None:
             sched.submit(requests[nxt][0], SamplingParams(max_tokens=4))
             nxt += 1
         if i == 9:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if DEVICE == 'cuda' else torch.profiler.ProfilerActivity.CPU]) as prof:
+            kind = torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU
+            with torch.profiler.profile(activities=[kind]) as prof:
                 sched.step(ex)
                 if DEVICE == "cuda":
                     torch.cuda.synchronize()
@@ -227,7 +228,8 @@ def main() -> None:
     model = build_stage(cfg.model, range(cfg.model.n_layers), seed=cfg.train.seed, device=DEVICE)
     serve = serve_sizes(model, cfg, cfg.serve.gpu_memory_fraction)
     print(f"[prefill] {cfg.name} {cfg.model.n_layers} layers built in {time.perf_counter() - t0:.0f}s; torch "
-          f"{torch.__version__}, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}; token budget {serve.token_budget}, slots "
+          f"{torch.__version__}, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}; token budget "
+          f"{serve.token_budget}, slots "
           f"{serve.slots_per_rank}, pages {serve.pages_per_rank} x {serve.page_size}, stepwise prefill up to "
           f"{serve.stepwise_prefill_max}", flush=True)
     stages = args.stages.split(",")

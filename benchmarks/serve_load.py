@@ -236,6 +236,8 @@ def main() -> None:
     ap.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
     ap.add_argument("--overlap", choices=["on", "off"], help="serve.overlap (default: the config's: on for pp=1)")
     ap.add_argument("--stepwise-prefill-max", type=int, help="serve.stepwise_prefill_max (default: the config's)")
+    ap.add_argument("--graphs-at-start", choices=["on", "off"],
+                    help="serve.graphs_at_start (default: the config's): every decode graph at start, or on first use")
     ap.add_argument("--front-doors", type=int, default=1, help="HTTP front-door processes")
     ap.add_argument("--client-procs", type=int, default=1, help="processes the clients are spread over")
     args = ap.parse_args()
@@ -260,7 +262,8 @@ def main() -> None:
     serve_cfg = {"max_waiting": top, "stream_interval": args.stream_interval,  # queue room for every client
                  **({} if args.token_budget is None else {"token_budget": args.token_budget}),
                  **({} if args.overlap is None else {"overlap": args.overlap == "on"}),
-                 **({} if args.stepwise_prefill_max is None else {"stepwise_prefill_max": args.stepwise_prefill_max})}
+                 **({} if args.stepwise_prefill_max is None else {"stepwise_prefill_max": args.stepwise_prefill_max}),
+                 **({} if args.graphs_at_start is None else {"graphs_at_start": args.graphs_at_start == "on"})}
     t_start = time.perf_counter()
     serving = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg,
                             front_doors=args.front_doors)
@@ -285,6 +288,7 @@ def main() -> None:
             return row
 
         run_level(1, [(p, 4) for p, _ in workload(tokenizer, 2, args.prompt_tokens, "4", args.seed)])  # warm-up
+        print(f"[serve_load] first answers done {time.perf_counter() - t_start:.0f}s after the start", flush=True)
         rows = [run_level(c, workload(tokenizer, args.requests or max(4 * c, 16), args.prompt_tokens,
                                       args.max_tokens, args.seed)) for c in args.concurrency]
     finally:

@@ -88,7 +88,8 @@ def test_state_made_before_the_first_step_changes_no_update():
     parameters, masters and moments after steps, for bf16 and float64 parameters."""
     cfg = OptimizerConfig()
     g = torch.Generator().manual_seed(3)
-    init = {"w": torch.randn(4, 3, generator=g).to(torch.bfloat16), "b": torch.randn(3, generator=g, dtype=torch.float64)}
+    init = {"w": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+            "b": torch.randn(3, generator=g, dtype=torch.float64)}
     grads = [{n: torch.randn(t.shape, generator=g).to(t.dtype) for n, t in init.items()} for _ in range(3)]
     runs = []
     for eager in (False, True):
