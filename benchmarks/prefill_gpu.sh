@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Real prompt lengths on one GPU machine (device tool), logs in $OUT: benchmarks/prefill_gpu.py (the scheduler and one
+# StageServer without Ray: TTFT of one prompt, levels of concurrency, a profiled mixed iteration), then, if it ran
+# without an exception, the served path (serve_gpu.sh) on the same workload. Carry .carry/ray and .carry/kcache; the
+# kernel cache comes back as $OUT/kcache.tar.xz with the serving shapes' autotune results added.
+#   bash benchmarks/prefill_gpu.sh [prefill_gpu.py arguments]     (T_PREFILL, T_SERVE: each stage's limit in s)
+set -uo pipefail
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /root/kcache
+[[ -f .carry/kcache/kcache.tar.xz ]] && tar -xJf .carry/kcache/kcache.tar.xz -C /root/kcache
+export K3RAY_KERNEL_CACHE=/root/kcache TRITON_CACHE_DIR=/root/kcache/triton TRITON_CACHE_AUTOTUNING=1 \
+       PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+repo=$PWD
+rm -rf /root/k3p && cp -r . /root/k3p && cd /root/k3p && export PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+t0=$SECONDS
+timeout "${T_PREFILL:-240}" python3 benchmarks/prefill_gpu.py --config configs/gpu2.yaml --set model.n_layers=4 "$@" \
+  > "$OUT/prefill.txt" 2>&1
+echo "prefill rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/gpu.txt"
+if [[ "${T_SERVE:-300}" != 0 ]] && ! grep -q Traceback "$OUT/prefill.txt"; then
+  cd "$repo" && T4="${T_SERVE:-300}" T8=0 LEVELS4="${LEVELS:-1 16 64}" \
+    VARIANTS4="${VARIANTS:---prompt-tokens 200:1200 --max-tokens 32:256}" bash benchmarks/serve_gpu.sh
+fi
+tar -C /root/kcache -cJf "$OUT/kcache.tar.xz" . && du -h "$OUT/kcache.tar.xz"
+exit 0
