@@ -196,7 +196,7 @@ def store_shortfall(part_bytes: list[int], nodes: list[str], store_bytes: dict[s
 
 def restore_sources(states: dict[int, Any], pp: int, ep: int) -> dict[int, list]:
     """stage -> [the state of every EP rank of that stage in an old pp x ep grid], from states keyed by old world rank
-    (snapshot references or checkpoint parts). Any EP size can restore from them (Worker.restore)."""
+    (snapshot references or checkpoint parts). Any EP size can restore from them (WorkerState.restore)."""
     return {p: [states[p * ep + e] for e in range(ep)] for p in range(pp)}
 
 

@@ -240,7 +240,7 @@ class WorkerGroup:
         self._join(timeout_s, restore, t0, "swap_in_spares")
         # survivors left out stand by for this generation (refusing the old grid's calls); one that does not
         # answer is no spare
-        answers = {o: actor.stand_by.remote(self.generation) for o, actor, _, _ in standing_by}
+        answers = {o: actor.call.remote(self.generation, "stand_by") for o, actor, _, _ in standing_by}
         done, _ = ray.wait(list(answers.values()), num_returns=len(answers), timeout=timeout_s)
         for o, actor, slot, node in standing_by:
             try:
@@ -255,13 +255,13 @@ class WorkerGroup:
 
     def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
         """Every worker's `method(*args)`, in world-rank order."""
-        return self._gather([(r, getattr(w, method).remote(self.generation, *args))
+        return self._gather([(r, w.call.remote(self.generation, method, *args))
                              for r, w in enumerate(self.workers)], timeout_s, method)
 
     def call_each(self, method: str, args: dict[int, tuple], timeout_s: float | None = 120.0) -> dict[int, object]:
         """`method(*args[r])` on world rank r, for the ranks in `args`."""
         ranks = list(args)
-        out = self._gather([(r, getattr(self.workers[r], method).remote(self.generation, *args[r])) for r in ranks],
+        out = self._gather([(r, self.workers[r].call.remote(self.generation, method, *args[r])) for r in ranks],
                            timeout_s, method)
         return dict(zip(ranks, out))
 
@@ -269,8 +269,8 @@ class WorkerGroup:
         """Every worker loads its stage's state from `sources` (stage -> old states, snapshot refs or checkpoint
         parts; a part is put into the object store once, not once per reader)."""
         refs = {p: [s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in states] for p, states in sources.items()}
-        self._gather([(r, w.restore.remote(self.generation, *refs[r // self.ep])) for r, w in enumerate(self.workers)],
-                     timeout_s, "restore")
+        self._gather([(r, w.call.remote(self.generation, "restore", *refs[r // self.ep]))
+                      for r, w in enumerate(self.workers)], timeout_s, "restore")
 
     def run_on(self, ranks: list[int], fn, *args) -> list:
         """`fn(worker, *args)` inside the given workers' processes (fault drills)."""
@@ -290,7 +290,7 @@ class WorkerGroup:
 
     def run_step(self, step: int, batch_index: int, timeout_s: float) -> list[dict]:
         """Reports of every worker, in world-rank order (WorkerLost: see `_gather`)."""
-        return self._gather([(r, w.train_step.remote(self.generation, step, batch_index))
+        return self._gather([(r, w.call.remote(self.generation, "train_step", step, batch_index))
                              for r, w in enumerate(self.workers)], timeout_s, f"step {step}")
 
     def begin_snapshot(self, step: int) -> tuple[list, list, str | None]:
@@ -327,7 +327,8 @@ class WorkerGroup:
             holding = set(where.get(ref, {}).get("node_ids") or [])
             order = [(i + k) % self.size for k in range(1, self.size + 1)]
             holder = next((r for r in order if self.nodes and self.nodes[r] not in holding), order[0])
-            holds.append((holder, self.workers[holder].hold_peer_snapshot.remote(self.generation, i, step, ref)))
+            holds.append((holder, self.workers[holder].call.remote(self.generation, "hold_peer_snapshot", i, step,
+                                                                   ref)))
         self._gather(holds, 300, "hold_peer_snapshots")
 
     def close(self) -> None:
