@@ -59,5 +59,5 @@ class GridStateTransfer:
             holding = set(where.get(ref, {}).get("node_ids") or [])
             order = [(i + k) % g.size for k in range(1, g.size + 1)]
             holder = next((r for r in order if g.nodes and g.nodes[r] not in holding), order[0])
-            holds.append((holder, g.workers[holder].call.remote(g.generation, "hold_peer_snapshot", i, step, ref)))
+            holds.append((holder, calls.send(g.workers[holder], g.generation, "hold_peer_snapshot", i, step, ref)))
         calls.gather(holds, 300, "hold_peer_snapshots", g.dead_ranks)

@@ -200,7 +200,7 @@ class WorkerGroup:
         self._join(timeout_s, restore, t0, "swap_in_spares")
         # survivors left out stand by for this generation (refusing the old grid's calls); one that does not
         # answer is no spare
-        answers = {o: actor.call.remote(self.generation, "stand_by") for o, actor, _, _ in standing_by}
+        answers = {o: calls.send(actor, self.generation, "stand_by") for o, actor, _, _ in standing_by}
         done, _ = ray.wait(list(answers.values()), num_returns=len(answers), timeout=timeout_s)
         for o, actor, slot, node in standing_by:
             try:
@@ -215,13 +215,13 @@ class WorkerGroup:
 
     def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
         """Every worker's `method(*args)`, in world-rank order."""
-        return self._gather([(r, w.call.remote(self.generation, method, *args))
-                             for r, w in enumerate(self.workers)], timeout_s, method)
+        return self._gather([(r, calls.send(w, self.generation, method, *args)) for r, w in enumerate(self.workers)],
+                            timeout_s, method)
 
     def call_each(self, method: str, args: dict[int, tuple], timeout_s: float | None = 120.0) -> dict[int, object]:
         """`method(*args[r])` on world rank r, for the ranks in `args`."""
         ranks = list(args)
-        out = self._gather([(r, self.workers[r].call.remote(self.generation, method, *args[r])) for r in ranks],
+        out = self._gather([(r, calls.send(self.workers[r], self.generation, method, *args[r])) for r in ranks],
                            timeout_s, method)
         return dict(zip(ranks, out))
 
@@ -243,7 +243,7 @@ class WorkerGroup:
 
     def run_step(self, step: int, batch_index: int, timeout_s: float) -> list[dict]:
         """Reports of every worker, in world-rank order (WorkerLost: see `_gather`)."""
-        return self._gather([(r, w.call.remote(self.generation, "train_step", step, batch_index))
+        return self._gather([(r, calls.send(w, self.generation, "train_step", step, batch_index))
                              for r, w in enumerate(self.workers)], timeout_s, f"step {step}")
 
     def close(self) -> None:
