@@ -36,8 +36,8 @@ def heldout_maxvio(engine: StageEngine, batches: int) -> dict[int, float]:
     stage = engine.stage
     load: dict[int, torch.Tensor] = {}
     for i in range(batches):
-        tokens = engine.data.val_batch(i).to(engine.device)
-        stage(tokens[:, :-1], documents=engine._documents(tokens))
+        tokens = engine.batches.validation(i)
+        stage(tokens[:, :-1], documents=engine.batches.documents(tokens))
         for layer, moe in stage.moe_layers().items():
             load[layer] = load.get(layer, 0) + moe.stats.tokens_per_expert.cpu()
         stage.reset_stats()

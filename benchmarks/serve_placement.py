@@ -60,13 +60,13 @@ def skew_bias(hot_first: list[int], beta: float) -> torch.Tensor:
 
 
 def _set_bias(worker, bias):  # runs inside each worker process
-    for moe in worker.engine.stage.moe_layers().values():
+    for moe in worker.seat.engine.stage.moe_layers().values():
         moe.router.bias.copy_(bias.to(moe.router.bias))
 
 
 def _rank_rows(worker):  # rows each EP rank computed, summed over the stage's MoE layers since the start
     total = None
-    for moe in worker.engine.stage.moe_layers().values():
+    for moe in worker.seat.engine.stage.moe_layers().values():
         load = moe.experts.rank_load
         if load is not None:
             total = load.clone() if total is None else total + load
@@ -137,7 +137,7 @@ def _train_rank(rank: int, ports: list[int], steps: int, beta: float, slots: int
             report = engine.train_step(step, step)
             if step == 0 and name.endswith("copies"):  # placed from step 0's load, used from step 1 on
                 load = sum(torch.tensor(t, dtype=torch.float64).sum(0) for t in report["tokens_per_expert"].values())
-                engine.set_trained_copies(copies.place_copies(load, home, EP, slots))
+                engine.copies.set_trained(copies.place_copies(load, home, EP, slots))
             if step > 0:
                 per_rank = sum(torch.tensor(r, dtype=torch.float64) for r in report["rank_load"].values())
                 seconds.append(report["timings"]["total"])

@@ -43,11 +43,11 @@ def variant_config(cfg: JobConfig, name: str) -> JobConfig:
 
 def run_variant(engine, cfg: JobConfig, name: str, first_step: int, steps: int, warmup: int, peak: float,
                 profile: bool) -> dict:
-    from k3ray.data import open_token_data
     from k3ray.model.decoder import set_execution
+    from k3ray.parallel.batches import StageBatches
 
     vcfg = variant_config(cfg, name)
-    engine.cfg, engine.data = vcfg, open_token_data(vcfg)
+    engine.cfg, engine.batches = vcfg, StageBatches(vcfg, engine.ep_rank, engine.ep, engine.device)
     set_execution(engine.stage, vcfg.execution)
     cuda = engine.device.type == "cuda"
     if cuda:

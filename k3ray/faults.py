@@ -46,7 +46,7 @@ def _poison(worker, layer: int | None) -> None:
     for handle in getattr(worker, "drill_hooks", []):
         handle.remove()
     worker.drill_hooks = []
-    for i, moe in worker.engine.stage.moe_layers().items():
+    for i, moe in worker.seat.engine.stage.moe_layers().items():
         if i == layer:
             worker.drill_hooks.append(moe.experts.register_forward_hook(lambda mod, args, out: out * float("nan")))
 
@@ -64,26 +64,26 @@ def poison_token(stage, token: int):
 
 
 def _poison_token(worker, token: int) -> None:
-    handle = poison_token(worker.engine.stage, token)
+    handle = poison_token(worker.seat.engine.stage, token)
     worker.drill_hooks = getattr(worker, "drill_hooks", []) + ([handle] if handle is not None else [])
 
 
 def _hang(worker) -> None:
     """Inside a worker: its next forward never returns, so its peers' collectives wait on it (a hung collective)."""
-    worker.engine.stage.register_forward_pre_hook(lambda mod, args: time.sleep(10**6))
+    worker.seat.engine.stage.register_forward_pre_hook(lambda mod, args: time.sleep(10**6))
 
 
 def _slow_copies(worker, seconds: float) -> None:
     """Inside a worker: each of its fetches of read-only expert copies (serving) first waits `seconds`, so a fault
     can land while copies are on their way."""
-    engine = worker.engine
-    fetch = engine.stage_copies
+    copies = worker.seat.engine.copies
+    fetch = copies.stage_read_only
 
     def slow(*args):
         time.sleep(seconds)
         return fetch(*args)
 
-    engine.stage_copies = slow
+    copies.stage_read_only = slow
 
 
 def inject(group, kind: str, ranks: list[int], layer: int | None = None, token: int | None = None,

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from k3ray.io import checkpoint as ck
 from k3ray.io.checkpoint import CheckpointError, PartInfo
+from k3ray.io.checkpoint import write as checkpoint_write
 
 
 def state(seed: int) -> dict:
@@ -183,7 +184,7 @@ def test_async_writer_runs_in_background(tmp_path, monkeypatch):
         release.wait(10)
         return real(*args)
 
-    monkeypatch.setattr(ck, "write_part", slow_write)
+    monkeypatch.setattr(checkpoint_write, "write_part", slow_write)
     with ck.AsyncWriter() as w:
         futs = [w.submit(tmp_path, 8, f"p{i}.pt", state(i)) for i in range(3)]
         assert not any(f.done() for f in futs)  # the caller got control back before anything was written

@@ -14,7 +14,7 @@ import torch
 from k3ray.config import load_config
 from k3ray.train.controller import Controller, GuardError
 from k3ray.train.failures import RecoveryFailed
-from k3ray.grid.worker import part_name
+from k3ray.io.checkpoint import part_name
 from k3ray.train.state import TRANSITIONS, IllegalTransition, JobState, StateMachine
 from k3ray.grid.worker_group import TopologyError, WorkerLost
 from k3ray.io import checkpoint as ckpt
@@ -55,6 +55,7 @@ class FakeGroup:
         self.launch_seconds: dict[str, float] = {}
         self.alive = False
         self.spares: list[str] = []
+        self.alive_nodes = self.transfer = self  # the group's parts: this fake plays them itself
 
     @property
     def size(self) -> int:

@@ -10,9 +10,11 @@ from ray.exceptions import RayActorError, RayTaskError
 from k3ray.config import load_config
 from k3ray.control.local_nodes import free_port
 from k3ray.grid import worker_group
-from k3ray.grid.worker import StaleGeneration, fenced
+from k3ray.grid.worker import fenced
+from k3ray.grid.worker_seat import StaleGeneration, WorkerSeat
 from k3ray.grid.worker_group import WorkerError, WorkerGroup, WorkerLost
-from k3ray.parallel.engine import LeftGrid, StageEngine
+from k3ray.parallel.engine import StageEngine
+from k3ray.parallel.grid_groups import LeftGrid
 
 
 def engine(generation: int) -> StageEngine:
@@ -40,13 +42,7 @@ class Holder:
     """The Worker's fencing on a plain class (the actor is this pattern plus Ray)."""
 
     def __init__(self):
-        self.generation = 0
-
-    def join_generation(self, generation: int) -> bool:
-        if generation < self.generation:
-            raise StaleGeneration(f"{generation} < {self.generation}")
-        self.generation = generation
-        return True
+        self.seat = WorkerSeat(None, "cpu")
 
     @fenced
     def train_step(self, step: int) -> int:
@@ -55,7 +51,7 @@ class Holder:
 
 def test_a_worker_refuses_calls_for_an_older_generation():
     w = Holder()
-    w.join_generation(3)
+    w.seat.join_generation(3, "assume")
     assert w.train_step(3, 7) == 7 and w.train_step(4, 8) == 8
     with pytest.raises(StaleGeneration, match="generation 2 refused: this worker holds generation 3"):
         w.train_step(2, 9)  # queued before the regroup
@@ -155,20 +151,20 @@ def plain_worker(generation: int):
     from k3ray.grid.worker import Worker
 
     w = object.__new__(Worker.__ray_metadata__.modified_class.__mro__[1])
-    w.cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1})
-    w.device, w.engine, w.server, w.writer, w.generation = "cpu", None, None, None, generation
+    w.own_parts(load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1}), "cpu")
+    w.seat.generation = generation
     return w
 
 
 def test_taking_a_new_place_keeps_the_neighbours_snapshot_copies_for_the_restore_that_follows():
     w = plain_worker(1)
-    w.peer_snapshots = {3: (8, "rank 3's snapshot of step 8")}  # perhaps the only copy left of a lost node's part
-    w.assume(2, 0, 0, [0] * w.cfg.model.n_experts, 1, False)  # a regroup: the restore reads the copies next
-    assert w.peer_snapshots == {3: (8, "rank 3's snapshot of step 8")} and w.generation == 2
+    w.state.peer_snapshots = {3: (8, "rank 3's snapshot of step 8")}  # perhaps the only copy left of a lost node's
+    w.call(2, "assume", 0, 0, [0] * w.seat.cfg.model.n_experts, 1, False)  # a regroup: the restore reads them next
+    assert w.state.peer_snapshots == {3: (8, "rank 3's snapshot of step 8")} and w.seat.generation == 2
     with pytest.raises(StaleGeneration):
-        w.stand_by(1)
-    w.stand_by(3)  # left out of the grid: standing by, it holds nothing of the grid's
-    assert w.peer_snapshots == {} and w.engine is None
+        w.call(1, "stand_by")
+    w.call(3, "stand_by")  # left out of the grid: standing by, it holds nothing of the grid's
+    assert w.state.peer_snapshots == {} and w.seat.engine is None
 
 
 class Starting:

@@ -97,6 +97,7 @@ class SlowStoreGroup:
     def __init__(self):
         self.arrived: set[int] = set()
         self.begun: list[int] = []
+        self.transfer = self  # the group's state-transfer part: this fake plays it itself
 
     def begin_snapshot(self, step):
         self.begun.append(step)

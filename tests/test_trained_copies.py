@@ -37,7 +37,7 @@ def _run(rank: int, port: int, tables: dict) -> dict:
         losses, fetched, rank_load = [], [], []
         for step in range(STEPS):
             if step in tables:
-                fetched.append(engine.set_trained_copies(tables[step]))
+                fetched.append(engine.copies.set_trained(tables[step]))
             report = engine.train_step(step, step)
             losses.append(report["loss"])
             rank_load.append(report["rank_load"])

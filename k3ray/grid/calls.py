@@ -10,6 +10,12 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 
+def send(worker, generation: int, name: str, *args) -> ray.ObjectRef:
+    """The worker's `call(generation, name, *args)` (k3ray.grid.worker), named in Ray's task table and timeline by
+    the call it runs (Worker.train_step, ...)."""
+    return worker.call.options(name=f"Worker.{name}").remote(generation, name, *args)
+
+
 class WorkerError(RuntimeError):
     """A call failed inside workers that are alive (not a lost worker): the first failing rank's error, readable."""
 

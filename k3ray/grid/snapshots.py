@@ -196,7 +196,7 @@ def store_shortfall(part_bytes: list[int], nodes: list[str], store_bytes: dict[s
 
 def restore_sources(states: dict[int, Any], pp: int, ep: int) -> dict[int, list]:
     """stage -> [the state of every EP rank of that stage in an old pp x ep grid], from states keyed by old world rank
-    (snapshot references or checkpoint parts). Any EP size can restore from them (Worker.restore)."""
+    (snapshot references or checkpoint parts). Any EP size can restore from them (WorkerState.restore)."""
     return {p: [states[p * ep + e] for e in range(ep)] for p in range(pp)}
 
 
@@ -257,7 +257,7 @@ class Snapshots:
                 self.on_skip(step, self.pending.step)
             return False
         t0 = time.perf_counter()
-        refs, size_refs, shortfall = group.begin_snapshot(step)
+        refs, size_refs, shortfall = group.transfer.begin_snapshot(step)
         self.pending = Snapshot(step, guard, group.pp, group.ep, refs, size_refs, t0, time.perf_counter() - t0)
         if shortfall is not None and shortfall not in self.warnings:
             self.warnings.append(shortfall)
@@ -271,13 +271,13 @@ class Snapshots:
         snap = self.pending
         if snap is None:
             return
-        nbytes = group.snapshot_bytes(snap.size_refs, (self.timeout_s if timeout_s is None else timeout_s)
-                                      if wait else 0)
+        nbytes = group.transfer.snapshot_bytes(snap.size_refs, (self.timeout_s if timeout_s is None else timeout_s)
+                                               if wait else 0)
         if nbytes is None:
             return
         snap.nbytes = nbytes
         if hold:
-            group.hold_peer_snapshots(snap.step, snap.refs)
+            group.transfer.hold_peer_snapshots(snap.step, snap.refs)
         self.committed, self.pending = snap, None
         self.stall_seconds.append(snap.stall_seconds)
         self.total_seconds.append(time.perf_counter() - snap.started)

@@ -2,13 +2,14 @@
 workers (the controller itself is Ray-free, and its tests drive it with a fake group of the same interface).
 
 It launches the grid inside a placement group on alive nodes, builds the process groups (rendezvous on world rank 0),
-runs steps and takes in-memory snapshots (into the object store, owned by the caller; a worker on another node maps a
-copy of each). Every call to workers goes through one failure path (k3ray.grid.calls): a dead or hung worker,
-whatever the call, becomes WorkerLost naming every lost rank.
+grows and rebuilds it, and runs steps and any other call on its workers by name (`call`, `call_each`: the Worker's
+`call`). Every call to workers goes through one failure path (k3ray.grid.calls): a dead or hung worker, whatever the
+call, becomes WorkerLost naming every lost rank.
 
-Hot spares (`fault_tolerance.spares`): standby workers started with the grid, each holding its own resources, which
-take lost ranks' places without a process start (`regroup`); new ones are started afterwards (`start_spares`). The
-spare pool is a part of its own (k3ray.grid.spares).
+Its parts: `alive_nodes` (what the alive nodes hold, in workers: k3ray.grid.alive_nodes), `transfer` (in-memory
+snapshots and restores: k3ray.grid.state_transfer) and `spares`, the hot spares (`fault_tolerance.spares`: standby
+workers started with the grid, each holding its own resources, which take lost ranks' places without a process
+start in `regroup`; new ones are started afterwards by `start_spares`; k3ray.grid.spares).
 """
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ from ray.exceptions import RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from k3ray.config import JobConfig
 from k3ray.grid import calls
+from k3ray.grid.alive_nodes import AliveNodes
 from k3ray.grid.calls import TopologyError, WorkerError, WorkerLost, cause_line  # noqa: F401 - the group's errors
 from k3ray.grid.kernel_cache import kernel_cache_env
-from k3ray.grid.snapshots import store_shortfall
 from k3ray.grid.spares import SparePool
+from k3ray.grid.state_transfer import GridStateTransfer
 from k3ray.grid.worker import Worker
-from k3ray.config import JobConfig
 
 log = logging.getLogger("k3ray.controller")
 
@@ -47,18 +49,13 @@ def actor_runtime_env(cfg: JobConfig) -> dict | None:
     return {"env_vars": {**NORMAL_PRIORITY["env_vars"], **kernel_cache_env()}}
 
 
-def alive_resources(free: bool, avoid_nodes: frozenset[str] = frozenset()) -> dict[str, float]:
-    """Resources of the nodes Ray reports alive (but avoid_nodes), in total or (free) what is unused of them: a lost
-    node's resources stay in ray.cluster_resources() for a while, so placement must not count on them."""
-    have: dict[str, float] = {}
-    for node in ray.nodes():
-        if node["Alive"] and node["NodeID"] not in avoid_nodes:
-            for res, amount in node["Resources"].items():
-                have[res] = have.get(res, 0) + amount
-    if free:
-        available = ray.available_resources()
-        have = {res: min(amount, available.get(res, 0)) for res, amount in have.items()}
-    return have
+def start_worker(cfg: JobConfig, bundle: dict[str, float], slot: tuple):
+    """A Worker actor started in `slot` (placement group, bundle index), on standby."""
+    pg, index = slot
+    return Worker.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), runtime_env=actor_runtime_env(cfg),
+    ).remote(cfg.model_dump())
 
 
 # Grid generations, one sequence per controller process: every grid (launched, or rebuilt around spares) takes the
@@ -72,13 +69,12 @@ class WorkerGroup:
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
         self.avoid_nodes = frozenset(avoid_nodes)
         self.bundle = {"CPU": 1} if cfg.parallel.device == "cpu" else {"CPU": 1, "GPU": 1}
+        self.alive_nodes = AliveNodes(self.bundle, self.avoid_nodes)  # what the alive nodes hold, in workers
         self.pgs: list = []  # every placement group holding this group's workers and spares
         self.workers: list = []  # world rank -> actor
         self.slots: list[tuple] = []  # world rank -> (placement group, bundle index) it holds
         self.nodes: list[str] = []  # world rank -> Ray node id
-        # the snapshot size the object stores were last checked against (a snapshot grows: the optimizer's state
-        # exists only after the first step)
-        self.store_checked_bytes = 0
+        self.transfer = GridStateTransfer(self)  # snapshots and restores of this group's workers
         self.spares = SparePool(cfg.fault_tolerance.spares)  # hot spares: standby workers, own resources
         self.launch_seconds: dict[str, float] = {}  # start workers (or swap in spares), process groups, restore
         self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
@@ -86,26 +82,6 @@ class WorkerGroup:
     @property
     def size(self) -> int:
         return self.pp * self.ep
-
-    def fits(self, extra_cluster_free: bool = False) -> tuple[bool, str]:
-        """Whether the cluster's alive nodes can hold this grid (in total, or in what is free right now)."""
-        have = alive_resources(extra_cluster_free, self.avoid_nodes)
-        for res, amount in self.bundle.items():
-            need = amount * self.size
-            if have.get(res, 0) < need:
-                return False, f"needs {need:g} {res} (one per worker) but the cluster has {have.get(res, 0):g}"
-        return True, ""
-
-    def capacity(self, free: bool = False) -> int:
-        """How many workers the alive nodes can hold (a shrunk grid is planned to fit it): in total, or (free) in
-        what they have unused now, where other holders (other jobs) keep theirs."""
-        have = alive_resources(free, self.avoid_nodes)
-        return int(min(have.get(res, 0) // amount for res, amount in self.bundle.items()))
-
-    def room_for(self, n: int) -> bool:
-        """Whether the alive nodes have room for `n` more workers right now (what is free of them)."""
-        have = alive_resources(True, self.avoid_nodes)
-        return all(have.get(res, 0) >= amount * n for res, amount in self.bundle.items())
 
     def grow(self, ep: int, home: list[int], restore: dict[int, list], timeout_s: float,
              use_spares: bool = False) -> None:
@@ -121,13 +97,13 @@ class WorkerGroup:
         started = []
         if placed:
             pg = placement_group([dict(self.bundle) for _ in range(placed)], strategy="PACK",
-                                 bundle_label_selector=self._avoid_selector(placed))
+                                 bundle_label_selector=self.alive_nodes.label_selector(placed))
             if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
                 remove_placement_group(pg)
                 raise TopologyError(f"could not place {placed} more workers within {timeout_s:g}s")
             self.pgs.append(pg)
             where = ray.util.placement_group_table(pg)["bundles_to_node_id"]
-            started = [(self._start_worker((pg, i)), (pg, i), where[i]) for i in range(placed)]
+            started = [(start_worker(self.cfg, self.bundle, (pg, i)), (pg, i), where[i]) for i in range(placed)]
         new = iter([(s.actor, s.slot, s.node) for s in self.spares.take(from_spares)] + started)
         old_ep, old = self.ep, list(zip(self.workers, self.slots, self.nodes))
         grid = [old[p * old_ep + e] if e < old_ep else next(new) for p in range(self.pp) for e in range(ep)]
@@ -138,13 +114,13 @@ class WorkerGroup:
     def launch(self, timeout_s: float, restore: dict[int, list] | None = None, wait_for_spares: bool = True) -> str:
         """Place, create and connect the workers; restore[stage] = that stage's old states (`restore_sources`). The
         spares start beside them, where the alive nodes have room (waited for unless wait_for_spares=False)."""
-        ok, why = self.fits()
+        ok, why = self.alive_nodes.fits(self.size)
         if not ok:
             par = self.cfg.parallel
             raise TopologyError(f"parallel.pp={par.pp} x ep={self.ep}: {why}; lower pp/ep or add nodes")
         t0 = time.perf_counter()
         pg = placement_group([dict(self.bundle) for _ in range(self.size)], strategy="PACK",
-                             bundle_label_selector=self._avoid_selector(self.size))
+                             bundle_label_selector=self.alive_nodes.label_selector(self.size))
         self.pgs.append(pg)
         ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
         if not ready:
@@ -153,7 +129,7 @@ class WorkerGroup:
                                 f"resources are busy")
         self.nodes = [ray.util.placement_group_table(pg)["bundles_to_node_id"][r] for r in range(self.size)]
         self.slots = [(pg, r) for r in range(self.size)]
-        self.workers = [self._start_worker(slot) for slot in self.slots]
+        self.workers = [start_worker(self.cfg, self.bundle, slot) for slot in self.slots]
         if self.start_spares() < self.cfg.fault_tolerance.spares:
             log.warning("%d of %d hot spares: the alive nodes have no room for more (tried again at step "
                         "boundaries)", len(self.spares), self.cfg.fault_tolerance.spares)
@@ -161,17 +137,6 @@ class WorkerGroup:
         if wait_for_spares:
             ray.wait([s.up for s in self.spares], num_returns=len(self.spares), timeout=timeout_s)
         return backend
-
-    def _avoid_selector(self, n: int) -> list[dict] | None:
-        # Ray labels every node with its id; a label selector keeps the bundles off the silent nodes
-        return [{"ray.io/node-id": f"!in({','.join(sorted(self.avoid_nodes))})"}] * n if self.avoid_nodes else None
-
-    def _start_worker(self, slot: tuple):
-        pg, index = slot
-        return Worker.options(
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-            num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0), runtime_env=actor_runtime_env(self.cfg),
-        ).remote(self.cfg.model_dump())
 
     def _join(self, timeout_s: float, restore: dict[int, list] | None, t0: float, first_phase: str) -> str:
         """Every worker takes its place (p, e) of this grid, the process groups are built (rendezvous on world rank
@@ -188,7 +153,7 @@ class WorkerGroup:
         self.call("setup", f"tcp://{ip}:{port}", backend, timeout_s=timeout_s)
         t2 = time.perf_counter()
         if restore is not None:
-            self.restore(restore, timeout_s)
+            self.transfer.restore(restore, timeout_s)
         self.launch_seconds = {first_phase: t1 - t0, "process_groups": t2 - t1, "restore": time.perf_counter() - t2}
         return backend
 
@@ -197,23 +162,18 @@ class WorkerGroup:
         """Start standby workers up to `fault_tolerance.spares`, without waiting for them: in slots lost workers
         left first, then in one-worker placement groups of their own where the alive nodes have room (a spare is
         capacity held, never borrowed from the grid). Returns how many were started."""
-        have = alive_resources(True, self.avoid_nodes)
-        room = int(min(have.get(res, 0) // amount for res, amount in self.bundle.items()))
-
         def new_slot() -> tuple:
-            pg = placement_group([dict(self.bundle)], bundle_label_selector=self._avoid_selector(1))
+            pg = placement_group([dict(self.bundle)], bundle_label_selector=self.alive_nodes.label_selector(1))
             self.pgs.append(pg)
             return pg, 0
 
-        return self.spares.start(room, self._start_worker, new_slot)
+        return self.spares.start(self.alive_nodes.capacity(free=True),
+                                 lambda slot: start_worker(self.cfg, self.bundle, slot), new_slot)
 
     def spares_ready(self) -> int:
         """How many spares are up on alive nodes (not waiting for those still starting); dead ones, those on silent
         nodes and those that never came up are given up (and new ones started after the step)."""
-        return self.spares.ready(self._healthy_nodes())
-
-    def _healthy_nodes(self) -> set[str]:
-        return {n["NodeID"] for n in ray.nodes() if n["Alive"]} - self.avoid_nodes
+        return self.spares.ready(self.alive_nodes.healthy())
 
     def regroup(self, lost: set[int], ep: int, home: list[int], keep: list[int], spare_for: set[int],
                 restore: dict[int, list], timeout_s: float) -> None:
@@ -225,7 +185,7 @@ class WorkerGroup:
         t0 = time.perf_counter()
         if self.spares.up_count() < len(spare_for):  # never fill a lost rank's place with the lost worker itself
             raise TopologyError(f"{len(spare_for)} lost ranks to fill but {self.spares.up_count()} spares ready")
-        healthy = self._healthy_nodes()
+        healthy = self.alive_nodes.healthy()
         for r in lost:
             ray.kill(self.workers[r], no_restart=True)
             self.spares.free(self.slots[r], self.nodes[r], healthy)
@@ -240,7 +200,7 @@ class WorkerGroup:
         self._join(timeout_s, restore, t0, "swap_in_spares")
         # survivors left out stand by for this generation (refusing the old grid's calls); one that does not
         # answer is no spare
-        answers = {o: actor.stand_by.remote(self.generation) for o, actor, _, _ in standing_by}
+        answers = {o: calls.send(actor, self.generation, "stand_by") for o, actor, _, _ in standing_by}
         done, _ = ray.wait(list(answers.values()), num_returns=len(answers), timeout=timeout_s)
         for o, actor, slot, node in standing_by:
             try:
@@ -255,22 +215,15 @@ class WorkerGroup:
 
     def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
         """Every worker's `method(*args)`, in world-rank order."""
-        return self._gather([(r, getattr(w, method).remote(self.generation, *args))
-                             for r, w in enumerate(self.workers)], timeout_s, method)
+        return self._gather([(r, calls.send(w, self.generation, method, *args)) for r, w in enumerate(self.workers)],
+                            timeout_s, method)
 
     def call_each(self, method: str, args: dict[int, tuple], timeout_s: float | None = 120.0) -> dict[int, object]:
         """`method(*args[r])` on world rank r, for the ranks in `args`."""
         ranks = list(args)
-        out = self._gather([(r, getattr(self.workers[r], method).remote(self.generation, *args[r])) for r in ranks],
+        out = self._gather([(r, calls.send(self.workers[r], self.generation, method, *args[r])) for r in ranks],
                            timeout_s, method)
         return dict(zip(ranks, out))
-
-    def restore(self, sources: dict[int, list], timeout_s: float = 300.0) -> None:
-        """Every worker loads its stage's state from `sources` (stage -> old states, snapshot refs or checkpoint
-        parts; a part is put into the object store once, not once per reader)."""
-        refs = {p: [s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in states] for p, states in sources.items()}
-        self._gather([(r, w.restore.remote(self.generation, *refs[r // self.ep])) for r, w in enumerate(self.workers)],
-                     timeout_s, "restore")
 
     def run_on(self, ranks: list[int], fn, *args) -> list:
         """`fn(worker, *args)` inside the given workers' processes (fault drills)."""
@@ -290,45 +243,8 @@ class WorkerGroup:
 
     def run_step(self, step: int, batch_index: int, timeout_s: float) -> list[dict]:
         """Reports of every worker, in world-rank order (WorkerLost: see `_gather`)."""
-        return self._gather([(r, w.train_step.remote(self.generation, step, batch_index))
+        return self._gather([(r, calls.send(w, self.generation, "train_step", step, batch_index))
                              for r, w in enumerate(self.workers)], timeout_s, f"step {step}")
-
-    def begin_snapshot(self, step: int) -> tuple[list, list, str | None]:
-        """Stage every worker's state to run `step` from (training stalls only for this), then ask for the bytes,
-        which arrive while the next step runs: per world rank, a reference to them (owned by the caller) and one
-        to their size (small: it tells when they have arrived, or that the worker died first); and, on this grid's
-        first snapshot and whenever they grow, a line if the nodes' object stores are too small for them (else None)."""
-        part_bytes = self.call("stage_snapshot", step, timeout_s=300)
-        shortfall = None
-        if sum(part_bytes) > self.store_checked_bytes:
-            self.store_checked_bytes = sum(part_bytes)
-            stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0.0) for n in ray.nodes() if n["Alive"]}
-            shortfall = store_shortfall(part_bytes, self.nodes, stores)
-        pairs = [w.snapshot.remote(self.generation, step) for w in self.workers]
-        return [p[0] for p in pairs], [p[1] for p in pairs], shortfall
-
-    def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int | None:
-        """The total size once every part of a snapshot has arrived: timeout_s=0 waits not at all (None while some
-        have not arrived); else WorkerLost if a worker died before delivering its part or gave none within
-        timeout_s (hung)."""
-        if timeout_s == 0:
-            ready, _ = ray.wait(size_refs, num_returns=len(size_refs), timeout=0, fetch_local=True)
-            if len(ready) < len(size_refs):
-                return None
-        return sum(self._gather(list(enumerate(size_refs)), timeout_s, "snapshot"))
-
-    def hold_peer_snapshots(self, step: int, refs: list) -> None:
-        """Each snapshot part (by old world rank: the refs may be an older grid's) is mapped by a worker on another
-        node than the one holding it, the next such rank after its own (placement-aware neighbour), so a copy
-        survives the loss of that node; on one node, simply the next rank."""
-        where = ray.experimental.get_object_locations(refs)
-        holds = []
-        for i, ref in enumerate(refs):
-            holding = set(where.get(ref, {}).get("node_ids") or [])
-            order = [(i + k) % self.size for k in range(1, self.size + 1)]
-            holder = next((r for r in order if self.nodes and self.nodes[r] not in holding), order[0])
-            holds.append((holder, self.workers[holder].hold_peer_snapshot.remote(self.generation, i, step, ref)))
-        self._gather(holds, 300, "hold_peer_snapshots")
 
     def close(self) -> None:
         for w in self.workers + self.spares.clear():

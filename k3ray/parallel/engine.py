@@ -17,11 +17,13 @@ Schedule1F1B:
 - its stage is a module whose forward is a function of the received tensor only; ours also gathers routing
   statistics and timings for the step report.
 The schedule itself stays a pure function (`one_f_one_b`) that tests can read.
+
+The engine owns its parts: the grid generation's process groups (k3ray.parallel.grid_groups), the batches its EP
+rank runs (k3ray.parallel.batches) and, once the stage is built, its expert copies (k3ray.parallel.engine_copies).
 """
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -29,43 +31,21 @@ from torch.utils._pytree import tree_map_only
 
 from k3ray.config import JobConfig, PoliciesConfig
 from k3ray.dtypes import up32
-from k3ray.data import open_token_data
-from k3ray.model.layers import Documents
 from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, set_execution, stage_layers
 from k3ray.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from k3ray.parallel import shards
+from k3ray.parallel.batches import StageBatches
 from k3ray.parallel.engine_copies import EngineCopies
 from k3ray.parallel.ep import EPContext, ExpertParallelExperts
+from k3ray.parallel.grid_groups import GridGroups, LeftGroup
 from k3ray.parallel.pipeline import one_f_one_b
-from k3ray.parallel.step import activation_stats, balance_diagnostics, lm_loss, update_router_bias
-from k3ray.policies import recovery
+from k3ray.parallel.step import lm_loss, reduce_balance
 
 
-class LeftGrid(RuntimeError):
-    """A collective asked of an engine whose grid was left: a stale thread of an older grid generation, which must
-    fail rather than reach the grid the worker holds now."""
-
-
-class _LeftGroup:
-    """What a left engine's EP context holds instead of its group: any use by a collective raises LeftGrid."""
-
-    def __init__(self, generation: int):
-        self.generation = generation
-
-    def _refuse(self, *_):
-        raise LeftGrid(f"grid generation {self.generation} was left: its collectives are refused")
-
-    __bool__ = _refuse
-
-    def __getattr__(self, name):
-        self._refuse()
-
-
-class StageEngine(EngineCopies):
+class StageEngine:
     """ep_size is the live number of EP ranks, which differs from cfg.parallel.ep while the job runs shrunk after a
-    worker loss (then homes may be uneven: 16 experts on 3 ranks). The data-parallel width stays cfg.parallel.ep
-    whatever the live size: EP rank e runs the micro-batches of every DP rank d with d % ep_size == e (`dp_ranks`),
-    so a shrunk job trains on the same global batch as the full one."""
+    worker loss (then homes may be uneven: 16 experts on 3 ranks); the batches keep the configured data-parallel
+    width (k3ray.parallel.batches)."""
 
     def __init__(self, cfg: JobConfig, pp_rank: int, ep_rank: int, home: list[int], ep_size: int,
                  device: str = "cpu", init_weights: bool = True):
@@ -74,67 +54,33 @@ class StageEngine(EngineCopies):
         self.device = torch.device(device)
         self.home = torch.tensor(home, dtype=torch.int64)
         self.layers = stage_layers(cfg.model.n_layers, self.pp, pp_rank)
-        self.data = open_token_data(cfg)
+        # world ranks of this EP rank in the stages before and after (pipeline sends and receives)
+        self.prev_rank, self.next_rank = (pp_rank - 1) * ep_size + ep_rank, (pp_rank + 1) * ep_size + ep_rank
+        self.batches = StageBatches(cfg, ep_rank, ep_size, self.device)
         self.opt = AdamW(cfg.optimizer)
         self.lr_scale = 1.0
+        self.groups = GridGroups()  # the grid generation's process groups (joined in init_process_groups)
         self.ctx: EPContext | None = None
-        self.generation = 0  # the grid generation whose process groups this engine holds (set with them)
-        self._world = self._ep_group = None  # this generation's groups: every collective names one (init_process_groups)
-        self.left = False  # the grid was left: its groups are gone, and asking for them raises LeftGrid
+        self.copies: EngineCopies | None = None  # the stage's expert copies (made with the stage)
         self.init_weights = init_weights  # False when a restore follows: initialising would be wasted time
-        self.staged_copies: dict[int, dict[int, tuple]] = {}  # layer -> expert -> (w1, w2) fetched, not yet used
         # CUDA events of copies still reading the live state (a snapshot's device-to-host transfer): whatever writes
         # the state next (the optimizer, a restore, a reshard) waits for them on the device, not on the host
         self.state_reads: list = []
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def init_process_groups(self, init_method: str, backend: str, generation: int = 0) -> None:
-        """Build grid `generation`'s process groups (the world and this stage's EP group)."""
-        self.generation = generation
-        timeout = timedelta(seconds=self.cfg.parallel.collective_timeout_s)
-        rank = self.pp_rank * self.ep + self.ep_rank
-        dist.init_process_group(backend, init_method=init_method, world_size=self.pp * self.ep, rank=rank,
-                                timeout=timeout)
-        # Every call below names its group, never the default one: a worker that joins a new grid (a hot spare
-        # taking a lost rank's place) may still have a thread waiting in the old grid's collective, which gloo
-        # cannot abort; that thread must fail on the old groups rather than slip into the new grid's. `None` would
-        # name the default group, which is the newest grid's: leaving never sets a group to None (see `world`).
-        self._world = dist.group.WORLD
-        groups = [dist.new_group(list(range(p * self.ep, (p + 1) * self.ep)), timeout=timeout) for p in range(self.pp)]
-        self._ep_group = groups[self.pp_rank]
-        self.ctx = EPContext(self.ep_group, self.ep_rank, self.ep, self.home, self.cfg.model, self.cfg.policies)
+        """Join grid `generation`'s process groups (the world and this stage's EP group) and build the stage."""
+        self.groups.join(init_method, backend, generation, self.pp_rank, self.ep_rank, self.pp, self.ep,
+                         self.cfg.parallel.collective_timeout_s)
+        self.ctx = EPContext(self.groups.ep_group, self.ep_rank, self.ep, self.home, self.cfg.model, self.cfg.policies)
         self._build_stage()
 
     def leave_process_groups(self) -> None:
-        """Leave this grid's process groups (before the worker joins another grid). NCCL's are aborted first, so a
-        thread waiting in one of their collectives returns; a gloo wait ends at its timeout."""
-        if self._world is None or self.left:
-            return
-        self.left = True  # first: a thread of this engine asking for a group from now on gets LeftGrid
+        """Leave this grid's process groups (before the worker joins another grid): from now on every collective of
+        this engine, the EP context's too, raises LeftGrid."""
         if self.ctx is not None:
-            self.ctx.group = _LeftGroup(self.generation)
-        if not dist.is_initialized():
-            return
-        if self.device.type == "cuda":
-            dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
-
-    def _held(self, group):
-        if self.left:
-            raise LeftGrid(f"grid generation {self.generation} was left: its collectives are refused")
-        if group is None:
-            raise LeftGrid("no process groups yet (setup has not run)")
-        return group
-
-    @property
-    def world(self):
-        """This grid generation's world group (LeftGrid once the grid was left; never None, the default group)."""
-        return self._held(self._world)
-
-    @property
-    def ep_group(self):
-        return self._held(self._ep_group)
+            self.ctx.group = LeftGroup(self.groups.generation)
+        self.groups.leave(self.device.type == "cuda")
 
     def _build_stage(self) -> None:
         mine = (self.home == self.ep_rank).nonzero().flatten().tolist()
@@ -143,6 +89,7 @@ class StageEngine(EngineCopies):
                                  device=self.device, init=self.init_weights)
         self.stage.train()
         set_execution(self.stage, self.cfg.execution)
+        self.copies = EngineCopies(self.stage, self.ctx)
         self._refresh_params()
 
     def _refresh_params(self) -> None:
@@ -150,30 +97,11 @@ class StageEngine(EngineCopies):
         self.dense = {n: p for n, p in self.params.items() if not is_expert_param(n)}
         self.experts = {n: p for n, p in self.params.items() if is_expert_param(n)}
 
-    def _rank(self, pp_rank: int) -> int:
-        return pp_rank * self.ep + self.ep_rank
-
-    @property
-    def dp_ranks(self) -> list[int]:
-        """The data-parallel ranks whose micro-batches this EP rank runs: its own at full size; while shrunk, also
-        those of lost ranks. Their micro-batch m is run as one micro-batch (rows concatenated), so every EP rank of
-        a stage still runs M micro-batches and issues the same MoE collectives."""
-        return recovery.dp_ranks_of(self.ep_rank, self.ep, self.cfg.parallel.ep)
-
-    def _tokens(self, batch_index: int, micro: int) -> torch.Tensor:
-        parts = [self.data.batch(batch_index, d, micro) for d in self.dp_ranks]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
-
-    def _documents(self, tokens: torch.Tensor) -> Documents | None:
-        """With data.document_masking, where the documents of the rows [B, L + 1] begin (every stage derives it from
-        the batch's tokens, which every stage can address)."""
-        return Documents(tokens[:, :-1], self.data.eos_id) if self.cfg.data.document_masking else None
-
     # -- one step ------------------------------------------------------------------------------------------------
     def train_step(self, step: int, batch_index: int) -> dict:
         cfg, stage = self.cfg, self.stage
         M = cfg.parallel.micro_batches
-        dp = self.dp_ranks
+        dp = self.batches.dp_ranks
         # a micro-batch of k DP ranks' rows is the mean over all of them: times k, it counts as k micro-batches
         scale = len(dp) / (cfg.parallel.ep * M)
         timings = {"compute": 0.0, "pipeline_wait": 0.0}
@@ -193,23 +121,23 @@ class StageEngine(EngineCopies):
         t_step = time.perf_counter()
         for op, m in one_f_one_b(M, self.pp_rank, self.pp):
             if op == "F":
-                tokens = self._tokens(batch_index, m)
+                tokens = self.batches.micro_batch(batch_index, m)
                 if stage.is_first:
                     x = tokens[:, :-1]
                 else:
                     x = torch.empty(shape, dtype=dtype, device=self.device)
                     t0 = time.perf_counter()
-                    dist.recv(x, self._rank(self.pp_rank - 1), tag=m, group=self.world)
+                    dist.recv(x, self.prev_rank, tag=m, group=self.groups.world)
                     timings["pipeline_wait"] += time.perf_counter() - t0
                     x.requires_grad_(True)
                 t0 = time.perf_counter()
-                out = stage(x, documents=self._documents(tokens))
+                out = stage(x, documents=self.batches.documents(tokens))
                 if stage.is_last:
                     out = lm_loss(out, tokens, scale)
                     loss_sum += out.detach()
                 else:
-                    pending.append(dist.isend(out.detach().contiguous(), self._rank(self.pp_rank + 1), tag=m,
-                                                    group=self.world))
+                    pending.append(dist.isend(out.detach().contiguous(), self.next_rank, tag=m,
+                                              group=self.groups.world))
                 timings["compute"] += time.perf_counter() - t0
                 saved[m] = (x, out)
             else:
@@ -219,14 +147,14 @@ class StageEngine(EngineCopies):
                 else:
                     grad = torch.empty(out_shape, dtype=dtype, device=self.device)
                     t0 = time.perf_counter()
-                    dist.recv(grad, self._rank(self.pp_rank + 1), tag=M + m, group=self.world)
+                    dist.recv(grad, self.next_rank, tag=M + m, group=self.groups.world)
                     timings["pipeline_wait"] += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 out.backward(grad)
                 timings["compute"] += time.perf_counter() - t0
                 if not stage.is_first:
-                    pending.append(dist.isend(x.grad.contiguous(), self._rank(self.pp_rank - 1), tag=M + m,
-                                                    group=self.world))
+                    pending.append(dist.isend(x.grad.contiguous(), self.prev_rank, tag=M + m,
+                                              group=self.groups.world))
         for work in pending:
             work.wait()
         t_opt = time.perf_counter()
@@ -241,12 +169,12 @@ class StageEngine(EngineCopies):
 
     def _finish_step(self, step: int, loss_sum: torch.Tensor) -> dict:
         cfg = self.cfg
-        self._return_copy_grads()  # copies' gradients join their home's (where the optimizer state is)
+        self.copies.return_grads()  # copies' gradients join their home's (where the optimizer state is)
         # dense gradients: sum over the stage's EP group (one flat all-reduce)
         grads = [p.grad for p in self.dense.values() if p.grad is not None]
         if self.ep > 1 and grads:
             flat = torch.cat([up32(g.reshape(-1)) for g in grads])
-            dist.all_reduce(flat, group=self.ep_group)
+            dist.all_reduce(flat, group=self.groups.ep_group)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
@@ -255,47 +183,15 @@ class StageEngine(EngineCopies):
         dense_sq = sum_of_squares(grads if self.ep_rank == 0 else []).to(self.device, torch.float64)
         expert_sq = sum_of_squares([p.grad for p in self.experts.values() if p.grad is not None])
         totals = torch.stack([dense_sq + expert_sq.to(self.device, torch.float64), loss_sum.double()])
-        dist.all_reduce(totals, group=self.world)
+        dist.all_reduce(totals, group=self.groups.world)
         sq, loss = totals.tolist()
         lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)
         self.wait_state_reads()
         self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
         if any(self.ctx.copies):
-            self._fetch_copies(self.ctx.copies)  # the copies take the home's new weights
-        return {"step": step, "loss": loss, "grad_norm": sq ** 0.5, "lr": lr, **self._balance()}
-
-    def _balance(self) -> dict:
-        """All-reduce the step's routing statistics over the EP group (one integer all-reduce for every layer of
-        the stage) and set each layer's router bias."""
-        moes = self.stage.moe_layers()
-        if not moes:
-            return {}
-        E = self.cfg.model.n_experts
-        parts = []
-        for moe in moes.values():
-            st = moe.stats
-            parts.append(st.tokens_per_expert.reshape(-1))
-            if st.histogram is not None:
-                parts += [st.histogram.reshape(-1), st.balance]
-        flat = torch.cat(parts)
-        if self.ep > 1:
-            dist.all_reduce(flat, group=self.ep_group)
-        offset, tpe, rank_load, balance = 0, {}, {}, {}
-        for layer, moe in moes.items():
-            load = flat[offset:offset + E]
-            offset += E
-            hist = None
-            if moe.stats.histogram is not None:
-                n = moe.stats.histogram.numel()
-                hist = flat[offset:offset + n].view_as(moe.stats.histogram)
-                offset += n
-                balance[layer] = balance_diagnostics(flat[offset:offset + 2 * E + 2], E)
-                offset += 2 * E + 2
-            update_router_bias(self.cfg.model, moe, hist, load)
-            tpe[layer] = moe.experts.tokens_per_rank_expert.tolist()
-            rank_load[layer] = moe.experts.rank_load.tolist()
-        return {"tokens_per_expert": tpe, "rank_load": rank_load, "balance": balance,
-                "activations": activation_stats(self.stage)}
+            self.copies.fetch(self.ctx.copies)  # the copies take the home's new weights
+        routing = reduce_balance(cfg.model, self.stage, self.groups.ep_group, self.ep)
+        return {"step": step, "loss": loss, "grad_norm": sq ** 0.5, "lr": lr, **routing}
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -308,23 +204,23 @@ class StageEngine(EngineCopies):
         rounds = -(-n // self.ep)
         for r in range(rounds):
             i = r * self.ep + self.ep_rank
-            tokens = self.data.val_batch(i % n).to(self.device)
+            tokens = self.batches.validation(i % n)
             if stage.is_first:
                 x = tokens[:, :-1]
             else:
                 x = torch.empty(shape, dtype=getattr(torch, cfg.model.dtype), device=self.device)
-                dist.recv(x, self._rank(self.pp_rank - 1), tag=r, group=self.world)
-            out = stage(x, documents=self._documents(tokens))
+                dist.recv(x, self.prev_rank, tag=r, group=self.groups.world)
+            out = stage(x, documents=self.batches.documents(tokens))
             if stage.is_last:
                 if i < n:
                     total += float(lm_loss(out, tokens, 1.0))
             else:
-                dist.send(out.contiguous(), self._rank(self.pp_rank + 1), tag=r, group=self.world)
+                dist.send(out.contiguous(), self.next_rank, tag=r, group=self.groups.world)
         stage.reset_stats()
         for moe in stage.moe_layers().values():
             moe.experts.reset()
         t = total.to(self.device)
-        dist.all_reduce(t, group=self.world)
+        dist.all_reduce(t, group=self.groups.world)
         return float(t) / n
 
     # -- expert shards -------------------------------------------------------------------------------------------
@@ -340,7 +236,7 @@ class StageEngine(EngineCopies):
         """Adopt a new home table: drop experts no longer homed here, add imported ones (layer -> payloads). Any
         copies are dropped."""
         self.wait_state_reads()
-        self._drop_copies()
+        self.copies.drop()
         self.home.copy_(torch.tensor(home, dtype=torch.int64))
         mine = set((self.home == self.ep_rank).nonzero().flatten().tolist())
         for layer, shard in self.stage.expert_shards().items():
@@ -398,6 +294,6 @@ class StageEngine(EngineCopies):
         self.opt.steps = dense_state["opt_steps"]
         self.lr_scale = dense_state["lr_scale"]
         mine = set((self.home == self.ep_rank).nonzero().flatten().tolist())
-        self._drop_copies()
+        self.copies.drop()
         shards.load_weights(self.stage, self.opt, dense_state, expert_payloads, mine)
         self._refresh_params()

@@ -1,10 +1,12 @@
 """The math of one training step that the single-process reference and every worker share: the loss of a
-micro-batch, router-bias balancing from (globally reduced) statistics, activation statistics, the step report."""
+micro-batch, router-bias balancing from (globally reduced) statistics, activation statistics, the step report; and
+the worker's reduction of the routing statistics over its EP group (`reduce_balance`)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from k3ray.dtypes import up32
 
@@ -84,3 +86,37 @@ class StepReport:
     @property
     def mean_maxvio(self) -> float:
         return sum(self.maxvio.values()) / max(len(self.maxvio), 1)
+
+
+def reduce_balance(cfg: ModelConfig, stage: K3Stage, ep_group, ep: int) -> dict:
+    """All-reduce the step's routing statistics over the stage's EP group of `ep` ranks (one integer all-reduce for
+    every MoE layer of the stage) and set each layer's router bias; the step report's routing fields."""
+    moes = stage.moe_layers()
+    if not moes:
+        return {}
+    E = cfg.n_experts
+    parts = []
+    for moe in moes.values():
+        st = moe.stats
+        parts.append(st.tokens_per_expert.reshape(-1))
+        if st.histogram is not None:
+            parts += [st.histogram.reshape(-1), st.balance]
+    flat = torch.cat(parts)
+    if ep > 1:
+        dist.all_reduce(flat, group=ep_group)
+    offset, tpe, rank_load, balance = 0, {}, {}, {}
+    for layer, moe in moes.items():
+        load = flat[offset:offset + E]
+        offset += E
+        hist = None
+        if moe.stats.histogram is not None:
+            n = moe.stats.histogram.numel()
+            hist = flat[offset:offset + n].view_as(moe.stats.histogram)
+            offset += n
+            balance[layer] = balance_diagnostics(flat[offset:offset + 2 * E + 2], E)
+            offset += 2 * E + 2
+        update_router_bias(cfg, moe, hist, load)
+        tpe[layer] = moe.experts.tokens_per_rank_expert.tolist()
+        rank_load[layer] = moe.experts.rank_load.tolist()
+    return {"tokens_per_expert": tpe, "rank_load": rank_load, "balance": balance,
+            "activations": activation_stats(stage)}

@@ -140,7 +140,7 @@ class ServingGrid:
                 # planned on the alive nodes' totals: the grids just closed gave their resources back and Ray's free
                 # counts lag (a worker lost while the grid was being built is no reason to doubt them); on what is
                 # free only once a placement failed (as the training grid's, failures.py)
-                max_ep = old.capacity(free=placement_failed) // self.pp
+                max_ep = old.alive_nodes.capacity(free=placement_failed) // self.pp
                 if max_ep < 1:
                     raise TopologyError(f"{lost}: the alive nodes hold no {self.pp}-stage grid")
                 decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load,
@@ -181,9 +181,10 @@ class ServingGrid:
         before = self.group.ep if self.group is not None else 0
         self.close()
         probe = WorkerGroup(self.cfg, 1, [0] * self.cfg.model.n_experts)  # no workers: counts what the nodes hold
-        ep = min(self.cfg.parallel.ep, probe.capacity() // self.pp)
+        held = probe.alive_nodes.capacity()
+        ep = min(self.cfg.parallel.ep, held // self.pp)
         if ep < 1:
-            raise TopologyError(f"the alive nodes hold no {self.pp}-stage grid ({probe.capacity()} workers)")
+            raise TopologyError(f"the alive nodes hold no {self.pp}-stage grid ({held} workers)")
         t_planned = time.perf_counter()
         phases = self.launch(ep, wait_for_spares=False)
         self.spares_due = False
@@ -196,14 +197,15 @@ class ServingGrid:
         experts = self.cfg.model.n_experts
         if ep < 1 or experts % ep:
             raise TopologyError(f"ep={ep} does not divide model.n_experts={experts}")
-        if self.pp * ep > self.group.capacity():
-            raise TopologyError(f"ep={ep}: the alive nodes hold {self.group.capacity()} workers, a {self.pp} x {ep} "
-                                f"grid needs {self.pp * ep}")
+        held = self.group.alive_nodes.capacity()
+        if self.pp * ep > held:
+            raise TopologyError(f"ep={ep}: the alive nodes hold {held} workers, a {self.pp} x {ep} grid needs "
+                                f"{self.pp * ep}")
 
     def launch_beside(self, ep: int) -> tuple[WorkerGroup, dict] | None:
         """A pp x ep grid launched from the held weights while this one serves on (`adopt` switches to it), or None
         where the alive nodes have no room for both. A failure leaves this grid as it was."""
-        if not self.group.room_for(self.pp * ep):
+        if not self.group.alive_nodes.room_for(self.pp * ep):
             return None
         t0 = time.perf_counter()
         group = WorkerGroup(self.cfg, ep, recovery.grow(self.cfg.model.n_experts, ep).tolist())

@@ -259,7 +259,7 @@ class Controller:
         self._push_policies()
         self.group.call("set_lr_scale", self.lr_scale)
         snap = self.snapshots.committed
-        self.group.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
+        self.group.transfer.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
 
     def get_policies(self, name: str | None = None) -> dict:
         return self.policies.get(name)

@@ -88,7 +88,7 @@ class Recovery:
         job.skip.update(decision.skip)
         job.lr_scale = decision.lr_scale
         job.snapshots.commit(job.group, wait=True, timeout_s=job.cfg.fault_tolerance.wait_timeout_s)
-        job.group.restore(job.snapshots.committed.sources())
+        job.group.transfer.restore(job.snapshots.committed.sources())
         job.table.drop_copies()  # the restored workers hold none
         incident["restore_seconds"] = time.perf_counter() - t0
         job.group.call("set_lr_scale", job.lr_scale)
@@ -198,7 +198,7 @@ class Recovery:
         job = self.job
         old.close()  # a grid that lost workers holds their places: the new one is planned on what it gives back
         for attempt in range(1, 4):
-            max_ep = self.new_group(1, old.home).capacity(free=attempt > 1) // job.cfg.parallel.pp
+            max_ep = self.new_group(1, old.home).alive_nodes.capacity(free=attempt > 1) // job.cfg.parallel.pp
             if max_ep < 1:
                 raise TopologyError(f"the alive nodes hold no {job.cfg.parallel.pp}-stage grid")
             decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, max_ep=max_ep)

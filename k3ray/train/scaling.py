@@ -35,7 +35,8 @@ class Scaling:
                 self._resize(step, decision)
         decision = resize.on_grow_back(step, self.shrunk_at, table.ep, self.target_ep, job.cfg.model.n_experts,
                                        self.grow_back_failures, job.cfg.fault_tolerance)
-        if decision is not None and job.group.room_for(job.cfg.parallel.pp * (decision.ep - decision.old_ep)):
+        added = 0 if decision is None else job.cfg.parallel.pp * (decision.ep - decision.old_ep)
+        if decision is not None and job.group.alive_nodes.room_for(added):
             self._resize(step, decision)
 
     def after_recovery(self, step: int, ep: int) -> None:

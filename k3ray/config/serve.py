@@ -1,0 +1,63 @@
+"""`k3ray serve`'s section: cache pools, the iteration's token budget and the front door's limits, with the
+device's defaults."""
+from __future__ import annotations
+
+from pydantic import Field
+
+from k3ray.config.base import Section
+
+
+# serving defaults by device: a GPU batches as vLLM / SGLang do on an H200 (8,192 tokens per iteration, pools from
+# free memory); the CPU keeps iterations small (its tests and demos stay fast)
+SERVE_DEFAULTS = {"cpu": {"token_budget": 128, "slots_per_rank": 16, "pages_per_rank": 256},
+                  "gpu": {"token_budget": 8192, "slots_per_rank": 256, "pages_per_rank": None}}
+DEFAULT_STEPWISE_PREFILL_MAX = 64
+
+
+class ServeConfig(Section):
+    """`k3ray serve`: cache pools per data-parallel rank (every EP rank of a stage serves its own requests), the
+    iteration's token budget, and the limits the front door enforces. Unset sizes take the device's defaults
+    (`resolved`)."""
+    page_size: int = Field(16, gt=0, description="tokens per latent-KV page")
+    pages_per_rank: int | None = Field(None, gt=0, description="latent-KV pages per data-parallel rank; default "
+                                       "256 on CPU, on GPUs what serve.gpu_memory_fraction of the memory free at "
+                                       "start holds (at most every slot's full context)")
+    slots_per_rank: int | None = Field(None, gt=0, description="KDA state slots per rank: its running requests at "
+                                       "most; default 16 on CPU, 256 on GPUs")
+    token_budget: int | None = Field(None, gt=0, description="tokens per iteration and rank (every decode row plus "
+                                     "prompt chunks); default 128 on CPU, 8192 on GPUs")
+    gpu_memory_fraction: float = Field(0.8, gt=0, le=1, description="GPUs: the part of the memory free once the "
+                                       "weights are loaded that the latent-KV pages may take (the rest: activations "
+                                       "of a full iteration, CUDA graphs)")
+    stepwise_prefill_max: int | None = Field(None, ge=0, description="prompts of at most this many tokens are fed "
+                                             "one token per iteration as decode rows, so their iterations replay "
+                                             "the decode CUDA graph instead of running a prefill chunk eagerly; "
+                                             f"default {DEFAULT_STEPWISE_PREFILL_MAX} on GPUs where the grid starts "
+                                             "with ep=1 (decode graphs), 0 (chunks only) elsewhere")
+    overlap: bool | None = Field(None, description="schedule iteration n+1 while the workers run n (two "
+                                 "iterations in flight; n+1 takes n's sampled tokens on the device): the engine's "
+                                 "host time per iteration hidden behind the step; default on where parallel.pp=1, "
+                                 "the only layout it supports (the last stage samples, the first reads the tokens)")
+    graphs_at_start: bool = Field(True, description="GPU: capture every decode CUDA graph when a grid starts "
+                                  "(seconds more per start and recovery) rather than on first use (an iteration "
+                                  "then waits for its capture)")
+    max_waiting: int = Field(64, ge=0, description="queued requests beyond which new ones get 429")
+    max_tokens: int = Field(256, gt=0, description="largest max_tokens a request may ask for")
+    retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 and of a 503 while no grid serves")
+    stream_interval: int = Field(1, gt=0, description="new tokens a stream sends per event after its first token "
+                                                     "(its last event may hold fewer): fewer, larger events when "
+                                                     "the HTTP path, not the GPU, sets the pace")
+    recovery_attempts: int = Field(2, ge=1, description="grid recoveries tried after a loss (each planning up to 3 "
+                                                        "times) before the grid is relaunched from the weights")
+    recovery_backoff_s: float = Field(1.0, ge=0, le=60, description="wait before the 2nd attempt, doubling after")
+    unavailable_wait_s: float = Field(30.0, ge=0, description="while no grid serves, how long a new request waits "
+                                                              "(then 503) and a stream in flight (then an error)")
+
+    def resolved(self, device: str = "cpu", ep: int = 1) -> "ServeConfig":
+        """This config with its unset sizes filled for `device` ('cpu', 'cuda') and a grid of `ep` EP ranks. On a
+        GPU pages_per_rank stays unset: the grid measures it when it starts (k3ray.serve.grid)."""
+        defaults = SERVE_DEFAULTS["cpu" if device == "cpu" else "gpu"]
+        update = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        if self.stepwise_prefill_max is None:
+            update["stepwise_prefill_max"] = DEFAULT_STEPWISE_PREFILL_MAX if device != "cpu" and ep == 1 else 0
+        return self.model_copy(update=update)

@@ -1,0 +1,125 @@
+"""The training job's sections: parallelism, data, optimizer, execution, the run's length, fault tolerance,
+checkpoints and the control API."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from k3ray.config.base import Beta, Section
+from k3ray.faults import TRAINING_FAULTS
+
+
+class ParallelConfig(Section):
+    pp: int = Field(1, gt=0, description="pipeline stages")
+    ep: int = Field(1, gt=0, description="expert-parallel ranks per stage (EP is carved out of DP)")
+    micro_batches: int = Field(1, gt=0, description="micro-batches per step per EP rank")
+    device: Literal["cpu", "cuda"] = "cpu"
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    collective_timeout_s: float = Field(60.0, gt=0)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.ep
+
+
+class DataConfig(Section):
+    source: str = Field("stdlib", description="'stdlib' (the Python standard library's .py sources), a directory of "
+                                              "files (their bytes), or a folder of shards from `k3ray data prepare`")
+    tokenizer: str = Field("bytes", description="'bytes', a tokenizer.json, a tiktoken BPE file, or a folder with one")
+    seq_len: int = Field(gt=1)
+    micro_batch_size: int = Field(gt=0, description="sequences per micro-batch")
+    val_fraction: float = Field(0.02, gt=0, lt=0.5)
+    max_bytes: int = Field(64 * 2**20, gt=0, description="corpus cap, read in a fixed file order")
+
+    @field_validator("source")
+    @classmethod
+    def _source_exists(cls, source: str) -> str:
+        # checked where the config is loaded, before any worker starts (a worker would fail in its constructor)
+        if source != "stdlib" and not Path(source).is_dir():
+            raise ValueError(f"{source!r} is neither 'stdlib' nor a directory")
+        return source
+    skip_batches: list[int] = Field(default_factory=list, description="batch indices never trained on")
+    document_masking: bool = Field(False, description="attention, KDA's recurrence and its convolution restart at "
+                                                      "every document packed into a row (after each end-of-text)")
+
+
+class OptimizerConfig(Section):
+    lr: float = Field(1e-3, gt=0)
+    betas: tuple[Beta, Beta] = (0.9, 0.95)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    warmup_steps: int = Field(10, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0 = off")
+
+
+class ExecutionConfig(Section):
+    """How the training step runs on the device; the math is the same whichever is chosen (float64 tests run eager)."""
+    compile_blocks: bool = Field(False, description="regional torch.compile: each decoder block's forward (and so its "
+                                                    "backward) through Inductor, which fuses its elementwise chains "
+                                                    "(norms, gates, residual adds, KDA's L2 norms); kernels and the "
+                                                    "routed experts stay outside the graphs. Shapes are static per "
+                                                    "config; CUDA only (compile time is minutes on a CPU)")
+    recompute: Literal["none", "attention_elementwise"] = Field(
+        "none", description="selective activation recompute: 'attention_elementwise' keeps only the matmul and "
+                            "attention outputs of each attention sublayer for backward and recomputes its "
+                            "elementwise ops (norms, casts, L2 norms, gates; fla's KDA kernels run again), so "
+                            "larger micro-batches fit")
+
+
+class TrainConfig(Section):
+    steps: int = Field(200, gt=0)
+    seed: int = 0
+    eval_every: int = Field(50, ge=0)
+    eval_batches: int = Field(4, gt=0)
+    log_every: int = Field(25, gt=0)  # steps between log lines (the progress bar shows every step)
+
+
+class FaultSpec(Section):
+    kind: Literal[TRAINING_FAULTS]  # k3ray.faults.FAULT_KINDS: the training drills
+    step: int = Field(ge=0)
+    worker: int | None = Field(None, ge=0)
+    workers: list[int] = Field(default_factory=list, description="kill_worker: these world ranks at once")
+    layer: int | None = Field(None, ge=0)
+    at: Literal["step", "boundary", "after_step", "relaunch"] = Field(
+        "step", description="kill_worker: during the step, at its boundary (before the snapshot, checkpoint, policy "
+                            "push, grow-back), after it (the next call meets it: an evaluation), or in the next grid "
+                            "launched at or after the step (a recovery or grow-back under way)")
+
+
+class FaultToleranceConfig(Section):
+    snapshot_every: int = Field(5, gt=0)
+    spares: int = Field(0, ge=0, description="hot spares: standby workers (each holding its own device) that take "
+                                             "lost ranks' places without a process start; 0 = none")
+    max_retries_per_step: int = Field(3, ge=0)
+    skip_growth: int = Field(2, ge=1, description="batches skipped grow by this factor on a repeated trip")
+    lr_backoff: float = Field(0.5, gt=0, le=1)
+    grow_back: bool = True
+    grow_back_after_steps: int = Field(1, ge=0, description="steps to run shrunk before trying to grow back")
+    recovery_attempts: int = Field(4, ge=1, description="attempts to recover from lost workers (a loss during one "
+                                                        "starts the next) before the job stops")
+    grow_back_attempts: int = Field(3, ge=1, description="failed grow-backs in a row after which the job stays shrunk")
+    retry_backoff_s: float = Field(0.5, ge=0, description="wait before a recovery's second attempt, doubled for each "
+                                                          "further one (at most 30 s)")
+    wait_timeout_s: float = Field(600.0, gt=0, description="longest wait on workers outside a step: evaluation, "
+                                                           "checkpoint copy and commit, snapshot commit")
+    incidents_file: str | None = Field(None, description="where the incident log is written as it grows (JSON "
+                                                         "lines); default runs/<name>/incidents.jsonl")
+    faults: list[FaultSpec] = Field(default_factory=list)
+
+
+class CheckpointConfig(Section):
+    dir: str = Field("", description="default runs/<name>/checkpoints: a checkpoint folder belongs to one job")
+    every_n_steps: int = Field(0, ge=0, description="0 = only on request and at the end")
+    keep: int = Field(3, gt=0)
+    at_end: bool = Field(True, description="write a final checkpoint when the job stops")
+    max_failures_in_a_row: int = Field(3, gt=0, description="failed checkpoint writes (read-only or full disk) the "
+                                                            "job trains on through before it stops")
+
+
+class ApiConfig(Section):
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 picks a free port")
+    token_file: str | None = None

@@ -1,0 +1,63 @@
+"""A worker grid's state transfer (a worker group owns one: k3ray.grid.worker_group): in-memory snapshots taken
+into the object store (owned by the caller; a worker on another node maps a copy of each), and restores of every
+worker from snapshots or checkpoint parts of any old grid. Every call goes through the group's one failure path."""
+from __future__ import annotations
+
+import ray
+
+from k3ray.grid import calls
+from k3ray.grid.snapshots import store_shortfall
+
+
+class GridStateTransfer:
+    def __init__(self, group):
+        self.group = group  # the WorkerGroup whose current workers these calls go to
+        # the snapshot size the object stores were last checked against (a snapshot grows: the optimizer's state
+        # exists only after the first step)
+        self.store_checked_bytes = 0
+
+    def restore(self, sources: dict[int, list], timeout_s: float = 300.0) -> None:
+        """Every worker loads its stage's state from `sources` (stage -> old states, snapshot refs or checkpoint
+        parts; a part is put into the object store once, not once per reader)."""
+        g = self.group
+        refs = {p: [s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in states] for p, states in sources.items()}
+        g.call_each("restore", {r: tuple(refs[r // g.ep]) for r in range(g.size)}, timeout_s)
+
+    def begin_snapshot(self, step: int) -> tuple[list, list, str | None]:
+        """Stage every worker's state to run `step` from (training stalls only for this), then ask for the bytes,
+        which arrive while the next step runs: per world rank, a reference to them (owned by the caller) and one
+        to their size (small: it tells when they have arrived, or that the worker died first); and, on this grid's
+        first snapshot and whenever they grow, a line if the nodes' object stores are too small for them (else None)."""
+        g = self.group
+        part_bytes = g.call("stage_snapshot", step, timeout_s=300)
+        shortfall = None
+        if sum(part_bytes) > self.store_checked_bytes:
+            self.store_checked_bytes = sum(part_bytes)
+            stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0.0) for n in ray.nodes() if n["Alive"]}
+            shortfall = store_shortfall(part_bytes, g.nodes, stores)
+        pairs = [w.snapshot.remote(g.generation, step) for w in g.workers]
+        return [p[0] for p in pairs], [p[1] for p in pairs], shortfall
+
+    def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int | None:
+        """The total size once every part of a snapshot has arrived: timeout_s=0 waits not at all (None while some
+        have not arrived); else WorkerLost if a worker died before delivering its part or gave none within
+        timeout_s (hung)."""
+        if timeout_s == 0:
+            ready, _ = ray.wait(size_refs, num_returns=len(size_refs), timeout=0, fetch_local=True)
+            if len(ready) < len(size_refs):
+                return None
+        return sum(calls.gather(list(enumerate(size_refs)), timeout_s, "snapshot", self.group.dead_ranks))
+
+    def hold_peer_snapshots(self, step: int, refs: list) -> None:
+        """Each snapshot part (by old world rank: the refs may be an older grid's) is mapped by a worker on another
+        node than the one holding it, the next such rank after its own (placement-aware neighbour), so a copy
+        survives the loss of that node; on one node, simply the next rank."""
+        g = self.group
+        where = ray.experimental.get_object_locations(refs)
+        holds = []
+        for i, ref in enumerate(refs):
+            holding = set(where.get(ref, {}).get("node_ids") or [])
+            order = [(i + k) % g.size for k in range(1, g.size + 1)]
+            holder = next((r for r in order if g.nodes and g.nodes[r] not in holding), order[0])
+            holds.append((holder, calls.send(g.workers[holder], g.generation, "hold_peer_snapshot", i, step, ref)))
+        calls.gather(holds, 300, "hold_peer_snapshots", g.dead_ranks)

@@ -1,0 +1,60 @@
+"""A Worker's serving calls (k3ray.grid.worker owns one): cache pools beside the stage of the place held (loaded by a
+restore), this worker's part of each serving iteration, its routed-token counts, and read-only expert copies fetched
+beside the iterations and switched to between two."""
+from __future__ import annotations
+
+import torch
+
+from k3ray.grid.snapshots import as_state
+from k3ray.grid.worker_seat import WorkerSeat
+
+
+class WorkerServing:
+    def __init__(self, seat: WorkerSeat):
+        self.seat = seat
+        self.server = None  # the StageServer beside the engine (k3ray.parallel.serving), made by serve_init
+
+    def serve_init(self, pages: int, page_size: int, slots: int, capture_graphs: bool = False) -> int:
+        """Cache pools for serving beside the stage this worker holds, and with `capture_graphs` every decode CUDA
+        graph they can ask for (GPU); how many graphs were captured."""
+        from k3ray.model.cache import new_pools
+        from k3ray.parallel.serving import StageServer
+
+        e = self.seat.engine
+        pools = new_pools(e.cfg.model, e.layers, pages, page_size, slots, e.device)
+        rank = e.pp_rank * e.ep + e.ep_rank
+        self.server = StageServer(e.stage, pools, e.device, rank - e.ep if e.pp_rank > 0 else None,
+                                  rank + e.ep if e.pp_rank < e.pp - 1 else None, e.groups.world)
+        graphs = self.server.graphs
+        return graphs.capture_all() if capture_graphs and graphs is not None else 0
+
+    def serve_pages_that_fit(self, page_size: int, slots: int, fraction: float) -> int:
+        """Latent pages of this worker's stage that `fraction` of its device's free memory holds beside `slots`
+        sequences' state (k3ray.model.cache.pages_that_fit)."""
+        from k3ray.model.cache import pages_that_fit
+
+        e = self.seat.engine
+        free, _ = torch.cuda.mem_get_info(e.device)
+        return pages_that_fit(e.cfg.model, e.layers, page_size, slots, fraction * free)
+
+    def serve_step(self, plan):
+        """This worker's part of a serving iteration: its rank's plan (k3ray.parallel.serving.RankPlan) in, a
+        StageOutput out."""
+        return self.server.step(plan)
+
+    def expert_load(self) -> dict[int, list[int]]:
+        return self.server.expert_load()
+
+    def stage_copies(self, experts: list[int], *states) -> int:
+        """Fetch read-only copies of `experts` from the held weights (object refs, resolved by Ray before this runs)
+        beside the iterations; the bytes fetched."""
+        return self.seat.engine.copies.stage_read_only(experts, [as_state(s) for s in states])
+
+    def use_copies(self, table: list[list[int]]) -> bool:
+        """Switch to a copy table between two iterations (k3ray.parallel.engine_copies.EngineCopies.use)."""
+        self.seat.engine.copies.use(table)
+        return True
+
+    def leave(self) -> None:
+        """The grid was left: its cache pools go with the engine."""
+        self.server = None

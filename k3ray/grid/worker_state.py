@@ -1,0 +1,75 @@
+"""A Worker's state transfer (k3ray.grid.worker owns one): in-memory snapshots (staged at a step boundary, packed
+beside the next step), the neighbours' snapshot copies it keeps mapped, restores from snapshots or checkpoint parts
+of any old grid, and durable checkpoint parts written in the background (k3ray.io.checkpoint)."""
+from __future__ import annotations
+
+from k3ray.grid.snapshots import Packed, SnapshotStager, as_state
+from k3ray.grid.worker_seat import WorkerSeat
+from k3ray.io.checkpoint import AsyncWriter, part_name
+
+
+class WorkerState:
+    def __init__(self, seat: WorkerSeat):
+        self.seat = seat
+        self.stager: SnapshotStager | None = None  # made on the first snapshot
+        self.peer_snapshots: dict[int, tuple[int, Packed]] = {}  # world rank -> (step, its snapshot)
+        self.writer: AsyncWriter | None = None  # made on first use
+
+    # -- snapshots -----------------------------------------------------------------------------------------------
+    def stage_snapshot(self, step: int) -> int:
+        """Copy the state to run `step` from aside (the short part, at the step boundary) and return its size in
+        bytes. Dense state only from EP rank 0 of the stage: the other EP ranks hold identical copies, and restores
+        read it from rank 0's."""
+        engine = self.seat.engine
+        self.stager = self.stager or SnapshotStager(engine.device)
+        nbytes, still_reading = self.stager.stage(engine.state_tensors(dense=engine.ep_rank == 0), step)
+        if still_reading is not None:
+            engine.state_reads.append(still_reading)
+        return nbytes
+
+    def packed_snapshot(self, step: int) -> Packed:
+        """The staged state of `step` as host bytes (runs beside the next step)."""
+        return self.stager.packed(step)
+
+    def hold_peer_snapshot(self, rank: int, step: int, packed: Packed) -> bool:
+        """Keep a neighbour's snapshot mapped, so a copy of it lives on this node too (it survives the loss of the
+        neighbour's node; on one node it is the same memory, no copy)."""
+        self.peer_snapshots = {r: v for r, v in self.peer_snapshots.items() if v[0] == step}
+        self.peer_snapshots[rank] = (step, packed)
+        return True
+
+    def drop_peer_snapshots(self) -> None:
+        """Standing by: the neighbours' copies are no longer this worker's to keep. (Taking a new place keeps them:
+        the restore that follows a regroup reads them, and they may be the only copies of a lost node's parts.)"""
+        self.peer_snapshots = {}
+
+    def restore(self, *states) -> bool:
+        """Load the stage's state from the snapshots or checkpoint parts of every EP rank of an old grid of any EP
+        size: dense state from the first (they are identical), the experts homed here from all of them."""
+        states = [as_state(s) for s in states]
+        self.seat.engine.load_state(states[0], {layer: [s["experts"][layer] for s in states]
+                                                for layer in states[0]["experts"]})
+        return True
+
+    # -- durable checkpoints --------------------------------------------------------------------------------------
+    def save_checkpoint(self, root: str, step: int) -> bool:
+        """Copy the state now (training may go on) and write it in the background as this rank's part. The dense
+        state goes into EP rank 0's part only: every EP rank of a stage holds the same, and restores read rank 0's."""
+        self.writer = self.writer or AsyncWriter()
+        engine = self.seat.engine
+        self.writer.submit(root, step, part_name(engine.pp_rank * engine.ep + engine.ep_rank),
+                           engine.state_dict(dense=engine.ep_rank == 0))
+        return True
+
+    def checkpoint_parts(self) -> list[dict]:
+        """Wait for this worker's pending part writes; their PartInfos as dicts."""
+        return [] if self.writer is None else [p.to_json() for p in self.writer.wait()]
+
+    def forget_writes(self) -> None:
+        """The grid was left: the checkpoint parts being written are abandoned with their checkpoint."""
+        if self.writer is not None:
+            self.writer.forget()
+
+    def state(self) -> dict:
+        """The whole state on the host (k3ray.parallel.engine.StageEngine.state_dict)."""
+        return self.seat.engine.state_dict()

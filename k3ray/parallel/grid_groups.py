@@ -1,0 +1,80 @@
+"""The process groups of one grid generation that a stage engine holds: the world (pipeline sends and receives, the
+loss and grad-norm reductions) and its stage's EP group (MoE all-to-alls, dense-gradient and balancing-statistics
+all-reduces).
+
+Every collective names one of these groups, never the default one: a worker that joins a new grid (a hot spare
+taking a lost rank's place) may still have a thread waiting in the old grid's collective, which gloo cannot abort;
+that thread must fail on the old groups rather than slip into the new grid's. `None` would name the default group,
+which is the newest grid's: leaving never sets a group to None, it makes asking for one raise LeftGrid."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+
+class LeftGrid(RuntimeError):
+    """A collective asked of an engine whose grid was left: a stale thread of an older grid generation, which must
+    fail rather than reach the grid the worker holds now."""
+
+
+class LeftGroup:
+    """What a left engine's EP context holds instead of its group: any use by a collective raises LeftGrid."""
+
+    def __init__(self, generation: int):
+        self.generation = generation
+
+    def _refuse(self, *_):
+        raise LeftGrid(f"grid generation {self.generation} was left: its collectives are refused")
+
+    __bool__ = _refuse
+
+    def __getattr__(self, name):
+        self._refuse()
+
+
+class GridGroups:
+    def __init__(self):
+        self.generation = 0  # the grid generation whose groups these are (set when joined)
+        self._world = self._ep_group = None
+        self.left = False  # the grid was left: its groups are gone, and asking for them raises LeftGrid
+
+    def join(self, init_method: str, backend: str, generation: int, pp_rank: int, ep_rank: int, pp: int, ep: int,
+             timeout_s: float) -> None:
+        """Build grid `generation`'s groups, as world rank pp_rank * ep + ep_rank of pp x ep."""
+        self.generation = generation
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, init_method=init_method, world_size=pp * ep, rank=pp_rank * ep + ep_rank,
+                                timeout=timeout)
+        self._world = dist.group.WORLD
+        groups = [dist.new_group(list(range(p * ep, (p + 1) * ep)), timeout=timeout) for p in range(pp)]
+        self._ep_group = groups[pp_rank]
+
+    def leave(self, cuda: bool) -> None:
+        """Leave the groups (before the worker joins another grid). NCCL's are aborted first, so a thread waiting in
+        one of their collectives returns; a gloo wait ends at its timeout."""
+        if self._world is None or self.left:
+            return
+        self.left = True  # first: a thread asking for a group from now on gets LeftGrid
+        if not dist.is_initialized():
+            return
+        if cuda:
+            dist.distributed_c10d._abort_process_group()
+        else:
+            dist.destroy_process_group()
+
+    def _held(self, group):
+        if self.left:
+            raise LeftGrid(f"grid generation {self.generation} was left: its collectives are refused")
+        if group is None:
+            raise LeftGrid("no process groups yet (setup has not run)")
+        return group
+
+    @property
+    def world(self):
+        """This grid generation's world group (LeftGrid once the grid was left; never None, the default group)."""
+        return self._held(self._world)
+
+    @property
+    def ep_group(self):
+        return self._held(self._ep_group)
