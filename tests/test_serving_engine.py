@@ -115,7 +115,7 @@ def test_pages_are_allocated_on_demand_and_preemption_recomputes_without_changin
     assert sum(len(b.plan.grow) for plans in log for b in plans.ranks.values()) > 10
     assert sum(-(-(len(p) + sp.max_tokens) // 4) for p, sp in zip(prompts[:8], params)) > 32  # 8 slots: no fit
     usage = sched.usage()
-    assert (usage["pages_used"], usage["slots_used"]) == (0, 0) and not sched.held
+    assert (usage["pages_used"], usage["slots_used"]) == (0, 0) and not sched.caches.held
 
 
 def test_stepwise_prefill_feeds_short_prompts_as_decode_rows_and_changes_no_output(model):

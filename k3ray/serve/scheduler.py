@@ -44,13 +44,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
 
 from k3ray.config import GuardPolicy, ServeConfig
 from k3ray.model.cache import SeqAdmit, SeqPages
 from k3ray.model.sampling import SamplingParams, finish_reason
 from k3ray.parallel.serving import StageOutput
 from k3ray.policies import guards
+from k3ray.serve.cache_allocator import CacheAllocator
 from k3ray.serve.scheduler_output import RankBatch, Request, SchedulerOutput
 from k3ray.tokenizer import ByteTokenizer, Tokenizer
 
@@ -59,31 +59,6 @@ __all__ = ["Overloaded", "RankBatch", "Request", "Scheduler", "SchedulerOutput"]
 
 class Overloaded(RuntimeError):
     """The waiting queue is full; try again later."""
-
-
-@dataclass
-class _Held:
-    """The pages and slot of a preempted incarnation that iterations in flight still hold."""
-    rank: int
-    pages: list[int]
-    slot: int
-    in_flight: int
-
-
-class _RankPool:
-    def __init__(self, pages: int, slots: int):
-        self.free_pages = list(range(pages))
-        self.free_slots = list(range(slots))
-        self.held_pages = 0  # pages of preempted incarnations that return once their iterations complete
-
-    def take_pages(self, n: int) -> list[int]:
-        """n free pages, from the end of the free list: O(n) whatever the pool's size (tens of thousands of pages
-        on a GPU), where slicing from the front copied the whole list per allocation."""
-        if n <= 0:
-            return []
-        taken = self.free_pages[-n:]
-        del self.free_pages[-n:]
-        return taken
 
 
 class Scheduler:
@@ -99,17 +74,13 @@ class Scheduler:
         self.serve, self.max_seq_len, self.dp, self.clock = serve, max_seq_len, dp, clock
         self.guards = guards or GuardPolicy()
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.ranks = [self._new_pool() for _ in range(dp)]
+        self.caches = CacheAllocator(serve, dp)
         self.waiting: list[Request] = []
         self.running: dict[int, Request] = {}
         self.requests: dict[int, Request] = {}  # every request not yet forgotten (`forget`)
-        self.held: dict[tuple[int, int], _Held] = {}  # (request, epoch) -> caches of a preempted incarnation
         self._ids = itertools.count()
         self.rank_tokens = [0] * dp  # tokens each rank has run (prefill and decode), since the start
         self.preemptions = 0
-
-    def _new_pool(self) -> _RankPool:
-        return _RankPool(self.serve.pages_per_rank, self.serve.slots_per_rank)
 
     # -- requests ------------------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
@@ -119,10 +90,10 @@ class Scheduler:
         if len(prompt) >= self.max_seq_len:
             raise ValueError(f"prompt: {len(prompt)} tokens leave no room to generate in the context of "
                              f"{self.max_seq_len} tokens")
-        if self._pages(min(len(prompt) + params.max_tokens, self.max_seq_len)) > s.pages_per_rank:
+        if self.caches.pages(min(len(prompt) + params.max_tokens, self.max_seq_len)) > s.pages_per_rank:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than a rank has "
                              f"({s.pages_per_rank})")
-        free_slots = sum(len(p.free_slots) for p in self.ranks)  # admitted at the next iteration: not queued
+        free_slots = self.caches.free_slots()  # admitted at the next iteration: not queued
         if len(self.waiting) >= s.max_waiting + free_slots:
             raise Overloaded(f"{len(self.waiting) - free_slots} requests waiting (limit {s.max_waiting})")
         req = Request(next(self._ids), list(prompt), params, self.clock(), seed=params.resolved_seed(),
@@ -148,8 +119,7 @@ class Scheduler:
             req.finish, req.error = "error", message
         for req in list(self.running.values()):  # also those that ended while an iteration held their caches
             self._release(req)
-        for key in list(self.held):
-            self._free_held(key)
+        self.caches.free_all_held()
         self.waiting = []
         return failed
 
@@ -161,9 +131,9 @@ class Scheduler:
         for req in requeued:
             self._forget_caches(req)  # the iterations in flight are void
         self.dp = dp
-        self.ranks = [self._new_pool() for _ in range(dp)]
+        self.caches = CacheAllocator(self.serve, dp)
         self.rank_tokens = (self.rank_tokens + [0] * dp)[:dp]
-        self.running, self.held = {}, {}
+        self.running = {}
         self.waiting = requeued + [r for r in self.waiting if r not in requeued]
         self.waiting.sort(key=lambda r: r.arrival)
         return requeued
@@ -171,44 +141,25 @@ class Scheduler:
     def forget(self, rid: int) -> None:
         self.requests.pop(rid, None)
 
-    def _pages(self, tokens: int) -> int:
-        return -(-tokens // self.serve.page_size)
-
     @staticmethod
     def _forget_caches(req: Request) -> None:
         req.rank, req.pages, req.slot = -1, [], -1
         req.cached = req.planned = req.unconfirmed = req.in_flight = 0
 
     def _release(self, req: Request) -> None:
-        pool = self.ranks[req.rank]
-        pool.free_pages += req.pages
-        pool.free_slots.append(req.slot)
-        req.pages, req.slot, req.in_flight, req.unconfirmed = [], -1, 0, 0
+        self.caches.release(req)
         self.running.pop(req.id, None)
 
     def _preempt(self, req: Request) -> None:
         """Give `req`'s pages and slot back (once no iteration in flight holds them) and requeue it, in arrival
         order, to be prefilled again from its prompt and confirmed output."""
-        pool = self.ranks[req.rank]
-        if req.in_flight:
-            self.held[(req.id, req.epoch)] = _Held(req.rank, req.pages, req.slot, req.in_flight)
-            pool.held_pages += len(req.pages)
-        else:
-            pool.free_pages += req.pages
-            pool.free_slots.append(req.slot)
+        self.caches.give_back(req)
         self.running.pop(req.id, None)
         self._forget_caches(req)
         req.epoch += 1
         self.preemptions += 1
         self.waiting.append(req)
         self.waiting.sort(key=lambda r: r.arrival)
-
-    def _free_held(self, key: tuple[int, int]) -> None:
-        held = self.held.pop(key)
-        pool = self.ranks[held.rank]
-        pool.free_pages += held.pages
-        pool.free_slots.append(held.slot)
-        pool.held_pages -= len(held.pages)
 
     # -- iterations ----------------------------------------------------------------------------------------------
     @property
@@ -261,9 +212,7 @@ class Scheduler:
             if rank is None:
                 break
             self.waiting.pop(0)
-            pool = self.ranks[rank]
-            req.rank, req.slot = rank, pool.free_slots.pop(0)
-            req.pages = pool.take_pages(self._pages(n))
+            self.caches.admit(req, rank, n)
             self.running[req.id] = req
             p = req.params
             out.ranks[rank].plan.admit.append(SeqAdmit(req.slot, list(req.pages), p.temperature, p.top_p, req.seed))
@@ -276,10 +225,10 @@ class Scheduler:
         """Pages for `req`'s next n positions, preempting newer requests of its rank not scheduled yet where the
         free pages run short. Returns how many of the n positions got pages (a prompt chunk may be cut; 0: the row
         waits, or `req` itself was preempted)."""
-        pool, P = self.ranks[req.rank], self.serve.page_size
+        pool, P = self.caches.ranks[req.rank], self.serve.page_size
 
         def short() -> int:
-            return self._pages(req.planned + n) - len(req.pages) - len(pool.free_pages)
+            return self.caches.pages(req.planned + n) - len(req.pages) - len(pool.free_pages)
 
         while short() > pool.held_pages:
             newer = [r for r in self.running.values() if r.rank == req.rank and not r.done and r.id not in scheduled
@@ -296,7 +245,7 @@ class Scheduler:
                 out.preempted.append(req.id)
                 return 0
             n = max(0, min(n, fit))
-        need = self._pages(req.planned + n) - len(req.pages)
+        need = self.caches.pages(req.planned + n) - len(req.pages)
         if n and need > 0:
             new = pool.take_pages(need)
             out.ranks[req.rank].plan.grow.append(SeqPages(req.slot, len(req.pages), new))
@@ -317,11 +266,12 @@ class Scheduler:
         """(first chunk, rank) for a waiting request: the rank with the most free pages among those with a free slot,
         budget left and pages for the chunk beside one in reserve per running request; (0, None) if none."""
         best = None
-        for rank, pool in enumerate(self.ranks):
+        ranks = self.caches.ranks
+        for rank, pool in enumerate(ranks):
             n = 1 if self._stepwise(req) else min(req.length, budget[rank])  # a requeued request re-prefills its output
             reserve = sum(1 for r in self.running.values() if r.rank == rank)
-            if (n > 0 and pool.free_slots and len(pool.free_pages) >= self._pages(n) + reserve
-                    and (best is None or len(pool.free_pages) > len(self.ranks[best[1]].free_pages))):
+            if (n > 0 and pool.free_slots and len(pool.free_pages) >= self.caches.pages(n) + reserve
+                    and (best is None or len(pool.free_pages) > len(ranks[best[1]].free_pages))):
                 best = (n, rank)
         return best or (0, None)
 
@@ -338,11 +288,7 @@ class Scheduler:
             trips = guards.check_sequences(out.maxabs, self.guards)
             for row, (n, req, epoch) in enumerate(zip(plan.counts, batch.requests, batch.epochs)):
                 if epoch != req.epoch:  # preempted after this was scheduled: its caches return once none holds them
-                    held = self.held.get((req.id, epoch))
-                    if held is not None:
-                        held.in_flight -= 1
-                        if held.in_flight == 0:
-                            self._free_held((req.id, epoch))
+                    self.caches.row_done(req.id, epoch)
                     continue
                 req.cached += n
                 req.in_flight -= 1
@@ -383,9 +329,5 @@ class Scheduler:
 
     # -- what it holds -------------------------------------------------------------------------------------------
     def usage(self) -> dict:
-        s = self.serve
-        return {"waiting": len(self.waiting), "running": len(self.running),
-                "pages_used": sum(s.pages_per_rank - len(p.free_pages) for p in self.ranks),
-                "pages_total": s.pages_per_rank * self.dp,
-                "slots_used": sum(s.slots_per_rank - len(p.free_slots) for p in self.ranks),
+        return {"waiting": len(self.waiting), "running": len(self.running), **self.caches.usage(),
                 "tokens_per_rank": list(self.rank_tokens), "preemptions": self.preemptions}
