@@ -22,7 +22,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from k3ray.grid import calls
-from k3ray.grid.calls import TopologyError, WorkerError, WorkerLost, cause_line  # noqa: F401 - the group's errors
+from k3ray.grid.calls import TopologyError, WorkerLost
 from k3ray.grid.kernel_cache import kernel_cache_env
 from k3ray.grid.snapshots import store_shortfall
 from k3ray.grid.spares import SparePool
