@@ -24,6 +24,7 @@ import ray
 from k3ray.control.driver import init_ray
 from k3ray.serve.engine import ServingEngine
 from k3ray.data import encode
+from k3ray.model.sampling import SamplingParams
 
 from serve_load import train_checkpoint
 
@@ -35,7 +36,7 @@ PHASES = ["replan", "workers", "process_groups", "restore", "cache_pools", "to_n
 
 def stream(engine, prompt: str, params: dict, into: list) -> threading.Thread:
     """Collect one request's stream items with their arrival times, in a thread."""
-    gen = engine.generate.options(num_returns="streaming").remote(encode(prompt), params)
+    gen = engine.generate.options(num_returns="streaming").remote(encode(prompt), SamplingParams(**params))
 
     def run():
         for ref in gen:

@@ -27,6 +27,7 @@ from ray.util.state import list_actors
 from k3ray.control.local_nodes import free_port
 from k3ray.serve.engine import ServingEngine
 from k3ray.data import encode
+from k3ray.model.sampling import SamplingParams
 
 from serve_load import train_checkpoint
 
@@ -43,7 +44,7 @@ def worker_pids(dashboard: str) -> list[int]:
 def run(engine, prompt: str, params: dict) -> tuple[list[int], str | None]:
     """One request's tokens and its error (None if it ended well)."""
     tokens, error = [], None
-    for ref in engine.generate.options(num_returns="streaming").remote(encode(prompt), params):
+    for ref in engine.generate.options(num_returns="streaming").remote(encode(prompt), SamplingParams(**params)):
         item = ray.get(ref)
         tokens += item.get("tokens", [])
         error = item.get("message") if "error" in item else error

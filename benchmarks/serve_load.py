@@ -268,7 +268,7 @@ def main() -> None:
     serving = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg,
                             front_doors=args.front_doors)
     url, info = serving.url, serving.info
-    overlap = ray.get(serving.engine.__ray_call__.remote(lambda e: e.overlap))
+    overlap = ray.get(serving.engine.__ray_call__.remote(lambda e: e.loop.overlap))
     sizes = ray.get(serving.engine.__ray_call__.remote(lambda e: e.cfg.serve.model_dump()))
     stepwise = sizes.get("stepwise_prefill_max")
     from k3ray.tokenizer import load_tokenizer

@@ -41,6 +41,7 @@ from k3ray.control.local_nodes import free_port
 from k3ray.train.checkpointing import write_seeded_weights
 from k3ray.serve.engine import ServingEngine
 from k3ray.data import encode
+from k3ray.model.sampling import SamplingParams
 
 PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self", "for i in range(", "x = ",
            "    if not data:\n        return ", "print(", "with open(path) as f:\n", "return ", "# "]
@@ -93,7 +94,7 @@ class Clients:
     def run(self, c: int) -> None:
         i = c
         while not self.stop:
-            params = {"max_tokens": self.max_tokens, "temperature": 0.8, "seed": i}
+            params = SamplingParams(max_tokens=self.max_tokens, temperature=0.8, seed=i)
             gen = self.engine.generate.options(num_returns="streaming").remote(encode(PROMPTS[i % len(PROMPTS)]),
                                                                                params)
             last = None

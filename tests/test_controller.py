@@ -16,7 +16,7 @@ from k3ray.train.controller import Controller, GuardError
 from k3ray.train.failures import RecoveryFailed
 from k3ray.io.checkpoint import part_name
 from k3ray.train.state import TRANSITIONS, IllegalTransition, JobState, StateMachine
-from k3ray.grid.worker_group import TopologyError, WorkerLost
+from k3ray.grid.calls import TopologyError, WorkerLost
 from k3ray.io import checkpoint as ckpt
 from k3ray.policies import ladder, recovery
 

@@ -10,9 +10,10 @@ from ray.exceptions import RayActorError, RayTaskError
 from k3ray.config import load_config
 from k3ray.control.local_nodes import free_port
 from k3ray.grid import worker_group
+from k3ray.grid.calls import WorkerError, WorkerLost
 from k3ray.grid.worker import fenced
 from k3ray.grid.worker_seat import StaleGeneration, WorkerSeat
-from k3ray.grid.worker_group import WorkerError, WorkerGroup, WorkerLost
+from k3ray.grid.worker_group import WorkerGroup
 from k3ray.parallel.engine import StageEngine
 from k3ray.parallel.grid_groups import LeftGrid
 

@@ -50,7 +50,7 @@ def test_converted_release_serves_on_pp2_ep2_as_the_reference(ray_cluster, tmp_p
         assert ray.get(engine.ready.remote(), timeout=300)["pp"] == 2
         for prompt, tokens in zip(PROMPTS, want):
             got = [t for item in ray.get(list(engine.generate.options(num_returns="streaming").remote(
-                encode(prompt), {"max_tokens": 12, "temperature": 0.0}))) for t in item.get("tokens", ())]
+                encode(prompt), SamplingParams(max_tokens=12, temperature=0.0)))) for t in item.get("tokens", ())]
             assert got == tokens, prompt
     finally:
         ray.get(engine.shutdown.remote(), timeout=120)

@@ -97,7 +97,7 @@ def test_a_loss_between_a_rollbacks_skip_and_its_lr_scale_leaves_no_half_rollbac
     # second rollback restores: the recovery must carry both halves of that decision
     cluster = Cluster(nan_batches={5, 6}, die_in={"restore": (2, {0})})
     ctrl = run(cluster, 6)
-    assert sorted(ctrl.skip) == [5, 6, 7] and ctrl.lr_scale == 0.5
+    assert sorted(ctrl.progress.skip) == [5, 6, 7] and ctrl.progress.lr_scale == 0.5
     assert [c[1] for c in cluster.calls if c[0] == "set_lr_scale"][-1] == 0.5  # the workers train with it too
     assert cluster.groups[-1].trained[-1] == 8 and ctrl.state == JobState.RUNNING
 
@@ -137,7 +137,7 @@ def test_a_checkpoint_folder_of_another_job_is_refused_in_one_line(tmp_path):
     cluster = Cluster()
     b = Controller(config(**{"name": "jobB", "checkpoint.dir": str(tmp_path / "b")}), group_factory=cluster.group)
     b.start(resume_from=folder)
-    assert b.step == 4 and cluster.groups[-1].trained == (0, 1, 2, 3)
+    assert b.progress.step == 4 and cluster.groups[-1].trained == (0, 1, 2, 3)
 
 
 def test_each_job_has_its_own_checkpoint_folder_by_default():

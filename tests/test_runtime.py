@@ -139,7 +139,7 @@ def test_gpu_jobs_run_at_normal_priority(ray_cluster):
 
 
 def test_more_workers_than_cluster_fails_fast(ray_cluster):
-    from k3ray.grid.worker_group import TopologyError
+    from k3ray.grid.calls import TopologyError
 
     cfg = tiny(**{"parallel.pp": 4, "parallel.ep": 4})  # 16 workers on an 8-CPU cluster
     with pytest.raises(TopologyError, match="needs 16 CPU"):

@@ -274,7 +274,7 @@ def test_whoever_waits_between_iterations_gets_in_with_nothing_in_flight(model):
     seen = []
 
     async def between(eng):
-        while eng.iterations < 4:
+        while eng.counts.iterations < 4:
             await asyncio.sleep(0.001)
         for _ in range(3):
             async with eng.between_iterations:

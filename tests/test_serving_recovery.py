@@ -15,12 +15,13 @@ import threading
 import time
 
 import pytest
+import ray
 import torch
 
 from k3ray.config import load_config
 from k3ray.serve import grid as serve_grid
 from k3ray.serve.engine import Engine
-from k3ray.grid.worker_group import TopologyError, WorkerLost
+from k3ray.grid.calls import TopologyError, WorkerLost
 from k3ray.data import EOS, encode
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams, visible_ids
@@ -102,12 +103,12 @@ def sizes(cfg) -> PoolSizes:
     return PoolSizes(cfg.serve.pages_per_rank, cfg.serve.page_size, cfg.serve.slots_per_rank)
 
 
-def params(i: int) -> dict:
-    return {"max_tokens": 12 + 2 * i, "temperature": 0.0 if i % 2 else 0.7, "seed": 11 + i}
+def params(i: int) -> SamplingParams:
+    return SamplingParams(max_tokens=12 + 2 * i, temperature=0.0 if i % 2 else 0.7, seed=11 + i)
 
 
 def reference(model, i: int) -> list[int]:
-    sp = SamplingParams(**params(i))
+    sp = params(i)
     return visible_ids(generate_reference(model, encode(PROMPTS[i]), sp)[0], sp, EOS)
 
 
@@ -181,7 +182,7 @@ def test_a_grid_that_keeps_failing_without_a_lost_worker_is_relaunched(cfg, mode
     grid = FakeGrid(model, sizes(cfg))
     grid.fail_at = {2, 3, 4}
     engine = Engine(cfg, 0, grid)
-    engine.overlap = False  # one grid call per iteration (overlapped, a failure's successor in flight is one more)
+    engine.loop.overlap = False  # one grid call per iteration (overlapped, a failure's successor in flight is one more)
 
     async def main():
         failed = [await collect(engine, i) for i in range(3)]
@@ -281,7 +282,7 @@ def test_recovery_interrupted_in_assume_plans_on_the_nodes_totals(cfg, monkeypat
     (the drill's next SIGKILL). Planning the next attempt on Ray's free count, which lags the closed grids, found
     no room and failed serving for good ('the alive nodes hold no 2-stage grid')."""
     monkeypatch.setattr(serve_grid, "WorkerGroup", FakeGroup)
-    monkeypatch.setattr(serve_grid.ray, "put", lambda x: x)
+    monkeypatch.setattr(ray, "put", lambda x: x)
     FakeGroup.launched = []
     grid_cfg = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(update={"pp": 2, "ep": 2}),
                                       "fault_tolerance": cfg.fault_tolerance.model_copy(update={"spares": 1})})

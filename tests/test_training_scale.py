@@ -29,10 +29,10 @@ def test_scale_requests_are_validated_and_queued_through_the_api_and_cli(tmp_pat
             assert main(cli + [bad]) == 2
             err = capsys.readouterr().err.strip()
             assert err.count("\n") == 0 and "ep: must be a whole number from 1 to parallel.ep=4" in err, err
-        assert ctrl.scale_to is None  # nothing queued by a refused request
+        assert ctrl.scaling.asked is None  # nothing queued by a refused request
         assert main(cli + ["2"]) == 0
         assert capsys.readouterr().out.strip() == "ep 4 -> 2 at step 0"
-        assert ctrl.scale_to == 2
+        assert ctrl.scaling.asked == 2
     finally:
         server.stop()
 

@@ -25,7 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from k3ray.config import JobConfig
 from k3ray.grid import calls
 from k3ray.grid.alive_nodes import AliveNodes
-from k3ray.grid.calls import TopologyError, WorkerError, WorkerLost, cause_line  # noqa: F401 - the group's errors
+from k3ray.grid.calls import TopologyError, WorkerLost
 from k3ray.grid.kernel_cache import kernel_cache_env
 from k3ray.grid.spares import SparePool
 from k3ray.grid.state_transfer import GridStateTransfer

@@ -15,8 +15,8 @@ import logging
 import time
 
 from k3ray.config import ServeConfig
-from k3ray.grid.worker_group import WorkerLost
-from k3ray.serve.record import IncidentLog
+from k3ray.grid.calls import WorkerLost
+from k3ray.train.incidents import IncidentLog
 from k3ray.serve.scheduler import Scheduler
 from k3ray.serve.streams import RequestEvents
 

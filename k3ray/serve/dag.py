@@ -15,7 +15,8 @@ import ray
 from ray.dag import DAGContext, InputNode, MultiOutputNode
 from ray.exceptions import RayError, RayTaskError
 
-from k3ray.grid.worker_group import WorkerError, WorkerGroup, WorkerLost, cause_line
+from k3ray.grid.calls import WorkerError, WorkerLost, cause_line
+from k3ray.grid.worker_group import WorkerGroup
 
 log = logging.getLogger("k3ray.serve")
 MAX_IN_FLIGHT = 2  # iterations submitted before the first is collected (serve.overlap: the next one is scheduled and

@@ -10,6 +10,7 @@ import torch
 
 from k3ray.config import serving_config
 from k3ray.model.decoder import build_stage
+from k3ray.model.sampling import SamplingParams
 from k3ray.optim import AdamW
 from k3ray.parallel import shards
 from k3ray.parallel.reference import generate_reference
@@ -32,8 +33,9 @@ class Stream(threading.Thread):
     """One request's stream from a serving engine (what the front door forwards): items with their arrival times."""
 
     def __init__(self, engine, prompt: list[int], params: dict):
+        """params: the drill's sampling settings (SamplingParams' fields)."""
         super().__init__(daemon=True)
-        self.gen = engine.generate.options(num_returns="streaming").remote(prompt, params)
+        self.gen = engine.generate.options(num_returns="streaming").remote(prompt, SamplingParams(**params))
         self.items: list[tuple[float, dict]] = []
 
     def run(self) -> None:

@@ -7,9 +7,9 @@ the serving grid's pp x ep like a resume (each worker keeps its stage's names an
 Parts, each a class of its own, owned here and handed what they use in their constructors (as vLLM v1's EngineCore
 owns a scheduler and an executor): the scheduler (k3ray.serve.scheduler), the iteration loop (schedule -> run on the
 grid -> complete, k3ray.serve.iterations), the availability (every grid call, recoveries, `health`,
-k3ray.serve.availability), the live placement (policies, expert copies, resizes, k3ray.serve.live) and the
-requests' streams (k3ray.serve.streams); they share the incident log and the iterations' counters
-(k3ray.serve.record). The engine's own methods are its Ray API.
+k3ray.serve.availability), the live placement (policies, expert copies, resizes, k3ray.serve.live), the
+requests' admission (k3ray.serve.admission) and their streams (k3ray.serve.streams); they share the incident log
+(k3ray.train.incidents) and the iterations' counters (k3ray.serve.record). The engine's own methods are its Ray API.
 
 Requests stream: `generate` is an async generator (a Ray streaming call); its first item says whether the request
 was accepted, then one item per iteration in which it got tokens, the last one with the finish reason. Cancelling
@@ -40,13 +40,15 @@ import ray
 from k3ray.config import JobConfig, serving_config
 from k3ray.train.checkpointing import serving_weights
 from k3ray.faults import clear, inject
-from k3ray.serve.scheduler import Overloaded, Scheduler
+from k3ray.serve.scheduler import Scheduler
+from k3ray.serve.admission import Admission
 from k3ray.serve.availability import Availability
 from k3ray.serve.grid import ServingGrid
 from k3ray.serve.iterations import IterationLoop
 from k3ray.serve.live import BoundaryLock, LivePlacement
-from k3ray.serve.record import IncidentLog, ServingStats
+from k3ray.serve.record import ServingStats
 from k3ray.serve.streams import RequestEvents, Subscribers
+from k3ray.train.incidents import IncidentLog
 from k3ray.model.sampling import SamplingParams
 from k3ray.tokenizer import load_tokenizer
 
@@ -71,7 +73,8 @@ class Engine:
     """The engine on a launched grid (a ServingGrid, or any object with its methods), without Ray: the
     ServingEngine actor below loads the checkpoint and launches the grid first. It owns its parts and answers for
     them: the scheduler, the availability (every grid call, recoveries, `health`), the live placement (policies,
-    expert copies, resizes) and the iteration loop; each gets what it uses in its constructor."""
+    expert copies, resizes), the iteration loop and the requests' admission; each gets what it uses in its
+    constructor."""
 
     def __init__(self, cfg: JobConfig, step: int, grid, observers: list | None = None):
         self.cfg, self.model_name, self.step, self.grid = cfg, cfg.name, step, grid
@@ -82,7 +85,7 @@ class Engine:
         self.sched = Scheduler(sc, cfg.model.max_seq_len, grid.ep, cfg.policies.guards,
                                load_tokenizer(cfg.data.tokenizer))
         self.counts = ServingStats()
-        self.incidents = IncidentLog(self.counts)
+        self.incidents = IncidentLog(stamp=lambda: {"iteration": self.counts.iterations})
         self.events = RequestEvents()
         self.between_iterations = BoundaryLock()  # held by each iteration; a resize takes it to run between two
         self.availability = Availability(sc, grid, self.sched, self.incidents, self.events)
@@ -92,20 +95,8 @@ class Engine:
         # counts, homes, copies) every .expert_load_every iterations: metrics (k3ray.serve.metrics)
         self.loop = IterationLoop(grid, self.sched, self.availability, self.live, self.between_iterations,
                                   self.counts, self.incidents, self.events, observers or [], overlap(cfg))
-        self.subscribers = Subscribers(self.generate)
-
-    @property
-    def iterations(self) -> int:
-        return self.counts.iterations
-
-    @property
-    def overlap(self) -> bool:
-        """Whether two iterations are in flight (serve.overlap); settable before the first request."""
-        return self.loop.overlap
-
-    @overlap.setter
-    def overlap(self, on: bool) -> None:
-        self.loop.overlap = on
+        self.admission = Admission(sc, self.sched, self.availability, self.loop, self.events)
+        self.subscribers = Subscribers(self.admission.stream)
 
     def ready(self) -> dict:
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
@@ -122,48 +113,12 @@ class Engine:
         """{'status': 'ok'}, or 'unavailable' with the reason and since when (the front door's /health: 503)."""
         return self.availability.health()
 
-    async def generate(self, prompt: list[int], params: SamplingParams | dict):
-        """Stream a request: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'} or {'error':
-        'unavailable', 'message', 'retry_after'} (no grid served within serve.unavailable_wait_s), then items
-        {'text': new final text, 'tokens': the token ids it came from, 'finish': None | 'stop' | 'length'}, or
-        {'error': 'internal', ...}. The text never ends inside a character nor in what a stop string may still cut
-        (the request's detokenizer holds that back). `params`: SamplingParams (a dict of its fields from scripts
-        and drills)."""
-        sp = params if isinstance(params, SamplingParams) else SamplingParams(**params)
-        if (why := await self.availability.unavailable()) is not None:
-            yield {"error": "unavailable", "message": f"no serving grid: {why}",
-                   "retry_after": self.cfg.serve.retry_after_s}
-            return
-        try:
-            req = self.sched.submit(prompt, sp)
-        except Overloaded as err:
-            yield {"error": "overloaded", "message": str(err)}
-            return
-        except ValueError as err:
-            yield {"error": "invalid", "message": str(err)}
-            return
-        self.loop.ensure_running()
-        event = self.events.open(req.id)
-        sent, sent_text, interval = 0, 0, self.cfg.serve.stream_interval
-        try:
-            yield {"accepted": req.id}
-            while True:
-                await event.wait()
-                event.clear()
-                if req.finish == "error":
-                    yield {"error": "internal", "message": req.error}
-                    return
-                upto = req.detok.tokens  # ids taken into the text: without end-of-text and what follows a stop
-                grew = len(req.text) > sent_text
-                if req.done or grew and (sent == 0 or upto - sent >= interval):
-                    yield {"text": req.text[sent_text:], "tokens": req.out[sent:upto], "finish": req.finish}
-                    sent, sent_text = upto, len(req.text)
-                if req.done:
-                    return
-        finally:  # also when the caller cancels the stream: the request ends and its caches are freed
-            self.sched.cancel(req.id)
-            self.sched.forget(req.id)
-            self.events.close(req.id)
+    async def generate(self, prompt: list[int], params: SamplingParams):
+        """Stream a request (`Admission.stream`): {'accepted': id} or an error first, then its text as it comes.
+        Cancelling the call (a client that went away) ends the request."""
+        async with contextlib.aclosing(self.admission.stream(prompt, params)) as items:
+            async for item in items:
+                yield item
 
     # -- many requests' streams over one (a front door's): k3ray.serve.streams ------------------------------------
     async def submit(self, prompt: list[int], params: SamplingParams, subscriber: str, key: int) -> dict:
@@ -215,7 +170,7 @@ class Engine:
 
     def incident_log(self) -> list[dict]:
         """Lost workers, relaunches, resizes, guard trips, failed iterations (`k3ray incidents --serve`)."""
-        return list(self.incidents.entries)
+        return list(self.incidents)
 
     async def expert_load(self) -> list[dict]:
         """Every worker's expert load since the last call (off the event loop: requests keep streaming)."""

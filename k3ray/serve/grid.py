@@ -1,8 +1,7 @@
 """The serving engine's worker grid (plain Python, owned by the ServingEngine actor): launch it from the loaded
 checkpoint, run iterations on it, and rebuild it when workers are lost.
 
-The checkpoint's weights are put into the object store once and held here for as long as the engine lives, so any
-grid launched later (after a loss, any pp x ep) loads from them without reading the checkpoint again. A lost worker
+Every grid is started from the checkpoint's weights held in the object store (k3ray.serve.launch). A lost worker
 comes out of the one failure path of every call to workers (`WorkerGroup._gather` -> WorkerLost); what to do is
 training's decision (`recovery.on_workers_lost`: carry on with the surviving EP columns, the lost experts re-homed
 by load, or the same grid again when a whole column of every stage is gone; with hot spares, spares in the lost
@@ -16,13 +15,14 @@ from __future__ import annotations
 import logging
 import time
 
-import ray
 import torch
 
 from k3ray.config import JobConfig
 from k3ray.serve.dag import ServingGraph
-from k3ray.grid.worker_group import TopologyError, WorkerGroup, WorkerLost
-from k3ray.parallel.serving import PoolSizes, StageOutput
+from k3ray.serve.launch import GridLauncher
+from k3ray.grid.calls import TopologyError, WorkerLost
+from k3ray.grid.worker_group import WorkerGroup
+from k3ray.parallel.serving import StageOutput
 from k3ray.policies import recovery
 
 log = logging.getLogger("k3ray.serve")
@@ -30,16 +30,12 @@ log = logging.getLogger("k3ray.serve")
 
 class ServingGrid:
     def __init__(self, cfg: JobConfig, weights_state: dict, launch_timeout_s: float = 300.0):
-        self.cfg, self.launch_timeout_s = cfg, launch_timeout_s  # cfg.serve resolved for the device
-        self.weights = ray.put(weights_state)  # once: every worker of every grid reads its part of this object
+        self.cfg, self.pp = cfg, cfg.parallel.pp  # cfg.serve resolved for the device
+        self.launcher = GridLauncher(cfg, weights_state, launch_timeout_s)
         self.load = torch.ones(cfg.model.n_experts, dtype=torch.float64)
         self.group: WorkerGroup | None = None
         self.graph = ServingGraph()  # the iteration as a compiled graph of the group's workers
         self.spares_due = False  # start spares again after the next iteration (they replaced lost workers)
-
-    @property
-    def pp(self) -> int:
-        return self.cfg.parallel.pp
 
     @property
     def ep(self) -> int:
@@ -50,31 +46,7 @@ class ServingGrid:
         default) with empty cache pools, and its hot spares. Returns the launch's phases in seconds."""
         home = recovery.grow(self.cfg.model.n_experts, ep).tolist() if home is None else home
         self.group = WorkerGroup(self.cfg, ep, home)
-        self.group.launch(self.launch_timeout_s, restore=self._sources(), wait_for_spares=wait_for_spares)
-        return {**self.group.launch_seconds, "cache_pools": self._cache_pools()}
-
-    def _sources(self) -> dict[int, list]:
-        return {p: [self.weights] for p in range(self.pp)}
-
-    @property
-    def sizes(self) -> PoolSizes:
-        s = self.cfg.serve
-        return PoolSizes(s.pages_per_rank, s.page_size, s.slots_per_rank)
-
-    def _cache_pools(self, group: WorkerGroup | None = None) -> float:
-        """Every worker's cache pools (and decode graphs); the first time on GPUs with serve.pages_per_rank unset,
-        as many pages as every worker's free memory holds (serve.gpu_memory_fraction), the fewest any worker
-        holds: every grid launched later keeps that size."""
-        t0, group, s = time.perf_counter(), group or self.group, self.cfg.serve
-        if s.pages_per_rank is None:
-            fits = group.call("serve_pages_that_fit", s.page_size, s.slots_per_rank, s.gpu_memory_fraction,
-                              timeout_s=self.launch_timeout_s)
-            self.cfg.serve = s.model_copy(update={"pages_per_rank": max(1, min(fits))})
-            log.info("serving: %d KV pages of %d tokens per rank (free GPU memory)", min(fits), s.page_size)
-        sizes = self.sizes
-        group.call("serve_init", sizes.pages, sizes.page_size, sizes.slots, self.cfg.serve.graphs_at_start,
-                   timeout_s=self.launch_timeout_s)
-        return time.perf_counter() - t0
+        return self.launcher.start(self.group, wait_for_spares)
 
     def run(self, plans: dict) -> dict[int, StageOutput]:
         """One iteration: rank -> RankPlan in, rank -> its stages' merged answer out (WorkerLost if a worker is).
@@ -111,7 +83,7 @@ class ServingGrid:
             if not experts:
                 continue
             try:
-                got = self.group.call_each("stage_copies", {p * self.ep + e: (experts, self.weights)
+                got = self.group.call_each("stage_copies", {p * self.ep + e: (experts, self.launcher.weights)
                                                             for p in range(self.pp)})
                 out[e] = sum(got.values())
             except Exception as err:  # noqa: BLE001 - a copy that did not arrive is dropped, nothing else changes
@@ -152,8 +124,8 @@ class ServingGrid:
             try:
                 if decision.spare_for:
                     self.group.regroup(lost.ranks, decision.ep, decision.home.tolist(), list(decision.keep),
-                                       set(decision.spare_for), self._sources(), self.launch_timeout_s)
-                    phases = {**self.group.launch_seconds, "cache_pools": self._cache_pools()}
+                                       set(decision.spare_for), self.launcher.sources(), self.launcher.timeout_s)
+                    phases = {**self.group.launch_seconds, "cache_pools": self.launcher.cache_pools(self.group)}
                 else:
                     phases = self.launch(decision.ep, decision.home.tolist(), wait_for_spares=False)
                 break
@@ -191,9 +163,10 @@ class ServingGrid:
         return {"ep": [before, ep], "action": "relaunch", "spares_used": [],
                 "seconds": {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}}
 
-    def check_size(self, ep: int) -> None:
-        """TopologyError where a pp x ep grid cannot serve: ep does not divide the experts, or the alive nodes
-        cannot hold it."""
+    def launch_beside(self, ep: int) -> tuple[WorkerGroup, dict] | None:
+        """A pp x ep grid launched from the held weights while this one serves on (`adopt` switches to it), or None
+        where the alive nodes have no room for both. TopologyError where a pp x ep grid cannot serve: ep does not
+        divide the experts, or the alive nodes cannot hold it. A failure leaves this grid as it was."""
         experts = self.cfg.model.n_experts
         if ep < 1 or experts % ep:
             raise TopologyError(f"ep={ep} does not divide model.n_experts={experts}")
@@ -201,23 +174,16 @@ class ServingGrid:
         if self.pp * ep > held:
             raise TopologyError(f"ep={ep}: the alive nodes hold {held} workers, a {self.pp} x {ep} grid needs "
                                 f"{self.pp * ep}")
-
-    def launch_beside(self, ep: int) -> tuple[WorkerGroup, dict] | None:
-        """A pp x ep grid launched from the held weights while this one serves on (`adopt` switches to it), or None
-        where the alive nodes have no room for both. A failure leaves this grid as it was."""
         if not self.group.alive_nodes.room_for(self.pp * ep):
             return None
         t0 = time.perf_counter()
-        group = WorkerGroup(self.cfg, ep, recovery.grow(self.cfg.model.n_experts, ep).tolist())
+        group = WorkerGroup(self.cfg, ep, recovery.grow(experts, ep).tolist())
         try:
-            group.launch(self.launch_timeout_s, restore=self._sources(), wait_for_spares=False)
-            t1 = time.perf_counter()
-            self._cache_pools(group)
+            phases = self.launcher.start(group, wait_for_spares=False)
         except BaseException:
             group.close()
             raise
-        return group, {**group.launch_seconds, "cache_pools": time.perf_counter() - t1,
-                       "launched_beside": time.perf_counter() - t0}
+        return group, {**phases, "launched_beside": time.perf_counter() - t0}
 
     def adopt(self, group: WorkerGroup, phases: dict) -> dict:
         """Serve on `group` (from `launch_beside`) from the next iteration; the old grid goes. The incident's

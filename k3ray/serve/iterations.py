@@ -29,9 +29,10 @@ import time
 
 from k3ray.serve.availability import Availability
 from k3ray.serve.live import BoundaryLock, LivePlacement
-from k3ray.serve.record import IncidentLog, ServingStats
+from k3ray.serve.record import ServingStats
 from k3ray.serve.scheduler import Scheduler
 from k3ray.serve.streams import RequestEvents
+from k3ray.train.incidents import IncidentLog
 
 log = logging.getLogger("k3ray.serve")
 BOUNDARY_EVERY = 32  # overlapped iterations at most between two boundaries (policies, placement moves)

@@ -14,12 +14,13 @@ import logging
 import time
 
 from k3ray.config import JobConfig
-from k3ray.grid.worker_group import TopologyError
+from k3ray.grid.calls import TopologyError
 from k3ray.serve.availability import Availability
 from k3ray.serve.placement import ServePlacement
-from k3ray.serve.record import IncidentLog, ServingStats
+from k3ray.serve.record import ServingStats
 from k3ray.serve.scheduler import Scheduler
 from k3ray.train.live_policies import LivePolicies
+from k3ray.train.incidents import IncidentLog
 
 log = logging.getLogger("k3ray.serve")
 
@@ -123,7 +124,6 @@ class LivePlacement:
             return {"ep": [ep, ep], "action": "none"}
         t0 = time.perf_counter()
         try:
-            self.grid.check_size(ep)
             beside = await asyncio.to_thread(self.grid.launch_beside, ep)
         except TopologyError as err:
             return {"error": str(err), "status": 409}

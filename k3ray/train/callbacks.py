@@ -1,5 +1,6 @@
 """Hooks into the controller's life. What the job shows to the outside (the control API, metrics) are callbacks that
-the control layer hands to the controller when it starts it (k3ray.control), so the controller never imports them."""
+the control layer hands to the controller when it starts it (k3ray.control), so the controller never imports them;
+`notify` calls a hook on each. The console's share (`ConsoleWarnings`) rides back on the controller's answers."""
 from __future__ import annotations
 
 
@@ -24,3 +25,24 @@ class Callback:
     def status(self) -> dict:
         """Fields this callback adds to the controller's status view."""
         return {}
+
+
+def notify(callbacks: list[Callback], hook: str, *args) -> None:
+    """Call `hook` on every callback, in order."""
+    for callback in callbacks:
+        getattr(callback, hook)(*args)
+
+
+class ConsoleWarnings:
+    """Warnings not yet handed to the driver, which shows them on the user's console: what was appended since the
+    last `new` to lists that only grow (the checkpoints' and the snapshots' warnings)."""
+
+    def __init__(self, *sources: list[str]):
+        self.sources, self.shown = sources, [0] * len(sources)
+
+    def new(self) -> list[str]:
+        out = []
+        for i, source in enumerate(self.sources):
+            out += source[self.shown[i]:]
+            self.shown[i] = len(source)
+        return out

@@ -3,7 +3,8 @@ boundary, the manifest is committed at the next one (k3ray.io.checkpoint); `--re
 checkpoint onto the configured EP size.
 
 Interface: `resume` (before the workers start), `request`, `boundary` (every step boundary), `commit_pending`
-(before stopping), `abandon_pending` (its writers were lost), `committed` (what was written)."""
+(before a resize), `at_end` (before stopping), `abandon_pending` (its writers were lost), `committed` (what was
+written)."""
 from __future__ import annotations
 
 import logging
@@ -145,6 +146,15 @@ class DurableCheckpoints:
                 self._failed(step, err)
                 return
             self.pending = (step, {**meta(), "step": step, "copy_seconds": time.perf_counter() - t0})
+
+    def at_end(self, group, step: int, meta: Callable[[], dict]) -> None:
+        """Before the job stops at the boundary before `step`: commit the pending checkpoint and write the final one
+        (`checkpoint.at_end`, unless that step's is committed already; or one was requested)."""
+        final = self.cfg.at_end and not any(c["step"] == step for c in self.committed)
+        if final or self.requested:
+            self.request(step)
+            self.boundary(group, step, meta)
+        self.commit_pending(group)
 
     def commit_pending(self, group) -> None:
         """Commit the pending checkpoint once every writer has finished its part; a writer lost first abandons it

@@ -13,9 +13,17 @@ import time
 
 import torch
 
+from k3ray.config import JobConfig
 from k3ray.grid.calls import TopologyError, WorkerLost
+from k3ray.grid.snapshots import Snapshots
 from k3ray.policies import guards, ladder, recovery
-from k3ray.train.state import AttemptsExhausted, JobState
+from k3ray.train.checkpointing import DurableCheckpoints
+from k3ray.train.grid import TrainingGrid
+from k3ray.train.incidents import IncidentLog
+from k3ray.train.placement import Placement
+from k3ray.train.progress import TrainingProgress
+from k3ray.train.scaling import Scaling
+from k3ray.train.state import AttemptsExhausted, JobState, StateMachine
 
 
 class GuardError(RuntimeError):
@@ -28,83 +36,80 @@ class RecoveryFailed(RuntimeError):
 
 
 class Recovery:
-    def __init__(self, job):
-        """job: the controller (k3ray.train.controller): its progress, grid, snapshots and checkpoints."""
-        self.job = job
-        self.avoid_nodes: set[str] = set()  # nodes found silent (Ray may still report them alive): never placed on
-
-    def new_group(self, ep: int, home: list[int]):
-        return self.job.group_factory(self.job.cfg, ep, home, frozenset(self.avoid_nodes))
+    def __init__(self, cfg: JobConfig, progress: TrainingProgress, grid: TrainingGrid, table: Placement,
+                 machine: StateMachine, snapshots: Snapshots, checkpoints: DurableCheckpoints, incidents: IncidentLog,
+                 scaling: Scaling):
+        """The controller's parts a recovery acts on: the progress it replays, the grid it replaces, the placement
+        table it re-homes, the state machine it moves through, the snapshots it restores from, the checkpoint it
+        abandons, the incidents it records and the scaling part it tells the size it left."""
+        self.cfg, self.progress, self.grid, self.table, self.machine = cfg, progress, grid, table, machine
+        self.snapshots, self.checkpoints, self.incidents, self.scaling = snapshots, checkpoints, incidents, scaling
 
     def launch(self, timeout_s: float, restore: dict | None) -> str:
         """The job's first grid, a bounded handler as a recovery is: a worker lost while it starts (died, or no
         answer within `timeout_s` on a loaded machine) closes it and launches anew after the backoff, up to
         fault_tolerance.recovery_attempts times; then the job stops in one line. Returns the backend."""
-        job = self.job
-        ft, attempt = job.cfg.fault_tolerance, 0
+        ft, attempt = self.cfg.fault_tolerance, 0
         while True:
             attempt += 1
-            job.group = self.new_group(job.table.ep, job.table.home)
+            self.grid.group = self.grid.new_group(self.table.ep, self.table.home)
             try:
-                return job.group.launch(timeout_s, restore=restore)
+                return self.grid.group.launch(timeout_s, restore=restore)
             except TopologyError:
-                job.machine.to(JobState.ERRORED, "topology does not fit")
+                self.machine.to(JobState.ERRORED, "topology does not fit")
                 raise
             except WorkerLost as lost:
-                job.group.close()
-                job.incidents.write(job.incidents.record("launch_failed", step=job.step, rule="other", why=str(lost),
-                                                         attempt=attempt))
+                self.grid.group.close()
+                self.incidents.write(self.incidents.record("launch_failed", step=self.progress.step, rule="other",
+                                                           why=str(lost), attempt=attempt))
                 if attempt == ft.recovery_attempts:
-                    job.machine.to(JobState.ERRORED, f"the workers did not start: {lost}")
+                    self.machine.to(JobState.ERRORED, f"the workers did not start: {lost}")
                     raise RecoveryFailed(f"the workers did not start ({attempt} attempts; last: {lost}); stopping. "
-                                         f"{job.incidents.where()}") from None
+                                         f"{self.incidents.where()}") from None
                 time.sleep(min(30.0, ft.retry_backoff_s * 2 ** (attempt - 1)))
 
     def replay(self, until: int) -> None:
         """Re-run the accepted steps snap.step .. until-1 on the batches they used (deterministic)."""
-        job = self.job
-        snap = job.snapshots.committed
-        job.guard_state = snap.guard
+        snap, progress = self.snapshots.committed, self.progress
+        progress.guard_state = snap.guard
         for s in range(snap.step, until):
-            job.guard_state = guards.accept(job.run(s, job.batches[s]), job.guard_state)
+            progress.guard_state = guards.accept(self.grid.run(s, progress.batches[s]), progress.guard_state)
 
     def rollback(self, step: int, batch: int, trip: guards.Trip, attempt: int) -> None:
         """Carry out the failure ladder's decision on the `attempt`-th guard trip of `step` (run on `batch`)."""
-        job = self.job
-        t0 = time.perf_counter()
-        decision = ladder.on_trip(attempt, batch, job.lr_scale, job.cfg.fault_tolerance)
-        incident = job.incidents.record("blowup", action=decision.action, step=step, rule=trip.rule,
-                                        layer=trip.layer, value=trip.value, detail=trip.detail,
-                                        batch_ids=list(decision.skip), attempt=attempt)
-        job.incidents.write(incident)
+        t0, progress = time.perf_counter(), self.progress
+        decision = ladder.on_trip(attempt, batch, progress.lr_scale, self.cfg.fault_tolerance)
+        incident = self.incidents.record("blowup", action=decision.action, step=step, rule=trip.rule,
+                                         layer=trip.layer, value=trip.value, detail=trip.detail,
+                                         batch_ids=list(decision.skip), attempt=attempt)
+        self.incidents.write(incident)
         if decision.action == "stop":
-            job.machine.to(JobState.ERRORED, f"step {step}: {attempt} guard trips")
+            self.machine.to(JobState.ERRORED, f"step {step}: {attempt} guard trips")
             raise GuardError(f"step {step}: guard tripped {attempt} times (last: {trip.rule} = {trip.value} "
-                             f"layer {trip.layer}; skipped batches {sorted(job.skip)}; lr scale {job.lr_scale}); "
-                             f"stopping. {job.incidents.where()}")
-        job.machine.to(JobState.RECOVERING, f"rollback: {trip.rule} at step {step}")
+                             f"layer {trip.layer}; skipped batches {sorted(progress.skip)}; lr scale "
+                             f"{progress.lr_scale}); stopping. {self.incidents.where()}")
+        self.machine.to(JobState.RECOVERING, f"rollback: {trip.rule} at step {step}")
         # the decision in one piece, before anything that can fail: a worker lost from here on is recovered from
         # onto a grid that gets this skip and this scale together (never half a rollback)
-        job.skip.update(decision.skip)
-        job.lr_scale = decision.lr_scale
-        job.snapshots.commit(job.group, wait=True, timeout_s=job.cfg.fault_tolerance.wait_timeout_s)
-        job.group.transfer.restore(job.snapshots.committed.sources())
-        job.table.drop_copies()  # the restored workers hold none
+        progress.skip.update(decision.skip)
+        progress.lr_scale = decision.lr_scale
+        self.snapshots.commit(self.grid.group, wait=True, timeout_s=self.cfg.fault_tolerance.wait_timeout_s)
+        self.grid.group.transfer.restore(self.snapshots.committed.sources())
+        self.table.drop_copies()  # the restored workers hold none
         incident["restore_seconds"] = time.perf_counter() - t0
-        job.group.call("set_lr_scale", job.lr_scale)
+        self.grid.group.call("set_lr_scale", progress.lr_scale)
         self.replay(step)
         incident["rollback_seconds"] = time.perf_counter() - t0  # restore + replay since the snapshot
-        job.machine.to(JobState.RUNNING, f"rolled back to step {job.snapshots.committed.step}, skipping "
-                                         f"{list(decision.skip)}")
+        self.machine.to(JobState.RUNNING, f"rolled back to step {self.snapshots.committed.step}, skipping "
+                                          f"{list(decision.skip)}")
 
     def recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
         """Recover from `lost` to the boundary before `step`, a bounded handler: each attempt (`_recover_once`) is a
         transition into recovering; a worker lost during one starts the next after the machine's backoff; past
         `fault_tolerance.recovery_attempts` (or when nothing fits the alive nodes) the job stops (RecoveryFailed)."""
-        machine = self.job.machine
         while True:
             try:
-                machine.to(JobState.RECOVERING, str(lost))
+                self.machine.to(JobState.RECOVERING, str(lost))
             except AttemptsExhausted as spent:
                 self.give_up(step, f"{spent}")
             try:
@@ -112,46 +117,44 @@ class Recovery:
                 return
             except WorkerLost as again:
                 lost, detected_after = again, 0.0
-                time.sleep(machine.backoff_s())
+                time.sleep(self.machine.backoff_s())
             except TopologyError as err:
                 self.give_up(step, f"recovering from {lost}: {err}")
 
     def give_up(self, step: int, what: str) -> None:
-        job = self.job
-        job.snapshots.drop_pending()
-        job.machine.to(JobState.ERRORED, what)
-        job.incidents.write(job.incidents.record("stopped", step=step, rule="recovery_failed", why=what))
-        raise RecoveryFailed(f"step {step}: recovery failed: {what}; stopping. {job.incidents.where()}")
+        self.snapshots.drop_pending()
+        self.machine.to(JobState.ERRORED, what)
+        self.incidents.write(self.incidents.record("stopped", step=step, rule="recovery_failed", why=what))
+        raise RecoveryFailed(f"step {step}: recovery failed: {what}; stopping. {self.incidents.where()}")
 
     def _recover_once(self, step: int, lost: WorkerLost, detected_after: float) -> None:
         """One attempt: rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`:
         in place around hot spares where ready ones take lost ranks' places, else launched anew. A worker lost
         during it (the new grid's launch, restore or replay) raises WorkerLost for the next attempt."""
-        job = self.job
         t0 = time.perf_counter()
-        ft = job.cfg.fault_tolerance
-        old = job.group
+        ft = self.cfg.fault_tolerance
+        old = self.grid.group
         try:  # a snapshot started at this boundary is the newest state, if every worker finished its part
-            job.snapshots.commit(old, wait=True, timeout_s=min(30.0, ft.wait_timeout_s), hold=False)
+            self.snapshots.commit(old, wait=True, timeout_s=min(30.0, ft.wait_timeout_s), hold=False)
         except WorkerLost:  # a lost worker never delivered its part
             pass
-        job.snapshots.drop_pending()  # what is still pending lacks a lost worker's part
-        job.checkpoints.abandon_pending(str(lost))  # its writers are gone: the new grid writes it again
-        snap = job.snapshots.committed
+        self.snapshots.drop_pending()  # what is still pending lacks a lost worker's part
+        self.checkpoints.abandon_pending(str(lost))  # its writers are gone: the new grid writes it again
+        snap = self.snapshots.committed
         if snap is None:
-            job.machine.to(JobState.ERRORED, "no snapshot yet")
+            self.machine.to(JobState.ERRORED, "no snapshot yet")
             raise RecoveryFailed(f"{lost} before the first snapshot completed; restart with --resume from a "
-                                 f"checkpoint. {job.incidents.where()}")
+                                 f"checkpoint. {self.incidents.where()}")
         silent = recovery.silent_nodes(old.nodes, lost.ranks) if lost.hung else set()
-        self.avoid_nodes |= silent
-        old.avoid_nodes = frozenset(self.avoid_nodes)  # no spare on a silent node either
+        self.grid.avoid_nodes |= silent
+        old.avoid_nodes = frozenset(self.grid.avoid_nodes)  # no spare on a silent node either
         t_gathered = time.perf_counter()
-        load = job.table.expert_load(job.last_report)
+        load = self.table.expert_load(self.progress.last_report)
         spares = old.spares_ready() if ft.spares else 0
         decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, spares=spares)
         fields = dict(step=step, ranks=sorted(lost.ranks), why=lost.why,
                       rule="collective_timeout" if lost.hung else "worker_lost", silent_nodes=sorted(silent),
-                      replayed_steps=[snap.step, step], attempt=job.machine.attempt)
+                      replayed_steps=[snap.step, step], attempt=self.machine.attempt)
         incident = None  # the launch anew records each of its attempts' outcomes itself
         try:
             if decision.spare_for:
@@ -170,22 +173,22 @@ class Recovery:
         except WorkerLost as again:
             if incident is not None:
                 incident["outcome"] = f"interrupted: {again}"
-                job.incidents.write(incident)
+                self.incidents.write(incident)
             raise
-        job.scaling.after_recovery(step, decision.ep)
-        launch = job.group.launch_seconds
+        self.scaling.after_recovery(step, decision.ep)
+        launch = self.grid.group.launch_seconds
         incident["seconds"] = {
             "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
             **launch, "launch_other": t_restored - t_planned - sum(launch.values()),
             "replay": time.perf_counter() - t_restored}
-        job.incidents.write(incident)
-        job.machine.to(JobState.RUNNING, f"recovered on {decision.ep * job.cfg.parallel.pp} workers"
-                                         + (f", {len(decision.spare_for)} of them hot spares" if decision.spare_for
-                                            else ""))
+        self.incidents.write(incident)
+        self.machine.to(JobState.RUNNING, f"recovered on {decision.ep * self.cfg.parallel.pp} workers"
+                                          + (f", {len(decision.spare_for)} of them hot spares" if decision.spare_for
+                                             else ""))
 
     def _loss_incident(self, decision: recovery.LossDecision, old_ep: int, fields: dict) -> dict:
-        full = self.job.cfg.parallel.ep
-        return self.job.incidents.record(
+        full = self.cfg.parallel.ep
+        return self.incidents.record(
             "worker_lost", action=decision.action, **fields, ep=[old_ep, decision.ep],
             spares_used=sorted(decision.spare_for),
             dp_ranks_per_ep_rank=[recovery.dp_ranks_of(e, decision.ep, full) for e in range(decision.ep)])
@@ -195,12 +198,11 @@ class Recovery:
         just given back, and Ray's free counts lag), then, when the placement failed (a lost node not yet reported
         dead, or others hold resources), again on what they have free. Returns (decision, incident, when it was
         planned)."""
-        job = self.job
         old.close()  # a grid that lost workers holds their places: the new one is planned on what it gives back
         for attempt in range(1, 4):
-            max_ep = self.new_group(1, old.home).alive_nodes.capacity(free=attempt > 1) // job.cfg.parallel.pp
+            max_ep = self.grid.new_group(1, old.home).alive_nodes.capacity(free=attempt > 1) // self.cfg.parallel.pp
             if max_ep < 1:
-                raise TopologyError(f"the alive nodes hold no {job.cfg.parallel.pp}-stage grid")
+                raise TopologyError(f"the alive nodes hold no {self.cfg.parallel.pp}-stage grid")
             decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, max_ep=max_ep)
             t_planned = time.perf_counter()
             incident = self._loss_incident(decision, old.ep, fields)
@@ -209,26 +211,24 @@ class Recovery:
                 return decision, incident, t_planned
             except TopologyError as err:
                 incident["outcome"] = f"did not fit: {err}"
-                job.incidents.write(incident)
-                job.group.close()
+                self.incidents.write(incident)
+                self.grid.group.close()
                 if attempt == 3:
                     raise
             except WorkerLost as again:
                 incident["outcome"] = f"interrupted: {again}"
-                job.incidents.write(incident)
+                self.incidents.write(incident)
                 raise
 
     def _relaunch(self, ep: int, home: list[int], sources: dict, placement_timeout_s: float = 120.0) -> None:
-        job = self.job
-        job.table.reset(ep, home)
-        job.group = self.new_group(ep, home)
-        job.group.launch(placement_timeout_s, restore=sources, wait_for_spares=False)
-        job.joined()
+        self.table.reset(ep, home)
+        self.grid.group = self.grid.new_group(ep, home)
+        self.grid.group.launch(placement_timeout_s, restore=sources, wait_for_spares=False)
+        self.grid.joined()
 
     def _regroup(self, lost: set[int], decision: recovery.LossDecision, sources: dict) -> None:
-        job = self.job
         home = decision.home.tolist()
-        job.table.reset(decision.ep, home)
-        job.group.regroup(lost, decision.ep, home, list(decision.keep), set(decision.spare_for), sources,
-                          timeout_s=60.0)
-        job.joined()
+        self.table.reset(decision.ep, home)
+        self.grid.group.regroup(lost, decision.ep, home, list(decision.keep), set(decision.spare_for), sources,
+                                timeout_s=60.0)
+        self.grid.joined()

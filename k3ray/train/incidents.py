@@ -1,27 +1,32 @@
-"""The job's incident log: what went wrong and what the job did about it (a blow-up rolled back, workers lost and
-recovered from, a resize, a checkpoint write that failed), in order. `k3ray incidents`, the metrics and the status
-read the list; each incident is also appended to `fault_tolerance.incidents_file` (JSON lines), where the user reads
-it after a stop. An incident updated later (its outcome, its seconds) is written again: the last line wins."""
+"""A job's incident log: what went wrong and what the job did about it, in order. Training records blow-ups rolled
+back, workers lost and recovered from, resizes and checkpoint writes that failed; serving records lost workers,
+relaunches, resizes, guard trips and failed iterations, each stamped with the iteration it happened at. `k3ray
+incidents` (`--serve`), the metrics and the status read the list. A training job also appends each incident to
+`fault_tolerance.incidents_file` (JSON lines), where the user reads it after a stop; an incident updated later (its
+outcome, its seconds) is written again: the last line wins."""
 from __future__ import annotations
 
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 log = logging.getLogger("k3ray.controller")
 
 
 class IncidentLog(list):
-    """list[dict] of incidents, each {"time", "kind", ...fields}."""
+    """list[dict] of incidents, each {"time", "kind", ...stamp(), ...fields}."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str = "", stamp: Callable[[], dict] = dict):
+        """path: the incidents file ("" for none: serving, and tests of the controller alone); stamp: fields every
+        incident gets when recorded (serving's: the iteration it happened at)."""
         super().__init__()
-        self.path = path  # the incidents file ("" while none: tests of the controller alone)
+        self.path, self.stamp = path, stamp
 
     def record(self, kind: str, **fields) -> dict:
         """A new incident, in the list now; returned for updates (`write` puts it in the file once complete)."""
-        incident = {"time": time.time(), "kind": kind, **fields}
+        incident = {"time": time.time(), "kind": kind, **self.stamp(), **fields}
         self.append(incident)
         return incident
 

@@ -2,10 +2,10 @@
 EP ranks hold copies of hot experts in spare slots (k3ray.policies.copies), the live EP size, and the decayed
 per-expert load that periodic re-homing and copy placement plan from (k3ray.policies.replication).
 
-Interface: `track` every accepted step, `expert_load` for recovery decisions, `rebalance` on schedule, `rehome` to
-move experts (shards travel with their optimizer moments), `reset` after a resize, `drop_copies` after a restore,
-`view` for status. Workers drop their copies whenever their weights or homes are replaced (a restore, a re-homing),
-so the table here follows: copies come back at the next rebalance."""
+Interface: `track` every accepted step, `expert_load` for recovery decisions, `rebalance_on_schedule` after each
+step (`rebalance` when due), `rehome` to move experts (shards travel with their optimizer moments), `reset` after a
+resize, `drop_copies` after a restore, `view` for status. Workers drop their copies whenever their weights or homes
+are replaced (a restore, a re-homing), so the table here follows: copies come back at the next rebalance."""
 from __future__ import annotations
 
 import logging
@@ -16,6 +16,7 @@ from k3ray.config import JobConfig
 from k3ray.parallel import shards
 from k3ray.policies import copies as copies_policy
 from k3ray.policies import recovery, replication
+from k3ray.train.incidents import IncidentLog
 
 log = logging.getLogger("k3ray.controller")
 
@@ -61,6 +62,18 @@ class Placement:
             group.call("set_trained_copies", table)
             self.copies = table
         return moved, self.copies
+
+    def rebalance_on_schedule(self, group, step: int, incidents: IncidentLog) -> None:
+        """After `step - 1` was accepted: `rebalance` where the replication policy is on and due (every
+        `every_n_steps` steps); a placement that changed is an incident."""
+        policy = self.cfg.policies.replication
+        if not policy.enabled or step % policy.every_n_steps:
+            return
+        before = self.copies
+        moved, copies = self.rebalance(group)
+        if moved or copies != before:
+            incidents.record("rebalance", step=step, moved=moved, copies=copies)
+            log.info("rebalance at step %d moved experts %s, copies %s", step, moved, copies)
 
     def _rehome_from_history(self, group) -> list[int]:
         E, R = self.cfg.model.n_experts, self.ep
