@@ -59,6 +59,7 @@ def test_train_in_a_terminal_shows_api_bar_log_lines_and_summary(ray_cluster, tm
     steps_logged = [line.split("step=")[1].split()[0] for line in out.splitlines() if "step=" in line]
     assert steps_logged == ["0", "5"], out[-3000:]
     assert "k3ray: done: 6 steps" in out and "incidents    none" in out
+    assert "snapshots    " in out and " ms (median) / " in out and "0 skipped" in out  # the stall they cost
     assert '{"summary"' not in out  # JSON only with --json
 
 

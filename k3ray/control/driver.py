@@ -177,6 +177,7 @@ def train_distributed(cfg: JobConfig, steps: int, address: str | None = None, pr
             status = ray.get(controller.status.remote())
             summary["incidents"] = ray.get(controller.get_incidents.remote())
             summary["topology"] = {"pp": status["pp"], "ep": status["ep"], "ep_configured": status["ep_configured"]}
+            summary["snapshots"] = status["snapshots"]
             return {**summary, "resumed_from": start} if resume else summary
     finally:
         if started:

@@ -239,6 +239,13 @@ class Snapshots:
         self.on_commit = on_commit  # called with each committed Snapshot (metrics)
         self.on_skip = on_skip  # called with (step skipped, step of the snapshot still arriving)
 
+    def summary(self) -> dict:
+        """What the snapshots cost so far: how many were committed, training's stall for them (median and largest,
+        ms) and the steps whose snapshot was skipped."""
+        stalls = sorted(self.stall_seconds)
+        return {"committed": len(stalls), "stall_ms_median": 1e3 * stalls[len(stalls) // 2] if stalls else None,
+                "stall_ms_max": 1e3 * stalls[-1] if stalls else None, "skipped": list(self.skipped)}
+
     def due(self, step: int, every: int) -> bool:
         """Whether the boundary of `step` takes a snapshot: every `every` steps, unless one of it exists already."""
         taken = {s.step for s in (self.committed, self.pending) if s is not None}

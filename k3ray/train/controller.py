@@ -227,7 +227,7 @@ class Controller:
                "spares": 0 if group is None else len(group.spares),
                "skipped_batches": sorted(progress.skip), "lr_scale": progress.lr_scale,
                "loss": None if progress.last_report is None else progress.last_report["loss"],
-               "api_url": None, "tokens_per_s": None,
+               "api_url": None, "tokens_per_s": None, "snapshots": self.snapshots.summary(),
                "transitions": [{"time": t, "state": s, "why": w} for t, s, w in self.transitions]}
         for callback in self.callbacks:
             out.update(callback.status())
