@@ -69,9 +69,9 @@ def _format_summary(summary: dict) -> str:
         lines.append(f"  val loss     {vals[0][1]:.4f} at step {vals[0][0]} -> {vals[-1][1]:.4f} at step {vals[-1][0]}")
     snaps = summary.get("snapshots")
     if snaps and snaps["committed"]:
-        lines.append(f"  snapshots    {snaps['committed']} in memory, training stalled {snaps['stall_ms_median']:.0f} ms "
-                     f"(median) / {snaps['stall_ms_max']:.0f} ms (largest) for them, {len(snaps['skipped'])} skipped "
-                     "(the one before still arriving)")
+        lines.append(f"  snapshots    {snaps['committed']} in memory, training stalled "
+                     f"{snaps['stall_ms_median']:.0f} ms (median) / {snaps['stall_ms_max']:.0f} ms (largest) for them, "
+                     f"{len(snaps['skipped'])} skipped (the one before still arriving)")
     if summary.get("final_maxvio") is not None:
         lines.append(f"  MaxVio       {summary['final_maxvio']:.3f} (last step, mean over MoE layers)")
     topo = summary.get("topology")
