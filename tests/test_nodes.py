@@ -52,8 +52,9 @@ def test_a_lost_node_and_later_a_silent_one_shrink_the_grid_and_leave_the_losses
             losses = [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(6)]
             kill_node(split_grid)  # the node and its 2 workers are gone, between steps
             losses.append(ray.get(controller.train_step.remote(6), timeout=600)["loss"])
-            lost = ray.get(controller.get_incidents.remote())[0]
-            assert lost["kind"] == "worker_lost" and len(lost["ranks"]) == 2 and lost["ep"][-1] == 2, lost
+            # (on a loaded machine a launch whose workers answer late is an incident of its own, before these)
+            lost = [i for i in ray.get(controller.get_incidents.remote()) if i["kind"] == "worker_lost"]
+            assert len(lost) == 1 and len(lost[0]["ranks"]) == 2 and lost[0]["ep"][-1] == 2, lost
             assert ray.get(controller.status.remote())["ep"] == 2
             joined = extra_nodes(2)  # capacity returns: the job grows back at the next boundary
             losses += [ray.get(controller.train_step.remote(s), timeout=600)["loss"] for s in range(7, 9)]
