@@ -10,9 +10,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 import ray
 
-from conftest import REPO, SMALL_BATCH, run_job
+from conftest import REPO, SMALL_BATCH
 from k3ray.config import load_config
 from k3ray.control.driver import running_job
 
@@ -34,9 +35,26 @@ def train_cli(ray_cluster, tmp_path, steps: int, *extra: str) -> subprocess.Pope
                             start_new_session=True)
 
 
-def test_resume_after_killing_the_whole_job_reproduces_final_loss(ray_cluster, tmp_path):
-    steps = 12
-    want = run_job(tiny(tmp_path / "ref", **{"parallel.ep": 2}), steps).losses[-1]
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def truncated_run(ray_cluster, tmp_path_factory) -> tuple[list[float], object]:
+    """STEPS steps on ep=2 whose step-8 checkpoint is truncated after its write (at_end off, so it stays the newest):
+    (the losses, the folder of the job's checkpoints). A damaged file changes nothing of the training, so these are
+    also the losses of an uninterrupted run of BASE on ep=2, which a resumed run must reproduce."""
+    root = tmp_path_factory.mktemp("truncated")
+    cfg = tiny(root, **{"parallel.ep": 2, "checkpoint.at_end": False,
+                        "fault_tolerance.faults": [{"kind": "corrupt_checkpoint", "step": 8}]})
+    with running_job(cfg) as controller:
+        losses = [ray.get(controller.train_step.remote(s), timeout=300)["loss"] for s in range(STEPS)]
+        assert [c["step"] for c in ray.get(controller.list_checkpoints.remote())] == [4, 8]
+    return losses, root
+
+
+def test_resume_after_killing_the_whole_job_reproduces_final_loss(ray_cluster, tmp_path, truncated_run):
+    steps = STEPS
+    want = truncated_run[0][-1]
 
     job = train_cli(ray_cluster, tmp_path, steps)
     manifest = tmp_path / "ckpt" / "step_000000008" / "manifest.json"
@@ -55,12 +73,8 @@ def test_resume_after_killing_the_whole_job_reproduces_final_loss(ray_cluster, t
     assert summary["final_loss"] == want
 
 
-def test_truncated_newest_checkpoint_falls_back_and_experts_reshard(ray_cluster, tmp_path):
-    cfg = tiny(tmp_path, **{"parallel.ep": 2, "checkpoint.at_end": False,  # step 8's (truncated) stays the newest
-                            "fault_tolerance.faults": [{"kind": "corrupt_checkpoint", "step": 8}]})
-    with running_job(cfg) as controller:
-        losses = [ray.get(controller.train_step.remote(s), timeout=300)["loss"] for s in range(10)]
-        assert [c["step"] for c in ray.get(controller.list_checkpoints.remote())] == [4, 8]
+def test_truncated_newest_checkpoint_falls_back_and_experts_reshard(truncated_run):
+    losses, tmp_path = truncated_run
     assert (tmp_path / "ckpt" / "step_000000008" / "manifest.json").exists()
 
     with running_job(tiny(tmp_path, **{"parallel.ep": 2, "checkpoint.at_end": False}), resume=True) as resumed:

@@ -66,7 +66,7 @@ def test_ctrl_c_stops_the_job_and_its_actors(ray_cluster):
                   "from k3ray.control.cli import main; sys.exit(main())")
     cmd = [sys.executable, "-c", foreground, "train", "--config", "configs/tiny.yaml", "--steps", "100000",
            "--address", ray_cluster.address, "--no-progress", "--pp", "1", "--ep", "2", "--set", "train.eval_every=0",
-           "--set", "name=ctrlc"]
+           "--set", "data.micro_batch_size=2", "--set", "name=ctrlc"]
     job = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     for line in job.stderr:  # log lines go to stderr; wait for the first step

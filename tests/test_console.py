@@ -65,7 +65,8 @@ def test_train_in_a_terminal_shows_api_bar_log_lines_and_summary(ray_cluster, tm
 
 def test_resume_with_another_model_size_fails_with_one_line(ray_cluster, tmp_path):
     common = ["--address", ray_cluster.address, "--no-progress", "--pp", "1", "--ep", "1",
-              "--set", "train.eval_every=0", "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "name=resize"]
+              "--set", "train.eval_every=0", "--set", "data.micro_batch_size=2",
+              "--set", f"checkpoint.dir={tmp_path / 'ckpt'}", "--set", "name=resize"]
     first = subprocess.run([sys.executable, "-m", "k3ray", "train", "--config", "configs/tiny.yaml",
                             "--steps", "2", "--json", *common], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-3000:]

@@ -40,8 +40,10 @@ def test_ray_job_submit_trains_to_success(ray_cluster):
 
 def test_k3ray_submit_status_and_logs(ray_cluster):
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    # one worker: the grid's size is not what this checks (the `ray job submit` test above runs the default pp=2 x ep=2)
     sub = run_submit(["k3ray", "submit", "--address", ray_cluster.dashboard_url, "--config", "configs/tiny.yaml",
-                      "--steps", "3", "--set", "data.micro_batch_size=2", "--wait"], cwd=REPO, env=env, timeout=600)
+                      "--steps", "3", "--set", "data.micro_batch_size=2", "--set", "parallel.pp=1",
+                      "--set", "parallel.ep=1", "--wait"], cwd=REPO, env=env, timeout=600)
     assert sub.returncode == 0, (sub.stdout + sub.stderr)[-3000:]
     job_id = sub.stdout.split()[0]
     status = subprocess.run(["k3ray", "job", "status", job_id, "--address", ray_cluster.dashboard_url], env=env,
