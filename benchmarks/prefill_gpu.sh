@@ -5,12 +5,13 @@
 # kernel cache comes back as $OUT/kcache.tar.xz with the serving shapes' autotune results added.
 #   bash benchmarks/prefill_gpu.sh [prefill_gpu.py arguments]     (T_PREFILL, T_SERVE: each stage's limit in s)
 set -uo pipefail
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /root/kcache
+OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /root/kcache /tmp/site
+tar -xJf .carry/ray/site.tar.xz -C /tmp/site   # pydantic (the config) comes with the carried Ray
 [[ -f .carry/kcache/kcache.tar.xz ]] && tar -xJf .carry/kcache/kcache.tar.xz -C /root/kcache
 export K3RAY_KERNEL_CACHE=/root/kcache TRITON_CACHE_DIR=/root/kcache/triton TRITON_CACHE_AUTOTUNING=1 \
        PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 repo=$PWD
-rm -rf /root/k3p && cp -r . /root/k3p && cd /root/k3p && export PYTHONPATH=$PWD
+rm -rf /root/k3p && cp -r . /root/k3p && cd /root/k3p && export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 t0=$SECONDS
 timeout "${T_PREFILL:-240}" python3 benchmarks/prefill_gpu.py --config configs/gpu2.yaml --set model.n_layers=4 "$@" \
