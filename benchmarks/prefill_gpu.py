@@ -180,30 +180,41 @@ def mixed_profile(model, cfg, serve, args) -> None:
         sched.step(ex)  # the 64 prompts prefilled: from here they decode
     nxt = 64
     timed = []
+    stats0 = torch.cuda.memory_stats() if DEVICE == "cuda" else {}
     for i in range(12):
         while len(sched.waiting) < 4:
             sched.submit(requests[nxt][0], SamplingParams(max_tokens=4))
             nxt += 1
         if i == 9:
-            kind = torch.profiler.ProfilerActivity.CUDA if DEVICE == "cuda" else torch.profiler.ProfilerActivity.CPU
-            with torch.profiler.profile(activities=[kind]) as prof:
+            kinds = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                             if DEVICE == "cuda" else [])
+            with torch.profiler.profile(activities=kinds) as prof:
                 sched.step(ex)
                 if DEVICE == "cuda":
                     torch.cuda.synchronize()
         else:
             sched.step(ex)
         timed.append(ex.steps[-1])
+    if DEVICE == "cuda":
+        stats1 = torch.cuda.memory_stats()
+        print("  allocator over the 12 iterations: " + ", ".join(
+            f"{k} +{stats1.get(k, 0) - stats0.get(k, 0)}" for k in ("num_device_alloc", "num_device_free",
+                                                                    "num_alloc_retries", "num_sync_all_streams")),
+              flush=True)
     print("  mixed iterations (tokens, prompt rows, decode rows, worker ms): " + ", ".join(
         f"({t}, {p}, {d}, {s * 1e3:.1f})" for t, p, d, s in timed[2:]), flush=True)
     by = {}
     total = 0.0
     for e in prof.key_averages():
-        t = e.self_device_time_total
+        t = e.self_device_time_total if DEVICE == "cuda" else e.self_cpu_time_total
         by[category(e.key)] = by.get(category(e.key), 0.0) + t
         total += t
     print(f"  profiled iteration ({timed[9][0]} tokens): device time {total / 1e3:.1f} ms: " + ", ".join(
         f"{k} {v / 1e3:.1f} ms ({v / total:.0%})" for k, v in sorted(by.items(), key=lambda kv: -kv[1])), flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=80),
+          flush=True)
+    print("  the same iteration by host time (self CPU):", flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80),
           flush=True)
 
 
