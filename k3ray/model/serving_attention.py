@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3ray.dtypes import up32
 
 PREFIX_CHUNK = 16384  # contexts up to this many tokens take one fused call; longer ones run blockwise
 QUERY_BLOCK = 1024  # queries per block of the blockwise form (its fp32 scores: [H, QUERY_BLOCK, PREFIX_CHUNK])
+# Prompt segments on CUDA: flash (or memory-efficient) attention only. cuDNN's attention, torch's first choice on
+# Hopper, builds a plan for every new shape (n, L): ~65 ms of host time per prompt segment on an H200, where the
+# attention itself takes ~0.1 ms, and every iteration brings new shapes.
+PROMPT_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
 
 
 def decode_attention(q_NHe: torch.Tensor, lat_NLl: torch.Tensor, in_context_NL: torch.Tensor, mla) -> torch.Tensor:
@@ -69,7 +74,11 @@ def segment_attention(q_nHe: torch.Tensor, k_LHe: torch.Tensor, v_LHh: torch.Ten
     else:  # imported here: torch.nn.attention.bias imports torch._dynamo (~1 s of CPU in every worker process)
         from torch.nn.attention.bias import causal_lower_right
         how = {"attn_mask": causal_lower_right(n, L)}
-    o = F.scaled_dot_product_attention(q, k, v, scale=scale, **how)[..., :h]
+    if q.is_cuda:
+        with sdpa_kernel(PROMPT_BACKENDS):
+            o = F.scaled_dot_product_attention(q, k, v, scale=scale, **how)[..., :h]
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, scale=scale, **how)[..., :h]
     return o[0].transpose(0, 1)
 
 
