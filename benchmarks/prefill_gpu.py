@@ -16,8 +16,6 @@ Stages (each prints as it ends; an exception prints its traceback and the next s
 from __future__ import annotations
 
 import argparse
-import os
-import random
 import statistics
 import time
 import traceback
@@ -30,37 +28,15 @@ from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import LocalExecutor, PoolSizes
 from k3ray.serve.scheduler import Scheduler
+from k3ray.tokenizer import ByteTokenizer
+from real_prompts import draws
 
 DEVICE = "cuda"  # --device cpu: a smoke run of the same code at a tiny shape (no profile categories then)
 
 
-def stdlib_bytes(want: int) -> list[int]:
-    """At least `want` bytes of Python's standard library source (files in name order)."""
-    root, ids = os.path.dirname(os.__file__), []
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py"):
-            with open(os.path.join(root, name), "rb") as f:
-                ids += list(f.read())
-            if len(ids) >= want:
-                break
-    return ids
-
-
-def span(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
-
-
 def workload(n: int, prompt_tokens: str, max_tokens: str, seed: int) -> list[tuple[list[int], int]]:
-    (lo, hi), (lo_m, hi_m) = span(prompt_tokens), span(max_tokens)
-    corpus = stdlib_bytes(64 * hi)
-    out = []
-    for i in range(n):
-        rng = random.Random(f"{seed}/{i}")
-        length = rng.randint(lo, hi)
-        start = rng.randrange(len(corpus) - length)
-        out.append((corpus[start:start + length], rng.randint(lo_m, hi_m)))
-    return out
+    """serve_load.py's requests (benchmarks/real_prompts.py) as the byte-level model's token ids."""
+    return draws(ByteTokenizer(), n, prompt_tokens, max_tokens, seed)
 
 
 class TimedExecutor:

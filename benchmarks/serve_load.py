@@ -38,6 +38,7 @@ from multiprocessing import get_context
 
 import openai
 import ray
+from real_prompts import draws, span
 
 from k3ray.config import load_config, parse_assignments
 from k3ray.control.driver import init_ray, running_job
@@ -47,37 +48,12 @@ PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self"
            "# Licensed to the PSF\n\"\"\"Helpers for ", "    if not data:\n        return "]
 
 
-def span(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition(":")
-    return int(lo), int(hi or lo)
-
-
-def stdlib_tokens(tokenizer, want: int) -> list[int]:
-    """At least `want` tokens of Python's standard library source (files in name order, from disk)."""
-    root, ids = os.path.dirname(os.__file__), []
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py"):
-            with open(os.path.join(root, name), encoding="utf-8", errors="replace") as f:
-                ids += tokenizer.encode(f.read())
-            if len(ids) >= want:
-                break
-    return ids
-
-
 def workload(tokenizer, n: int, prompt_tokens: str | None, max_tokens: str, seed: int) -> list[tuple[str, int]]:
     """n requests (prompt text, max_tokens), request i's drawn by Random((seed, i)): the same whatever n."""
-    lo_m, hi_m = span(max_tokens)
     if prompt_tokens is None:
+        lo_m, hi_m = span(max_tokens)
         return [(PROMPTS[i % len(PROMPTS)], random.Random(f"{seed}/{i}").randint(lo_m, hi_m)) for i in range(n)]
-    lo, hi = span(prompt_tokens)
-    corpus = stdlib_tokens(tokenizer, 64 * hi)
-    out = []
-    for i in range(n):
-        rng = random.Random(f"{seed}/{i}")
-        length = rng.randint(lo, hi)
-        start = rng.randrange(len(corpus) - length)
-        out.append((tokenizer.decode(corpus[start:start + length]), rng.randint(lo_m, hi_m)))
-    return out
+    return [(tokenizer.decode(ids), m) for ids, m in draws(tokenizer, n, prompt_tokens, max_tokens, seed)]
 
 
 def train_checkpoint(root: str) -> None:

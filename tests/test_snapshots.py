@@ -128,7 +128,7 @@ def test_a_snapshot_due_while_the_previous_one_still_arrives_is_skipped_not_wait
     assert snaps.warnings == ["snapshots need more store"]  # said once, however often the group says it
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="device staging and the side-stream copy need CUDA")
 def test_cuda_snapshots_stage_a_prefix_read_the_rest_live_and_a_write_after_the_fence_does_not_reach_them():
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)

@@ -18,6 +18,7 @@ The controller keeps the committed snapshot and the pending one (`Snapshots`).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 import warnings
 from dataclasses import dataclass
@@ -242,9 +243,9 @@ class Snapshots:
     def summary(self) -> dict:
         """What the snapshots cost so far: how many were committed, training's stall for them (median and largest,
         ms) and the steps whose snapshot was skipped."""
-        stalls = sorted(self.stall_seconds)
-        return {"committed": len(stalls), "stall_ms_median": 1e3 * stalls[len(stalls) // 2] if stalls else None,
-                "stall_ms_max": 1e3 * stalls[-1] if stalls else None, "skipped": list(self.skipped)}
+        stalls = self.stall_seconds
+        return {"committed": len(stalls), "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else None,
+                "stall_ms_max": 1e3 * max(stalls) if stalls else None, "skipped": list(self.skipped)}
 
     def due(self, step: int, every: int) -> bool:
         """Whether the boundary of `step` takes a snapshot: every `every` steps, unless one of it exists already."""

@@ -15,6 +15,8 @@ r kv_rank, Lc the decode rows' context bucket.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -74,10 +76,7 @@ def segment_attention(q_nHe: torch.Tensor, k_LHe: torch.Tensor, v_LHh: torch.Ten
     else:  # imported here: torch.nn.attention.bias imports torch._dynamo (~1 s of CPU in every worker process)
         from torch.nn.attention.bias import causal_lower_right
         how = {"attn_mask": causal_lower_right(n, L)}
-    if q.is_cuda:
-        with sdpa_kernel(PROMPT_BACKENDS):
-            o = F.scaled_dot_product_attention(q, k, v, scale=scale, **how)[..., :h]
-    else:
+    with sdpa_kernel(PROMPT_BACKENDS) if q.is_cuda else nullcontext():
         o = F.scaled_dot_product_attention(q, k, v, scale=scale, **how)[..., :h]
     return o[0].transpose(0, 1)
 
