@@ -10,7 +10,9 @@ Stages (each prints as it ends; an exception prints its traceback and the next s
    `--prompt-tokens` tokens of Python's stdlib source (bytes, seeded), max_tokens drawn from `--max-tokens`.
    Output tokens/s, TTFT and ITL from the scheduler's token times, prompt tokens/s, the worker's step per
    iteration (synchronized) binned by tokens per iteration.
-3. A profile of mixed iterations of about `--mixed-tokens` tokens (64 decode rows + prompt chunks): device time by
+3. `graphs`: every decode CUDA graph of the pools captured (what serve.graphs_at_start does at a server's start),
+   each capture timed, by context bucket.
+4. A profile of mixed iterations of about `--mixed-tokens` tokens (64 decode rows + prompt chunks): device time by
    kernel category (attention, KDA, convolution, matmul, experts, elementwise/other) and the worker's wall time.
 """
 from __future__ import annotations
@@ -194,6 +196,42 @@ def mixed_profile(model, cfg, serve, args) -> None:
           flush=True)
 
 
+def graph_captures(model, serve) -> None:
+    """Every decode graph the pools can ask for, captured as a server's start does, each capture timed."""
+    sizes = PoolSizes(serve.pages_per_rank, serve.page_size, serve.slots_per_rank)
+    graphs = LocalExecutor(model, sizes, device=DEVICE).server.graphs
+    if graphs is None:
+        print("[prefill] no decode graphs on this device", flush=True)
+        return
+    timed, capture = [], graphs._capture
+
+    def timed_capture(bucket, context, greedy):
+        t0 = time.perf_counter()
+        out = capture(bucket, context, greedy)
+        torch.cuda.synchronize()
+        timed.append((bucket, context, greedy, time.perf_counter() - t0))
+        return out
+
+    graphs._capture = timed_capture
+    t0 = time.perf_counter()
+    n = graphs.capture_all()
+    wall = time.perf_counter() - t0
+    print(f"[prefill] {n} decode graphs captured in {wall:.1f} s (median {statistics.median(t[3] for t in timed):.3f}"
+          f" s, first {timed[0][3]:.2f} s, max {max(t[3] for t in timed):.2f} s)", flush=True)
+    by = {}
+    for bucket, context, greedy, dt in timed:
+        by.setdefault(context, []).append(dt)
+    print("  by context bucket: " + "; ".join(f"{c}: {len(v)} x {statistics.median(v) * 1e3:.0f} ms"
+                                             for c, v in sorted(by.items())), flush=True)
+    by = {}
+    for bucket, context, greedy, dt in timed:
+        by.setdefault(bucket, []).append(dt)
+    print("  by batch bucket: " + "; ".join(f"{b}: {len(v)} x {statistics.median(v) * 1e3:.0f} ms"
+                                           for b, v in sorted(by.items())), flush=True)
+    del graphs
+    torch.cuda.empty_cache()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/gpu2.yaml")
@@ -205,7 +243,7 @@ def main() -> None:
     ap.add_argument("--ttft-tokens", type=int, default=1000)
     ap.add_argument("--mixed-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stages", default="ttft,levels,mixed")
+    ap.add_argument("--stages", default="ttft,levels,graphs,mixed")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     global DEVICE
@@ -235,6 +273,11 @@ def main() -> None:
                 level(model, cfg, serve, args, c)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
+    if "graphs" in stages and DEVICE == "cuda":
+        try:
+            graph_captures(model, serve)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
     if "mixed" in stages:
         try:
             mixed_profile(model, cfg, serve, args)

@@ -247,6 +247,9 @@ def main() -> None:
     overlap = ray.get(serving.engine.__ray_call__.remote(lambda e: e.loop.overlap))
     sizes = ray.get(serving.engine.__ray_call__.remote(lambda e: e.cfg.serve.model_dump()))
     stepwise = sizes.get("stepwise_prefill_max")
+    started = ray.get(serving.engine.__ray_call__.remote(lambda e: e.start_seconds))
+    print("[serve_load] the engine started in " + ", ".join(f"{k} {v:.1f} s" for k, v in started.items()),
+          flush=True)
     from k3ray.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(info["tokenizer"])

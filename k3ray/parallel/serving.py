@@ -184,6 +184,7 @@ class DecodeGraphs:
     def __init__(self, server: StageServer):
         self.server = server
         self.graphs: dict[tuple[int, int, bool], tuple] = {}
+        self.capture_seconds = 0.0  # spent capturing (warm-up runs included), reported with the grid's start
         self.pool = torch.cuda.graph_pool_handle()
         # experts exchanged between EP ranks: the exchange's splits come from the host, so no graph
         self.enabled = all(getattr(getattr(moe.experts, "ctx", None), "num_ranks", 1) == 1
@@ -207,8 +208,10 @@ class DecodeGraphs:
         """The graph of (bucket, context, greedy), captured on first use; None if it cannot be (graphs off then)."""
         key = (bucket, context, greedy)
         if key not in self.graphs:
+            t0 = time.perf_counter()
             try:
                 self.graphs[key] = self._capture(*key)
+                self.capture_seconds += time.perf_counter() - t0
             except RuntimeError as err:  # a kernel that cannot be captured: this stage decodes eagerly from now on
                 log.warning("decode CUDA graphs off for this stage: the capture failed: %s", err)
                 self.enabled = False

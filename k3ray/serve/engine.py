@@ -201,9 +201,15 @@ class Engine:
 class ServingEngine(Engine):
     def __init__(self, checkpoint: str, pp: int, ep: int, serve_overrides: dict | None = None,
                  launch_timeout_s: float = 300.0, observers: list | None = None, spares: int = 0):
+        t0 = time.perf_counter()
         weights = serving_weights(checkpoint)
+        t_read = time.perf_counter()
         cfg = serving_config(weights.config, pp, ep, serve_overrides, spares)
         grid = ServingGrid(resolve_serve(cfg), weights.state, launch_timeout_s)
-        grid.launch(ep)
+        t_held = time.perf_counter()
+        phases = grid.launch(ep)
         super().__init__(cfg, weights.step, grid, observers)
-        log.info("serving %s step %d from %s on pp=%d x ep=%d", cfg.name, weights.step, weights.path, pp, ep)
+        self.start_seconds = {"read_weights": t_read - t0,
+                              "hold_weights": t_held - t_read, **phases, "total": time.perf_counter() - t0}
+        log.info("serving %s step %d from %s on pp=%d x ep=%d, started in %s", cfg.name, weights.step, weights.path,
+                 pp, ep, ", ".join(f"{k} {v:.1f} s" for k, v in self.start_seconds.items()))

@@ -125,7 +125,7 @@ class ServingGrid:
                 if decision.spare_for:
                     self.group.regroup(lost.ranks, decision.ep, decision.home.tolist(), list(decision.keep),
                                        set(decision.spare_for), self.launcher.sources(), self.launcher.timeout_s)
-                    phases = {**self.group.launch_seconds, "cache_pools": self.launcher.cache_pools(self.group)}
+                    phases = {**self.group.launch_seconds, **self.launcher.cache_pools(self.group)}
                 else:
                     phases = self.launch(decision.ep, decision.home.tolist(), wait_for_spares=False)
                 break
