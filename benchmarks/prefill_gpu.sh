@@ -4,6 +4,8 @@
 # without an exception, the served path (serve_gpu.sh) on the same workload. Carry .carry/ray and .carry/kcache; the
 # kernel cache comes back as $OUT/kcache.tar.xz with the serving shapes' autotune results added.
 #   bash benchmarks/prefill_gpu.sh [prefill_gpu.py arguments]     (T_PREFILL, T_SERVE: each stage's limit in s)
+# PREFILL_VARIANTS: more prefill_gpu.py runs after the first, argument sets separated by ';' (each under T_VARIANT s),
+# e.g. PREFILL_VARIANTS="--stages levels --concurrency 64 --set serve.token_budget=2048"
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /root/kcache /tmp/site
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site   # pydantic (the config) comes with the carried Ray
@@ -17,6 +19,14 @@ t0=$SECONDS
 timeout "${T_PREFILL:-240}" python3 benchmarks/prefill_gpu.py --config configs/gpu2.yaml --set model.n_layers=4 "$@" \
   > "$OUT/prefill.txt" 2>&1
 echo "prefill rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/gpu.txt"
+IFS=';' read -ra variants <<< "${PREFILL_VARIANTS:-}"
+for i in "${!variants[@]}"; do
+  t0=$SECONDS
+  # shellcheck disable=SC2086 # a variant is a list of arguments
+  timeout "${T_VARIANT:-90}" python3 benchmarks/prefill_gpu.py --config configs/gpu2.yaml --set model.n_layers=4 \
+    ${variants[$i]} > "$OUT/prefill_v$((i + 1)).txt" 2>&1
+  echo "prefill variant $((i + 1)) (${variants[$i]}) rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/gpu.txt"
+done
 if [[ "${T_SERVE:-300}" != 0 ]] && ! grep -q Traceback "$OUT/prefill.txt"; then
   cd "$repo" && T4="${T_SERVE:-300}" T8=0 LEVELS4="${LEVELS:-1 16 64}" \
     VARIANTS4="${VARIANTS:---prompt-tokens 200:1200 --max-tokens 32:256}" bash benchmarks/serve_gpu.sh
