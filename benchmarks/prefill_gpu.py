@@ -10,8 +10,8 @@ Stages (each prints as it ends; an exception prints its traceback and the next s
    `--prompt-tokens` tokens of Python's stdlib source (bytes, seeded), max_tokens drawn from `--max-tokens`.
    Output tokens/s, TTFT and ITL from the scheduler's token times, prompt tokens/s, the worker's step per
    iteration (synchronized) binned by tokens per iteration.
-3. `graphs`: every decode CUDA graph of the pools captured (what serve.graphs_at_start does at a server's start),
-   each capture timed, by context bucket.
+3. `graphs`: every decode CUDA graph of the pools captured in the order a server's start takes them
+   (serve.graphs_at_start_s), each capture timed, by context and batch bucket.
 4. A profile of mixed iterations of about `--mixed-tokens` tokens (64 decode rows + prompt chunks): device time by
    kernel category (attention, KDA, convolution, matmul, experts, elementwise/other) and the worker's wall time.
 """
@@ -214,7 +214,7 @@ def graph_captures(model, serve) -> None:
 
     graphs._capture = timed_capture
     t0 = time.perf_counter()
-    n = graphs.capture_all()
+    n = graphs.capture_ahead(float("inf"))
     wall = time.perf_counter() - t0
     print(f"[prefill] {n} decode graphs captured in {wall:.1f} s (median {statistics.median(t[3] for t in timed):.3f}"
           f" s, first {timed[0][3]:.2f} s, max {max(t[3] for t in timed):.2f} s)", flush=True)

@@ -212,8 +212,8 @@ def main() -> None:
     ap.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
     ap.add_argument("--overlap", choices=["on", "off"], help="serve.overlap (default: the config's: on for pp=1)")
     ap.add_argument("--stepwise-prefill-max", type=int, help="serve.stepwise_prefill_max (default: the config's)")
-    ap.add_argument("--graphs-at-start", choices=["on", "off"],
-                    help="serve.graphs_at_start (default: the config's): every decode graph at start, or on first use")
+    ap.add_argument("--graphs-at-start-s", type=float,
+                    help="serve.graphs_at_start_s (default: the config's): seconds of decode graph captures at start")
     ap.add_argument("--front-doors", type=int, default=1, help="HTTP front-door processes")
     ap.add_argument("--client-procs", type=int, default=1, help="processes the clients are spread over")
     args = ap.parse_args()
@@ -239,7 +239,7 @@ def main() -> None:
                  **({} if args.token_budget is None else {"token_budget": args.token_budget}),
                  **({} if args.overlap is None else {"overlap": args.overlap == "on"}),
                  **({} if args.stepwise_prefill_max is None else {"stepwise_prefill_max": args.stepwise_prefill_max}),
-                 **({} if args.graphs_at_start is None else {"graphs_at_start": args.graphs_at_start == "on"})}
+                 **({} if args.graphs_at_start_s is None else {"graphs_at_start_s": args.graphs_at_start_s})}
     t_start = time.perf_counter()
     serving = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg,
                             front_doors=args.front_doors)

@@ -14,9 +14,9 @@ class WorkerServing:
         self.seat = seat
         self.server = None  # the StageServer beside the engine (k3ray.parallel.serving), made by serve_init
 
-    def serve_init(self, pages: int, page_size: int, slots: int, capture_graphs: bool = False) -> float:
-        """Cache pools for serving beside the stage this worker holds, and with `capture_graphs` every decode CUDA
-        graph they can ask for (GPU); the seconds the captures took."""
+    def serve_init(self, pages: int, page_size: int, slots: int, graphs_budget_s: float = 0.0) -> float:
+        """Cache pools for serving beside the stage this worker holds, and the likeliest decode CUDA graphs that
+        `graphs_budget_s` seconds capture (GPU); the seconds the captures took."""
         from k3ray.model.cache import new_pools
         from k3ray.parallel.serving import StageServer
 
@@ -26,8 +26,8 @@ class WorkerServing:
         self.server = StageServer(e.stage, pools, e.device, rank - e.ep if e.pp_rank > 0 else None,
                                   rank + e.ep if e.pp_rank < e.pp - 1 else None, e.groups.world)
         graphs = self.server.graphs
-        if capture_graphs and graphs is not None:
-            graphs.capture_all()
+        if graphs_budget_s > 0 and graphs is not None:
+            graphs.capture_ahead(graphs_budget_s)
             return graphs.capture_seconds
         return 0.0
 

@@ -11,8 +11,9 @@ device. Only token ids and each sequence's largest activation (for the per-reque
 
 A plan is small: the sequences by slot with their start and token count, the new token ids, and for sequences new
 on the rank their pages and sampling parameters (sent once). Decode iterations (one token per sequence) on a stage
-whose experts are all local run as CUDA graphs, one per (batch bucket, context bucket), captured when the pools are
-made (serve.graphs_at_start) or on first use (`DecodeGraphs`); prefill chunks run eagerly. The same code runs on CPU
+whose experts are all local run as CUDA graphs, one per (batch bucket, context bucket), the likeliest captured when
+the pools are made (as many as serve.graphs_at_start_s allows), the rest on first use (`DecodeGraphs`); prefill chunks
+run eagerly. The same code runs on CPU
 without graphs.
 """
 from __future__ import annotations
@@ -190,18 +191,23 @@ class DecodeGraphs:
         self.enabled = all(getattr(getattr(moe.experts, "ctx", None), "num_ranks", 1) == 1
                            for moe in server.stage.moe_layers().values())
 
-    def capture_all(self) -> int:
-        """Capture every graph this stage's pools can ask for (batch buckets up to the slots, every context bucket,
-        greedy and sampled) now, so that no iteration waits for a capture; how many were captured."""
-        pools, before = self.server.pools, len(self.graphs)
+    def keys(self) -> list[tuple[int, int, bool]]:
+        """Every (batch bucket, context bucket, greedy) this stage's pools can ask for, likeliest first: greedy
+        before sampled, then short contexts (every request's first tokens) before long, small batches before large."""
+        pools = self.server.pools
         contexts = sorted({pools.context_bucket(pools.page_size << k)
                            for k in range(pools.max_pages.bit_length() + 1)})
-        for bucket in (b for b in BATCH_BUCKETS if b <= pools.slots):
-            for context in contexts:
-                for greedy in (True, False):
-                    if not self.enabled:
-                        return len(self.graphs) - before
-                    self._get(bucket, context, greedy)
+        buckets = [b for b in BATCH_BUCKETS if b <= pools.slots]
+        return [(b, c, greedy) for greedy in (True, False) for c in contexts for b in buckets]
+
+    def capture_ahead(self, budget_s: float) -> int:
+        """Capture graphs in `keys()` order until `budget_s` seconds are spent (the capture under way finishes),
+        so that the iterations traffic asks for first wait for no capture; how many were captured."""
+        t0, before = time.perf_counter(), len(self.graphs)
+        for key in self.keys():
+            if not self.enabled or time.perf_counter() - t0 >= budget_s:
+                break
+            self._get(*key)
         return len(self.graphs) - before
 
     def _get(self, bucket: int, context: int, greedy: bool):

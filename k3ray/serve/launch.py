@@ -34,13 +34,13 @@ class GridLauncher:
         """Every worker's cache pools (and decode graphs); the first time on GPUs with serve.pages_per_rank unset,
         as many pages as every worker's free memory holds (serve.gpu_memory_fraction), the fewest any worker
         holds: every grid started later keeps that size. Returns the seconds it took: `cache_pools` in all, of
-        which `graph_capture` the slowest worker's decode graph captures (serve.graphs_at_start)."""
+        which `graph_capture` the slowest worker's decode graph captures (serve.graphs_at_start_s)."""
         t0, s = time.perf_counter(), self.cfg.serve
         if s.pages_per_rank is None:
             fits = group.call("serve_pages_that_fit", s.page_size, s.slots_per_rank, s.gpu_memory_fraction,
                               timeout_s=self.timeout_s)
             self.cfg.serve = s = s.model_copy(update={"pages_per_rank": max(1, min(fits))})
             log.info("serving: %d KV pages of %d tokens per rank (free GPU memory)", min(fits), s.page_size)
-        captures = group.call("serve_init", s.pages_per_rank, s.page_size, s.slots_per_rank, s.graphs_at_start,
+        captures = group.call("serve_init", s.pages_per_rank, s.page_size, s.slots_per_rank, s.graphs_at_start_s,
                               timeout_s=self.timeout_s)
         return {"cache_pools": time.perf_counter() - t0, "graph_capture": max(captures, default=0.0)}
