@@ -6,6 +6,9 @@ on) and the engine's phases, then the medians.
     python benchmarks/serve_faults.py [--checkpoint runs/tiny/checkpoints] [--pp 2 --ep 2] [--drills 3] [--kill 2]
                                       [--spares 1]
 
+--server-defaults: the serving sizes a user gets on the device (on a GPU: pools from free memory, 256 slots, the
+token budget, decode graphs), not the small fixed ones.
+
 With --spares the lost worker's place is taken by a hot spare (column "workers": swapping spares in) rather than by
 a grid launched anew (column "workers": placing and starting worker processes).
 
@@ -63,6 +66,8 @@ def drill(checkpoint: str, pp: int, ep: int, concurrency: int, max_tokens: int, 
           spares: int) -> dict:
     engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve, spares=spares)
     ray.get(engine.ready.remote())
+    started = ray.get(engine.__ray_call__.remote(lambda e: e.start_seconds))
+    print("engine started in " + ", ".join(f"{k} {v:.1f} s" for k, v in started.items()), flush=True)
     params = [{"max_tokens": max_tokens, "temperature": 0.0 if i % 2 else 0.8, "seed": i} for i in range(concurrency)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(concurrency)]
     try:
@@ -98,6 +103,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=10)
     ap.add_argument("--spares", type=int, default=0, help="hot spares of the serving grid")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--server-defaults", action="store_true", help="the device's default serving sizes")
     args = ap.parse_args()
     init_ray(None, args.pp * args.ep + args.spares + 2)
     checkpoint = args.checkpoint
@@ -106,6 +112,8 @@ def main() -> None:
         train_checkpoint(checkpoint)
     serve = {"pages_per_rank": 8 * args.concurrency, "page_size": 16, "slots_per_rank": args.concurrency,
              "token_budget": 256, "max_tokens": args.max_tokens}
+    if args.server_defaults:
+        serve = {"max_tokens": max(args.max_tokens, 256)}
     rows = []
     print(f"{'drill':>5} {'requests same':>13} {'ep':>6} {'spares':>6} {'gap s':>6} " + " ".join(f"{p:>14}" for p in PHASES))
     for d in range(args.drills):
