@@ -5,6 +5,8 @@ seeded sampling gives the same text whatever shares the batch; pages and slots c
 float64 so that batching (other summation orders) cannot flip an argmax."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from conftest import RELEASED
 from k3ray.config import load_config
 from k3ray.faults import poison_token
 from k3ray.config import ServeConfig
+from k3ray.serve.pacing import IterationPacer
 from k3ray.serve.scheduler import Overloaded, Scheduler
 from k3ray.data import chat_prompt, decode, encode
 from k3ray.model.decoder import build_stage
@@ -91,6 +94,57 @@ def test_prompts_that_arrive_while_others_decode_start_at_once_together(model):
     while sched.has_work:
         sched.step(ex)
     assert [r.out for r in [first, *late]] == want
+
+
+class PromptPricedExecutor:
+    """LocalExecutor whose steps report the seconds of a device where an iteration costs 1 ms plus 0.1 ms per prompt
+    token (the tokens of chunks longer than one)."""
+
+    def __init__(self, inner: LocalExecutor):
+        self.inner, self.prompt_tokens = inner, []
+
+    def run(self, plans):
+        outs = self.inner.run(plans)
+        tokens = sum(n for n in plans[0].counts if n > 1)
+        self.prompt_tokens.append(tokens)
+        outs[0].seconds = 1e-3 + 1e-4 * tokens
+        return outs
+
+
+def test_an_iteration_target_paces_prompt_chunks_and_changes_no_output(model):
+    """serve.iteration_target_ms: from the step seconds of the iterations before, an iteration holds only the prompt
+    tokens that keep it near the target (5 ms here: 40 prompt tokens at 1 ms + 0.1 ms per token), however much of
+    the token budget is left; long prompts are cut into more chunks, and every output is still the reference's."""
+    prompts = [encode((t * 30)[:100]) for t in TEXTS[:8]]
+    params = [SamplingParams(max_tokens=6) for _ in prompts]
+    want = [generate_reference(model, p, sp)[0] for p, sp in zip(prompts, params)]
+    serve = ServeConfig(page_size=4, pages_per_rank=256, slots_per_rank=8, token_budget=200, iteration_target_ms=5.0)
+    sched = Scheduler(serve, model.cfg.max_seq_len)
+    sched.pacer = IterationPacer(5e-3, serve.token_budget, floor=8)  # the default floor (256) exceeds this budget
+    ex = PromptPricedExecutor(LocalExecutor(model, PoolSizes(256, 4, 8)))
+    reqs = [sched.submit(p, sp) for p, sp in zip(prompts, params)]
+    while sched.has_work:
+        sched.step(ex)
+    assert [r.out for r in reqs] == want
+    assert ex.prompt_tokens[0] == 200  # nothing measured yet: the budget
+    # then 5 ms / (21 ms / 200 tokens) = 47 after the first, converging to (5 - 1) / 0.1 = 40
+    assert max(ex.prompt_tokens[1:]) <= 47
+    assert 36 <= statistics.median(t for t in ex.prompt_tokens[1:] if t > 0) <= 44
+    assert sum(t > 0 for t in ex.prompt_tokens) >= 1 + (sum(len(p) for p in prompts) - 200) // 47
+
+
+def test_without_an_iteration_target_the_budget_alone_bounds_prompt_chunks():
+    pacer = IterationPacer(None, 128, 8)
+    pacer.observe(100, 1.0)
+    assert pacer.prompt_allowance() == 128
+    pacer = IterationPacer(0.02, 8192, 256)
+    pacer.observe(0, 0.004)  # decode rows alone: 4 ms
+    pacer.observe(2048, 0.004 + 2048 * 6e-6)  # 6 us per prompt token
+    assert pacer.prompt_allowance() == int(0.016 / 6e-6)
+    pacer.observe(0, 0.030)  # decode rows alone past the target: prompts still progress
+    for _ in range(20):
+        pacer.observe(0, 0.030)
+    assert pacer.prompt_allowance() == 256
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])

@@ -3,7 +3,10 @@ prefill under a token budget, and the allocation of KV pages and KDA state slots
 
 Every iteration, per data-parallel rank, while the rank's token budget (serve.token_budget) lasts: one token for
 each running request that is decoding, then the next prompt chunks of requests still prefilling, oldest first, then
-new requests admitted in arrival order: several prompts share an iteration, and none waits for a time to pass. A
+new requests admitted in arrival order: several prompts share an iteration, and none waits for a time to pass. With
+serve.iteration_target_ms (GPUs) the prompt chunks of an iteration hold at most the tokens that keep it near that
+length, as measured on the iterations before (`IterationPacer`): a long prompt never stalls the decoding streams for
+more than about one target. A
 request is admitted onto the rank with the most free pages that has a free state slot and pages for its first chunk
 (keeping one page per running request of the rank in reserve, so that decoding rarely preempts). A request lives on
 one rank until it finishes or is preempted; its pages and slot return to the rank's free lists then.
@@ -46,11 +49,13 @@ import itertools
 import time
 
 from k3ray.config import GuardPolicy, ServeConfig
+from k3ray.config.serve import PROMPT_TOKENS_FLOOR
 from k3ray.model.cache import SeqAdmit, SeqPages
 from k3ray.model.sampling import SamplingParams, finish_reason
 from k3ray.parallel.serving import StageOutput
 from k3ray.policies import guards
 from k3ray.serve.cache_allocator import CacheAllocator
+from k3ray.serve.pacing import IterationPacer
 from k3ray.serve.scheduler_output import RankBatch, Request, SchedulerOutput
 from k3ray.tokenizer import ByteTokenizer, Tokenizer
 
@@ -75,6 +80,8 @@ class Scheduler:
         self.guards = guards or GuardPolicy()
         self.tokenizer = tokenizer or ByteTokenizer()
         self.caches = CacheAllocator(serve, dp)
+        target = serve.iteration_target_ms
+        self.pacer = IterationPacer(None if target is None else target / 1e3, serve.token_budget, PROMPT_TOKENS_FLOOR)
         self.waiting: list[Request] = []
         self.running: dict[int, Request] = {}
         self.requests: dict[int, Request] = {}  # every request not yet forgotten (`forget`)
@@ -171,6 +178,7 @@ class Scheduler:
         token budget lasts; pages allocated as rows reach them, newer requests preempted where they run out. With
         an iteration in flight (overlap), its sampled tokens are taken on the workers (`RankPlan.from_device`)."""
         budget = [self.serve.token_budget] * self.dp
+        prompt_budget = [self.pacer.prompt_allowance()] * self.dp  # tokens of chunks longer than one
         out = SchedulerOutput({r: RankBatch() for r in range(self.dp)})
         scheduled: set[int] = set()
 
@@ -188,6 +196,8 @@ class Scheduler:
             batch.epochs.append(req.epoch)
             scheduled.add(req.id)
             budget[req.rank] -= n
+            if n > 1:
+                prompt_budget[req.rank] -= n
             out.total_tokens += n
             self.rank_tokens[req.rank] += n
             req.planned += n
@@ -203,12 +213,14 @@ class Scheduler:
             n = min(req.to_run, budget[req.rank])
             if n > 1 and self._stepwise(req):
                 n = 1
+            elif n > 1:
+                n = self._paced(n, prompt_budget[req.rank])
             n = self._grow(req, n, scheduled, out) if n > 0 else 0
             if n > 0:
                 add(req, n)
         while self.waiting:
             req = self.waiting[0]
-            n, rank = self._admit_rank(req, budget)
+            n, rank = self._admit_rank(req, budget, prompt_budget)
             if rank is None:
                 break
             self.waiting.pop(0)
@@ -262,13 +274,22 @@ class Scheduler:
         return (not req.done and len(req.out) + req.unconfirmed < req.params.max_tokens
                 and req.length + req.unconfirmed < self.max_seq_len)
 
-    def _admit_rank(self, req: Request, budget: list[int]) -> tuple[int, int | None]:
+    @staticmethod
+    def _paced(n: int, prompt_budget: int) -> int:
+        """A prompt chunk of n > 1 tokens cut to the iteration's prompt tokens left; 0 (no row) where fewer than
+        two are left and it was the pacing that cut it (a one-token chunk would be a decode row's cost for one
+        prompt token)."""
+        return n if n <= prompt_budget else (prompt_budget if prompt_budget > 1 else 0)
+
+    def _admit_rank(self, req: Request, budget: list[int], prompt_budget: list[int]) -> tuple[int, int | None]:
         """(first chunk, rank) for a waiting request: the rank with the most free pages among those with a free slot,
         budget left and pages for the chunk beside one in reserve per running request; (0, None) if none."""
         best = None
         ranks = self.caches.ranks
         for rank, pool in enumerate(ranks):
             n = 1 if self._stepwise(req) else min(req.length, budget[rank])  # a requeued request re-prefills its output
+            if n > 1:
+                n = self._paced(n, prompt_budget[rank])
             reserve = sum(1 for r in self.running.values() if r.rank == rank)
             if (n > 0 and pool.free_slots and len(pool.free_pages) >= self.caches.pages(n) + reserve
                     and (best is None or len(pool.free_pages) > len(ranks[best[1]].free_pages))):
@@ -283,6 +304,8 @@ class Scheduler:
         preempted since are void. Iterations complete in the order they were scheduled. Returns the requests that
         got a token or finished."""
         now, changed = self.clock(), []
+        self.pacer.observe(max(sum(n for n in b.plan.counts if n > 1) for b in scheduled.ranks.values()),
+                           max(outputs[r].seconds for r in scheduled.ranks))
         for rank, batch in scheduled.ranks.items():
             out, plan = outputs[rank], batch.plan
             trips = guards.check_sequences(out.maxabs, self.guards)
