@@ -248,6 +248,7 @@ def main() -> None:
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
+    torch.set_num_threads(1)  # as a k3ray worker runs (grid/worker.py): host-side ops on tiny tensors, one thread
     cfg = load_config(args.config, parse_assignments(args.set + ["parallel.ep=1", "parallel.pp=1"]))
     t0 = time.perf_counter()
     model = build_stage(cfg.model, range(cfg.model.n_layers), seed=cfg.train.seed, device=DEVICE)

@@ -71,6 +71,17 @@ def _view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
     return buf[slot.offset:slot.offset + n].view(dtype).view(slot.shape)
 
 
+def pack(state: Any) -> Packed:
+    """A nested state of host tensors as one byte buffer: Ray writes it into the object store in one copy and any
+    worker reads it back without one (a dict of tensors is pickled tensor by tensor instead, both ways)."""
+    tree, tensors, nbytes = layout(state)
+    data = np.empty(nbytes, dtype=np.uint8)
+    buf = torch.from_numpy(data)
+    for x, slot in tensors:
+        _view(buf, slot).copy_(x)
+    return Packed(tree, data)
+
+
 def unpack(packed: Packed) -> Any:
     """The nested state back, its tensors zero-copy CPU views of `packed.data` (read-only when it came from Ray's
     object store: copy before writing)."""

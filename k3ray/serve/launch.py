@@ -1,5 +1,6 @@
 """Serving grids started from the checkpoint's weights (`GridLauncher`, owned by the ServingGrid): the weights are
-put into the object store once and held for as long as the engine lives, so any grid started later (after a loss,
+put into the object store once, packed into one byte buffer (`k3ray.grid.snapshots.pack`: one copy in, none out),
+and held for as long as the engine lives, so any grid started later (after a loss,
 any pp x ep) loads from them without reading the checkpoint again; every grid started gets empty cache pools of
 the same size."""
 from __future__ import annotations
@@ -10,6 +11,7 @@ import time
 import ray
 
 from k3ray.config import JobConfig
+from k3ray.grid.snapshots import pack
 from k3ray.grid.worker_group import WorkerGroup
 
 log = logging.getLogger("k3ray.serve")
@@ -18,7 +20,7 @@ log = logging.getLogger("k3ray.serve")
 class GridLauncher:
     def __init__(self, cfg: JobConfig, weights_state: dict, timeout_s: float = 300.0):
         self.cfg, self.timeout_s = cfg, timeout_s  # cfg: the serving grid's (serve resolved for the device)
-        self.weights = ray.put(weights_state)  # once: every worker of every grid reads its part of this object
+        self.weights = ray.put(pack(weights_state))  # once: every worker of every grid reads its part of this object
 
     def sources(self) -> dict[int, list]:
         """stage -> the states its workers restore from: the held weights, for every stage."""
