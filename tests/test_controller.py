@@ -102,8 +102,12 @@ class FakeGroup:
     def places_held(self) -> int:
         return self.spares_ready()
 
-    def on_lost_nodes(self, ranks: set[int]) -> bool:
-        return bool(set(ranks) & self.cluster.lost_node_ranks)
+    @property
+    def nodes(self) -> list[str]:  # a node per world rank
+        return [f"node{r}" for r in range(self.size)]
+
+    def healthy(self) -> set[str]:
+        return {f"node{r}" for r in range(self.size) if r not in self.cluster.lost_node_ranks}
 
     def capacity(self, free: bool = False) -> int:
         held = sum(g.held for g in self.cluster.groups) + (self.cluster.others if free else 0)
@@ -353,6 +357,8 @@ def test_a_shrink_is_carried_out_in_place_unless_a_node_is_lost():
     assert not recovery.on_workers_lost(home, 4, {5}, load, max_ep=3).in_place  # a plan for a grid launched anew
     assert recovery.on_workers_lost(home, 4, {5}, load, spares=1, nodes_lost=True).in_place  # a spare fills in
     assert not recovery.on_workers_lost(recovery.grow(8, 1), 1, {1}, load).in_place  # restart: nothing to keep
+    assert recovery.on_lost_nodes(["a", "a", "b", "b"], {2}, healthy={"a"})
+    assert not recovery.on_lost_nodes(["a", "a", "b", "b"], {2}, healthy={"a", "b"})  # only the process died
 
 
 def test_silent_nodes_are_those_whose_every_rank_hung():

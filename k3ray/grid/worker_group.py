@@ -246,11 +246,6 @@ class WorkerGroup:
         """The results of (world rank, call) in order, through the one failure path (`calls.gather`)."""
         return calls.gather(sent, timeout_s, what, self.dead_ranks, grace_s)
 
-    def on_lost_nodes(self, ranks: set[int]) -> bool:
-        """Whether any of these world ranks was on a node that is lost or found silent (not healthy)."""
-        healthy = self.alive_nodes.healthy()
-        return any(self.nodes[r] not in healthy for r in ranks)
-
     def dead_ranks(self, exclude: set[int] = frozenset(), timeout_s: float = 2.0) -> set[int]:
         """World ranks found lost (`calls.dead_ranks`) but those in `exclude`."""
         return calls.dead_ranks(self.workers, self.nodes, exclude, timeout_s)

@@ -114,3 +114,8 @@ def silent_nodes(node_of_rank: list[str], hung_ranks: set[int]) -> set[str]:
     silent = {n for n in nodes if all(r in hung_ranks for r, m in enumerate(node_of_rank) if m == n)}
     return silent if silent != nodes else set()
 
+
+def on_lost_nodes(node_of_rank: list[str], lost_ranks: set[int], healthy: set[str]) -> bool:
+    """Whether any lost world rank was on a node that is not `healthy` (lost, or found silent): the node went, not
+    just the worker's process. node_of_rank[r]: the node of world rank r."""
+    return any(node_of_rank[r] not in healthy for r in lost_ranks)

@@ -163,8 +163,9 @@ class Recovery:
         t_gathered = time.perf_counter()
         load = self.table.expert_load(self.progress.last_report)
         spares = old.spares_ready() if ft.spares else 0
+        nodes_lost = recovery.on_lost_nodes(old.nodes, lost.ranks, old.alive_nodes.healthy())
         decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, spares=spares,
-                                            nodes_lost=old.on_lost_nodes(lost.ranks))
+                                            nodes_lost=nodes_lost)
         fields = dict(step=step, ranks=sorted(lost.ranks), why=lost.why,
                       rule="collective_timeout" if lost.hung else "worker_lost", silent_nodes=sorted(silent),
                       replayed_steps=[snap.step, step], attempt=self.machine.attempt)
