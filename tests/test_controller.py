@@ -35,6 +35,7 @@ class Cluster:
         self.spares_dead = False  # every standby spare has died (its node lost)
         self.die_every: dict[str, set[int]] = {}  # method -> world ranks that die in every call of it
         self.place_fails = 0  # placements (launch, grow) that fail although the resources looked free
+        self.lost_node_ranks: set[int] = set()  # world ranks on a node that is lost (or silent), not just dead
         self.step_gate = None  # a threading.Event a step waits on (forced interleavings with API calls)
         self.calls: list[tuple] = []
         self.groups: list[FakeGroup] = []
@@ -81,11 +82,11 @@ class FakeGroup:
     def room_for(self, n: int) -> bool:
         return sum(g.held for g in self.cluster.groups) + self.cluster.others + n <= self.cluster.capacity
 
-    def grow(self, ep: int, home: list[int], restore: dict, timeout_s: float, use_spares: bool = False) -> None:
-        """In place: the added workers are placed first (ready spares first with use_spares); a placement that
-        fails leaves the grid as it was."""
+    def grow(self, ep: int, home: list[int], restore: dict, timeout_s: float) -> None:
+        """In place: ready spares fill the added places first, the rest are placed; a placement that fails leaves
+        the grid as it was."""
         added = self.pp * (ep - self.ep)
-        from_spares = min(added, len(self.spares)) if use_spares else 0
+        from_spares = min(added, self.spares_ready())
         if self.cluster.place_fails:
             self.cluster.place_fails -= 1
             raise TopologyError("placement timed out")
@@ -97,6 +98,16 @@ class FakeGroup:
         self.ep, self.home = ep, list(home)
         self.launch_seconds = {"place_and_start_workers": 0.0}
         self.restore(restore)
+
+    def places_held(self) -> int:
+        return self.spares_ready()
+
+    @property
+    def nodes(self) -> list[str]:  # a node per world rank
+        return [f"node{r}" for r in range(self.size)]
+
+    def healthy(self) -> set[str]:
+        return {f"node{r}" for r in range(self.size) if r not in self.cluster.lost_node_ranks}
 
     def capacity(self, free: bool = False) -> int:
         held = sum(g.held for g in self.cluster.groups) + (self.cluster.others if free else 0)
@@ -339,6 +350,17 @@ def test_shrink_or_restart_decisions():
     assert restart.action == "restart" and restart.ep == 1
 
 
+def test_a_shrink_is_carried_out_in_place_unless_a_node_is_lost():
+    home, load = recovery.grow(8, 4), torch.ones(8)
+    assert recovery.on_workers_lost(home, 4, {5}, load).in_place  # a worker died: its survivors regroup
+    assert not recovery.on_workers_lost(home, 4, {5}, load, nodes_lost=True).in_place
+    assert not recovery.on_workers_lost(home, 4, {5}, load, max_ep=3).in_place  # a plan for a grid launched anew
+    assert recovery.on_workers_lost(home, 4, {5}, load, spares=1, nodes_lost=True).in_place  # a spare fills in
+    assert not recovery.on_workers_lost(recovery.grow(8, 1), 1, {1}, load).in_place  # restart: nothing to keep
+    assert recovery.on_lost_nodes(["a", "a", "b", "b"], {2}, healthy={"a"})
+    assert not recovery.on_lost_nodes(["a", "a", "b", "b"], {2}, healthy={"a", "b"})  # only the process died
+
+
 def test_silent_nodes_are_those_whose_every_rank_hung():
     nodes = ["a", "a", "b", "b"]
     assert recovery.silent_nodes(nodes, {2, 3}) == {"b"}
@@ -377,14 +399,31 @@ def test_spares_cover_whole_columns_and_the_rest_shrinks_in_place():
     assert cluster.groups[-1].trained == tuple(range(7))
 
 
-def test_without_a_ready_spare_the_grid_is_launched_anew():
+def test_without_a_ready_spare_the_grid_shrinks_in_place_and_the_survivors_left_out_stand_by():
+    """pp=2 x ep=2, rank 2 (stage 1 of column 0) lost, no spare: the grid shrinks in place to column 1 (no process
+    started, no grid launched); rank 0, column 0's survivor, stands by and the grow-back takes it back without a
+    placement beyond the one lost place."""
+    cluster = Cluster(capacity=4, lose={6: 2})
+    ctrl = run(cluster, 7, **{"parallel.pp": 2, "parallel.ep": 2, "fault_tolerance.grow_back_after_steps": 1})
+    (lost,) = ctrl.incidents
+    assert lost["action"] == "reshard" and lost["ep"] == [2, 1] and lost["spares_used"] == []
+    assert ("regroup", [2], 1, [1], []) in cluster.calls and len(cluster.groups) == 1
+    assert ctrl.status()["ep"] == 1 and ctrl.status()["spares"] == 1  # rank 0 on standby
+    assert cluster.groups[-1].trained == tuple(range(7))
+    ctrl.train_step(7)  # grow-back due: the standing-by survivor and one new worker (3 held + 1 <= capacity 4)
+    assert [i["kind"] for i in ctrl.incidents] == ["worker_lost", "grow_back"] and ctrl.status()["ep"] == 2
+    assert ctrl.status()["spares"] == 0 and cluster.groups[-1].trained == tuple(range(8))
+
+
+def test_without_a_ready_spare_a_lost_node_launches_the_grid_anew():
     cluster = Cluster(capacity=4, lose={6: 2})  # no room for the spare: the job runs without one
+    cluster.lost_node_ranks = {2}  # its node is gone: the grid is placed again off it
     ctrl = run(cluster, 7, **{"parallel.ep": 4, "fault_tolerance.spares": 1, "fault_tolerance.grow_back": False})
     (lost,) = ctrl.incidents
     assert lost["action"] == "reshard" and lost["ep"] == [4, 3] and lost["spares_used"] == []
     assert not any(c[0] == "regroup" for c in cluster.calls) and len(cluster.groups) == 3  # probe + new grid
     cluster = Cluster(capacity=5, lose={6: 2})
-    cluster.spares_dead = True  # the spare's node was lost before the worker
+    cluster.spares_dead, cluster.lost_node_ranks = True, {2}  # the spare's node was lost before the worker's
     ctrl = run(cluster, 7, **{"parallel.ep": 4, "fault_tolerance.spares": 1, "fault_tolerance.grow_back": False})
     assert ctrl.incidents[0]["action"] == "reshard" and ctrl.incidents[0]["spares_used"] == []
     assert cluster.groups[-1].trained == tuple(range(7))
@@ -643,6 +682,7 @@ def test_node_loss_shrinks_to_what_the_alive_nodes_hold_then_grows_back():
     for s in range(6):
         ctrl.train_step(s)
     cluster.capacity, cluster.lose = 2, {6: 2}  # the node holding ranks 2 and 3 is gone (rank 2 reported first)
+    cluster.lost_node_ranks = {2, 3}
     ctrl.train_step(6)
     assert ctrl.status()["ep"] == 2 and ctrl.incidents[-1]["ep"] == [4, 2]
     cluster.capacity = 6  # a node of 2 CPUs... and 2 more: room for the full grid beside the running one
@@ -656,7 +696,7 @@ def test_a_lost_node_not_yet_reported_dead_fails_the_placement_and_the_plan_retr
     cluster = Cluster(capacity=4)
     ctrl = run(cluster, 6, **{"parallel.ep": 4, "fault_tolerance.grow_back": False})
     cluster.capacity, cluster.phantom = 2, 2  # Ray still counts the lost node's two workers
-    cluster.lose = {6: 3}
+    cluster.lose, cluster.lost_node_ranks = {6: 3}, {2, 3}
     ctrl.train_step(6)
     tried, done = ctrl.incidents
     assert tried["ep"] == [4, 3] and tried["outcome"].startswith("did not fit")
@@ -668,7 +708,7 @@ def test_resources_others_hold_fail_the_placement_and_the_plan_retries_on_what_i
     cluster = Cluster(capacity=6)
     ctrl = run(cluster, 6, **{"parallel.ep": 4, "fault_tolerance.grow_back": False})
     cluster.others = 4  # another job takes 4 of the 6 while this one recovers: 2 stay free
-    cluster.lose = {6: 3}
+    cluster.lose, cluster.lost_node_ranks = {6: 3}, {3}  # a node lost: the grid is placed again
     ctrl.train_step(6)
     tried, done = ctrl.incidents
     assert tried["ep"] == [4, 3] and tried["outcome"].startswith("did not fit")  # planned on the totals first

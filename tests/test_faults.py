@@ -9,7 +9,7 @@ import pytest
 import ray
 
 from k3ray.config import load_config
-from conftest import SMALL_BATCH, run_job
+from conftest import SMALL_BATCH, job_params, run_job
 from k3ray.control.driver import running_job
 
 
@@ -172,5 +172,38 @@ def test_killed_worker_is_replaced_by_a_hot_spare_and_the_run_equals_an_unfailed
     assert "swap_in_spares" in incident["seconds"]
     assert "place_and_start_workers" not in incident["seconds"]  # no process was started to recover
     assert status["ep"] == 4 and status["workers"] == 4 and status["spares"] == 1 and len(reports) == steps
+    assert [r["loss"] for r in reports] == pytest.approx(unfailed_ep4.losses[:steps], rel=1e-12, abs=0)
+    assert max_diff(params, unfailed_ep4.params[steps]) <= 1e-12
+
+
+def test_killed_worker_without_a_spare_shrinks_in_place_keeping_the_survivors_processes(ray_cluster, unfailed_ep4):
+    """ep=4, no spare, worker 2 killed at step 2: the grid shrinks to ep=3 in place (no worker process started,
+    none launched anew): the 3 survivors are the same actors in the same processes, now EP ranks 0-2, and the
+    float64 run still equals the unfailed one. The incident holds every phase, the first resumed step among them."""
+    import os
+
+    steps, k = 4, 2
+    cfg = tiny(**{"parallel.ep": 4, "fault_tolerance.grow_back": False,
+                  "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]})
+
+    def workers(controller) -> list[tuple[str, int]]:
+        """(actor id, process id) of each world rank of the job's grid."""
+        def ids(ctrl):
+            group = ctrl.grid.group
+            return list(zip([w._actor_id.hex() for w in group.workers],
+                            group.run_on(list(range(group.size)), lambda worker: os.getpid())))
+        return ray.get(controller.__ray_call__.remote(ids), timeout=120)
+
+    with running_job(cfg) as controller:
+        reports = [ray.get(controller.train_step.remote(s), timeout=600) for s in range(k)]
+        before = workers(controller)
+        reports += [ray.get(controller.train_step.remote(s), timeout=600) for s in range(k, steps)]
+        after = workers(controller)
+        (incident,) = ray.get(controller.get_incidents.remote())
+        params = job_params(controller)
+    assert incident["action"] == "reshard" and incident["ep"] == [4, 3] and incident["replayed_steps"] == [0, k]
+    assert after == [before[0], before[1], before[3]]  # the survivors' own processes, renumbered
+    assert {"regroup_survivors", "process_groups", "restore", "replay", "resumed_step"} <= incident["seconds"].keys()
+    assert "place_and_start_workers" not in incident["seconds"]  # no process was started to recover
     assert [r["loss"] for r in reports] == pytest.approx(unfailed_ep4.losses[:steps], rel=1e-12, abs=0)
     assert max_diff(params, unfailed_ep4.params[steps]) <= 1e-12

@@ -32,6 +32,13 @@ def cause_line(err: BaseException) -> str:
     return f"{type(cause).__name__}: {lines[-1]}" if lines else type(cause).__name__
 
 
+# After a worker is found dead its peers are not waited for long (they are pinged instead: a live one answers on its
+# second thread): a survivor still in the call is usually blocked in a collective with the dead rank until
+# parallel.collective_timeout_s, and one still computing leaves that call's engine when it joins the next grid (its
+# collectives then refuse: k3ray.parallel.grid_groups.LeftGrid), so waiting would only delay the recovery.
+AFTER_DEATH_GRACE_S = 0.5
+
+
 class TopologyError(RuntimeError):
     """The cluster cannot hold the requested topology."""
 
@@ -53,9 +60,9 @@ def gather(calls: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what
     """The one failure path of every call to workers: the results of (world rank, call) in order, or WorkerLost
     naming every dead or hung worker. A dead worker (RayActorError) is lost, together with every other worker a
     ping finds dead or whose node Ray reports lost (a lost node takes all of its ranks); the survivors are given
-    grace_s to finish or fail first, so that the recovery does not start while they still compute. A worker is
-    hung when it gives no answer within timeout_s, or within grace_s after some peers have already failed
-    (their collectives timed out waiting for it). Survivors' errors caused by a lost peer (RayTaskError) do not
+    AFTER_DEATH_GRACE_S (at most grace_s) to finish or fail first. A worker is hung when it gives no answer within
+    timeout_s, or within grace_s after some peers have already failed (their collectives timed out waiting for
+    it). Survivors' errors caused by a lost peer (RayTaskError) do not
     count as lost; errors with no worker lost are raised as WorkerError (the first failing rank's, readable).
     dead_ranks(exclude=...): the ranks found dead besides (the group's `dead_ranks`)."""
     index = {ref: i for i, (_, ref) in enumerate(calls)}
@@ -80,7 +87,8 @@ def gather(calls: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what
                 dead.add(calls[i][0])
         except RayTaskError as err:
             errors[i] = err
-        deadline = time.monotonic() + grace_s if deadline is None else min(deadline, time.monotonic() + grace_s)
+        wait = min(grace_s, AFTER_DEATH_GRACE_S) if dead else grace_s
+        deadline = time.monotonic() + wait if deadline is None else min(deadline, time.monotonic() + wait)
     answered = {calls[j][0] for j in results} | {calls[j][0] for j in errors}
     if dead:
         first = next(iter(sorted(dead)))

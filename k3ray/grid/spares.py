@@ -34,7 +34,7 @@ class SparePool:
     def __init__(self, want: int):
         self.want = want  # fault_tolerance.spares
         self.spares: list[Spare] = []
-        self.free_slots: list[tuple] = []  # slots lost workers left on healthy nodes, for new spares
+        self.free_slots: list[tuple] = []  # slots lost workers left on healthy nodes: new spares, grow
 
     def __len__(self) -> int:
         return len(self.spares)
@@ -86,6 +86,11 @@ class SparePool:
         ready = [s for s in self.spares if s.node][:n]
         self.spares = [s for s in self.spares if s not in ready]
         return ready
+
+    def take_free_slots(self, n: int) -> list[tuple]:
+        """n of the slots lost workers left, taken out of the pool (for workers of a grown grid)."""
+        taken, self.free_slots = self.free_slots[:n], self.free_slots[n:]
+        return taken
 
     def up_count(self) -> int:
         return sum(1 for s in self.spares if s.node)

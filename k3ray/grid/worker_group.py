@@ -58,6 +58,12 @@ def start_worker(cfg: JobConfig, bundle: dict[str, float], slot: tuple):
     ).remote(cfg.model_dump())
 
 
+def node_of(slot: tuple) -> str:
+    """The Ray node a placement group's bundle (slot: placement group, bundle index) is on."""
+    pg, index = slot
+    return ray.util.placement_group_table(pg)["bundles_to_node_id"][index]
+
+
 # Grid generations, one sequence per controller process: every grid (launched, or rebuilt around spares) takes the
 # next number, and every call to its workers names it (k3ray.grid.worker: a worker refuses older ones).
 _generations = itertools.count(1)
@@ -83,18 +89,18 @@ class WorkerGroup:
     def size(self) -> int:
         return self.pp * self.ep
 
-    def grow(self, ep: int, home: list[int], restore: dict[int, list], timeout_s: float,
-             use_spares: bool = False) -> None:
-        """Grow this grid to `ep` EP ranks per stage in place: the added workers are placed and started first, so a
-        placement that fails (TopologyError) leaves the grid as it was; then every worker takes its place in the
-        grown grid (the old ones keep their (p, e)), the process groups are rebuilt and the state restored (a loss
-        meanwhile: WorkerLost naming ranks of the grown grid). use_spares: ready spares (among them the workers a
-        planned scale-down left standing by) fill the added places first, in the slots they hold."""
+    def grow(self, ep: int, home: list[int], restore: dict[int, list], timeout_s: float) -> None:
+        """Grow this grid to `ep` EP ranks per stage in place: the added places are filled by ready spares first
+        (among them survivors a shrink left standing by), then by workers started in slots lost workers left, then
+        by workers placed anew, so a placement that fails (TopologyError) leaves the grid as it was; then every
+        worker takes its place in the grown grid (the old ones keep their (p, e)), the process groups are rebuilt
+        and the state restored (a loss meanwhile: WorkerLost naming ranks of the grown grid)."""
         t0 = time.perf_counter()
         added = self.pp * (ep - self.ep)
-        from_spares = min(added, self.spares_ready()) if use_spares else 0
-        placed = added - from_spares
-        started = []
+        from_spares = min(added, self.spares_ready())
+        from_slots = min(added - from_spares, len(self.spares.free_slots))
+        placed = added - from_spares - from_slots
+        slots = []
         if placed:
             pg = placement_group([dict(self.bundle) for _ in range(placed)], strategy="PACK",
                                  bundle_label_selector=self.alive_nodes.label_selector(placed))
@@ -102,14 +108,20 @@ class WorkerGroup:
                 remove_placement_group(pg)
                 raise TopologyError(f"could not place {placed} more workers within {timeout_s:g}s")
             self.pgs.append(pg)
-            where = ray.util.placement_group_table(pg)["bundles_to_node_id"]
-            started = [(start_worker(self.cfg, self.bundle, (pg, i)), (pg, i), where[i]) for i in range(placed)]
+            slots = [(pg, i) for i in range(placed)]
+        slots = self.spares.take_free_slots(from_slots) + slots
+        started = [(start_worker(self.cfg, self.bundle, slot), slot, node_of(slot)) for slot in slots]
         new = iter([(s.actor, s.slot, s.node) for s in self.spares.take(from_spares)] + started)
         old_ep, old = self.ep, list(zip(self.workers, self.slots, self.nodes))
         grid = [old[p * old_ep + e] if e < old_ep else next(new) for p in range(self.pp) for e in range(ep)]
         self.workers, self.slots, self.nodes = map(list, zip(*grid))
         self.ep, self.home = ep, list(home)
         self._join(timeout_s, restore, t0, "place_and_start_workers")
+
+    def places_held(self) -> int:
+        """Places for more workers this group already holds: ready spares (survivors standing by among them) and
+        slots lost workers left; a grow needs room on the alive nodes only for the rest."""
+        return self.spares_ready() + len(self.spares.free_slots)
 
     def launch(self, timeout_s: float, restore: dict[int, list] | None = None, wait_for_spares: bool = True) -> str:
         """Place, create and connect the workers; restore[stage] = that stage's old states (`restore_sources`). The
@@ -127,8 +139,8 @@ class WorkerGroup:
             self.close()
             raise TopologyError(f"could not place {self.size} workers ({self.bundle} each) within {timeout_s:g}s: "
                                 f"resources are busy")
-        self.nodes = [ray.util.placement_group_table(pg)["bundles_to_node_id"][r] for r in range(self.size)]
         self.slots = [(pg, r) for r in range(self.size)]
+        self.nodes = [node_of(slot) for slot in self.slots]
         self.workers = [start_worker(self.cfg, self.bundle, slot) for slot in self.slots]
         if self.start_spares() < self.cfg.fault_tolerance.spares:
             log.warning("%d of %d hot spares: the alive nodes have no room for more (tried again at step "
@@ -177,11 +189,11 @@ class WorkerGroup:
 
     def regroup(self, lost: set[int], ep: int, home: list[int], keep: list[int], spare_for: set[int],
                 restore: dict[int, list], timeout_s: float) -> None:
-        """Rebuild this grid in place around hot spares, no process started: the lost workers are killed, a ready
-        spare takes the place of each world rank in spare_for, and the new grid of `ep` EP ranks per stage is made
-        of the old EP columns `keep` (in its EP-rank order, experts homed by `home`); survivors of columns left out
-        stand by as spares. Then every worker takes its place, the process groups are rebuilt and the state restored
-        (a loss meanwhile: WorkerLost naming ranks of the new grid)."""
+        """Rebuild this grid in place, no process started: the lost workers are killed (their slots kept for new
+        workers), a ready spare takes the place of each world rank in spare_for, and the new grid of `ep` EP ranks
+        per stage is made of the old EP columns `keep` (in its EP-rank order, experts homed by `home`); survivors of
+        columns left out stand by as spares. Then every worker takes its place, the process groups are rebuilt and
+        the state restored (a loss meanwhile: WorkerLost naming ranks of the new grid)."""
         t0 = time.perf_counter()
         if self.spares.up_count() < len(spare_for):  # never fill a lost rank's place with the lost worker itself
             raise TopologyError(f"{len(spare_for)} lost ranks to fill but {self.spares.up_count()} spares ready")
@@ -197,7 +209,7 @@ class WorkerGroup:
         self.ep, self.home = ep, list(home)
         standing_by = [(o, actor, slot, node) for o, (actor, slot, node) in enumerate(old)
                        if o not in lost and o not in members]
-        self._join(timeout_s, restore, t0, "swap_in_spares")
+        self._join(timeout_s, restore, t0, "swap_in_spares" if spare_for else "regroup_survivors")
         # survivors left out stand by for this generation (refusing the old grid's calls); one that does not
         # answer is no spare
         answers = {o: calls.send(actor, self.generation, "stand_by") for o, actor, _, _ in standing_by}

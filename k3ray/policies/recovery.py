@@ -67,25 +67,30 @@ class LossDecision:
     """`replace`: hot spares take every lost rank's place, the grid keeps its size and homes; `reshard`: carry on with
     `ep` EP ranks per stage (the surviving columns, experts re-homed to `home`); `restart`: a whole EP column is gone
     (every rank of some stage), so the same grid starts again on other resources. `keep`: the old EP columns the new
-    grid is made of, in its EP-rank order; `spare_for`: the lost world ranks a spare takes the place of."""
+    grid is made of, in its EP-rank order; `spare_for`: the lost world ranks a spare takes the place of. `in_place`:
+    the grid is rebuilt from the workers it already has (survivors keep their processes, spares fill lost places,
+    survivors of columns left out stand by as spares), no process started; else it is launched anew."""
     action: Literal["replace", "reshard", "restart"]
     ep: int
     home: torch.Tensor
     keep: tuple[int, ...] = ()
     spare_for: frozenset[int] = frozenset()
+    in_place: bool = False
 
 
 def on_workers_lost(home: torch.Tensor, ep: int, lost_ranks: set[int], load: torch.Tensor,
-                    max_ep: int | None = None, spares: int = 0) -> LossDecision:
+                    max_ep: int | None = None, spares: int = 0, nodes_lost: bool = False) -> LossDecision:
     """Replace, shrink or restart after losing world ranks `lost_ranks` of a [pp][ep] grid (world rank = p * ep + e):
     `spares` ready hot spares take the places of whole columns' lost ranks (`spare_cover`); an EP rank is gone from
-    every stage when any of its workers is lost and not replaced. `max_ep`: the most EP ranks the alive nodes hold
-    for a grid launched anew (after a node loss fewer than the survivors): the highest-numbered survivors beyond it
-    are let go too."""
+    every stage when any of its workers is lost and not replaced. The survivors' columns are kept in place unless
+    `nodes_lost` (a lost rank's node is gone or silent: the grid's placement is made again off it, so it is launched
+    anew; spares still fill in in place). `max_ep`: the most EP ranks the alive nodes hold for a grid launched anew
+    (after a node loss fewer than the survivors): the highest-numbered survivors beyond it are let go too."""
     spare_for = frozenset(spare_cover(lost_ranks, ep, spares))
     lost_cols = {r % ep for r in lost_ranks - spare_for}
+    anew = max_ep is not None  # a plan for a grid launched anew: nothing is kept in place
     if not lost_cols:
-        return LossDecision("replace", ep, home.clone(), tuple(range(ep)), spare_for)
+        return LossDecision("replace", ep, home.clone(), tuple(range(ep)), spare_for, in_place=not anew)
     cap = ep if max_ep is None else max_ep
     if cap < 1:
         raise ValueError(f"no EP rank fits the alive nodes (max_ep={max_ep})")
@@ -93,8 +98,9 @@ def on_workers_lost(home: torch.Tensor, ep: int, lost_ranks: set[int], load: tor
     if survivors:
         keep = survivors[:cap]
         new_home, _ = shrink(home, set(range(ep)) - set(keep), load)
-        return LossDecision("reshard", len(keep), new_home, tuple(keep),
-                            frozenset(r for r in spare_for if r % ep in keep))
+        spare_for = frozenset(r for r in spare_for if r % ep in keep)
+        return LossDecision("reshard", len(keep), new_home, tuple(keep), spare_for,
+                            in_place=not anew and (bool(spare_for) or not nodes_lost))
     if cap < ep:  # every EP rank lost and fewer fit: start again smaller from the snapshot
         return LossDecision("reshard", cap, grow(home.numel(), cap))
     return LossDecision("restart", ep, home.clone())
@@ -108,3 +114,8 @@ def silent_nodes(node_of_rank: list[str], hung_ranks: set[int]) -> set[str]:
     silent = {n for n in nodes if all(r in hung_ranks for r, m in enumerate(node_of_rank) if m == n)}
     return silent if silent != nodes else set()
 
+
+def on_lost_nodes(node_of_rank: list[str], lost_ranks: set[int], healthy: set[str]) -> bool:
+    """Whether any lost world rank was on a node that is not `healthy` (lost, or found silent): the node went, not
+    just the worker's process. node_of_rank[r]: the node of world rank r."""
+    return any(node_of_rank[r] not in healthy for r in lost_ranks)

@@ -165,6 +165,7 @@ class Controller:
                 self.recovery.recover(step, lost, detected_after=time.perf_counter() - t_attempt)
                 at_boundary = True
         progress.accept(step, batch, report)
+        self.recovery.resumed(since=t0)
         self.table.track(report)
         self.drills.kill_at(grid.group, step, "after_step")
         if len(grid.group.spares) < self.cfg.fault_tolerance.spares:

@@ -44,6 +44,7 @@ class Recovery:
         abandons, the incidents it records and the scaling part it tells the size it left."""
         self.cfg, self.progress, self.grid, self.table, self.machine = cfg, progress, grid, table, machine
         self.snapshots, self.checkpoints, self.incidents, self.scaling = snapshots, checkpoints, incidents, scaling
+        self._resuming: tuple[dict, float] | None = None  # the last recovery's incident and when it ended
 
     def launch(self, timeout_s: float, restore: dict | None) -> str:
         """The job's first grid, a bounded handler as a recovery is: a worker lost while it starts (died, or no
@@ -74,6 +75,16 @@ class Recovery:
         progress.guard_state = snap.guard
         for s in range(snap.step, until):
             progress.guard_state = guards.accept(self.grid.run(s, progress.batches[s]), progress.guard_state)
+
+    def resumed(self, since: float) -> None:
+        """A step was accepted: when it is the first since a recovery, its seconds (the boundary's work and the
+        step, counted from the recovery's end or from `since`, when the step was asked for, if later) go into the
+        recovery's incident as `resumed_step`, written again (the last line wins)."""
+        if self._resuming is None:
+            return
+        (incident, ended), self._resuming = self._resuming, None
+        incident["seconds"]["resumed_step"] = time.perf_counter() - max(ended, since)
+        self.incidents.write(incident)
 
     def rollback(self, step: int, batch: int, trip: guards.Trip, attempt: int) -> None:
         """Carry out the failure ladder's decision on the `attempt`-th guard trip of `step` (run on `batch`)."""
@@ -129,8 +140,9 @@ class Recovery:
 
     def _recover_once(self, step: int, lost: WorkerLost, detected_after: float) -> None:
         """One attempt: rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`:
-        in place around hot spares where ready ones take lost ranks' places, else launched anew. A worker lost
-        during it (the new grid's launch, restore or replay) raises WorkerLost for the next attempt."""
+        in place where the policy says so (survivors keep their processes, ready spares take lost ranks' places,
+        no process started), else, or when that fails (TopologyError), launched anew. A worker lost during it (the
+        new grid's launch, restore or replay) raises WorkerLost for the next attempt."""
         t0 = time.perf_counter()
         ft = self.cfg.fault_tolerance
         old = self.grid.group
@@ -147,23 +159,25 @@ class Recovery:
                                  f"checkpoint. {self.incidents.where()}")
         silent = recovery.silent_nodes(old.nodes, lost.ranks) if lost.hung else set()
         self.grid.avoid_nodes |= silent
-        old.avoid_nodes = frozenset(self.grid.avoid_nodes)  # no spare on a silent node either
+        old.avoid_nodes = old.alive_nodes.avoid_nodes = frozenset(self.grid.avoid_nodes)  # no spare on them either
         t_gathered = time.perf_counter()
         load = self.table.expert_load(self.progress.last_report)
         spares = old.spares_ready() if ft.spares else 0
-        decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, spares=spares)
+        nodes_lost = recovery.on_lost_nodes(old.nodes, lost.ranks, old.alive_nodes.healthy())
+        decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, spares=spares,
+                                            nodes_lost=nodes_lost)
         fields = dict(step=step, ranks=sorted(lost.ranks), why=lost.why,
                       rule="collective_timeout" if lost.hung else "worker_lost", silent_nodes=sorted(silent),
                       replayed_steps=[snap.step, step], attempt=self.machine.attempt)
         incident = None  # the launch anew records each of its attempts' outcomes itself
         try:
-            if decision.spare_for:
+            if decision.in_place:
                 t_planned = time.perf_counter()
                 incident = self._loss_incident(decision, old.ep, fields)
                 try:
                     self._regroup(lost.ranks, decision, snap.sources())
                 except TopologyError as err:  # the spares went away meanwhile: launch anew instead
-                    incident["outcome"] = f"no spare after all: {err}"
+                    incident["outcome"] = f"not in place after all: {err}"
                     incident = None
                     decision, incident, t_planned = self._launch_anew(old, lost, load, fields, snap)
             else:
@@ -182,6 +196,7 @@ class Recovery:
             **launch, "launch_other": t_restored - t_planned - sum(launch.values()),
             "replay": time.perf_counter() - t_restored}
         self.incidents.write(incident)
+        self._resuming = incident, time.perf_counter()
         self.machine.to(JobState.RUNNING, f"recovered on {decision.ep * self.cfg.parallel.pp} workers"
                                           + (f", {len(decision.spare_for)} of them hot spares" if decision.spare_for
                                              else ""))

@@ -1,10 +1,11 @@
 """The controller's scaling part: at a step boundary it asks the resize policy (k3ray.policies.resize) whether to
 resize (a `k3ray scale` asked for, or a grow-back due) and carries out the `ResizeDecision` as a bounded handler of
 the state machine (resizing): from a snapshot of this boundary, down as after a loss (the kept EP columns regrouped
-in place; the workers left out stand by as spares), up in place (ready spares fill the added places first; the others
-are placed before the grid in use changes). A placement that does not fit leaves the grid as it was, and the job
-trains on at its size. It owns the sizes: a resize asked for and not yet applied (`asked`), the EP size grow-back
-returns to (`target_ep`) and when the job last shrank."""
+in place; the workers left out stand by as spares), up in place (ready spares, the workers a shrink left standing by
+among them, fill the added places first, then slots lost workers left; the others are placed before the grid in use
+changes). A placement that does not fit leaves the grid as it was, and the job trains on at its size. It owns the
+sizes: a resize asked for and not yet applied (`asked`), the EP size grow-back returns to (`target_ep`) and when the
+job last shrank."""
 from __future__ import annotations
 
 import time
@@ -58,8 +59,9 @@ class Scaling:
                 self._resize(step, decision)
         decision = resize.on_grow_back(step, self.shrunk_at, table.ep, self.target_ep, cfg.model.n_experts,
                                        self.grow_back_failures, cfg.fault_tolerance)
+        group = self.grid.group
         added = 0 if decision is None else cfg.parallel.pp * (decision.ep - decision.old_ep)
-        if decision is not None and self.grid.group.alive_nodes.room_for(added):
+        if decision is not None and group.alive_nodes.room_for(max(0, added - group.places_held())):
             self._resize(step, decision)
 
     def after_recovery(self, step: int, ep: int) -> None:
@@ -80,8 +82,7 @@ class Scaling:
                 self.table.reset(decision.ep, home)
                 group.regroup(set(), decision.ep, home, list(range(decision.ep)), set(), sources, timeout_s=60.0)
             else:
-                group.grow(decision.ep, home, sources, timeout_s=min(60.0, ft.wait_timeout_s),
-                           use_spares=decision.why == "scale")
+                group.grow(decision.ep, home, sources, timeout_s=min(60.0, ft.wait_timeout_s))
                 self.table.reset(decision.ep, home)
         except TopologyError as err:  # nothing changed: the grid trains on at its size
             self._did_not_fit(step, decision, err)
