@@ -1,34 +1,46 @@
 """How many prompt tokens a serving iteration may hold (`IterationPacer`, owned by the Scheduler).
 
 Every decoding stream gets one token per iteration, so an iteration's length is the gap between two tokens of every
-stream (ITL). A prompt chunk makes its iteration longer by about the same time per token, whatever the model; a
-token budget in tokens fits one model and one device only. The pacer measures instead: from the workers' step
-seconds of the iterations done, it keeps the time of an iteration without prompt tokens (`base_s`) and the time
-each prompt token adds (`per_token_s`), both smoothed, and lets an iteration hold as many prompt tokens as keep it
-near `target_s` (serve.iteration_target_ms): at least `floor` (prompts always progress), at most the token budget.
-Without a target (CPU by default) every iteration may fill the budget, as before."""
+stream (ITL). An iteration that holds prompt chunks costs a fixed part (it runs eagerly, decode rows included) plus a
+part per prompt token, whatever the model; a token budget in tokens fits one model and one device only. The pacer
+measures instead: over the iterations with prompt chunks done so far (recent ones weigh more), it fits their step
+seconds as `fixed_s + per_token_s * prompt tokens` and lets an iteration hold as many prompt tokens as keep it near
+`target_s` (serve.iteration_target_ms): at least `floor` (prompts always progress), at most the token budget. Where
+the fixed part alone reaches the target, no allowance meets it, and the budget is used whole (the iterations are
+that long anyway: fewer of them serve more). Without a target every iteration may fill the budget."""
 from __future__ import annotations
 
 
 class IterationPacer:
-    def __init__(self, target_s: float | None, budget: int, floor: int, smoothing: float = 0.25):
-        self.target_s, self.budget, self.floor, self.smoothing = target_s, budget, min(floor, budget), smoothing
-        self.base_s: float | None = None  # an iteration's seconds without prompt tokens
-        self.per_token_s: float | None = None  # seconds each prompt token adds
+    def __init__(self, target_s: float | None, budget: int, floor: int, memory: float = 0.9):
+        self.target_s, self.budget, self.floor, self.memory = target_s, budget, min(floor, budget), memory
+        # exponentially weighted sums over iterations with prompt tokens n and step seconds t: 1, n, n^2, t, n t
+        self.sums = [0.0] * 5
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed_s, per_token_s) of an iteration with prompt chunks, from the iterations seen; None before any."""
+        w, n, nn, t, nt = self.sums
+        if w == 0:
+            return None
+        spread = w * nn - n * n
+        if spread <= 1e-9 * max(w * nn, 1e-30):  # one prompt size seen so far: all of the time per token
+            return 0.0, t / n
+        per_token = max((w * nt - n * t) / spread, 0.0)
+        return max((t - per_token * n) / w, 0.0), per_token
 
     def prompt_allowance(self) -> int:
         """Prompt tokens (chunks of more than one token) the next iteration may hold on each rank."""
-        if self.target_s is None or self.per_token_s is None:
+        fit = None if self.target_s is None else self.fit()
+        if fit is None:
             return self.budget
-        room = (self.target_s - (self.base_s or 0.0)) / max(self.per_token_s, 1e-9)
-        return int(min(self.budget, max(self.floor, room)))
+        fixed, per_token = fit
+        if fixed + per_token * self.floor >= self.target_s:
+            return self.budget
+        return int(min(self.budget, max(self.floor, (self.target_s - fixed) / max(per_token, 1e-12))))
 
     def observe(self, prompt_tokens: int, seconds: float) -> None:
         """An iteration done: the most prompt tokens any rank held, and the slowest rank's step seconds."""
-        if prompt_tokens == 0:
-            self.base_s = self._smooth(self.base_s, seconds)
-        else:  # before any iteration without prompts, all of it counts against the prompt (an upper bound)
-            self.per_token_s = self._smooth(self.per_token_s, max(seconds - (self.base_s or 0.0), 0.0) / prompt_tokens)
-
-    def _smooth(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.smoothing * (new - old)
+        if prompt_tokens == 0:  # decode rows alone replay CUDA graphs: another cost, not this fit's
+            return
+        n = float(prompt_tokens)
+        self.sums = [self.memory * s + x for s, x in zip(self.sums, (1.0, n, n * n, seconds, n * seconds))]

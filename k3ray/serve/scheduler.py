@@ -4,7 +4,7 @@ prefill under a token budget, and the allocation of KV pages and KDA state slots
 Every iteration, per data-parallel rank, while the rank's token budget (serve.token_budget) lasts: one token for
 each running request that is decoding, then the next prompt chunks of requests still prefilling, oldest first, then
 new requests admitted in arrival order: several prompts share an iteration, and none waits for a time to pass. With
-serve.iteration_target_ms (GPUs) the prompt chunks of an iteration hold at most the tokens that keep it near that
+serve.iteration_target_ms the prompt chunks of an iteration hold at most the tokens that keep it near that
 length, as measured on the iterations before (`IterationPacer`): a long prompt never stalls the decoding streams for
 more than about one target. A
 request is admitted onto the rank with the most free pages that has a free state slot and pages for its first chunk
