@@ -249,7 +249,7 @@ def test_expert_load_and_drill_leave_the_event_loop_running(cfg, model, monkeypa
 # -- the serving grid's recovery (plain Python over a fake WorkerGroup) --------------------------------------------
 class FakeGroup:
     """WorkerGroup's recovery surface: 5 CPUs alive in total; Ray's free count lags right after a close (0 free);
-    the first `lose_in_assume` grids launched lose world rank 0 while taking their places."""
+    the first `lose_in_assume` grids launched or rebuilt in place lose world rank 0 while taking their places."""
     launched: list[int] = []
     lose_in_assume = 1
 
@@ -273,14 +273,19 @@ class FakeGroup:
             raise WorkerLost({0}, "ActorDiedError in assume")
         self.launch_seconds = {"place_and_start_workers": 0.0}
 
+    def regroup(self, lost, ep, home, keep, spare_for, restore, timeout_s):
+        self.ep, self.home = ep, list(home)
+        self.launch(timeout_s, restore)
+
     def call(self, method, *args, timeout_s=None):
         return []
 
 
 def test_recovery_interrupted_in_assume_plans_on_the_nodes_totals(cfg, monkeypatch):
-    """pp=2 x ep=2 with a hot spare still starting loses a worker; the grid launched anew loses rank 0 in `assume`
-    (the drill's next SIGKILL). Planning the next attempt on Ray's free count, which lags the closed grids, found
-    no room and failed serving for good ('the alive nodes hold no 2-stage grid')."""
+    """pp=2 x ep=2 with a hot spare still starting loses a worker; the grid rebuilt around the surviving column loses
+    rank 0 in `assume` (the drill's next SIGKILL), so the next is launched anew. Planning it on Ray's free count,
+    which lags the closed grids, found no room and failed serving for good ('the alive nodes hold no 2-stage
+    grid')."""
     monkeypatch.setattr(serve_grid, "WorkerGroup", FakeGroup)
     monkeypatch.setattr(ray, "put", lambda x: x)
     FakeGroup.launched = []

@@ -197,9 +197,14 @@ class WorkerGroup:
         self.ep, self.home = ep, list(home)
         standing_by = [(o, actor, slot, node) for o, (actor, slot, node) in enumerate(old)
                        if o not in lost and o not in members]
-        self._join(timeout_s, restore, t0, "swap_in_spares")
-        # survivors left out stand by for this generation (refusing the old grid's calls); one that does not
-        # answer is no spare
+        try:
+            self._join(timeout_s, restore, t0, "swap_in_spares")
+        finally:  # a worker lost while they take their places: the survivors left out are spares for the next try
+            self._stand_by(standing_by, healthy, timeout_s)
+
+    def _stand_by(self, standing_by: list[tuple], healthy: set, timeout_s: float) -> None:
+        """Survivors left out of the grid stand by for this generation (refusing the old grid's calls) as spares;
+        one that does not answer is no spare."""
         answers = {o: calls.send(actor, self.generation, "stand_by") for o, actor, _, _ in standing_by}
         done, _ = ray.wait(list(answers.values()), num_returns=len(answers), timeout=timeout_s)
         for o, actor, slot, node in standing_by:

@@ -5,8 +5,9 @@ Every grid is started from the checkpoint's weights held in the object store (k3
 comes out of the one failure path of every call to workers (`WorkerGroup._gather` -> WorkerLost); what to do is
 training's decision (`recovery.on_workers_lost`: carry on with the surviving EP columns, the lost experts re-homed
 by load, or the same grid again when a whole column of every stage is gone; with hot spares, spares in the lost
-ranks' places). The grid is rebuilt in place around ready spares, else launched anew; either way its caches are
-new, so the engine's scheduler prefills every unfinished request again (`Scheduler.reset`).
+ranks' places). The grid is rebuilt in place around its surviving EP columns and ready spares (no process started:
+seconds, whether or not a spare is up), else launched anew; either way its caches are new, so the engine's
+scheduler prefills every unfinished request again (`Scheduler.reset`).
 
 load [E]: routed tokens per expert served since the engine started (summed over layers), plus one.
 """
@@ -96,9 +97,10 @@ class ServingGrid:
         return True
 
     def recover(self, lost: WorkerLost, attempts: int = 3) -> dict:
-        """Replace the grid that lost workers by the one the recovery policy decides on: rebuilt in place around
-        ready hot spares where they take the lost ranks' places, else launched anew; loaded from the held weights
-        (a worker lost meanwhile starts the decision again from the grid being built). Returns the incident's
+        """Replace the grid that lost workers by the one the recovery policy decides on: rebuilt in place, no process
+        started, where EP columns survive (ready hot spares in the lost ranks' places, the columns still lost left
+        out, their survivors standing by as spares), else launched anew; loaded from the held weights (a worker lost
+        meanwhile starts the decision again from the grid being built). Returns the incident's
         fields: lost ranks, EP size before and after, spares used, phases in seconds."""
         t0 = time.perf_counter()
         old = self.group
@@ -107,7 +109,7 @@ class ServingGrid:
         for attempt in range(1, attempts + 1):
             spares = old.spares_ready() if self.cfg.fault_tolerance.spares else 0
             decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, spares=spares)
-            if not decision.spare_for:
+            if not decision.keep:  # every EP column lost: a grid launched anew
                 old.close()
                 # planned on the alive nodes' totals: the grids just closed gave their resources back and Ray's free
                 # counts lag (a worker lost while the grid was being built is no reason to doubt them); on what is
@@ -119,10 +121,10 @@ class ServingGrid:
                                                     max_ep=max_ep)
             t_planned = time.perf_counter()
             log.warning("serving: %s; %s on pp=%d x ep=%d (%s)", lost,
-                        f"{len(decision.spare_for)} hot spares in their places" if decision.spare_for
+                        f"rebuilt in place, {len(decision.spare_for)} hot spares in lost places" if decision.keep
                         else "relaunching", self.pp, decision.ep, decision.action)
             try:
-                if decision.spare_for:
+                if decision.keep:
                     self.group.regroup(lost.ranks, decision.ep, decision.home.tolist(), list(decision.keep),
                                        set(decision.spare_for), self.launcher.sources(), self.launcher.timeout_s)
                     phases = {**self.group.launch_seconds, "cache_pools": self.launcher.cache_pools(self.group)}
