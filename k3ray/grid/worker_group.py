@@ -77,6 +77,7 @@ class WorkerGroup:
         self.transfer = GridStateTransfer(self)  # snapshots and restores of this group's workers
         self.spares = SparePool(cfg.fault_tolerance.spares)  # hot spares: standby workers, own resources
         self.launch_seconds: dict[str, float] = {}  # start workers (or swap in spares), process groups, restore
+        self.on_phase = None  # called with each of launch_seconds' phases as it ends (a serving recovery's progress)
         self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
 
     @property
@@ -146,16 +147,23 @@ class WorkerGroup:
                                   for r in range(self.size)}, timeout_s)
         ip, port = self.call_each("rendezvous_address", {0: ()}, timeout_s)[0]
         t1 = time.perf_counter()
+        self._phase_ended(first_phase)
         if ip == ray.util.get_node_ip_address() and len([n for n in ray.nodes() if n["Alive"]]) == 1:
             ip = "127.0.0.1"
         par = self.cfg.parallel
         backend = par.backend if par.backend != "auto" else ("nccl" if par.device == "cuda" else "gloo")
         self.call("setup", f"tcp://{ip}:{port}", backend, timeout_s=timeout_s)
         t2 = time.perf_counter()
+        self._phase_ended("process_groups")
         if restore is not None:
             self.transfer.restore(restore, timeout_s)
         self.launch_seconds = {first_phase: t1 - t0, "process_groups": t2 - t1, "restore": time.perf_counter() - t2}
+        self._phase_ended("restore")
         return backend
+
+    def _phase_ended(self, phase: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase)
 
     # -- hot spares ----------------------------------------------------------------------------------------------
     def start_spares(self) -> int:

@@ -42,11 +42,14 @@ class ServingGrid:
     def ep(self) -> int:
         return self.group.ep
 
-    def launch(self, ep: int, home: list[int] | None = None, wait_for_spares: bool = True) -> dict[str, float]:
+    def launch(self, ep: int, home: list[int] | None = None, wait_for_spares: bool = True,
+               progress=None) -> dict[str, float]:
         """A grid of pp x ep workers holding the checkpoint's weights (experts homed by `home`, contiguous blocks by
-        default) with empty cache pools, and its hot spares. Returns the launch's phases in seconds."""
+        default) with empty cache pools, and its hot spares; progress(phase) as each phase of the launch ends.
+        Returns the launch's phases in seconds."""
         home = recovery.grow(self.cfg.model.n_experts, ep).tolist() if home is None else home
         self.group = WorkerGroup(self.cfg, ep, home)
+        self.group.on_phase = progress
         return self.launcher.start(self.group, wait_for_spares)
 
     def run(self, plans: dict) -> dict[int, StageOutput]:
@@ -96,12 +99,14 @@ class ServingGrid:
         self.group.call("use_copies", table)
         return True
 
-    def recover(self, lost: WorkerLost, attempts: int = 3) -> dict:
+    def recover(self, lost: WorkerLost, progress=None, attempts: int = 3) -> dict:
         """Replace the grid that lost workers by the one the recovery policy decides on: rebuilt in place, no process
         started, where EP columns survive (ready hot spares in the lost ranks' places, the columns still lost left
         out, their survivors standing by as spares), else launched anew; loaded from the held weights (a worker lost
-        meanwhile starts the decision again from the grid being built). Returns the incident's
-        fields: lost ranks, EP size before and after, spares used, phases in seconds."""
+        meanwhile starts the decision again from the grid being built). progress(phase) as each phase ends
+        ('replan', then those of WorkerGroup.launch_seconds), from this thread. Returns the incident's fields: lost
+        ranks, EP size before and after, spares used, phases in seconds."""
+        progress = progress or (lambda phase: None)
         t0 = time.perf_counter()
         old = self.group
         incident = {"ranks": sorted(lost.ranks), "why": lost.why, "ep": [old.ep]}
@@ -120,16 +125,19 @@ class ServingGrid:
                 decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load,
                                                     max_ep=max_ep)
             t_planned = time.perf_counter()
+            progress("replan")
             log.warning("serving: %s; %s on pp=%d x ep=%d (%s)", lost,
                         f"rebuilt in place, {len(decision.spare_for)} hot spares in lost places" if decision.keep
                         else "relaunching", self.pp, decision.ep, decision.action)
             try:
                 if decision.keep:
+                    self.group.on_phase = progress
                     self.group.regroup(lost.ranks, decision.ep, decision.home.tolist(), list(decision.keep),
                                        set(decision.spare_for), self.launcher.sources(), self.launcher.timeout_s)
                     phases = {**self.group.launch_seconds, "cache_pools": self.launcher.cache_pools(self.group)}
                 else:
-                    phases = self.launch(decision.ep, decision.home.tolist(), wait_for_spares=False)
+                    phases = self.launch(decision.ep, decision.home.tolist(), wait_for_spares=False,
+                                         progress=progress)
                 break
             except WorkerLost as again:  # lost in the grid being built: decide again from that grid
                 old, lost = self.group, again
@@ -140,6 +148,7 @@ class ServingGrid:
             incident.setdefault("interrupted", []).append(str(lost))
         else:
             raise TopologyError(f"serving grid: {attempts} rebuilds interrupted, the last by {lost}")
+        self.group.on_phase = None
         self.spares_due = bool(decision.spare_for)
         incident["ep"].append(decision.ep)
         incident["action"] = decision.action
@@ -147,10 +156,11 @@ class ServingGrid:
         incident["seconds"] = {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}
         return incident
 
-    def relaunch(self) -> dict:
+    def relaunch(self, progress=None) -> dict:
         """The last resort after recoveries that failed: whatever grid there is goes, and one is launched anew from
         the held weights on what the alive nodes hold (the configured EP size at most, experts in contiguous
-        blocks). Returns the incident's fields, as `recover`'s."""
+        blocks); progress(phase) as `recover`'s. Returns the incident's fields, as `recover`'s."""
+        progress = progress or (lambda phase: None)
         t0 = time.perf_counter()
         before = self.group.ep if self.group is not None else 0
         self.close()
@@ -160,7 +170,9 @@ class ServingGrid:
         if ep < 1:
             raise TopologyError(f"the alive nodes hold no {self.pp}-stage grid ({held} workers)")
         t_planned = time.perf_counter()
-        phases = self.launch(ep, wait_for_spares=False)
+        progress("replan")
+        phases = self.launch(ep, wait_for_spares=False, progress=progress)
+        self.group.on_phase = None
         self.spares_due = False
         return {"ep": [before, ep], "action": "relaunch", "spares_used": [],
                 "seconds": {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}}
