@@ -102,10 +102,10 @@ class ServingGrid:
     def recover(self, lost: WorkerLost, progress=None, attempts: int = 3) -> dict:
         """Replace the grid that lost workers by the one the recovery policy decides on: rebuilt in place, no process
         started, where EP columns survive (ready hot spares in the lost ranks' places, the columns still lost left
-        out, their survivors standing by as spares), else launched anew; loaded from the held weights (a worker lost
-        meanwhile starts the decision again from the grid being built). progress(phase) as each phase ends
-        ('replan', then those of WorkerGroup.launch_seconds), from this thread. Returns the incident's fields: lost
-        ranks, EP size before and after, spares used, phases in seconds."""
+        out, their survivors standing by as spares), else (and after an interrupted rebuild) launched anew; loaded
+        from the held weights (a worker lost meanwhile starts the decision again from the grid being built).
+        progress(phase) as each phase ends ('replan', then those of WorkerGroup.launch_seconds), from this thread.
+        Returns the incident's fields: lost ranks, EP size before and after, spares used, phases in seconds."""
         progress = progress or (lambda phase: None)
         t0 = time.perf_counter()
         old = self.group
@@ -114,7 +114,11 @@ class ServingGrid:
         for attempt in range(1, attempts + 1):
             spares = old.spares_ready() if self.cfg.fault_tolerance.spares else 0
             decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, spares=spares)
-            if not decision.keep:  # every EP column lost: a grid launched anew
+            # in place on the first attempt only: a rebuild interrupted by a loss can leave its survivors waiting in
+            # its rendezvous for the lost worker (until parallel.collective_timeout_s), and the next one would wait
+            # on them; every EP column lost, there is nothing to rebuild around
+            in_place = attempt == 1 and bool(decision.keep)
+            if not in_place:
                 old.close()
                 # planned on the alive nodes' totals: the grids just closed gave their resources back and Ray's free
                 # counts lag (a worker lost while the grid was being built is no reason to doubt them); on what is
@@ -127,10 +131,10 @@ class ServingGrid:
             t_planned = time.perf_counter()
             progress("replan")
             log.warning("serving: %s; %s on pp=%d x ep=%d (%s)", lost,
-                        f"rebuilt in place, {len(decision.spare_for)} hot spares in lost places" if decision.keep
+                        f"rebuilt in place, {len(decision.spare_for)} hot spares in lost places" if in_place
                         else "relaunching", self.pp, decision.ep, decision.action)
             try:
-                if decision.keep:
+                if in_place:
                     self.group.on_phase = progress
                     self.group.regroup(lost.ranks, decision.ep, decision.home.tolist(), list(decision.keep),
                                        set(decision.spare_for), self.launcher.sources(), self.launcher.timeout_s)
