@@ -102,11 +102,17 @@ class ServingGrid:
     def recover(self, lost: WorkerLost, progress=None, attempts: int = 3) -> dict:
         """Replace the grid that lost workers by the one the recovery policy decides on: rebuilt in place, no process
         started, where EP columns survive (ready hot spares in the lost ranks' places, the columns still lost left
-        out, their survivors standing by as spares), else (and after an interrupted rebuild) launched anew; loaded
+        out, their survivors standing by as spares), else (or when lost in its rendezvous) launched anew; loaded
         from the held weights (a worker lost meanwhile starts the decision again from the grid being built).
         progress(phase) as each phase ends ('replan', then those of WorkerGroup.launch_seconds), from this thread.
         Returns the incident's fields: lost ranks, EP size before and after, spares used, phases in seconds."""
         progress = progress or (lambda phase: None)
+        joining = [False]  # the grid being built has begun its rendezvous (it reported a phase of its launch)
+
+        def phase_ended(phase: str) -> None:
+            joining[0] = True
+            progress(phase)
+
         t0 = time.perf_counter()
         old = self.group
         incident = {"ranks": sorted(lost.ranks), "why": lost.why, "ep": [old.ep]}
@@ -114,10 +120,10 @@ class ServingGrid:
         for attempt in range(1, attempts + 1):
             spares = old.spares_ready() if self.cfg.fault_tolerance.spares else 0
             decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, spares=spares)
-            # in place on the first attempt only: a rebuild interrupted by a loss can leave its survivors waiting in
-            # its rendezvous for the lost worker (until parallel.collective_timeout_s), and the next one would wait
-            # on them; every EP column lost, there is nothing to rebuild around
-            in_place = attempt == 1 and bool(decision.keep)
+            # in place unless the grid was lost in its rendezvous: its survivors may wait there for the lost worker
+            # (until parallel.collective_timeout_s), and a rebuild around them would wait on them; every EP column
+            # lost, there is nothing to rebuild around
+            in_place, joining[0] = bool(decision.keep) and not joining[0], False
             if not in_place:
                 old.close()
                 # planned on the alive nodes' totals: the grids just closed gave their resources back and Ray's free
@@ -135,13 +141,13 @@ class ServingGrid:
                         else "relaunching", self.pp, decision.ep, decision.action)
             try:
                 if in_place:
-                    self.group.on_phase = progress
+                    self.group.on_phase = phase_ended
                     self.group.regroup(lost.ranks, decision.ep, decision.home.tolist(), list(decision.keep),
                                        set(decision.spare_for), self.launcher.sources(), self.launcher.timeout_s)
                     phases = {**self.group.launch_seconds, "cache_pools": self.launcher.cache_pools(self.group)}
                 else:
                     phases = self.launch(decision.ep, decision.home.tolist(), wait_for_spares=False,
-                                         progress=progress)
+                                         progress=phase_ended)
                 break
             except WorkerLost as again:  # lost in the grid being built: decide again from that grid
                 old, lost = self.group, again
