@@ -41,14 +41,31 @@ def worker_pids(dashboard: str) -> list[int]:
             if a.state in ("ALIVE", "PENDING_CREATION") and a.pid]
 
 
-def run(engine, prompt: str, params: dict) -> tuple[list[int], str | None]:
-    """One request's tokens and its error (None if it ended well)."""
+def run(engine, prompt: str, params: dict, arrivals: list[float]) -> tuple[list[int], str | None]:
+    """One request's tokens and its error (None if it ended well); when tokens arrived goes to `arrivals`."""
     tokens, error = [], None
     for ref in engine.generate.options(num_returns="streaming").remote(encode(prompt), SamplingParams(**params)):
         item = ray.get(ref)
+        if item.get("tokens"):
+            arrivals.append(time.monotonic())
         tokens += item.get("tokens", [])
         error = item.get("message") if "error" in item else error
     return tokens, error
+
+
+def clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) + f"{t % 1:.2f}"[1:]
+
+
+def round_gaps(arrivals: list[float], kills: list[float]) -> list[float]:
+    """Per kill, the serving gap the clients saw: from the last token any stream got before the kill to the first
+    one after it (kills inside one gap share it)."""
+    gaps = []
+    for k in kills:
+        before = [t for t in arrivals if t <= k]
+        after = [t for t in arrivals if t > k]
+        gaps.append(round(after[0] - before[-1], 2) if before and after else float("inf"))
+    return gaps
 
 
 def drill(checkpoint: str, args, rng: random.Random, serve: dict, dashboard: str) -> dict:
@@ -56,14 +73,14 @@ def drill(checkpoint: str, args, rng: random.Random, serve: dict, dashboard: str
     ray.get(engine.ready.remote())
     params = {"max_tokens": args.max_tokens, "temperature": 0.0}
     try:
-        want = {p: run(engine, p, params)[0] for p in PROMPTS}
-        stop, results = threading.Event(), []
+        want = {p: run(engine, p, params, [])[0] for p in PROMPTS}
+        stop, results, arrivals, kills = threading.Event(), [], [], []
 
         def client(c: int) -> None:
             k = c
             while not stop.is_set():
                 prompt = PROMPTS[k % len(PROMPTS)]
-                tokens, error = run(engine, prompt, params)
+                tokens, error = run(engine, prompt, params, arrivals)
                 results.append((time.time(), tokens == want[prompt], error))
                 k += 1
 
@@ -74,25 +91,32 @@ def drill(checkpoint: str, args, rng: random.Random, serve: dict, dashboard: str
         for _ in range(args.rounds):
             pids = worker_pids(dashboard)
             if pids:
-                os.kill(rng.choice(pids), signal.SIGKILL)
+                pid = rng.choice(pids)
+                os.kill(pid, signal.SIGKILL)
+                kills.append(time.monotonic())
+                print(f"      {clock(time.time())} SIGKILL pid {pid} of {sorted(pids)}", flush=True)
             time.sleep(args.gap)
         t_last = time.time()
         time.sleep(args.after)
         stop.set()
         for t in threads:
             t.join(timeout=600)
+        gaps = round_gaps(sorted(arrivals), kills)  # once every request ended: a recovery may outlast `after`
         incidents = ray.get(engine.incident_log.remote())
         health = ray.get(engine.health.remote())
         for i in incidents:
-            print(f"      {i['kind']} ranks={i.get('ranks')} ep={i.get('ep')} action={i.get('action')} "
+            print(f"      {clock(i['time'])} {i['kind']} ranks={i.get('ranks')} ep={i.get('ep')} "
+                  f"action={i.get('action')} "
                   f"attempts={i.get('attempts')} interrupted={i.get('interrupted')} "
-                  f"failed={i.get('failed_attempts')} total_s={i.get('seconds', {}).get('total')}", flush=True)
+                  f"failed={i.get('failed_attempts')} total_s={i.get('seconds', {}).get('total')} "
+                  f"gap_s={i.get('seconds', {}).get('to_next_token')}", flush=True)
         if health["status"] != "ok":
             print(f"      health: {health}", flush=True)
         return {"requests": len(results), "errors": sum(e is not None for _, _, e in results),
                 "differ": sum(not same and e is None for _, same, e in results),
                 "after_last": sum(t > t_last + args.after / 2 for t, _, _ in results),
                 "errors_after": sum(e is not None for t, _, e in results if t > t_last + args.after / 2),
+                "max_gap_s": round(max(gaps, default=0.0), 2), "gaps": gaps,
                 "actions": ",".join(str(i.get("action", i["kind"])) for i in incidents),
                 "health": health["status"]}
     finally:
@@ -130,13 +154,14 @@ def main() -> None:
     serve = {"pages_per_rank": 8 * args.concurrency, "page_size": 16, "slots_per_rank": args.concurrency,
              "token_budget": 256, "max_tokens": args.max_tokens}
     rng = random.Random(args.seed)
-    cols = ["requests", "errors", "differ", "after_last", "errors_after", "health", "actions"]
+    cols = ["requests", "errors", "differ", "after_last", "errors_after", "max_gap_s", "health", "actions"]
     print(f"{'drill':>5} " + " ".join(f"{c:>12}" for c in cols[:-1]) + "  actions", flush=True)
     rows = []
     for d in range(args.drills):
         r = drill(checkpoint, args, rng, serve, dashboard)
         rows.append(r)
-        print(f"{d:>5} " + " ".join(f"{r[c]:>12}" for c in cols[:-1]) + f"  {r['actions']}", flush=True)
+        print(f"{d:>5} " + " ".join(f"{r[c]:>12}" for c in cols[:-1]) + f"  {r['actions']}  gaps {r['gaps']}",
+              flush=True)
     total = {c: sum(r[c] for r in rows) for c in cols[:5]}
     print(f"{'all':>5} " + " ".join(f"{total[c]:>12}" for c in cols[:5]))
 

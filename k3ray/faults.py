@@ -36,6 +36,8 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
               training=False, serving=True),
     FaultKind("slow_copies", "each fetch of read-only expert copies takes `seconds` more", training=False,
               serving=True),
+    FaultKind("slow_recovery", "each phase of the serving grid's recoveries from now on ends `seconds` later",
+              training=False, serving=True),
 )}
 TRAINING_FAULTS: tuple[str, ...] = tuple(k.name for k in FAULT_KINDS.values() if k.training)
 SERVING_FAULTS: tuple[str, ...] = tuple(k.name for k in FAULT_KINDS.values() if k.serving)
@@ -86,10 +88,28 @@ def _slow_copies(worker, seconds: float) -> None:
     copies.stage_read_only = slow
 
 
+def slow_recovery(grid, seconds: float) -> None:
+    """The serving grid's recoveries and relaunches from now on (`grid.recover(lost, progress)`,
+    `grid.relaunch(progress)`): each of their phases ends `seconds` later (their thread waits before it reports the
+    phase), so that a recovery that progresses can outlast serve.unavailable_wait_s."""
+    def slowed(rebuild):
+        def call(*args):
+            *first, progress = args
+
+            def late(phase: str) -> None:
+                time.sleep(seconds)
+                progress(phase)
+            return rebuild(*first, late)
+        return call
+
+    grid.recover, grid.relaunch = slowed(grid.recover), slowed(grid.relaunch)
+
+
 def inject(group, kind: str, ranks: list[int], layer: int | None = None, token: int | None = None,
            seconds: float = 5.0) -> None:
     """Fault `kind` (FAULT_KINDS, all but corrupt_checkpoint, which acts on a committed checkpoint) into the given
-    world ranks of a worker group, now. nan and nan_token hold until `clear`."""
+    world ranks of a worker group, now. nan and nan_token hold until `clear`. (slow_recovery acts on the serving
+    grid, not its workers: `slow_recovery`.)"""
     if kind == "kill_worker":
         for rank in ranks:
             if rank < group.size:  # a smaller grid than the drill was written for has no such rank
@@ -103,7 +123,7 @@ def inject(group, kind: str, ranks: list[int], layer: int | None = None, token: 
     elif kind == "slow_copies":
         group.run_on(ranks, _slow_copies, seconds)
     else:
-        injectable = [k for k in FAULT_KINDS if k != "corrupt_checkpoint"]
+        injectable = [k for k in FAULT_KINDS if k not in ("corrupt_checkpoint", "slow_recovery")]
         raise ValueError(f"drill kind: {kind!r} is not one of {', '.join(injectable)}")
 
 

@@ -193,14 +193,14 @@ def visible_reference(serving_reference):
 
 
 @contextlib.contextmanager
-def serving_engine(checkpoint: str, pp: int, ep: int, serve: dict):
-    """A ServingEngine actor serving `checkpoint` on a pp x ep grid (`serve`: serve.* overrides), ready; shut down
-    and killed afterwards."""
+def serving_engine(checkpoint: str, pp: int, ep: int, serve: dict, spares: int = 0):
+    """A ServingEngine actor serving `checkpoint` on a pp x ep grid (`serve`: serve.* overrides) with `spares` hot
+    spares, ready; shut down and killed afterwards."""
     import ray
 
     from k3ray.serve.engine import ServingEngine
 
-    engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve)
+    engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve, spares=spares)
     ray.get(engine.ready.remote(), timeout=300)
     try:
         yield engine

@@ -5,12 +5,15 @@ in this process (`LocalExecutor`) and loses workers, fails recoveries and relaun
   new requests wait; afterwards every request ends with the reference's tokens;
 - past serve.unavailable_wait_s with no grid, streams in flight end with an error and new requests are refused
   (503 at the front door), and a later relaunch serves again;
+- a recovery that progresses (each phase ended) keeps the streams in flight waiting past serve.unavailable_wait_s,
+  and they end with the reference's tokens; one that then fails ends them at once with one readable line;
 - an observer that raises does not stop the engine; `expert_load` and `drill` leave the event loop running;
 - the serving grid's recovery interrupted by a loss in the grid being built plans on the alive nodes' totals, not on
   Ray's lagging free counts (the 3-round SIGKILL drill with a hot spare still starting)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 
@@ -23,6 +26,7 @@ from k3ray.serve import grid as serve_grid
 from k3ray.serve.engine import Engine
 from k3ray.grid.calls import TopologyError, WorkerLost
 from k3ray.data import EOS, encode
+from k3ray.faults import slow_recovery
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams, visible_ids
 from k3ray.parallel.reference import generate_reference
@@ -47,8 +51,9 @@ def model(cfg):
 
 class FakeGrid:
     """ServingGrid's interface on one process: `lose_at` iterations raise WorkerLost; the first `recover_fails`
-    recoveries and `relaunch_fails` relaunches raise TopologyError; a relaunch waits for `gate` (when set). Every
-    grid rebuilt has new, empty caches."""
+    recoveries and `relaunch_fails` relaunches raise TopologyError, after the phases they report (PHASES); a
+    relaunch waits for `gate` (when set). Every grid rebuilt has new, empty caches."""
+    PHASES = ("replan", "place_and_start_workers", "process_groups", "restore")
     pp, ep = 1, 1
 
     def __init__(self, model, sizes: PoolSizes, lose_at=(), recover_fails=0, relaunch_fails=0):
@@ -72,14 +77,16 @@ class FakeGrid:
     def collect(self, plans):
         return self.run(plans)
 
-    def recover(self, lost):
+    def recover(self, lost, progress):
         self.calls.append("recover")
+        for phase in self.PHASES:
+            progress(phase)
         if self.calls.count("recover") <= self.recover_fails:
             raise TopologyError(f"{lost}: the alive nodes hold no 1-stage grid")
         self.executor = LocalExecutor(self.model, self.sizes)
         return {"ep": [1, 1], "action": "restart"}
 
-    def relaunch(self):
+    def relaunch(self, progress):
         self.calls.append("relaunch")
         if self.gate is not None:
             assert self.gate.wait(30)
@@ -176,6 +183,50 @@ def test_no_grid_past_the_deadline_ends_streams_with_an_error_and_refuses_new_re
     assert tokens(after) == reference(model, 3)
 
 
+def test_streams_wait_for_a_recovery_that_progresses_past_the_unavailable_wait(cfg, model):
+    """Each phase of the recovery ends 0.25 s later (the slow_recovery fault): it takes over 1 s, more than twice
+    serve.unavailable_wait_s, yet the streams in flight wait for it and end with the reference's tokens."""
+    short = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"unavailable_wait_s": 0.4})})
+    grid = FakeGrid(model, sizes(cfg), lose_at={3})
+    slow_recovery(grid, 0.25)
+    engine = Engine(short, 0, grid)
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, i) for i in range(len(PROMPTS))))
+
+    t0 = time.perf_counter()
+    done = asyncio.run(main())
+    assert time.perf_counter() - t0 > 4 * 0.25
+    for i, items in enumerate(done):
+        assert not [x for x in items if "error" in x] and tokens(items) == reference(model, i), f"request {i}"
+    (lost,) = engine.incident_log()
+    assert lost["kind"] == "worker_lost" and lost["attempts"] == 1 and lost["seconds"]["total"] > 4 * 0.25
+
+
+def test_a_recovery_that_fails_past_the_unavailable_wait_ends_the_streams_with_one_line(cfg, model):
+    """The recovery progresses past serve.unavailable_wait_s, then fails: the streams in flight end at once with
+    why (the next attempts go on for new requests)."""
+    short = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"unavailable_wait_s": 0.4,
+                                                                         "recovery_backoff_s": 5.0})})
+    grid = FakeGrid(model, sizes(cfg), lose_at={3}, recover_fails=1)
+    slow_recovery(grid, 0.25)
+    engine = Engine(short, 0, grid)
+
+    async def main():
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(collect(engine, i) for i in range(2)))
+        return done, time.perf_counter() - t0
+
+    done, seconds = asyncio.run(main())
+    assert seconds < 4 * 0.25 + 2.0  # at the failure, not after the backoff and the next attempt
+    for items in done:
+        assert "accepted" in items[0] and items[-1]["error"] == "internal"
+        message = items[-1]["message"]
+        assert re.match(r"no serving grid for 1\.\ds: recovery 1 failed: TopologyError: lost world ranks \[0\]",
+                        message), message
+        assert "\n" not in message
+
+
 def test_a_grid_that_keeps_failing_without_a_lost_worker_is_relaunched(cfg, model):
     """Iterations 2-4 fail with no worker lost: the requests in them end with the error, the third failure in a row
     relaunches the grid, and the next requests get the reference's tokens."""
@@ -249,7 +300,7 @@ def test_expert_load_and_drill_leave_the_event_loop_running(cfg, model, monkeypa
 # -- the serving grid's recovery (plain Python over a fake WorkerGroup) --------------------------------------------
 class FakeGroup:
     """WorkerGroup's recovery surface: 5 CPUs alive in total; Ray's free count lags right after a close (0 free);
-    the first `lose_in_assume` grids launched lose world rank 0 while taking their places."""
+    the first `lose_in_assume` grids launched or rebuilt in place lose world rank 0 while taking their places."""
     launched: list[int] = []
     lose_in_assume = 1
 
@@ -273,14 +324,19 @@ class FakeGroup:
             raise WorkerLost({0}, "ActorDiedError in assume")
         self.launch_seconds = {"place_and_start_workers": 0.0}
 
+    def regroup(self, lost, ep, home, keep, spare_for, restore, timeout_s):
+        self.ep, self.home = ep, list(home)
+        self.launch(timeout_s, restore)
+
     def call(self, method, *args, timeout_s=None):
         return []
 
 
 def test_recovery_interrupted_in_assume_plans_on_the_nodes_totals(cfg, monkeypatch):
-    """pp=2 x ep=2 with a hot spare still starting loses a worker; the grid launched anew loses rank 0 in `assume`
-    (the drill's next SIGKILL). Planning the next attempt on Ray's free count, which lags the closed grids, found
-    no room and failed serving for good ('the alive nodes hold no 2-stage grid')."""
+    """pp=2 x ep=2 with a hot spare still starting loses a worker; the grid rebuilt around the surviving column loses
+    rank 0 in `assume` (the drill's next SIGKILL), so the next is launched anew. Planning it on Ray's free count,
+    which lags the closed grids, found no room and failed serving for good ('the alive nodes hold no 2-stage
+    grid')."""
     monkeypatch.setattr(serve_grid, "WorkerGroup", FakeGroup)
     monkeypatch.setattr(ray, "put", lambda x: x)
     FakeGroup.launched = []

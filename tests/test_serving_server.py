@@ -352,11 +352,13 @@ def test_a_front_door_that_dies_is_started_again_and_the_other_serves_meanwhile(
 
 
 def test_health_is_503_with_the_reason_while_the_grid_recovers(server):
-    """Last in this module: the lost worker leaves the grid on pp=2 x ep=1."""
+    """Last in this module: the lost worker leaves the grid on pp=2 x ep=1 (rebuilt in place around the surviving
+    column, each phase a second late: slow_recovery, so that the polls see the recovery under way)."""
     engine, info, url = server.engine, server.info, server.url
     seen = []
     with httpx.Client(base_url=url, timeout=60) as http:
         assert http.get("/health").status_code == 200
+        ray.get(engine.drill.remote("slow_recovery", seconds=1.0))
         ray.get(engine.drill.remote("kill_worker", [3]))
         api = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
         done = []

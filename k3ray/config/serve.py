@@ -58,7 +58,8 @@ class ServeConfig(Section):
                                                         "times) before the grid is relaunched from the weights")
     recovery_backoff_s: float = Field(1.0, ge=0, le=60, description="wait before the 2nd attempt, doubling after")
     unavailable_wait_s: float = Field(30.0, ge=0, description="while no grid serves, how long a new request waits "
-                                                              "(then 503) and a stream in flight (then an error)")
+                                                              "(then 503) and a stream in flight (then an error), "
+                                                              "for a stream counted from the recovery's last phase")
 
     def resolved(self, device: str = "cpu", ep: int = 1) -> "ServeConfig":
         """This config with its unset sizes filled for `device` ('cpu', 'cuda') and a grid of `ep` EP ranks. On a

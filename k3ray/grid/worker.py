@@ -10,17 +10,18 @@ A worker starts on standby (its process up, torch and the model code imported, o
 takes a place in a grid with `assume`: every grid worker right after its start, a hot spare when it replaces a lost
 rank, a survivor when its grid is rebuilt around spares.
 
-Its remote API: `call` (every call a worker group makes by name, `assume` and `stand_by` among them: `calls` says
-which part runs each), and two calls that Ray needs as methods of their own: `snapshot` (two return values) and
-`serve_step` (bound into the serving iteration's compiled graph); `node_id` says a spare is up. Every call but
-`node_id` names the grid generation it is meant for; one for an older generation is refused (StaleGeneration,
-k3ray.grid.worker_seat).
+Its remote API: `call` (every call a worker group makes by name, `assume`, `stand_by` and `leave_grid` among them:
+`calls` says which part runs each), and two calls that Ray needs as methods of their own: `snapshot` (two return
+values) and `serve_step` (bound into the serving iteration's compiled graph); `node_id` says a spare is up. Every
+call but `node_id` names the grid generation it is meant for; one for an older generation is refused
+(StaleGeneration, k3ray.grid.worker_seat).
 
 Threaded: a snapshot's device-to-host copy runs beside the next training step, and further threads cover calls left
 waiting in lost grids' collectives until their timeout (gloo cannot abort them) after the worker joined another."""
 from __future__ import annotations
 
 import functools
+import gc
 import os
 
 import ray
@@ -74,7 +75,7 @@ class Worker:
         self.state = WorkerState(self.seat)
         self.serving = WorkerServing(self.seat)
         self.calls = {name: getattr(part, name) for part, names in [
-            (self, ("assume", "stand_by")),
+            (self, ("assume", "stand_by", "leave_grid")),
             (self.seat, ("rendezvous_address", "setup")),
             (self.training, ("train_step", "evaluate", "export_shard", "set_placement", "set_trained_copies",
                              "set_policies", "set_lr_scale")),
@@ -101,6 +102,13 @@ class Worker:
         generations before the one this call names."""
         self._leave()
         self.state.drop_peer_snapshots()
+        return True
+
+    def leave_grid(self) -> bool:
+        """Leave the grid held now that it lost workers (before the next is built): its process groups freed, so a
+        peer still waiting on this worker in one of them fails at once instead of at the collective timeout."""
+        self._leave()
+        gc.collect()  # a group's last references may sit in reference cycles: it closes only once freed
         return True
 
     def _leave(self) -> None:

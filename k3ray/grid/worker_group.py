@@ -83,6 +83,7 @@ class WorkerGroup:
         self.transfer = GridStateTransfer(self)  # snapshots and restores of this group's workers
         self.spares = SparePool(cfg.fault_tolerance.spares)  # hot spares: standby workers, own resources
         self.launch_seconds: dict[str, float] = {}  # start workers (or swap in spares), process groups, restore
+        self.on_phase = None  # called with each of launch_seconds' phases as it ends (a serving recovery's progress)
         self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
 
     @property
@@ -158,16 +159,23 @@ class WorkerGroup:
                                   for r in range(self.size)}, timeout_s)
         ip, port = self.call_each("rendezvous_address", {0: ()}, timeout_s)[0]
         t1 = time.perf_counter()
+        self._phase_ended(first_phase)
         if ip == ray.util.get_node_ip_address() and len([n for n in ray.nodes() if n["Alive"]]) == 1:
             ip = "127.0.0.1"
         par = self.cfg.parallel
         backend = par.backend if par.backend != "auto" else ("nccl" if par.device == "cuda" else "gloo")
         self.call("setup", f"tcp://{ip}:{port}", backend, timeout_s=timeout_s)
         t2 = time.perf_counter()
+        self._phase_ended("process_groups")
         if restore is not None:
             self.transfer.restore(restore, timeout_s)
         self.launch_seconds = {first_phase: t1 - t0, "process_groups": t2 - t1, "restore": time.perf_counter() - t2}
+        self._phase_ended("restore")
         return backend
+
+    def _phase_ended(self, phase: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase)
 
     # -- hot spares ----------------------------------------------------------------------------------------------
     def start_spares(self) -> int:
@@ -209,9 +217,14 @@ class WorkerGroup:
         self.ep, self.home = ep, list(home)
         standing_by = [(o, actor, slot, node) for o, (actor, slot, node) in enumerate(old)
                        if o not in lost and o not in members]
-        self._join(timeout_s, restore, t0, "swap_in_spares" if spare_for else "regroup_survivors")
-        # survivors left out stand by for this generation (refusing the old grid's calls); one that does not
-        # answer is no spare
+        try:
+            self._join(timeout_s, restore, t0, "swap_in_spares" if spare_for else "regroup_survivors")
+        finally:  # a worker lost while they take their places: the survivors left out are spares for the next try
+            self._stand_by(standing_by, healthy, timeout_s)
+
+    def _stand_by(self, standing_by: list[tuple], healthy: set, timeout_s: float) -> None:
+        """Survivors left out of the grid stand by for this generation (refusing the old grid's calls) as spares;
+        one that does not answer is no spare."""
         answers = {o: calls.send(actor, self.generation, "stand_by") for o, actor, _, _ in standing_by}
         done, _ = ray.wait(list(answers.values()), num_returns=len(answers), timeout=timeout_s)
         for o, actor, slot, node in standing_by:

@@ -3,10 +3,16 @@ restore), this worker's part of each serving iteration, its routed-token counts,
 beside the iterations and switched to between two."""
 from __future__ import annotations
 
+import traceback
+
 import torch
 
 from k3ray.grid.snapshots import as_state
 from k3ray.grid.worker_seat import WorkerSeat
+
+
+class StepFailed(RuntimeError):
+    """A serving iteration failed in this worker (its traceback as text)."""
 
 
 class WorkerServing:
@@ -24,7 +30,7 @@ class WorkerServing:
         pools = new_pools(e.cfg.model, e.layers, pages, page_size, slots, e.device)
         rank = e.pp_rank * e.ep + e.ep_rank
         self.server = StageServer(e.stage, pools, e.device, rank - e.ep if e.pp_rank > 0 else None,
-                                  rank + e.ep if e.pp_rank < e.pp - 1 else None, e.groups.world)
+                                  rank + e.ep if e.pp_rank < e.pp - 1 else None, e.groups)
         graphs = self.server.graphs
         if graphs_budget_s > 0 and graphs is not None:
             graphs.capture_ahead(graphs_budget_s)
@@ -42,8 +48,14 @@ class WorkerServing:
 
     def serve_step(self, plan):
         """This worker's part of a serving iteration: its rank's plan (k3ray.parallel.serving.RankPlan) in, a
-        StageOutput out."""
-        return self.server.step(plan)
+        StageOutput out. A failure is raised again as StepFailed, its traceback as text and without its frames:
+        they hold the grid's process groups, and a peer waiting on this worker in one of them waits as long as those
+        live (gloo closes a group's connections only when it is freed: Worker.leave_grid)."""
+        try:
+            return self.server.step(plan)
+        except Exception:  # noqa: BLE001 - raised again below, outside this block, so that its frames go
+            failed = traceback.format_exc()
+        raise StepFailed(failed.rstrip())
 
     def expert_load(self) -> dict[int, list[int]]:
         return self.server.expert_load()

@@ -52,10 +52,13 @@ class GridGroups:
 
     def leave(self, cuda: bool) -> None:
         """Leave the groups (before the worker joins another grid). NCCL's are aborted first, so a thread waiting in
-        one of their collectives returns; a gloo wait ends at its timeout."""
+        one of their collectives returns. gloo's abort does not end a wait; a gloo group closes its connections when
+        it is freed, so nothing here keeps the groups once left: a peer waiting on this worker in one of them then
+        fails at once instead of at the collective timeout."""
         if self._world is None or self.left:
             return
         self.left = True  # first: a thread asking for a group from now on gets LeftGrid
+        self._world = self._ep_group = None
         if not dist.is_initialized():
             return
         if cuda:

@@ -82,10 +82,13 @@ class PoolSizes:
 
 class StageServer:
     def __init__(self, stage: K3Stage, pools: CachePools, device, prev_rank: int | None = None,
-                 next_rank: int | None = None, world=None, graphs: bool = True):
+                 next_rank: int | None = None, groups=None, graphs: bool = True):
         self.stage, self.pools, self.device = stage, pools, torch.device(device)
         self.prev_rank, self.next_rank = prev_rank, next_rank  # world ranks of the neighbouring stages (same e)
-        self.world = world  # the grid's world group (StageEngine.world)
+        # the grid's process groups (k3ray.parallel.grid_groups.GridGroups), asked for the world group at each use:
+        # once the grid is left that refuses, and nothing here keeps a left group alive (gloo closes a group's
+        # connections only when it is freed, and a peer waiting on this worker waits as long as they are open)
+        self.groups = groups
         self.dtype = next(stage.parameters()).dtype
         self.graphs = DecodeGraphs(self) if graphs and self.device.type == "cuda" else None
 
@@ -102,7 +105,7 @@ class StageServer:
             x = torch.empty(boundary_shape(self.stage.cfg, self.stage.layers.start, 1, T), dtype=self.dtype,
                             device=self.device)
             if T:
-                dist.recv(x, self.prev_rank, group=self.world)
+                dist.recv(x, self.prev_rank, group=self.groups.world)
         replayed = self.graphs.run(plan, x) if self.graphs is not None and n and max(plan.counts) == 1 else None
         if replayed is not None:
             out, tokens, maxabs = replayed
@@ -114,7 +117,7 @@ class StageServer:
             out, tokens, maxabs = self.forward(x, cache, counters, plan.greedy)
         if not self.stage.is_last:
             if T:
-                dist.send(out.contiguous(), self.next_rank, group=self.world)
+                dist.send(out.contiguous(), self.next_rank, group=self.groups.world)
             return StageOutput(None, maxabs.tolist(), time.perf_counter() - t0)
         both = torch.cat([tokens.double(), maxabs])  # one device-to-host copy
         host = both.cpu()

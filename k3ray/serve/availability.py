@@ -3,9 +3,12 @@ the grid after a loss and says, meanwhile, why nothing serves.
 
 A recovery is tried serve.recovery_attempts times, then the grid is relaunched from the held weights until one
 serves, with a doubling backoff. While no grid serves: `health` answers why and since when (the front door's /health:
-503), new requests wait up to serve.unavailable_wait_s (then 'unavailable'), and past that the requests in flight
-end with an error, never a hang. Afterwards every unfinished request is prefilled again from its prompt and output.
-The serving gap of a loss (the loss found -> the next token of any request) goes into its incident.
+503), new requests wait up to serve.unavailable_wait_s (then 'unavailable'), and the requests in flight wait for the
+recovery: as long as it progresses (each phase it ends: replanned, workers placed, process groups, weights
+restored) they wait serve.unavailable_wait_s past the latest phase; once an attempt fails, serve.unavailable_wait_s
+past the loss at most (at once if that is past), then they end with an error that says why, never a hang.
+Afterwards every unfinished request is prefilled again from its prompt and output. The serving gap of a loss (the
+loss found -> the next token of any request) goes into its incident.
 """
 from __future__ import annotations
 
@@ -59,10 +62,11 @@ class Availability:
         """Serve again after losing workers, whatever it takes: the recovery (`ServingGrid.recover`) up to
         serve.recovery_attempts times, then relaunches of the whole grid from the held weights until one serves,
         waiting serve.recovery_backoff_s before the second attempt and twice as long before each next (at most
-        MAX_BACKOFF_S). Meanwhile `health` says why nothing serves, new requests wait (`unavailable`), and past
-        serve.unavailable_wait_s the requests in flight end with an error (`_expire_in_flight`). Then every
-        unfinished request is requeued, to be prefilled again. No worker lost (`broken` says what failed): relaunches
-        only."""
+        MAX_BACKOFF_S). Meanwhile `health` says why nothing serves and the recovery's last phase, new requests wait
+        (`unavailable`), and the requests in flight end with an error (`_expire_in_flight`) serve.unavailable_wait_s
+        past the loss or past the latest phase an attempt ended, whichever is later: an attempt that fails takes
+        the extension back (the next one's phases extend it again). Then every unfinished request is requeued, to
+        be prefilled again. No worker lost (`broken` says what failed): relaunches only."""
         t0 = time.perf_counter()
         if lost is None:
             incident = self.incidents.record("grid_broken", requests=len(self.sched.running), why=broken)
@@ -70,10 +74,12 @@ class Availability:
             incident = self.incidents.record("worker_lost", requests=len(self.sched.running),
                                              ranks=sorted(lost.ranks))
         self._go_down(f"recovering from {lost}" if lost is not None else f"relaunching the grid: {broken}")
+        progress = self._progress_from_thread()
         for attempt in itertools.count(1):
             relaunch = lost is None or attempt > self.serve.recovery_attempts
             try:
-                fields = await asyncio.to_thread(*((self.grid.relaunch,) if relaunch else (self.grid.recover, lost)))
+                fields = await asyncio.to_thread(*((self.grid.relaunch, progress) if relaunch
+                                                   else (self.grid.recover, lost, progress)))
                 break
             except WorkerLost as again:  # lost while the new grid was being built: recover from that grid
                 lost, err = again, again
@@ -84,6 +90,7 @@ class Availability:
             failed = incident.setdefault("failed_attempts", [])
             failed[:] = [*failed[-(MAX_FAILURES_KEPT - 1):], what]
             self.down["reason"] = what
+            self._arm_expiry(self.down["t0"] + self.serve.unavailable_wait_s)  # a failure extends no wait
             await asyncio.sleep(min(MAX_BACKOFF_S, self.serve.recovery_backoff_s * 2 ** (attempt - 1)))
         incident.update(fields)
         incident["attempts"] = attempt
@@ -103,10 +110,28 @@ class Availability:
             self.gap_from = None
 
     def _go_down(self, reason: str) -> None:
-        expiry = asyncio.get_running_loop().call_later(self.serve.unavailable_wait_s, self._expire_in_flight)
-        self.down = {"reason": reason, "since": time.time(), "expiry": expiry}
+        t0 = asyncio.get_running_loop().time()
+        self.down = {"reason": reason, "since": time.time(), "t0": t0, "expiry": None, "phase": None}
+        self._arm_expiry(t0 + self.serve.unavailable_wait_s)
         if self.serving is not None:
             self.serving.clear()
+
+    def _arm_expiry(self, at: float) -> None:
+        """The requests in flight end at `at` (the event loop's clock; at once if past) unless a grid serves first."""
+        if self.down["expiry"] is not None:
+            self.down["expiry"].cancel()
+        self.down["expiry"] = asyncio.get_running_loop().call_at(at, self._expire_in_flight)
+
+    def _progress_from_thread(self):
+        """progress(phase) for the recovery's thread: each phase it ends extends the wait of the requests in flight
+        to serve.unavailable_wait_s past now (on the event loop)."""
+        loop = asyncio.get_running_loop()
+
+        def phase_ended(phase: str) -> None:
+            if self.down is not None:
+                self.down["phase"] = phase
+                self._arm_expiry(loop.time() + self.serve.unavailable_wait_s)
+        return lambda phase: loop.call_soon_threadsafe(phase_ended, phase)
 
     def _go_up(self) -> None:
         self.down["expiry"].cancel()
@@ -127,14 +152,14 @@ class Availability:
         return None
 
     def _expire_in_flight(self) -> None:
-        """No grid for serve.unavailable_wait_s: the requests accepted before end with an error, not a hang (new
-        ones wait, then are refused: `unavailable`)."""
-        self.events.wake(self.sched.fail_all(f"no serving grid for {self.serve.unavailable_wait_s:g}s: "
-                                             f"{self.down['reason']}"))
+        """No grid for serve.unavailable_wait_s, and the recovery past its last phase as long or failed: the requests
+        accepted before end with an error, not a hang (new ones wait, then are refused: `unavailable`)."""
+        waited = asyncio.get_running_loop().time() - self.down["t0"]
+        self.events.wake(self.sched.fail_all(f"no serving grid for {waited:.1f}s: {self.down['reason']}"))
 
     def health(self) -> dict:
         """{'status': 'ok'}, or 'unavailable' with the reason and since when (the front door's /health: 503)."""
         if self.down is None:
             return {"status": "ok", "pp": self.grid.pp, "ep": self.grid.ep}
         return {"status": "unavailable", "reason": self.down["reason"], "since": self.down["since"],
-                "retry_after": self.serve.retry_after_s}
+                "recovery_phase": self.down["phase"], "retry_after": self.serve.retry_after_s}

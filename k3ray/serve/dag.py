@@ -10,11 +10,13 @@ graph, broken, is dropped with its grid), an error raised inside live workers is
 from __future__ import annotations
 
 import logging
+import threading
 
 import ray
 from ray.dag import DAGContext, InputNode, MultiOutputNode
 from ray.exceptions import RayError, RayTaskError
 
+from k3ray.grid import calls
 from k3ray.grid.calls import WorkerError, WorkerLost, cause_line
 from k3ray.grid.worker_group import WorkerGroup
 
@@ -22,6 +24,8 @@ log = logging.getLogger("k3ray.serve")
 MAX_IN_FLIGHT = 2  # iterations submitted before the first is collected (serve.overlap: the next one is scheduled and
 # submitted while the workers run the one before)
 TEARDOWN_S = 5.0  # how long dropping a graph waits for a worker still inside a step (a lost peer's)
+LEAVE_S = 5.0  # how long a lost grid's survivors are given to leave its process groups
+WATCH_S = 1.0  # how often a wait for an iteration's answers looks for dead workers
 
 
 class ServingGraph:
@@ -40,7 +44,7 @@ class ServingGraph:
 
     def collect(self, group: WorkerGroup, ref, timeout_s: float) -> dict:
         """rank e -> its stages' answers (StageOutput) in pipeline order, of the iteration `ref` from `submit`."""
-        out = self._guarded(group, timeout_s, lambda: ray.get(ref, timeout=timeout_s))
+        out = self._guarded(group, timeout_s, lambda: self._watched(group, lambda: ray.get(ref, timeout=timeout_s)))
         return {e: out[e::group.ep] for e in range(group.ep)}
 
     def _execute(self, group: WorkerGroup, plans: dict):
@@ -54,15 +58,45 @@ class ServingGraph:
             return call()
         except RayTaskError as err:  # raised inside a worker: by a lost peer's broken collective, or its own
             if dead := group.dead_ranks():
-                self.drop()
+                self._give_up(group, dead)
                 raise WorkerLost(dead, f"{type(err.cause).__name__} in serve_step") from None
             raise WorkerError(f"serve_step failed: {cause_line(err)}") from None
         except (RayError, TimeoutError) as err:  # a worker died, or none answered in time: the graph is broken
-            self.drop()
             dead = group.dead_ranks()
+            self._give_up(group, dead)
             raise WorkerLost(dead or set(range(group.size)), f"{type(err).__name__} in serve_step" if dead else
                              f"no answer to serve_step within {timeout_s:g}s (hung collective or silent node?)",
                              hung=not dead) from None
+
+    def _watched(self, group: WorkerGroup, wait):
+        """wait() while a watcher looks for dead workers every WATCH_S. A compiled graph reports a dead actor only
+        once the loops of all the others have ended, and a survivor waiting on a live peer that gave the iteration
+        up ends its loop only at parallel.collective_timeout_s; a dead worker found gives the grid up instead
+        (`_give_up`: survivors leave its groups, the graph is torn down), which ends the wait at once."""
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.wait(WATCH_S):
+                if (dead := group.dead_ranks()) and not done.is_set():  # not once the answers came
+                    self._give_up(group, dead)
+                    return
+
+        threading.Thread(target=watch, name="k3ray-serving-watch", daemon=True).start()
+        try:
+            return wait()
+        finally:
+            done.set()
+
+    def _give_up(self, group: WorkerGroup, dead: set[int]) -> None:
+        """The grid lost workers: its survivors leave its process groups, then the graph goes. A survivor may still
+        wait inside the iteration on a live peer that gave it up (stage 1 for the hidden state of a stage 0 whose EP
+        peer died): gloo ends that wait only at parallel.collective_timeout_s, and until then the graph cannot be
+        torn down nor a new one run on that worker (Ray runs one graph loop per worker at a time). The peer leaving
+        frees its groups, which closes their connections and ends the wait at once."""
+        left = [calls.send(w, group.generation, "leave_grid") for r, w in enumerate(group.workers) if r not in dead]
+        if left:
+            ray.wait(left, num_returns=len(left), timeout=LEAVE_S)  # a survivor that does not answer: lost later
+        self.drop()
 
     def _compile(self, group: WorkerGroup) -> None:
         self.drop()

@@ -22,7 +22,8 @@ unfinished request is prefilled again from its prompt and the tokens generated s
 next token, none lost or repeated. Each loss is an incident (`incident_log`), with its phases and the serving gap
 (the loss found -> the next token of any request). Serving never stays broken: a recovery that fails is tried
 again, then the grid is relaunched until one serves (`Availability.restore`); meanwhile `health` says why, new
-requests wait (then get 'unavailable') and streams in flight end with an error past serve.unavailable_wait_s.
+requests wait (then get 'unavailable') and streams in flight wait while the recovery progresses, then end with an
+error past serve.unavailable_wait_s (k3ray.serve.availability).
 Observers (metrics) that fail, and the loop itself failing, never leave a stream waiting.
 
 `Engine` is all of this without Ray (tests drive it on a fake grid); `ServingEngine` is the actor that loads the
@@ -39,7 +40,7 @@ import ray
 
 from k3ray.config import JobConfig, serving_config
 from k3ray.train.checkpointing import serving_weights
-from k3ray.faults import clear, inject
+from k3ray.faults import clear, inject, slow_recovery
 from k3ray.serve.scheduler import Scheduler
 from k3ray.serve.admission import Admission
 from k3ray.serve.availability import Availability
@@ -178,10 +179,14 @@ class Engine:
 
     async def drill(self, kind: str, workers: list[int] = (), layer: int | None = None,
                     token: int | None = None, seconds: float = 5.0) -> bool:
-        """Inject a fault into the grid now (k3ray.faults.inject); kind 'clear' removes the NaN hooks.
+        """Inject a fault into the grid now (k3ray.faults.inject; slow_recovery: k3ray.faults.slow_recovery); kind
+        'clear' removes the NaN hooks.
         Off the event loop. During a recovery it reaches the grid being built: kill_worker kills those of `workers`
         that it has started so far. Whether anything was injected."""
         group = self.grid.group
+        if kind == "slow_recovery":
+            slow_recovery(self.grid, seconds)
+            return True
         if kind == "clear":
             await asyncio.to_thread(clear, group)
             return True

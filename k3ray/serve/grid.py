@@ -5,8 +5,9 @@ Every grid is started from the checkpoint's weights held in the object store (k3
 comes out of the one failure path of every call to workers (`WorkerGroup._gather` -> WorkerLost); what to do is
 training's decision (`recovery.on_workers_lost`: carry on with the surviving EP columns, the lost experts re-homed
 by load, or the same grid again when a whole column of every stage is gone; with hot spares, spares in the lost
-ranks' places). The grid is rebuilt in place around ready spares, else launched anew; either way its caches are
-new, so the engine's scheduler prefills every unfinished request again (`Scheduler.reset`).
+ranks' places). The grid is rebuilt in place around its surviving EP columns and ready spares (no process started:
+seconds, whether or not a spare is up), else launched anew; either way its caches are new, so the engine's
+scheduler prefills every unfinished request again (`Scheduler.reset`).
 
 load [E]: routed tokens per expert served since the engine started (summed over layers), plus one.
 """
@@ -41,11 +42,14 @@ class ServingGrid:
     def ep(self) -> int:
         return self.group.ep
 
-    def launch(self, ep: int, home: list[int] | None = None, wait_for_spares: bool = True) -> dict[str, float]:
+    def launch(self, ep: int, home: list[int] | None = None, wait_for_spares: bool = True,
+               progress=None) -> dict[str, float]:
         """A grid of pp x ep workers holding the checkpoint's weights (experts homed by `home`, contiguous blocks by
-        default) with empty cache pools, and its hot spares. Returns the launch's phases in seconds."""
+        default) with empty cache pools, and its hot spares; progress(phase) as each phase of the launch ends.
+        Returns the launch's phases in seconds."""
         home = recovery.grow(self.cfg.model.n_experts, ep).tolist() if home is None else home
         self.group = WorkerGroup(self.cfg, ep, home)
+        self.group.on_phase = progress
         return self.launcher.start(self.group, wait_for_spares)
 
     def run(self, plans: dict) -> dict[int, StageOutput]:
@@ -95,11 +99,20 @@ class ServingGrid:
         self.group.call("use_copies", table)
         return True
 
-    def recover(self, lost: WorkerLost, attempts: int = 3) -> dict:
-        """Replace the grid that lost workers by the one the recovery policy decides on: rebuilt in place around
-        ready hot spares where they take the lost ranks' places, else launched anew; loaded from the held weights
-        (a worker lost meanwhile starts the decision again from the grid being built). Returns the incident's
-        fields: lost ranks, EP size before and after, spares used, phases in seconds."""
+    def recover(self, lost: WorkerLost, progress=None, attempts: int = 3) -> dict:
+        """Replace the grid that lost workers by the one the recovery policy decides on: rebuilt in place, no process
+        started, where EP columns survive (ready hot spares in the lost ranks' places, the columns still lost left
+        out, their survivors standing by as spares), else (or when lost in its rendezvous) launched anew; loaded
+        from the held weights (a worker lost meanwhile starts the decision again from the grid being built).
+        progress(phase) as each phase ends ('replan', then those of WorkerGroup.launch_seconds), from this thread.
+        Returns the incident's fields: lost ranks, EP size before and after, spares used, phases in seconds."""
+        progress = progress or (lambda phase: None)
+        joining = [False]  # the grid being built has begun its rendezvous (it reported a phase of its launch)
+
+        def phase_ended(phase: str) -> None:
+            joining[0] = True
+            progress(phase)
+
         t0 = time.perf_counter()
         old = self.group
         incident = {"ranks": sorted(lost.ranks), "why": lost.why, "ep": [old.ep]}
@@ -107,7 +120,11 @@ class ServingGrid:
         for attempt in range(1, attempts + 1):
             spares = old.spares_ready() if self.cfg.fault_tolerance.spares else 0
             decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, spares=spares)
-            if not decision.spare_for:
+            # in place unless the grid was lost in its rendezvous: its survivors may wait there for the lost worker
+            # (until parallel.collective_timeout_s), and a rebuild around them would wait on them; every EP column
+            # lost, there is nothing to rebuild around
+            in_place, joining[0] = bool(decision.keep) and not joining[0], False
+            if not in_place:
                 old.close()
                 # planned on the alive nodes' totals: the grids just closed gave their resources back and Ray's free
                 # counts lag (a worker lost while the grid was being built is no reason to doubt them); on what is
@@ -118,16 +135,19 @@ class ServingGrid:
                 decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load,
                                                     max_ep=max_ep)
             t_planned = time.perf_counter()
+            progress("replan")
             log.warning("serving: %s; %s on pp=%d x ep=%d (%s)", lost,
-                        f"{len(decision.spare_for)} hot spares in their places" if decision.spare_for
+                        f"rebuilt in place, {len(decision.spare_for)} hot spares in lost places" if in_place
                         else "relaunching", self.pp, decision.ep, decision.action)
             try:
-                if decision.spare_for:
+                if in_place:
+                    self.group.on_phase = phase_ended
                     self.group.regroup(lost.ranks, decision.ep, decision.home.tolist(), list(decision.keep),
                                        set(decision.spare_for), self.launcher.sources(), self.launcher.timeout_s)
                     phases = {**self.group.launch_seconds, **self.launcher.cache_pools(self.group)}
                 else:
-                    phases = self.launch(decision.ep, decision.home.tolist(), wait_for_spares=False)
+                    phases = self.launch(decision.ep, decision.home.tolist(), wait_for_spares=False,
+                                         progress=phase_ended)
                 break
             except WorkerLost as again:  # lost in the grid being built: decide again from that grid
                 old, lost = self.group, again
@@ -138,6 +158,7 @@ class ServingGrid:
             incident.setdefault("interrupted", []).append(str(lost))
         else:
             raise TopologyError(f"serving grid: {attempts} rebuilds interrupted, the last by {lost}")
+        self.group.on_phase = None
         self.spares_due = bool(decision.spare_for)
         incident["ep"].append(decision.ep)
         incident["action"] = decision.action
@@ -145,10 +166,11 @@ class ServingGrid:
         incident["seconds"] = {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}
         return incident
 
-    def relaunch(self) -> dict:
+    def relaunch(self, progress=None) -> dict:
         """The last resort after recoveries that failed: whatever grid there is goes, and one is launched anew from
         the held weights on what the alive nodes hold (the configured EP size at most, experts in contiguous
-        blocks). Returns the incident's fields, as `recover`'s."""
+        blocks); progress(phase) as `recover`'s. Returns the incident's fields, as `recover`'s."""
+        progress = progress or (lambda phase: None)
         t0 = time.perf_counter()
         before = self.group.ep if self.group is not None else 0
         self.close()
@@ -158,7 +180,9 @@ class ServingGrid:
         if ep < 1:
             raise TopologyError(f"the alive nodes hold no {self.pp}-stage grid ({held} workers)")
         t_planned = time.perf_counter()
-        phases = self.launch(ep, wait_for_spares=False)
+        progress("replan")
+        phases = self.launch(ep, wait_for_spares=False, progress=progress)
+        self.group.on_phase = None
         self.spares_due = False
         return {"ep": [before, ep], "action": "relaunch", "spares_used": [],
                 "seconds": {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}}

@@ -1,0 +1,95 @@
+"""Serving with a hot spare under kills in rounds (the engine on pp=2 x ep=2 with one spare, float64, the shared
+serving checkpoint): every round costs seconds, not the collective timeout, and every request still ends with
+exactly the tokens of an undisturbed run.
+
+The second round's kill leaves a survivor waiting: rank 0 hangs in its forward, so its EP peer (rank 1) waits in the
+all-to-all and stage 1 of EP rank 1 (rank 3) waits for rank 1's hidden state; rank 0 is then killed. Rank 1 fails at
+once (its peer's connection closed), but rank 3 waits on rank 1, which is alive: a gloo wait ends only at
+parallel.collective_timeout_s (60 s), and the serving graph cannot be torn down, nor a new one run on rank 3, before
+it returns. The engine makes the survivors leave the lost grid's process groups, which frees them and so closes
+their connections: the wait ends at once. Where the replacement spare is not up yet in the second round, the grid is
+rebuilt in place around its surviving column (no process started), its other survivor standing by as a spare."""
+from __future__ import annotations
+
+import threading
+import time
+
+import ray
+
+from conftest import serving_engine
+from k3ray.data import encode
+from k3ray.serve.drills import Stream
+
+PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in d.items():\n", "return "]
+PARAMS = [{"max_tokens": 40 + 2 * i, "temperature": 0.0 if i % 2 else 0.8, "seed": 30 + i} for i in range(len(PROMPTS))]
+SERVE = {"page_size": 4, "pages_per_rank": 128, "slots_per_rank": 6, "token_budget": 16, "max_waiting": 16,
+         "max_tokens": 64}
+COLLECTIVE_TIMEOUT_S = 60.0  # the checkpoint's parallel.collective_timeout_s (the default)
+
+
+class Clients:
+    """Clients sending the requests of PROMPTS and PARAMS back to back, each request a Stream, until `stop`."""
+
+    def __init__(self, engine, n: int):
+        self.engine, self.done, self.running = engine, [], True
+        self.threads = [threading.Thread(target=self._client, args=(c,), daemon=True) for c in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _client(self, c: int) -> None:
+        k = c
+        while self.running:
+            i = k % len(PROMPTS)
+            stream = Stream(self.engine, encode(PROMPTS[i]), PARAMS[i])
+            self.done.append((i, stream))
+            stream.run()
+            k += 1
+
+    def stop(self) -> None:
+        self.running = False
+        for t in self.threads:
+            t.join(timeout=300)
+
+    def token_times(self) -> list[float]:
+        return sorted(at for _, s in list(self.done) for at, item in list(s.items) if item.get("tokens"))
+
+    def gap_after(self, t: float) -> float:
+        """From the last token any request got before `t` to the first one after it (inf if none came yet)."""
+        times = self.token_times()
+        before, after = [a for a in times if a <= t], [a for a in times if a > t]
+        return after[0] - before[-1] if before and after else float("inf")
+
+    def wait_for_tokens(self, timeout_s: float = 120.0) -> None:
+        """Until some request gets a token after now (serving again)."""
+        t, until = time.perf_counter(), time.time() + timeout_s
+        while time.time() < until and self.gap_after(t) == float("inf"):
+            time.sleep(0.02)
+
+
+def test_kills_in_rounds_with_a_spare_each_cost_seconds_not_the_collective_timeout(serving_checkpoint,
+                                                                                   visible_reference):
+    want = [visible_reference(p, kw) for p, kw in zip(PROMPTS, PARAMS)]
+    with serving_engine(serving_checkpoint, 2, 2, SERVE, spares=1) as engine:
+        clients = Clients(engine, 6)
+        clients.wait_for_tokens()
+        t_first = time.perf_counter()
+        ray.get(engine.drill.remote("kill_worker", [2]))  # round 1: the spare takes rank 2's place
+        clients.wait_for_tokens()
+        ray.get(engine.drill.remote("hang_collective", [0]))  # round 2: rank 0 hangs, its peers wait on it ...
+        time.sleep(0.5)
+        t_second = time.perf_counter()
+        ray.get(engine.drill.remote("kill_worker", [0]))  # ... and dies: rank 3 still waits on rank 1
+        clients.wait_for_tokens()
+        time.sleep(1.0)
+        clients.stop()
+        gaps = [clients.gap_after(t_first), clients.gap_after(t_second)]
+        incidents = [i for i in ray.get(engine.incident_log.remote()) if i["kind"] == "worker_lost"]
+        print(f"\nserving gaps per round: {[round(g, 2) for g in gaps]} s; "
+              f"incidents: {[(i['ranks'], i['action'], i['seconds']) for i in incidents]}")
+        for i, s in clients.done:
+            assert not [item for _, item in s.items if "error" in item], f"request {PROMPTS[i]!r}"
+            assert s.tokens() == want[i], f"request {PROMPTS[i]!r}, {PARAMS[i]}"
+        assert [i["ranks"] for i in incidents] == [[2], [0]]
+        assert incidents[0]["action"] == "replace"
+        assert max(gaps) < COLLECTIVE_TIMEOUT_S / 4, gaps
+        assert ray.get(engine.health.remote())["status"] == "ok"
