@@ -93,8 +93,9 @@ def main() -> None:
                "micro_batch_bias": _mean({k: v["maxvio_micro_batch_bias"] for k, v in bal.items()}),
                "saturated": _mean({k: v["saturated"] for k, v in bal.items()}), "seconds": time.perf_counter() - t}
         rows.append(row)
-        print(f"| {step} | {row['loss']:.3f} | {row['maxvio_mean']:.3f} | {row['maxvio_max']:.3f} | "
-              f"{row['step_bias']:.3f} | {row['micro_batch_bias']:.3f} | {row['saturated']:.2%} | "
+        diag = (f"{row['step_bias']:.3f} | {row['micro_batch_bias']:.3f} | {row['saturated']:.2%}" if bal
+                else "- | - | -")  # balancing off: no bias, no diagnostics
+        print(f"| {step} | {row['loss']:.3f} | {row['maxvio_mean']:.3f} | {row['maxvio_max']:.3f} | {diag} | "
               f"{row['seconds']:.2f} |", flush=True)
         if (step + 1) % args.heldout_every == 0 or step + 1 == args.steps:
             heldout[step + 1] = heldout_maxvio(engine, args.heldout_batches)
@@ -111,6 +112,7 @@ def main() -> None:
         "maxvio_median_per_layer": per_layer,
         "heldout_mean": {s: _mean(v) for s, v in heldout.items()},
         "loss_last10": statistics.fmean(r["loss"] for r in rows[-10:]),
+        "loss_median_last10": statistics.median(r["loss"] for r in rows[-10:]),
         "step_seconds_median": statistics.median(r["seconds"] for r in rows),
     }
     print(f"\n{args.label}: MaxVio (mean over layers) over steps {start}-{args.steps - 1}: median "
@@ -121,7 +123,8 @@ def main() -> None:
           + ", ".join(f"{k}: {v:.3f}" for k, v in per_layer.items()))
     print(f"{args.label}: held-out MaxVio (mean over layers) by step: "
           + ", ".join(f"{s}: {v:.3f}" for s, v in summary["heldout_mean"].items())
-          + f"; loss (last 10 steps) {summary['loss_last10']:.3f}", flush=True)
+          + f"; loss (last 10 steps) mean {summary['loss_last10']:.3f}, median {summary['loss_median_last10']:.3f}",
+          flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
     if dist.is_initialized():
