@@ -6,8 +6,9 @@
 Per step: loss, MaxVio (mean and max over the MoE layers, what training routed), and the step report's balance
 diagnostics (mean over layers): the MaxVio the step's bias gives the batch (the previous step's quantile: the
 released rule's lag) and each micro-batch's own bias (the same-batch best case), and the share of scores saturated at
-exactly 1.0. Held-out: the step's bias on `--heldout-batches` validation batches together (no gradient: evaluation
-routes with the step's bias), before training and every `--heldout-every` steps. Summary: median and max of MaxVio
+exactly 1.0. Held-out: `--heldout-batches` validation batches together (no gradient), before training and every
+`--heldout-every` steps, under the step's bias (serving's) and under each batch's own bias (evaluation's with
+model.quantile_eval_bias_from: batch). Summary: median and max of MaxVio
 over steps 10 on. Runs on CPU too (tiny configs).
 """
 from __future__ import annotations
@@ -31,19 +32,25 @@ from k3ray.policies.moonep import default_home, maxvio  # noqa: E402
 
 
 @torch.no_grad()
-def heldout_maxvio(engine: StageEngine, batches: int) -> dict[int, float]:
-    """Per MoE layer: MaxVio of the validation batches 0..batches-1 routed together with the current bias."""
+def heldout_maxvio(engine: StageEngine, batches: int) -> dict[str, dict[int, float]]:
+    """Per MoE layer: MaxVio of the validation batches 0..batches-1 routed together (no gradient), under the step's
+    bias (what serving routes with) and under each batch's own bias (what evaluation routes with when
+    model.quantile_eval_bias_from is batch); both from the routing statistics, whichever evaluation used."""
     stage = engine.stage
-    load: dict[int, torch.Tensor] = {}
+    load: dict[str, dict[int, torch.Tensor]] = {"step": {}, "own": {}}
     for i in range(batches):
         tokens = engine.batches.validation(i)
         stage(tokens[:, :-1], documents=engine.batches.documents(tokens))
         for layer, moe in stage.moe_layers().items():
-            load[layer] = load.get(layer, 0) + moe.stats.tokens_per_expert.cpu()
+            E = moe.cfg.n_experts
+            counts = moe.stats.balance.cpu() if moe.stats.balance is not None else None
+            for name, part in (("step", slice(0, E)), ("own", slice(E, 2 * E))):
+                routes = counts[part] if counts is not None else moe.stats.tokens_per_expert.cpu()
+                load[name][layer] = load[name].get(layer, 0) + routes
         stage.reset_stats()
         for moe in stage.moe_layers().values():
             moe.experts.reset()
-    return {layer: maxvio([v.tolist()]) for layer, v in load.items()}
+    return {name: {layer: maxvio([v.tolist()]) for layer, v in per.items()} for name, per in load.items()}
 
 
 def _mean(d: dict) -> float:
@@ -76,7 +83,7 @@ def main() -> None:
           f"{m.balancing} from {m.quantile_bias_from}, quantile_step {m.quantile_step}, lr {cfg.optimizer.lr}; "
           f"built in {time.perf_counter() - t0:.0f} s\n", flush=True)
     heldout = {0: heldout_maxvio(engine, args.heldout_batches)}
-    print(f"held-out MaxVio before training: mean {_mean(heldout[0]):.3f}\n")
+    print(f"held-out MaxVio before training: mean {_mean(heldout[0]['step']):.3f}\n")
     print("| step | loss | MaxVio mean | MaxVio max | step's bias (lag) | micro-batch bias (same batch) | saturated "
           "| s |")
     print("|---|---|---|---|---|---|---|---|", flush=True)
@@ -99,6 +106,8 @@ def main() -> None:
               f"{row['seconds']:.2f} |", flush=True)
         if (step + 1) % args.heldout_every == 0 or step + 1 == args.steps:
             heldout[step + 1] = heldout_maxvio(engine, args.heldout_batches)
+            print(f"held-out after step {step}: the step's bias {_mean(heldout[step + 1]['step']):.3f}, each batch's "
+                  f"own {_mean(heldout[step + 1]['own']):.3f}", flush=True)
     start = args.from_step if args.steps > args.from_step else 0
     tail = rows[start:]
     per_layer = {layer: statistics.median(r["maxvio"][layer] for r in tail) for layer in tail[0]["maxvio"]}
@@ -110,7 +119,8 @@ def main() -> None:
         "step_bias_median": statistics.median(r["step_bias"] for r in tail),
         "micro_batch_bias_median": statistics.median(r["micro_batch_bias"] for r in tail),
         "maxvio_median_per_layer": per_layer,
-        "heldout_mean": {s: _mean(v) for s, v in heldout.items()},
+        "heldout_mean": {s: _mean(v["step"]) for s, v in heldout.items()},
+        "heldout_own_bias_mean": {s: _mean(v["own"]) for s, v in heldout.items()},
         "loss_last10": statistics.fmean(r["loss"] for r in rows[-10:]),
         "loss_median_last10": statistics.median(r["loss"] for r in rows[-10:]),
         "step_seconds_median": statistics.median(r["seconds"] for r in rows),
@@ -121,8 +131,9 @@ def main() -> None:
           f"the step's bias would give {summary['step_bias_median']:.3f}, each micro-batch's own "
           f"{summary['micro_batch_bias_median']:.3f}; per layer "
           + ", ".join(f"{k}: {v:.3f}" for k, v in per_layer.items()))
-    print(f"{args.label}: held-out MaxVio (mean over layers) by step: "
-          + ", ".join(f"{s}: {v:.3f}" for s, v in summary["heldout_mean"].items())
+    print(f"{args.label}: held-out MaxVio (mean over layers) by step, the step's bias / each batch's own: "
+          + ", ".join(f"{s}: {v:.3f} / {summary['heldout_own_bias_mean'][s]:.3f}"
+                      for s, v in summary["heldout_mean"].items())
           + f"; loss (last 10 steps) mean {summary['loss_last10']:.3f}, median {summary['loss_median_last10']:.3f}",
           flush=True)
     if args.json:

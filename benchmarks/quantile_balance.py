@@ -32,8 +32,9 @@ candidates for that bias, each from what step t had, scored on the held-out batc
 - last micro-batch: the last micro-batch's own bias (three passes over its scores from the step's bias)
 - last n steps, new router: three passes over the inputs of steps t-n+1..t scored by the router after step t
 - EMA a: b <- a b + (1 - a) b_after over steps (an average of recent steps' biases; evaluation only)
+- micro mean: the mean of the micro-batches' own biases (three passes each from the step's bias)
 - step s: the step's bias chain with quantile_step s (one pass; "after the update": three passes over the updated
-  router's scores), an EMA whose every update starts from the average itself
+  router's scores; "micro mean": towards the micro mean), an EMA whose every update starts from the average itself
 - own bias: the held-out batches' own bias (in-sample; what no bias from other tokens can beat)
 - half B: the held-out set split in two; "fresh" routes half B with the converged bias of half A (same router, a
   different sample: the sampling noise alone), "step's" routes half B with the step's bias
@@ -121,12 +122,26 @@ def replay_layer(bal: Balancer, records: list[dict], step_size: float) -> dict[s
 
 
 HELDOUT = ("step's bias", "converged", "after the update", "last micro-batch", "last 4 steps, new router",
-           "EMA 0.5", "EMA 0.8", "step 0.5", "step 0.2", "step 0.2, after the update", "own bias", "half B: fresh",
+           "EMA 0.5", "EMA 0.8", "step 0.5", "step 0.2", "step 0.2, after the update", "micro mean",
+           "step 0.2, micro mean", "own bias", "half B: fresh",
            "half B: step's", "train: micro from step's bias", "train: micro from step 0.2")
-CHAINS = {"step 0.5": (0.5, False), "step 0.2": (0.2, False), "step 0.2, after the update": (0.2, True)}
+CHAINS = {"step 0.5": (0.5, False), "step 0.2": (0.2, False), "step 0.2, after the update": (0.2, True),
+          "step 0.2, micro mean": (0.2, None)}
 
 
-def replay_heldout(bal: Balancer, records: list[dict], step_size: float) -> dict[str, list[float]]:
+def unseen_scores(records: list[dict], t: int, unseen: str) -> torch.Tensor | None:
+    """The scores [H, E] of the batch that step t's bias is judged on: the held-out batches under the model after
+    step t, or the next step's training batch (a random sample like step t's, routed under the same weights)."""
+    if unseen == "heldout":
+        return torch.sigmoid(records[t]["heldout_logits"].float())
+    if t + 1 < len(records):
+        logits = records[t + 1]["logits"].float()
+        return torch.sigmoid(logits.reshape(-1, logits.shape[-1]))
+    return None
+
+
+def replay_heldout(bal: Balancer, records: list[dict], step_size: float, unseen: str = "heldout"
+                   ) -> dict[str, list[float]]:
     """Held-out MaxVio per step of every candidate in HELDOUT (module docstring), for one layer's records; the two
     "train:" columns are the training batch's MaxVio with micro-batch biases started from that step's bias."""
     out = {name: [] for name in HELDOUT}
@@ -136,9 +151,12 @@ def replay_heldout(bal: Balancer, records: list[dict], step_size: float) -> dict
     for t, rec in enumerate(records):
         micro = torch.sigmoid(rec["logits"].float())  # [M, T, E]
         scores = micro.reshape(-1, bal.e)
-        held = torch.sigmoid(rec["heldout_logits"].float())  # [H, E]
-        out["train: micro from step's bias"].append(
-            maxvio(sum(bal.load(m, bal.b_hat(m, b_step, passes=3)) for m in micro)))
+        held = unseen_scores(records, t, unseen)  # [H, E]
+        if held is None:
+            break
+        micro_biases = [bal.b_hat(m, b_step, passes=3) for m in micro]
+        out["train: micro from step's bias"].append(maxvio(sum(bal.load(m, b) for m, b in zip(micro, micro_biases))))
+        micro_mean = torch.stack(micro_biases).mean(0)
         out["train: micro from step 0.2"].append(
             maxvio(sum(bal.load(m, bal.b_hat(m, chains["step 0.2"], passes=3)) for m in micro)))
         start = b_step
@@ -155,8 +173,13 @@ def replay_heldout(bal: Balancer, records: list[dict], step_size: float) -> dict
             cands[f"EMA {a}"] = ema[a]
         for name, (size, use_after) in CHAINS.items():
             b = chains[name]
-            chains[name] = b + size * (bal.b_hat(after if use_after else scores, b, passes=3 if use_after else 1) - b)
+            if use_after is None:  # the mean of the micro-batches' own biases (each from the step's bias)
+                target = micro_mean
+            else:
+                target = bal.b_hat(after if use_after else scores, b, passes=3 if use_after else 1)
+            chains[name] = b + size * (target - b)
             cands[name] = chains[name]
+        cands["micro mean"] = micro_mean
         cands["own bias"] = bal.b_hat(held, start, passes=3)
         for name, bias in cands.items():
             out[name].append(maxvio(bal.load(held, bias)))
@@ -166,18 +189,19 @@ def replay_heldout(bal: Balancer, records: list[dict], step_size: float) -> dict
     return out
 
 
-def print_heldout(dump: dict, bal: Balancer, from_step: int) -> None:
+def print_heldout(dump: dict, bal: Balancer, from_step: int, unseen: str) -> None:
     """Per layer median (max) over steps from_step on, then the mean over layers at some steps with the lr."""
 
     steps = dump["steps"]
     held = steps[0]["layers"][dump["layers"][0]]["heldout_logits"]
-    print(f"Held-out: {held.shape[0]} tokens routed after each step; median (max) over steps {from_step}-"
+    print(f"Unseen: {unseen} ({held.shape[0]} held-out tokens) routed after each step; median (max) over steps {from_step}-"
           f"{len(steps) - 1}\n")
     print("| layer | " + " | ".join(HELDOUT) + " |")
     print("|---" * (len(HELDOUT) + 1) + "|")
     means = {name: [0.0] * len(steps) for name in HELDOUT}
     for layer in dump["layers"]:
-        out = replay_heldout(bal, [s["layers"][layer] for s in steps], dump["config"]["model"]["quantile_step"])
+        out = replay_heldout(bal, [s["layers"][layer] for s in steps], dump["config"]["model"]["quantile_step"],
+                             unseen)
         print(f"| {layer} | " + " | ".join(_stat(out[name][from_step:]) for name in HELDOUT) + " |", flush=True)
         for name in HELDOUT:
             means[name] = [a + b / len(dump["layers"]) for a, b in zip(means[name], out[name])]
@@ -186,8 +210,8 @@ def print_heldout(dump: dict, bal: Balancer, from_step: int) -> None:
     print("\nMean over layers, held-out after step t (lr: step t's):\n")
     print("| step | lr | " + " | ".join(HELDOUT) + " |")
     print("|---" * (len(HELDOUT) + 2) + "|")
-    for t in range(len(steps)):
-        if t < 3 or t % 10 == 9 or t == len(steps) - 1:
+    for t in range(len(means[HELDOUT[0]])):
+        if t < 3 or t % 10 == 9 or t == len(means[HELDOUT[0]]) - 1:
             lr = lr_at(OptimizerConfig(**cfg["optimizer"]), t, cfg["train"]["steps"])
             print(f"| {t} | {lr:.2e} | " + " | ".join(f"{means[name][t]:.3f}" for name in HELDOUT) + " |")
 
@@ -202,7 +226,9 @@ def main() -> None:
     ap.add_argument("dump")
     ap.add_argument("--layers", default="", help="comma-separated layers (default: all in the dump)")
     ap.add_argument("--from-step", type=int, default=10, help="figures over steps from here on")
-    ap.add_argument("--heldout", action="store_true", help="the held-out table instead (module docstring)")
+    ap.add_argument("--heldout", choices=["heldout", "next"], default=None,
+                    help="the table of unseen batches instead (module docstring): the held-out batches, or the next "
+                         "step's training batch")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dump = torch.load(args.dump, weights_only=False)
@@ -213,7 +239,7 @@ def main() -> None:
         dump["layers"] = [int(i) for i in args.layers.split(",")]
     first = steps[0]["layers"][dump["layers"][0]]["logits"]
     if args.heldout:
-        print_heldout(dump, bal, args.from_step)
+        print_heldout(dump, bal, args.from_step, args.heldout)
         return
     print(f"# {args.dump}: {model['n_experts']} experts top-{model['top_k']}, {len(steps)} steps of "
           f"{first.shape[0]} x {first.shape[1]} tokens, quantile_step {model['quantile_step']}, most frequent token "
