@@ -7,8 +7,9 @@ Per step and MoE layer it keeps the router logits z = x W_r^T of every micro-bat
 step ran with, the logits of the same inputs under the weights after the optimizer step (what a bias computed after
 the update would see), the bias the step routed with, and the logits of `--heldout-batches` validation batches under
 the model after the step (what evaluation and serving route until the next step), with the router inputs [M, T, d]
-(float16) and the router weights after the step, to score older steps' inputs under a newer router. Logits are stored as float16 (saturation at |z| ~ 17 and
-the score ties it makes survive the rounding). Also the step's loss and the data's most frequent token share.
+(float16) and the router weights after the step, to score older steps' inputs under a newer router. Logits are stored
+as float16 (saturation at |z| ~ 17 and the score ties it makes survive the rounding). Also the step's loss and the
+data's most frequent token share. About 10 MB per step at tiny's size with 64 experts.
 """
 from __future__ import annotations
 

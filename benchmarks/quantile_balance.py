@@ -21,8 +21,9 @@ the width of the margin band that holds the middle half of an expert's target lo
 misroutes about half of it); saturated = the share of scores exactly 1.0 (fp32 sigmoid above logit ~17); ties = the
 share of tokens whose k-th and (k+1)-th biased scores are equal (no bias separates them).
 
-With --heldout (a dump with held-out logits: the validation batches under the model after each step) the table is
-about evaluation and serving, which route batches no bias was computed from with the bias the step leaves. The
+With --heldout heldout (a dump with held-out logits: the validation batches under the model after each step) or
+--heldout next (the next step's training batch: a random sample like the step's own) the table is about evaluation and
+serving, which route batches no bias was computed from with the bias the step leaves. The
 candidates for that bias, each from what step t had, scored on the held-out batches under the model after step t:
 
 - step's bias: b_{t+1} = b_t + quantile_step (b_hat - b_t), one quantile pass of step t's global histogram under the
@@ -193,9 +194,9 @@ def print_heldout(dump: dict, bal: Balancer, from_step: int, unseen: str) -> Non
     """Per layer median (max) over steps from_step on, then the mean over layers at some steps with the lr."""
 
     steps = dump["steps"]
-    held = steps[0]["layers"][dump["layers"][0]]["heldout_logits"]
-    print(f"Unseen: {unseen} ({held.shape[0]} held-out tokens) routed after each step; median (max) over steps {from_step}-"
-          f"{len(steps) - 1}\n")
+    held = unseen_scores([s["layers"][dump["layers"][0]] for s in steps[:2]], 0, unseen)
+    print(f"Unseen batch: {unseen} ({held.shape[0]} tokens), routed after each step; median (max) over steps "
+          f"{from_step}-{len(steps) - 1}\n")
     print("| layer | " + " | ".join(HELDOUT) + " |")
     print("|---" * (len(HELDOUT) + 1) + "|")
     means = {name: [0.0] * len(steps) for name in HELDOUT}
