@@ -33,24 +33,30 @@ from k3ray.policies.moonep import default_home, maxvio  # noqa: E402
 
 @torch.no_grad()
 def heldout_maxvio(engine: StageEngine, batches: int) -> dict[str, dict[int, float]]:
-    """Per MoE layer: MaxVio of the validation batches 0..batches-1 routed together (no gradient), under the step's
-    bias (what serving routes with) and under each batch's own bias (what evaluation routes with when
-    model.quantile_eval_bias_from is batch); both from the routing statistics, whichever evaluation used."""
+    """Per MoE layer: MaxVio of the validation batches 0..batches-1 routed together (no gradient), once with the
+    step's bias in every layer (what serving routes with) and once with each batch's own bias in every layer (what
+    evaluation routes with under model.quantile_eval_bias_from: batch); each forward routes so from the first layer
+    on, since a layer's inputs depend on how the layers before it routed."""
     stage = engine.stage
-    load: dict[str, dict[int, torch.Tensor]] = {"step": {}, "own": {}}
-    for i in range(batches):
-        tokens = engine.batches.validation(i)
-        stage(tokens[:, :-1], documents=engine.batches.documents(tokens))
-        for layer, moe in stage.moe_layers().items():
-            E = moe.cfg.n_experts
-            counts = moe.stats.balance.cpu() if moe.stats.balance is not None else None
-            for name, part in (("step", slice(0, E)), ("own", slice(E, 2 * E))):
-                routes = counts[part] if counts is not None else moe.stats.tokens_per_expert.cpu()
-                load[name][layer] = load[name].get(layer, 0) + routes
-        stage.reset_stats()
-        for moe in stage.moe_layers().values():
-            moe.experts.reset()
-    return {name: {layer: maxvio([v.tolist()]) for layer, v in per.items()} for name, per in load.items()}
+    moes = stage.moe_layers()
+    configured = {layer: moe.cfg for layer, moe in moes.items()}
+    out = {}
+    for name, mode in (("step", "step"), ("own", "batch")):
+        load: dict[int, torch.Tensor] = {}
+        for layer, moe in moes.items():
+            moe.cfg = configured[layer].model_copy(update={"quantile_eval_bias_from": mode})
+        for i in range(batches):
+            tokens = engine.batches.validation(i)
+            stage(tokens[:, :-1], documents=engine.batches.documents(tokens))
+            for layer, moe in moes.items():
+                load[layer] = load.get(layer, 0) + moe.stats.tokens_per_expert.cpu()
+            stage.reset_stats()
+            for moe in moes.values():
+                moe.experts.reset()
+        out[name] = {layer: maxvio([v.tolist()]) for layer, v in load.items()}
+    for layer, moe in moes.items():
+        moe.cfg = configured[layer]
+    return out
 
 
 def _mean(d: dict) -> float:
