@@ -40,6 +40,7 @@ def heldout_maxvio(engine: StageEngine, batches: int) -> dict[str, dict[int, flo
     stage = engine.stage
     moes = stage.moe_layers()
     configured = {layer: moe.cfg for layer, moe in moes.items()}
+    stage.reset_stats()  # the step's routes are still counted there: the held-out load starts from zero
     out = {}
     for name, mode in (("step", "step"), ("own", "batch")):
         load: dict[int, torch.Tensor] = {}
