@@ -64,8 +64,9 @@ class ModelConfig(Section):
     quantile_eval_bias_from: Literal["step", "batch"] = Field(
         "step", description="where a batch routed without gradients and without an inference cache (evaluation) "
                             "takes its bias: the step's (as released; serving always does), or its own, as "
-                            "micro_batch routes training: evaluation then routes as training did (the step's bias "
-                            "cannot balance a held-out split unlike the training batches; model/balancing.py)")
+                            "micro_batch routes training, so evaluation routes as training did (the step's bias "
+                            "cannot balance a held-out split unlike the training batches; model/balancing.py). "
+                            "'batch' also reroutes every plain forward, serving's cache-free reference among them")
     quantile_resolution: float = Field(1e-5, gt=0, description="the histogram's bins are log-spaced around the "
                                                                "decision boundary: about this wide there, wider in "
                                                                "proportion to the distance (model/balancing.py)")
