@@ -8,6 +8,8 @@
 #             the first stage to train pays fla's autotuning (~200 s cold, TRITON_CACHE_DIR keeps it)
 #   byte      BYTE_STEPS steps on byte data (the embedded corpus of .py sources)
 #   before    BEFORE_STEPS steps on the BPE shards with the former rule (the previous step's quantile, step 0.3)
+#   off       STEPS steps on the BPE shards with balancing off (model.balancing=none: no bias, plain top-k), the loss
+#             curve the balanced runs are held to (same seed, data and steps as bpe)
 # Each training stage prints the per-step table (loss, MaxVio mean and max over layers, what the step's bias and each
 # micro-batch's own bias give, saturated scores), held-out MaxVio at steps 0, 50 and the end, and a summary line.
 # Run from a copy of the repository (outside the checkout) with Ray's site and the Triton cache already on
@@ -57,5 +59,7 @@ for s in $STAGES; do
     before) stage before "${BEFORE_S:-200}" python benchmarks/balance_gpu.py $GPU2 $RELEASED $BPE \
       --set model.quantile_bias_from=previous_step --set model.quantile_step=0.3 --steps "$BEFORE_STEPS" \
       --label "gpu2 8 layers, BPE $BPE_VOCAB, the former rule" --json "$OUT/before.json" ;;
+    off) stage off "${OFF_S:-420}" python benchmarks/balance_gpu.py $GPU2 $RELEASED $BPE --set model.balancing=none \
+      --steps "$STEPS" --label "gpu2 8 layers, BPE $BPE_VOCAB, balancing off" --json "$OUT/off.json" ;;
   esac
 done

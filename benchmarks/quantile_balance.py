@@ -2,6 +2,7 @@
 
     python benchmarks/balance_dump.py ... --out DUMP.pt     # a real training run's router logits (CPU or GPU)
     python benchmarks/quantile_balance.py DUMP.pt [--from-step 10]
+    python benchmarks/quantile_balance.py DUMP.pt --heldout     # which step's bias routes unseen batches best
 
 The dump holds, per step and MoE layer, the logits z = x W_r^T of every micro-batch under the weights the step ran
 with, the same inputs' logits under the weights after the optimizer step, and the bias the run routed with. Each
@@ -19,6 +20,25 @@ Diagnostics per layer (from the same-batch bias b*): drift/spread = the median o
 the width of the margin band that holds the middle half of an expert's target load (above 1 the previous step's bias
 misroutes about half of it); saturated = the share of scores exactly 1.0 (fp32 sigmoid above logit ~17); ties = the
 share of tokens whose k-th and (k+1)-th biased scores are equal (no bias separates them).
+
+With --heldout heldout (a dump with held-out logits: the validation batches under the model after each step) or
+--heldout next (the next step's training batch: a random sample like the step's own) the table is about evaluation and
+serving, which route batches no bias was computed from with the bias the step leaves. The
+candidates for that bias, each from what step t had, scored on the held-out batches under the model after step t:
+
+- step's bias: b_{t+1} = b_t + quantile_step (b_hat - b_t), one quantile pass of step t's global histogram under the
+  weights it ran with (as released; with micro-batch biases this chain still sets the step's bias)
+- converged: three passes over the same scores (a pass moves alpha, so one pass from a stale bias is only close)
+- after the update: three passes over step t's inputs scored by the router after the optimizer step
+- last micro-batch: the last micro-batch's own bias (three passes over its scores from the step's bias)
+- last n steps, new router: three passes over the inputs of steps t-n+1..t scored by the router after step t
+- EMA a: b <- a b + (1 - a) b_after over steps (an average of recent steps' biases; evaluation only)
+- micro mean: the mean of the micro-batches' own biases (three passes each from the step's bias)
+- step s: the step's bias chain with quantile_step s (one pass; "after the update": three passes over the updated
+  router's scores; "micro mean": towards the micro mean), an EMA whose every update starts from the average itself
+- own bias: the held-out batches' own bias (in-sample; what no bias from other tokens can beat)
+- half B: the held-out set split in two; "fresh" routes half B with the converged bias of half A (same router, a
+  different sample: the sampling noise alone), "step's" routes half B with the step's bias
 """
 from __future__ import annotations
 
@@ -27,7 +47,9 @@ import statistics
 
 import torch
 
+from k3ray.config import OptimizerConfig
 from k3ray.model.balancing import quantile_bias, quantile_histogram, select_experts
+from k3ray.optim import lr_at
 
 
 class Balancer:
@@ -100,6 +122,101 @@ def replay_layer(bal: Balancer, records: list[dict], step_size: float) -> dict[s
     return out
 
 
+HELDOUT = ("step's bias", "converged", "after the update", "last micro-batch", "last 4 steps, new router",
+           "EMA 0.5", "EMA 0.8", "step 0.5", "step 0.2", "step 0.2, after the update", "micro mean",
+           "step 0.2, micro mean", "own bias", "half B: fresh",
+           "half B: step's", "train: micro from step's bias", "train: micro from step 0.2")
+CHAINS = {"step 0.5": (0.5, False), "step 0.2": (0.2, False), "step 0.2, after the update": (0.2, True),
+          "step 0.2, micro mean": (0.2, None)}
+
+
+def unseen_scores(records: list[dict], t: int, unseen: str) -> torch.Tensor | None:
+    """The scores [H, E] of the batch that step t's bias is judged on: the held-out batches under the model after
+    step t, or the next step's training batch (a random sample like step t's, routed under the same weights)."""
+    if unseen == "heldout":
+        return torch.sigmoid(records[t]["heldout_logits"].float())
+    if t + 1 < len(records):
+        logits = records[t + 1]["logits"].float()
+        return torch.sigmoid(logits.reshape(-1, logits.shape[-1]))
+    return None
+
+
+def replay_heldout(bal: Balancer, records: list[dict], step_size: float, unseen: str = "heldout"
+                   ) -> dict[str, list[float]]:
+    """Held-out MaxVio per step of every candidate in HELDOUT (module docstring), for one layer's records; the two
+    "train:" columns are the training batch's MaxVio with micro-batch biases started from that step's bias."""
+    out = {name: [] for name in HELDOUT}
+    b_step = records[0]["bias"].clone().float()
+    chains = {name: b_step.clone() for name in CHAINS}
+    ema: dict[float, torch.Tensor] = {}
+    for t, rec in enumerate(records):
+        micro = torch.sigmoid(rec["logits"].float())  # [M, T, E]
+        scores = micro.reshape(-1, bal.e)
+        held = unseen_scores(records, t, unseen)  # [H, E]
+        if held is None:
+            break
+        micro_biases = [bal.b_hat(m, b_step, passes=3) for m in micro]
+        out["train: micro from step's bias"].append(maxvio(sum(bal.load(m, b) for m, b in zip(micro, micro_biases))))
+        micro_mean = torch.stack(micro_biases).mean(0)
+        out["train: micro from step 0.2"].append(
+            maxvio(sum(bal.load(m, bal.b_hat(m, chains["step 0.2"], passes=3)) for m in micro)))
+        start = b_step
+        b_step = b_step + step_size * (bal.b_hat(scores, start) - b_step)
+        w_after = rec["weight_after"]
+        after = torch.sigmoid(rec["inputs"].float().reshape(-1, w_after.shape[1]) @ w_after.t())
+        b_after = bal.b_hat(after, start, passes=3)
+        cands = {"step's bias": b_step, "converged": bal.b_hat(scores, start, passes=3), "after the update": b_after,
+                 "last micro-batch": bal.b_hat(micro[-1], start, passes=3)}
+        xs = torch.cat([r["inputs"].float().reshape(-1, w_after.shape[1]) for r in records[max(0, t - 3):t + 1]])
+        cands["last 4 steps, new router"] = bal.b_hat(torch.sigmoid(xs @ w_after.t()), start, passes=3)
+        for a in (0.5, 0.8):
+            ema[a] = b_after if t == 0 else a * ema[a] + (1 - a) * b_after
+            cands[f"EMA {a}"] = ema[a]
+        for name, (size, use_after) in CHAINS.items():
+            b = chains[name]
+            if use_after is None:  # the mean of the micro-batches' own biases (each from the step's bias)
+                target = micro_mean
+            else:
+                target = bal.b_hat(after if use_after else scores, b, passes=3 if use_after else 1)
+            chains[name] = b + size * (target - b)
+            cands[name] = chains[name]
+        cands["micro mean"] = micro_mean
+        cands["own bias"] = bal.b_hat(held, start, passes=3)
+        for name, bias in cands.items():
+            out[name].append(maxvio(bal.load(held, bias)))
+        half_a, half_b = held[:held.shape[0] // 2], held[held.shape[0] // 2:]
+        out["half B: fresh"].append(maxvio(bal.load(half_b, bal.b_hat(half_a, start, passes=3))))
+        out["half B: step's"].append(maxvio(bal.load(half_b, b_step)))
+    return out
+
+
+def print_heldout(dump: dict, bal: Balancer, from_step: int, unseen: str) -> None:
+    """Per layer median (max) over steps from_step on, then the mean over layers at some steps with the lr."""
+
+    steps = dump["steps"]
+    held = unseen_scores([s["layers"][dump["layers"][0]] for s in steps[:2]], 0, unseen)
+    print(f"Unseen batch: {unseen} ({held.shape[0]} tokens), routed after each step; median (max) over steps "
+          f"{from_step}-{len(steps) - 1}\n")
+    print("| layer | " + " | ".join(HELDOUT) + " |")
+    print("|---" * (len(HELDOUT) + 1) + "|")
+    means = {name: [0.0] * len(steps) for name in HELDOUT}
+    for layer in dump["layers"]:
+        out = replay_heldout(bal, [s["layers"][layer] for s in steps], dump["config"]["model"]["quantile_step"],
+                             unseen)
+        print(f"| {layer} | " + " | ".join(_stat(out[name][from_step:]) for name in HELDOUT) + " |", flush=True)
+        for name in HELDOUT:
+            means[name] = [a + b / len(dump["layers"]) for a, b in zip(means[name], out[name])]
+    print("| mean | " + " | ".join(_stat(means[name][from_step:]) for name in HELDOUT) + " |")
+    cfg = dump["config"]
+    print("\nMean over layers, held-out after step t (lr: step t's):\n")
+    print("| step | lr | " + " | ".join(HELDOUT) + " |")
+    print("|---" * (len(HELDOUT) + 2) + "|")
+    for t in range(len(means[HELDOUT[0]])):
+        if t < 3 or t % 10 == 9 or t == len(means[HELDOUT[0]]) - 1:
+            lr = lr_at(OptimizerConfig(**cfg["optimizer"]), t, cfg["train"]["steps"])
+            print(f"| {t} | {lr:.2e} | " + " | ".join(f"{means[name][t]:.3f}" for name in HELDOUT) + " |")
+
+
 def _stat(values: list[float]) -> str:
     vals = [v for v in values if v == v]
     return f"{statistics.median(vals):.3f} ({max(vals):.3f})" if vals else "-"
@@ -110,6 +227,9 @@ def main() -> None:
     ap.add_argument("dump")
     ap.add_argument("--layers", default="", help="comma-separated layers (default: all in the dump)")
     ap.add_argument("--from-step", type=int, default=10, help="figures over steps from here on")
+    ap.add_argument("--heldout", choices=["heldout", "next"], default=None,
+                    help="the table of unseen batches instead (module docstring): the held-out batches, or the next "
+                         "step's training batch")
     args = ap.parse_args()
     torch.set_num_threads(1)
     dump = torch.load(args.dump, weights_only=False)
@@ -119,6 +239,9 @@ def main() -> None:
     if args.layers:
         dump["layers"] = [int(i) for i in args.layers.split(",")]
     first = steps[0]["layers"][dump["layers"][0]]["logits"]
+    if args.heldout:
+        print_heldout(dump, bal, args.from_step, args.heldout)
+        return
     print(f"# {args.dump}: {model['n_experts']} experts top-{model['top_k']}, {len(steps)} steps of "
           f"{first.shape[0]} x {first.shape[1]} tokens, quantile_step {model['quantile_step']}, most frequent token "
           f"{dump['top_token_share']:.1%} of the data; median (max) over steps {args.from_step}-{len(steps) - 1}\n")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3ray.config import load_config
-from k3ray.model.balancing import quantile_bias
+from k3ray.model.balancing import own_bias, quantile_bias, quantile_histogram
 from k3ray.model.decoder import new_shard
 from k3ray.model.moe import LatentMoE, LocalExperts
 from k3ray.parallel.reference import ReferenceTrainer
@@ -20,8 +20,9 @@ SMALL = {"model.d_model": 32, "model.d_latent": 16, "model.n_experts": 16, "mode
          "model.expert_inner": 8, "model.shared_inner": 16, "model.n_shared": 1}
 
 
-def _moe(bias_from: str) -> LatentMoE:
-    cfg = load_config(TINY, {**SMALL, "model.quantile_bias_from": bias_from}).model
+def _moe(bias_from: str, eval_from: str = "step") -> LatentMoE:
+    cfg = load_config(TINY, {**SMALL, "model.quantile_bias_from": bias_from,
+                             "model.quantile_eval_bias_from": eval_from}).model
     torch.manual_seed(0)
     moe = LatentMoE(cfg, LocalExperts(new_shard(cfg, list(range(cfg.n_experts)))))
     with torch.no_grad():
@@ -64,6 +65,31 @@ def test_evaluation_routes_with_the_step_bias():
     moe.stats.reset()
     moe.eval()(_x())
     assert moe.stats.tokens_per_expert.tolist() == moe.stats.balance[:E].tolist()
+
+
+def test_evaluation_can_route_with_its_own_bias():
+    """model.quantile_eval_bias_from=batch: a forward without gradients routes as a training micro-batch does, with
+    the bias from its own scores (balanced however far the step's bias is), and leaves the step's bias as it was."""
+    moe = _moe("micro_batch", eval_from="batch")
+    E = moe.cfg.n_experts
+    with torch.no_grad():
+        moe(_x())
+    st = moe.stats
+    assert st.tokens_per_expert.tolist() == st.balance[E:2 * E].tolist()
+    assert maxvio([st.balance[E:2 * E].tolist()]) < 0.25 < 1.0 < maxvio([st.balance[:E].tolist()])
+    assert torch.equal(moe.router.bias, torch.linspace(-0.1, 0.1, E))
+
+
+def test_own_bias_is_repeated_quantile_passes():
+    scores = torch.sigmoid(4 * _x(512)[0] @ torch.randn(32, 16, generator=torch.Generator().manual_seed(2)) / 32 ** 0.5)
+    bias = torch.zeros(16)
+    hist, one = own_bias(scores, bias, 4, 1000, 2.0, 1e-5, passes=1)
+    assert torch.equal(hist, quantile_histogram(scores, bias, 4, 1000, 2.0, 1e-5))
+    assert torch.equal(one, quantile_bias(hist, bias, 4, 2.0, 1e-5))
+    first, three = own_bias(scores, bias, 4, 1000, 2.0, 1e-5)
+    assert torch.equal(first, hist)
+    assert torch.equal(three, own_bias(scores, own_bias(scores, one, 4, 1000, 2.0, 1e-5, passes=1)[1], 4, 1000, 2.0,
+                                       1e-5, passes=1)[1])
 
 
 def test_empty_histogram_keeps_the_bias():

@@ -61,6 +61,12 @@ class ModelConfig(Section):
         "previous_step", description="where a training micro-batch's routing bias comes from: the previous step's "
                                      "global histogram (as released: one step of lag), or one quantile pass over "
                                      "the micro-batch's own scores from the step's bias (no lag; model/balancing.py)")
+    quantile_eval_bias_from: Literal["step", "batch"] = Field(
+        "step", description="where a batch routed without gradients and without an inference cache (evaluation) "
+                            "takes its bias: the step's (as released; serving always does), or its own, as "
+                            "micro_batch routes training, so evaluation routes as training did (the step's bias "
+                            "cannot balance a held-out split unlike the training batches; model/balancing.py). "
+                            "'batch' also reroutes every plain forward, serving's cache-free reference among them")
     quantile_resolution: float = Field(1e-5, gt=0, description="the histogram's bins are log-spaced around the "
                                                                "decision boundary: about this wide there, wider in "
                                                                "proportion to the distance (model/balancing.py)")

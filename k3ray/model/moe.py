@@ -16,7 +16,7 @@ from torch import nn
 
 from k3ray.config import ModelConfig
 from k3ray.kernels import grouped_expert_ffn, outside_compile, permute_rows, unpermute_rows
-from k3ray.model.balancing import quantile_bias, quantile_histogram, select_experts
+from k3ray.model.balancing import own_bias, select_experts
 from k3ray.model.layers import RMSNorm, SiTUFFN
 
 if TYPE_CHECKING:
@@ -157,7 +157,8 @@ class LatentMoE(nn.Module):
         hist = micro_bias = None
         if cache is None and cfg.balancing == "quantile":
             hist, micro_bias = self._quantile(scores)
-            if cfg.quantile_bias_from == "micro_batch" and self.training and torch.is_grad_enabled():  # training
+            training = self.training and torch.is_grad_enabled()
+            if (cfg.quantile_bias_from if training else cfg.quantile_eval_bias_from) in ("micro_batch", "batch"):
                 bias = micro_bias
         idx, weight = select_experts(scores, bias, cfg.top_k)
         y_lat = self.experts(self.w_down(x), idx, weight)
@@ -173,17 +174,10 @@ class LatentMoE(nn.Module):
     @outside_compile  # the histogram kernel and the quantile: eager, between a compiled block's graphs
     @torch.no_grad()
     def _quantile(self, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This micro-batch's margin histogram [E, bins] under the step's bias, and its own bias [E]: three quantile
-        passes over its margins from the step's bias (a pass moves alpha, the (k+1)-th biased score, so one pass is
-        only close; from a step's bias MaxVio ~2 away, the third reaches the histogram's floor)."""
+        """This batch's margin histogram [E, bins] under the step's bias, and its own bias [E] (balancing.own_bias)."""
         cfg = self.cfg
-        bias, first = self.router.bias, None
-        for _ in range(3):
-            hist = quantile_histogram(scores_TE, bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window,
-                                      cfg.quantile_resolution)
-            first = hist if first is None else first
-            bias = quantile_bias(hist, bias, cfg.top_k, cfg.quantile_window, cfg.quantile_resolution)
-        return first, bias
+        return own_bias(scores_TE, self.router.bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window,
+                        cfg.quantile_resolution)
 
     @outside_compile  # fills RoutingStats (host-side bookkeeping); its kernels are few and small
     @torch.no_grad()

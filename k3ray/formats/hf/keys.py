@@ -208,7 +208,8 @@ def from_layout(name: str) -> str:
 # behaviour is what its fields say (e.g. KDA reads scaled by head_dim^-1/2).
 K3RAY_FIELDS = "k3ray"
 _K3RAY_ONLY = ("balancing", "sign_update_rate", "quantile_bins", "quantile_window", "quantile_resolution",
-               "quantile_step", "quantile_bias_from", "dtype", "rope_theta", "kda_scaled_read")
+               "quantile_step", "quantile_bias_from", "quantile_eval_bias_from", "dtype", "rope_theta",
+               "kda_scaled_read")
 
 
 def _pattern(kinds: list[str]) -> list[str] | None:
