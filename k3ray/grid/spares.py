@@ -95,9 +95,23 @@ class SparePool:
     def up_count(self) -> int:
         return sum(1 for s in self.spares if s.node)
 
-    def add_standing_by(self, actor, slot: tuple, node: str) -> None:
-        """A survivor left out of its grid, on standby now: a spare that is already up."""
-        self.spares.append(Spare(actor, slot, None, node))
+    def stand_by(self, survivors: list[tuple], ask: Callable[[object], ray.ObjectRef], healthy: set[str],
+                 timeout_s: float) -> None:
+        """Survivors left out of a grid, (actor, slot, node) each, told to stand by (`ask(actor)`: True once it
+        refuses the old grid's calls): those that answer are spares already up; one that does not is killed and its
+        slot freed."""
+        answers = [ask(actor) for actor, _, _ in survivors]
+        done, _ = ray.wait(answers, num_returns=len(answers), timeout=timeout_s)
+        for (actor, slot, node), answer in zip(survivors, answers):
+            try:
+                ok = answer in done and ray.get(answer)
+            except RayError:
+                ok = False
+            if ok:
+                self.spares.append(Spare(actor, slot, None, node))
+            else:
+                ray.kill(actor, no_restart=True)
+                self.free(slot, node, healthy)
 
     def clear(self) -> list:
         """Forget every spare and free slot; returns the spares' actors (for the caller to kill)."""

@@ -18,7 +18,6 @@ import logging
 import time
 
 import ray
-from ray.exceptions import RayError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -215,28 +214,13 @@ class WorkerGroup:
         grid = [(taken[o].actor, taken[o].slot, taken[o].node) if o in taken else old[o] for o in members]
         self.workers, self.slots, self.nodes = map(list, zip(*grid))
         self.ep, self.home = ep, list(home)
-        standing_by = [(o, actor, slot, node) for o, (actor, slot, node) in enumerate(old)
+        standing_by = [(actor, slot, node) for o, (actor, slot, node) in enumerate(old)
                        if o not in lost and o not in members]
         try:
             self._join(timeout_s, restore, t0, "swap_in_spares" if spare_for else "regroup_survivors")
         finally:  # a worker lost while they take their places: the survivors left out are spares for the next try
-            self._stand_by(standing_by, healthy, timeout_s)
-
-    def _stand_by(self, standing_by: list[tuple], healthy: set, timeout_s: float) -> None:
-        """Survivors left out of the grid stand by for this generation (refusing the old grid's calls) as spares;
-        one that does not answer is no spare."""
-        answers = {o: calls.send(actor, self.generation, "stand_by") for o, actor, _, _ in standing_by}
-        done, _ = ray.wait(list(answers.values()), num_returns=len(answers), timeout=timeout_s)
-        for o, actor, slot, node in standing_by:
-            try:
-                ok = answers[o] in done and ray.get(answers[o])
-            except RayError:
-                ok = False
-            if ok:
-                self.spares.add_standing_by(actor, slot, node)
-            else:
-                ray.kill(actor, no_restart=True)
-                self.spares.free(slot, node, healthy)
+            self.spares.stand_by(standing_by, lambda actor: calls.send(actor, self.generation, "stand_by"),
+                                 healthy, timeout_s)
 
     def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
         """Every worker's `method(*args)`, in world-rank order."""

@@ -44,3 +44,9 @@ class IterationPacer:
             return
         n = float(prompt_tokens)
         self.sums = [self.memory * s + x for s, x in zip(self.sums, (1.0, n, n * n, seconds, n * seconds))]
+
+
+def paced_chunk(n: int, prompt_tokens_left: int) -> int:
+    """A prompt chunk of n > 1 tokens cut to the iteration's prompt tokens left; 0 (no row) where fewer than two
+    are left and it was the pacing that cut it (a one-token chunk would cost a decode row for one prompt token)."""
+    return n if n <= prompt_tokens_left else (prompt_tokens_left if prompt_tokens_left > 1 else 0)

@@ -55,7 +55,7 @@ from k3ray.model.sampling import SamplingParams, finish_reason
 from k3ray.parallel.serving import StageOutput
 from k3ray.policies import guards
 from k3ray.serve.cache_allocator import CacheAllocator
-from k3ray.serve.pacing import IterationPacer
+from k3ray.serve.pacing import IterationPacer, paced_chunk
 from k3ray.serve.scheduler_output import RankBatch, Request, SchedulerOutput
 from k3ray.tokenizer import ByteTokenizer, Tokenizer
 
@@ -214,7 +214,7 @@ class Scheduler:
             if n > 1 and self._stepwise(req):
                 n = 1
             elif n > 1:
-                n = self._paced(n, prompt_budget[req.rank])
+                n = paced_chunk(n, prompt_budget[req.rank])
             n = self._grow(req, n, scheduled, out) if n > 0 else 0
             if n > 0:
                 add(req, n)
@@ -274,13 +274,6 @@ class Scheduler:
         return (not req.done and len(req.out) + req.unconfirmed < req.params.max_tokens
                 and req.length + req.unconfirmed < self.max_seq_len)
 
-    @staticmethod
-    def _paced(n: int, prompt_budget: int) -> int:
-        """A prompt chunk of n > 1 tokens cut to the iteration's prompt tokens left; 0 (no row) where fewer than
-        two are left and it was the pacing that cut it (a one-token chunk would be a decode row's cost for one
-        prompt token)."""
-        return n if n <= prompt_budget else (prompt_budget if prompt_budget > 1 else 0)
-
     def _admit_rank(self, req: Request, budget: list[int], prompt_budget: list[int]) -> tuple[int, int | None]:
         """(first chunk, rank) for a waiting request: the rank with the most free pages among those with a free slot,
         budget left and pages for the chunk beside one in reserve per running request; (0, None) if none."""
@@ -289,7 +282,7 @@ class Scheduler:
         for rank, pool in enumerate(ranks):
             n = 1 if self._stepwise(req) else min(req.length, budget[rank])  # a requeued request re-prefills its output
             if n > 1:
-                n = self._paced(n, prompt_budget[rank])
+                n = paced_chunk(n, prompt_budget[rank])
             reserve = sum(1 for r in self.running.values() if r.rank == rank)
             if (n > 0 and pool.free_slots and len(pool.free_pages) >= self.caches.pages(n) + reserve
                     and (best is None or len(pool.free_pages) > len(ranks[best[1]].free_pages))):
