@@ -85,6 +85,9 @@ def drill(checkpoint: str, pp: int, ep: int, concurrency: int, max_tokens: int, 
         incident = [i for i in ray.get(engine.incident_log.remote()) if i["kind"] == "worker_lost"][0]
         gap = serving_gap([at for g in got for at, item in g if item.get("tokens")], t_kill)
         same = sum(tokens(g) == tokens(u) and "error" not in g[-1][1] for g, u in zip(got, undisturbed))
+        errors = [g[-1][1]["error"] for g in got if g and "error" in g[-1][1]]
+        if errors:
+            print(f"{len(errors)} streams ended with an error; the first: {errors[0]}", flush=True)
         seconds = dict(incident["seconds"])
         seconds["workers"] = seconds.pop("swap_in_spares", None) or seconds.pop("place_and_start_workers")
         return {"gap": gap, "same": same, "ep": incident["ep"], "spares_used": incident["spares_used"], **seconds}
