@@ -87,7 +87,7 @@ class FakeGrid:
     """A grid whose fetches fail on the EP ranks in `failing`."""
 
     def __init__(self, failing=()):
-        self.ep, self.group, self.failing = R, type("Group", (), {"home": HOME})(), set(failing)
+        self.ep, self.group, self.failing = R, type("Group", (), {"home": HOME, "generation": 1})(), set(failing)
 
     def stage_copies(self, fetch):
         return {e: "WorkerError: no room" if e in self.failing else 1000 * len(f) for e, f in enumerate(fetch) if f}

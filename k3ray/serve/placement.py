@@ -33,7 +33,9 @@ class ServePlacement:
         self.num_experts = num_experts
         self.load: torch.Tensor | None = None  # [E] decayed routed tokens per expert
         self.table: list[list[int]] = []  # the copy table the grid uses: R lists of expert ids
-        self.group = None  # the worker group the table belongs to (a rebuilt grid starts without copies)
+        # the grid the table belongs to: its worker group and generation (a grid launched or rebuilt in place after a
+        # loss joins as a new generation, and starts without copies)
+        self.grid_key: tuple | None = None
         self.move: dict | None = None  # the move under way: its table, fetch task, decision time
         self.moves: list[dict] = []  # finished moves, newest last
         self.decide_next = False  # decide at the next boundary (new load seen, or a policy change)
@@ -61,11 +63,12 @@ class ServePlacement:
         self.decide_next = policy.enabled
 
     def _sync(self, grid) -> None:
-        if grid.group is not self.group:  # a new grid (launched or rebuilt after a loss): no copies there
+        key = (id(grid.group), grid.group.generation)
+        if key != self.grid_key:  # a new grid (launched, or rebuilt in place, after a loss): no copies there
             if self.move is not None:
                 self.move["task"].cancel()
                 self.move = None
-            self.group, self.table = grid.group, [[] for _ in range(grid.ep)]
+            self.grid_key, self.table = key, [[] for _ in range(grid.ep)]
 
     def start(self, grid, policy: ReplicationPolicy) -> bool:
         """Decide a new copy table and start fetching what it lacks (none while a move is under way). Returns
