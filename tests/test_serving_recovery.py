@@ -61,7 +61,7 @@ class FakeGrid:
         self.executor = LocalExecutor(model, sizes)
         self.lose_at, self.recover_fails, self.relaunch_fails = set(lose_at), recover_fails, relaunch_fails
         self.iterations, self.calls, self.gate, self.fail_at = 0, [], None, set()
-        self.group = type("Group", (), {"workers": [None], "home": [0] * model.cfg.n_experts})()
+        self.group = type("Group", (), {"workers": [None], "home": [0] * model.cfg.n_experts, "generation": 1})()
 
     def run(self, plans):
         self.iterations += 1
@@ -306,7 +306,7 @@ class FakeGroup:
 
     def __init__(self, cfg, ep, home, avoid_nodes=frozenset()):
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
-        self.launch_seconds, self.spares = {}, []
+        self.launch_seconds, self.spares, self.generation = {}, [], 1
         self.alive_nodes = self  # the group's part: this fake plays it itself
 
     def capacity(self, free: bool = False) -> int:
@@ -325,7 +325,7 @@ class FakeGroup:
         self.launch_seconds = {"place_and_start_workers": 0.0}
 
     def regroup(self, lost, ep, home, keep, spare_for, restore, timeout_s):
-        self.ep, self.home = ep, list(home)
+        self.ep, self.home, self.generation = ep, list(home), self.generation + 1
         self.launch(timeout_s, restore)
 
     def call(self, method, *args, timeout_s=None):
