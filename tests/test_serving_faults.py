@@ -40,6 +40,15 @@ def streaming(engine, visible_reference, params: list[dict], at_least: int) -> t
     return want, streams
 
 
+def assert_undisturbed(streams: list[Stream], want: list[list[int]], params: list[dict]) -> None:
+    """Every stream ended (joined), with no error event and exactly the reference's visible tokens."""
+    for s in streams:
+        s.join(timeout=300)
+    for i, (s, w) in enumerate(zip(streams, want)):
+        assert not [item for _, item in s.items if "error" in item], f"request {i}"
+        assert s.tokens() == w, f"request {i} ({PROMPTS[i]!r}, {params[i]})"
+
+
 def test_killed_worker_every_request_completes_as_undisturbed(engine, visible_reference):
     params = [{"max_tokens": 28 + 3 * i, "temperature": 0.0 if i % 3 else 0.8, "seed": 70 + i}
               for i in range(len(PROMPTS))]
@@ -77,11 +86,7 @@ def test_streams_wait_for_a_recovery_slower_than_the_unavailable_wait(serving_ch
         want, streams = streaming(engine, visible_reference, params, 4)
         ray.get(engine.drill.remote("slow_recovery", seconds=2.0))
         ray.get(engine.drill.remote("kill_worker", [3]))
-        for s in streams:
-            s.join(timeout=300)
-        for i, (s, w) in enumerate(zip(streams, want)):
-            assert not [item for _, item in s.items if "error" in item], f"request {i}"
-            assert s.tokens() == w, f"request {i} ({PROMPTS[i]!r}, {params[i]})"
+        assert_undisturbed(streams, want, params)
         (lost,) = [i for i in ray.get(engine.incident_log.remote()) if i["kind"] == "worker_lost"]
         assert lost["ranks"] == [3] and lost["seconds"]["total"] > 8.0
 
@@ -113,11 +118,7 @@ def test_a_kill_during_the_recovery_then_another_every_request_completes_as_undi
     while sum(len(s.tokens()) for s in streams) == sum(len(s.tokens(before=time.perf_counter() - 1)) for s in streams):
         time.sleep(0.05)  # tokens flow again
     ray.get(engine.drill.remote("kill_worker", [1]))
-    for s in streams:
-        s.join(timeout=300)
-    for i, (s, w) in enumerate(zip(streams, want)):
-        assert not [item for _, item in s.items if "error" in item], f"request {i}"
-        assert s.tokens() == w, f"request {i} ({PROMPTS[i]!r}, {params[i]})"
+    assert_undisturbed(streams, want, params)
     first, second = [i for i in ray.get(engine.incident_log.remote()) if i["kind"] == "worker_lost"]
     assert first["ranks"] == [2] and len(first["interrupted"]) == 1
     assert first["interrupted"][0].startswith("lost world ranks [0]: ActorDiedError in ")
