@@ -1,10 +1,12 @@
 """Snapshot packing (k3ray.grid.snapshots): a nested state survives pack -> object store -> unpack bit for bit."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from k3ray.grid.snapshots import ALIGN, Packed, SnapshotStager, as_state, layout, unpack
+from k3ray.grid.snapshot_stager import SnapshotStager
+from k3ray.grid.snapshots import ALIGN, Packed, Skeleton, StoreFit, as_state, layout, unpack
 
 
 def _state(seed: int) -> dict:
@@ -36,30 +38,50 @@ def _assert_same(a, b):
         assert a == b
 
 
+def _streamed(stager: SnapshotStager, step: int) -> Packed:
+    """What the store receives from a worker's snapshot call: the skeleton, then the chunks (copied, as the store
+    does, before the next is read)."""
+    values = iter(stager.chunks(step))
+    skeleton = next(values)
+    assert isinstance(skeleton, Skeleton)
+    return Packed(skeleton.tree, [chunk.copy() for chunk in values])
+
+
 def test_layout_aligns_every_tensor():
-    _, tensors, total = layout(_state(0))
-    assert all(slot.offset % ALIGN == 0 for _, slot in tensors)
-    assert total % ALIGN == 0 and total >= sum(t.numel() * t.element_size() for t, _ in tensors)
+    _, tensors, sizes = layout(_state(0))
+    assert all(slot.offset % ALIGN == 0 and slot.chunk == 0 for _, slot in tensors)
+    assert sizes[0] % ALIGN == 0 and sizes[0] >= sum(t.numel() * t.element_size() for t, _ in tensors)
+
+
+def test_layout_in_chunks_keeps_each_tensor_whole_and_a_large_tensor_alone():
+    state = {"a": torch.zeros(40), "b": torch.zeros(40), "big": torch.zeros(1000), "c": torch.zeros(8)}
+    tree, tensors, sizes = layout(state, chunk_bytes=384)
+    chunk_of = {name: tree[name].chunk for name in state}
+    assert chunk_of == {"a": 0, "b": 0, "big": 1, "c": 2}  # 192 + 192 bytes (aligned) fill the first chunk
+    assert sizes == [384, 4032, 64]
+    assert unpack(Packed(tree, [np.zeros(n, dtype=np.uint8) for n in sizes]))["big"].shape == (1000,)
 
 
 def test_stage_then_packed_round_trips_and_buffers_are_reused():
-    stager = SnapshotStager(torch.device("cpu"))
+    stager = SnapshotStager(torch.device("cpu"), chunk_bytes=256)
     state = _state(1)
     stager.stage(state, 1)
     state["dense"]["a"].add_(1.0)  # training goes on after staging: the snapshot keeps the staged values
-    _assert_same(_state(1), unpack(stager.packed(1)))
-    buf = stager.host
+    packed = _streamed(stager, 1)
+    assert len(packed.data) > 2  # in chunks
+    _assert_same(_state(1), unpack(packed))
+    bufs = [b.data_ptr() for b in stager.host]
     stager.stage(_state(2), 2)
-    _assert_same(_state(2), unpack(stager.packed(2)))
-    assert stager.host is buf  # same size: no new allocation
+    _assert_same(_state(2), unpack(_streamed(stager, 2)))
+    assert [b.data_ptr() for b in stager.host] == bufs  # same sizes: no new allocation
 
 
 def test_a_stale_packed_call_for_another_step_is_refused_and_leaves_the_staged_state():
     stager = SnapshotStager(torch.device("cpu"))
     stager.stage(_state(5), 5)
     with pytest.raises(RuntimeError, match="snapshot of step 4 asked for, step 5 staged"):
-        stager.packed(4)  # queued for the previous snapshot: must not consume this one
-    _assert_same(_state(5), unpack(stager.packed(5)))
+        stager.chunks(4)  # queued for the previous snapshot: must not consume this one
+    _assert_same(_state(5), unpack(_streamed(stager, 5)))
 
 
 def test_packed_through_object_store_is_zero_copy_and_exact(ray_cluster):
@@ -67,41 +89,82 @@ def test_packed_through_object_store_is_zero_copy_and_exact(ray_cluster):
 
     stager = SnapshotStager(torch.device("cpu"))
     stager.stage(_state(3), 3)
-    ref = ray.put(stager.packed(3))
+    ref = ray.put(_streamed(stager, 3))
     back = ray.get(ref)
-    assert isinstance(back, Packed) and not back.data.flags.writeable  # mapped from the object store
+    assert isinstance(back, Packed) and not back.data[0].flags.writeable  # mapped from the object store
     _assert_same(_state(3), as_state(back))
     plain = _state(4)
     assert as_state(plain) is plain
+
+
+def test_a_snapshot_streamed_by_a_worker_call_arrives_in_chunks_and_restores_exactly(ray_cluster):
+    """The Ray path: a streaming actor call (as Worker.snapshot) delivers the skeleton and the chunks, owned by
+    the caller; the part passes to another actor, which maps it."""
+    import ray
+
+    from k3ray.grid.snapshots import SnapshotPart
+
+    @ray.remote
+    class Holder:
+        def __init__(self):
+            self.stager = SnapshotStager(torch.device("cpu"), chunk_bytes=256)
+
+        def stage(self, state, step):
+            return self.stager.stage(state, step)[0]
+
+        @ray.method(num_returns="streaming")
+        def snapshot(self, step):
+            yield from self.stager.chunks(step)
+
+        def read(self, part):
+            return as_state(part)
+
+    holder = Holder.remote()
+    nbytes = ray.get(holder.stage.remote(_state(6), 6))
+    part = SnapshotPart(holder.snapshot.remote(6), nbytes)
+    ray.get(part.done)
+    part.collect()
+    assert len(part.refs) > 3 and part.nbytes == nbytes
+    _assert_same(_state(6), ray.get(holder.read.remote(part)))
+    _assert_same(_state(6), as_state(part))
+    stale = SnapshotPart(holder.snapshot.remote(5), nbytes)  # nothing staged for step 5: the stream carries the error
+    ray.get(stale.done)
+    with pytest.raises(Exception, match="snapshot of step 5 asked for, nothing staged"):
+        stale.collect()
 
 
 GiB = 2**30
 
 
 def test_stores_that_hold_two_snapshots_of_their_parts_pass_and_a_small_one_is_named_in_one_line():
-    from k3ray.grid.snapshots import store_shortfall
-    assert store_shortfall([10 * GiB], ["a"], {"a": 20 * GiB}) is None
-    line = store_shortfall([29 * GiB, 29 * GiB], ["a", "a"], {"a": 20 * GiB})
-    assert "\n" not in line
-    assert "116.0 GiB" in line and "58.0 GiB of parts, held 2 times" in line and "has 20.0 GiB" in line
-    assert "K3RAY_OBJECT_STORE_GB" in line
+    from k3ray.grid.snapshots import store_fit
+    assert store_fit([10 * GiB], ["a"], {"a": 20 * GiB}) is None
+    fit = store_fit([29 * GiB, 29 * GiB], ["a", "a"], {"a": 20 * GiB})
+    assert "\n" not in fit.line and not fit.one_at_a_time
+    assert "116.0 GiB" in fit.line and "58.0 GiB of parts, held 2 times" in fit.line and "has 20.0 GiB" in fit.line
+    assert "K3RAY_OBJECT_STORE_GB" in fit.line and "spill to disk" in fit.line
+    # room for one snapshot of the parts but not two: used one at a time, and the line says what that costs
+    fit = store_fit([54 * GiB], ["a"], {"a": 64 * GiB})
+    assert fit.one_at_a_time and "one at a time" in fit.line and "resume it from a checkpoint" in fit.line
     # on two nodes each also holds its neighbour's committed parts
-    assert store_shortfall([10 * GiB, 10 * GiB], ["a", "b"], {"a": 25 * GiB, "b": 25 * GiB}) is not None
-    assert store_shortfall([10 * GiB, 10 * GiB], ["a", "b"], {"a": 30 * GiB, "b": 30 * GiB}) is None
+    assert store_fit([10 * GiB, 10 * GiB], ["a", "b"], {"a": 25 * GiB, "b": 25 * GiB}) is not None
+    assert store_fit([10 * GiB, 10 * GiB], ["a", "b"], {"a": 30 * GiB, "b": 30 * GiB}) is None
 
 
 class SlowStoreGroup:
     """A worker group whose snapshots arrive only when told (`arrive`), and whose store is too small."""
     pp, ep = 1, 2
 
-    def __init__(self):
+    def __init__(self, one_at_a_time: bool = False):
+        self.one_at_a_time = one_at_a_time
+        self.held: list[int] = []
         self.arrived: set[int] = set()
         self.begun: list[int] = []
         self.transfer = self  # the group's state-transfer part: this fake plays it itself
 
     def begin_snapshot(self, step):
         self.begun.append(step)
-        return [f"ref{step}"] * 2, [step] * 2, "snapshots need more store"
+        return [f"ref{step}"] * 2, [step] * 2, StoreFit("snapshots need more store", self.one_at_a_time)
 
     def snapshot_bytes(self, size_refs, timeout_s):
         if size_refs[0] in self.arrived or timeout_s != 0:
@@ -109,7 +172,7 @@ class SlowStoreGroup:
         return None
 
     def hold_peer_snapshots(self, step, refs):
-        pass
+        self.held.append(step)
 
 
 def test_a_snapshot_due_while_the_previous_one_still_arrives_is_skipped_not_waited_for():
@@ -126,22 +189,46 @@ def test_a_snapshot_due_while_the_previous_one_still_arrives_is_skipped_not_wait
     assert snaps.take(group, 30, guard=None, wait=True)  # a resize or recovery waits for this boundary's state
     assert snaps.committed.step == 30 and snaps.pending is None
     assert snaps.warnings == ["snapshots need more store"]  # said once, however often the group says it
+    assert group.held == [0, 20, 30]  # the neighbours map each committed one
+
+
+def test_a_store_that_holds_one_snapshot_drops_the_committed_one_when_the_next_starts():
+    from k3ray.grid.snapshots import Snapshots
+    snaps, group = Snapshots(), SlowStoreGroup(one_at_a_time=True)
+    assert snaps.take(group, 0, guard=None, wait=True)
+    assert snaps.one_at_a_time and snaps.committed.step == 0 and group.held == []  # no neighbours' copies
+    group.arrived.add(10)
+    assert snaps.take(group, 10, guard=None)
+    assert snaps.committed is None and snaps.pending.step == 10  # its store space is the new one's
+    assert snaps.take(group, 20, guard=None)  # step 10's arrived: committed, then dropped for step 20's
+    assert snaps.committed is None and snaps.pending.step == 20 and snaps.total_seconds and len(snaps.stall_seconds) == 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device staging and the side-stream copy need CUDA")
-def test_cuda_snapshots_stage_a_prefix_read_the_rest_live_and_a_write_after_the_fence_does_not_reach_them():
+def test_cuda_snapshots_stage_what_fits_read_the_rest_live_and_a_write_after_the_fence_does_not_reach_them():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     state = {"a": torch.randn(1 << 20, device=dev, generator=g), "b": torch.randn(1 << 22, device=dev, generator=g)}
-    stager = SnapshotStager(dev)
-    for step in (0, 1):
-        if step == 1:  # room on the device for "a" alone: "b" is read live
+    stager = SnapshotStager(dev, chunk_bytes=4 << 20)  # "a" and "b" in chunks of their own
+    for step in (0, 1, 2):
+        if step == 1:  # room on the device for "a" alone: "b" is read live into a pinned chunk
             stager.staging = torch.empty(state["a"].numel() * 4, dtype=torch.uint8, device=dev)
+        if step == 2:  # room for both: all staged, streamed through the ring
+            stager.staging = torch.empty(sum(t.numel() * 4 for t in state.values()), dtype=torch.uint8, device=dev)
         want = {k: v.cpu() for k, v in state.items()}
         nbytes, reading = stager.stage(state, step)
         assert nbytes >= 5 * (1 << 22) and reading is not None
-        torch.cuda.current_stream().wait_event(reading)  # what the optimizer does before it writes
-        for t in state.values():
-            t.mul_(2.0)
-        _assert_same(want, unpack(stager.packed(step)))
+        with ThreadPoolExecutor(1) as pool:  # the worker's second thread streams while the step goes on
+            streamed = pool.submit(_streamed, stager, step)
+            if isinstance(reading, threading.Event):  # the first snapshot: read live as it streams, no host copy
+                assert step == 0 and reading.wait(60)
+            else:
+                torch.cuda.current_stream().wait_event(reading)  # what the optimizer does before it writes
+            for t in state.values():
+                t.mul_(2.0)
+            _assert_same(want, unpack(streamed.result()))
     assert stager.staged is None
+    assert [h.numel() for h in stager.host[:1]] == [0]  # "a" is staged on the device: its host chunk was freed

@@ -1,19 +1,14 @@
-"""In-memory snapshots at GPU scale: a worker's whole state (tens of GB) packed into one flat byte buffer.
+"""In-memory snapshots at GPU scale: a worker's whole state (tens of GB) laid out as a few byte chunks.
 
-A snapshot is taken in two parts so that training stalls only for the first, and at most for a device-to-device copy:
-  1. `stage` (at the step boundary): the state's tensors are laid out in one byte buffer. A prefix of them is copied
-     into a reused staging buffer on the device (~4 TB/s on an H200: ~10 ms per 20 GB); the rest is copied from the
-     live tensors straight into a reused pinned host buffer on a side stream, while the next step's forward and
-     backward run (they read the weights, write none of the state). What writes the state next (the optimizer, a
-     restore, a reshard) waits for that transfer on the device (`StageEngine.state_reads`), not on the host. The
-     staging buffer is sized once, at the second snapshot (after a step, when the memory the steps need is held by
-     the allocator), to what the device has free beside them; the first snapshot is read live whole (the first step
-     is long anyway: kernels compile).
-  2. `packed` (on the worker's second thread, overlapping the next step): the staged prefix device-to-host on the
-     side stream into the same pinned buffer, returned as a `Packed` whose bytes are one numpy array. Returned from a
-     Ray actor method, it is written once into the node's object store, owned by the caller (the controller): it
-     outlives the worker that took it, and any worker can read it back without a copy (numpy is zero-copy in Ray).
-The controller keeps the committed snapshot and the pending one (`Snapshots`).
+A worker's snapshot is staged at a step boundary (k3ray.grid.snapshot_stager: training stalls for a device copy at
+most) and streamed into the node's object store beside the next step, one chunk (~1 GiB) after another, as the
+values of a Ray streaming call that the controller makes: each chunk is written into the store once and owned by the
+caller, so a snapshot outlives the worker that took it, any worker reads it back without a copy (numpy is zero-copy
+in Ray), and the worker needs no host buffer of the whole state beside the store's copy.
+
+Here: the layout (`layout`, `Packed`, `pack`, `unpack`), a worker's snapshot as the controller holds it
+(`SnapshotPart`), whether the object stores hold the snapshots (`store_fit`), and the controller's committed and
+pending snapshots (`Snapshots`).
 """
 from __future__ import annotations
 
@@ -25,61 +20,76 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 from torch.utils._pytree import tree_map_only
 
-ALIGN = 64  # bytes; every tensor starts aligned, so dtype views of the byte buffer are legal
+ALIGN = 64  # bytes; every tensor starts aligned, so dtype views of a chunk are legal
+CHUNK_BYTES = 1 << 30  # a snapshot streams in chunks of about this size (a tensor larger than it is a chunk alone)
 log = logging.getLogger("k3ray.snapshots")
 
 
 @dataclass(frozen=True)
 class TensorSlot:
-    offset: int
+    offset: int  # bytes into its chunk
     dtype: str
     shape: tuple[int, ...]
+    chunk: int = 0
 
 
 @dataclass
 class Packed:
-    """A nested state (dicts, lists, tuples of tensors and plain values) with its tensors as slots of `data`."""
+    """A nested state (dicts, lists, tuples of tensors and plain values) with its tensors as slots of byte chunks."""
     tree: Any
-    data: np.ndarray  # uint8 [nbytes]
+    data: list[np.ndarray]  # uint8 [chunk bytes] each
 
     @property
     def nbytes(self) -> int:
-        return int(self.data.nbytes)
+        return sum(int(d.nbytes) for d in self.data)
 
 
-def layout(state: Any) -> tuple[Any, list[tuple[torch.Tensor, TensorSlot]], int]:
-    """(tree with TensorSlots in place of tensors, [(tensor, slot)], total bytes)."""
+@dataclass(frozen=True)
+class Skeleton:
+    """The first value of a streamed snapshot: the tree of TensorSlots and the size of every chunk that follows."""
+    tree: Any
+    sizes: list[int]
+
+
+def layout(state: Any, chunk_bytes: int = 0) -> tuple[Any, list[tuple[torch.Tensor, TensorSlot]], list[int]]:
+    """(tree with TensorSlots in place of tensors, [(tensor, slot)], the chunks' sizes in bytes). Tensors are laid
+    out in tree order; a new chunk starts where the next tensor would take the current one past chunk_bytes (0: one
+    chunk)."""
     tensors: list[tuple[torch.Tensor, TensorSlot]] = []
-    offset = 0
+    sizes = [0]
 
     def place(x: torch.Tensor) -> TensorSlot:
-        nonlocal offset
-        slot = TensorSlot(offset, str(x.dtype).removeprefix("torch."), tuple(x.shape))
+        n = -(-x.numel() * x.element_size() // ALIGN) * ALIGN
+        if chunk_bytes and sizes[-1] and sizes[-1] + n > chunk_bytes:
+            sizes.append(0)
+        slot = TensorSlot(sizes[-1], str(x.dtype).removeprefix("torch."), tuple(x.shape), len(sizes) - 1)
         tensors.append((x.detach(), slot))
-        offset += -(-x.numel() * x.element_size() // ALIGN) * ALIGN
+        sizes[-1] += n
         return slot
 
-    return tree_map_only(torch.Tensor, place, state), tensors, offset
+    return tree_map_only(torch.Tensor, place, state), tensors, sizes
 
 
-def _view(buf: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
+def view(chunk: torch.Tensor, slot: TensorSlot, base: int = 0) -> torch.Tensor:
+    """The tensor of `slot` in `chunk` (uint8), whose byte `base` is the chunk's first."""
     dtype = getattr(torch, slot.dtype)
     n = int(np.prod(slot.shape, dtype=np.int64)) * dtype.itemsize
-    return buf[slot.offset:slot.offset + n].view(dtype).view(slot.shape)
+    return chunk[base + slot.offset:base + slot.offset + n].view(dtype).view(slot.shape)
 
 
 def pack(state: Any) -> Packed:
-    """A nested state of host tensors as one byte buffer: Ray writes it into the object store in one copy and any
+    """A nested state of host tensors as one byte chunk: Ray writes it into the object store in one copy and any
     worker reads it back without one (a dict of tensors is pickled tensor by tensor instead, both ways)."""
-    tree, tensors, nbytes = layout(state)
-    data = np.empty(nbytes, dtype=np.uint8)
+    tree, tensors, sizes = layout(state)
+    data = np.empty(sizes[0], dtype=np.uint8)
     buf = torch.from_numpy(data)
     for x, slot in tensors:
-        _view(buf, slot).copy_(x)
-    return Packed(tree, data)
+        view(buf, slot).copy_(x)
+    return Packed(tree, [data])
 
 
 def unpack(packed: Packed) -> Any:
@@ -87,108 +97,69 @@ def unpack(packed: Packed) -> Any:
     object store: copy before writing)."""
     with warnings.catch_warnings():  # torch warns that the object store's arrays are read-only; we only read them
         warnings.simplefilter("ignore", UserWarning)
-        buf = torch.from_numpy(packed.data)
-    return tree_map_only(TensorSlot, lambda slot: _view(buf, slot), packed.tree)
+        chunks = [torch.from_numpy(d) for d in packed.data]
+    return tree_map_only(TensorSlot, lambda slot: view(chunks[slot.chunk], slot), packed.tree)
+
+
+class SnapshotPart:
+    """One worker's snapshot as the controller holds it: the streaming call that delivers it (until it has
+    arrived), then references to its skeleton and its chunks in the object store. Passed to workers (restores, the
+    neighbours' copies) once arrived; `packed` there maps it."""
+
+    def __init__(self, stream, nbytes: int):
+        self.stream = stream  # ray.ObjectRefGenerator of Worker.snapshot
+        self.nbytes = nbytes
+        self.refs: list | None = None
+
+    @property
+    def done(self) -> ray.ObjectRef:
+        """Ready when every chunk has arrived (raises, when fetched, if the worker died first)."""
+        return self.stream.completed()
+
+    def collect(self) -> None:
+        """Take the references of an arrived snapshot off its stream (an error the worker raised, raised here)."""
+        if self.refs is None:
+            refs = list(self.stream)
+            skeleton = ray.get(refs[0])
+            if len(refs) != 1 + len(skeleton.sizes):
+                ray.get(refs[-1])  # the worker's error, if the stream carries one
+                raise RuntimeError(f"a snapshot stream ended after {len(refs) - 1} of {len(skeleton.sizes)} chunks")
+            self.refs, self.stream = refs, None
+
+    def packed(self) -> Packed:
+        values = ray.get(self.refs)
+        return Packed(values[0].tree, values[1:])
+
+    def __getstate__(self) -> dict:
+        if self.refs is None:
+            raise RuntimeError("a snapshot is passed on only once it has arrived")
+        return {"refs": self.refs, "nbytes": self.nbytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.stream, self.refs, self.nbytes = None, state["refs"], state["nbytes"]
 
 
 def as_state(x: Any) -> Any:
-    """A state from either form a restore source takes: Packed (snapshots) or nested tensors (checkpoint parts)."""
+    """A state from any form a restore source takes: a snapshot (SnapshotPart, Packed) or nested tensors
+    (checkpoint parts)."""
+    if isinstance(x, SnapshotPart):
+        x = x.packed()
     return unpack(x) if isinstance(x, Packed) else x
 
 
-class SnapshotStager:
-    """One worker's reusable snapshot buffers: a pinned host buffer for the whole state (pageable on CPU) and, on
-    CUDA, a staging buffer on the device for as much of it as fits beside training. The host buffer grows when a
-    state outgrows it (more experts homed here after a reshard); the staging buffer is never grown past its first
-    size: what does not fit is read live."""
-
-    def __init__(self, device: torch.device, device_headroom_bytes: int = 4 << 30):
-        self.device = device
-        self.headroom = device_headroom_bytes
-        self.host: torch.Tensor | None = None
-        self.staging: torch.Tensor | None = None
-        self.snapshots = 0  # staged so far: the first is read live whole (no step has shown its memory yet)
-        # (step, tree, nbytes, staged prefix bytes, event after the staging copy): the state to run `step` from
-        self.staged: tuple[int, Any, int, int, torch.cuda.Event | None] | None = None
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-
-    def _host(self, nbytes: int) -> torch.Tensor:
-        if self.host is None or self.host.numel() < nbytes:
-            self.host = None  # free the old one first
-            self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        return self.host
-
-    def _staging_bytes(self, nbytes: int) -> int:
-        """Bytes of the state this snapshot stages on the device (0: all read live)."""
-        if self.device.type != "cuda" or self.snapshots == 0:
-            return 0
-        if self.staging is None:
-            # Only memory nobody holds counts: blocks cached by the allocator are the next step's activations, so
-            # staging in them would push that step out of memory on a full device.
-            free, _ = torch.cuda.mem_get_info(self.device)
-            size = min(nbytes, int(free) - self.headroom) // ALIGN * ALIGN
-            if size <= 0:
-                return 0
-            self.staging = torch.empty(size, dtype=torch.uint8, device=self.device)
-        return min(nbytes, self.staging.numel())
-
-    @torch.no_grad()
-    def stage(self, state: Any, step: int) -> tuple[int, torch.cuda.Event | None]:
-        """Lay `state` (live tensors: the state to run `step` from) out and start copying it aside. Returns its size
-        in bytes and, on CUDA, the event after which the live tensors are no longer read (None: copied already):
-        whatever writes them next must wait for it (on the device)."""
-        tree, tensors, nbytes = layout(state)
-        host = self._host(nbytes)
-        budget = self._staging_bytes(nbytes)
-        self.snapshots += 1
-        if self.stream is None:
-            for t, slot in tensors:
-                _view(host, slot).copy_(t)
-            self.staged = (step, tree, nbytes, 0, None)
-            return nbytes, None
-        cut = 0  # tensors ending within the staging budget are staged on the device at their own offsets
-        for t, slot in tensors:
-            end = slot.offset + t.numel() * t.element_size()
-            if end > budget:
-                break
-            _view(self.staging, slot).copy_(t)
-            cut = end
-        staged = torch.cuda.Event()
-        staged.record()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # reads the state at this boundary
-        with torch.cuda.stream(self.stream):
-            for t, slot in tensors:
-                if slot.offset >= cut:
-                    _view(host, slot).copy_(t, non_blocking=True)
-            read = torch.cuda.Event()
-            read.record()
-        self.staged = (step, tree, nbytes, cut, staged)
-        return nbytes, read
-
-    @torch.no_grad()
-    def packed(self, step: int) -> Packed:
-        """The state staged for `step` as host bytes (waits for the device-to-host copies, which overlap training).
-        A call for another step (a stale one, queued before a newer staging) is refused and leaves the staged state
-        for the call it belongs to."""
-        if self.staged is None or self.staged[0] != step:
-            have = "nothing" if self.staged is None else f"step {self.staged[0]}"
-            raise RuntimeError(f"snapshot of step {step} asked for, {have} staged")
-        _, tree, nbytes, cut, staged = self.staged
-        self.staged = None
-        host = self._host(nbytes)
-        if self.stream is not None:
-            with torch.cuda.stream(self.stream):
-                self.stream.wait_event(staged)
-                if cut:
-                    host[:cut].copy_(self.staging[:cut], non_blocking=True)
-            self.stream.synchronize()
-        return Packed(tree, host[:nbytes].numpy())
+@dataclass(frozen=True)
+class StoreFit:
+    """What the nodes' object stores allow: `one_at_a_time` when some node holds one snapshot of its parts but not
+    the two (and a neighbour's) it needs while the next arrives; `line` says what the job does about it."""
+    line: str
+    one_at_a_time: bool
 
 
-def store_shortfall(part_bytes: list[int], nodes: list[str], store_bytes: dict[str, float]) -> str | None:
-    """One line when some node's object store cannot hold its snapshots, else None. A node holds its workers' parts
-    (`part_bytes`, `nodes`: by world rank) twice while a snapshot arrives (the committed one and the next), and on
-    several nodes a neighbour's committed parts too (`hold_peer_snapshots`). Past that the store spills to disk:
+def store_fit(part_bytes: list[int], nodes: list[str], store_bytes: dict[str, float]) -> StoreFit | None:
+    """None when every node's object store holds its snapshots. A node holds its workers' parts (`part_bytes`,
+    `nodes`: by world rank) twice while a snapshot arrives (the committed one and the next), and on several nodes a
+    neighbour's committed parts too (`hold_peer_snapshots`). A store that holds only one is used one at a time (each
+    snapshot replaces the last when it starts, without the neighbours' copies); past that the store spills to disk:
     snapshots arrive late (and are skipped) and fill the disk."""
     own: dict[str, int] = {}
     for node, nbytes in zip(nodes, part_bytes):
@@ -200,10 +171,14 @@ def store_shortfall(part_bytes: list[int], nodes: list[str], store_bytes: dict[s
     if need[short] <= have:
         return None
     gib = 2.0**30
-    return (f"snapshots need {need[short] / gib:.1f} GiB of object store on a node ({own[short] / gib:.1f} GiB of "
-            f"parts, held {2 + peers} times) and it has {have / gib:.1f} GiB: they spill to disk and arrive late "
-            f"(late ones are skipped); give every node's store {need[short] / gib:.0f} GiB (K3RAY_OBJECT_STORE_GB "
-            f"for a local cluster, `ray start --object-store-memory` on a cluster, /dev/shm at least as large)")
+    one = all(nbytes <= store_bytes.get(node, 0.0) for node, nbytes in own.items())
+    what = ("it holds one at a time: each snapshot replaces the last when it starts, and a worker lost while one "
+            "arrives stops the job (resume it from a checkpoint)") if one else \
+        "they spill to disk and arrive late (late ones are skipped)"
+    return StoreFit(f"snapshots need {need[short] / gib:.1f} GiB of object store on a node ({own[short] / gib:.1f} "
+                    f"GiB of parts, held {2 + peers} times) and it has {have / gib:.1f} GiB: {what}; give every "
+                    f"node's store {need[short] / gib:.0f} GiB (K3RAY_OBJECT_STORE_GB for a local cluster, `ray "
+                    f"start --object-store-memory` on a cluster, /dev/shm at least as large)", one)
 
 
 def restore_sources(states: dict[int, Any], pp: int, ep: int) -> dict[int, list]:
@@ -220,8 +195,8 @@ class Snapshot:
     guard: Any  # the guards' running statistics at that boundary
     pp: int
     ep: int
-    refs: list
-    size_refs: list  # world rank -> ref to the snapshot's size in bytes
+    refs: list  # world rank -> its SnapshotPart
+    size_refs: list  # world rank -> what tells that its part has arrived (the same SnapshotParts)
     started: float
     stall_seconds: float  # training held up: staging on every worker
     nbytes: int = 0  # all workers together, once committed
@@ -250,6 +225,7 @@ class Snapshots:
         self.warnings: list[str] = []
         self.on_commit = on_commit  # called with each committed Snapshot (metrics)
         self.on_skip = on_skip  # called with (step skipped, step of the snapshot still arriving)
+        self.one_at_a_time = False  # the object store holds one snapshot (StoreFit)
 
     def summary(self) -> dict:
         """What the snapshots cost so far: how many were committed, training's stall for them (median and largest,
@@ -275,11 +251,15 @@ class Snapshots:
             if self.on_skip is not None:
                 self.on_skip(step, self.pending.step)
             return False
+        if self.one_at_a_time:
+            self.committed = None  # its store space is this one's
         t0 = time.perf_counter()
-        refs, size_refs, shortfall = group.transfer.begin_snapshot(step)
+        refs, size_refs, fit = group.transfer.begin_snapshot(step)
         self.pending = Snapshot(step, guard, group.pp, group.ep, refs, size_refs, t0, time.perf_counter() - t0)
-        if shortfall is not None and shortfall not in self.warnings:
-            self.warnings.append(shortfall)
+        if fit is not None:
+            self.one_at_a_time = fit.one_at_a_time
+            if fit.line not in self.warnings:
+                self.warnings.append(fit.line)
         if wait:
             self.commit(group, wait=True)
         return True
@@ -295,7 +275,7 @@ class Snapshots:
         if nbytes is None:
             return
         snap.nbytes = nbytes
-        if hold:
+        if hold and not self.one_at_a_time:
             group.transfer.hold_peer_snapshots(snap.step, snap.refs)
         self.committed, self.pending = snap, None
         self.stall_seconds.append(snap.stall_seconds)

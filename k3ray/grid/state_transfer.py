@@ -6,7 +6,7 @@ from __future__ import annotations
 import ray
 
 from k3ray.grid import calls
-from k3ray.grid.snapshots import store_shortfall
+from k3ray.grid.snapshots import SnapshotPart, StoreFit, store_fit
 
 
 class GridStateTransfer:
@@ -20,44 +20,50 @@ class GridStateTransfer:
         """Every worker loads its stage's state from `sources` (stage -> old states, snapshot refs or checkpoint
         parts; a part is put into the object store once, not once per reader)."""
         g = self.group
-        refs = {p: [s if isinstance(s, ray.ObjectRef) else ray.put(s) for s in states] for p, states in sources.items()}
+        refs = {p: [s if isinstance(s, (ray.ObjectRef, SnapshotPart)) else ray.put(s) for s in states]
+                for p, states in sources.items()}
         g.call_each("restore", {r: tuple(refs[r // g.ep]) for r in range(g.size)}, timeout_s)
 
-    def begin_snapshot(self, step: int) -> tuple[list, list, str | None]:
+    def begin_snapshot(self, step: int) -> tuple[list[SnapshotPart], list[SnapshotPart], StoreFit | None]:
         """Stage every worker's state to run `step` from (training stalls only for this), then ask for the bytes,
-        which arrive while the next step runs: per world rank, a reference to them (owned by the caller) and one
-        to their size (small: it tells when they have arrived, or that the worker died first); and, on this grid's
-        first snapshot and whenever they grow, a line if the nodes' object stores are too small for them (else None)."""
+        which stream into the object store while the next step runs (owned by the caller): per world rank, the part
+        that will hold them (twice: as the snapshot's parts and as what tells when they have arrived); and, on
+        this grid's first snapshot and whenever they grow, what the nodes' object stores allow (None: enough)."""
         g = self.group
         part_bytes = g.call("stage_snapshot", step, timeout_s=300)
-        shortfall = None
+        fit = None
         if sum(part_bytes) > self.store_checked_bytes:
             self.store_checked_bytes = sum(part_bytes)
             stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0.0) for n in ray.nodes() if n["Alive"]}
-            shortfall = store_shortfall(part_bytes, g.nodes, stores)
-        pairs = [w.snapshot.remote(g.generation, step) for w in g.workers]
-        return [p[0] for p in pairs], [p[1] for p in pairs], shortfall
+            fit = store_fit(part_bytes, g.nodes, stores)
+        parts = [SnapshotPart(w.snapshot.remote(g.generation, step), nbytes)
+                 for w, nbytes in zip(g.workers, part_bytes)]
+        return parts, parts, fit
 
-    def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int | None:
+    def snapshot_bytes(self, parts: list[SnapshotPart], timeout_s: float | None) -> int | None:
         """The total size once every part of a snapshot has arrived: timeout_s=0 waits not at all (None while some
         have not arrived); else WorkerLost if a worker died before delivering its part or gave none within
         timeout_s (hung)."""
+        done = [p.done for p in parts]
         if timeout_s == 0:
-            ready, _ = ray.wait(size_refs, num_returns=len(size_refs), timeout=0, fetch_local=True)
-            if len(ready) < len(size_refs):
+            ready, _ = ray.wait(done, num_returns=len(done), timeout=0, fetch_local=False)
+            if len(ready) < len(done):
                 return None
-        return sum(calls.gather(list(enumerate(size_refs)), timeout_s, "snapshot", self.group.dead_ranks))
+        calls.gather(list(enumerate(done)), timeout_s, "snapshot", self.group.dead_ranks)
+        for p in parts:
+            p.collect()
+        return sum(p.nbytes for p in parts)
 
     def hold_peer_snapshots(self, step: int, refs: list) -> None:
         """Each snapshot part (by old world rank: the refs may be an older grid's) is mapped by a worker on another
         node than the one holding it, the next such rank after its own (placement-aware neighbour), so a copy
         survives the loss of that node; on one node, simply the next rank."""
         g = self.group
-        where = ray.experimental.get_object_locations(refs)
+        where = ray.experimental.get_object_locations([part.refs[-1] for part in refs])
         holds = []
-        for i, ref in enumerate(refs):
-            holding = set(where.get(ref, {}).get("node_ids") or [])
+        for i, part in enumerate(refs):
+            holding = set(where.get(part.refs[-1], {}).get("node_ids") or [])
             order = [(i + k) % g.size for k in range(1, g.size + 1)]
             holder = next((r for r in order if g.nodes and g.nodes[r] not in holding), order[0])
-            holds.append((holder, calls.send(g.workers[holder], g.generation, "hold_peer_snapshot", i, step, ref)))
+            holds.append((holder, calls.send(g.workers[holder], g.generation, "hold_peer_snapshot", i, step, part)))
         calls.gather(holds, 300, "hold_peer_snapshots", g.dead_ranks)

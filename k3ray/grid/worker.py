@@ -11,8 +11,8 @@ takes a place in a grid with `assume`: every grid worker right after its start, 
 rank, a survivor when its grid is rebuilt around spares.
 
 Its remote API: `call` (every call a worker group makes by name, `assume`, `stand_by` and `leave_grid` among them:
-`calls` says which part runs each), and two calls that Ray needs as methods of their own: `snapshot` (two return
-values) and `serve_step` (bound into the serving iteration's compiled graph); `node_id` says a spare is up. Every
+`calls` says which part runs each), and two calls that Ray needs as methods of their own: `snapshot` (a streaming
+call) and `serve_step` (bound into the serving iteration's compiled graph); `node_id` says a spare is up. Every
 call but `node_id` names the grid generation it is meant for; one for an older generation is refused
 (StaleGeneration, k3ray.grid.worker_seat).
 
@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import functools
 import gc
+import inspect
 import os
 
 import ray
 import torch
 
 from k3ray.config import JobConfig
-from k3ray.grid.snapshots import Packed
 from k3ray.grid.worker_seat import WorkerSeat
 from k3ray.grid.worker_serving import WorkerServing
 from k3ray.grid.worker_state import WorkerState
@@ -44,10 +44,16 @@ MOVES = ("assume", "stand_by")  # the calls that move a worker to the grid gener
 def fenced(method):
     """A worker method whose first argument is the grid generation the call is meant for: refused (before it runs)
     when the worker has since joined a newer grid."""
-    @functools.wraps(method)
-    def call(self, generation: int, *args):
-        self.seat.check(generation, method.__name__)
-        return method(self, *args)
+    if inspect.isgeneratorfunction(method):  # Ray streams only what is a generator function itself
+        @functools.wraps(method)
+        def call(self, generation: int, *args):
+            self.seat.check(generation, method.__name__)
+            yield from method(self, *args)
+    else:
+        @functools.wraps(method)
+        def call(self, generation: int, *args):
+            self.seat.check(generation, method.__name__)
+            return method(self, *args)
     del call.__wrapped__  # Ray reads the signature: it is (self, generation, *args), not the method's own
     return call
 
@@ -127,14 +133,13 @@ class Worker:
             self.seat.check(generation, name)
         return self.calls[name](*args)
 
-    @ray.method(num_returns=2)
+    @ray.method(num_returns="streaming")
     @fenced
-    def snapshot(self, step: int) -> tuple[Packed, int]:
-        """The staged state as host bytes, and their size (a small object to check for success without fetching
-        the bytes); runs on the second thread while the next step trains. The bytes land in the object store,
-        owned by the controller."""
-        packed = self.state.packed_snapshot(step)
-        return packed, packed.nbytes
+    def snapshot(self, step: int):
+        """The staged state: its skeleton, then its chunks of bytes, each written into the object store (owned by
+        the caller: the controller) before the next is read; runs on the second thread while the next step
+        trains."""
+        yield from self.state.snapshot_chunks(step)
 
     @fenced
     def serve_step(self, plan):

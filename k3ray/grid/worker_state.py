@@ -3,7 +3,8 @@ beside the next step), the neighbours' snapshot copies it keeps mapped, restores
 of any old grid, and durable checkpoint parts written in the background (k3ray.io.checkpoint)."""
 from __future__ import annotations
 
-from k3ray.grid.snapshots import Packed, SnapshotStager, as_state
+from k3ray.grid.snapshot_stager import SnapshotStager
+from k3ray.grid.snapshots import Packed, SnapshotPart, as_state
 from k3ray.grid.worker_seat import WorkerSeat
 from k3ray.io.checkpoint import AsyncWriter, part_name
 
@@ -27,15 +28,15 @@ class WorkerState:
             engine.state_reads.append(still_reading)
         return nbytes
 
-    def packed_snapshot(self, step: int) -> Packed:
-        """The staged state of `step` as host bytes (runs beside the next step)."""
-        return self.stager.packed(step)
+    def snapshot_chunks(self, step: int):
+        """The staged state of `step`: its skeleton, then its chunks as host bytes (streamed beside the next step)."""
+        return self.stager.chunks(step)
 
-    def hold_peer_snapshot(self, rank: int, step: int, packed: Packed) -> bool:
+    def hold_peer_snapshot(self, rank: int, step: int, part: SnapshotPart) -> bool:
         """Keep a neighbour's snapshot mapped, so a copy of it lives on this node too (it survives the loss of the
         neighbour's node; on one node it is the same memory, no copy)."""
         self.peer_snapshots = {r: v for r, v in self.peer_snapshots.items() if v[0] == step}
-        self.peer_snapshots[rank] = (step, packed)
+        self.peer_snapshots[rank] = (step, part.packed())
         return True
 
     def drop_peer_snapshots(self) -> None:

@@ -23,6 +23,8 @@ rank runs (k3ray.parallel.batches) and, once the stage is built, its expert copi
 """
 from __future__ import annotations
 
+import threading
+
 import time
 
 import torch
@@ -254,9 +256,13 @@ class StageEngine:
 
     # -- whole-worker state (snapshots, checkpoints, restore onto another topology) ------------------------------
     def wait_state_reads(self) -> None:
-        """Order the next write of the live state after the copies still reading it (device-side: no host wait)."""
+        """Order the next write of the live state after the copies still reading it: on the device (a CUDA event),
+        or on the host (a threading.Event: a job's first snapshot, streamed to the store from the live tensors)."""
         for event in self.state_reads:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            if isinstance(event, threading.Event):
+                event.wait()
+            else:
+                torch.cuda.current_stream(self.device).wait_event(event)
         self.state_reads = []
 
     def state_tensors(self, dense: bool = True) -> dict:
