@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 ALIGN = 64  # bytes; every tensor starts aligned, so dtype views of a chunk are legal
 CHUNK_BYTES = 1 << 30  # a snapshot streams in chunks of about this size (a tensor larger than it is a chunk alone)
+SPILL_AT = 0.8  # Ray's object_spilling_threshold: past this share of a store, its objects spill to disk
 log = logging.getLogger("k3ray.snapshots")
 
 
@@ -165,20 +166,21 @@ def store_fit(part_bytes: list[int], nodes: list[str], store_bytes: dict[str, fl
     for node, nbytes in zip(nodes, part_bytes):
         own[node] = own.get(node, 0) + nbytes
     peers = 1 if len(own) > 1 else 0
-    need = {node: (2 + peers) * nbytes for node, nbytes in own.items()}
+    need = {node: (2 + peers) * nbytes / SPILL_AT for node, nbytes in own.items()}  # store sizes that hold them
     short = max(need, key=lambda node: need[node] - store_bytes.get(node, 0.0))
     have = store_bytes.get(short, 0.0)
     if need[short] <= have:
         return None
     gib = 2.0**30
-    one = all(nbytes <= store_bytes.get(node, 0.0) for node, nbytes in own.items())
+    one = all(nbytes <= SPILL_AT * store_bytes.get(node, 0.0) for node, nbytes in own.items())
     what = ("it holds one at a time: each snapshot replaces the last when it starts, and a worker lost while one "
             "arrives stops the job (resume it from a checkpoint)") if one else \
         "they spill to disk and arrive late (late ones are skipped)"
     return StoreFit(f"snapshots need {need[short] / gib:.1f} GiB of object store on a node ({own[short] / gib:.1f} "
-                    f"GiB of parts, held {2 + peers} times) and it has {have / gib:.1f} GiB: {what}; give every "
-                    f"node's store {need[short] / gib:.0f} GiB (K3RAY_OBJECT_STORE_GB for a local cluster, `ray "
-                    f"start --object-store-memory` on a cluster, /dev/shm at least as large)", one)
+                    f"GiB of parts, held {2 + peers} times, and Ray spills past {SPILL_AT:.0%} of a store) and it has "
+                    f"{have / gib:.1f} GiB: {what}; give every node's store {need[short] / gib:.0f} GiB "
+                    f"(K3RAY_OBJECT_STORE_GB for a local cluster, `ray start --object-store-memory` on a cluster, "
+                    f"/dev/shm at least as large)", one)
 
 
 def restore_sources(states: dict[int, Any], pp: int, ep: int) -> dict[int, list]:
