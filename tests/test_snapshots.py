@@ -217,7 +217,7 @@ def test_cuda_snapshots_stage_what_fits_read_the_rest_live_and_a_write_after_the
     stager = SnapshotStager(dev, chunk_bytes=4 << 20)  # "a" and "b" in chunks of their own
     waits = []
     for step in range(4):
-        if step == 1:  # room on the device for "b" alone: "a" is read live
+        if step == 1:  # room on the device for "b" alone: "a" is read live, as it streams
             stager.staging = torch.empty(state["b"].numel() * 4, dtype=torch.uint8, device=dev)
         if step == 3:  # room for both: all staged
             stager.staging = torch.empty(sum(t.numel() * 4 for t in state.values()), dtype=torch.uint8, device=dev)
@@ -236,6 +236,5 @@ def test_cuda_snapshots_stage_what_fits_read_the_rest_live_and_a_write_after_the
                 t.mul_(2.0)
             _assert_same(want, unpack(streamed.result()))
     assert stager.staged is None
-    # the first snapshot and the first with "a" live stream it; then "a" has a pinned chunk; then nothing is live
-    assert waits == ["host", "host", "device", "device"]
-    assert stager.host == []
+    # the first snapshot and those with "a" live hold the optimizer until it is read; then nothing is live
+    assert waits == ["host", "host", "host", "device"]

@@ -3,7 +3,7 @@ beside the next step), the neighbours' snapshot copies it keeps mapped, restores
 of any old grid, and durable checkpoint parts written in the background (k3ray.io.checkpoint)."""
 from __future__ import annotations
 
-from k3ray.grid.snapshot_stager import SnapshotStager, pinned_room_beside_store
+from k3ray.grid.snapshot_stager import SnapshotStager
 from k3ray.grid.snapshots import Packed, SnapshotPart, as_state
 from k3ray.grid.worker_seat import WorkerSeat
 from k3ray.io.checkpoint import AsyncWriter, part_name
@@ -22,7 +22,7 @@ class WorkerState:
         bytes. Dense state only from EP rank 0 of the stage: the other EP ranks hold identical copies, and restores
         read it from rank 0's."""
         engine = self.seat.engine
-        self.stager = self.stager or SnapshotStager(engine.device, pinned_room=pinned_room_beside_store)
+        self.stager = self.stager or SnapshotStager(engine.device)
         nbytes, still_reading = self.stager.stage(engine.state_tensors(dense=engine.ep_rank == 0), step)
         if still_reading is not None:
             engine.state_reads.append(still_reading)
