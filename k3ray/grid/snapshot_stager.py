@@ -81,6 +81,7 @@ class SnapshotStager:
             if self.staged is not None and isinstance(self.staged.read, threading.Event):
                 self.staged.read.set()  # never streamed out (its call was refused): nothing reads those tensors
             skeleton = Skeleton(tree, sizes)
+            cut = len(sizes) if self.stream is None else self._first_staged(sizes)  # before counting this one
             self.snapshots += 1
             if self.stream is None:
                 host = [self._host_chunk(k, n) for k, n in enumerate(sizes)]
@@ -88,7 +89,6 @@ class SnapshotStager:
                     view(host[slot.chunk], slot).copy_(t)
                 self.staged = _Staged(step, skeleton, len(sizes), None, {})
                 return sum(sizes), None
-            cut = self._first_staged(sizes)
             base, starts = sum(sizes[:cut]), _starts(sizes)
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # reads the state at this boundary
             live: dict[int, list] = {}
