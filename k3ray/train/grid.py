@@ -38,7 +38,8 @@ class TrainingGrid:
         self.push_policies()
         self.group.call("set_lr_scale", self.progress.lr_scale)
         snap = self.snapshots.committed
-        self.group.transfer.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
+        if not self.snapshots.one_at_a_time:  # a store that holds one snapshot has no room for the neighbours' copies
+            self.group.transfer.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
 
 
 def merge_reports(step: int, batch_index: int, reports: list[dict], ep: int, tokens: int) -> StepReport:
