@@ -56,7 +56,7 @@ class FakeGroup:
         self.launch_seconds: dict[str, float] = {}
         self.alive = False
         self.spares: list[str] = []
-        self.alive_nodes = self.transfer = self  # the group's parts: this fake plays them itself
+        self.alive_nodes = self.transfer = self.resources = self  # the group's parts: this fake plays them itself
 
     @property
     def size(self) -> int:

@@ -307,7 +307,7 @@ class FakeGroup:
     def __init__(self, cfg, ep, home, avoid_nodes=frozenset()):
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
         self.launch_seconds, self.spares, self.generation = {}, [], 1
-        self.alive_nodes = self  # the group's part: this fake plays it itself
+        self.alive_nodes = self.resources = self  # the group's parts: this fake plays them itself
 
     def capacity(self, free: bool = False) -> int:
         return 0 if free else 5

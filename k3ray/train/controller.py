@@ -168,7 +168,7 @@ class Controller:
         if len(grid.group.spares) < self.cfg.fault_tolerance.spares:
             # spares that replaced lost workers (or found no room before): started once the step is done, so that
             # they do not slow the recovery they are started after
-            grid.group.start_spares()
+            grid.group.resources.start_spares()
         try:
             self.snapshots.commit(grid.group, wait=False)
             self.table.rebalance_on_schedule(grid.group, progress.step, self.incidents)
