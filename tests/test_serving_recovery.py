@@ -62,6 +62,7 @@ class FakeGrid:
         self.lose_at, self.recover_fails, self.relaunch_fails = set(lose_at), recover_fails, relaunch_fails
         self.iterations, self.calls, self.gate, self.fail_at = 0, [], None, set()
         self.group = type("Group", (), {"workers": [None], "home": [0] * model.cfg.n_experts, "generation": 1})()
+        self.group.resources = self  # the group's held resources (`top_up_spares`): this fake plays them itself
 
     def run(self, plans):
         self.iterations += 1

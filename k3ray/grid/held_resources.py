@@ -86,6 +86,17 @@ class HeldResources:
         workers left; a grow needs room on the alive nodes only for the rest."""
         return self.spares_ready() + len(self.spares.free_slots)
 
+    def top_up_spares(self) -> int:
+        """Start the hot spares the group lacks (none found room when it was launched, or some died on standby),
+        where the alive nodes have room now; the dead ones are dropped first, their slots free for new ones. Returns
+        how many were started."""
+        if not self.spares.want:
+            return 0
+        self.spares_ready()
+        if len(self.spares) >= self.spares.want:
+            return 0
+        return self.start_spares()
+
     def release(self) -> None:
         """Every placement group back to the cluster (the group's workers and spares are killed first)."""
         for pg in self.pgs:

@@ -234,17 +234,6 @@ class ServingGrid:
         return {"ep": [before, ep], "action": "resize",
                 "seconds": {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}}
 
-    def top_up_spares(self) -> int:
-        """Start the hot spares the grid lacks (none found room when it was launched, or some died on standby),
-        where the alive nodes have room now. Returns how many were started."""
-        group = self.group
-        if group is None or not self.cfg.fault_tolerance.spares:
-            return 0
-        group.resources.spares_ready()  # drops dead spares, their slots free for new ones
-        if len(group.spares) >= self.cfg.fault_tolerance.spares:
-            return 0
-        return group.resources.start_spares()
-
     def close(self) -> None:
         self.graph.drop()
         if self.group is not None:

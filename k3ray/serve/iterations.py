@@ -229,7 +229,7 @@ class IterationLoop:
         if time.monotonic() - self.spares_checked > SPARES_CHECK_S:
             self.spares_checked = time.monotonic()
             try:
-                await self.availability.call(self.grid.top_up_spares)
+                await self.availability.call(self.grid.group.resources.top_up_spares)
             except Exception:  # noqa: BLE001 - a spare is an optimisation: serving goes on without it
                 log.exception("starting hot spares failed")
 
