@@ -15,9 +15,10 @@
                  (k3ray.train.boundary)
 
 One step reads `train_step`: the boundary (`boundary.before`), the step on the grid (`grid.run`), the guards, and
-on a trip or a lost worker the recovery part. The job's state is `machine.state`, its history `machine.history`. Each part is handed the parts it
-acts on when it is made, never the controller. Decisions come from k3ray.policies (guards, the failure ladder,
-shrink-or-restart, resize, re-homing); the controller and its parts carry them out.
+on a trip or a lost worker the recovery part. The job's state is `machine.state`, its history `machine.history`.
+Each part is handed the parts it acts on when it is made, never the controller. Decisions come from
+k3ray.policies (guards, the failure ladder, shrink-or-restart, resize, re-homing); the controller and its parts
+carry them out.
 `Controller` is plain Python: its tests give it a fake worker group; `ControllerActor` is the same class as a Ray
 actor, which is how jobs run it.
 """
