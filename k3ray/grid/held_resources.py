@@ -50,11 +50,10 @@ class HeldResources:
         was not placed within timeout_s."""
         pg = placement_group([dict(self.bundle) for _ in range(n)], strategy="PACK",
                              bundle_label_selector=self.alive_nodes.label_selector(n))
-        self.pgs.append(pg)
         if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
-            self.pgs.remove(pg)
             remove_placement_group(pg)
             return None
+        self.pgs.append(pg)
         return [(pg, i) for i in range(n)]
 
     def start_worker(self, slot: tuple):
