@@ -127,7 +127,7 @@ def engine_level(model, cfg, concurrency: int, requests: int, max_tokens: int, b
     submitted, host, steps, t_first = 0, [], [], {}
     t0 = time.perf_counter()
     while submitted < requests or sched.has_work:
-        while submitted < requests and len(sched.running) + len(sched.waiting) < concurrency:
+        while submitted < requests and len(sched.table.running) + len(sched.table.waiting) < concurrency:
             req = sched.submit(prompts[submitted], SamplingParams(max_tokens=max_tokens))
             t_first[req.id] = time.perf_counter()
             submitted += 1
@@ -141,7 +141,7 @@ def engine_level(model, cfg, concurrency: int, requests: int, max_tokens: int, b
         host.append((h1 - h0) + (h3 - h2))
         steps.append(h3 - h0)
     wall = time.perf_counter() - t0
-    reqs = list(sched.requests.values())
+    reqs = list(sched.table.requests.values())
     tokens = sum(len(r.out) for r in reqs)
     ttft = [r.token_times[0] - t_first[r.id] for r in reqs if r.token_times]
     itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]

@@ -99,7 +99,7 @@ def level(model, cfg, serve, args, concurrency: int) -> None:
     sent, t_sent, reqs = 0, {}, []
     t0 = time.perf_counter()
     while sent < n or sched.has_work:
-        while sent < n and len(sched.running) + len(sched.waiting) < concurrency:
+        while sent < n and len(sched.table.running) + len(sched.table.waiting) < concurrency:
             prompt, max_tokens = requests[sent]
             req = sched.submit(prompt, SamplingParams(max_tokens=max_tokens))
             t_sent[req.id] = time.perf_counter()
@@ -116,7 +116,7 @@ def level(model, cfg, serve, args, concurrency: int) -> None:
     print(f"| {concurrency} | {n} | {out_tokens / wall:,.0f} | {pct(ttft, 50) * 1e3:.0f} / {pct(ttft, 99) * 1e3:.0f} "
           f"| {pct(itl, 50) * 1e3:.1f} / {pct(itl, 90) * 1e3:.1f} / {pct(itl, 99) * 1e3:.1f} "
           f"| {sum(s[0] for s in ex.steps) / len(ex.steps):.0f} | {prompt_tokens / wall:,.0f} "
-          f"| {worker / wall:.0%} | {sched.preemptions} | {len(errors)} |", flush=True)
+          f"| {worker / wall:.0%} | {sched.table.preemptions} | {len(errors)} |", flush=True)
     bins = {}
     for tokens, prompts, decodes, dt in ex.steps:
         b = 1 << max(0, (tokens - 1).bit_length())
@@ -154,13 +154,13 @@ def mixed_profile(model, cfg, serve, args) -> None:
     ex = TimedExecutor(LocalExecutor(model, sizes, device=DEVICE))
     for prompt, _ in requests[:64]:
         sched.submit(prompt, SamplingParams(max_tokens=1000))
-    while any(r.cached < r.length for r in sched.running.values()) or sched.waiting:
+    while any(r.cached < r.length for r in sched.table.running.values()) or sched.table.waiting:
         sched.step(ex)  # the 64 prompts prefilled: from here they decode
     nxt = 64
     timed = []
     stats0 = torch.cuda.memory_stats() if DEVICE == "cuda" else {}
     for i in range(12):
-        while len(sched.waiting) < 4:
+        while len(sched.table.waiting) < 4:
             sched.submit(requests[nxt][0], SamplingParams(max_tokens=4))
             nxt += 1
         if i == 9:

@@ -28,7 +28,7 @@ def run(pages: int, slots: int, budget: int, prompt: tuple[int, int], concurrenc
                                   stepwise_prefill_max=64, max_waiting=10 ** 6), 4096)
     rng, sent, schedule_s, complete_s = random.Random(0), 0, [], []
     while sent < requests or sched.has_work:
-        while sent < requests and len(sched.running) + len(sched.waiting) < concurrency:
+        while sent < requests and len(sched.table.running) + len(sched.table.waiting) < concurrency:
             sched.submit([65] * rng.randint(*prompt), SamplingParams(max_tokens=max_tokens))
             sent += 1
         t0 = time.perf_counter()
@@ -37,8 +37,8 @@ def run(pages: int, slots: int, budget: int, prompt: tuple[int, int], concurrenc
         sched.complete(out, {r: StageOutput([65] * len(p.slots), [1.0] * len(p.slots)) for r, p in out.plans().items()})
         complete_s.append(time.perf_counter() - t1)
         schedule_s.append(t1 - t0)
-        for rid in [r.id for r in sched.requests.values() if r.done]:
-            sched.forget(rid)
+        for rid in [r.id for r in sched.table.requests.values() if r.done]:
+            sched.table.forget(rid)
     return statistics.median(schedule_s), statistics.median(complete_s)
 
 

@@ -108,8 +108,12 @@ def job_params(controller) -> dict:
     """Every parameter of the job by name (expert rows by expert id), gathered from the live workers."""
     import ray
 
+    def worker_states(ctrl) -> list[dict]:
+        with ctrl.grid_lock:  # not mid-step nor mid-recovery
+            return ctrl.grid.group.call("state")
+
     out = {}
-    for state in ray.get(controller.worker_states.remote(), timeout=120):
+    for state in ray.get(controller.__ray_call__.remote(worker_states), timeout=120):
         out.update(state["dense"])
         for layer, payload in state["experts"].items():
             for row, e in enumerate(payload["expert_ids"]):

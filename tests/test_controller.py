@@ -56,7 +56,7 @@ class FakeGroup:
         self.launch_seconds: dict[str, float] = {}
         self.alive = False
         self.spares: list[str] = []
-        self.alive_nodes = self.transfer = self  # the group's parts: this fake plays them itself
+        self.alive_nodes = self.transfer = self.resources = self  # the group's parts: this fake plays them itself
 
     @property
     def size(self) -> int:
@@ -223,7 +223,7 @@ def run(cluster: Cluster, steps: int, **overrides) -> Controller:
 
 
 def states(ctrl: Controller) -> list[str]:
-    return [s for _, s, _ in ctrl.transitions]
+    return [s for _, s, _ in ctrl.machine.history]
 
 
 def test_every_transition_is_checked_against_the_table():
@@ -249,7 +249,7 @@ def test_topology_that_does_not_fit_errors():
     ctrl = Controller(config(**{"parallel.ep": 4}), group_factory=Cluster(capacity=2).group)
     with pytest.raises(TopologyError):
         ctrl.start()
-    assert ctrl.state == JobState.ERRORED
+    assert ctrl.machine.state == JobState.ERRORED
 
 
 def test_blowup_rolls_back_and_equals_a_run_that_skipped_the_batch():
@@ -274,9 +274,9 @@ def test_repeated_blowups_escalate_skip_more_lower_lr_then_stop():
     assert [i["batch_ids"] for i in ctrl.incidents] == [[5], [6, 7], [8, 9, 10, 11]]
     assert [i["action"] for i in ctrl.incidents] == ["rollback", "rollback", "stop"]
     assert [c[1] for c in cluster.calls if c[0] == "set_lr_scale"] == [1.0, 0.5]
-    assert ctrl.state == JobState.ERRORED and ctrl.status()["lr_scale"] == 0.5
+    assert ctrl.machine.state == JobState.ERRORED and ctrl.status()["lr_scale"] == 0.5
     ctrl.shutdown()
-    assert ctrl.state == JobState.ERRORED  # stays errored: no transition out of it
+    assert ctrl.machine.state == JobState.ERRORED  # stays errored: no transition out of it
 
 
 def test_lost_worker_shrinks_rehomes_replays_then_grows_back():
@@ -386,7 +386,7 @@ def test_a_hot_spare_takes_the_lost_rank_in_place_and_a_new_one_starts_after_the
     ctrl.train_step(7)
     assert cluster.groups[-1].trained == clean_run(8, **{"parallel.ep": 4}) == tuple(range(8))
     assert states(ctrl) == ["scheduling", "running", "recovering", "running"]  # no grow-back: never shrank
-    assert "1 of them hot spares" in ctrl.transitions[-1][2]
+    assert "1 of them hot spares" in ctrl.machine.history[-1][2]
 
 
 def test_spares_cover_whole_columns_and_the_rest_shrinks_in_place():
@@ -477,7 +477,7 @@ def test_worker_lost_at_a_boundary_is_recovered_and_changes_nothing(method, nth)
         ctrl.train_step(s)
     (lost,) = [i for i in ctrl.incidents if i["kind"] == "worker_lost"]
     assert lost["ranks"] == [1] and method in lost["why"] and lost["ep"] == [2, 1]
-    assert ctrl.state == JobState.RUNNING and ctrl.status()["ep"] == 1
+    assert ctrl.machine.state == JobState.RUNNING and ctrl.status()["ep"] == 1
     assert cluster.groups[-1].trained == clean_run(8, **{"parallel.ep": 2}) == tuple(range(8))
 
 
@@ -545,7 +545,7 @@ def test_worker_lost_while_the_first_grid_starts_launches_again():
     cluster = Cluster(capacity=4, die_in={"launch": (1, {1})})
     ctrl = run(cluster, 2, **{"parallel.ep": 4, "fault_tolerance.retry_backoff_s": 0.0})
     assert [i["kind"] for i in ctrl.incidents] == ["launch_failed"] and ctrl.incidents[0]["attempt"] == 1
-    assert cluster.groups[-1].trained == (0, 1) and ctrl.state == JobState.RUNNING
+    assert cluster.groups[-1].trained == (0, 1) and ctrl.machine.state == JobState.RUNNING
     assert not cluster.groups[0].alive  # the failed grid was closed
     cluster = Cluster(capacity=4)
     cluster.die_every = {"launch": {0}}
@@ -553,7 +553,7 @@ def test_worker_lost_while_the_first_grid_starts_launches_again():
                                 "fault_tolerance.recovery_attempts": 2}), group_factory=cluster.group)
     with pytest.raises(RecoveryFailed, match=r"the workers did not start \(2 attempts; last: lost world ranks \[0\]"):
         ctrl.start()
-    assert ctrl.state == JobState.ERRORED and len(cluster.groups) == 2
+    assert ctrl.machine.state == JobState.ERRORED and len(cluster.groups) == 2
 
 
 def test_checkpoint_pending_when_growing_back_is_committed_first(tmp_path):
@@ -574,7 +574,7 @@ def test_final_checkpoint_survives_a_writer_lost_at_shutdown(tmp_path):
     ctrl = run(cluster, 5, **{"parallel.ep": 2, "checkpoint.dir": str(tmp_path), "checkpoint.at_end": True,
                               "fault_tolerance.grow_back": False})
     ctrl.shutdown()
-    assert ckpt.list_committed(tmp_path) == [5] and ctrl.state == JobState.FINISHED
+    assert ckpt.list_committed(tmp_path) == [5] and ctrl.machine.state == JobState.FINISHED
     assert [i["kind"] for i in ctrl.incidents] == ["checkpoint_abandoned", "worker_lost"]
 
 
@@ -593,7 +593,7 @@ def test_failed_checkpoint_writes_warn_train_on_and_stop_only_after_the_limit(tm
     assert [i["step"] for i in failed] == [2, 4] and failed[0]["newest"] is None
     with pytest.raises(ckpt.CheckpointError, match="3 checkpoint writes failed in a row"):
         ctrl.train_step(6)
-    assert ctrl.state == JobState.ERRORED
+    assert ctrl.machine.state == JobState.ERRORED
     ctrl.shutdown()  # stops the workers without a second error that would hide the first
     assert not cluster.groups[-1].alive
 

@@ -48,7 +48,7 @@ def test_a_loss_in_every_recovery_attempt_stops_after_the_limit_with_one_line(tm
     message = str(stop.value)
     assert "\n" not in message and "{" not in message  # one line, no incident dicts
     assert message.startswith("step 6: recovery failed: recovering: 3 attempts failed") and str(incidents) in message
-    assert ctrl.state == JobState.ERRORED
+    assert ctrl.machine.state == JobState.ERRORED
     assert states(ctrl).count("recovering") == 3 and slept == [0.25, 0.5, 1.0]
     logged = [json.loads(line) for line in incidents.read_text().splitlines()]
     assert logged[-1]["kind"] == "stopped" and logged[-1]["rule"] == "recovery_failed"
@@ -89,7 +89,7 @@ def test_grow_back_gives_up_after_its_attempts_and_the_job_trains_on_shrunk():
     for s in range(7, 14):
         ctrl.train_step(s)
     assert [i["kind"] for i in ctrl.incidents].count("grow_back_failed") == 2 and ctrl.status()["ep"] == 3
-    assert ctrl.state == JobState.RUNNING
+    assert ctrl.machine.state == JobState.RUNNING
 
 
 def test_a_loss_between_a_rollbacks_skip_and_its_lr_scale_leaves_no_half_rollback():
@@ -99,7 +99,7 @@ def test_a_loss_between_a_rollbacks_skip_and_its_lr_scale_leaves_no_half_rollbac
     ctrl = run(cluster, 6)
     assert sorted(ctrl.progress.skip) == [5, 6, 7] and ctrl.progress.lr_scale == 0.5
     assert [c[1] for c in cluster.calls if c[0] == "set_lr_scale"][-1] == 0.5  # the workers train with it too
-    assert cluster.groups[-1].trained[-1] == 8 and ctrl.state == JobState.RUNNING
+    assert cluster.groups[-1].trained[-1] == 8 and ctrl.machine.state == JobState.RUNNING
 
 
 def test_a_move_requested_mid_step_waits_for_the_step():
@@ -128,7 +128,7 @@ def test_a_checkpoint_folder_of_another_job_is_refused_in_one_line(tmp_path):
                        group_factory=Cluster().group)
     with pytest.raises(CheckpointError, match=r"holds checkpoints of job 'jobA': refusing") as refused:
         other.start()
-    assert "\n" not in str(refused.value) and other.state == JobState.ERRORED
+    assert "\n" not in str(refused.value) and other.machine.state == JobState.ERRORED
     changed_model = Controller(config(**{"name": "jobA", "checkpoint.dir": folder, "model.n_layers": 2}),
                                group_factory=Cluster().group)
     with pytest.raises(CheckpointError, match="job 'jobA' with another model config"):

@@ -138,7 +138,7 @@ def test_gpu_jobs_run_at_normal_priority(ray_cluster):
     thread feeds the GPU) get a runtime env that runs them at normal priority; a CPU job asks for none."""
     import os
 
-    from k3ray.grid.worker_group import actor_runtime_env
+    from k3ray.grid.held_resources import actor_runtime_env
 
     assert actor_runtime_env(tiny()) is None
     gpu_env = actor_runtime_env(tiny(**{"parallel.device": "cuda"}))

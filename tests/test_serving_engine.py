@@ -65,7 +65,7 @@ def test_batched_engine_equals_reference_greedy(model):
     for i, (p, sp) in enumerate(zip(prompts, params)):
         arrivals.setdefault(0 if i < 10 else 2 * i, []).append((p, sp))
     iterations = run(sched, ex, arrivals)
-    reqs = sorted(sched.requests.values(), key=lambda r: r.id)
+    reqs = sorted(sched.table.requests.values(), key=lambda r: r.id)
     assert len(reqs) == len(TEXTS) >= 16
     for r, (ids, reason) in zip(reqs, want):
         assert (r.out, r.finish) == (ids, reason), f"request {r.id} ({TEXTS[r.id]!r})"
@@ -162,14 +162,14 @@ def test_pages_are_allocated_on_demand_and_preemption_recomputes_without_changin
     sched, ex = engine(model, budget=32, pages=32, page_size=4, slots=8)
     log = []
     drive(sched, ex, overlap, submit_at={0: list(zip(prompts, params))}, log=log)
-    reqs = sorted(sched.requests.values(), key=lambda r: r.id)
+    reqs = sorted(sched.table.requests.values(), key=lambda r: r.id)
     assert [r.out for r in reqs] == want
     preempted = {rid for plans in log for rid in plans.preempted}
-    assert sched.preemptions >= 2 and len(preempted) >= 2
+    assert sched.table.preemptions >= 2 and len(preempted) >= 2
     assert sum(len(b.plan.grow) for plans in log for b in plans.ranks.values()) > 10
     assert sum(-(-(len(p) + sp.max_tokens) // 4) for p, sp in zip(prompts[:8], params)) > 32  # 8 slots: no fit
     usage = sched.usage()
-    assert (usage["pages_used"], usage["slots_used"]) == (0, 0) and not sched.caches.held
+    assert (usage["pages_used"], usage["slots_used"]) == (0, 0) and not sched.table.caches.held
 
 
 def test_stepwise_prefill_feeds_short_prompts_as_decode_rows_and_changes_no_output(model):
@@ -218,7 +218,7 @@ def test_batched_engine_equals_reference_with_the_released_features(rope):
     want = [generate_reference(released, p, sp)[0] for p, sp in zip(prompts, params)]
     sched, ex = engine(released, budget=16, slots=3)  # fewer slots than requests: slots are reused
     run(sched, ex, {0: list(zip(prompts[:3], params[:3])), 2: list(zip(prompts[3:], params[3:]))})
-    got = [r.out for r in sorted(sched.requests.values(), key=lambda r: r.id)]
+    got = [r.out for r in sorted(sched.table.requests.values(), key=lambda r: r.id)]
     assert got == want
 
 
@@ -231,7 +231,7 @@ def test_seeded_sampling_is_the_same_in_any_batch(model):
     for budget, extra in ((64, []), (8, others), (17, others[:3])):
         sched, ex = engine(model, budget=budget)
         run(sched, ex, {0: extra[:2] + list(zip(prompts, sp)) + extra[2:]})
-        got = {tuple(r.prompt): r.out for r in sched.requests.values() if r.params in sp}
+        got = {tuple(r.prompt): r.out for r in sched.table.requests.values() if r.params in sp}
         assert [got[tuple(p)] for p in prompts] == want, f"budget {budget}, {len(extra)} other requests"
     assert len({tuple(w) for w in want}) == 3
     unseeded = SamplingParams(max_tokens=12, temperature=0.9, seed=101)
@@ -249,12 +249,12 @@ def test_cancel_frees_pages_and_slots_and_spares_the_others(model):
     plans = sched.schedule()  # cancel one request while its iteration is in flight: freed when it completes
     used = sched.usage()["pages_used"]  # (scheduling takes the pages the rows grow into)
     assert used > 0
-    sched.cancel(gone[0].id)
+    sched.table.cancel(gone[0].id)
     assert sched.usage()["pages_used"] == used
     sched.complete(plans, ex.run(plans.plans()))
-    sched.cancel(gone[1].id)  # between iterations: freed at once
-    sched.cancel(queued.id)  # still waiting
-    sched.cancel(gone[2].id)
+    sched.table.cancel(gone[1].id)  # between iterations: freed at once
+    sched.table.cancel(queued.id)  # still waiting
+    sched.table.cancel(gone[2].id)
     assert gone[0].finish == gone[1].finish == queued.finish == "cancelled"
     assert sched.usage()["slots_used"] == 1
     while sched.has_work:
@@ -279,11 +279,11 @@ def test_requests_whose_caches_were_lost_are_prefilled_again_and_end_as_undistur
     assert sum(1 for r in reqs if r.out and not r.done) >= 4
     plans = sched.schedule()  # lost with the iteration in flight: its plans are never completed
     cancelled = plans.ranks[0].requests[0]
-    sched.cancel(cancelled.id)
-    admitted = [r for r in sched.running.values() if r is not cancelled]
+    sched.table.cancel(cancelled.id)
+    admitted = [r for r in sched.table.running.values() if r is not cancelled]
     requeued = sched.reset(dp=1)
-    assert sched.waiting[:len(requeued)] == requeued == sorted(admitted, key=lambda r: r.arrival)
-    assert len(requeued) >= 4 and len(sched.waiting) > len(requeued)
+    assert sched.table.waiting[:len(requeued)] == requeued == sorted(admitted, key=lambda r: r.arrival)
+    assert len(requeued) >= 4 and len(sched.table.waiting) > len(requeued)
     assert all(r.cached == 0 and r.slot == -1 for r in requeued) and sched.usage()["pages_used"] == 0
     _, fresh = engine(model, slots=6)
     while sched.has_work:
@@ -314,7 +314,7 @@ def test_a_request_that_blows_up_fails_alone(model):
         reqs += [sched.submit(encode(t), params) for t in texts[2:]]
         while sched.has_work:
             sched.step(ex)
-            for r in sched.running.values():
+            for r in sched.table.running.values():
                 held.setdefault(r.id, set()).update(r.pages)
     finally:
         handle.remove()

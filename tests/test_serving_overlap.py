@@ -53,7 +53,7 @@ def drive(sched, ex, overlap: bool, submit_at=None, cancel_at=None, log=None) ->
     while sched.has_work or ahead is not None or any(k >= i for k in submit_at):
         reqs += [sched.submit(p, sp) for p, sp in submit_at.get(i, [])]
         for k in cancel_at.get(i, []):
-            sched.cancel(reqs[k].id)
+            sched.table.cancel(reqs[k].id)
         if ahead is not None and not overlap:
             sched.complete(*ahead)
             ahead = None
@@ -86,7 +86,7 @@ def workload():
 
 
 def outcomes(sched):
-    return [(r.out, r.finish) for r in sorted(sched.requests.values(), key=lambda r: r.id)]
+    return [(r.out, r.finish) for r in sorted(sched.table.requests.values(), key=lambda r: r.id)]
 
 
 def test_overlapped_iterations_equal_sequential_ones(model):
@@ -108,7 +108,7 @@ def test_overlapped_iterations_equal_sequential_ones(model):
     eos = [out for out, f in want if f == "stop" and out[-1] == SpaceEnds.eos_id]
     assert len(want) >= 16 and finishes["length"] and finishes["stop"] > len(eos) > 0  # EOS and stop strings
     assert sum(sum(b.plan.from_device) for plans in log for b in plans.ranks.values()) > 50
-    for r in sched.requests.values():
+    for r in sched.table.requests.values():
         extra = ran[r.id] - (r.length - 1)
         assert extra == 0 if r.finish == "length" else extra in (0, 1), f"request {r.id} ({r.finish})"
     assert sched.usage()["pages_used"] == sched.usage()["slots_used"] == 0
@@ -140,7 +140,7 @@ def test_a_guard_trip_fails_one_request_alone_with_iterations_overlapped(model):
         drive(sched, ex, overlap=True, submit_at={0: arrivals + [(encode(t), params) for t in texts[2:]]})
     finally:
         handle.remove()
-    reqs = sorted(sched.requests.values(), key=lambda r: r.id)
+    reqs = sorted(sched.table.requests.values(), key=lambda r: r.id)
     bad = reqs.pop(2)
     assert bad.finish == "error" and bad.trip.detail == "not finite" and bad.out == []
     assert [r.out for r in reqs] == want
@@ -162,7 +162,7 @@ def test_a_grid_lost_with_two_iterations_in_flight_discards_both(model):
     n = sched.schedule()
     ex.run(n.plans())
     n1 = sched.schedule()  # n+1 before n's tokens are back
-    assert any(n1.ranks[0].plan.from_device) and any(r.unconfirmed == 2 for r in sched.running.values())
+    assert any(n1.ranks[0].plan.from_device) and any(r.unconfirmed == 2 for r in sched.table.running.values())
     requeued = sched.reset(dp=1)
     assert len(requeued) >= 4 and all(r.planned == r.unconfirmed == r.in_flight == 0 for r in requeued)
     assert {r.id: r.out for r in reqs} == before and sched.usage()["pages_used"] == 0
@@ -278,7 +278,7 @@ def test_whoever_waits_between_iterations_gets_in_with_nothing_in_flight(model):
             await asyncio.sleep(0.001)
         for _ in range(3):
             async with eng.between_iterations:
-                seen.append(sum(r.in_flight for r in eng.sched.running.values()))
+                seen.append(sum(r.in_flight for r in eng.sched.table.running.values()))
             await asyncio.sleep(0.005)
 
     async def main():

@@ -62,6 +62,7 @@ class FakeGrid:
         self.lose_at, self.recover_fails, self.relaunch_fails = set(lose_at), recover_fails, relaunch_fails
         self.iterations, self.calls, self.gate, self.fail_at = 0, [], None, set()
         self.group = type("Group", (), {"workers": [None], "home": [0] * model.cfg.n_experts, "generation": 1})()
+        self.group.resources = self  # the group's held resources (`top_up_spares`): this fake plays them itself
 
     def run(self, plans):
         self.iterations += 1
@@ -307,7 +308,7 @@ class FakeGroup:
     def __init__(self, cfg, ep, home, avoid_nodes=frozenset()):
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
         self.launch_seconds, self.spares, self.generation = {}, [], 1
-        self.alive_nodes = self  # the group's part: this fake plays it itself
+        self.alive_nodes = self.resources = self  # the group's parts: this fake plays them itself
 
     def capacity(self, free: bool = False) -> int:
         return 0 if free else 5

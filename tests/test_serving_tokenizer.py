@@ -33,7 +33,7 @@ class ScriptedExecutor:
     def run(self, plans):
         out = {}
         for rank, plan in plans.items():
-            by_slot = {r.slot: r for r in self.sched.running.values() if r.rank == rank}
+            by_slot = {r.slot: r for r in self.sched.table.running.values() if r.rank == rank}
             tokens = []
             for slot, start, n in zip(plan.slots, plan.starts, plan.counts):
                 req = by_slot[slot]

@@ -8,7 +8,7 @@ import sys
 from k3ray.config import load_config
 from k3ray.control.warmup import warmup_config
 from k3ray.grid.kernel_cache import kernel_cache_env
-from k3ray.grid.worker_group import actor_runtime_env
+from k3ray.grid.held_resources import actor_runtime_env
 
 
 def _kinds(m) -> set[tuple[str, bool]]:

@@ -20,7 +20,7 @@ from k3ray.config import JobConfig
 from k3ray.control.api import ApiCallback
 from k3ray.control.metrics import MetricsCallback
 from k3ray.train.controller import ControllerActor
-from k3ray.grid.worker_group import actor_runtime_env
+from k3ray.grid.held_resources import actor_runtime_env
 from k3ray.parallel.step import StepReport
 
 log = logging.getLogger("k3ray")

@@ -139,15 +139,15 @@ class JobMetrics:
             if incident.get("action") == "rollback":
                 m["k3ray_rollbacks_total"].inc()
         self._incidents_seen = len(incidents)
-        for t, state, _why in ctrl.transitions[self._transitions_seen:]:
+        for t, state, _why in ctrl.machine.history[self._transitions_seen:]:
             if state == "recovering":
                 self._recovering_since = t
             elif self._recovering_since is not None and state == "running":
                 m["k3ray_recoveries_total"].inc()
                 m["k3ray_recovery_seconds_total"].inc(max(t - self._recovering_since, 1e-9))
                 self._recovering_since = None
-        self._transitions_seen = len(ctrl.transitions)
-        self.set_state(ctrl.state.value)
+        self._transitions_seen = len(ctrl.machine.history)
+        self.set_state(ctrl.machine.state.value)
         mp = ctrl.cfg.policies.moonep
         slots = (mp.slots_per_rank or ctrl.cfg.model.n_experts // ctrl.cfg.parallel.ep) if mp.enabled else 0
         m["k3ray_replica_slots"].set(slots)
@@ -175,7 +175,7 @@ class MetricsCallback(Callback):
 
     def on_start(self, ctrl) -> None:
         self.metrics = JobMetrics(ctrl.cfg.name)
-        self.metrics.set_state(ctrl.state.value)
+        self.metrics.set_state(ctrl.machine.state.value)
 
     def on_step(self, ctrl, report: dict, wall_s: float) -> None:
         t0 = time.perf_counter()

@@ -7,9 +7,11 @@ grows and rebuilds it, and runs steps and any other call on its workers by name 
 call, becomes WorkerLost naming every lost rank.
 
 Its parts: `alive_nodes` (what the alive nodes hold, in workers: k3ray.grid.alive_nodes), `transfer` (in-memory
-snapshots and restores: k3ray.grid.state_transfer) and `spares`, the hot spares (`fault_tolerance.spares`: standby
+snapshots and restores: k3ray.grid.state_transfer), `spares`, the hot spares (`fault_tolerance.spares`: standby
 workers started with the grid, each holding its own resources, which take lost ranks' places without a process
-start in `regroup`; new ones are started afterwards by `start_spares`; k3ray.grid.spares).
+start in `regroup`; k3ray.grid.spares) and `resources`, what it holds of the cluster (placement groups, slots,
+workers and spares started in them; new spares are started after a loss by `resources.start_spares`:
+k3ray.grid.held_resources).
 """
 from __future__ import annotations
 
@@ -18,50 +20,16 @@ import logging
 import time
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from k3ray.config import JobConfig
 from k3ray.grid import calls
 from k3ray.grid.alive_nodes import AliveNodes
 from k3ray.grid.calls import TopologyError, WorkerLost
-from k3ray.grid.kernel_cache import kernel_cache_env
+from k3ray.grid.held_resources import HeldResources, node_of
 from k3ray.grid.spares import SparePool
 from k3ray.grid.state_transfer import GridStateTransfer
-from k3ray.grid.worker import Worker
 
 log = logging.getLogger("k3ray.controller")
-
-# Ray starts actor processes at nice 15. In a GPU job the controller sits on every step's critical path and a
-# worker's host thread feeds its GPU (launches, the per-layer count sync), so they run at normal priority: nice 15
-# cost 2 % of the step on 2 H200s (benchmarks/RESULTS.md). Ray's own job supervisor does the same.
-NORMAL_PRIORITY = {"env_vars": {"RAY_worker_niceness": "0"}}
-
-
-def actor_runtime_env(cfg: JobConfig) -> dict | None:
-    """The controller's and the workers' runtime env: for GPU jobs normal priority and the kept kernel caches
-    (k3ray.grid.kernel_cache). CPU jobs keep Ray's default (and workers inherit the controller's env), so their
-    compute leaves Ray's own processes the CPU on small hosts: at normal priority the CPU test suite ran 10 % slower
-    on 2 cores."""
-    if cfg.parallel.device != "cuda":
-        return None
-    return {"env_vars": {**NORMAL_PRIORITY["env_vars"], **kernel_cache_env()}}
-
-
-def start_worker(cfg: JobConfig, bundle: dict[str, float], slot: tuple):
-    """A Worker actor started in `slot` (placement group, bundle index), on standby."""
-    pg, index = slot
-    return Worker.options(
-        scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-        num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), runtime_env=actor_runtime_env(cfg),
-    ).remote(cfg.model_dump())
-
-
-def node_of(slot: tuple) -> str:
-    """The Ray node a placement group's bundle (slot: placement group, bundle index) is on."""
-    pg, index = slot
-    return ray.util.placement_group_table(pg)["bundles_to_node_id"][index]
-
 
 # Grid generations, one sequence per controller process: every grid (launched, or rebuilt around spares) takes the
 # next number, and every call to its workers names it (k3ray.grid.worker: a worker refuses older ones).
@@ -73,14 +41,14 @@ class WorkerGroup:
         """avoid_nodes: nodes found silent, which Ray may still report alive: neither counted nor placed on."""
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
         self.avoid_nodes = frozenset(avoid_nodes)
-        self.bundle = {"CPU": 1} if cfg.parallel.device == "cpu" else {"CPU": 1, "GPU": 1}
-        self.alive_nodes = AliveNodes(self.bundle, self.avoid_nodes)  # what the alive nodes hold, in workers
-        self.pgs: list = []  # every placement group holding this group's workers and spares
+        bundle = {"CPU": 1} if cfg.parallel.device == "cpu" else {"CPU": 1, "GPU": 1}
+        self.alive_nodes = AliveNodes(bundle, self.avoid_nodes)  # what the alive nodes hold, in workers
         self.workers: list = []  # world rank -> actor
         self.slots: list[tuple] = []  # world rank -> (placement group, bundle index) it holds
         self.nodes: list[str] = []  # world rank -> Ray node id
         self.transfer = GridStateTransfer(self)  # snapshots and restores of this group's workers
         self.spares = SparePool(cfg.fault_tolerance.spares)  # hot spares: standby workers, own resources
+        self.resources = HeldResources(cfg, bundle, self.alive_nodes, self.spares)  # placement groups, slots
         self.launch_seconds: dict[str, float] = {}  # start workers (or swap in spares), process groups, restore
         self.on_phase = None  # called with each of launch_seconds' phases as it ends (a serving recovery's progress)
         self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
@@ -97,31 +65,21 @@ class WorkerGroup:
         and the state restored (a loss meanwhile: WorkerLost naming ranks of the grown grid)."""
         t0 = time.perf_counter()
         added = self.pp * (ep - self.ep)
-        from_spares = min(added, self.spares_ready())
+        res = self.resources
+        from_spares = min(added, res.spares_ready())
         from_slots = min(added - from_spares, len(self.spares.free_slots))
         placed = added - from_spares - from_slots
-        slots = []
-        if placed:
-            pg = placement_group([dict(self.bundle) for _ in range(placed)], strategy="PACK",
-                                 bundle_label_selector=self.alive_nodes.label_selector(placed))
-            if not ray.wait([pg.ready()], timeout=timeout_s)[0]:
-                remove_placement_group(pg)
-                raise TopologyError(f"could not place {placed} more workers within {timeout_s:g}s")
-            self.pgs.append(pg)
-            slots = [(pg, i) for i in range(placed)]
+        slots = res.place(placed, timeout_s) if placed else []
+        if slots is None:
+            raise TopologyError(f"could not place {placed} more workers within {timeout_s:g}s")
         slots = self.spares.take_free_slots(from_slots) + slots
-        started = [(start_worker(self.cfg, self.bundle, slot), slot, node_of(slot)) for slot in slots]
+        started = [(res.start_worker(slot), slot, node_of(slot)) for slot in slots]
         new = iter([(s.actor, s.slot, s.node) for s in self.spares.take(from_spares)] + started)
         old_ep, old = self.ep, list(zip(self.workers, self.slots, self.nodes))
         grid = [old[p * old_ep + e] if e < old_ep else next(new) for p in range(self.pp) for e in range(ep)]
         self.workers, self.slots, self.nodes = map(list, zip(*grid))
         self.ep, self.home = ep, list(home)
         self._join(timeout_s, restore, t0, "place_and_start_workers")
-
-    def places_held(self) -> int:
-        """Places for more workers this group already holds: ready spares (survivors standing by among them) and
-        slots lost workers left; a grow needs room on the alive nodes only for the rest."""
-        return self.spares_ready() + len(self.spares.free_slots)
 
     def launch(self, timeout_s: float, restore: dict[int, list] | None = None, wait_for_spares: bool = True) -> str:
         """Place, create and connect the workers; restore[stage] = that stage's old states (`restore_sources`). The
@@ -131,18 +89,16 @@ class WorkerGroup:
             par = self.cfg.parallel
             raise TopologyError(f"parallel.pp={par.pp} x ep={self.ep}: {why}; lower pp/ep or add nodes")
         t0 = time.perf_counter()
-        pg = placement_group([dict(self.bundle) for _ in range(self.size)], strategy="PACK",
-                             bundle_label_selector=self.alive_nodes.label_selector(self.size))
-        self.pgs.append(pg)
-        ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
-        if not ready:
+        res = self.resources
+        slots = res.place(self.size, timeout_s)
+        if slots is None:
             self.close()
-            raise TopologyError(f"could not place {self.size} workers ({self.bundle} each) within {timeout_s:g}s: "
+            raise TopologyError(f"could not place {self.size} workers ({res.bundle} each) within {timeout_s:g}s: "
                                 f"resources are busy")
-        self.slots = [(pg, r) for r in range(self.size)]
+        self.slots = slots
         self.nodes = [node_of(slot) for slot in self.slots]
-        self.workers = [start_worker(self.cfg, self.bundle, slot) for slot in self.slots]
-        if self.start_spares() < self.cfg.fault_tolerance.spares:
+        self.workers = [res.start_worker(slot) for slot in self.slots]
+        if res.start_spares() < self.cfg.fault_tolerance.spares:
             log.warning("%d of %d hot spares: the alive nodes have no room for more (tried again at step "
                         "boundaries)", len(self.spares), self.cfg.fault_tolerance.spares)
         backend = self._join(timeout_s, restore, t0, "place_and_start_workers")
@@ -175,24 +131,6 @@ class WorkerGroup:
     def _phase_ended(self, phase: str) -> None:
         if self.on_phase is not None:
             self.on_phase(phase)
-
-    # -- hot spares ----------------------------------------------------------------------------------------------
-    def start_spares(self) -> int:
-        """Start standby workers up to `fault_tolerance.spares`, without waiting for them: in slots lost workers
-        left first, then in one-worker placement groups of their own where the alive nodes have room (a spare is
-        capacity held, never borrowed from the grid). Returns how many were started."""
-        def new_slot() -> tuple:
-            pg = placement_group([dict(self.bundle)], bundle_label_selector=self.alive_nodes.label_selector(1))
-            self.pgs.append(pg)
-            return pg, 0
-
-        return self.spares.start(self.alive_nodes.capacity(free=True),
-                                 lambda slot: start_worker(self.cfg, self.bundle, slot), new_slot)
-
-    def spares_ready(self) -> int:
-        """How many spares are up on alive nodes (not waiting for those still starting); dead ones, those on silent
-        nodes and those that never came up are given up (and new ones started after the step)."""
-        return self.spares.ready(self.alive_nodes.healthy())
 
     def regroup(self, lost: set[int], ep: int, home: list[int], keep: list[int], spare_for: set[int],
                 restore: dict[int, list], timeout_s: float) -> None:
@@ -259,6 +197,4 @@ class WorkerGroup:
         for w in self.workers + self.spares.clear():
             ray.kill(w, no_restart=True)
         self.workers = []
-        for pg in self.pgs:
-            remove_placement_group(pg)
-        self.pgs = []
+        self.resources.release()

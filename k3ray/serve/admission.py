@@ -55,6 +55,6 @@ class Admission:
                 if req.done:
                     return
         finally:  # also when the caller cancels the stream: the request ends and its caches are freed
-            self.sched.cancel(req.id)
-            self.sched.forget(req.id)
+            self.sched.table.cancel(req.id)
+            self.sched.table.forget(req.id)
             self.events.close(req.id)

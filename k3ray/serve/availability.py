@@ -69,9 +69,9 @@ class Availability:
         be prefilled again. No worker lost (`broken` says what failed): relaunches only."""
         t0 = time.perf_counter()
         if lost is None:
-            incident = self.incidents.record("grid_broken", requests=len(self.sched.running), why=broken)
+            incident = self.incidents.record("grid_broken", requests=len(self.sched.table.running), why=broken)
         else:
-            incident = self.incidents.record("worker_lost", requests=len(self.sched.running),
+            incident = self.incidents.record("worker_lost", requests=len(self.sched.table.running),
                                              ranks=sorted(lost.ranks))
         self._go_down(f"recovering from {lost}" if lost is not None else f"relaunching the grid: {broken}")
         progress = self._progress_from_thread()
@@ -155,7 +155,7 @@ class Availability:
         """No grid for serve.unavailable_wait_s, and the recovery past its last phase as long or failed: the requests
         accepted before end with an error, not a hang (new ones wait, then are refused: `unavailable`)."""
         waited = asyncio.get_running_loop().time() - self.down["t0"]
-        self.events.wake(self.sched.fail_all(f"no serving grid for {waited:.1f}s: {self.down['reason']}"))
+        self.events.wake(self.sched.table.fail_all(f"no serving grid for {waited:.1f}s: {self.down['reason']}"))
 
     def health(self) -> dict:
         """{'status': 'ok'}, or 'unavailable' with the reason and since when (the front door's /health: 503)."""

@@ -9,7 +9,8 @@ owns a scheduler and an executor): the scheduler (k3ray.serve.scheduler), the it
 grid -> complete, k3ray.serve.iterations), the availability (every grid call, recoveries, `health`,
 k3ray.serve.availability), the live placement (policies, expert copies, resizes, k3ray.serve.live), the
 requests' admission (k3ray.serve.admission) and their streams (k3ray.serve.streams); they share the incident log
-(k3ray.train.incidents) and the iterations' counters (k3ray.serve.record). The engine's own methods are its Ray API.
+(k3ray.train.incidents) and the iterations' counters (k3ray.serve.record). The engine's own methods are its Ray API,
+with the front doors' batched streams (`submit`, `cancel`, `subscribe`) that only the actor carries.
 
 Requests stream: `generate` is an async generator (a Ray streaming call); its first item says whether the request
 was accepted, then one item per iteration in which it got tokens, the last one with the finish reason. Cancelling
@@ -121,23 +122,6 @@ class Engine:
             async for item in items:
                 yield item
 
-    # -- many requests' streams over one (a front door's): k3ray.serve.streams ------------------------------------
-    async def submit(self, prompt: list[int], params: SamplingParams, subscriber: str, key: int) -> dict:
-        """Start a request whose items (those of `generate`) go to `subscriber`'s batched stream under `key`;
-        returns its first item ({'accepted': id} or an error)."""
-        return await self.subscribers.submit(prompt, params, subscriber, key)
-
-    def cancel(self, subscriber: str, key: int) -> None:
-        """The client of `key` went away: end its request."""
-        self.subscribers.cancel(subscriber, key)
-
-    async def subscribe(self, subscriber: str):
-        """The batched stream of a subscriber: one item per wake-up, {key: [items in order]} of every request it
-        submitted that has news. Ends (and ends those requests) when the subscriber goes away."""
-        async with contextlib.aclosing(self.subscribers.subscribe(subscriber)) as batches:
-            async for batch in batches:
-                yield batch
-
     # -- steering: k3ray.serve.live --------------------------------------------------------------------------------
     def policies(self, name: str | None = None) -> dict:
         """The live policies (changes waiting for the next iteration on top), or {'error', 'status': 404}."""
@@ -204,6 +188,10 @@ class Engine:
 
 @ray.remote
 class ServingEngine(Engine):
+    """The engine as a Ray actor: it loads the checkpoint and launches the grid first, then serves as `Engine` does;
+    and it carries the front doors' streams, many requests' over one per front door (k3ray.serve.streams), the
+    transport between their processes and this one (the Ray-free engine's callers read `generate`)."""
+
     def __init__(self, checkpoint: str, pp: int, ep: int, serve_overrides: dict | None = None,
                  launch_timeout_s: float = 300.0, observers: list | None = None, spares: int = 0):
         t0 = time.perf_counter()
@@ -218,3 +206,19 @@ class ServingEngine(Engine):
                               "hold_weights": t_held - t_read, **phases, "total": time.perf_counter() - t0}
         log.info("serving %s step %d from %s on pp=%d x ep=%d, started in %s", cfg.name, weights.step, weights.path,
                  pp, ep, ", ".join(f"{k} {v:.1f} s" for k, v in self.start_seconds.items()))
+
+    async def submit(self, prompt: list[int], params: SamplingParams, subscriber: str, key: int) -> dict:
+        """Start a request whose items (those of `generate`) go to `subscriber`'s batched stream under `key`;
+        returns its first item ({'accepted': id} or an error)."""
+        return await self.subscribers.submit(prompt, params, subscriber, key)
+
+    def cancel(self, subscriber: str, key: int) -> None:
+        """The client of `key` went away: end its request."""
+        self.subscribers.cancel(subscriber, key)
+
+    async def subscribe(self, subscriber: str):
+        """The batched stream of a subscriber: one item per wake-up, {key: [items in order]} of every request it
+        submitted that has news. Ends (and ends those requests) when the subscriber goes away."""
+        async with contextlib.aclosing(self.subscribers.subscribe(subscriber)) as batches:
+            async for batch in batches:
+                yield batch

@@ -67,7 +67,7 @@ class ServingGrid:
         outs = self.graph.collect(self.group, handle, self.cfg.parallel.collective_timeout_s)
         if self.spares_due:
             self.spares_due = False
-            self.group.start_spares()
+            self.group.resources.start_spares()
         return {e: StageOutput.merge(stages) for e, stages in outs.items()}
 
     def expert_load(self) -> list[dict[int, list[int]]]:
@@ -118,7 +118,7 @@ class ServingGrid:
         incident = {"ranks": sorted(lost.ranks), "why": lost.why, "ep": [old.ep]}
         placement_failed = False
         for attempt in range(1, attempts + 1):
-            spares = old.spares_ready() if self.cfg.fault_tolerance.spares else 0
+            spares = old.resources.spares_ready() if self.cfg.fault_tolerance.spares else 0
             decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, spares=spares)
             # in place unless the grid was lost in its rendezvous: its survivors may wait there for the lost worker
             # (until parallel.collective_timeout_s), and a rebuild around them would wait on them; every EP column
@@ -233,17 +233,6 @@ class ServingGrid:
         self.spares_due = bool(self.cfg.fault_tolerance.spares)
         return {"ep": [before, ep], "action": "resize",
                 "seconds": {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}}
-
-    def top_up_spares(self) -> int:
-        """Start the hot spares the grid lacks (none found room when it was launched, or some died on standby),
-        where the alive nodes have room now. Returns how many were started."""
-        group = self.group
-        if group is None or not self.cfg.fault_tolerance.spares:
-            return 0
-        group.spares_ready()  # drops dead spares, their slots free for new ones
-        if len(group.spares) >= self.cfg.fault_tolerance.spares:
-            return 0
-        return group.start_spares()
 
     def close(self) -> None:
         self.graph.drop()

@@ -68,7 +68,7 @@ class IterationLoop:
             return
         err = task.exception()
         log.error("serving: the iteration loop failed", exc_info=err)
-        changed = self.sched.fail_all(f"the engine loop failed: {type(err).__name__}: {err}")
+        changed = self.sched.table.fail_all(f"the engine loop failed: {type(err).__name__}: {err}")
         self.incidents.record("loop_failed", action="failed every request", requests=len(changed),
                               why=f"{type(err).__name__}: {err}")
         self.events.wake(changed)
@@ -174,7 +174,7 @@ class IterationLoop:
 
     def _iteration_failed(self, err: Exception) -> list:
         log.error("serving iteration failed", exc_info=err)
-        changed = self.sched.fail_all(f"the iteration failed: {type(err).__name__}: {err}")
+        changed = self.sched.table.fail_all(f"the iteration failed: {type(err).__name__}: {err}")
         self.incidents.record("iteration_failed", action="failed every request", requests=len(changed),
                               why=f"{type(err).__name__}: {err}")
         return changed
@@ -229,7 +229,7 @@ class IterationLoop:
         if time.monotonic() - self.spares_checked > SPARES_CHECK_S:
             self.spares_checked = time.monotonic()
             try:
-                await self.availability.call(self.grid.top_up_spares)
+                await self.availability.call(self.grid.group.resources.top_up_spares)
             except Exception:  # noqa: BLE001 - a spare is an optimisation: serving goes on without it
                 log.exception("starting hot spares failed")
 

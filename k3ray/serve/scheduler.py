@@ -39,9 +39,10 @@ running eagerly; a short prompt's first token comes after as many iterations as 
 a chunk would leave (the same recurrence and attention, one position at a time: in float64 the outputs are the
 reference's; in bf16 the rounding differs from a chunk's, as it does between chunks of other sizes).
 
-Interface: `submit`, `cancel`, `schedule` -> SchedulerOutput, `complete(output, answers by rank)`; `step` runs both
-with a synchronous executor (tests, the single-process engine). Sizes come from serve.* (ServeConfig, resolved for
-the device: `ServeConfig.resolved`).
+Interface: `submit`, `schedule` -> SchedulerOutput, `complete(output, answers by rank)`; `step` runs both with a
+synchronous executor (tests, the single-process engine); `reset` after a lost grid. The requests themselves, and
+`cancel`, `forget` and `fail_all`, are in its request table (`Scheduler.table`, k3ray.serve.request_table). Sizes
+come from serve.* (ServeConfig, resolved for the device: `ServeConfig.resolved`).
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ from k3ray.parallel.serving import StageOutput
 from k3ray.policies import guards
 from k3ray.serve.cache_allocator import CacheAllocator
 from k3ray.serve.pacing import IterationPacer, paced_chunk
+from k3ray.serve.request_table import RequestTable
 from k3ray.serve.scheduler_output import RankBatch, Request, SchedulerOutput
 from k3ray.tokenizer import ByteTokenizer, Tokenizer
 
@@ -79,15 +81,11 @@ class Scheduler:
         self.serve, self.max_seq_len, self.dp, self.clock = serve, max_seq_len, dp, clock
         self.guards = guards or GuardPolicy()
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.caches = CacheAllocator(serve, dp)
+        self.table = RequestTable(CacheAllocator(serve, dp))
         target = serve.iteration_target_ms
         self.pacer = IterationPacer(None if target is None else target / 1e3, serve.token_budget, PROMPT_TOKENS_FLOOR)
-        self.waiting: list[Request] = []
-        self.running: dict[int, Request] = {}
-        self.requests: dict[int, Request] = {}  # every request not yet forgotten (`forget`)
         self._ids = itertools.count()
         self.rank_tokens = [0] * dp  # tokens each rank has run (prefill and decode), since the start
-        self.preemptions = 0
 
     # -- requests ------------------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams) -> Request:
@@ -97,81 +95,30 @@ class Scheduler:
         if len(prompt) >= self.max_seq_len:
             raise ValueError(f"prompt: {len(prompt)} tokens leave no room to generate in the context of "
                              f"{self.max_seq_len} tokens")
-        if self.caches.pages(min(len(prompt) + params.max_tokens, self.max_seq_len)) > s.pages_per_rank:
+        table = self.table
+        if table.caches.pages(min(len(prompt) + params.max_tokens, self.max_seq_len)) > s.pages_per_rank:
             raise ValueError(f"max_tokens: prompt + max_tokens needs more KV pages than a rank has "
                              f"({s.pages_per_rank})")
-        free_slots = self.caches.free_slots()  # admitted at the next iteration: not queued
-        if len(self.waiting) >= s.max_waiting + free_slots:
-            raise Overloaded(f"{len(self.waiting) - free_slots} requests waiting (limit {s.max_waiting})")
+        free_slots = table.caches.free_slots()  # admitted at the next iteration: not queued
+        if len(table.waiting) >= s.max_waiting + free_slots:
+            raise Overloaded(f"{len(table.waiting) - free_slots} requests waiting (limit {s.max_waiting})")
         req = Request(next(self._ids), list(prompt), params, self.clock(), seed=params.resolved_seed(),
                       detok=self.tokenizer.detokenizer(params.stop))
-        self.waiting.append(req)
-        self.requests[req.id] = req
+        table.add(req)
         return req
-
-    def cancel(self, rid: int) -> None:
-        req = self.requests.get(rid)
-        if req is None or req.done:
-            return
-        req.finish = "cancelled"
-        if req in self.waiting:
-            self.waiting.remove(req)
-        elif req.in_flight == 0:  # else its caches are freed when the last iteration it is in completes
-            self._release(req)
-
-    def fail_all(self, message: str) -> list[Request]:
-        """End every request with finish 'error' (an iteration failed: the caches may be inconsistent)."""
-        failed = list(self.waiting) + [r for r in self.running.values() if not r.done]
-        for req in failed:
-            req.finish, req.error = "error", message
-        for req in list(self.running.values()):  # also those that ended while an iteration held their caches
-            self._release(req)
-        self.caches.free_all_held()
-        self.waiting = []
-        return failed
 
     def reset(self, dp: int) -> list[Request]:
         """The workers' caches are gone (a new grid of `dp` data-parallel ranks): every unfinished admitted request
         goes back to the head of the queue, in arrival order, to be prefilled again from its prompt and the tokens
         generated so far; its output so far stands. Returns the requeued requests."""
-        requeued = sorted((r for r in self.running.values() if not r.done), key=lambda r: r.arrival)
-        for req in requeued:
-            self._forget_caches(req)  # the iterations in flight are void
         self.dp = dp
-        self.caches = CacheAllocator(self.serve, dp)
         self.rank_tokens = (self.rank_tokens + [0] * dp)[:dp]
-        self.running = {}
-        self.waiting = requeued + [r for r in self.waiting if r not in requeued]
-        self.waiting.sort(key=lambda r: r.arrival)
-        return requeued
-
-    def forget(self, rid: int) -> None:
-        self.requests.pop(rid, None)
-
-    @staticmethod
-    def _forget_caches(req: Request) -> None:
-        req.rank, req.pages, req.slot = -1, [], -1
-        req.cached = req.planned = req.unconfirmed = req.in_flight = 0
-
-    def _release(self, req: Request) -> None:
-        self.caches.release(req)
-        self.running.pop(req.id, None)
-
-    def _preempt(self, req: Request) -> None:
-        """Give `req`'s pages and slot back (once no iteration in flight holds them) and requeue it, in arrival
-        order, to be prefilled again from its prompt and confirmed output."""
-        self.caches.give_back(req)
-        self.running.pop(req.id, None)
-        self._forget_caches(req)
-        req.epoch += 1
-        self.preemptions += 1
-        self.waiting.append(req)
-        self.waiting.sort(key=lambda r: r.arrival)
+        return self.table.requeue_all(CacheAllocator(self.serve, dp))
 
     # -- iterations ----------------------------------------------------------------------------------------------
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.table.waiting or self.table.running)
 
     def schedule(self) -> SchedulerOutput:
         """This iteration: every decode row, then prompt chunks oldest first, then new requests, while each rank's
@@ -205,10 +152,11 @@ class Scheduler:
             if req.planned == req.length + req.unconfirmed:  # the row reaches the end: it samples the next token
                 req.unconfirmed += 1
 
-        running = sorted((r for r in self.running.values() if self._may_continue(r)),
+        table = self.table
+        running = sorted((r for r in table.running.values() if self._may_continue(r)),
                          key=lambda r: (r.to_run > 1, r.arrival))
         for req in running:  # decoding first (one token each), then prompt chunks
-            if req.id not in self.running:  # preempted for an older request in this iteration
+            if req.id not in table.running:  # preempted for an older request in this iteration
                 continue
             n = min(req.to_run, budget[req.rank])
             if n > 1 and self._stepwise(req):
@@ -218,14 +166,12 @@ class Scheduler:
             n = self._grow(req, n, scheduled, out) if n > 0 else 0
             if n > 0:
                 add(req, n)
-        while self.waiting:
-            req = self.waiting[0]
+        while table.waiting:
+            req = table.waiting[0]
             n, rank = self._admit_rank(req, budget, prompt_budget)
             if rank is None:
                 break
-            self.waiting.pop(0)
-            self.caches.admit(req, rank, n)
-            self.running[req.id] = req
+            table.seat(req, rank, n)
             p = req.params
             out.ranks[rank].plan.admit.append(SeqAdmit(req.slot, list(req.pages), p.temperature, p.top_p, req.seed))
             add(req, n)
@@ -237,27 +183,28 @@ class Scheduler:
         """Pages for `req`'s next n positions, preempting newer requests of its rank not scheduled yet where the
         free pages run short. Returns how many of the n positions got pages (a prompt chunk may be cut; 0: the row
         waits, or `req` itself was preempted)."""
-        pool, P = self.caches.ranks[req.rank], self.serve.page_size
+        table = self.table
+        pool, P = table.caches.ranks[req.rank], self.serve.page_size
 
         def short() -> int:
-            return self.caches.pages(req.planned + n) - len(req.pages) - len(pool.free_pages)
+            return table.caches.pages(req.planned + n) - len(req.pages) - len(pool.free_pages)
 
         while short() > pool.held_pages:
-            newer = [r for r in self.running.values() if r.rank == req.rank and not r.done and r.id not in scheduled
+            newer = [r for r in table.on_rank(req.rank) if not r.done and r.id not in scheduled
                      and r.arrival > req.arrival and r is not req]
             if not newer:
                 break
             victim = max(newer, key=lambda r: r.arrival)
-            self._preempt(victim)
+            table.preempt(victim)
             out.preempted.append(victim.id)
         if short() > 0:
             fit = (len(req.pages) + len(pool.free_pages)) * P - req.planned
             if fit < 1 and req.to_run == 1 and not pool.held_pages:  # decoding, and no page will come back
-                self._preempt(req)
+                table.preempt(req)
                 out.preempted.append(req.id)
                 return 0
             n = max(0, min(n, fit))
-        need = self.caches.pages(req.planned + n) - len(req.pages)
+        need = table.caches.pages(req.planned + n) - len(req.pages)
         if n and need > 0:
             new = pool.take_pages(need)
             out.ranks[req.rank].plan.grow.append(SeqPages(req.slot, len(req.pages), new))
@@ -278,14 +225,14 @@ class Scheduler:
         """(first chunk, rank) for a waiting request: the rank with the most free pages among those with a free slot,
         budget left and pages for the chunk beside one in reserve per running request; (0, None) if none."""
         best = None
-        ranks = self.caches.ranks
-        for rank, pool in enumerate(ranks):
+        caches = self.table.caches
+        for rank, pool in enumerate(caches.ranks):
             n = 1 if self._stepwise(req) else min(req.length, budget[rank])  # a requeued request re-prefills its output
             if n > 1:
                 n = paced_chunk(n, prompt_budget[rank])
-            reserve = sum(1 for r in self.running.values() if r.rank == rank)
-            if (n > 0 and pool.free_slots and len(pool.free_pages) >= self.caches.pages(n) + reserve
-                    and (best is None or len(pool.free_pages) > len(ranks[best[1]].free_pages))):
+            reserve = len(self.table.on_rank(rank))
+            if (n > 0 and pool.free_slots and len(pool.free_pages) >= caches.pages(n) + reserve
+                    and (best is None or len(pool.free_pages) > len(caches.ranks[best[1]].free_pages))):
                 best = (n, rank)
         return best or (0, None)
 
@@ -304,13 +251,13 @@ class Scheduler:
             trips = guards.check_sequences(out.maxabs, self.guards)
             for row, (n, req, epoch) in enumerate(zip(plan.counts, batch.requests, batch.epochs)):
                 if epoch != req.epoch:  # preempted after this was scheduled: its caches return once none holds them
-                    self.caches.row_done(req.id, epoch)
+                    self.table.caches.row_done(req.id, epoch)
                     continue
                 req.cached += n
                 req.in_flight -= 1
                 if req.done:  # cancelled while in flight, or ended by the iteration before (its token dropped)
                     if req.in_flight == 0:
-                        self._release(req)
+                        self.table.release(req)
                         if req.finish == "cancelled":
                             changed.append(req)
                     continue
@@ -320,7 +267,7 @@ class Scheduler:
                     req.error = (f"stopped: this request's activations blew up ({trip.rule} {trip.detail}: "
                                  f"{trip.value:g}); other requests are unaffected")
                     if req.in_flight == 0:
-                        self._release(req)
+                        self.table.release(req)
                     changed.append(req)
                     continue
                 if req.cached < req.length:
@@ -334,7 +281,7 @@ class Scheduler:
                 if req.done:
                     req.text += req.detok.push([], final=True)
                     if req.in_flight == 0:
-                        self._release(req)
+                        self.table.release(req)
                 changed.append(req)
         return changed
 
@@ -345,5 +292,6 @@ class Scheduler:
 
     # -- what it holds -------------------------------------------------------------------------------------------
     def usage(self) -> dict:
-        return {"waiting": len(self.waiting), "running": len(self.running), **self.caches.usage(),
-                "tokens_per_rank": list(self.rank_tokens), "preemptions": self.preemptions}
+        table = self.table
+        return {"waiting": len(table.waiting), "running": len(table.running), **table.caches.usage(),
+                "tokens_per_rank": list(self.rank_tokens), "preemptions": table.preemptions}

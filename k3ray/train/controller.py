@@ -11,11 +11,14 @@
     incidents    the incident log (k3ray.train.incidents)
     recovery     carries out the failure policies' decisions: rollback, lost workers (k3ray.train.failures)
     scaling      carries out the resize policy's decisions: `k3ray scale`, grow-back (k3ray.train.scaling)
+    boundary     what happens between steps and at the end: policies, scaling, snapshot, checkpoint
+                 (k3ray.train.boundary)
 
-One step reads `train_step`: the boundary (`_boundary`: policies, scaling, snapshot, checkpoint), the step on the
-grid (`grid.run`), the guards, and on a trip or a lost worker the recovery part. Each part is handed the parts it
-acts on when it is made, never the controller. Decisions come from k3ray.policies (guards, the failure ladder,
-shrink-or-restart, resize, re-homing); the controller and its parts carry them out.
+One step reads `train_step`: the boundary (`boundary.before`), the step on the grid (`grid.run`), the guards, and
+on a trip or a lost worker the recovery part. The job's state is `machine.state`, its history `machine.history`.
+Each part is handed the parts it acts on when it is made, never the controller. Decisions come from
+k3ray.policies (guards, the failure ladder, shrink-or-restart, resize, re-homing); the controller and its parts
+carry them out.
 `Controller` is plain Python: its tests give it a fake worker group; `ControllerActor` is the same class as a Ray
 actor, which is how jobs run it.
 """
@@ -29,6 +32,7 @@ import time
 import ray
 
 from k3ray.config import JobConfig
+from k3ray.train.boundary import StepBoundary
 from k3ray.train.callbacks import Callback, ConsoleWarnings, notify
 from k3ray.train.checkpointing import DurableCheckpoints
 from k3ray.train.drills import FaultInjector
@@ -87,14 +91,8 @@ class Controller:
                  self.incidents)
         self.scaling = Scaling(*parts)
         self.recovery = Recovery(*parts, self.scaling)
-
-    @property
-    def state(self) -> JobState:
-        return self.machine.state
-
-    @property
-    def transitions(self) -> list[tuple[float, str, str]]:
-        return self.machine.history
+        self.boundary = StepBoundary(cfg, self.progress, self.grid, self.table, self.policies, self.drills,
+                                     self.scaling, self.snapshots, self.checkpoints, self.recovery)
 
     # -- topology ------------------------------------------------------------------------------------------------
     @holding_the_grid
@@ -141,7 +139,7 @@ class Controller:
             try:
                 if at_boundary:
                     try:
-                        self._boundary(step)
+                        self.boundary.before(step)
                     except CheckpointError:  # checkpoint.max_failures_in_a_row writes failed: the job stops
                         self.machine.to(JobState.ERRORED, "checkpoint writes keep failing")
                         raise
@@ -171,7 +169,7 @@ class Controller:
         if len(grid.group.spares) < self.cfg.fault_tolerance.spares:
             # spares that replaced lost workers (or found no room before): started once the step is done, so that
             # they do not slow the recovery they are started after
-            grid.group.start_spares()
+            grid.group.resources.start_spares()
         try:
             self.snapshots.commit(grid.group, wait=False)
             self.table.rebalance_on_schedule(grid.group, progress.step, self.incidents)
@@ -180,18 +178,6 @@ class Controller:
         notify(self.callbacks, "on_step", self, report, time.perf_counter() - t0)
         warnings = self.warnings.new()
         return {**report, "warnings": warnings} if warnings else report
-
-    def _boundary(self, step: int) -> None:
-        """What happens between steps: queued policy changes, a resize asked for or growing back, the snapshot and
-        checkpoint due."""
-        self.drills.kill_at(self.grid.group, step, "boundary")
-        if self.policies.take_pending(step):
-            self.grid.push_policies()
-        self.scaling.at_boundary(step)
-        if self.snapshots.due(step, self.cfg.fault_tolerance.snapshot_every):
-            self.snapshots.take(self.grid.group, step, self.progress.guard_state)
-        meta = functools.partial(self.progress.checkpoint_meta, step, self.cfg, self.table)
-        self.checkpoints.boundary(self.grid.group, step, meta)
 
     # -- policies and placement ----------------------------------------------------------------------------------
     def get_policies(self, name: str | None = None) -> dict:
@@ -222,14 +208,14 @@ class Controller:
     # -- views ---------------------------------------------------------------------------------------------------
     def status(self) -> dict:
         par, progress, group = self.cfg.parallel, self.progress, self.grid.group
-        out = {"name": self.cfg.name, "state": self.state.value, "step": progress.step, "pp": par.pp,
+        out = {"name": self.cfg.name, "state": self.machine.state.value, "step": progress.step, "pp": par.pp,
                "ep": self.table.ep, "ep_configured": par.ep, "ep_target": self.scaling.target_ep,
                "workers": par.pp * self.table.ep, "device": par.device,
                "spares": 0 if group is None else len(group.spares),
                "skipped_batches": sorted(progress.skip), "lr_scale": progress.lr_scale,
                "loss": None if progress.last_report is None else progress.last_report["loss"],
                "api_url": None, "tokens_per_s": None, "snapshots": self.snapshots.summary(),
-               "transitions": [{"time": t, "state": s, "why": w} for t, s, w in self.transitions]}
+               "transitions": [{"time": t, "state": s, "why": w} for t, s, w in self.machine.history]}
         for callback in self.callbacks:
             out.update(callback.status())
         return out
@@ -242,11 +228,6 @@ class Controller:
 
     def list_checkpoints(self) -> list[dict]:
         return list(self.checkpoints.committed)
-
-    @holding_the_grid
-    def worker_states(self) -> list[dict]:
-        """Every worker's current state (for inspection and tests)."""
-        return self.grid.group.call("state")
 
     @holding_the_grid
     def evaluate(self) -> float:
@@ -267,14 +248,9 @@ class Controller:
         is recovered from once and the checkpoint written by the new grid), stop the workers. Never raises for a
         checkpoint: the job may be stopping because of an error, which a second one must not mask."""
         step = self.progress.step
-        meta = functools.partial(self.progress.checkpoint_meta, step, self.cfg, self.table)
         try:
-            if self.grid.group is not None and self.state == JobState.RUNNING and step > 0:
-                try:
-                    self.checkpoints.at_end(self.grid.group, step, meta)
-                except WorkerLost as lost:
-                    self.recovery.recover(step, lost, detected_after=0.0)
-                    self.checkpoints.at_end(self.grid.group, step, meta)
+            if self.grid.group is not None and self.machine.state == JobState.RUNNING and step > 0:
+                self.boundary.at_end(step)
         except (CheckpointError, WorkerLost) as err:
             log.warning("no final checkpoint: %s", err)
         finally:

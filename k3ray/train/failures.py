@@ -162,7 +162,7 @@ class Recovery:
         old.avoid_nodes = old.alive_nodes.avoid_nodes = frozenset(self.grid.avoid_nodes)  # no spare on them either
         t_gathered = time.perf_counter()
         load = self.table.expert_load(self.progress.last_report)
-        spares = old.spares_ready() if ft.spares else 0
+        spares = old.resources.spares_ready() if ft.spares else 0
         nodes_lost = recovery.on_lost_nodes(old.nodes, lost.ranks, old.alive_nodes.healthy())
         decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, spares=spares,
                                             nodes_lost=nodes_lost)
