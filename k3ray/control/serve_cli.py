@@ -16,6 +16,7 @@ DOOR_CHECK_S = 5.0  # how often `k3ray serve` looks for front doors that died
 
 def cmd_serve(args) -> int:
     """Serve a checkpoint until Ctrl-C (or SIGTERM)."""
+    t0 = time.perf_counter()
     from k3ray.control.driver import init_ray
     from k3ray.serve.app import check_exposure, start_serving, stop_serving
     from k3ray.serve.metrics import ServeMetrics
@@ -37,11 +38,17 @@ def cmd_serve(args) -> int:
                           f"checkpoint.every_n_steps, or run `k3ray checkpoint` on a running job)")
     if newest is not None:  # the job's tokenizer is still where it was
         load_tokenizer(newest.meta["config"]["data"].get("tokenizer", "bytes"))
+    t_checked = time.perf_counter()
     init_ray(args.address, args.pp * args.ep + args.spares)
+    t_ray = time.perf_counter()
     serving = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.front_doors,
                             observers=[ServeMetrics(args.name)], spares=args.spares, api_key=api_key,
                             insecure=args.insecure)
-    print(json.dumps({"serving": serving.info["model"], "step": serving.info["step"], "url": f"{serving.url}/v1"}),
+    started = {"imports_and_checks": t_checked - t0, "ray_start": t_ray - t_checked, **serving.start_seconds,
+               "total": time.perf_counter() - t0}
+    print(json.dumps({"serving": serving.info["model"], "step": serving.info["step"], "url": f"{serving.url}/v1",
+                      "started": {k: round(v, 3) for k, v in started.items()},
+                      "engine_started": {k: round(v, 3) for k, v in serving.info["start_seconds"].items()}}),
           flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a service manager's stop: as Ctrl-C
     try:

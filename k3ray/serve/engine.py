@@ -98,11 +98,14 @@ class Engine:
                                   self.counts, self.incidents, self.events, observers or [], overlap(cfg))
         self.admission = Admission(sc, self.sched, self.availability, self.loop, self.events)
         self.subscribers = Subscribers(self.admission.stream)
+        self.start_seconds: dict[str, float] = {}  # the ServingEngine's start in phases
 
     def ready(self) -> dict:
+        """What the front doors and `k3ray serve` need: the model, its grid and limits, and the engine's start in
+        phases (seconds; empty for an engine handed a launched grid)."""
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
                 "max_seq_len": self.cfg.model.max_seq_len, "serve": self.cfg.serve.model_dump(),
-                "tokenizer": self.cfg.data.tokenizer}
+                "tokenizer": self.cfg.data.tokenizer, "start_seconds": dict(self.start_seconds)}
 
     def stats(self) -> dict:
         c = self.counts
