@@ -48,7 +48,7 @@ class ServingGrid:
         default) with empty cache pools, and its hot spares; progress(phase) as each phase of the launch ends.
         Returns the launch's phases in seconds."""
         home = recovery.grow(self.cfg.model.n_experts, ep).tolist() if home is None else home
-        self.group = WorkerGroup(self.cfg, ep, home)
+        self.group = WorkerGroup(self.cfg, ep, home, groups_alone=False)
         self.group.on_phase = progress
         return self.launcher.start(self.group, wait_for_spares)
 
@@ -201,7 +201,7 @@ class ServingGrid:
         if not self.group.alive_nodes.room_for(self.pp * ep):
             return None
         t0 = time.perf_counter()
-        group = WorkerGroup(self.cfg, ep, recovery.grow(experts, ep).tolist())
+        group = WorkerGroup(self.cfg, ep, recovery.grow(experts, ep).tolist(), groups_alone=False)
         try:
             phases = self.launcher.start(group, wait_for_spares=False)
         except BaseException:
