@@ -30,14 +30,15 @@ def cmd_serve(args) -> int:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     overrides = {k.removeprefix("serve."): v for k, v in parse_assignments(args.set, "serve.max_waiting=32").items()}
-    newest = None if is_hf_folder(args.checkpoint) else ckpt.latest_verified(args.checkpoint)
+    # the newest committed step's job (its parts are verified by the engine, while it reads them)
+    newest = None if is_hf_folder(args.checkpoint) else ckpt.owner(args.checkpoint)
     if is_hf_folder(args.checkpoint):  # a release folder: checked whole here, before any actor starts
         hf_cli.check_release(args.checkpoint)
     elif newest is None:  # here, before any actor starts: a readable error
         raise ConfigError(f"--checkpoint {args.checkpoint}: no verified checkpoint there (train with "
                           f"checkpoint.every_n_steps, or run `k3ray checkpoint` on a running job)")
     if newest is not None:  # the job's tokenizer is still where it was
-        load_tokenizer(newest.meta["config"]["data"].get("tokenizer", "bytes"))
+        load_tokenizer(newest["config"]["data"].get("tokenizer", "bytes"))
     t_checked = time.perf_counter()
     init_ray(args.address, args.pp * args.ep + args.spares)
     t_ray = time.perf_counter()

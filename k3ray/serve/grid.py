@@ -30,9 +30,11 @@ log = logging.getLogger("k3ray.serve")
 
 
 class ServingGrid:
-    def __init__(self, cfg: JobConfig, weights_state: dict, launch_timeout_s: float = 300.0):
+    def __init__(self, cfg: JobConfig, weights, launch_timeout_s: float = 300.0):
+        """weights: the packed weights in the object store (k3ray.serve.launch.hold_weights), perhaps still being
+        read: a launch's workers start meanwhile."""
         self.cfg, self.pp = cfg, cfg.parallel.pp  # cfg.serve resolved for the device
-        self.launcher = GridLauncher(cfg, weights_state, launch_timeout_s)
+        self.launcher = GridLauncher(cfg, weights, launch_timeout_s)
         self.load = torch.ones(cfg.model.n_experts, dtype=torch.float64)
         self.group: WorkerGroup | None = None
         self.graph = ServingGraph()  # the iteration as a compiled graph of the group's workers
