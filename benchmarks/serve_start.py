@@ -1,7 +1,8 @@
 """`k3ray serve`'s start, from outside: the command started as a user starts it, its time to `/health` answering 200
 and to the first answered request (one completion of `--max-tokens` tokens), with the start's phases: the command's
 own (imports, Ray's start, the engine actor, the front doors: its `started` line) and the engine's
-(`start_seconds`), both from the line it prints once serving. Prints one table row per run, then the median of each phase.
+(`start_seconds`), both from the line it prints once serving. Prints one table row per run, then the median of
+each phase.
 
     python benchmarks/serve_start.py --checkpoint CKPT [--runs 3] [--set serve.KEY=VALUE ...]
     python benchmarks/serve_start.py --config configs/gpu2.yaml --set model.n_layers=4   # seeded weights first
@@ -40,7 +41,7 @@ def seeded(config: str, sets: list[str], out: str) -> None:
     subprocess.run(cmd + [a for s in sets for a in ("--set", s)], check=True, stdout=subprocess.DEVNULL)
 
 
-def one_start(checkpoint: str, sets: list[str], max_tokens: int, timeout_s: float) -> dict:
+def one_start(checkpoint: str, sets: list[str], max_tokens: int, timeout_s: float, show_output: bool) -> dict:
     """Start `k3ray serve`, wait for /health then one answer; the seconds of each from the command's start, and its
     phases."""
     port = free_port()
@@ -85,7 +86,7 @@ def one_start(checkpoint: str, sets: list[str], max_tokens: int, timeout_s: floa
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-    if os.environ.get("SERVE_START_LINES"):
+    if show_output:
         for t, line in lines:
             print(f"  {t:7.2f} {line}")
     return out
@@ -120,6 +121,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds one start may take")
+    ap.add_argument("--show-output", action="store_true", help="print the command's output, each line's time first")
     args = ap.parse_args()
     serve_sets = [s for s in args.set if s.startswith("serve.")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -129,7 +131,7 @@ def main() -> None:
             seeded(args.config, [s for s in args.set if not s.startswith("serve.")], checkpoint)
         runs = []
         for i in range(args.runs):
-            runs.append(one_start(checkpoint, serve_sets, args.max_tokens, args.timeout))
+            runs.append(one_start(checkpoint, serve_sets, args.max_tokens, args.timeout, args.show_output))
             print(f"run {i + 1}: /health {runs[-1]['health']:.2f} s, first answer {runs[-1]['first_answer']:.2f} s",
                   flush=True)
     table(runs)
