@@ -25,5 +25,5 @@ from k3ray.io.checkpoint.read import (latest_verified, list_committed, load_part
 from k3ray.io.checkpoint.write import AsyncWriter, commit, write_part
 
 __all__ = ["CheckpointError", "PartInfo", "Manifest", "AsyncWriter", "write_part", "commit", "list_committed",
-           "verify", "read_manifest", "latest_verified", "scan", "move_aside", "load_part", "step_dir", "shape_mismatches",
-           "FORMAT_VERSION", "part_name", "model_hash", "owner"]
+           "verify", "read_manifest", "latest_verified", "scan", "move_aside", "load_part", "step_dir",
+           "shape_mismatches", "FORMAT_VERSION", "part_name", "model_hash", "owner"]
