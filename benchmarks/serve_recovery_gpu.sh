@@ -5,7 +5,8 @@
 # `serve_faults.py` (pp1 x ep1, the one worker SIGKILLed mid-stream, every stream checked against its undisturbed
 # tokens; the engine's start and the recovery in phases); `serve_load.py` with real prompt lengths (200-1,200 tokens,
 # max_tokens 32-256) at concurrency 1 / 16 / 64; `prefill_gpu.py` (no Ray) at concurrency 64 with
-# serve.iteration_target_ms=20 and the profiled mixed iteration; `serve_load.py` short prompts at concurrency 64. Carry .carry/ray and .carry/kcache.
+# serve.iteration_target_ms=20 and the profiled mixed iteration; `serve_load.py` short prompts at concurrency 64.
+# Carry .carry/ray and .carry/kcache.
 #   bash benchmarks/serve_recovery_gpu.sh      (STAGES, and T_<STAGE> limits in s)
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/site /root/kcache
