@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Serving on one GPU machine with the defaults a user gets (device tool), logs in $OUT, stages in order of importance,
-# each under its own timeout: the seeded gpu2 weights at 4 layers (`k3ray init`); `serve_faults.py` (pp1 x ep1,
-# the one worker SIGKILLed mid-stream, every stream checked against its undisturbed tokens; the engine's start and
-# the recovery in phases); `serve_load.py` with real prompt lengths (200-1,200 tokens, max_tokens 32-256) at
-# concurrency 1 / 16 / 64; `prefill_gpu.py` (no Ray) at concurrency 64 with serve.iteration_target_ms=20 and the
-# profiled mixed iteration; `serve_load.py` short prompts at concurrency 64. Carry .carry/ray and .carry/kcache.
+# each under its own timeout: the seeded gpu2 weights at 4 layers (`k3ray init`); `serve_start.py` (`k3ray serve`
+# started twice as a user starts it: seconds to /health and to the first answer, the start in phases);
+# `serve_faults.py` (pp1 x ep1, the one worker SIGKILLed mid-stream, every stream checked against its undisturbed
+# tokens; the engine's start and the recovery in phases); `serve_load.py` with real prompt lengths (200-1,200 tokens,
+# max_tokens 32-256) at concurrency 1 / 16 / 64; `prefill_gpu.py` (no Ray) at concurrency 64 with
+# serve.iteration_target_ms=20 and the profiled mixed iteration; `serve_load.py` short prompts at concurrency 64.
+# Carry .carry/ray and .carry/kcache.
 #   bash benchmarks/serve_recovery_gpu.sh      (STAGES, and T_<STAGE> limits in s)
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/site /root/kcache
@@ -20,10 +22,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 stage() { local name=$1 limit=$2; shift 2; local t0=$SECONDS; timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1; \
   echo "$name rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/gpu.txt"; }
 LOAD=(python3 benchmarks/serve_load.py --checkpoint /root/w4 --front-doors 4 --client-procs 8)
-for s in ${STAGES:-init faults real prefill short}; do
+for s in ${STAGES:-init start faults real prefill short}; do
   case $s in
     init) stage init "${T_INIT:-100}" python3 -m k3ray.control.cli init --config configs/gpu2.yaml \
             --set model.n_layers=4 --out /root/w4 ;;
+    start) stage start "${T_START:-300}" python3 benchmarks/serve_start.py --checkpoint /root/w4 --runs 2 ;;
     faults) stage faults "${T_FAULTS:-170}" python3 benchmarks/serve_faults.py --checkpoint /root/w4 --pp 1 --ep 1 \
               --kill 0 --drills "${DRILLS:-1}" --concurrency 12 --max-tokens 256 --server-defaults ;;
     real) stage real "${T_REAL:-170}" "${LOAD[@]}" --concurrency 1 16 64 --prompt-tokens 200:1200 --max-tokens 32:256 ;;

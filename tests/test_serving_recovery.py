@@ -305,7 +305,7 @@ class FakeGroup:
     launched: list[int] = []
     lose_in_assume = 1
 
-    def __init__(self, cfg, ep, home, avoid_nodes=frozenset()):
+    def __init__(self, cfg, ep, home, avoid_nodes=frozenset(), groups_alone=True):
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
         self.launch_seconds, self.spares, self.generation = {}, [], 1
         self.alive_nodes = self.resources = self  # the group's parts: this fake plays them itself

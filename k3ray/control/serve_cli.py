@@ -16,6 +16,7 @@ DOOR_CHECK_S = 5.0  # how often `k3ray serve` looks for front doors that died
 
 def cmd_serve(args) -> int:
     """Serve a checkpoint until Ctrl-C (or SIGTERM)."""
+    t0 = time.perf_counter()
     from k3ray.control.driver import init_ray
     from k3ray.serve.app import check_exposure, start_serving, stop_serving
     from k3ray.serve.metrics import ServeMetrics
@@ -29,19 +30,26 @@ def cmd_serve(args) -> int:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     overrides = {k.removeprefix("serve."): v for k, v in parse_assignments(args.set, "serve.max_waiting=32").items()}
-    newest = None if is_hf_folder(args.checkpoint) else ckpt.latest_verified(args.checkpoint)
+    # the newest committed step's job (its parts are verified by the engine, while it reads them)
+    newest = None if is_hf_folder(args.checkpoint) else ckpt.owner(args.checkpoint)
     if is_hf_folder(args.checkpoint):  # a release folder: checked whole here, before any actor starts
         hf_cli.check_release(args.checkpoint)
     elif newest is None:  # here, before any actor starts: a readable error
         raise ConfigError(f"--checkpoint {args.checkpoint}: no verified checkpoint there (train with "
                           f"checkpoint.every_n_steps, or run `k3ray checkpoint` on a running job)")
     if newest is not None:  # the job's tokenizer is still where it was
-        load_tokenizer(newest.meta["config"]["data"].get("tokenizer", "bytes"))
+        load_tokenizer(newest["config"]["data"].get("tokenizer", "bytes"))
+    t_checked = time.perf_counter()
     init_ray(args.address, args.pp * args.ep + args.spares)
+    t_ray = time.perf_counter()
     serving = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.front_doors,
                             observers=[ServeMetrics(args.name)], spares=args.spares, api_key=api_key,
                             insecure=args.insecure)
-    print(json.dumps({"serving": serving.info["model"], "step": serving.info["step"], "url": f"{serving.url}/v1"}),
+    started = {"imports_and_checks": t_checked - t0, "ray_start": t_ray - t_checked, **serving.start_seconds,
+               "total": time.perf_counter() - t0}
+    print(json.dumps({"serving": serving.info["model"], "step": serving.info["step"], "url": f"{serving.url}/v1",
+                      "started": {k: round(v, 3) for k, v in started.items()},
+                      "engine_started": {k: round(v, 3) for k, v in serving.info["start_seconds"].items()}}),
           flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a service manager's stop: as Ctrl-C
     try:

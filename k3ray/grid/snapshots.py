@@ -13,9 +13,11 @@ pending snapshots (`Snapshots`).
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +28,7 @@ from torch.utils._pytree import tree_map_only
 
 ALIGN = 64  # bytes; every tensor starts aligned, so dtype views of a chunk are legal
 CHUNK_BYTES = 1 << 30  # a snapshot streams in chunks of about this size (a tensor larger than it is a chunk alone)
+PACK_THREADS = min(8, os.cpu_count() or 1)
 SPILL_AT = 0.8  # Ray's object_spilling_threshold: past this share of a store, its objects spill to disk
 log = logging.getLogger("k3ray.snapshots")
 
@@ -82,14 +85,16 @@ def view(chunk: torch.Tensor, slot: TensorSlot, base: int = 0) -> torch.Tensor:
     return chunk[base + slot.offset:base + slot.offset + n].view(dtype).view(slot.shape)
 
 
-def pack(state: Any) -> Packed:
+def pack(state: Any, threads: int = PACK_THREADS) -> Packed:
     """A nested state of host tensors as one byte chunk: Ray writes it into the object store in one copy and any
-    worker reads it back without one (a dict of tensors is pickled tensor by tensor instead, both ways)."""
+    worker reads it back without one (a dict of tensors is pickled tensor by tensor instead, both ways). The tensors
+    are copied by `threads` threads (a copy releases the GIL: the new chunk's page faults and, for memory-mapped
+    tensors, the file's pages come in parallel)."""
     tree, tensors, sizes = layout(state)
     data = np.empty(sizes[0], dtype=np.uint8)
     buf = torch.from_numpy(data)
-    for x, slot in tensors:
-        view(buf, slot).copy_(x)
+    with ThreadPoolExecutor(max(1, min(threads, len(tensors)))) as pool:
+        list(pool.map(lambda item: view(buf, item[1]).copy_(item[0]), tensors))
     return Packed(tree, [data])
 
 

@@ -37,9 +37,13 @@ _generations = itertools.count(1)
 
 
 class WorkerGroup:
-    def __init__(self, cfg: JobConfig, ep: int, home: list[int], avoid_nodes: frozenset[str] = frozenset()):
-        """avoid_nodes: nodes found silent, which Ray may still report alive: neither counted nor placed on."""
+    def __init__(self, cfg: JobConfig, ep: int, home: list[int], avoid_nodes: frozenset[str] = frozenset(),
+                 groups_alone: bool = True):
+        """avoid_nodes: nodes found silent, which Ray may still report alive: neither counted nor placed on.
+        groups_alone=False: a grid of one worker builds no process groups (serving: its one worker runs no
+        collective), where training's reductions name them even alone."""
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
+        self.groups_alone = groups_alone
         self.avoid_nodes = frozenset(avoid_nodes)
         bundle = {"CPU": 1} if cfg.parallel.device == "cpu" else {"CPU": 1, "GPU": 1}
         self.alive_nodes = AliveNodes(bundle, self.avoid_nodes)  # what the alive nodes hold, in workers
@@ -112,14 +116,19 @@ class WorkerGroup:
         self.generation = next(_generations)  # calls queued for the grid before this one are refused from now on
         self.call_each("assume", {r: (r // self.ep, r % self.ep, self.home, self.ep, restore is None)
                                   for r in range(self.size)}, timeout_s)
-        ip, port = self.call_each("rendezvous_address", {0: ()}, timeout_s)[0]
-        t1 = time.perf_counter()
-        self._phase_ended(first_phase)
-        if ip == ray.util.get_node_ip_address() and len([n for n in ray.nodes() if n["Alive"]]) == 1:
-            ip = "127.0.0.1"
         par = self.cfg.parallel
         backend = par.backend if par.backend != "auto" else ("nccl" if par.device == "cuda" else "gloo")
-        self.call("setup", f"tcp://{ip}:{port}", backend, timeout_s=timeout_s)
+        if self.size == 1 and not self.groups_alone:
+            t1 = time.perf_counter()
+            self._phase_ended(first_phase)
+            self.call("setup", None, None, timeout_s=timeout_s)
+        else:
+            ip, port = self.call_each("rendezvous_address", {0: ()}, timeout_s)[0]
+            t1 = time.perf_counter()
+            self._phase_ended(first_phase)
+            if ip == ray.util.get_node_ip_address() and len([n for n in ray.nodes() if n["Alive"]]) == 1:
+                ip = "127.0.0.1"
+            self.call("setup", f"tcp://{ip}:{port}", backend, timeout_s=timeout_s)
         t2 = time.perf_counter()
         self._phase_ended("process_groups")
         if restore is not None:

@@ -57,9 +57,10 @@ class WorkerSeat:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def setup(self, init_method: str, backend: str) -> bool:
-        """Join the grid's process groups (this generation's) and build the stage."""
-        if init_method.startswith("tcp://127.0.0.1"):
+    def setup(self, init_method: str | None, backend: str | None) -> bool:
+        """Join the grid's process groups (this generation's; init_method None: a one-worker grid without any) and
+        build the stage."""
+        if init_method is not None and init_method.startswith("tcp://127.0.0.1"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.engine.init_process_groups(init_method, backend, self.generation)
         return True

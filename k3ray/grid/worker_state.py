@@ -3,6 +3,7 @@ beside the next step), the neighbours' snapshot copies it keeps mapped, restores
 of any old grid, and durable checkpoint parts written in the background (k3ray.io.checkpoint)."""
 from __future__ import annotations
 
+from k3ray.grid.packed_restore import restore_weights, weights_only
 from k3ray.grid.snapshot_stager import SnapshotStager
 from k3ray.grid.snapshots import Packed, SnapshotPart, as_state
 from k3ray.grid.worker_seat import WorkerSeat
@@ -47,6 +48,9 @@ class WorkerState:
     def restore(self, *states) -> bool:
         """Load the stage's state from the snapshots or checkpoint parts of every EP rank of an old grid of any EP
         size: dense state from the first (they are identical), the experts homed here from all of them."""
+        if len(states) == 1 and isinstance(states[0], Packed) and weights_only(states[0].tree):
+            restore_weights(self.seat.engine, states[0])  # serving's held weights: in bulk
+            return True
         states = [as_state(s) for s in states]
         self.seat.engine.load_state(states[0], {layer: [s["experts"][layer] for s in states]
                                                 for layer in states[0]["experts"]})

@@ -7,6 +7,7 @@ the single-process model bit for bit.
 """
 from __future__ import annotations
 
+import contextlib
 import zlib
 from typing import Callable
 
@@ -253,15 +254,20 @@ def build_stage(cfg: ModelConfig, layers: range, expert_ids: list[int] | None = 
                 experts_factory: ExpertsFactory | None = None, device=None, init: bool = True) -> K3Stage:
     """A stage holding `expert_ids` (default: every expert) of each of its MoE layers, in eval mode: the trainers
     set train mode, the one mode in which a forward that records gradients is a training forward (a MoE layer with
-    model.quantile_bias_from=micro_batch then routes each micro-batch with its own bias)."""
+    model.quantile_bias_from=micro_batch then routes each micro-batch with its own bias). init=False (a restore
+    follows): built on the meta device and given uninitialised memory on `device`, so no time goes into initialising
+    weights that the restore overwrites (torch's own default init of a large stage takes seconds on one core)."""
     ids = list(range(cfg.n_experts)) if expert_ids is None else expert_ids
-    shards = {i: new_shard(cfg, ids, device) for i in layers if cfg.is_moe_layer(i)}
-    stage = K3Stage(cfg, layers, shards, experts_factory)
-    stage.to(dtype=getattr(torch, cfg.dtype))
-    for moe in stage.moe_layers().values():
-        moe.router.bias.data = moe.router.bias.data.float()  # the bias stays fp32 in every dtype
+    with contextlib.nullcontext() if init else torch.device("meta"):
+        shards = {i: new_shard(cfg, ids, device if init else None) for i in layers if cfg.is_moe_layer(i)}
+        stage = K3Stage(cfg, layers, shards, experts_factory)
+        stage.to(dtype=getattr(torch, cfg.dtype))
+        for moe in stage.moe_layers().values():
+            moe.router.bias.data = moe.router.bias.data.float()  # the bias stays fp32 in every dtype
     if init:
         init_stage_(stage, seed)
+    else:
+        stage.to_empty(device=device if device is not None else "cpu")
     stage.eval()
     return stage.to(device) if device is not None else stage
 

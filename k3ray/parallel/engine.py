@@ -255,6 +255,16 @@ class StageEngine:
         self.ctx.set_policies(policies)
 
     # -- whole-worker state (snapshots, checkpoints, restore onto another topology) ------------------------------
+    def load_weights_only(self, write, opt_steps: int = 0, lr_scale: float = 1.0) -> None:
+        """Restore weights without optimizer state (serving's): write() fills every parameter and router bias of the
+        stage in place (the experts homed here, in their shard's order); the optimizer's state is dropped."""
+        self.wait_state_reads()
+        self.opt.state.clear()
+        self.opt.steps, self.lr_scale = opt_steps, lr_scale
+        self.copies.drop()
+        write()
+        self._refresh_params()
+
     def wait_state_reads(self) -> None:
         """Order the next write of the live state after the copies still reading it: on the device (a CUDA event),
         or on the host (a threading.Event: a job's first snapshot, streamed to the store from the live tensors)."""

@@ -33,6 +33,23 @@ class LeftGroup:
         self._refuse()
 
 
+class NoGroups:
+    """The groups of a one-worker grid that needs no collectives (serving on one worker: no exchange, no pipeline):
+    none are built, and a collective that asks for one is refused naming why."""
+
+    def __init__(self, generation: int):
+        self.generation = generation
+
+    def _refuse(self, *_):
+        raise RuntimeError(f"grid generation {self.generation} is one worker without process groups: no collective "
+                           f"may run in it")
+
+    __bool__ = _refuse
+
+    def __getattr__(self, name):
+        self._refuse()
+
+
 class GridGroups:
     def __init__(self):
         self.generation = 0  # the grid generation whose groups these are (set when joined)
@@ -41,8 +58,13 @@ class GridGroups:
 
     def join(self, init_method: str, backend: str, generation: int, pp_rank: int, ep_rank: int, pp: int, ep: int,
              timeout_s: float) -> None:
-        """Build grid `generation`'s groups, as world rank pp_rank * ep + ep_rank of pp x ep."""
+        """Build grid `generation`'s groups, as world rank pp_rank * ep + ep_rank of pp x ep; init_method None (a
+        one-worker grid that runs no collective): none are built (`NoGroups`), skipping the rendezvous and the
+        backend's start (seconds for NCCL)."""
         self.generation = generation
+        if init_method is None:
+            self._world = self._ep_group = NoGroups(generation)
+            return
         timeout = timedelta(seconds=timeout_s)
         dist.init_process_group(backend, init_method=init_method, world_size=pp * ep, rank=pp_rank * ep + ep_rank,
                                 timeout=timeout)

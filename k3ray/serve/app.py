@@ -62,9 +62,11 @@ def shared_port_socket(host: str, port: int) -> socket.socket:
 @ray.remote(num_cpus=0)
 class FrontDoorProcess:
     """One front-door process: uvicorn serving `build_app` on host:port, shared with the other front
-    doors, in a thread of its own (its event loop also awaits the engine's stream)."""
+    doors, in a thread of its own (its event loop also awaits the engine's stream). It may be started with the
+    engine: its process start and imports overlap the engine's, and it listens once the engine is ready."""
 
-    def __init__(self, engine, info: dict, api_key: str | None, host: str, port: int):
+    def __init__(self, engine, api_key: str | None, host: str, port: int, timeout_s: float = 600.0):
+        info = ray.get(engine.ready.remote(), timeout=timeout_s)
         sock = shared_port_socket(host, port)
         config = uvicorn.Config(build_app(engine, info, api_key), log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=5)
@@ -95,6 +97,7 @@ class Serving:
     doors: list
     url: str
     start_door: Callable
+    start_seconds: dict[str, float]  # the engine's start, then the front doors' wait beyond it
 
     def keep_doors(self, timeout_s: float = 30.0) -> int:
         """Start a new front door in place of each that died; how many were replaced."""
@@ -117,20 +120,28 @@ def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.
     from k3ray.serve.engine import ServingEngine
 
     check_exposure(host, api_key, insecure)
+    t0 = time.perf_counter()
     engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve_overrides, observers=observers,
                                                       spares=spares)
-    info = ray.get(engine.ready.remote())
     here = ray.get_runtime_context().get_node_id()  # the front doors listen on this machine's host:port
     pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(here, soft=False)
 
     def start_door():
-        return FrontDoorProcess.options(scheduling_strategy=pin).remote(engine, info, api_key, host, port)
+        return FrontDoorProcess.options(scheduling_strategy=pin).remote(engine, api_key, host, port)
 
-    doors = [start_door() for _ in range(front_doors)]
+    doors = [start_door() for _ in range(front_doors)]  # beside the engine's start: they wait for it to listen
+    try:
+        info = ray.get(engine.ready.remote())
+    except BaseException:
+        for door in doors:
+            ray.kill(door)
+        raise
+    t_engine = time.perf_counter()
     ray.get([d.ready.remote() for d in doors])
     url = f"http://{host}:{port}"
     log.info("serving %s (step %d) at %s/v1 through %d front doors", info["model"], info["step"], url, front_doors)
-    return Serving(engine, info, doors, url, start_door)
+    return Serving(engine, info, doors, url, start_door,
+                   {"engine": t_engine - t0, "front_doors_after_engine": time.perf_counter() - t_engine})
 
 
 def stop_serving(serving: Serving) -> None:

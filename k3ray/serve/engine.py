@@ -2,7 +2,8 @@
 the same Worker actors as training (their stages, expert shards and EP exchange, with cache pools added).
 
 Loading: the newest verified durable checkpoint, merged out of its grid (`serving_weights`), then restored onto
-the serving grid's pp x ep like a resume (each worker keeps its stage's names and the experts homed on it).
+the serving grid's pp x ep like a resume (each worker keeps its stage's names and the experts homed on it). The
+checkpoint is read beside the grid's start (k3ray.serve.launch.hold_weights): worker processes start meanwhile.
 
 Parts, each a class of its own, owned here and handed what they use in their constructors (as vLLM v1's EngineCore
 owns a scheduler and an executor): the scheduler (k3ray.serve.scheduler), the iteration loop (schedule -> run on the
@@ -40,13 +41,15 @@ import time
 import ray
 
 from k3ray.config import JobConfig, serving_config
-from k3ray.train.checkpointing import serving_weights
+from k3ray.io.checkpoint import CheckpointError
+from k3ray.train.checkpointing import serving_job_config
 from k3ray.faults import clear, inject, slow_recovery
 from k3ray.serve.scheduler import Scheduler
 from k3ray.serve.admission import Admission
 from k3ray.serve.availability import Availability
 from k3ray.serve.grid import ServingGrid
 from k3ray.serve.iterations import IterationLoop
+from k3ray.serve.launch import hold_weights
 from k3ray.serve.live import BoundaryLock, LivePlacement
 from k3ray.serve.record import ServingStats
 from k3ray.serve.streams import RequestEvents, Subscribers
@@ -99,11 +102,14 @@ class Engine:
                                   self.counts, self.incidents, self.events, observers or [], overlap(cfg))
         self.admission = Admission(sc, self.sched, self.availability, self.loop, self.events)
         self.subscribers = Subscribers(self.admission.stream)
+        self.start_seconds: dict[str, float] = {}  # the ServingEngine's start in phases
 
     def ready(self) -> dict:
+        """What the front doors and `k3ray serve` need: the model, its grid and limits, and the engine's start in
+        phases (seconds; empty for an engine handed a launched grid)."""
         return {"model": self.model_name, "step": self.step, "pp": self.grid.pp, "ep": self.grid.ep,
                 "max_seq_len": self.cfg.model.max_seq_len, "serve": self.cfg.serve.model_dump(),
-                "tokenizer": self.cfg.data.tokenizer}
+                "tokenizer": self.cfg.data.tokenizer, "start_seconds": dict(self.start_seconds)}
 
     def stats(self) -> dict:
         c = self.counts
@@ -194,17 +200,28 @@ class ServingEngine(Engine):
 
     def __init__(self, checkpoint: str, pp: int, ep: int, serve_overrides: dict | None = None,
                  launch_timeout_s: float = 300.0, observers: list | None = None, spares: int = 0):
-        t0 = time.perf_counter()
-        weights = serving_weights(checkpoint)
-        t_read = time.perf_counter()
-        cfg = serving_config(weights.config, pp, ep, serve_overrides, spares)
-        grid = ServingGrid(resolve_serve(cfg), weights.state, launch_timeout_s)
-        t_held = time.perf_counter()
-        phases = grid.launch(ep)
-        super().__init__(cfg, weights.step, grid, observers)
-        self.start_seconds = {"read_weights": t_read - t0,
-                              "hold_weights": t_held - t_read, **phases, "total": time.perf_counter() - t0}
-        log.info("serving %s step %d from %s on pp=%d x ep=%d, started in %s", cfg.name, weights.step, weights.path,
+        t0, started = time.perf_counter(), time.time()
+        about, weights = hold_weights(checkpoint)  # read beside the grid's start: its restore waits for them
+        config = serving_job_config(checkpoint)
+        if config is None:  # a released folder: its config comes with its weights
+            config = ray.get(about)[0].config
+        cfg = serving_config(config, pp, ep, serve_overrides, spares)
+        grid = ServingGrid(resolve_serve(cfg), weights, launch_timeout_s)
+        try:
+            phases = grid.launch(ep)
+            held, read = ray.get(about)
+            if held.config["model"] != config["model"]:  # the newest step failed verification: an older one came
+                raise CheckpointError(f"{held.path}: the newest step that verifies holds another model than the "
+                                      f"newest step; serve it from a folder of its own")
+        except BaseException:
+            grid.close()
+            raise
+        super().__init__(cfg, held.step, grid, observers)
+        # the weights are read beside the workers' start and process groups: when they were held, from the start
+        held_at = read["started"] + read["read_weights"] + read["pack_weights"] - started
+        self.start_seconds = {"read_weights": read["read_weights"], "pack_weights": read["pack_weights"],
+                              "weights_held_at": held_at, **phases, "total": time.perf_counter() - t0}
+        log.info("serving %s step %d from %s on pp=%d x ep=%d, started in %s", cfg.name, held.step, held.path,
                  pp, ep, ", ".join(f"{k} {v:.1f} s" for k, v in self.start_seconds.items()))
 
     async def submit(self, prompt: list[int], params: SamplingParams, subscriber: str, key: int) -> dict:

@@ -30,9 +30,11 @@ log = logging.getLogger("k3ray.serve")
 
 
 class ServingGrid:
-    def __init__(self, cfg: JobConfig, weights_state: dict, launch_timeout_s: float = 300.0):
+    def __init__(self, cfg: JobConfig, weights, launch_timeout_s: float = 300.0):
+        """weights: the packed weights in the object store (k3ray.serve.launch.hold_weights), perhaps still being
+        read: a launch's workers start meanwhile."""
         self.cfg, self.pp = cfg, cfg.parallel.pp  # cfg.serve resolved for the device
-        self.launcher = GridLauncher(cfg, weights_state, launch_timeout_s)
+        self.launcher = GridLauncher(cfg, weights, launch_timeout_s)
         self.load = torch.ones(cfg.model.n_experts, dtype=torch.float64)
         self.group: WorkerGroup | None = None
         self.graph = ServingGraph()  # the iteration as a compiled graph of the group's workers
@@ -48,7 +50,7 @@ class ServingGrid:
         default) with empty cache pools, and its hot spares; progress(phase) as each phase of the launch ends.
         Returns the launch's phases in seconds."""
         home = recovery.grow(self.cfg.model.n_experts, ep).tolist() if home is None else home
-        self.group = WorkerGroup(self.cfg, ep, home)
+        self.group = WorkerGroup(self.cfg, ep, home, groups_alone=False)
         self.group.on_phase = progress
         return self.launcher.start(self.group, wait_for_spares)
 
@@ -201,7 +203,7 @@ class ServingGrid:
         if not self.group.alive_nodes.room_for(self.pp * ep):
             return None
         t0 = time.perf_counter()
-        group = WorkerGroup(self.cfg, ep, recovery.grow(experts, ep).tolist())
+        group = WorkerGroup(self.cfg, ep, recovery.grow(experts, ep).tolist(), groups_alone=False)
         try:
             phases = self.launcher.start(group, wait_for_spares=False)
         except BaseException:

@@ -1,26 +1,52 @@
 """Serving grids started from the checkpoint's weights (`GridLauncher`, owned by the ServingGrid): the weights are
 put into the object store once, packed into one byte buffer (`k3ray.grid.snapshots.pack`: one copy in, none out),
-and held for as long as the engine lives, so any grid started later (after a loss,
-any pp x ep) loads from them without reading the checkpoint again; every grid started gets empty cache pools of
-the same size."""
+and held for as long as the engine lives, so any grid started later (after a loss, any pp x ep) loads from them
+without reading the checkpoint again; every grid started gets empty cache pools of the same size.
+
+The weights are read by a Ray task (`hold_weights`) on the engine's node, whose result is the held object itself:
+its reference exists at once, so the first grid's worker processes start (their imports, the CUDA context) while
+the checkpoint is read, and each worker's restore waits for the object only when it runs (Ray resolves the
+reference first)."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from k3ray.config import JobConfig
-from k3ray.grid.snapshots import pack
+from k3ray.grid.snapshots import Packed, pack
 from k3ray.grid.worker_group import WorkerGroup
+from k3ray.train.checkpointing import ServingWeights, serving_weights
 
 log = logging.getLogger("k3ray.serve")
 
 
+@ray.remote(num_returns=2, max_retries=0)
+def _read_and_pack(checkpoint: str) -> tuple[tuple[ServingWeights, dict], Packed]:
+    t0, started = time.perf_counter(), time.time()
+    weights = serving_weights(checkpoint)
+    t_read = time.perf_counter()
+    packed = pack(weights.state)
+    seconds = {"read_weights": t_read - t0, "pack_weights": time.perf_counter() - t_read, "started": started}
+    return (dataclasses.replace(weights, state={}), seconds), packed
+
+
+def hold_weights(checkpoint: str) -> tuple[ray.ObjectRef, ray.ObjectRef]:
+    """Start reading `checkpoint` (`serving_weights`) on this node: (reference to (the weights' path, step and job
+    config without their state, the read's seconds), reference to the packed weights). The caller owns both: the
+    weights are held while it keeps the second."""
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return _read_and_pack.options(num_cpus=0, scheduling_strategy=here).remote(checkpoint)
+
+
 class GridLauncher:
-    def __init__(self, cfg: JobConfig, weights_state: dict, timeout_s: float = 300.0):
+    def __init__(self, cfg: JobConfig, weights, timeout_s: float = 300.0):
+        """weights: the packed weights (a reference from `hold_weights`, which may still be being read)."""
         self.cfg, self.timeout_s = cfg, timeout_s  # cfg: the serving grid's (serve resolved for the device)
-        self.weights = ray.put(pack(weights_state))  # once: every worker of every grid reads its part of this object
+        self.weights = weights  # every worker of every grid reads its part of this object
 
     def sources(self) -> dict[int, list]:
         """stage -> the states its workers restore from: the held weights, for every stage."""

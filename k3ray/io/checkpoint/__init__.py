@@ -20,10 +20,10 @@ A module per concern: `layout` (paths, part names, the manifest's records), `wri
 `read` (verification, fallback, loading); every name is imported from here.
 """
 from k3ray.io.checkpoint.layout import FORMAT_VERSION, CheckpointError, Manifest, PartInfo, part_name, step_dir
-from k3ray.io.checkpoint.read import (latest_verified, list_committed, load_part, model_hash, move_aside, owner, scan,
-                                      shape_mismatches, verify)
+from k3ray.io.checkpoint.read import (latest_verified, list_committed, load_part, model_hash, move_aside, owner,
+                                      read_manifest, scan, shape_mismatches, verify)
 from k3ray.io.checkpoint.write import AsyncWriter, commit, write_part
 
 __all__ = ["CheckpointError", "PartInfo", "Manifest", "AsyncWriter", "write_part", "commit", "list_committed",
-           "verify", "latest_verified", "scan", "move_aside", "load_part", "step_dir", "shape_mismatches",
-           "FORMAT_VERSION", "part_name", "model_hash", "owner"]
+           "verify", "read_manifest", "latest_verified", "scan", "move_aside", "load_part", "step_dir",
+           "shape_mismatches", "FORMAT_VERSION", "part_name", "model_hash", "owner"]

@@ -30,7 +30,7 @@ def owner(root: str | os.PathLike) -> dict | None:
     verified): {"job", "model_hash", "config"}; None when there is none. The job a checkpoint folder belongs to."""
     for step in reversed(list_committed(root)):
         try:
-            meta = _read_manifest(root, step).meta
+            meta = read_manifest(root, step).meta
         except CheckpointError:
             continue
         config = meta.get("config") or {}
@@ -43,7 +43,8 @@ def list_committed(root: str | os.PathLike) -> list[int]:
     return sorted(s for s, d in step_dirs(Path(root)).items() if (d / MANIFEST).is_file())
 
 
-def _read_manifest(root, step: int) -> Manifest:
+def read_manifest(root, step: int) -> Manifest:
+    """The manifest of `step`, parsed and checked for form, its parts not verified (`verify` does that)."""
     d = step_dir(root, step)
     path = d / MANIFEST
     try:
@@ -82,7 +83,7 @@ def _sha256_file(path: Path) -> str:
 def verify(root: str | os.PathLike, step: int) -> Manifest:
     """Manifest of `step` after checking it parses and every part exists with the recorded size and sha256.
     Raises CheckpointError naming the first problem (path relative to root)."""
-    m = _read_manifest(root, step)
+    m = read_manifest(root, step)
     for p in m.parts.values():
         f = m.path / p.name
         rel = f"{m.path.name}/{p.name}"
