@@ -31,7 +31,8 @@ class WorkerTraining:
         return self.seat.engine.copies.set_trained(table)
 
     def set_policies(self, policies: dict) -> bool:
-        self.seat.engine.set_policies(PoliciesConfig.model_validate(policies))
+        # the data-path policies (the EP placement planner, the expert-GEMM order) are the EP context's
+        self.seat.engine.ctx.set_policies(PoliciesConfig.model_validate(policies))
         return True
 
     def set_lr_scale(self, scale: float) -> bool:

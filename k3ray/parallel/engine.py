@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
-from k3ray.config import JobConfig, PoliciesConfig
+from k3ray.config import JobConfig
 from k3ray.dtypes import up32
 from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, set_execution, stage_layers
 from k3ray.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
@@ -249,10 +249,6 @@ class StageEngine:
                 raise ValueError(f"layer {layer}: rank {self.ep_rank} holds {shard.expert_ids}, placement says "
                                  f"{sorted(mine)}")
         self._refresh_params()
-
-    def set_policies(self, policies: PoliciesConfig) -> None:
-        """The data-path policies from now on: the EP placement planner and the expert-GEMM order."""
-        self.ctx.set_policies(policies)
 
     # -- whole-worker state (snapshots, checkpoints, restore onto another topology) ------------------------------
     def load_weights_only(self, write, opt_steps: int = 0, lr_scale: float = 1.0) -> None:
