@@ -86,3 +86,22 @@ def test_ctrl_c_stops_the_job_and_its_actors(ray_cluster):
         time.sleep(1)
     assert not alive(), alive()
     assert ray.is_initialized()
+
+
+def test_an_actor_constructor_failure_is_reported_as_its_own_error_in_one_line(tmp_path, monkeypatch, capsys):
+    """Ray's text for an actor whose constructor raised ends with that error's line; the user gets that line."""
+    import ray.exceptions
+
+    from k3ray.control.cli import _report_failure
+
+    class ConstructorFailed(ray.exceptions.ActorDiedError):
+        def __str__(self):
+            return ("The actor died because of an error raised in its creation task, ray::ServingEngine.__init__()\n"
+                    "  File \"engine.py\", line 1, in __init__\n"
+                    "k3ray.io.checkpoint.CheckpointError: /ck: no verified checkpoint\n")
+
+    monkeypatch.chdir(tmp_path)
+    assert _report_failure(ConstructorFailed()) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("k3ray: checkpoint: /ck: no verified checkpoint (details: runs/error-")
+    assert err.count("\n") == 1

@@ -62,9 +62,17 @@ def _report_failure(err: BaseException) -> int:
     cause = err
     while isinstance(cause, ray.exceptions.RayTaskError) and cause.cause is not None:
         cause = cause.cause  # the error raised inside the actor, without Ray's wrapping
-    message = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    name, message = type(cause).__name__, str(cause).strip()
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if isinstance(cause, ray.exceptions.ActorDiedError) and ": " in (lines or [""])[-1]:
+        # an actor's constructor failed: Ray's text ends with that error's own line, "module.Class: message"
+        name, message = lines[-1].split(": ", 1)
+        name = name.rsplit(".", 1)[-1]
+    else:
+        message = lines[0] if lines else name
     kind = {"CheckpointError": "checkpoint", "GuardError": "training stopped", "TopologyError": "topology",
-            "WorkerLost": "workers lost", "RecoveryFailed": "training stopped", "WorkerError": "workers failed"}.get(type(cause).__name__, type(cause).__name__)
+            "WorkerLost": "workers lost", "RecoveryFailed": "training stopped", "WorkerError": "workers failed"}.get(
+        name, name)
     Path("runs").mkdir(exist_ok=True)
     with tempfile.NamedTemporaryFile("w", prefix="error-", suffix=".log", dir="runs", delete=False) as f:
         f.write("".join(traceback.format_exception(err)))
