@@ -95,4 +95,4 @@ def test_kills_in_rounds_with_a_spare_complete_every_request_as_undisturbed_in_s
         assert [i["ranks"] for i in incidents] == [[2], [0]]
         assert incidents[0]["action"] == "replace"
         assert ray.get(engine.health.remote())["status"] == "ok"
-        assert max(gaps) < COLLECTIVE_TIMEOUT_S / 4, f"serving gaps {[round(g, 1) for g in gaps]} s"
+        assert max(gaps) < COLLECTIVE_TIMEOUT_S / 2, f"serving gaps {[round(g, 1) for g in gaps]} s"
