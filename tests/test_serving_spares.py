@@ -14,7 +14,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import ray
 
 from conftest import serving_engine
@@ -69,10 +68,9 @@ class Clients:
 
 def test_kills_in_rounds_with_a_spare_complete_every_request_as_undisturbed_in_seconds(serving_checkpoint,
                                                                                        visible_reference):
-    """Every request ends with its undisturbed tokens, the first round is a spare's swap, and each round should
-    cost seconds. Known not to hold in every run yet: a round can still wait out the collective timeout (a death
-    noticed only by it; not diagnosed), which this test then reports as an expected failure after checking the
-    rest, not as a pass."""
+    """Every request ends with its undisturbed tokens, the first round is a spare's swap, and each round costs
+    seconds, not the collective timeout (the bound leaves room for a loaded 2-core host; the benchmark
+    serve_kill_rounds.py measures the gaps themselves)."""
     want = [visible_reference(p, kw) for p, kw in zip(PROMPTS, PARAMS)]
     with serving_engine(serving_checkpoint, 2, 2, SERVE, spares=1) as engine:
         clients = Clients(engine, 6)
@@ -97,5 +95,4 @@ def test_kills_in_rounds_with_a_spare_complete_every_request_as_undisturbed_in_s
         assert [i["ranks"] for i in incidents] == [[2], [0]]
         assert incidents[0]["action"] == "replace"
         assert ray.get(engine.health.remote())["status"] == "ok"
-    if max(gaps) >= COLLECTIVE_TIMEOUT_S / 4:
-        pytest.xfail(f"serving gaps {[round(g, 1) for g in gaps]} s: a round waited out the collective timeout")
+        assert max(gaps) < COLLECTIVE_TIMEOUT_S / 2, f"serving gaps {[round(g, 1) for g in gaps]} s"
