@@ -267,7 +267,8 @@ def build_stage(cfg: ModelConfig, layers: range, expert_ids: list[int] | None = 
     if init:
         init_stage_(stage, seed)
     else:
-        stage.to_empty(device=device if device is not None else "cpu")
+        # no device named: the caller's default (meta inside `with torch.device("meta")`: counting, no memory)
+        stage.to_empty(device=device if device is not None else torch.empty(0).device)
     stage.eval()
     return stage.to(device) if device is not None else stage
 
