@@ -77,22 +77,26 @@ def test_policies_change_live_and_bad_values_are_refused_with_the_field_named(en
 def test_scaling_the_grid_down_and_up_amid_streams_changes_no_token(engine, visible_reference):
     """ep 4 -> 2, then 2 -> 4, while requests keep arriving (one every 0.3 s, more while the resizes last): each new
     grid is launched beside the serving one (tokens keep coming meanwhile) and adopted between two iterations, the
-    requests in flight prefilled again on it; every request ends with the reference's tokens. Sizes the grid cannot take are refused, the grid
-    untouched."""
+    requests in flight prefilled again on it; every request ends with the reference's tokens. Sizes the grid cannot
+    take are refused, the grid untouched."""
     assert ray.get(engine.scale.remote(0))["status"] == 400
     assert "ep=3 does not divide model.n_experts=16" in ray.get(engine.scale.remote(3))["error"]
     too_big = ray.get(engine.scale.remote(16))
     assert too_big["status"] == 409 and "a 1 x 16 grid needs 16" in too_big["error"]
     assert ray.get(engine.stats.remote())["ep"] == 4
     params = [{"max_tokens": 24 + i, "temperature": 0.0 if i % 2 else 0.8, "seed": 60 + i} for i in range(16)]
+    # those arriving while a resize lasts are long, so some are in flight when the new grid is adopted
+    late = [{"max_tokens": 96, "temperature": 0.0 if i % 2 else 0.8, "seed": 80 + i} for i in range(8)]
     want = [visible_reference(p, kw) for p, kw in zip(PROMPTS, params)]
+    want_late = [visible_reference(p, kw) for p, kw in zip(PROMPTS, late)]
     streams: list[Stream] = []
     scaled = threading.Event()
 
     def arrivals():  # 16, then on while a resize is under way (requests in flight when it adopts), 24 at most
         while len(streams) < 16 or not scaled.is_set() and len(streams) < 24:
-            i = len(streams) % len(params)
-            streams.append(Stream(engine, encode(PROMPTS[i]), params[i]))
+            n = len(streams)
+            prompt, kw = (PROMPTS[n], params[n]) if n < 16 else (PROMPTS[n % 8], late[n % 8])
+            streams.append(Stream(engine, encode(prompt), kw))
             streams[-1].start()
             time.sleep(0.3)
 
@@ -111,9 +115,11 @@ def test_scaling_the_grid_down_and_up_amid_streams_changes_no_token(engine, visi
     for s in streams:
         s.join(timeout=300)
     for n, s in enumerate(streams):
-        i = n % len(params)
+        late_one = n >= 16
+        prompt, kw = (PROMPTS[n % 8], late[n % 8]) if late_one else (PROMPTS[n], params[n])
+        tokens = want_late[n % 8] if late_one else want[n]
         assert not [item for _, item in s.items if "error" in item], f"request {n}"
-        assert s.tokens() == want[i], f"request {n} ({PROMPTS[i]!r}, {params[i]})"
+        assert s.tokens() == tokens, f"request {n} ({prompt!r}, {kw})"
     assert (down["ep"], up["ep"]) == ([4, 2], [2, 4]) and down["action"] == up["action"] == "resize beside"
     assert down["requeued"] + up["requeued"] >= 1
     launched = t_call + down["seconds"]["launched_beside"]  # the new grid was launched while the old one served
