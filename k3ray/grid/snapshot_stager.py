@@ -125,7 +125,8 @@ class SnapshotStager:
                         yield self.host[k][:n].numpy()
                     return
                 self._ring(max(sizes))
-                staged_at = [start - sum(sizes[:s.cut]) for start in _starts(sizes)]
+                base = sum(sizes[:s.cut])  # the staging buffer's first byte is chunk cut's
+                staged_at = [start - base for start in _starts(sizes)]
                 copied = [self._to_ring(0, staged_at[0], sizes[0], s.live)]
                 for k in range(len(sizes)):
                     if k + 1 < len(sizes):  # the next chunk's copy runs while the store takes this one
