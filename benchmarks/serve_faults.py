@@ -34,7 +34,8 @@ from serve_load import train_checkpoint
 PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self", "for i in range(",
            "# Licensed to the PSF\n\"\"\"Helpers for ", "    if not data:\n        return ", "x = ", "print(",
            "with open(path) as f:\n", "return "]
-PHASES = ["replan", "workers", "process_groups", "restore", "cache_pools", "to_next_token"]
+PHASES = ["replan", "workers", "worker_process", "worker_imports", "worker_cuda", "process_groups", "restore",
+          "cache_pools", "graph_capture", "to_next_token"]
 
 
 def stream(engine, prompt: str, params: dict, into: list) -> threading.Thread:
@@ -124,8 +125,8 @@ def main() -> None:
         rows.append(r)
         print(f"{d:>5} {r['same']:>6}/{args.concurrency:<6} {'->'.join(map(str, r['ep'])):>6} "
               f"{len(r['spares_used']):>6} {r['gap']:>6.2f} "
-              + " ".join(f"{r[p]:>14.3f}" for p in PHASES), flush=True)
-    med = {k: statistics.median(r[k] for r in rows) for k in ["gap", *PHASES]}
+              + " ".join(f"{r.get(p, 0.0):>14.3f}" for p in PHASES), flush=True)
+    med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in ["gap", *PHASES]}
     print(f"{'med':>5} {'':>13} {'':>6} {'':>6} {med['gap']:>6.2f} " + " ".join(f"{med[p]:>14.3f}" for p in PHASES))
 
 

@@ -26,8 +26,8 @@ import time
 
 import httpx
 
-ENGINE = ["read_weights", "hold_weights", "place_and_start_workers", "process_groups", "restore", "cache_pools",
-          "graph_capture"]
+ENGINE = ["read_weights", "hold_weights", "place_and_start_workers", "worker_process", "worker_imports", "worker_cuda",
+          "worker_parts", "process_groups", "restore", "cache_pools", "graph_capture"]
 
 
 def free_port() -> int:

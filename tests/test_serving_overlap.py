@@ -308,3 +308,27 @@ def test_serving_sizes_default_by_device_and_gpu_pools_fit_the_free_memory():
     layers = range(cfg.n_layers)
     few, more, all_ = (pages_that_fit(cfg, layers, 16, 8, b) for b in (2**17, 2**18, 2**40))
     assert 0 < few < more < all_ == 8 * (-(-cfg.max_seq_len // 16))
+
+
+def test_a_grid_started_after_traffic_captures_the_graphs_of_the_shapes_it_used_most_used_first(model):
+    """Decode shapes are counted per iteration and rank (powers of two: rows, longest sequence with its new token,
+    greedy; none for a prompt chunk), and map to the graphs that replay them on a grid's pools: most used first,
+    each once, none for batches past the pools' slots (those iterations run eagerly)."""
+    from k3ray.parallel.serving import RankPlan, decode_shape, graph_keys
+    from k3ray.serve.decode_traffic import DecodeTraffic
+
+    assert decode_shape(RankPlan()) is None
+    assert decode_shape(RankPlan(slots=[0, 1], starts=[3, 9], counts=[1, 4])) is None  # a prompt chunk
+    assert decode_shape(RankPlan(slots=[0, 1, 2], starts=[3, 15, 2], counts=[1, 1, 1], greedy=True)) == (4, 16, True)
+    assert decode_shape(RankPlan(slots=[5], starts=[16], counts=[1])) == (1, 32, False)
+    traffic = DecodeTraffic()
+    sampled = RankPlan(slots=[5], starts=[16], counts=[1])
+    greedy = RankPlan(slots=[0, 1, 2], starts=[3, 15, 2], counts=[1, 1, 1], greedy=True)
+    for plans in [{0: greedy, 1: sampled}, {0: sampled}, {0: RankPlan(slots=[0], starts=[0], counts=[7])},
+                  {0: RankPlan(slots=list(range(9)), starts=[1] * 9, counts=[1] * 9, greedy=True)}]:
+        traffic.record(plans)
+    assert traffic.ranked() == [(1, 32, False), (4, 16, True), (16, 2, True)]
+    pools = LocalExecutor(model, PoolSizes(pages=64, page_size=4, slots=8)).server.pools
+    # rows 1 -> bucket 1, longest 32 -> 8 pages of 4; rows 4 -> bucket 4, 16 -> 4 pages; 16 rows > 8 slots: none
+    assert graph_keys(traffic.ranked(), pools) == [(1, 32, False), (4, 16, True)]
+    assert graph_keys([(1, 30, False), (1, 32, False)], pools) == [(1, 32, False)]  # one graph, listed once

@@ -305,9 +305,10 @@ class FakeGroup:
     launched: list[int] = []
     lose_in_assume = 1
 
-    def __init__(self, cfg, ep, home, avoid_nodes=frozenset(), groups_alone=True):
+    def __init__(self, cfg, ep, home, avoid_nodes=frozenset(), serving=False):
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
         self.launch_seconds, self.spares, self.generation = {}, [], 1
+        self.worker_start_seconds, self.calls = {}, []
         self.alive_nodes = self.resources = self  # the group's parts: this fake plays them itself
 
     def capacity(self, free: bool = False) -> int:
@@ -330,6 +331,7 @@ class FakeGroup:
         self.launch(timeout_s, restore)
 
     def call(self, method, *args, timeout_s=None):
+        self.calls.append((method, *args))
         return []
 
 
@@ -348,6 +350,27 @@ def test_recovery_interrupted_in_assume_plans_on_the_nodes_totals(cfg, monkeypat
     out = grid.recover(WorkerLost({3}, "ActorDiedError in serve_step"))
     assert out["interrupted"] == ["lost world ranks [0]: ActorDiedError in assume"]
     assert len(FakeGroup.launched) == 2 and grid.group.ep == out["ep"][-1] >= 1
+
+
+def test_a_recovered_grid_captures_the_graphs_of_the_traffic_served_most_used_first(cfg, monkeypatch):
+    """The serving grid counts its iterations' decode shapes; the grid a recovery launches is handed them, most
+    used first, for its decode graphs (the first grid, before any traffic, is handed none: the likeliest then)."""
+    from k3ray.parallel.serving import RankPlan
+
+    monkeypatch.setattr(serve_grid, "WorkerGroup", FakeGroup)
+    monkeypatch.setattr(ray, "put", lambda x: x)
+    FakeGroup.launched, FakeGroup.lose_in_assume = [], 0
+    grid_cfg = cfg.model_copy(update={"serve": cfg.serve.model_copy(update={"pages_per_rank": 32})})
+    grid = serve_grid.ServingGrid(grid_cfg, {})
+    grid.launch(1)
+    assert [c[-1] for c in grid.group.calls if c[0] == "serve_init"] == [None]
+    grid.graph.submit = lambda group, plans, timeout_s: None  # no workers: only the shapes are counted
+    sampled = RankPlan(slots=[0, 1], starts=[40, 7], counts=[1, 1])
+    for _ in range(3):
+        grid.submit({0: sampled})
+    grid.submit({0: RankPlan(slots=[0], starts=[3], counts=[1], greedy=True)})
+    grid.recover(WorkerLost({0}, "ActorDiedError in serve_step"))
+    assert [c[-1] for c in grid.group.calls if c[0] == "serve_init"] == [[(2, 64, False), (1, 4, True)]]
 
 
 def test_a_worker_gone_before_the_serving_graph_compiles_is_a_lost_worker(monkeypatch):

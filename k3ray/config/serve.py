@@ -44,10 +44,11 @@ class ServeConfig(Section):
                                  "iterations in flight; n+1 takes n's sampled tokens on the device): the engine's "
                                  "host time per iteration hidden behind the step; default on where parallel.pp=1, "
                                  "the only layout it supports (the last stage samples, the first reads the tokens)")
-    graphs_at_start_s: float = Field(10.0, ge=0, description="GPU: seconds a grid's start (and a recovery) may "
-                                     "spend capturing decode CUDA graphs, greedy before sampled, short contexts and "
-                                     "small batches first; the rest are captured on first use (that iteration waits "
-                                     "for its capture)")
+    graphs_at_start_s: float = Field(3.0, ge=0, description="GPU: seconds a grid's start may spend capturing "
+                                     "decode CUDA graphs, greedy before sampled, short contexts and small batches "
+                                     "first (a grid started after traffic, as a recovery's: those of the shapes "
+                                     "traffic used, most used first, and no others); the rest are captured on first "
+                                     "use (that iteration waits for its capture, ~70 ms)")
     max_waiting: int = Field(64, ge=0, description="queued requests beyond which new ones get 429")
     max_tokens: int = Field(256, gt=0, description="largest max_tokens a request may ask for")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 and of a 503 while no grid serves")

@@ -39,10 +39,13 @@ def node_of(slot: tuple) -> str:
 
 class HeldResources:
     """cfg: the job (the workers' config and runtime env); bundle: one worker's resources; alive_nodes: the room
-    the alive nodes have; spares: the group's hot spare pool, started here."""
+    the alive nodes have; spares: the group's hot spare pool, started here; serving: the workers serve (they read
+    no training data)."""
 
-    def __init__(self, cfg: JobConfig, bundle: dict[str, float], alive_nodes: AliveNodes, spares: SparePool):
+    def __init__(self, cfg: JobConfig, bundle: dict[str, float], alive_nodes: AliveNodes, spares: SparePool,
+                 serving: bool = False):
         self.cfg, self.bundle, self.alive_nodes, self.spares = cfg, bundle, alive_nodes, spares
+        self.serving = serving
         self.pgs: list = []  # every placement group holding the group's workers and spares
 
     def place(self, n: int, timeout_s: float) -> list[tuple] | None:
@@ -62,7 +65,7 @@ class HeldResources:
         return Worker.options(
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
             num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0), runtime_env=actor_runtime_env(self.cfg),
-        ).remote(self.cfg.model_dump())
+        ).remote(self.cfg.model_dump(), self.serving)
 
     def start_spares(self) -> int:
         """Start standby workers up to `fault_tolerance.spares`, without waiting for them: in slots lost workers

@@ -20,25 +20,41 @@ Threaded: a snapshot's device-to-host copy runs beside the next training step, a
 waiting in lost grids' collectives until their timeout (gloo cannot abort them) after the worker joined another."""
 from __future__ import annotations
 
-import functools
-import gc
-import inspect
-import os
+import time
 
-import ray
-import torch
+_MODULE_STARTED = time.time()  # before torch and the model code are imported: a worker's start in phases
 
-from k3ray.config import JobConfig
+import functools  # noqa: E402
+import gc  # noqa: E402
+import inspect  # noqa: E402
+import os  # noqa: E402
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from k3ray.config import JobConfig  # noqa: E402
 from k3ray.grid.worker_seat import WorkerSeat
-from k3ray.grid.worker_serving import WorkerServing
-from k3ray.grid.worker_state import WorkerState
-from k3ray.grid.worker_training import WorkerTraining
+from k3ray.grid.worker_serving import WorkerServing  # noqa: E402
+from k3ray.grid.worker_state import WorkerState  # noqa: E402
+from k3ray.grid.worker_training import WorkerTraining  # noqa: E402
 
 # Calls a worker must absorb while still answering its current grid: losses that come close together (inside one
 # collective timeout) each leave a call waiting in a left grid's gloo collective until that timeout.
 STUCK_CALLS = 4
 THREADS = 2 + STUCK_CALLS  # the current grid's call, a snapshot or ping beside it, and the stuck ones
 MOVES = ("assume", "stand_by")  # the calls that move a worker to the grid generation they name
+
+
+def process_started(fallback: float) -> float:
+    """When this process was created (epoch seconds, from /proc on Linux); `fallback` where that is unknown."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return fallback
 
 
 def fenced(method):
@@ -60,17 +76,25 @@ def fenced(method):
 
 @ray.remote(max_concurrency=THREADS)
 class Worker:
-    def __init__(self, cfg_dict: dict):
+    def __init__(self, cfg_dict: dict, serving: bool = False):
+        """serving: a serving grid's worker, which reads no training data."""
         from k3ray import data
         from k3ray.parallel import engine  # noqa: F401 - here: the import is part of a standby worker's warm-up
 
         cfg = JobConfig.model_validate(cfg_dict)
         torch.set_num_threads(max(1, int(os.environ.get("K3RAY_THREADS_PER_WORKER", "1"))))
         device = "cuda" if cfg.parallel.device == "cuda" else "cpu"
+        t_imported = time.time()
         if device == "cuda":
             torch.zeros(1, device=device)  # the CUDA context, before a spare is needed
-        data.warm(cfg.data)  # cached: every engine of this worker reads it
+        t_context = time.time()
+        if not serving:
+            data.warm(cfg.data)  # cached: every engine of this worker reads it
         self.own_parts(cfg, device)
+        # this worker's start in phases (WorkerGroup reports the slowest worker's of a launch)
+        self.start_seconds = {"worker_process": _MODULE_STARTED - process_started(_MODULE_STARTED),
+                              "worker_imports": t_imported - _MODULE_STARTED, "worker_cuda": t_context - t_imported,
+                              "worker_parts": time.time() - t_context}
 
     def own_parts(self, cfg: JobConfig, device: str) -> None:
         """The parts, on standby, and the calls a worker group makes by name (WorkerGroup.call, call_each): each
@@ -81,7 +105,7 @@ class Worker:
         self.state = WorkerState(self.seat)
         self.serving = WorkerServing(self.seat)
         self.calls = {name: getattr(part, name) for part, names in [
-            (self, ("assume", "stand_by", "leave_grid")),
+            (self, ("assume", "stand_by", "leave_grid", "started_in")),
             (self.seat, ("rendezvous_address", "setup")),
             (self.training, ("train_step", "evaluate", "export_shard", "set_placement", "set_trained_copies",
                              "set_policies", "set_lr_scale")),
@@ -89,6 +113,11 @@ class Worker:
                           "state")),
             (self.serving, ("serve_init", "serve_pages_that_fit", "expert_load", "stage_copies", "use_copies")),
         ] for name in names}
+
+    def started_in(self) -> dict[str, float]:
+        """This worker's start in phases (seconds): its process until the module loaded (Ray's worker start), the
+        imports of torch and the model code, the CUDA context (GPU), its parts (and training data)."""
+        return dict(self.start_seconds)
 
     def node_id(self) -> str:
         """The Ray node this worker runs on (its answer also says the worker is up)."""

@@ -38,12 +38,12 @@ _generations = itertools.count(1)
 
 class WorkerGroup:
     def __init__(self, cfg: JobConfig, ep: int, home: list[int], avoid_nodes: frozenset[str] = frozenset(),
-                 groups_alone: bool = True):
+                 serving: bool = False):
         """avoid_nodes: nodes found silent, which Ray may still report alive: neither counted nor placed on.
-        groups_alone=False: a grid of one worker builds no process groups (serving: its one worker runs no
-        collective), where training's reductions name them even alone."""
+        serving: a serving grid, whose workers read no training data, and which builds no process groups when it
+        has one worker (it runs no collective, where training's reductions name them even alone)."""
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
-        self.groups_alone = groups_alone
+        self.serving = serving
         self.avoid_nodes = frozenset(avoid_nodes)
         bundle = {"CPU": 1} if cfg.parallel.device == "cpu" else {"CPU": 1, "GPU": 1}
         self.alive_nodes = AliveNodes(bundle, self.avoid_nodes)  # what the alive nodes hold, in workers
@@ -52,8 +52,10 @@ class WorkerGroup:
         self.nodes: list[str] = []  # world rank -> Ray node id
         self.transfer = GridStateTransfer(self)  # snapshots and restores of this group's workers
         self.spares = SparePool(cfg.fault_tolerance.spares)  # hot spares: standby workers, own resources
-        self.resources = HeldResources(cfg, bundle, self.alive_nodes, self.spares)  # placement groups, slots
+        self.resources = HeldResources(cfg, bundle, self.alive_nodes, self.spares, serving)  # placement groups, slots
         self.launch_seconds: dict[str, float] = {}  # start workers (or swap in spares), process groups, restore
+        # the slowest started worker's own start in phases, in the last launch (part of place_and_start_workers)
+        self.worker_start_seconds: dict[str, float] = {}
         self.on_phase = None  # called with each of launch_seconds' phases as it ends (a serving recovery's progress)
         self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
 
@@ -106,6 +108,8 @@ class WorkerGroup:
             log.warning("%d of %d hot spares: the alive nodes have no room for more (tried again at step "
                         "boundaries)", len(self.spares), self.cfg.fault_tolerance.spares)
         backend = self._join(timeout_s, restore, t0, "place_and_start_workers")
+        starts = self.call_each("started_in", {r: () for r in range(self.size)}, timeout_s).values()
+        self.worker_start_seconds = {k: max(s[k] for s in starts) for k in next(iter(starts), {})}
         if wait_for_spares:
             ray.wait([s.up for s in self.spares], num_returns=len(self.spares), timeout=timeout_s)
         return backend
@@ -118,7 +122,7 @@ class WorkerGroup:
                                   for r in range(self.size)}, timeout_s)
         par = self.cfg.parallel
         backend = par.backend if par.backend != "auto" else ("nccl" if par.device == "cuda" else "gloo")
-        if self.size == 1 and not self.groups_alone:
+        if self.size == 1 and self.serving:
             t1 = time.perf_counter()
             self._phase_ended(first_phase)
             self.call("setup", None, None, timeout_s=timeout_s)

@@ -20,9 +20,11 @@ class WorkerServing:
         self.seat = seat
         self.server = None  # the StageServer beside the engine (k3ray.parallel.serving), made by serve_init
 
-    def serve_init(self, pages: int, page_size: int, slots: int, graphs_budget_s: float = 0.0) -> float:
-        """Cache pools for serving beside the stage this worker holds, and the likeliest decode CUDA graphs that
-        `graphs_budget_s` seconds capture (GPU); the seconds the captures took."""
+    def serve_init(self, pages: int, page_size: int, slots: int, graphs_budget_s: float = 0.0,
+                   traffic: list | None = None) -> float:
+        """Cache pools for serving beside the stage this worker holds, and the decode CUDA graphs that
+        `graphs_budget_s` seconds capture (GPU): those of `traffic`'s decode shapes (a grid's so far, most used
+        first; `DecodeGraphs.capture_ahead`), else the likeliest; the seconds the captures took."""
         from k3ray.model.cache import new_pools
         from k3ray.parallel.serving import StageServer
 
@@ -33,7 +35,7 @@ class WorkerServing:
                                   rank + e.ep if e.pp_rank < e.pp - 1 else None, e.groups)
         graphs = self.server.graphs
         if graphs_budget_s > 0 and graphs is not None:
-            graphs.capture_ahead(graphs_budget_s)
+            graphs.capture_ahead(graphs_budget_s, traffic)
             return graphs.capture_seconds
         return 0.0
 

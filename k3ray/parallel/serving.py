@@ -168,6 +168,26 @@ class StageServer:
         return self.pools.take_load()
 
 
+def decode_shape(plan: RankPlan) -> tuple[int, int, bool] | None:
+    """A decode iteration's shape as a decode graph sees it, coarsened to powers of two (rows, longest sequence
+    with its new token, greedy); None for a plan that holds no rows or a prompt chunk (no graph runs it)."""
+    if not plan.slots or max(plan.counts) != 1:
+        return None
+    return 1 << (len(plan.slots) - 1).bit_length(), 1 << max(plan.starts).bit_length(), plan.greedy
+
+
+def graph_keys(traffic: list[tuple[int, int, bool]], pools: CachePools) -> list[tuple[int, int, bool]]:
+    """The decode graphs (batch bucket, context bucket, greedy) that iterations of `traffic`'s shapes ((rows, longest
+    sequence, greedy), most used first: `decode_shape`) replay on these pools, in that order, once each; shapes
+    past the largest batch bucket have none."""
+    keys = {}
+    for rows, longest, greedy in traffic:
+        bucket = next((b for b in BATCH_BUCKETS if b >= rows), None)
+        if bucket is not None and bucket <= pools.slots:
+            keys.setdefault((bucket, pools.context_bucket(longest), bool(greedy)), None)
+    return list(keys)
+
+
 def pack_decode(plan: RankPlan, bucket: int, scratch_slot: int, first_stage: bool) -> torch.Tensor:
     """A decode plan's inputs as one host tensor [6, bucket] (slots, starts, counters, token ids, valid, from_device),
     padded with rows that read and write only the scratch slot."""
@@ -203,11 +223,12 @@ class DecodeGraphs:
         buckets = [b for b in BATCH_BUCKETS if b <= pools.slots]
         return [(b, c, greedy) for greedy in (True, False) for c in contexts for b in buckets]
 
-    def capture_ahead(self, budget_s: float) -> int:
-        """Capture graphs in `keys()` order until `budget_s` seconds are spent (the capture under way finishes),
-        so that the iterations traffic asks for first wait for no capture; how many were captured."""
+    def capture_ahead(self, budget_s: float, traffic: list[tuple[int, int, bool]] | None = None) -> int:
+        """Capture graphs until `budget_s` seconds are spent (the capture under way finishes), so that the
+        iterations traffic asks for first wait for no capture: those that `traffic` (a grid's decode shapes so far,
+        most used first: a recovered grid's) replays, else every one in `keys()` order; how many were captured."""
         t0, before = time.perf_counter(), len(self.graphs)
-        for key in self.keys():
+        for key in self.keys() if traffic is None else graph_keys(traffic, self.server.pools):
             if not self.enabled or time.perf_counter() - t0 >= budget_s:
                 break
             self._get(*key)

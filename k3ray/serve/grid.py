@@ -24,6 +24,7 @@ from k3ray.serve.launch import GridLauncher
 from k3ray.grid.calls import TopologyError, WorkerLost
 from k3ray.grid.worker_group import WorkerGroup
 from k3ray.parallel.serving import StageOutput
+from k3ray.serve.decode_traffic import DecodeTraffic
 from k3ray.policies import recovery
 
 log = logging.getLogger("k3ray.serve")
@@ -38,6 +39,7 @@ class ServingGrid:
         self.load = torch.ones(cfg.model.n_experts, dtype=torch.float64)
         self.group: WorkerGroup | None = None
         self.graph = ServingGraph()  # the iteration as a compiled graph of the group's workers
+        self.traffic = DecodeTraffic()  # the decode shapes served: a grid started later captures their graphs first
         self.spares_due = False  # start spares again after the next iteration (they replaced lost workers)
 
     @property
@@ -50,9 +52,9 @@ class ServingGrid:
         default) with empty cache pools, and its hot spares; progress(phase) as each phase of the launch ends.
         Returns the launch's phases in seconds."""
         home = recovery.grow(self.cfg.model.n_experts, ep).tolist() if home is None else home
-        self.group = WorkerGroup(self.cfg, ep, home, groups_alone=False)
+        self.group = WorkerGroup(self.cfg, ep, home, serving=True)
         self.group.on_phase = progress
-        return self.launcher.start(self.group, wait_for_spares)
+        return self.launcher.start(self.group, wait_for_spares, self.traffic.ranked())
 
     def run(self, plans: dict) -> dict[int, StageOutput]:
         """One iteration: rank -> RankPlan in, rank -> its stages' merged answer out (WorkerLost if a worker is).
@@ -62,6 +64,7 @@ class ServingGrid:
     def submit(self, plans: dict):
         """Start an iteration (rank -> RankPlan) while the one before may still run (serve.overlap); `collect` its
         answers, every iteration's, in the order submitted."""
+        self.traffic.record(plans)
         return self.graph.submit(self.group, plans, self.cfg.parallel.collective_timeout_s)
 
     def collect(self, handle) -> dict[int, StageOutput]:
@@ -146,7 +149,8 @@ class ServingGrid:
                     self.group.on_phase = phase_ended
                     self.group.regroup(lost.ranks, decision.ep, decision.home.tolist(), list(decision.keep),
                                        set(decision.spare_for), self.launcher.sources(), self.launcher.timeout_s)
-                    phases = {**self.group.launch_seconds, **self.launcher.cache_pools(self.group)}
+                    phases = {**self.group.launch_seconds,
+                              **self.launcher.cache_pools(self.group, self.traffic.ranked())}
                 else:
                     phases = self.launch(decision.ep, decision.home.tolist(), wait_for_spares=False,
                                          progress=phase_ended)
@@ -203,9 +207,9 @@ class ServingGrid:
         if not self.group.alive_nodes.room_for(self.pp * ep):
             return None
         t0 = time.perf_counter()
-        group = WorkerGroup(self.cfg, ep, recovery.grow(experts, ep).tolist(), groups_alone=False)
+        group = WorkerGroup(self.cfg, ep, recovery.grow(experts, ep).tolist(), serving=True)
         try:
-            phases = self.launcher.start(group, wait_for_spares=False)
+            phases = self.launcher.start(group, wait_for_spares=False, traffic=self.traffic.ranked())
         except BaseException:
             group.close()
             raise

@@ -52,17 +52,21 @@ class GridLauncher:
         """stage -> the states its workers restore from: the held weights, for every stage."""
         return {p: [self.weights] for p in range(self.cfg.parallel.pp)}
 
-    def start(self, group: WorkerGroup, wait_for_spares: bool = True) -> dict[str, float]:
-        """Launch `group`'s workers (and its hot spares) holding the weights, with empty cache pools. Returns the
-        launch's phases in seconds."""
+    def start(self, group: WorkerGroup, wait_for_spares: bool = True, traffic: list | None = None
+              ) -> dict[str, float]:
+        """Launch `group`'s workers (and its hot spares) holding the weights, with empty cache pools (`traffic`:
+        as `cache_pools`'). Returns the launch's phases in seconds, with the slowest started worker's own start
+        (`worker_*`, parts of `place_and_start_workers`)."""
         group.launch(self.timeout_s, restore=self.sources(), wait_for_spares=wait_for_spares)
-        return {**group.launch_seconds, **self.cache_pools(group)}
+        return {**group.launch_seconds, **group.worker_start_seconds, **self.cache_pools(group, traffic)}
 
-    def cache_pools(self, group: WorkerGroup) -> dict[str, float]:
+    def cache_pools(self, group: WorkerGroup, traffic: list | None = None) -> dict[str, float]:
         """Every worker's cache pools (and decode graphs); the first time on GPUs with serve.pages_per_rank unset,
         as many pages as every worker's free memory holds (serve.gpu_memory_fraction), the fewest any worker
-        holds: every grid started later keeps that size. Returns the seconds it took: `cache_pools` in all, of
-        which `graph_capture` the slowest worker's decode graph captures (serve.graphs_at_start_s)."""
+        holds: every grid started later keeps that size. traffic: the decode shapes served so far, most used first
+        (`DecodeTraffic.ranked`): a grid that replaces one captures the graphs they replay first, and only those;
+        else the likeliest. Returns the seconds it took: `cache_pools` in all, of which `graph_capture` the
+        slowest worker's decode graph captures (within serve.graphs_at_start_s)."""
         t0, s = time.perf_counter(), self.cfg.serve
         if s.pages_per_rank is None:
             fits = group.call("serve_pages_that_fit", s.page_size, s.slots_per_rank, s.gpu_memory_fraction,
@@ -70,5 +74,5 @@ class GridLauncher:
             self.cfg.serve = s = s.model_copy(update={"pages_per_rank": max(1, min(fits))})
             log.info("serving: %d KV pages of %d tokens per rank (free GPU memory)", min(fits), s.page_size)
         captures = group.call("serve_init", s.pages_per_rank, s.page_size, s.slots_per_rank, s.graphs_at_start_s,
-                              timeout_s=self.timeout_s)
+                              traffic or None, timeout_s=self.timeout_s)
         return {"cache_pools": time.perf_counter() - t0, "graph_capture": max(captures, default=0.0)}
