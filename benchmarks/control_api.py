@@ -17,7 +17,8 @@ import httpx
 import ray
 
 from k3ray.config import load_config
-from k3ray.control.driver import init_ray, running_job
+from k3ray.control.driver import running_job
+from k3ray.control.ray_cluster import init_ray
 
 REPO = Path(__file__).resolve().parents[1]
 

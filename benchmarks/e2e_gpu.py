@@ -230,7 +230,8 @@ class RayProgram:
     """The same job through k3ray's Controller and Worker actors on a local Ray cluster."""
 
     def __init__(self, cfg: JobConfig):
-        from k3ray.control.driver import init_ray, start_controller
+        from k3ray.control.driver import start_controller
+        from k3ray.control.ray_cluster import init_ray
 
         init_ray(None, cfg.parallel.world_size)
         self.controller = start_controller(cfg)

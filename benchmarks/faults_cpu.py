@@ -20,7 +20,8 @@ import time
 import ray
 
 from k3ray.config import load_config
-from k3ray.control.driver import init_ray, running_job
+from k3ray.control.driver import running_job
+from k3ray.control.ray_cluster import init_ray
 from k3ray.control.local_nodes import (free_port, head_room, join_node, kill_node, silence_node, start_raylet,
                                        stop_node)
 

@@ -15,7 +15,8 @@ import time
 import ray
 
 from k3ray.config import load_config
-from k3ray.control.driver import init_ray, running_job
+from k3ray.control.driver import running_job
+from k3ray.control.ray_cluster import init_ray
 from k3ray.parallel.reference import ReferenceTrainer
 
 

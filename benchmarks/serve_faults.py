@@ -24,7 +24,7 @@ import time
 
 import ray
 
-from k3ray.control.driver import init_ray
+from k3ray.control.ray_cluster import init_ray
 from k3ray.serve.engine import ServingEngine
 from k3ray.data import encode
 from k3ray.model.sampling import SamplingParams

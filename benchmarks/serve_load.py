@@ -41,7 +41,8 @@ import ray
 from real_prompts import draws, span
 
 from k3ray.config import load_config, parse_assignments
-from k3ray.control.driver import init_ray, running_job
+from k3ray.control.driver import running_job
+from k3ray.control.ray_cluster import init_ray
 from k3ray.serve.app import start_serving, stop_serving
 
 PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self", "for i in range(",

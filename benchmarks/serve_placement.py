@@ -36,7 +36,7 @@ import ray
 import torch
 
 from k3ray.config import load_config
-from k3ray.control.driver import init_ray
+from k3ray.control.ray_cluster import init_ray
 from k3ray.control.local_nodes import free_port
 from k3ray.train.checkpointing import write_seeded_weights
 from k3ray.serve.engine import ServingEngine

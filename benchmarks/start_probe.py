@@ -17,7 +17,7 @@ PROBES = {
     "interpreter": "pass",
     "import torch": "import torch",
     "import ray": "import ray",
-    "k3ray serve command": "from k3ray.control import serve_cli; from k3ray.control.driver import init_ray; "
+    "k3ray serve command": "from k3ray.control import serve_cli; from k3ray.control.ray_cluster import init_ray; "
                            "from k3ray.serve.app import start_serving; from k3ray.serve.metrics import ServeMetrics",
     "serving engine module": "import k3ray.serve.engine",
     "worker module": "import k3ray.grid.worker; from k3ray.parallel import engine",

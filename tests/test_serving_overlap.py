@@ -327,7 +327,11 @@ def test_a_grid_started_after_traffic_captures_the_graphs_of_the_shapes_it_used_
     for plans in [{0: greedy, 1: sampled}, {0: sampled}, {0: RankPlan(slots=[0], starts=[0], counts=[7])},
                   {0: RankPlan(slots=list(range(9)), starts=[1] * 9, counts=[1] * 9, greedy=True)}]:
         traffic.record(plans)
-    assert traffic.ranked() == [(1, 32, False), (4, 16, True), (16, 2, True)]
+    assert traffic.ranked() == [(1, 32, False), (16, 2, True), (4, 16, True)]  # equals: the newest first
+    recent = DecodeTraffic(recent=3)
+    for plans in [{0: greedy}] * 5 + [{0: sampled}] * 2:
+        recent.record(plans)
+    assert recent.ranked() == [(1, 32, False), (4, 16, True)]  # only the latest 3 iterations count
     pools = LocalExecutor(model, PoolSizes(pages=64, page_size=4, slots=8)).server.pools
     # rows 1 -> bucket 1, longest 32 -> 8 pages of 4; rows 4 -> bucket 4, 16 -> 4 pages; 16 rows > 8 slots: none
     assert graph_keys(traffic.ranked(), pools) == [(1, 32, False), (4, 16, True)]

@@ -262,7 +262,7 @@ def add_parser(sub, positive_int) -> None:
 
 
 def cmd_data_prepare(args) -> int:
-    from k3ray.control.driver import init_ray
+    from k3ray.control.ray_cluster import init_ray
 
     load_tokenizer(args.tokenizer)  # a bad tokenizer is one line before Ray starts
     init_ray(args.address, args.workers or 1)

@@ -17,7 +17,7 @@ DOOR_CHECK_S = 5.0  # how often `k3ray serve` looks for front doors that died
 def cmd_serve(args) -> int:
     """Serve a checkpoint until Ctrl-C (or SIGTERM)."""
     t0 = time.perf_counter()
-    from k3ray.control.driver import init_ray
+    from k3ray.control.ray_cluster import init_ray
     from k3ray.serve.app import check_exposure, start_serving, stop_serving
     from k3ray.serve.metrics import ServeMetrics
     from k3ray.io import checkpoint as ckpt

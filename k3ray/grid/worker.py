@@ -45,18 +45,6 @@ THREADS = 2 + STUCK_CALLS  # the current grid's call, a snapshot or ping beside 
 MOVES = ("assume", "stand_by")  # the calls that move a worker to the grid generation they name
 
 
-def process_started(fallback: float) -> float:
-    """When this process was created (epoch seconds, from /proc on Linux); `fallback` where that is unknown."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return fallback
-
-
 def fenced(method):
     """A worker method whose first argument is the grid generation the call is meant for: refused (before it runs)
     when the worker has since joined a newer grid."""
@@ -91,10 +79,9 @@ class Worker:
         if not serving:
             data.warm(cfg.data)  # cached: every engine of this worker reads it
         self.own_parts(cfg, device)
-        # this worker's start in phases (WorkerGroup reports the slowest worker's of a launch)
-        self.start_seconds = {"worker_process": _MODULE_STARTED - process_started(_MODULE_STARTED),
-                              "worker_imports": t_imported - _MODULE_STARTED, "worker_cuda": t_context - t_imported,
-                              "worker_parts": time.time() - t_context}
+        # when each phase of this worker's start ended (WorkerGroup reports the slowest worker's of a launch)
+        self.started = {"module": _MODULE_STARTED, "imports": t_imported, "cuda_context": t_context,
+                        "ready": time.time()}
 
     def own_parts(self, cfg: JobConfig, device: str) -> None:
         """The parts, on standby, and the calls a worker group makes by name (WorkerGroup.call, call_each): each
@@ -105,7 +92,7 @@ class Worker:
         self.state = WorkerState(self.seat)
         self.serving = WorkerServing(self.seat)
         self.calls = {name: getattr(part, name) for part, names in [
-            (self, ("assume", "stand_by", "leave_grid", "started_in")),
+            (self, ("assume", "stand_by", "leave_grid", "started_at")),
             (self.seat, ("rendezvous_address", "setup")),
             (self.training, ("train_step", "evaluate", "export_shard", "set_placement", "set_trained_copies",
                              "set_policies", "set_lr_scale")),
@@ -114,10 +101,10 @@ class Worker:
             (self.serving, ("serve_init", "serve_pages_that_fit", "expert_load", "stage_copies", "use_copies")),
         ] for name in names}
 
-    def started_in(self) -> dict[str, float]:
-        """This worker's start in phases (seconds): its process until the module loaded (Ray's worker start), the
-        imports of torch and the model code, the CUDA context (GPU), its parts (and training data)."""
-        return dict(self.start_seconds)
+    def started_at(self) -> dict[str, float]:
+        """When (epoch seconds) this worker's module began to load (its process up), and when its imports of torch
+        and the model code, its CUDA context (GPU) and its parts (with the training data) were done."""
+        return dict(self.started)
 
     def node_id(self) -> str:
         """The Ray node this worker runs on (its answer also says the worker is up)."""

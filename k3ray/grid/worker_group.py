@@ -94,7 +94,7 @@ class WorkerGroup:
         if not ok:
             par = self.cfg.parallel
             raise TopologyError(f"parallel.pp={par.pp} x ep={self.ep}: {why}; lower pp/ep or add nodes")
-        t0 = time.perf_counter()
+        t0, t0_wall = time.perf_counter(), time.time()
         res = self.resources
         slots = res.place(self.size, timeout_s)
         if slots is None:
@@ -108,11 +108,19 @@ class WorkerGroup:
             log.warning("%d of %d hot spares: the alive nodes have no room for more (tried again at step "
                         "boundaries)", len(self.spares), self.cfg.fault_tolerance.spares)
         backend = self._join(timeout_s, restore, t0, "place_and_start_workers")
-        starts = self.call_each("started_in", {r: () for r in range(self.size)}, timeout_s).values()
-        self.worker_start_seconds = {k: max(s[k] for s in starts) for k in next(iter(starts), {})}
+        self.worker_start_seconds = self._worker_starts(t0_wall, timeout_s)
         if wait_for_spares:
             ray.wait([s.up for s in self.spares], num_returns=len(self.spares), timeout=timeout_s)
         return backend
+
+    def _worker_starts(self, since: float, timeout_s: float) -> dict[str, float]:
+        """The start in phases (s) of this grid's worker that was ready last, its launch begun at `since` (epoch s):
+        placed and its process up (Ray's worker start), imports, CUDA context, parts."""
+        stamps = self.call_each("started_at", {r: () for r in range(self.size)}, timeout_s).values()
+        last = max(stamps, key=lambda s: s["ready"])
+        return {"worker_process": max(0.0, last["module"] - since), "worker_imports": last["imports"] - last["module"],
+                "worker_cuda": last["cuda_context"] - last["imports"],
+                "worker_parts": last["ready"] - last["cuda_context"]}
 
     def _join(self, timeout_s: float, restore: dict[int, list] | None, t0: float, first_phase: str) -> str:
         """Every worker takes its place (p, e) of this grid, the process groups are built (rendezvous on world rank
