@@ -141,7 +141,7 @@ def validate(args, out: Path) -> None:
             break
     drills, taken = [], set()
     for s, gpu in zip(predicted.fault_steps, faults.gpu.tolist()):
-        s = max(s, 1)                                           # after the first snapshot
+        s = max(s, 1)                                           # after the first step
         while s in taken:                                       # one fault per step
             s += 1
         taken.add(s)

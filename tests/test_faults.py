@@ -47,6 +47,22 @@ def test_nan_rollback_equals_run_that_skipped_the_batch(ray_cluster):
     assert [r["loss"] for r in reports] == [r["loss"] for r in ref_reports]
 
 
+def test_blowup_before_the_first_snapshot_rolls_back_to_the_seed_and_equals_the_run_that_skipped_it(ray_cluster):
+    """No snapshot at step 0: until step 4's, the job's start point (its weights from the seed) is what a rollback
+    goes back to; the grid is rebuilt in place from the seed and steps 0-1 replayed."""
+    steps, k = 6, 2
+    faulty = tiny(**{"parallel.ep": 2, "fault_tolerance.faults": [{"kind": "nan", "step": k, "layer": 1}]})
+    reports, incidents, status, params = run(faulty, steps)
+    (incident,) = incidents
+    assert incident["kind"] == "blowup" and incident["step"] == k and incident["batch_ids"] == [k]
+    assert status["snapshots"]["committed"] == 1  # step 4's: none at step 0
+    clean = tiny(**{"parallel.ep": 2, "data.skip_batches": [k]})
+    ref_reports, ref_incidents, _, ref_params = run(clean, steps)
+    assert ref_incidents == []
+    assert [r["loss"] for r in reports] == [r["loss"] for r in ref_reports]
+    assert max_diff(params, ref_params) == 0.0
+
+
 def test_repeated_trips_escalate_then_stop(ray_cluster):
     # the drill poisons every attempt of step 5 (same step listed 4 times): skip more, lower lr, then stop
     faults = [{"kind": "nan", "step": 5, "layer": 0}] * 4
@@ -160,8 +176,8 @@ def test_two_workers_killed_at_once_are_both_named(ray_cluster):
 
 def test_killed_worker_is_replaced_by_a_hot_spare_and_the_run_equals_an_unfailed_one(ray_cluster, unfailed_ep4):
     """ep=4 with one hot spare, worker 2 killed at step 2: the spare takes its place (no process started), the grid
-    keeps ep=4 and its homes, steps 0-1 are replayed from the step-0 snapshot, and the float64 losses equal an
-    unfailed run's; a new spare is started afterwards."""
+    keeps ep=4 and its homes, steps 0-1 are replayed from the job's start point (the seed), and the float64 losses
+    equal an unfailed run's; a new spare is started afterwards."""
     steps, k = 4, 2
     cfg = tiny(**{"parallel.ep": 4, "fault_tolerance.spares": 1,
                   "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]})

@@ -223,7 +223,7 @@ def test_cuda_snapshots_stage_what_fits_read_the_rest_live_and_a_write_after_the
         if step == 3:  # room for both: all staged
             stager.staging = torch.empty(sum(t.numel() * 4 for t in state.values()), dtype=torch.uint8, device=dev)
         want = {k: v.cpu() for k, v in state.items()}
-        nbytes, reading = stager.stage(state, step)
+        nbytes, reading = stager.stage(state, step, after_a_step=step > 0)
         assert nbytes >= 5 * (1 << 22) and reading is not None
         with ThreadPoolExecutor(1) as pool:  # the worker's second thread streams while the step goes on
             streamed = pool.submit(_streamed, stager, step)
@@ -237,5 +237,5 @@ def test_cuda_snapshots_stage_what_fits_read_the_rest_live_and_a_write_after_the
                 t.mul_(2.0)
             _assert_same(want, unpack(streamed.result()))
     assert stager.staged is None
-    # the first snapshot and those with "a" live hold the optimizer until it is read; then nothing is live
+    # the one before any step and those with "a" live hold the optimizer until it is read; then nothing is live
     assert waits == ["host", "host", "host", "device"]

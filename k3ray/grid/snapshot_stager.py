@@ -7,9 +7,9 @@ A snapshot is taken in two parts so that training stalls only for the first, whi
      do not fit, are read from the live tensors as they are streamed out. What writes the state next (the
      optimizer, a restore, a reshard) waits for those reads (`StageEngine.state_reads`): on the device for the
      staging copy when every chunk was staged, else on the host until the last live chunk has been read (a
-     threading.Event). The staging buffer is sized once, at the second snapshot (after a step, when the memory the
-     steps need is held by the allocator), to what the device has free beside them; the first snapshot is read
-     live whole.
+     threading.Event). The staging buffer is sized once, at the first snapshot taken after the engine has trained a
+     step (the memory the steps need is then held by the allocator), to what the device has free beside them; a
+     snapshot before any step (a resize at the job's first boundary) is read live whole.
   2. `chunks` (on the worker's second thread, overlapping the next step): the skeleton, then every chunk in order
      as host bytes, device-to-host through one of two pinned ring slots (the next one's copy runs while the store
      takes this one); the live chunks come first, so the optimizer is held up as little as possible. The caller
@@ -42,7 +42,6 @@ class SnapshotStager:
         self.host: list[torch.Tensor] = []  # CPU: the chunks copied at the boundary
         self.ring: list[torch.Tensor] = []  # CUDA: two pinned slots for the chunks' way to the host
         self.staging: torch.Tensor | None = None
-        self.snapshots = 0  # staged so far: the first is read live whole (no step has shown its memory yet)
         self.staged: _Staged | None = None
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.streaming = threading.Lock()  # held while chunks are read out: staging waits for the buffers
@@ -55,10 +54,10 @@ class SnapshotStager:
             self.host[k] = torch.empty(nbytes, dtype=torch.uint8)
         return self.host[k][:nbytes]
 
-    def _first_staged(self, sizes: list[int]) -> int:
+    def _first_staged(self, sizes: list[int], after_a_step: bool) -> int:
         """The first chunk this snapshot stages on the device (len(sizes): none, all read live)."""
-        if self.snapshots == 0:
-            return len(sizes)
+        if self.staging is None and not after_a_step:
+            return len(sizes)  # no step has shown its memory yet: what is free now is the next step's
         if self.staging is None:
             # Only memory nobody holds counts: blocks cached by the allocator are the next step's activations, so
             # staging in them would push that step out of memory on a full device.
@@ -72,17 +71,18 @@ class SnapshotStager:
         return int(fits[0]) if len(fits) else len(sizes)
 
     @torch.no_grad()
-    def stage(self, state: Any, step: int) -> tuple[int, torch.cuda.Event | threading.Event | None]:
+    def stage(self, state: Any, step: int,
+              after_a_step: bool = True) -> tuple[int, torch.cuda.Event | threading.Event | None]:
         """Lay `state` (live tensors: the state to run `step` from) out and start copying it aside. Returns its size
         in bytes and what whatever writes the live tensors next must wait for: None (copied already), a CUDA event
-        (wait on the device), or a host event set once the last live tensor has been streamed out."""
+        (wait on the device), or a host event set once the last live tensor has been streamed out. after_a_step:
+        whether the engine has trained a step on this device (the staging buffer is sized only then)."""
         tree, tensors, sizes = layout(state, self.chunk_bytes)
         with self.streaming:  # a previous snapshot's chunks still being read out (a recovery dropped it) finish first
             if self.staged is not None and isinstance(self.staged.read, threading.Event):
                 self.staged.read.set()  # never streamed out (its call was refused): nothing reads those tensors
             skeleton = Skeleton(tree, sizes)
-            cut = len(sizes) if self.stream is None else self._first_staged(sizes)  # before counting this one
-            self.snapshots += 1
+            cut = len(sizes) if self.stream is None else self._first_staged(sizes, after_a_step)
             if self.stream is None:
                 host = [self._host_chunk(k, n) for k, n in enumerate(sizes)]
                 for t, slot in tensors:

@@ -7,8 +7,8 @@ caller, so a snapshot outlives the worker that took it, any worker reads it back
 in Ray), and the worker needs no host buffer of the whole state beside the store's copy.
 
 Here: the layout (`layout`, `Packed`, `pack`, `unpack`), a worker's snapshot as the controller holds it
-(`SnapshotPart`), whether the object stores hold the snapshots (`store_fit`), and the controller's committed and
-pending snapshots (`Snapshots`).
+(`SnapshotPart`), whether the object stores hold the snapshots (`store_fit`), the job's start point (`StartPoint`),
+and the controller's committed and pending snapshots (`Snapshots`).
 """
 from __future__ import annotations
 
@@ -212,19 +212,38 @@ class Snapshot:
         return restore_sources(dict(enumerate(self.refs)), self.pp, self.ep)
 
 
+@dataclass(frozen=True)
+class StartPoint:
+    """Where the job started, at the boundary before `step`: what a recovery goes back to until the first snapshot
+    has arrived, as it goes back to a snapshot. A job's starting state needs no snapshot: it is built again as the
+    launch built it, from the seed (weights a deterministic function of the config and the seed, whatever the grid)
+    or from the checkpoint parts it resumed from. So the job's first boundary takes none and the first step pays
+    nothing for it."""
+    step: int
+    guard: Any  # the guards' running statistics at that boundary
+    restore: dict[int, list] | None  # stage -> the resumed checkpoint's parts (restore_sources); None: the seed
+    refs: tuple = ()  # nothing in the object store for the neighbours to hold
+    nbytes: int = 0
+
+    def sources(self) -> dict[int, list] | None:
+        """What a grid restores from (None: its workers initialise their weights from the seed)."""
+        return self.restore
+
+
 class Snapshots:
     """The controller's in-memory snapshots: the committed one that recovery falls back on, and at most one pending
     (started at a step boundary, bytes still arriving while the next step runs).
 
-    Interface: `due` and `take` at a boundary, `commit` after the step (or at once), `drop_pending` when a worker is
-    lost, `committed` to restore from; `stall_seconds` / `total_seconds` per committed snapshot and `skipped` (the
-    steps whose snapshot was due while the previous one was still arriving) for the benchmarks; `warnings` for the
-    user."""
+    Interface: `start_at` once the first grid is up (the job's start point is what recovery falls back on until the
+    first snapshot commits), `due` and `take` at a boundary, `commit` after the step (or at once), `drop_pending`
+    when a worker is lost, `committed` to restore from (a Snapshot, or the StartPoint); `stall_seconds` /
+    `total_seconds` per committed snapshot and `skipped` (the steps whose snapshot was due while the previous one was
+    still arriving) for the benchmarks; `warnings` for the user."""
 
     def __init__(self, on_commit=None, on_skip=None, timeout_s: float = 600.0):
         """timeout_s: the longest wait for a snapshot's bytes (`commit(wait=True)` without a timeout of its own)."""
         self.timeout_s = timeout_s
-        self.committed: Snapshot | None = None
+        self.committed: Snapshot | StartPoint | None = None
         self.pending: Snapshot | None = None
         self.stall_seconds: list[float] = []  # training stalled per snapshot
         self.total_seconds: list[float] = []  # start to committed
@@ -241,8 +260,14 @@ class Snapshots:
         return {"committed": len(stalls), "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else None,
                 "stall_ms_max": 1e3 * max(stalls) if stalls else None, "skipped": list(self.skipped)}
 
+    def start_at(self, step: int, guard: Any, restore: dict[int, list] | None) -> None:
+        """The job's first grid is up at the boundary before `step`, built from `restore` (the resumed checkpoint's
+        parts by stage; None: from the seed): that is the state to fall back on until the first snapshot commits."""
+        self.committed, self.pending = StartPoint(step, guard, restore), None
+
     def due(self, step: int, every: int) -> bool:
-        """Whether the boundary of `step` takes a snapshot: every `every` steps, unless one of it exists already."""
+        """Whether the boundary of `step` takes a snapshot: every `every` steps, unless the state at it is held
+        already (a snapshot of it, or the job's start point)."""
         taken = {s.step for s in (self.committed, self.pending) if s is not None}
         return step % every == 0 and step not in taken
 

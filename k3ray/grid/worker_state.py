@@ -24,7 +24,8 @@ class WorkerState:
         read it from rank 0's."""
         engine = self.seat.engine
         self.stager = self.stager or SnapshotStager(engine.device)
-        nbytes, still_reading = self.stager.stage(engine.state_tensors(dense=engine.ep_rank == 0), step)
+        nbytes, still_reading = self.stager.stage(engine.state_tensors(dense=engine.ep_rank == 0), step,
+                                                  after_a_step=engine.steps_trained > 0)
         if still_reading is not None:
             engine.state_reads.append(still_reading)
         return nbytes

@@ -61,6 +61,7 @@ class StageEngine:
         self.batches = StageBatches(cfg, ep_rank, ep_size, self.device)
         self.opt = AdamW(cfg.optimizer)
         self.lr_scale = 1.0
+        self.steps_trained = 0  # by this engine: until one, the device's free memory does not yet show a step's
         self.groups = GridGroups()  # the grid generation's process groups (joined in init_process_groups)
         self.ctx: EPContext | None = None
         self.copies: EngineCopies | None = None  # the stage's expert copies (made with the stage)
@@ -167,6 +168,7 @@ class StageEngine:
         timings["total"] = time.perf_counter() - t_step
         report["timings"] = timings
         report["batch_index"] = batch_index
+        self.steps_trained += 1
         return report
 
     def _finish_step(self, step: int, loss_sum: torch.Tensor) -> dict:
@@ -263,7 +265,8 @@ class StageEngine:
 
     def wait_state_reads(self) -> None:
         """Order the next write of the live state after the copies still reading it: on the device (a CUDA event),
-        or on the host (a threading.Event: a job's first snapshot, streamed to the store from the live tensors)."""
+        or on the host (a threading.Event: the chunks of a snapshot that the device had no room to stage, streamed
+        to the store from the live tensors)."""
         for event in self.state_reads:
             if isinstance(event, threading.Event):
                 event.wait()

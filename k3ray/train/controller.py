@@ -114,7 +114,9 @@ class Controller:
             self.progress.resume(resumed.step, resumed.meta)
             why += f", resuming from {resumed.path} (step {resumed.step}, ep {resumed.meta['ep']} -> {self.table.ep})"
         self.machine.to(JobState.SCHEDULING, why)
-        backend = self.recovery.launch(placement_timeout_s, None if resumed is None else resumed.sources)
+        sources = None if resumed is None else resumed.sources
+        backend = self.recovery.launch(placement_timeout_s, sources)
+        self.snapshots.start_at(self.progress.step, self.progress.guard_state, sources)
         self.grid.push_policies()
         if resumed is not None:
             self.grid.group.call("set_lr_scale", self.progress.lr_scale)

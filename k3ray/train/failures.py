@@ -70,7 +70,8 @@ class Recovery:
                 time.sleep(min(30.0, ft.retry_backoff_s * 2 ** (attempt - 1)))
 
     def replay(self, until: int) -> None:
-        """Re-run the accepted steps snap.step .. until-1 on the batches they used (deterministic)."""
+        """Re-run the accepted steps snap.step .. until-1 on the batches they used (deterministic), from the committed
+        snapshot or the job's start point."""
         snap, progress = self.snapshots.committed, self.progress
         progress.guard_state = snap.guard
         for s in range(snap.step, until):
@@ -105,7 +106,7 @@ class Recovery:
         progress.skip.update(decision.skip)
         progress.lr_scale = decision.lr_scale
         self.snapshots.commit(self.grid.group, wait=True, timeout_s=self.cfg.fault_tolerance.wait_timeout_s)
-        self.grid.group.transfer.restore(self.snapshots.committed.sources())
+        self._restore_in_place(self.snapshots.committed.sources())
         self.table.drop_copies()  # the restored workers hold none
         incident["restore_seconds"] = time.perf_counter() - t0
         self.grid.group.call("set_lr_scale", progress.lr_scale)
@@ -113,6 +114,18 @@ class Recovery:
         incident["rollback_seconds"] = time.perf_counter() - t0  # restore + replay since the snapshot
         self.machine.to(JobState.RUNNING, f"rolled back to step {self.snapshots.committed.step}, skipping "
                                           f"{list(decision.skip)}")
+
+    def _restore_in_place(self, sources: dict | None) -> None:
+        """Every worker of the grid in use goes back to a snapshot's or checkpoint's state (`sources`) or, before the
+        first snapshot of a job that started from its seed (None), takes its place again with its weights initialised
+        from the seed (the grid rebuilt in place: same workers, same homes)."""
+        group = self.grid.group
+        if sources is not None:
+            group.transfer.restore(sources)
+            return
+        ep, home = self.table.ep, list(self.table.home)
+        group.regroup(set(), ep, home, list(range(ep)), set(), None, timeout_s=60.0)
+        self.grid.push_policies()  # the new engines hold the configured policies, not the live ones
 
     def recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
         """Recover from `lost` to the boundary before `step`, a bounded handler: each attempt (`_recover_once`) is a

@@ -32,13 +32,14 @@ class TrainingGrid:
         self.group.call("set_policies", self.cfg.policies.model_dump())
 
     def joined(self) -> None:
-        """A grid that has just taken the snapshot's state (recovered or resized): drills due on it, live policies,
-        the learning-rate scale, the neighbours' snapshot copies."""
+        """A grid that has just taken the snapshot's (or the start point's) state, recovered or resized: drills due
+        on it, live policies, the learning-rate scale, the neighbours' snapshot copies."""
         self.drills.kill_at(self.group, self.progress.step, "relaunch")
         self.push_policies()
         self.group.call("set_lr_scale", self.progress.lr_scale)
         snap = self.snapshots.committed
-        if not self.snapshots.one_at_a_time:  # a store that holds one snapshot has no room for the neighbours' copies
+        # a store that holds one snapshot has no room for the neighbours' copies; the start point has none
+        if snap.refs and not self.snapshots.one_at_a_time:
             self.group.transfer.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
 
 

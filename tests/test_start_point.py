@@ -1,0 +1,65 @@
+"""The job's start point, against the fake worker group of test_controller (no Ray): a job's first boundary takes
+no snapshot; until the first one has arrived, a lost worker or a blow-up goes back to where the job started (the
+seed, or the checkpoint it resumed from) and replays from there, with the results of a run that never failed."""
+from __future__ import annotations
+
+from k3ray.grid.snapshots import StartPoint
+from test_controller import Cluster, clean_run, resume, run, states
+
+
+def test_the_first_boundary_takes_no_snapshot_the_start_point_stands_in():
+    cluster = Cluster()
+    ctrl = run(cluster, 4, **{"parallel.ep": 2})  # snapshot_every 4
+    assert cluster.seen.get("begin_snapshot", 0) == 0 and ctrl.status()["snapshots"]["committed"] == 0
+    start = ctrl.snapshots.committed
+    assert isinstance(start, StartPoint) and start.step == 0 and start.sources() is None
+    ctrl.train_step(4)
+    assert cluster.seen["begin_snapshot"] == 1 and ctrl.snapshots.committed.step == 4
+    assert ctrl.status()["snapshots"]["committed"] == 1
+
+
+def test_a_worker_lost_before_the_first_snapshot_replays_from_the_seed():
+    cluster = Cluster(capacity=4, lose={2: 1})
+    ctrl = run(cluster, 6, **{"parallel.ep": 2, "fault_tolerance.grow_back": False})
+    (lost,) = ctrl.incidents
+    assert lost["kind"] == "worker_lost" and lost["replayed_steps"] == [0, 2] and lost["ep"] == [2, 1]
+    assert ("regroup", [1], 1, [0], []) in cluster.calls  # in place, the survivor initialised from the seed
+    assert cluster.groups[-1].trained == clean_run(6, **{"parallel.ep": 2}) == tuple(range(6))
+    assert states(ctrl) == ["scheduling", "running", "recovering", "running"]
+
+
+def test_a_lost_stage_before_the_first_snapshot_launches_the_grid_anew_from_the_seed():
+    cluster = Cluster(lose={0: 1})
+    ctrl = run(cluster, 3, **{"parallel.pp": 2})
+    (lost,) = ctrl.incidents
+    assert lost["action"] == "restart" and lost["replayed_steps"] == [0, 0]
+    assert cluster.groups[-1].trained == (0, 1, 2)
+
+
+def test_a_blowup_before_the_first_snapshot_rolls_back_to_the_seed_and_equals_a_run_that_skipped_the_batch():
+    cluster = Cluster(nan_batches={2})
+    ctrl = run(cluster, 6, **{"parallel.ep": 2})
+    (incident,) = ctrl.incidents
+    assert incident["kind"] == "blowup" and incident["batch_ids"] == [2]
+    assert ("regroup", [], 2, [0, 1], []) in cluster.calls  # the grid rebuilt in place from the seed
+    assert cluster.groups[-1].trained == clean_run(6, **{"parallel.ep": 2, "data.skip_batches": [2]})
+    assert cluster.groups[-1].trained == (0, 1, 3, 4, 5, 6)
+    assert "rolled back to step 0" in ctrl.machine.history[-1][2]
+
+
+def test_a_worker_lost_before_the_first_snapshot_of_a_resumed_job_restores_the_checkpoint(tmp_path):
+    """Resumed at step 6 (checkpoint every 3 steps), snapshots every 4: until step 8's snapshot the checkpoint it
+    resumed from is the state to go back to (before, a loss here stopped the job: no snapshot yet)."""
+    checkpointed_at_6 = {"checkpoint.every_n_steps": 3}
+    ctrl = run(Cluster(), 7, **{"checkpoint.dir": str(tmp_path), **checkpointed_at_6})
+    ctrl.shutdown()
+    ctrl, status, cluster = resume(tmp_path, **checkpointed_at_6, **{"parallel.ep": 1})
+    assert status["step"] == 6 and ctrl.snapshots.committed.step == 6
+    assert ctrl.snapshots.committed.sources() is not None  # the checkpoint's parts
+    cluster.lose = {7: 0}
+    for s in range(6, 9):
+        ctrl.train_step(s)
+    (lost,) = [i for i in ctrl.incidents if i["kind"] == "worker_lost"]
+    assert lost["action"] == "restart" and lost["replayed_steps"] == [6, 7]
+    assert cluster.groups[-1].trained == tuple(range(9))
+    assert ctrl.snapshots.committed.step == 8 and cluster.seen["begin_snapshot"] == 1  # no snapshot at step 6
