@@ -52,7 +52,7 @@ def snapshot_job(cfg, steps: int) -> dict:
         times, reports = run_steps(program, steps)
         snaps = program.call(lambda self: {
             "stall_s": list(self.snapshots.stall_seconds), "total_s": list(self.snapshots.total_seconds),
-            "skipped": list(self.snapshots.skipped),
+            "read_wait_s": list(self.snapshots.read_wait_seconds), "skipped": list(self.snapshots.skipped),
             "bytes": self.snapshots.committed.nbytes if self.snapshots.committed is not None else 0})
     finally:
         program.close()
@@ -88,15 +88,18 @@ def main() -> int:
         out["job2_step_seconds"] = times
     j1, snaps = out["job1"], out["job1"]["snapshots"]
     print(f"\nstate per snapshot {snaps['bytes'] / 2**30:.1f} GiB; median step {j1['median_step_s']:.3f} s")
-    print("| snapshot | staging stall ms | boundary step excess ms | arrived after s |")
-    print("|---|---|---|---|")
+    print("| snapshot | staging stall ms | optimizer waited for live reads ms | boundary step excess ms "
+          "| arrived after s |")
+    print("|---|---|---|---|---|")
     # the first boundary takes none (the job's start point stands in for it)
     taken = [s for s in range(args.snapshot_every, args.steps, args.snapshot_every) if s not in snaps["skipped"]]
     for i, s in enumerate(taken):
         stall = snaps["stall_s"][i] * 1e3 if i < len(snaps["stall_s"]) else float("nan")
         total = snaps["total_s"][i] if i < len(snaps["total_s"]) else float("nan")
+        waited = snaps["read_wait_s"][i] * 1e3 if i < len(snaps["read_wait_s"]) else float("nan")
         excess = j1["boundary_excess_s"].get(s)
-        print(f"| step {s} | {stall:.1f} | {'-' if excess is None else f'{excess * 1e3:.0f}'} | {total:.2f} |")
+        print(f"| step {s} | {stall:.1f} | {waited:.0f} | {'-' if excess is None else f'{excess * 1e3:.0f}'} | "
+              f"{total:.2f} |")
     print(f"skipped: {snaps['skipped'] or 'none'}; warnings: {j1['warnings'] or 'none'}")
     print(f"first step: job 1 {j1['step_seconds'][0]:.1f} s"
           + (f", job 2 (kept caches) {out['job2_step_seconds'][0]:.1f} s" if args.warm_steps else ""))

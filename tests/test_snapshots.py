@@ -207,6 +207,23 @@ def test_a_store_that_holds_one_snapshot_drops_the_committed_one_when_the_next_s
     assert len(snaps.stall_seconds) == len(snaps.total_seconds) == 2  # steps 0 and 10 were committed
 
 
+def test_the_optimizers_wait_for_live_reads_is_kept_per_snapshot_and_summarised():
+    from k3ray.grid.snapshots import Snapshots
+    snaps, group = Snapshots(), SlowStoreGroup()
+    snaps.start_at(0, guard=None, restore=None)
+    snaps.optimizer_waited(0, 9.0)  # step 0 runs from the start point: no snapshot read, nothing counted
+    assert snaps.take(group, 10, guard=None)
+    snaps.optimizer_waited(10, 0.25)  # step 10's optimizer waited for the part of its snapshot read live
+    snaps.optimizer_waited(11, 0.0)  # no snapshot at 11's boundary
+    group.arrived.add(10)
+    assert snaps.take(group, 20, guard=None)
+    snaps.optimizer_waited(20, 0.05)
+    assert snaps.read_wait_seconds == [0.25, 0.05]
+    summary = snaps.summary()
+    assert summary["read_wait_ms_max"] == pytest.approx(250.0)
+    assert summary["read_wait_ms_median"] == pytest.approx(150.0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device staging and the side-stream copy need CUDA")
 def test_cuda_snapshots_stage_what_fits_read_the_rest_live_and_a_write_after_the_fence_does_not_reach_them():
     import threading

@@ -72,6 +72,10 @@ def _format_summary(summary: dict) -> str:
         lines.append(f"  snapshots    {snaps['committed']} in memory, training stalled "
                      f"{snaps['stall_ms_median']:.0f} ms (median) / {snaps['stall_ms_max']:.0f} ms (largest) for them, "
                      f"{len(snaps['skipped'])} skipped (the one before still arriving)")
+        if snaps["read_wait_ms_max"] is not None:
+            lines.append(f"               the optimizer waited {snaps['read_wait_ms_median']:.0f} ms (median) / "
+                         f"{snaps['read_wait_ms_max']:.0f} ms (largest) per snapshot for the part read live (what the "
+                         f"device had no room to stage)")
     if summary.get("final_maxvio") is not None:
         lines.append(f"  MaxVio       {summary['final_maxvio']:.3f} (last step, mean over MoE layers)")
     topo = summary.get("topology")

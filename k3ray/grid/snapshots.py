@@ -237,8 +237,9 @@ class Snapshots:
     Interface: `start_at` once the first grid is up (the job's start point is what recovery falls back on until the
     first snapshot commits), `due` and `take` at a boundary, `commit` after the step (or at once), `drop_pending`
     when a worker is lost, `committed` to restore from (a Snapshot, or the StartPoint); `stall_seconds` /
-    `total_seconds` per committed snapshot and `skipped` (the steps whose snapshot was due while the previous one was
-    still arriving) for the benchmarks; `warnings` for the user."""
+    `total_seconds` per committed snapshot, `read_wait_seconds` per snapshot (`optimizer_waited`) and `skipped` (the
+    steps whose snapshot was due while the previous one was still arriving) for the benchmarks; `warnings` for the
+    user."""
 
     def __init__(self, on_commit=None, on_skip=None, timeout_s: float = 600.0):
         """timeout_s: the longest wait for a snapshot's bytes (`commit(wait=True)` without a timeout of its own)."""
@@ -247,6 +248,7 @@ class Snapshots:
         self.pending: Snapshot | None = None
         self.stall_seconds: list[float] = []  # training stalled per snapshot
         self.total_seconds: list[float] = []  # start to committed
+        self.read_wait_seconds: list[float] = []  # the optimizer held up by the part read live, per snapshot
         self.skipped: list[int] = []
         self.warnings: list[str] = []
         self.on_commit = on_commit  # called with each committed Snapshot (metrics)
@@ -254,11 +256,20 @@ class Snapshots:
         self.one_at_a_time = False  # the object store holds one snapshot (StoreFit)
 
     def summary(self) -> dict:
-        """What the snapshots cost so far: how many were committed, training's stall for them (median and largest,
-        ms) and the steps whose snapshot was skipped."""
-        stalls = self.stall_seconds
+        """What the snapshots cost so far: how many were committed, training's stall for them and the optimizer's
+        wait for their part read live (median and largest, ms), and the steps whose snapshot was skipped."""
+        stalls, waits = self.stall_seconds, self.read_wait_seconds
         return {"committed": len(stalls), "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else None,
-                "stall_ms_max": 1e3 * max(stalls) if stalls else None, "skipped": list(self.skipped)}
+                "stall_ms_max": 1e3 * max(stalls) if stalls else None,
+                "read_wait_ms_median": 1e3 * statistics.median(waits) if waits else None,
+                "read_wait_ms_max": 1e3 * max(waits) if waits else None, "skipped": list(self.skipped)}
+
+    def optimizer_waited(self, step: int, seconds: float) -> None:
+        """The step run from the boundary of `step` waited `seconds` before its optimizer could write the state: for
+        the part of the state the device had no room to stage, read from the live tensors as the snapshot of that
+        boundary streams out. Kept per snapshot (a step whose boundary took none waits for nothing)."""
+        if any(isinstance(s, Snapshot) and s.step == step for s in (self.pending, self.committed)):
+            self.read_wait_seconds.append(seconds)
 
     def start_at(self, step: int, guard: Any, restore: dict[int, list] | None) -> None:
         """The job's first grid is up at the boundary before `step`, built from `restore` (the resumed checkpoint's

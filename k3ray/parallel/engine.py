@@ -161,7 +161,7 @@ class StageEngine:
         for work in pending:
             work.wait()
         t_opt = time.perf_counter()
-        report = self._finish_step(step, loss_sum)
+        report = self._finish_step(step, loss_sum, timings)
         timings["optimizer"] = time.perf_counter() - t_opt
         timings["dispatch_combine"] = self.ctx.comm_seconds
         timings["compute"] -= self.ctx.comm_seconds
@@ -171,7 +171,7 @@ class StageEngine:
         self.steps_trained += 1
         return report
 
-    def _finish_step(self, step: int, loss_sum: torch.Tensor) -> dict:
+    def _finish_step(self, step: int, loss_sum: torch.Tensor, timings: dict[str, float]) -> dict:
         cfg = self.cfg
         self.copies.return_grads()  # copies' gradients join their home's (where the optimizer state is)
         # dense gradients: sum over the stage's EP group (one flat all-reduce)
@@ -190,7 +190,7 @@ class StageEngine:
         dist.all_reduce(totals, group=self.groups.world)
         sq, loss = totals.tolist()
         lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)
-        self.wait_state_reads()
+        timings["snapshot_wait"] = self.wait_state_reads()  # a snapshot's part read live holds the optimizer
         self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
         if any(self.ctx.copies):
             self.copies.fetch(self.ctx.copies)  # the copies take the home's new weights
@@ -263,16 +263,18 @@ class StageEngine:
         write()
         self._refresh_params()
 
-    def wait_state_reads(self) -> None:
+    def wait_state_reads(self) -> float:
         """Order the next write of the live state after the copies still reading it: on the device (a CUDA event),
         or on the host (a threading.Event: the chunks of a snapshot that the device had no room to stage, streamed
-        to the store from the live tensors)."""
+        to the store from the live tensors). Returns the seconds waited on the host."""
+        t0 = time.perf_counter()
         for event in self.state_reads:
             if isinstance(event, threading.Event):
                 event.wait()
             else:
                 torch.cuda.current_stream(self.device).wait_event(event)
         self.state_reads = []
+        return time.perf_counter() - t0
 
     def state_tensors(self, dense: bool = True) -> dict:
         """Everything this worker's training depends on, as the live tensors (no copies): dense parameters and

@@ -165,6 +165,7 @@ class Controller:
                 self.recovery.recover(step, lost, detected_after=time.perf_counter() - t_attempt)
                 at_boundary = True
         progress.accept(step, batch, report)
+        self.snapshots.optimizer_waited(step, report["timings"].get("snapshot_wait", 0.0))
         self.recovery.resumed(since=t0)
         self.table.track(report)
         self.drills.kill_at(grid.group, step, "after_step")
