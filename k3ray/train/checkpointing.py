@@ -27,7 +27,9 @@ log = logging.getLogger("k3ray.controller")
 
 @dataclass
 class Resumed:
-    """What a resume starts from: the checkpoint's step and metadata, and its parts by stage (`restore_sources`)."""
+    """What a resume starts from: the checkpoint's step and metadata, and its parts by stage (`restore_sources`),
+    mapped from their files: the job keeps them as its start point until its first snapshot, in the page cache (which
+    the kernel may reclaim), not in the controller's heap."""
     path: str
     step: int
     meta: dict
@@ -113,7 +115,8 @@ class DurableCheckpoints:
                         "; ".join(changed))
             self.on_incident("resumed_with_changes", step=manifest.step, rule="resumed_with_changes",
                              changed=changed)
-        states = {r: ckpt.load_part(root, manifest.step, ckpt.part_name(r)) for r in range(meta["pp"] * meta["ep"])}
+        states = {r: ckpt.load_part(root, manifest.step, ckpt.part_name(r), mmap=True)
+                  for r in range(meta["pp"] * meta["ep"])}
         return Resumed(str(manifest.path), manifest.step, meta, restore_sources(states, meta["pp"], meta["ep"]))
 
     def _warn(self, kind: str, message: str, **fields) -> None:
