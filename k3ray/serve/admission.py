@@ -47,12 +47,15 @@ class Admission:
                 if req.finish == "error":
                     yield {"error": "internal", "message": req.error}
                     return
+                # one look at the request: the iteration loop runs while this stream waits at its yield, and a
+                # token or finish that comes meanwhile is the next item's (its event is set again)
                 upto = req.detok.tokens  # ids taken into the text: without end-of-text and what follows a stop
-                grew = len(req.text) > sent_text
-                if req.done or grew and (sent == 0 or upto - sent >= interval):
-                    yield {"text": req.text[sent_text:], "tokens": req.out[sent:upto], "finish": req.finish}
-                    sent, sent_text = upto, len(req.text)
-                if req.done:
+                text, done = req.text, req.done
+                if done or len(text) > sent_text and (sent == 0 or upto - sent >= interval):
+                    item = {"text": text[sent_text:], "tokens": req.out[sent:upto], "finish": req.finish}
+                    sent, sent_text = upto, len(text)
+                    yield item
+                if done:
                     return
         finally:  # also when the caller cancels the stream: the request ends and its caches are freed
             self.sched.table.cancel(req.id)
