@@ -9,8 +9,11 @@ which is the newest grid's: leaving never sets a group to None, it makes asking 
 from __future__ import annotations
 
 from datetime import timedelta
+from urllib.parse import urlparse
 
 import torch.distributed as dist
+
+from k3ray.parallel.gloo_sockets import GlooConnections
 
 
 class LeftGrid(RuntimeError):
@@ -55,6 +58,7 @@ class GridGroups:
         self.generation = 0  # the grid generation whose groups these are (set when joined)
         self._world = self._ep_group = None
         self.left = False  # the grid was left: its groups are gone, and asking for them raises LeftGrid
+        self._connections = GlooConnections()  # the gloo groups' TCP pairs, ended on leaving
 
     def join(self, init_method: str, backend: str, generation: int, pp_rank: int, ep_rank: int, pp: int, ep: int,
              timeout_s: float) -> None:
@@ -66,27 +70,33 @@ class GridGroups:
             self._world = self._ep_group = NoGroups(generation)
             return
         timeout = timedelta(seconds=timeout_s)
+        gloo = backend == "gloo"  # NCCL's groups end their waits with their own abort (leave)
+        if gloo:
+            self._connections.listening()
         dist.init_process_group(backend, init_method=init_method, world_size=pp * ep, rank=pp_rank * ep + ep_rank,
                                 timeout=timeout)
         self._world = dist.group.WORLD
         groups = [dist.new_group(list(range(p * ep, (p + 1) * ep)), timeout=timeout) for p in range(pp)]
         self._ep_group = groups[pp_rank]
+        if gloo:
+            self._connections.find(self._world, urlparse(init_method).port)
 
     def leave(self, cuda: bool) -> None:
-        """Leave the groups (before the worker joins another grid). NCCL's are aborted first, so a thread waiting in
-        one of their collectives returns. gloo's abort does not end a wait; a gloo group closes its connections when
-        it is freed, so nothing here keeps the groups once left: a peer waiting on this worker in one of them then
-        fails at once instead of at the collective timeout."""
+        """Leave the groups (before the worker joins another grid), so that a peer (or a thread of this worker)
+        waiting in one of their collectives fails at once instead of at the collective timeout. NCCL's are aborted.
+        gloo's abort ends no wait, and a gloo group closes its connections only once freed, which whatever still
+        holds it (a failed call's frames, the C++ side) can put off: its connections are shut down here instead
+        (k3ray.parallel.gloo_sockets)."""
         if self._world is None or self.left:
             return
         self.left = True  # first: a thread asking for a group from now on gets LeftGrid
         self._world = self._ep_group = None
-        if not dist.is_initialized():
-            return
-        if cuda:
-            dist.distributed_c10d._abort_process_group()
-        else:
-            dist.destroy_process_group()
+        if dist.is_initialized():
+            if cuda:
+                dist.distributed_c10d._abort_process_group()
+            else:
+                dist.destroy_process_group()
+        self._connections.shut_down()
 
     def _held(self, group):
         if self.left:
