@@ -17,7 +17,8 @@ call but `node_id` names the grid generation it is meant for; one for an older g
 (StaleGeneration, k3ray.grid.worker_seat).
 
 Threaded: a snapshot's device-to-host copy runs beside the next training step, and further threads cover calls left
-waiting in lost grids' collectives until their timeout (gloo cannot abort them) after the worker joined another."""
+waiting in lost grids' collectives (until the worker leaves that grid, which ends them) after the worker joined
+another."""
 from __future__ import annotations
 
 import time
@@ -25,7 +26,6 @@ import time
 _MODULE_STARTED = time.time()  # before torch and the model code are imported: a worker's start in phases
 
 import functools  # noqa: E402
-import gc  # noqa: E402
 import inspect  # noqa: E402
 import os  # noqa: E402
 
@@ -38,8 +38,8 @@ from k3ray.grid.worker_serving import WorkerServing  # noqa: E402
 from k3ray.grid.worker_state import WorkerState  # noqa: E402
 from k3ray.grid.worker_training import WorkerTraining  # noqa: E402
 
-# Calls a worker must absorb while still answering its current grid: losses that come close together (inside one
-# collective timeout) each leave a call waiting in a left grid's gloo collective until that timeout.
+# Calls a worker must absorb while still answering its current grid: losses that come close together each leave a
+# call waiting in a lost grid's collective until the worker leaves that grid (or, if it never does, its timeout).
 STUCK_CALLS = 4
 THREADS = 2 + STUCK_CALLS  # the current grid's call, a snapshot or ping beside it, and the stuck ones
 MOVES = ("assume", "stand_by")  # the calls that move a worker to the grid generation they name
@@ -127,10 +127,10 @@ class Worker:
         return True
 
     def leave_grid(self) -> bool:
-        """Leave the grid held now that it lost workers (before the next is built): its process groups freed, so a
-        peer still waiting on this worker in one of them fails at once instead of at the collective timeout."""
+        """Leave the grid held now that it lost workers (before the next is built): its process groups' connections
+        end, so a peer still waiting on this worker in one of them fails at once instead of at the collective
+        timeout (k3ray.parallel.grid_groups)."""
         self._leave()
-        gc.collect()  # a group's last references may sit in reference cycles: it closes only once freed
         return True
 
     def _leave(self) -> None:

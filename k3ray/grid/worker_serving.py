@@ -50,11 +50,9 @@ class WorkerServing:
 
     def serve_step(self, plan):
         """This worker's part of a serving iteration: its rank's plan (k3ray.parallel.serving.RankPlan) in, a
-        StageOutput out. A failure is raised again as StepFailed, its traceback as text and without its frames:
-        they hold the grid's process groups, and a peer waiting on this worker in one of them waits as long as those
-        live (gloo closes a group's connections only when it is freed: Worker.leave_grid). The frames' locals go
-        before the text is made: formatting reads every frame's source file (seconds on a loaded host, the first
-        time), and a leave_grid meanwhile would not free the groups."""
+        StageOutput out. A failure is raised again as StepFailed, its traceback as text and without its frames: their
+        locals (the step's tensors, the grid's process groups) go before the text is made, which reads every frame's
+        source file (seconds on a loaded host, the first time)."""
         try:
             return self.server.step(plan)
         except Exception as err:  # noqa: BLE001 - raised again below, outside this block, so that its frames go

@@ -92,7 +92,7 @@ class ServingGraph:
         wait inside the iteration on a live peer that gave it up (stage 1 for the hidden state of a stage 0 whose EP
         peer died): gloo ends that wait only at parallel.collective_timeout_s, and until then the graph cannot be
         torn down nor a new one run on that worker (Ray runs one graph loop per worker at a time). The peer leaving
-        frees its groups, which closes their connections and ends the wait at once."""
+        shuts its groups' connections down, which ends the wait at once (k3ray.parallel.grid_groups)."""
         left = [calls.send(w, group.generation, "leave_grid") for r, w in enumerate(group.workers) if r not in dead]
         if left:
             ray.wait(left, num_returns=len(left), timeout=LEAVE_S)  # a survivor that does not answer: lost later
