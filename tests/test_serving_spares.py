@@ -96,6 +96,7 @@ def test_kills_in_rounds_with_a_spare_complete_every_request_as_undisturbed_in_s
         ray.get(engine.drill.remote("kill_worker", [2]))  # round 1: the spare takes rank 2's place
         wait_for_recovery(engine, 1)
         t_first_served = time.perf_counter()
+        clients.wait_for_tokens()  # seen by the clients too: round 1's window ends before round 2's fault
         ray.get(engine.drill.remote("hang_collective", [0]))  # round 2: rank 0 hangs, its peers wait on it ...
         time.sleep(0.5)
         t_second = time.perf_counter()
