@@ -33,7 +33,7 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 
 from k3ray.config import JobConfig  # noqa: E402
-from k3ray.grid.worker_seat import WorkerSeat
+from k3ray.grid.worker_seat import WorkerSeat  # noqa: E402
 from k3ray.grid.worker_serving import WorkerServing  # noqa: E402
 from k3ray.grid.worker_state import WorkerState  # noqa: E402
 from k3ray.grid.worker_training import WorkerTraining  # noqa: E402

@@ -176,15 +176,20 @@ def decode_shape(plan: RankPlan) -> tuple[int, int, bool] | None:
     return 1 << (len(plan.slots) - 1).bit_length(), 1 << max(plan.starts).bit_length(), plan.greedy
 
 
+def graph_key(rows: int, longest: int, greedy: bool, pools: CachePools) -> tuple[int, int, bool] | None:
+    """The decode graph (batch bucket, context bucket, greedy) that replays a decode iteration of `rows` sequences,
+    the longest `longest` tokens with its new one, on these pools; None past the largest bucket the pools fill."""
+    bucket = next((b for b in BATCH_BUCKETS if b >= rows), None)
+    if bucket is None or bucket > pools.slots:
+        return None
+    return bucket, pools.context_bucket(longest), bool(greedy)
+
+
 def graph_keys(traffic: list[tuple[int, int, bool]], pools: CachePools) -> list[tuple[int, int, bool]]:
-    """The decode graphs (batch bucket, context bucket, greedy) that iterations of `traffic`'s shapes ((rows, longest
-    sequence, greedy), most used first: `decode_shape`) replay on these pools, in that order, once each; shapes
-    past the largest batch bucket have none."""
-    keys = {}
-    for rows, longest, greedy in traffic:
-        bucket = next((b for b in BATCH_BUCKETS if b >= rows), None)
-        if bucket is not None and bucket <= pools.slots:
-            keys.setdefault((bucket, pools.context_bucket(longest), bool(greedy)), None)
+    """The decode graphs that iterations of `traffic`'s shapes ((rows, longest sequence, greedy), most used first:
+    `decode_shape`) replay on these pools (`graph_key`), in that order, once each."""
+    keys = dict.fromkeys(graph_key(*shape, pools) for shape in traffic)
+    keys.pop(None, None)
     return list(keys)
 
 
@@ -253,12 +258,13 @@ class DecodeGraphs:
         where no graph serves it (graphs off for this stage, or a batch past the largest bucket): run it eagerly."""
         pools = self.server.pools
         n = len(plan.slots)
-        bucket = next((b for b in BATCH_BUCKETS if b >= n), None)
-        if not self.enabled or bucket is None or bucket > pools.slots:
+        key = graph_key(n, max(plan.starts) + 1, plan.greedy, pools)
+        if not self.enabled or key is None:
             return None
-        captured = self._get(bucket, pools.context_bucket(max(plan.starts) + 1), plan.greedy)
+        captured = self._get(*key)
         if captured is None:
             return None
+        bucket = key[0]
         graph, inputs, outputs = captured
         inputs["packed"].copy_(pack_decode(plan, bucket, pools.scratch_slot, x is None), non_blocking=False)
         if x is not None:
