@@ -1,5 +1,6 @@
-"""Ray for a k3ray command: connect to a cluster, or start the embedded local one sized for the job. Imports only Ray,
-so a command can start Ray while its heavier modules (torch, the model code) are still being imported."""
+"""Ray for a k3ray command: connect to a cluster, or start the embedded local one sized for the job. Imports only Ray:
+commands that start Ray without training (`k3ray serve`, `k3ray data prepare`) do not import the training controller
+for it."""
 from __future__ import annotations
 
 import os
