@@ -20,6 +20,7 @@ import logging
 import time
 
 import ray
+from ray.exceptions import GetTimeoutError, RayActorError
 
 from k3ray.config import JobConfig
 from k3ray.grid import calls
@@ -206,8 +207,20 @@ class WorkerGroup:
         """World ranks found lost (`calls.dead_ranks`) but those in `exclude`."""
         return calls.dead_ranks(self.workers, self.nodes, exclude, timeout_s)
 
-    def kill(self, rank: int) -> None:
-        ray.kill(self.workers[rank], no_restart=True)
+    def kill(self, rank: int, wait_s: float = 30.0) -> None:
+        """Kill the worker of `rank` and return once it is dead: ray.kill only asks Ray to, and a call sent before
+        the kill lands would still run (a drill "at the boundary" must meet the next call, not the one after)."""
+        worker = self.workers[rank]
+        ray.kill(worker, no_restart=True)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get(worker.__ray_ready__.remote(), timeout=1.0)
+            except RayActorError:
+                return
+            except GetTimeoutError:
+                continue  # busy with a call the kill will end
+            time.sleep(0.02)
 
     def run_step(self, step: int, batch_index: int, timeout_s: float) -> list[dict]:
         """Reports of every worker, in world-rank order (WorkerLost: see `_gather`)."""
