@@ -224,6 +224,47 @@ def test_the_optimizers_wait_for_live_reads_is_kept_per_snapshot_and_summarised(
     assert summary["read_wait_ms_median"] == pytest.approx(150.0)
 
 
+def _bf16_engine(seed: int, generation: int):
+    from k3ray.config import load_config
+    from k3ray.control.local_nodes import free_port
+    from k3ray.parallel.engine import StageEngine
+    cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1, "model.dtype": "bfloat16",
+                                            "train.seed": seed, "train.eval_batches": 1, "model.n_layers": 2,
+                                            "data.micro_batch_size": 1, "data.seq_len": 16,
+                                            "parallel.micro_batches": 1})
+    engine = StageEngine(cfg, 0, 0, [0] * cfg.model.n_experts, 1)
+    engine.init_process_groups(f"tcp://127.0.0.1:{free_port()}", "gloo", generation)
+    return engine
+
+
+def test_a_bf16_snapshot_leaves_out_the_parameters_its_masters_round_to_and_restores_them_bit_for_bit():
+    """bf16 training: every parameter is its fp32 master's rounding, so a snapshot carries the master only (12 of
+    the 14 bytes a parameter holds) and a restore rounds it again, exactly."""
+    from k3ray.parallel.shards import select_experts
+    trained = _bf16_engine(0, 1)
+    try:
+        trained.train_step(0, 0)
+        stager = SnapshotStager(torch.device("cpu"))
+        nbytes, _ = stager.stage(trained.state_tensors(rounded_params=False), 1)
+        whole = sum(layout(trained.state_tensors(), 1 << 20)[2])
+        expected, loss = trained.state_dict(), trained.train_step(1, 1)["loss"]
+    finally:
+        trained.leave_process_groups()
+    state = as_state(_streamed(stager, 1))
+    assert not state["dense"] and all(p["w1"] is None and p["w2"] is None for p in state["experts"].values())
+    assert nbytes < 0.9 * whole
+    fresh = _bf16_engine(1, 2)  # another seed: every weight it ends with comes from the snapshot
+    try:
+        # each layer's experts from two old shards, odd ids first: a restore onto another expert split
+        halves = {layer: [select_experts(p, {e for e in p["expert_ids"] if e % 2 == k}) for k in (1, 0)]
+                  for layer, p in state["experts"].items()}
+        fresh.load_state(state, halves)
+        _assert_same(expected, fresh.state_dict())
+        assert fresh.train_step(1, 1)["loss"] == loss
+    finally:
+        fresh.leave_process_groups()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device staging and the side-stream copy need CUDA")
 def test_cuda_snapshots_stage_what_fits_read_the_rest_live_and_a_write_after_the_fence_does_not_reach_them():
     import threading

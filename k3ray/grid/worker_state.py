@@ -21,10 +21,11 @@ class WorkerState:
     def stage_snapshot(self, step: int) -> int:
         """Copy the state to run `step` from aside (the short part, at the step boundary) and return its size in
         bytes. Dense state only from EP rank 0 of the stage: the other EP ranks hold identical copies, and restores
-        read it from rank 0's."""
+        read it from rank 0's. Parameters an fp32 master stands for are left out (a restore rounds the master)."""
         engine = self.seat.engine
         self.stager = self.stager or SnapshotStager(engine.device)
-        nbytes, still_reading = self.stager.stage(engine.state_tensors(dense=engine.ep_rank == 0), step,
+        state = engine.state_tensors(dense=engine.ep_rank == 0, rounded_params=False)
+        nbytes, still_reading = self.stager.stage(state, step,
                                                   after_a_step=engine.steps_trained > 0)
         if still_reading is not None:
             engine.state_reads.append(still_reading)

@@ -276,18 +276,22 @@ class StageEngine:
         self.state_reads = []
         return time.perf_counter() - t0
 
-    def state_tensors(self, dense: bool = True) -> dict:
+    def state_tensors(self, dense: bool = True, rounded_params: bool = True) -> dict:
         """Everything this worker's training depends on, as the live tensors (no copies): dense parameters and
         their optimizer state (left out with dense=False: every EP rank of a stage holds the same), expert shards
         (with theirs), router biases, optimizer step count, learning-rate scale. Snapshots copy it aside;
         `state_dict` copies it to the host. The optimizer state is complete from the start (zero moments before the
-        first step), so every snapshot of a job has the same size."""
+        first step), so every snapshot of a job has the same size. rounded_params=False leaves out the parameters
+        an fp32 master stands for (bf16 training: each is its master's rounding, and a restore rounds it again):
+        a seventh of a bf16 state, which snapshots need not copy."""
         self.opt.init_state(self.params)
+        kept = {n: p.detach() for n, p in self.dense.items()
+                if rounded_params or "master" not in self.opt.state[n]} if dense else {}
         return {
             "stage": self.pp_rank, "layers": list(self.layers),
-            "dense": {n: p.detach() for n, p in self.dense.items()} if dense else {},
+            "dense": kept,
             "opt_dense": {n: dict(st) for n, st in self.opt.state.items() if dense and not is_expert_param(n)},
-            "experts": {layer: shards.live_payload(shard, self.opt, shards.shard_prefix(layer))
+            "experts": {layer: shards.live_payload(shard, self.opt, shards.shard_prefix(layer), rounded_params)
                         for layer, shard in self.stage.expert_shards().items()},
             "router_bias": {i: moe.router.bias.detach() for i, moe in self.stage.moe_layers().items()},
             "opt_steps": self.opt.steps,

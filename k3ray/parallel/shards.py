@@ -12,10 +12,20 @@ from k3ray.optim import AdamW, fresh_state
 WEIGHTS = ("w1", "w2")
 
 
-def live_payload(shard: ExpertShard, opt: AdamW, prefix: str) -> dict:
-    """The whole shard in payload form, as its live tensors (no copies): what snapshots stage."""
-    return {"expert_ids": list(shard.expert_ids), **{w: getattr(shard, w).detach() for w in WEIGHTS},
-            "opt": {w: opt.state.get(f"{prefix}.{w}") for w in WEIGHTS}}
+def live_payload(shard: ExpertShard, opt: AdamW, prefix: str, rounded_params: bool = True) -> dict:
+    """The whole shard in payload form, as its live tensors (no copies): what snapshots stage. rounded_params=False
+    leaves out (None) the weights an fp32 master in their optimizer state stands for (`weights`)."""
+    opt_state = {w: opt.state.get(f"{prefix}.{w}") for w in WEIGHTS}
+    return {"expert_ids": list(shard.expert_ids),
+            **{w: None if not rounded_params and "master" in (opt_state[w] or {}) else getattr(shard, w).detach()
+               for w in WEIGHTS},
+            "opt": opt_state}
+
+
+def weights(payload: dict, w: str) -> torch.Tensor:
+    """Weight `w` of a payload: its own, or its fp32 master where the payload left the weight out (the caller rounds
+    it to the parameter's dtype, as the optimizer does after every step)."""
+    return payload[w] if payload[w] is not None else payload["opt"][w]["master"]
 
 
 def export_experts(shard: ExpertShard, opt: AdamW, prefix: str, expert_ids: list[int]) -> dict:
@@ -38,7 +48,7 @@ def select_experts(payload: dict, keep: set[int]) -> dict:
     rows = [i for i, e in enumerate(payload["expert_ids"]) if e in keep]
     return {
         "expert_ids": [payload["expert_ids"][i] for i in rows],
-        **{w: payload[w][rows] for w in WEIGHTS},
+        **{w: None if payload[w] is None else payload[w][rows] for w in WEIGHTS},
         "opt": {w: None if st is None else {k: v[rows] for k, v in st.items()} for w, st in payload["opt"].items()},
     }
 
@@ -53,16 +63,37 @@ def set_experts(shard: ExpertShard, opt: AdamW, prefix: str, payloads: list[dict
         raise ValueError(f"{prefix}: duplicate experts in import: {sorted(ids)}")
     order = sorted(range(len(ids)), key=ids.__getitem__)
     for w in WEIGHTS:
-        stacked = torch.cat([p[w] for p in parts])[order].to(device=device, dtype=dtype)
+        stacked = _stacked(parts, w, order, device, dtype)
         setattr(shard, w, nn.Parameter(stacked))
         states = [p["opt"][w] for p in parts]
         if any(s is not None for s in states):  # experts that arrive without state start fresh (zero moments)
-            filled = [s if s is not None else fresh_state(p[w].to(dtype)) for s, p in zip(states, parts)]
+            filled = [s if s is not None else fresh_state(weights(p, w).to(dtype)) for s, p in zip(states, parts)]
             opt.set_state(f"{prefix}.{w}", {k: torch.cat([f[k] for f in filled])[order].to(device)
                                             for k in filled[0]})
         else:
             opt.set_state(f"{prefix}.{w}", None)
     shard.expert_ids = sorted(ids)
+
+
+def _stacked(parts: list[dict], w: str, order: list[int], device, dtype, rows_at_once: int = 64) -> torch.Tensor:
+    """Weight `w` of every part, rows concatenated then taken in `order`, on `device` in `dtype`. A weight that
+    comes as its fp32 master is moved as it is and rounded there, a few rows at a time (the host would round it
+    many times slower, and the whole of it in fp32 would double the device memory a restore needs)."""
+    total = sum(len(p["expert_ids"]) for p in parts)
+    if all(p[w] is not None for p in parts):
+        return torch.cat([p[w] for p in parts])[order].to(device=device, dtype=dtype)
+    where = torch.empty(total, dtype=torch.long)
+    where[torch.tensor(order, dtype=torch.long)] = torch.arange(total)  # row j of the concatenation goes to where[j]
+    first = weights(parts[0], w)
+    out = torch.empty((total, *first.shape[1:]), dtype=dtype, device=device)
+    start = 0
+    for p in parts:
+        rows = weights(p, w)
+        for i in range(0, len(rows), rows_at_once):
+            block = rows[i:i + rows_at_once]
+            out[where[start + i:start + i + len(block)].to(device)] = block.to(device).to(dtype)
+        start += len(rows)
+    return out
 
 
 def shard_prefix(layer: int) -> str:
@@ -76,8 +107,8 @@ def load_weights(stage: K3Stage, opt: AdamW, dense_state: dict, expert_payloads:
     """Set a stage's dense parameters and router biases from a stage state (any that holds its layers' names), and
     its expert shards to the experts in `mine`, taken from payloads of any number of old shards."""
     for n, p in stage.named_parameters():
-        if not is_expert_param(n):
-            p.copy_(dense_state["dense"][n].to(p.device))
+        if not is_expert_param(n):  # left out of the state: the rounding of its master, restored before this
+            p.copy_(dense_state["dense"][n].to(p.device) if n in dense_state["dense"] else opt.state[n]["master"])
     for i, moe in stage.moe_layers().items():
         moe.router.bias.copy_(dense_state["router_bias"][i].to(moe.router.bias.device))
     for layer, shard in stage.expert_shards().items():
@@ -96,5 +127,5 @@ def read_only_copies(payloads: list[dict], expert_ids: list[int], device, dtype)
     missing = [e for e in expert_ids if e not in found]
     if missing:
         raise ValueError(f"no weights for experts {missing} in the payloads")
-    return {w: torch.stack([found[e][0][w][found[e][1]] for e in expert_ids]).to(device=device, dtype=dtype)
+    return {w: torch.stack([weights(found[e][0], w)[found[e][1]] for e in expert_ids]).to(device=device, dtype=dtype)
             for w in WEIGHTS}
