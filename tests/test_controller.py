@@ -37,6 +37,7 @@ class Cluster:
         self.place_fails = 0  # placements (launch, grow) that fail although the resources looked free
         self.lost_node_ranks: set[int] = set()  # world ranks on a node that is lost (or silent), not just dead
         self.step_gate = None  # a threading.Event a step waits on (forced interleavings with API calls)
+        self.warmed_after: list[tuple] = []  # the batches trained each time the object stores were warmed
         self.calls: list[tuple] = []
         self.groups: list[FakeGroup] = []
 
@@ -194,6 +195,10 @@ class FakeGroup:
         if method == "evaluate":
             return [float(len(self.trained))] * self.size
         return [True] * self.size
+
+    def warm_stores(self) -> list:
+        self.cluster.warmed_after.append(self.trained)  # the batches trained when the stores were warmed
+        return []
 
     def begin_snapshot(self, step: int) -> tuple[list, list, None]:
         self._die("begin_snapshot")

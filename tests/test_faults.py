@@ -56,6 +56,8 @@ def test_blowup_before_the_first_snapshot_rolls_back_to_the_seed_and_equals_the_
     (incident,) = incidents
     assert incident["kind"] == "blowup" and incident["step"] == k and incident["batch_ids"] == [k]
     assert status["snapshots"]["committed"] == 1  # step 4's: none at step 0
+    warmed_gib, _ = status["snapshots"]["store_warmed"]  # after step 0, each worker its snapshot's size
+    assert warmed_gib > 0
     clean = tiny(**{"parallel.ep": 2, "data.skip_batches": [k]})
     ref_reports, ref_incidents, _, ref_params = run(clean, steps)
     assert ref_incidents == []

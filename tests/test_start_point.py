@@ -13,6 +13,7 @@ def test_the_first_boundary_takes_no_snapshot_the_start_point_stands_in():
     assert cluster.seen.get("begin_snapshot", 0) == 0 and ctrl.status()["snapshots"]["committed"] == 0
     start = ctrl.snapshots.committed
     assert isinstance(start, StartPoint) and start.step == 0 and start.sources() is None
+    assert cluster.warmed_after == [(0,)]  # the stores are warmed once, after the first step, for the first snapshot
     ctrl.train_step(4)
     assert cluster.seen["begin_snapshot"] == 1 and ctrl.snapshots.committed.step == 4
     assert ctrl.status()["snapshots"]["committed"] == 1

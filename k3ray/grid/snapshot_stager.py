@@ -21,6 +21,7 @@ boundary.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +30,8 @@ import numpy as np
 import torch
 
 from k3ray.grid.snapshots import ALIGN, CHUNK_BYTES, Skeleton, layout, view
+
+log = logging.getLogger("k3ray.snapshots")
 
 
 class SnapshotStager:
@@ -66,6 +69,9 @@ class SnapshotStager:
             if size <= 0:
                 return len(sizes)
             self.staging = torch.empty(size, dtype=torch.uint8, device=self.device)
+            if size < sum(sizes):  # the optimizer after each snapshot waits for the rest (StageEngine.state_reads)
+                log.warning("snapshots: %.1f GiB staged on the device, %.1f GiB read from the live state (no room)",
+                            size / 2**30, (sum(sizes) - size) / 2**30)
         tail = np.cumsum(sizes[::-1])[::-1]  # bytes from chunk k to the end
         fits = np.nonzero(tail <= self.staging.numel())[0]
         return int(fits[0]) if len(fits) else len(sizes)

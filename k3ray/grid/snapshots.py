@@ -254,15 +254,36 @@ class Snapshots:
         self.on_commit = on_commit  # called with each committed Snapshot (metrics)
         self.on_skip = on_skip  # called with (step skipped, step of the snapshot still arriving)
         self.one_at_a_time = False  # the object store holds one snapshot (StoreFit)
+        self.warming: list = []  # the workers' warm_store calls (bytes, seconds each), once per job
 
     def summary(self) -> dict:
         """What the snapshots cost so far: how many were committed, training's stall for them and the optimizer's
-        wait for their part read live (median and largest, ms), and the steps whose snapshot was skipped."""
+        wait for their part read live (median and largest, ms), the steps whose snapshot was skipped, and how much of
+        the object store the workers warmed before the first (GiB, the slowest worker's seconds)."""
         stalls, waits = self.stall_seconds, self.read_wait_seconds
         return {"committed": len(stalls), "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else None,
                 "stall_ms_max": 1e3 * max(stalls) if stalls else None,
                 "read_wait_ms_median": 1e3 * statistics.median(waits) if waits else None,
-                "read_wait_ms_max": 1e3 * max(waits) if waits else None, "skipped": list(self.skipped)}
+                "read_wait_ms_max": 1e3 * max(waits) if waits else None, "skipped": list(self.skipped),
+                "store_warmed": self.warmed()}
+
+    def warm_stores(self, group, step: int) -> None:
+        """At the boundary after the job's first step (the state and the memory the steps use are then all there):
+        start the workers writing and freeing their snapshot's size in the object store, so that the first snapshot
+        writes into pages the workers have mapped (`GridStateTransfer.warm_stores`). Once a job."""
+        if isinstance(self.committed, StartPoint) and step == self.committed.step + 1 and not self.warming:
+            self.warming = group.transfer.warm_stores()
+
+    def warmed(self) -> tuple[float, float] | None:
+        """GiB written by the warm_store calls that have ended, and the longest one's seconds (None: none ended)."""
+        ready, _ = ray.wait(self.warming, num_returns=len(self.warming), timeout=0) if self.warming else ([], [])
+        done = []
+        for ref in ready:
+            try:
+                done.append(ray.get(ref))
+            except ray.exceptions.RayError:
+                continue  # its worker was lost meanwhile
+        return (sum(b for b, _ in done) / 2**30, max(s for _, s in done)) if done else None
 
     def optimizer_waited(self, step: int, seconds: float) -> None:
         """The step run from the boundary of `step` waited `seconds` before its optimizer could write the state: for

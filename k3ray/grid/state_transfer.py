@@ -3,10 +3,12 @@ into the object store (owned by the caller; a worker on another node maps a copy
 worker from snapshots or checkpoint parts of any old grid. Every call goes through the group's one failure path."""
 from __future__ import annotations
 
+from collections import Counter
+
 import ray
 
 from k3ray.grid import calls
-from k3ray.grid.snapshots import SnapshotPart, StoreFit, store_fit
+from k3ray.grid.snapshots import SPILL_AT, SnapshotPart, StoreFit, store_fit
 
 
 class GridStateTransfer:
@@ -39,6 +41,16 @@ class GridStateTransfer:
         parts = [SnapshotPart(w.snapshot.remote(g.generation, step), nbytes)
                  for w, nbytes in zip(g.workers, part_bytes)]
         return parts, parts, fit
+
+    def warm_stores(self) -> list[ray.ObjectRef]:
+        """Start every worker writing its snapshot's size into its node's object store and freeing it (Worker
+        `warm_store`), beside the steps before the first snapshot: each within its share of what the store holds
+        before it spills. The calls' refs, not waited for (each returns the bytes written and the seconds)."""
+        g = self.group
+        stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0.0) for n in ray.nodes() if n["Alive"]}
+        workers_on = Counter(g.nodes)
+        return [calls.send(w, g.generation, "warm_store", int(SPILL_AT * stores.get(node, 0.0) / workers_on[node]))
+                for w, node in zip(g.workers, g.nodes)]
 
     def snapshot_bytes(self, parts: list[SnapshotPart], timeout_s: float | None) -> int | None:
         """The total size once every part of a snapshot has arrived: timeout_s=0 waits not at all (None while some

@@ -96,8 +96,8 @@ class Worker:
             (self.seat, ("rendezvous_address", "setup")),
             (self.training, ("train_step", "evaluate", "export_shard", "set_placement", "set_trained_copies",
                              "set_policies", "set_lr_scale")),
-            (self.state, ("stage_snapshot", "hold_peer_snapshot", "restore", "save_checkpoint", "checkpoint_parts",
-                          "state")),
+            (self.state, ("stage_snapshot", "warm_store", "hold_peer_snapshot", "restore", "save_checkpoint",
+                          "checkpoint_parts", "state")),
             (self.serving, ("serve_init", "serve_pages_that_fit", "expert_load", "stage_copies", "use_copies")),
         ] for name in names}
 

@@ -3,11 +3,21 @@ beside the next step), the neighbours' snapshot copies it keeps mapped, restores
 of any old grid, and durable checkpoint parts written in the background (k3ray.io.checkpoint)."""
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
+import numpy as np
+import ray
+
 from k3ray.grid.packed_restore import restore_weights, weights_only
 from k3ray.grid.snapshot_stager import SnapshotStager
 from k3ray.grid.snapshots import Packed, SnapshotPart, as_state
 from k3ray.grid.worker_seat import WorkerSeat
 from k3ray.io.checkpoint import AsyncWriter, part_name
+
+log = logging.getLogger("k3ray.worker")
+WARM_PIECE_BYTES = 256 << 20  # the store is warmed a piece at a time: a snapshot staged meanwhile waits one at most
 
 
 class WorkerState:
@@ -16,6 +26,8 @@ class WorkerState:
         self.stager: SnapshotStager | None = None  # made on the first snapshot
         self.peer_snapshots: dict[int, tuple[int, Packed]] = {}  # world rank -> (step, its snapshot)
         self.writer: AsyncWriter | None = None  # made on first use
+        self.warming = threading.Lock()  # held while warm_store holds store space: a snapshot's chunks wait for it
+        self.stop_warming = threading.Event()  # a snapshot was staged: warming ends after its current piece
 
     # -- snapshots -----------------------------------------------------------------------------------------------
     def stage_snapshot(self, step: int) -> int:
@@ -23,6 +35,7 @@ class WorkerState:
         bytes. Dense state only from EP rank 0 of the stage: the other EP ranks hold identical copies, and restores
         read it from rank 0's. Parameters an fp32 master stands for are left out (a restore rounds the master)."""
         engine = self.seat.engine
+        self.stop_warming.set()
         self.stager = self.stager or SnapshotStager(engine.device)
         state = engine.state_tensors(dense=engine.ep_rank == 0, rounded_params=False)
         nbytes, still_reading = self.stager.stage(state, step,
@@ -32,8 +45,31 @@ class WorkerState:
         return nbytes
 
     def snapshot_chunks(self, step: int):
-        """The staged state of `step`: its skeleton, then its chunks as host bytes (streamed beside the next step)."""
+        """The staged state of `step`: its skeleton, then its chunks as host bytes (streamed beside the next step),
+        once the store space a warm_store held is free again."""
+        with self.warming:
+            pass
         return self.stager.chunks(step)
+
+    def warm_store(self, most_bytes: int) -> tuple[int, float]:
+        """Write zeros of this worker's snapshot size (at most `most_bytes`) into its node's object store, a piece at
+        a time, then free them all: the store's pages are then mapped in this process, and the first snapshot
+        writes into them as fast as every later one (a first write into a store's page costs 6-10x a later one:
+        benchmarks/store_pages.py). Only before this worker's first snapshot; stops early, freeing what it wrote,
+        once a snapshot is staged. Returns the bytes written and the seconds it took."""
+        if self.stager is not None or self.stop_warming.is_set():
+            return 0, 0.0
+        target = min(most_bytes, _snapshot_bytes(self.seat.engine))
+        zeros = np.zeros(min(WARM_PIECE_BYTES, max(target, 1)), dtype=np.uint8)
+        t0, held = time.perf_counter(), []
+        with self.warming:
+            while len(held) * zeros.nbytes < target and not self.stop_warming.is_set():
+                held.append(ray.put(zeros))
+            written = len(held) * zeros.nbytes
+            del held  # freed: the store keeps the pages for its next objects
+        seconds = time.perf_counter() - t0
+        log.info("object store warmed: %.2f GiB in %.2f s", written / 2**30, seconds)
+        return written, seconds
 
     def hold_peer_snapshot(self, rank: int, step: int, part: SnapshotPart) -> bool:
         """Keep a neighbour's snapshot mapped, so a copy of it lives on this node too (it survives the loss of the
@@ -80,3 +116,11 @@ class WorkerState:
     def state(self) -> dict:
         """The whole state on the host (k3ray.parallel.engine.StageEngine.state_dict)."""
         return self.seat.engine.state_dict()
+
+
+def _snapshot_bytes(engine) -> int:
+    """About the size of this worker's snapshot, from its parameters alone (the optimizer's state is the step's to
+    write, on another thread): each parameter as its fp32 master (or itself) and two moments, dense ones only on
+    EP rank 0 (stage_snapshot)."""
+    params = engine.params if engine.ep_rank == 0 else engine.experts
+    return sum(3 * p.numel() * max(4, p.element_size()) for p in params.values())

@@ -1,6 +1,6 @@
 """The controller's step boundaries (`StepBoundary`): what happens between two steps, in this order (a kill drill due
-at the boundary, the queued policy changes pushed, a resize asked for or a grow-back due, the snapshot and the
-durable checkpoint due), and at the job's end (the final checkpoint, written again by a recovered grid where a worker
+at the boundary, the object stores warmed after the job's first step, the queued policy changes pushed, a resize
+asked for or a grow-back due, the snapshot and the durable checkpoint due), and at the job's end (the final checkpoint, written again by a recovered grid where a worker
 is lost meanwhile). The step loop (k3ray.train.controller) calls it; the parts it drives do the work."""
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ class StepBoundary:
         checkpoint due. A worker lost in here raises WorkerLost (the step loop recovers and comes back here)."""
         grid = self.grid  # its group is the one in place at each line: a resize puts a new one there
         self.drills.kill_at(grid.group, step, "boundary")
+        self.snapshots.warm_stores(grid.group, step)
         if self.policies.take_pending(step):
             grid.push_policies()
         self.scaling.at_boundary(step)
