@@ -38,6 +38,7 @@ class Cluster:
         self.lost_node_ranks: set[int] = set()  # world ranks on a node that is lost (or silent), not just dead
         self.step_gate = None  # a threading.Event a step waits on (forced interleavings with API calls)
         self.warmed_after: list[tuple] = []  # the batches trained each time the object stores were warmed
+        self.snapshot_steps: list[int] = []  # the boundaries snapshots were taken at
         self.calls: list[tuple] = []
         self.groups: list[FakeGroup] = []
 
@@ -171,7 +172,7 @@ class FakeGroup:
         loss = math.nan if batch in self.cluster.nan_batches else 10.0 / len(self.trained)
         E = self.cfg.model.n_experts
         report = {"loss": loss, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_expert": {0: [[1] * E] * self.ep},
-                  "rank_load": {0: [E] * self.ep}, "timings": {"compute": 0.0},
+                  "rank_load": {0: [E] * self.ep}, "timings": {"compute": 0.0, "total": 1.0},
                   "activations": {0: {"routed_maxabs": 1.0, "routed_rms": 1.0, "resid_maxabs": 1.0}}}
         return [report] * self.size
 
@@ -202,6 +203,7 @@ class FakeGroup:
 
     def begin_snapshot(self, step: int) -> tuple[list, list, None]:
         self._die("begin_snapshot")
+        self.cluster.snapshot_steps.append(step)
         return [self.trained] * self.size, [1] * self.size, None
 
     def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int:

@@ -64,3 +64,23 @@ def test_a_worker_lost_before_the_first_snapshot_of_a_resumed_job_restores_the_c
     assert lost["action"] == "restart" and lost["replayed_steps"] == [6, 7]
     assert cluster.groups[-1].trained == tuple(range(9))
     assert ctrl.snapshots.committed.step == 8 and cluster.seen["begin_snapshot"] == 1  # no snapshot at step 6
+
+
+def test_auto_snapshots_come_as_close_as_their_cost_allows():
+    """snapshot_every auto: the first snapshot FIRST_AUTO steps after the start point; these cost microseconds
+    against 1-s steps and arrive at once, so from then on one at every boundary (a loss replays nothing)."""
+    cluster = Cluster()
+    ctrl = run(cluster, 9, **{"parallel.ep": 2, "fault_tolerance.snapshot_every": "auto"})
+    assert cluster.snapshot_steps == [5, 6, 7, 8] and ctrl.status()["snapshots"]["every"] == 1
+    fixed = Cluster()
+    run(fixed, 9, **{"parallel.ep": 2, "fault_tolerance.snapshot_every": 3})
+    assert fixed.snapshot_steps == [3, 6]
+
+
+def test_the_auto_interval_is_the_least_that_keeps_the_cost_in_budget_and_lets_each_snapshot_arrive():
+    from k3ray.policies.snapshot_cadence import MOST_STEPS, snapshot_interval
+    assert snapshot_interval(cost_s=0.01, arrival_s=0.05, step_s=1.0, budget=0.02) == 1  # CPU tiny: every step
+    assert snapshot_interval(cost_s=0.3, arrival_s=3.1, step_s=0.885, budget=0.02) == 17  # 0.3 / (0.02 x 0.885)
+    assert snapshot_interval(cost_s=0.02, arrival_s=3.1, step_s=0.885, budget=0.02) == 4  # arrives within 3.5 steps
+    assert snapshot_interval(cost_s=50.0, arrival_s=0.0, step_s=1.0, budget=0.02) == MOST_STEPS
+    assert snapshot_interval(cost_s=0.0, arrival_s=0.0, step_s=0.0, budget=0.02) == MOST_STEPS

@@ -3,7 +3,7 @@ checkpoints and the control API."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
@@ -89,7 +89,12 @@ class FaultSpec(Section):
 
 
 class FaultToleranceConfig(Section):
-    snapshot_every: int = Field(5, gt=0)
+    snapshot_every: Annotated[int, Field(gt=0)] | Literal["auto"] = Field(
+        "auto", description="steps between in-memory snapshots (multiples of it), or auto: as close as "
+                            "snapshot_budget allows, from what the job's snapshots and steps cost "
+                            "(k3ray.policies.snapshot_cadence)")
+    snapshot_budget: float = Field(0.02, gt=0, le=1, description="snapshot_every auto: the share of training time "
+                                                                 "snapshots may cost (stall and optimizer wait)")
     spares: int = Field(0, ge=0, description="hot spares: standby workers (each holding its own device) that take "
                                              "lost ranks' places without a process start; 0 = none")
     max_retries_per_step: int = Field(3, ge=0)

@@ -77,7 +77,7 @@ def add_parsers(sub) -> None:
     g.add_argument("--faults", help="llama3 | mtbf:H | node-mtbf:H | hang-mtbf:H (joined by +) | a YAML/JSON file")
     g.add_argument("--gpus", help="GPU counts, whole replicas of pp x ep (default 1024,4096,16384)")
     g.add_argument("--spares", help="hot spare GPUs (default fault_tolerance.spares)")
-    g.add_argument("--snapshot-every", help="steps (default fault_tolerance.snapshot_every)")
+    g.add_argument("--snapshot-every", help="steps, or auto (default fault_tolerance.snapshot_every)")
     g.add_argument("--checkpoint-every", help="steps, 0 = none (default checkpoint.every_n_steps)")
     g.add_argument("--days", help="days simulated (default 54)")
     g.add_argument("--calibration", metavar="FILE", help="measured phase figures (python -m k3ray.goodput.calibrate)")

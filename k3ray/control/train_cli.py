@@ -69,7 +69,9 @@ def _format_summary(summary: dict) -> str:
         lines.append(f"  val loss     {vals[0][1]:.4f} at step {vals[0][0]} -> {vals[-1][1]:.4f} at step {vals[-1][0]}")
     snaps = summary.get("snapshots")
     if snaps and snaps["committed"]:
-        lines.append(f"  snapshots    {snaps['committed']} in memory, training stalled "
+        k = snaps.get("every")
+        every = f" (every {k} step{'s' if k != 1 else ''} at the end)" if k else ""
+        lines.append(f"  snapshots    {snaps['committed']} in memory{every}, training stalled "
                      f"{snaps['stall_ms_median']:.0f} ms (median) / {snaps['stall_ms_max']:.0f} ms (largest) for them, "
                      f"{len(snaps['skipped'])} skipped (the one before still arriving)")
         if snaps["read_wait_ms_max"] is not None:

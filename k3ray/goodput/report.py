@@ -13,6 +13,7 @@ from k3ray.goodput.costs import PhaseCosts, formulas, phase_costs
 from k3ray.goodput.optimise import Best, best_policy, evaluate
 from k3ray.goodput.profiles import Profile, load_profile
 from k3ray.goodput.simulate import PHASES, Outcome, Policy
+from k3ray.policies.snapshot_cadence import snapshot_interval
 
 ANCHORS = (("Llama 3, 16,384 H100s, 54 days", "> 90 %"), ("ByteRobust, 9,600 GPUs, 3 months", "97 %"),
            ("Gemini, in-memory redundant copies", "97 %"))
@@ -69,11 +70,21 @@ def plan(cfg, gpus: list[int], faults: str, policy: Policy, days: float, seed: i
     plans = []
     for g in gpus:
         costs = phase_costs(cfg, g, calib, profile.gpus_per_node)
-        given = evaluate(costs, profile, [policy], seconds, seed_list)[0]
+        given = evaluate(costs, profile, [at_grid(policy, costs, cfg.fault_tolerance.snapshot_budget)], seconds,
+                         seed_list)[0]
         best = best_policy(costs, profile, seconds, seed_list)
         no_spares = evaluate(costs, profile, [replace(best.outcome.policy, spares=0)], seconds, seed_list)[0]
         plans.append(GridPlan(costs, given, best, no_spares, formulas(cfg, calib, costs)))
     return profile, calib, plans
+
+
+def at_grid(policy: Policy, costs, budget: float) -> Policy:
+    """The policy with snapshot_every "auto" resolved as training resolves it (k3ray.policies.snapshot_cadence) from
+    this grid's modelled snapshot stall, offload and step."""
+    if policy.snapshot_every != "auto":
+        return policy
+    return replace(policy, snapshot_every=snapshot_interval(costs.snapshot_stage_s, costs.snapshot_offload_s,
+                                                            costs.step_s, budget))
 
 
 def _row(label: str, g: int, o: Outcome) -> str:
@@ -161,7 +172,9 @@ def plan_command(cfg, faults: str, gpus: str | None, spares: str | None, snapsho
     the policy flags default to the config's fault_tolerance and checkpoint sections."""
     gpus, days = gpus or "1024,4096,16384", days or "54"
     ft = cfg.fault_tolerance
-    policy = Policy(parse_count("--snapshot-every", snapshot_every, ft.snapshot_every, 1),
+    every = "auto" if snapshot_every == "auto" else parse_count("--snapshot-every", snapshot_every,
+                                                                   ft.snapshot_every, 1)
+    policy = Policy(every,
                     parse_count("--checkpoint-every", checkpoint_every, cfg.checkpoint.every_n_steps, 0),
                     parse_count("--spares", spares, ft.spares, 0))
     day_count, seeds = parse_days(days), 3

@@ -33,7 +33,7 @@ PHASES = ("detection", "swap", "relaunch", "restore", "warmup", "replay", "shrun
 
 @dataclass(frozen=True)
 class Policy:
-    snapshot_every: int
+    snapshot_every: int | str  # "auto" until resolved for a grid (k3ray.goodput.report.at_grid)
     checkpoint_every: int      # 0: no periodic checkpoint (a job restart goes back to the start)
     spares: int                # hot spare GPUs beside the grid
 

@@ -235,7 +235,7 @@ class Snapshots:
     (started at a step boundary, bytes still arriving while the next step runs).
 
     Interface: `start_at` once the first grid is up (the job's start point is what recovery falls back on until the
-    first snapshot commits), `due` and `take` at a boundary, `commit` after the step (or at once), `drop_pending`
+    first snapshot commits), `holds` and `take` at a boundary, `commit` after the step (or at once), `drop_pending`
     when a worker is lost, `committed` to restore from (a Snapshot, or the StartPoint); `stall_seconds` /
     `total_seconds` per committed snapshot, `read_wait_seconds` per snapshot (`optimizer_waited`) and `skipped` (the
     steps whose snapshot was due while the previous one was still arriving) for the benchmarks; `warnings` for the
@@ -297,11 +297,10 @@ class Snapshots:
         parts by stage; None: from the seed): that is the state to fall back on until the first snapshot commits."""
         self.committed, self.pending = StartPoint(step, guard, restore), None
 
-    def due(self, step: int, every: int) -> bool:
-        """Whether the boundary of `step` takes a snapshot: every `every` steps, unless the state at it is held
-        already (a snapshot of it, or the job's start point)."""
-        taken = {s.step for s in (self.committed, self.pending) if s is not None}
-        return step % every == 0 and step not in taken
+    def holds(self, step: int) -> bool:
+        """Whether the state at the boundary of `step` is held already (a snapshot of it, or the job's start
+        point): a snapshot due there is not taken again."""
+        return step in {s.step for s in (self.committed, self.pending) if s is not None}
 
     def take(self, group, step: int, guard: Any, wait: bool = False) -> bool:
         """Start a snapshot of the state to run `step` from; it becomes the one to fall back on once every worker's

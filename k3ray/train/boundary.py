@@ -17,15 +17,16 @@ from k3ray.train.live_policies import LivePolicies
 from k3ray.train.placement import Placement
 from k3ray.train.progress import TrainingProgress
 from k3ray.train.scaling import Scaling
+from k3ray.train.snapshot_cadence import SnapshotCadence
 
 
 class StepBoundary:
     def __init__(self, cfg: JobConfig, progress: TrainingProgress, grid: TrainingGrid, table: Placement,
                  policies: LivePolicies, drills: FaultInjector, scaling: Scaling, snapshots: Snapshots,
-                 checkpoints: DurableCheckpoints, recovery: Recovery):
+                 cadence: SnapshotCadence, checkpoints: DurableCheckpoints, recovery: Recovery):
         self.cfg, self.progress, self.grid, self.table, self.policies = cfg, progress, grid, table, policies
         self.drills, self.scaling, self.snapshots, self.checkpoints = drills, scaling, snapshots, checkpoints
-        self.recovery = recovery
+        self.cadence, self.recovery = cadence, recovery
 
     def before(self, step: int) -> None:
         """Between steps, before `step`: queued policy changes, a resize asked for or growing back, the snapshot and
@@ -36,8 +37,9 @@ class StepBoundary:
         if self.policies.take_pending(step):
             grid.push_policies()
         self.scaling.at_boundary(step)
-        if self.snapshots.due(step, self.cfg.fault_tolerance.snapshot_every):
-            self.snapshots.take(grid.group, step, self.progress.guard_state)
+        if self.cadence.due(step) and not self.snapshots.holds(step):
+            if self.snapshots.take(grid.group, step, self.progress.guard_state):
+                self.cadence.taken(step)
         self.checkpoints.boundary(grid.group, step, self._meta(step))
 
     def at_end(self, step: int) -> None:

@@ -43,6 +43,7 @@ from k3ray.train.live_policies import LivePolicies
 from k3ray.train.placement import Placement
 from k3ray.train.progress import TrainingProgress
 from k3ray.train.scaling import Scaling
+from k3ray.train.snapshot_cadence import SnapshotCadence
 from k3ray.grid.snapshots import Snapshots
 from k3ray.train.state import JobState, StateMachine
 from k3ray.grid.calls import WorkerLost
@@ -91,8 +92,9 @@ class Controller:
                  self.incidents)
         self.scaling = Scaling(*parts)
         self.recovery = Recovery(*parts, self.scaling)
+        self.cadence = SnapshotCadence(ft)
         self.boundary = StepBoundary(cfg, self.progress, self.grid, self.table, self.policies, self.drills,
-                                     self.scaling, self.snapshots, self.checkpoints, self.recovery)
+                                     self.scaling, self.snapshots, self.cadence, self.checkpoints, self.recovery)
 
     # -- topology ------------------------------------------------------------------------------------------------
     @holding_the_grid
@@ -117,6 +119,7 @@ class Controller:
         sources = None if resumed is None else resumed.sources
         backend = self.recovery.launch(placement_timeout_s, sources)
         self.snapshots.start_at(self.progress.step, self.progress.guard_state, sources)
+        self.cadence.start_at(self.progress.step)
         self.grid.push_policies()
         if resumed is not None:
             self.grid.group.call("set_lr_scale", self.progress.lr_scale)
@@ -178,6 +181,7 @@ class Controller:
             self.table.rebalance_on_schedule(grid.group, progress.step, self.incidents)
         except WorkerLost as lost:  # after the step: the state to recover is the boundary before progress.step
             self.recovery.recover(progress.step, lost, detected_after=0.0)
+        self.cadence.after_step(report["timings"].get("total"), self.snapshots)
         notify(self.callbacks, "on_step", self, report, time.perf_counter() - t0)
         warnings = self.warnings.new()
         return {**report, "warnings": warnings} if warnings else report
@@ -217,7 +221,8 @@ class Controller:
                "spares": 0 if group is None else len(group.spares),
                "skipped_batches": sorted(progress.skip), "lr_scale": progress.lr_scale,
                "loss": None if progress.last_report is None else progress.last_report["loss"],
-               "api_url": None, "tokens_per_s": None, "snapshots": self.snapshots.summary(),
+               "api_url": None, "tokens_per_s": None,
+               "snapshots": {**self.snapshots.summary(), "every": self.cadence.interval},
                "transitions": [{"time": t, "state": s, "why": w} for t, s, w in self.machine.history]}
         for callback in self.callbacks:
             out.update(callback.status())

@@ -1,0 +1,23 @@
+"""How many steps apart in-memory snapshots are taken when `fault_tolerance.snapshot_every` is "auto".
+
+A lost worker costs a replay of the steps since the last snapshot, so the closer snapshots are, the shorter a
+recovery. Each snapshot costs training its staging stall at the boundary and the optimizer's wait for the part of
+the state read live (k3ray.grid.snapshot_stager), and it must have arrived in the object store before the next one is
+due (one still arriving is skipped, not waited for). The interval is the smallest that keeps that cost within
+`budget` of the training time between two snapshots and lets each arrive before the next."""
+from __future__ import annotations
+
+import math
+
+MOST_STEPS = 100  # never further apart: a recovery replays at most this many steps
+
+
+def snapshot_interval(cost_s: float, arrival_s: float, step_s: float, budget: float, most: int = MOST_STEPS) -> int:
+    """Steps between snapshots. cost_s: what one snapshot costs training (stall + optimizer wait); arrival_s: from
+    its boundary until all of it is in the store; step_s: one step without a snapshot; budget: the share of
+    training time snapshots may cost (0.02: 2 %)."""
+    if step_s <= 0:
+        return most
+    by_cost = math.ceil(cost_s / (budget * step_s))
+    by_arrival = math.floor(arrival_s / step_s) + 1  # the boundary that comes after it has arrived
+    return max(1, min(most, max(by_cost, by_arrival)))

@@ -1,0 +1,52 @@
+"""When the step loop takes an in-memory snapshot (`SnapshotCadence`, asked by k3ray.train.boundary): every
+`fault_tolerance.snapshot_every` steps (at its multiples), or with "auto" a number of steps after the last one taken
+that k3ray.policies.snapshot_cadence decides from what the job's latest snapshots cost (their stall, the optimizer's
+wait for their live reads, their arrival in the store) and what its steps take. Until a snapshot has been measured,
+auto takes the first FIRST_AUTO steps after the job's start point (the workers warm their stores meanwhile)."""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+from k3ray.config.train import FaultToleranceConfig
+from k3ray.policies.snapshot_cadence import snapshot_interval
+
+FIRST_AUTO = 5  # steps from the start point to auto's first snapshot
+MEASURED = 3  # auto decides from the median of this many latest snapshots
+STEPS_MEASURED = 20  # ... and of this many latest steps
+
+
+class SnapshotCadence:
+    def __init__(self, ft: FaultToleranceConfig):
+        self.every, self.budget = ft.snapshot_every, ft.snapshot_budget
+        self.interval = FIRST_AUTO if self.every == "auto" else self.every
+        self.last: int | None = None  # the start point's step, then the latest snapshot's
+        self.step_seconds: deque[float] = deque(maxlen=STEPS_MEASURED)
+        self.decided_after = 0  # snapshots committed when the interval was last decided
+
+    def start_at(self, step: int) -> None:
+        """The job's start point is at the boundary before `step`."""
+        self.last = step
+
+    def due(self, step: int) -> bool:
+        if self.every != "auto":
+            return step % self.every == 0
+        return self.last is not None and step - self.last >= self.interval
+
+    def taken(self, step: int) -> None:
+        self.last = step
+
+    def after_step(self, step_s: float | None, snapshots) -> None:
+        """A step was accepted (`step_s`: its workers' time, None when not reported); with auto, once a further
+        snapshot has committed, the interval is decided again from the latest ones (`snapshots`: k3ray.grid.
+        snapshots.Snapshots, its per-snapshot stall, optimizer wait and arrival seconds)."""
+        if step_s is not None:
+            self.step_seconds.append(step_s)
+        committed = len(snapshots.total_seconds)
+        if self.every != "auto" or committed == self.decided_after or not self.step_seconds:
+            return
+        self.decided_after = committed
+        stall = statistics.median(snapshots.stall_seconds[-MEASURED:])
+        wait = statistics.median(snapshots.read_wait_seconds[-MEASURED:]) if snapshots.read_wait_seconds else 0.0
+        arrival = statistics.median(snapshots.total_seconds[-MEASURED:])
+        self.interval = snapshot_interval(stall + wait, arrival, statistics.median(self.step_seconds), self.budget)
