@@ -297,3 +297,13 @@ def test_cuda_snapshots_stage_what_fits_read_the_rest_live_and_a_write_after_the
     assert stager.staged is None
     # the one before any step and those with "a" live hold the optimizer until it is read; then nothing is live
     assert waits == ["host", "host", "host", "device"]
+
+
+def test_an_auto_cadence_defers_a_snapshot_due_while_the_previous_one_arrives_and_counts_no_skip():
+    from k3ray.grid.snapshots import Snapshots
+    snaps, group = Snapshots(), SlowStoreGroup()
+    assert snaps.take(group, 5, guard=None)
+    assert not snaps.take(group, 6, guard=None, defer=True)  # step 5's still arriving: the next boundary takes it
+    assert snaps.skipped == [] and snaps.pending.step == 5
+    group.arrived.add(5)
+    assert snaps.take(group, 7, guard=None, defer=True) and snaps.committed.step == 5 and snaps.pending.step == 7

@@ -302,12 +302,15 @@ class Snapshots:
         point): a snapshot due there is not taken again."""
         return step in {s.step for s in (self.committed, self.pending) if s is not None}
 
-    def take(self, group, step: int, guard: Any, wait: bool = False) -> bool:
+    def take(self, group, step: int, guard: Any, wait: bool = False, defer: bool = False) -> bool:
         """Start a snapshot of the state to run `step` from; it becomes the one to fall back on once every worker's
         bytes have arrived (`commit`, after the step, or at once with wait=True). A snapshot is never waited for
         at a boundary: when the previous one is still arriving (its buffers are in use), this one is skipped
-        (False) unless `wait` (a resize or recovery needs this boundary's state)."""
+        (False) unless `wait` (a resize or recovery needs this boundary's state), or with `defer` not taken and not
+        counted as skipped (an auto cadence takes it at the next boundary)."""
         self.commit(group, wait=wait)
+        if self.pending is not None and defer:
+            return False
         if self.pending is not None:
             self.skipped.append(step)
             log.warning("snapshot of step %d skipped: the one of step %d is still arriving", step, self.pending.step)

@@ -38,7 +38,7 @@ class StepBoundary:
             grid.push_policies()
         self.scaling.at_boundary(step)
         if self.cadence.due(step) and not self.snapshots.holds(step):
-            if self.snapshots.take(grid.group, step, self.progress.guard_state):
+            if self.snapshots.take(grid.group, step, self.progress.guard_state, defer=self.cadence.auto):
                 self.cadence.taken(step)
         self.checkpoints.boundary(grid.group, step, self._meta(step))
 

@@ -2,7 +2,8 @@
 `fault_tolerance.snapshot_every` steps (at its multiples), or with "auto" a number of steps after the last one taken
 that k3ray.policies.snapshot_cadence decides from what the job's latest snapshots cost (their stall, the optimizer's
 wait for their live reads, their arrival in the store) and what its steps take. Until a snapshot has been measured,
-auto takes the first FIRST_AUTO steps after the job's start point (the workers warm their stores meanwhile)."""
+auto takes the first FIRST_AUTO steps after the job's start point (the workers warm their stores meanwhile). With
+auto, a snapshot due while the previous one still arrives is taken at the first boundary after it arrived."""
 from __future__ import annotations
 
 import statistics
@@ -24,12 +25,18 @@ class SnapshotCadence:
         self.step_seconds: deque[float] = deque(maxlen=STEPS_MEASURED)
         self.decided_after = 0  # snapshots committed when the interval was last decided
 
+    @property
+    def auto(self) -> bool:
+        """Whether a snapshot due while the previous one still arrives waits for the next boundary (auto), rather
+        than being skipped (a fixed snapshot_every keeps its multiples)."""
+        return self.every == "auto"
+
     def start_at(self, step: int) -> None:
         """The job's start point is at the boundary before `step`."""
         self.last = step
 
     def due(self, step: int) -> bool:
-        if self.every != "auto":
+        if not self.auto:
             return step % self.every == 0
         return self.last is not None and step - self.last >= self.interval
 
@@ -43,7 +50,7 @@ class SnapshotCadence:
         if step_s is not None:
             self.step_seconds.append(step_s)
         committed = len(snapshots.total_seconds)
-        if self.every != "auto" or committed == self.decided_after or not self.step_seconds:
+        if not self.auto or committed == self.decided_after or not self.step_seconds:
             return
         self.decided_after = committed
         stall = statistics.median(snapshots.stall_seconds[-MEASURED:])
