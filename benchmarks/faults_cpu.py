@@ -4,11 +4,11 @@ SIGSTOPped), split into their phases, rollback time after a NaN blow-up, snapsho
 collective's detection time.
 
     python benchmarks/faults_cpu.py [--steps 14] [--only worker,node,silent] [--repeat 3] [--spares 1]
-                                    [--snapshot-every 5]
+                                    [--snapshot-every 5|auto] [--pp 2]
 
 --repeat runs each MTTR drill that many times (a fresh job, and a fresh second raylet, each) and prints the medians,
-each run's figure in brackets; --spares and --snapshot-every set fault_tolerance.spares and .snapshot_every for the
-worker kill.
+each run's figure in brackets; --spares, --snapshot-every and --pp set fault_tolerance.spares, .snapshot_every and
+parallel.pp (ep = 4 / pp) for the worker kill.
 """
 from __future__ import annotations
 
@@ -120,7 +120,9 @@ def main() -> None:
     ap.add_argument("--only", default="plain,worker,nan,hang,node,silent")
     ap.add_argument("--repeat", type=int, default=1, help="runs of each MTTR drill (medians)")
     ap.add_argument("--spares", type=int, default=0, help="fault_tolerance.spares for the worker kill")
-    ap.add_argument("--snapshot-every", type=int, default=5, help="fault_tolerance.snapshot_every, worker kill")
+    ap.add_argument("--snapshot-every", default=None,
+                    help="fault_tolerance.snapshot_every for the worker kill (steps or auto; default: the config's)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages for the worker kill (ep = 4 / pp)")
     args = ap.parse_args()
     only = set(args.only.split(","))
     k = 7
@@ -139,7 +141,8 @@ def main() -> None:
     if "worker" in only:
         runs = []
         for _ in range(args.repeat):
-            times, incidents, _ = run({"fault_tolerance.snapshot_every": args.snapshot_every,
+            every = {} if args.snapshot_every is None else {"fault_tolerance.snapshot_every": args.snapshot_every}
+            times, incidents, _ = run({**every, "parallel.pp": args.pp, "parallel.ep": 4 // args.pp,
                                        "fault_tolerance.spares": args.spares, "fault_tolerance.grow_back": False,
                                        "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]},
                                       min(args.steps, k + 2))
