@@ -53,40 +53,39 @@ def snapshot_job(cfg, steps: int) -> dict:
         snaps = program.call(lambda self: {
             "stall_s": list(self.snapshots.stall_seconds), "total_s": list(self.snapshots.total_seconds),
             "read_wait_s": list(self.snapshots.read_wait_seconds), "skipped": list(self.snapshots.skipped),
-            "store_warmed": self.snapshots.warmed(),
+            "store_warmed": self.snapshots.warmed(), "taken": list(self.snapshots.taken),
+            "every": self.cadence.interval,
             "bytes": self.snapshots.committed.nbytes if self.snapshots.committed is not None else 0})
         maxvio = [StepReport(**{k: v for k, v in r.items() if k not in ("warnings", "worker_seconds")}).mean_maxvio
                   for r in reports]
-        every = cfg.fault_tolerance.snapshot_every
-        others = [t for s, t in enumerate(times) if s % every and s > 1]
+        others = [t for s, t in enumerate(times) if s not in snaps["taken"] and s > 1]
         median = statistics.median(others) if others else float("nan")
-        boundary = {s: times[s] - median for s in range(every, steps, every)}
+        boundary = {s: times[s] - median for s in snaps["taken"]}
         job = {"step_seconds": times, "median_step_s": median, "boundary_excess_s": boundary, "snapshots": snaps,
                "warnings": [w for r in reports for w in r.get("warnings", [])],
                "maxvio": maxvio, "losses": [r["loss"] for r in reports]}
-        print_snapshots(job, steps, every)  # before the job ends: its end may outlast the time a run was given
+        print_snapshots(job)  # before the job ends: its end may outlast the time a run was given
     finally:
         program.close()
     return job
 
 
-def print_snapshots(j1: dict, steps: int, every: int) -> None:
+def print_snapshots(j1: dict) -> None:
     snaps = j1["snapshots"]
     print(f"\nstate per snapshot {snaps['bytes'] / 2**30:.1f} GiB; median step {j1['median_step_s']:.3f} s; "
           f"store warmed before the first (GiB, slowest worker's s): {snaps['store_warmed']}")
     print("| snapshot | staging stall ms | optimizer waited for live reads ms | boundary step excess ms "
           "| arrived after s |")
     print("|---|---|---|---|---|")
-    # the first boundary takes none (the job's start point stands in for it)
-    taken = [s for s in range(every, steps, every) if s not in snaps["skipped"]]
-    for i, s in enumerate(taken):
+    for i, s in enumerate(snaps["taken"]):  # the first boundary takes none (the job's start point stands in)
         stall = snaps["stall_s"][i] * 1e3 if i < len(snaps["stall_s"]) else float("nan")
         total = snaps["total_s"][i] if i < len(snaps["total_s"]) else float("nan")
         waited = snaps["read_wait_s"][i] * 1e3 if i < len(snaps["read_wait_s"]) else float("nan")
         excess = j1["boundary_excess_s"].get(s)
         print(f"| step {s} | {stall:.1f} | {waited:.0f} | {'-' if excess is None else f'{excess * 1e3:.0f}'} | "
               f"{total:.2f} |")
-    print(f"skipped: {snaps['skipped'] or 'none'}; warnings: {j1['warnings'] or 'none'}", flush=True)
+    print(f"skipped: {snaps['skipped'] or 'none'}; interval at the end: {snaps['every']} steps; "
+          f"warnings: {j1['warnings'] or 'none'}", flush=True)
 
 
 def main() -> int:
@@ -94,12 +93,13 @@ def main() -> int:
     ap.add_argument("--config", default="configs/gpu2.yaml")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--snapshot-every", type=int, default=10)
+    ap.add_argument("--snapshot-every", default="10", help="steps, or auto")
     ap.add_argument("--warm-steps", type=int, default=3, help="steps of job 2 (0: no job 2)")
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/weeks"))
     args = ap.parse_args()
     sets = parse_assignments(args.set)
-    cfg = load_config(args.config, {**sets, "fault_tolerance.snapshot_every": args.snapshot_every})
+    every = args.snapshot_every if args.snapshot_every == "auto" else int(args.snapshot_every)
+    cfg = load_config(args.config, {**sets, "fault_tolerance.snapshot_every": every})
     out = {"job1": snapshot_job(cfg, args.steps)}
     if args.warm_steps:
         program = launched(load_config(args.config, sets))

@@ -79,8 +79,8 @@ def test_auto_snapshots_come_as_close_as_their_cost_allows():
 
 def test_the_auto_interval_is_the_least_that_keeps_the_cost_in_budget_and_lets_each_snapshot_arrive():
     from k3ray.policies.snapshot_cadence import MOST_STEPS, snapshot_interval
-    assert snapshot_interval(cost_s=0.01, arrival_s=0.05, step_s=1.0, budget=0.02) == 1  # CPU tiny: every step
-    assert snapshot_interval(cost_s=0.3, arrival_s=3.1, step_s=0.885, budget=0.02) == 17  # 0.3 / (0.02 x 0.885)
-    assert snapshot_interval(cost_s=0.02, arrival_s=3.1, step_s=0.885, budget=0.02) == 4  # arrives within 3.5 steps
-    assert snapshot_interval(cost_s=50.0, arrival_s=0.0, step_s=1.0, budget=0.02) == MOST_STEPS
-    assert snapshot_interval(cost_s=0.0, arrival_s=0.0, step_s=0.0, budget=0.02) == MOST_STEPS
+    assert snapshot_interval(cost_s=0.01, step_s=1.0, arrival_steps=1, budget=0.02) == 1  # CPU tiny: every step
+    assert snapshot_interval(cost_s=0.3, step_s=0.885, arrival_steps=4, budget=0.02) == 17  # 0.3 / (0.02 x 0.885)
+    assert snapshot_interval(cost_s=0.02, step_s=0.885, arrival_steps=4, budget=0.02) == 4  # found arrived 4th poll
+    assert snapshot_interval(cost_s=50.0, step_s=1.0, arrival_steps=1, budget=0.02) == MOST_STEPS
+    assert snapshot_interval(cost_s=0.0, step_s=0.0, arrival_steps=1, budget=0.02) == MOST_STEPS

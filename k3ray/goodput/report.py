@@ -83,8 +83,9 @@ def at_grid(policy: Policy, costs, budget: float) -> Policy:
     this grid's modelled snapshot stall, offload and step."""
     if policy.snapshot_every != "auto":
         return policy
-    return replace(policy, snapshot_every=snapshot_interval(costs.snapshot_stage_s, costs.snapshot_offload_s,
-                                                            costs.step_s, budget))
+    arrival_steps = math.floor(costs.snapshot_offload_s / costs.step_s) + 1 if costs.step_s > 0 else 1
+    return replace(policy, snapshot_every=snapshot_interval(costs.snapshot_stage_s, costs.step_s, arrival_steps,
+                                                            budget))
 
 
 def _row(label: str, g: int, o: Outcome) -> str:

@@ -207,6 +207,7 @@ class Snapshot:
     started: float
     stall_seconds: float  # training held up: staging on every worker
     nbytes: int = 0  # all workers together, once committed
+    polls: int = 0  # the commits after a step that found it still arriving
 
     def sources(self) -> dict[int, list]:
         return restore_sources(dict(enumerate(self.refs)), self.pp, self.ep)
@@ -248,8 +249,10 @@ class Snapshots:
         self.pending: Snapshot | None = None
         self.stall_seconds: list[float] = []  # training stalled per snapshot
         self.total_seconds: list[float] = []  # start to committed
+        self.arrival_steps: list[int] = []  # steps that ended before it was found arrived (1: within the first)
         self.read_wait_seconds: list[float] = []  # the optimizer held up by the part read live, per snapshot
         self.skipped: list[int] = []
+        self.taken: list[int] = []  # the boundaries snapshots were started at
         self.warnings: list[str] = []
         self.on_commit = on_commit  # called with each committed Snapshot (metrics)
         self.on_skip = on_skip  # called with (step skipped, step of the snapshot still arriving)
@@ -321,6 +324,7 @@ class Snapshots:
             self.committed = None  # its store space is this one's
         t0 = time.perf_counter()
         refs, size_refs, fit = group.transfer.begin_snapshot(step)
+        self.taken.append(step)
         self.pending = Snapshot(step, guard, group.pp, group.ep, refs, size_refs, t0, time.perf_counter() - t0)
         if fit is not None:
             self.one_at_a_time = fit.one_at_a_time
@@ -339,6 +343,7 @@ class Snapshots:
         nbytes = group.transfer.snapshot_bytes(snap.size_refs, (self.timeout_s if timeout_s is None else timeout_s)
                                                if wait else 0)
         if nbytes is None:
+            snap.polls += 1
             return
         snap.nbytes = nbytes
         if hold and not self.one_at_a_time:
@@ -346,6 +351,7 @@ class Snapshots:
         self.committed, self.pending = snap, None
         self.stall_seconds.append(snap.stall_seconds)
         self.total_seconds.append(time.perf_counter() - snap.started)
+        self.arrival_steps.append(snap.polls + 1)
         if self.on_commit is not None:
             self.on_commit(snap)
 

@@ -12,12 +12,12 @@ import math
 MOST_STEPS = 100  # never further apart: a recovery replays at most this many steps
 
 
-def snapshot_interval(cost_s: float, arrival_s: float, step_s: float, budget: float, most: int = MOST_STEPS) -> int:
-    """Steps between snapshots. cost_s: what one snapshot costs training (stall + optimizer wait); arrival_s: from
-    its boundary until all of it is in the store; step_s: one step without a snapshot; budget: the share of
-    training time snapshots may cost (0.02: 2 %)."""
+def snapshot_interval(cost_s: float, step_s: float, arrival_steps: int, budget: float, most: int = MOST_STEPS) -> int:
+    """Steps between snapshots. cost_s: what one snapshot costs training (stall + optimizer wait); step_s: one step
+    without a snapshot; arrival_steps: the steps that ended before a snapshot was found arrived, counting the one
+    it was taken before (1: it arrived during that step); budget: the share of training time snapshots may cost
+    (0.02: 2 %)."""
     if step_s <= 0:
         return most
     by_cost = math.ceil(cost_s / (budget * step_s))
-    by_arrival = math.floor(arrival_s / step_s) + 1  # the boundary that comes after it has arrived
-    return max(1, min(most, max(by_cost, by_arrival)))
+    return max(1, min(most, max(by_cost, arrival_steps)))

@@ -46,7 +46,7 @@ class SnapshotCadence:
     def after_step(self, step_s: float | None, snapshots) -> None:
         """A step was accepted (`step_s`: its workers' time, None when not reported); with auto, once a further
         snapshot has committed, the interval is decided again from the latest ones (`snapshots`: k3ray.grid.
-        snapshots.Snapshots, its per-snapshot stall, optimizer wait and arrival seconds)."""
+        snapshots.Snapshots, its per-snapshot stall and optimizer wait, and the steps each took to arrive)."""
         if step_s is not None:
             self.step_seconds.append(step_s)
         committed = len(snapshots.total_seconds)
@@ -55,5 +55,5 @@ class SnapshotCadence:
         self.decided_after = committed
         stall = statistics.median(snapshots.stall_seconds[-MEASURED:])
         wait = statistics.median(snapshots.read_wait_seconds[-MEASURED:]) if snapshots.read_wait_seconds else 0.0
-        arrival = statistics.median(snapshots.total_seconds[-MEASURED:])
-        self.interval = snapshot_interval(stall + wait, arrival, statistics.median(self.step_seconds), self.budget)
+        arrival = max(snapshots.arrival_steps[-MEASURED:])
+        self.interval = snapshot_interval(stall + wait, statistics.median(self.step_seconds), arrival, self.budget)
