@@ -4,11 +4,14 @@ worker from snapshots or checkpoint parts of any old grid. Every call goes throu
 from __future__ import annotations
 
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import ray
 
 from k3ray.grid import calls
-from k3ray.grid.snapshots import SPILL_AT, SnapshotPart, StoreFit, store_fit
+
+if TYPE_CHECKING:  # k3ray.grid.snapshots imports torch: imported where used, so a worker group starts its workers
+    from k3ray.grid.snapshots import SnapshotPart, StoreFit  # before its caller imports torch (the serving engine)
 
 
 class GridStateTransfer:
@@ -21,6 +24,8 @@ class GridStateTransfer:
     def restore(self, sources: dict[int, list], timeout_s: float = 300.0) -> None:
         """Every worker loads its stage's state from `sources` (stage -> old states, snapshot refs or checkpoint
         parts; a part is put into the object store once, not once per reader)."""
+        from k3ray.grid.snapshots import SnapshotPart
+
         g = self.group
         refs = {p: [s if isinstance(s, (ray.ObjectRef, SnapshotPart)) else ray.put(s) for s in states]
                 for p, states in sources.items()}
@@ -31,6 +36,8 @@ class GridStateTransfer:
         which stream into the object store while the next step runs (owned by the caller): per world rank, the part
         that will hold them (twice: as the snapshot's parts and as what tells when they have arrived); and, on
         this grid's first snapshot and whenever they grow, what the nodes' object stores allow (None: enough)."""
+        from k3ray.grid.snapshots import SnapshotPart, store_fit
+
         g = self.group
         part_bytes = g.call("stage_snapshot", step, timeout_s=300)
         fit = None
@@ -46,6 +53,8 @@ class GridStateTransfer:
         """Start every worker writing its snapshot's size into its node's object store and freeing it (Worker
         `warm_store`), beside the steps before the first snapshot: each within its share of what the store holds
         before it spills. The calls' refs, not waited for (each returns the bytes written and the seconds)."""
+        from k3ray.grid.snapshots import SPILL_AT
+
         g = self.group
         stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0.0) for n in ray.nodes() if n["Alive"]}
         workers_on = Counter(g.nodes)

@@ -21,22 +21,14 @@ waiting in lost grids' collectives (until the worker leaves that grid, which end
 another."""
 from __future__ import annotations
 
+import functools
+import inspect
+import os
 import time
 
-_MODULE_STARTED = time.time()  # before torch and the model code are imported: a worker's start in phases
+import ray
 
-import functools  # noqa: E402
-import inspect  # noqa: E402
-import os  # noqa: E402
-
-import ray  # noqa: E402
-import torch  # noqa: E402
-
-from k3ray.config import JobConfig  # noqa: E402
-from k3ray.grid.worker_seat import WorkerSeat  # noqa: E402
-from k3ray.grid.worker_serving import WorkerServing  # noqa: E402
-from k3ray.grid.worker_state import WorkerState  # noqa: E402
-from k3ray.grid.worker_training import WorkerTraining  # noqa: E402
+from k3ray.config import JobConfig
 
 # Calls a worker must absorb while still answering its current grid: losses that come close together each leave a
 # call waiting in a lost grid's collective until the worker leaves that grid (or, if it never does, its timeout).
@@ -66,8 +58,16 @@ def fenced(method):
 class Worker:
     def __init__(self, cfg_dict: dict, serving: bool = False):
         """serving: a serving grid's worker, which reads no training data."""
+        t_begun = time.time()  # the process is up and has loaded this class
+        # torch and the model code are imported here, not at the module's top: Ray sends this class by value and a
+        # process loading it imports what its methods name, so whoever starts workers (the serving engine) does so
+        # before importing torch itself, and each worker's imports are a phase of its start
+        import torch
+
         from k3ray import data
-        from k3ray.parallel import engine  # noqa: F401 - here: the import is part of a standby worker's warm-up
+        # the model code and the parts' modules (own_parts): their import is part of a standby worker's warm-up
+        from k3ray.grid import worker_serving, worker_state, worker_training  # noqa: F401
+        from k3ray.parallel import engine  # noqa: F401
 
         cfg = JobConfig.model_validate(cfg_dict)
         torch.set_num_threads(max(1, int(os.environ.get("K3RAY_THREADS_PER_WORKER", "1"))))
@@ -80,13 +80,18 @@ class Worker:
             data.warm(cfg.data)  # cached: every engine of this worker reads it
         self.own_parts(cfg, device)
         # when each phase of this worker's start ended (WorkerGroup reports the slowest worker's of a launch)
-        self.started = {"module": _MODULE_STARTED, "imports": t_imported, "cuda_context": t_context,
+        self.started = {"constructor": t_begun, "imports": t_imported, "cuda_context": t_context,
                         "ready": time.time()}
 
     def own_parts(self, cfg: JobConfig, device: str) -> None:
         """The parts, on standby, and the calls a worker group makes by name (WorkerGroup.call, call_each): each
         goes to the part whose method of that name runs it (the actor's own for the two that move it between
         grids)."""
+        from k3ray.grid.worker_seat import WorkerSeat
+        from k3ray.grid.worker_serving import WorkerServing
+        from k3ray.grid.worker_state import WorkerState
+        from k3ray.grid.worker_training import WorkerTraining
+
         self.seat = WorkerSeat(cfg, device)
         self.training = WorkerTraining(self.seat)
         self.state = WorkerState(self.seat)
@@ -102,8 +107,9 @@ class Worker:
         ] for name in names}
 
     def started_at(self) -> dict[str, float]:
-        """When (epoch seconds) this worker's module began to load (its process up), and when its imports of torch
-        and the model code, its CUDA context (GPU) and its parts (with the training data) were done."""
+        """When (epoch seconds) this worker's constructor began (its process up, this class loaded), and when its
+        imports of torch and the model code, its CUDA context (GPU) and its parts (with the training data) were
+        done."""
         return dict(self.started)
 
     def node_id(self) -> str:

@@ -59,6 +59,7 @@ class WorkerGroup:
         self.worker_start_seconds: dict[str, float] = {}
         self.on_phase = None  # called with each of launch_seconds' phases as it ends (a serving recovery's progress)
         self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
+        self.start_time = (0.0, 0.0)  # when `start` began placing the workers: perf_counter and epoch seconds
 
     @property
     def size(self) -> int:
@@ -88,14 +89,15 @@ class WorkerGroup:
         self.ep, self.home = ep, list(home)
         self._join(timeout_s, restore, t0, "place_and_start_workers")
 
-    def launch(self, timeout_s: float, restore: dict[int, list] | None = None, wait_for_spares: bool = True) -> str:
-        """Place, create and connect the workers; restore[stage] = that stage's old states (`restore_sources`). The
-        spares start beside them, where the alive nodes have room (waited for unless wait_for_spares=False)."""
+    def start(self, timeout_s: float) -> None:
+        """Place the grid's workers and start their processes, and the spares beside them where the alive nodes have
+        room, without waiting for them (`launch` joins them): a caller that starts them first does its own imports
+        while theirs run (the serving engine)."""
         ok, why = self.alive_nodes.fits(self.size)
         if not ok:
             par = self.cfg.parallel
             raise TopologyError(f"parallel.pp={par.pp} x ep={self.ep}: {why}; lower pp/ep or add nodes")
-        t0, t0_wall = time.perf_counter(), time.time()
+        self.start_time = (time.perf_counter(), time.time())
         res = self.resources
         slots = res.place(self.size, timeout_s)
         if slots is None:
@@ -108,6 +110,14 @@ class WorkerGroup:
         if res.start_spares() < self.cfg.fault_tolerance.spares:
             log.warning("%d of %d hot spares: the alive nodes have no room for more (tried again at step "
                         "boundaries)", len(self.spares), self.cfg.fault_tolerance.spares)
+
+    def launch(self, timeout_s: float, restore: dict[int, list] | None = None, wait_for_spares: bool = True) -> str:
+        """Place, create (unless `start` did) and connect the workers; restore[stage] = that stage's old states
+        (`restore_sources`). The spares start beside them, where the alive nodes have room (waited for unless
+        wait_for_spares=False)."""
+        if not self.workers:
+            self.start(timeout_s)
+        t0, t0_wall = self.start_time
         backend = self._join(timeout_s, restore, t0, "place_and_start_workers")
         self.worker_start_seconds = self._worker_starts(t0_wall, timeout_s)
         if wait_for_spares:
@@ -116,10 +126,11 @@ class WorkerGroup:
 
     def _worker_starts(self, since: float, timeout_s: float) -> dict[str, float]:
         """The start in phases (s) of this grid's worker that was ready last, its launch begun at `since` (epoch s):
-        placed and its process up (Ray's worker start), imports, CUDA context, parts."""
+        placed and its process up (Ray's worker start, the Worker class loaded), imports, CUDA context, parts."""
         stamps = self.call_each("started_at", {r: () for r in range(self.size)}, timeout_s).values()
         last = max(stamps, key=lambda s: s["ready"])
-        return {"worker_process": max(0.0, last["module"] - since), "worker_imports": last["imports"] - last["module"],
+        return {"worker_process": max(0.0, last["constructor"] - since),
+                "worker_imports": last["imports"] - last["constructor"],
                 "worker_cuda": last["cuda_context"] - last["imports"],
                 "worker_parts": last["ready"] - last["cuda_context"]}
 

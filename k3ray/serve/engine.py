@@ -4,6 +4,8 @@ the same Worker actors as training (their stages, expert shards and EP exchange,
 Loading: the newest verified durable checkpoint, merged out of its grid (`serving_weights`), then restored onto
 the serving grid's pp x ep like a resume (each worker keeps its stage's names and the experts homed on it). The
 checkpoint is read beside the grid's start (k3ray.serve.launch.hold_weights): worker processes start meanwhile.
+The actor starts its workers before it imports torch and the model code, so their imports and its own run side by
+side: this module imports neither at its top (its parts are imported in `Engine`'s constructor).
 
 Parts, each a class of its own, owned here and handed what they use in their constructors (as vLLM v1's EngineCore
 owns a scheduler and an executor): the scheduler (k3ray.serve.scheduler), the iteration loop (schedule -> run on the
@@ -37,29 +39,22 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import ray
 
 from k3ray.config import JobConfig, serving_config
-from k3ray.io.checkpoint import CheckpointError
-from k3ray.train.checkpointing import serving_job_config
 from k3ray.faults import clear, inject, slow_recovery
-from k3ray.serve.scheduler import Scheduler
-from k3ray.serve.admission import Admission
-from k3ray.serve.availability import Availability
-from k3ray.serve.grid import ServingGrid
-from k3ray.serve.iterations import IterationLoop
-from k3ray.serve.launch import hold_weights
-from k3ray.serve.live import BoundaryLock, LivePlacement
+from k3ray.io.checkpoint import CheckpointError
+from k3ray.serve.launch import hold_weights, serving_job_config, start_workers
 from k3ray.serve.record import ServingStats
-from k3ray.serve.streams import RequestEvents, Subscribers
-from k3ray.train.incidents import IncidentLog
-from k3ray.model.sampling import SamplingParams
 from k3ray.tokenizer import load_tokenizer
+from k3ray.train.incidents import IncidentLog
+
+if TYPE_CHECKING:
+    from k3ray.model.sampling import SamplingParams
 
 log = logging.getLogger("k3ray.serve")
-
-
 
 
 def overlap(cfg: JobConfig) -> bool:
@@ -82,6 +77,16 @@ class Engine:
     constructor."""
 
     def __init__(self, cfg: JobConfig, step: int, grid, observers: list | None = None):
+        # the parts that import torch and the model code are imported here, not at the module's top: the
+        # ServingEngine actor's process loads this module first (Ray sends the actor class by value, this base class
+        # by reference) and starts its workers before it imports them
+        from k3ray.serve.admission import Admission
+        from k3ray.serve.availability import Availability
+        from k3ray.serve.iterations import IterationLoop
+        from k3ray.serve.live import BoundaryLock, LivePlacement
+        from k3ray.serve.scheduler import Scheduler
+        from k3ray.serve.streams import RequestEvents, Subscribers
+
         self.cfg, self.model_name, self.step, self.grid = cfg, cfg.name, step, grid
         resolve_serve(cfg)
         if cfg.serve.pages_per_rank is None:  # a GPU grid that did not measure its pools: the CPU's size
@@ -205,22 +210,30 @@ class ServingEngine(Engine):
         config = serving_job_config(checkpoint)
         if config is None:  # a released folder: its config comes with its weights
             config = ray.get(about)[0].config
-        cfg = serving_config(config, pp, ep, serve_overrides, spares)
-        grid = ServingGrid(resolve_serve(cfg), weights, launch_timeout_s)
+        cfg = resolve_serve(serving_config(config, pp, ep, serve_overrides, spares))
+        workers = start_workers(cfg, ep, launch_timeout_s)  # before torch: their imports run beside the engine's
         try:
-            phases = grid.launch(ep)
+            t_started = time.perf_counter()
+            # torch and the model code, while the workers import theirs: the grid, and Engine's parts
+            from k3ray.serve import admission, availability, iterations, live, scheduler, streams  # noqa: F401
+            from k3ray.serve.grid import ServingGrid
+
+            imports = time.perf_counter() - t_started
+            grid = ServingGrid(cfg, weights, launch_timeout_s)
+            phases = grid.launch(ep, started=workers)
             held, read = ray.get(about)
             if held.config["model"] != config["model"]:  # the newest step failed verification: an older one came
                 raise CheckpointError(f"{held.path}: the newest step that verifies holds another model than the "
                                       f"newest step; serve it from a folder of its own")
         except BaseException:
-            grid.close()
+            workers.close()
             raise
         super().__init__(cfg, held.step, grid, observers)
         # the weights are read beside the workers' start and process groups: when they were held, from the start
         held_at = read["started"] + read["read_weights"] + read["pack_weights"] - started
         self.start_seconds = {"read_weights": read["read_weights"], "pack_weights": read["pack_weights"],
-                              "weights_held_at": held_at, **phases, "total": time.perf_counter() - t0}
+                              "weights_held_at": held_at, "engine_imports": imports, **phases,
+                              "total": time.perf_counter() - t0}
         log.info("serving %s step %d from %s on pp=%d x ep=%d, started in %s", cfg.name, held.step, held.path,
                  pp, ep, ", ".join(f"{k} {v:.1f} s" for k, v in self.start_seconds.items()))
 

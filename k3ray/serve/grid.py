@@ -47,12 +47,17 @@ class ServingGrid:
         return self.group.ep
 
     def launch(self, ep: int, home: list[int] | None = None, wait_for_spares: bool = True,
-               progress=None) -> dict[str, float]:
+               progress=None, started: WorkerGroup | None = None) -> dict[str, float]:
         """A grid of pp x ep workers holding the checkpoint's weights (experts homed by `home`, contiguous blocks by
         default) with empty cache pools, and its hot spares; progress(phase) as each phase of the launch ends.
-        Returns the launch's phases in seconds."""
+        started: its pp x ep workers, placed and started already (k3ray.serve.launch.start_workers). Returns the
+        launch's phases in seconds."""
         home = recovery.grow(self.cfg.model.n_experts, ep).tolist() if home is None else home
-        self.group = WorkerGroup(self.cfg, ep, home, serving=True)
+        if started is None:
+            started = WorkerGroup(self.cfg, ep, home, serving=True)
+        else:  # started before the homes were decided
+            started.home = list(home)
+        self.group = started
         self.group.on_phase = progress
         return self.launcher.start(self.group, wait_for_spares, self.traffic.ranked())
 

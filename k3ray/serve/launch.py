@@ -12,20 +12,29 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from k3ray.config import JobConfig
-from k3ray.grid.snapshots import Packed, pack
+from k3ray.formats.release_folder import is_hf_folder
 from k3ray.grid.worker_group import WorkerGroup
-from k3ray.train.checkpointing import ServingWeights, serving_weights
+from k3ray.io import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from k3ray.grid.snapshots import Packed
+    from k3ray.train.checkpointing import ServingWeights
 
 log = logging.getLogger("k3ray.serve")
 
 
 @ray.remote(num_returns=2, max_retries=0)
 def _read_and_pack(checkpoint: str) -> tuple[tuple[ServingWeights, dict], Packed]:
+    # imported here, in the task's process: this module is the engine's before it imports torch (`start_workers`)
+    from k3ray.grid.snapshots import pack
+    from k3ray.train.checkpointing import serving_weights
+
     t0, started = time.perf_counter(), time.time()
     weights = serving_weights(checkpoint)
     t_read = time.perf_counter()
@@ -40,6 +49,25 @@ def hold_weights(checkpoint: str) -> tuple[ray.ObjectRef, ray.ObjectRef]:
     weights are held while it keeps the second."""
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return _read_and_pack.options(num_cpus=0, scheduling_strategy=here).remote(checkpoint)
+
+
+def serving_job_config(root: str) -> dict | None:
+    """The job config of the newest committed step under a checkpoint root, its parts neither read nor verified: what
+    `serving_weights(root)` returns but for a damaged newest step (workers start with it while the weights are read).
+    None for a released folder (its config comes with its weights) and a root without a committed step."""
+    if is_hf_folder(root):
+        return None
+    found = ckpt.owner(root)
+    return None if found is None else found["config"]
+
+
+def start_workers(cfg: JobConfig, ep: int, timeout_s: float) -> WorkerGroup:
+    """The first grid's pp x ep workers (and its hot spares) placed and their processes started, not waited for:
+    they import torch and the model code while the engine imports its own (`ServingGrid.launch(started=...)` joins
+    them and gives them the experts' homes). Imports no torch."""
+    group = WorkerGroup(cfg, ep, [], serving=True)
+    group.start(timeout_s)
+    return group
 
 
 class GridLauncher:

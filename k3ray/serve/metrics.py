@@ -9,10 +9,7 @@ from the workers every `expert_load_every` iterations; with it the replica map (
 read-only copies) and the balancedness (mean / max rank load) under the copies and with homes only."""
 from __future__ import annotations
 
-import torch
-
 from k3ray.steering.metrics import EXPERT_LOAD_BUCKETS, build_metric
-from k3ray.policies import copies as copies_policy
 
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0]
 FINISH = ("stop", "length", "cancelled", "error")
@@ -102,6 +99,12 @@ class ServeMetrics:
         for e, tokens in enumerate(per_expert):
             m["k3ray_serve_expert_tokens"].set(tokens, tags={"expert": str(e)})
         if home is not None:
+            # imported here: this observer reaches the engine actor with its constructor's arguments, so this module
+            # is imported there before the engine starts its workers, which it does before importing torch
+            import torch
+
+            from k3ray.policies import copies as copies_policy
+
             table = copies or [[] for _ in range(max(home) + 1)]
             for e, ranks in enumerate(copies_policy.holders_of(home, table)):
                 m["k3ray_serve_expert_holders"].set(len(ranks), tags={"expert": str(e)})

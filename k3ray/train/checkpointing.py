@@ -267,16 +267,6 @@ def serving_weights(root: str) -> ServingWeights:
     return _merged_weights(root, manifest, mmap=False)
 
 
-def serving_job_config(root: str) -> dict | None:
-    """The job config of the newest committed step under a checkpoint root, its parts neither read nor verified: what
-    `serving_weights(root)` returns but for a damaged newest step (workers start with it while the weights are read).
-    None for a released folder (its config comes with its weights) and a root without a committed step."""
-    if is_hf_folder(root):
-        return None
-    found = ckpt.owner(root)
-    return None if found is None else found["config"]
-
-
 def _merged_weights(root: str, manifest: ckpt.Manifest, mmap: bool) -> ServingWeights:
     """Every part of `manifest`'s step merged out of its grid: experts sorted by id (a part that holds them in order
     alone is taken as it is, no copy)."""

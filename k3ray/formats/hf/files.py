@@ -18,11 +18,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from k3ray.formats.release_folder import CONFIG, INDEX, SINGLE, is_hf_folder
+
 __all__ = ["HFFormatError", "TensorInfo", "HFFolder", "ShardWriter", "is_hf_folder", "DTYPES", "INDEX", "CONFIG"]
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
-CONFIG = "config.json"
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _NAMES = {v: k for k, v in DTYPES.items()}
 DEFAULT_SHARD_BYTES = 5 * 10**9  # the release's shards are ~5 GB
@@ -38,11 +37,6 @@ class TensorInfo:
     file: str  # shard file name inside the folder
     shape: tuple[int, ...]
     dtype: str  # safetensors' name: BF16, F32, ...
-
-
-def is_hf_folder(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    return (p / CONFIG).is_file() and ((p / INDEX).is_file() or (p / SINGLE).is_file())
 
 
 class HFFolder:

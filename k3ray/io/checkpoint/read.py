@@ -10,8 +10,6 @@ import os
 import time
 from pathlib import Path
 
-import torch
-
 from k3ray.io.checkpoint.layout import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, Manifest, PartInfo,
                                         check_name, step_dir, step_dirs)
 
@@ -163,6 +161,8 @@ def shape_mismatches(stored: dict, current: dict) -> list[str]:
 def load_part(root: str | os.PathLike, step: int, name: str, map_location="cpu", mmap: bool = False) -> dict:
     """torch.load(weights_only=True) of one part (does not recheck sha256: call verify/latest_verified first). With
     mmap, tensors are mapped from the file and read when touched (a part larger than memory can be streamed)."""
+    import torch  # here: reading what a checkpoint says (`owner`, manifests) imports no torch (`k3ray serve`'s checks)
+
     check_name(root, step, name)
     path = step_dir(root, step) / name
     try:

@@ -12,8 +12,6 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import torch
-
 from k3ray.io.checkpoint.layout import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, PartInfo, check_name,
                                         check_step, step_dir, step_dirs)
 
@@ -69,6 +67,8 @@ def write_part(root: str | os.PathLike, step: int, name: str, state: dict,
 
     `state` holds tensors, ints, floats, strings, lists and dicts (what `load_part` can read back with
     weights_only=True). Returns the PartInfo to hand to `commit`."""
+    import torch  # here, as in read.py: the package imports no torch until a part is written or read
+
     check_step(step)
     check_name(root, step, name)
     d = step_dir(root, step)
@@ -83,6 +83,8 @@ def write_part(root: str | os.PathLike, step: int, name: str, state: dict,
 
 
 def _cpu_tensors_only(obj, where: str) -> None:
+    import torch  # as in write_part
+
     if isinstance(obj, torch.Tensor):
         if obj.device.type != "cpu":
             raise CheckpointError(f"{where}: tensor on {obj.device}; AsyncWriter takes CPU tensors "
