@@ -1,7 +1,8 @@
 """What a process of a serving start pays before it works, each in a fresh interpreter: `import torch`, `import
-ray`, the `k3ray serve` command's imports, the serving engine's and the worker's modules, the CUDA context (GPU).
-Prints a table (seconds, median of --runs) and the modules that cost most to import in the command's set
-(`python -X importtime`, cumulative).
+ray`, the `k3ray serve` command's imports before Ray starts, the serving engine actor's module (what it imports
+before it starts its workers) and its imports beside their start, the worker's module and its constructor's imports,
+a front door's, the CUDA context (GPU). Prints a table (seconds, median of --runs) and the modules that cost most to
+import in the command's set and in the engine's (`python -X importtime`, cumulative).
 
     python benchmarks/start_probe.py [--runs 3]
 """
@@ -13,14 +14,24 @@ import subprocess
 import sys
 import time
 
+COMMAND = ("from k3ray.control import serve_cli; from k3ray.control.ray_cluster import init_ray; "
+           "from k3ray.formats.release_folder import is_hf_folder; from k3ray.io import checkpoint; "
+           "from k3ray.serve.app import start_serving; from k3ray.serve.metrics import ServeMetrics; "
+           "from k3ray.tokenizer import load_tokenizer")
+ENGINE = ("from k3ray.serve import admission, availability, iterations, live, scheduler, streams; "
+          "from k3ray.serve.grid import ServingGrid")
 PROBES = {
     "interpreter": "pass",
     "import torch": "import torch",
     "import ray": "import ray",
-    "k3ray serve command": "from k3ray.control import serve_cli; from k3ray.control.ray_cluster import init_ray; "
-                           "from k3ray.serve.app import start_serving; from k3ray.serve.metrics import ServeMetrics",
-    "serving engine module": "import k3ray.serve.engine",
-    "worker module": "import k3ray.grid.worker; from k3ray.parallel import engine",
+    "k3ray serve command, until Ray starts": COMMAND,
+    "serving engine module, until its workers start": "import k3ray.serve.engine",
+    "serving engine's imports, beside its workers' start": ENGINE,
+    "worker module": "import k3ray.grid.worker",
+    "worker constructor's imports": "import torch; from k3ray import data; "
+                                    "from k3ray.grid import worker_serving, worker_state, worker_training; "
+                                    "from k3ray.parallel import engine",
+    "front door's imports": "from k3ray.serve.front_door import build_app",
     "CUDA context": "import torch; torch.zeros(1, device='cuda') if torch.cuda.is_available() else None",
 }
 
@@ -53,9 +64,10 @@ def main() -> None:
     for name, code in PROBES.items():
         times = [timed(code) for _ in range(args.runs)]
         print(f"| {name} | {statistics.median(times):.2f} | {', '.join(f'{t:.2f}' for t in times)} |", flush=True)
-    print("\ncostliest imports of the k3ray serve command (cumulative s):")
-    for seconds, module in costliest_imports(PROBES["k3ray serve command"], args.top):
-        print(f"{seconds:8.3f} {module}")
+    for name, code in (("the k3ray serve command's, until Ray starts", COMMAND), ("the serving engine's", ENGINE)):
+        print(f"\ncostliest imports of {name} (cumulative s):")
+        for seconds, module in costliest_imports(code, args.top):
+            print(f"{seconds:8.3f} {module}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
 """Serving's start: the bulk restore from the packed weights equals the per-tensor one (any stage, EP rank and expert
-homes; any chunking), and a one-worker grid, started while its weights are read, serves without process groups and
-with the reference's tokens, its start in phases."""
+homes; any chunking), a one-worker grid, started while its weights are read, serves without process groups and
+with the reference's tokens, its start in phases, and `k3ray serve` imports no torch before Ray starts, nor the engine
+before it starts its workers."""
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import ray
@@ -85,3 +89,23 @@ def test_a_one_worker_grid_serves_without_process_groups_and_as_the_reference(se
             s.join(timeout=300)
     for s, p, kw in zip(streams, prompts, params):
         assert s.tokens() == visible_reference(p, kw)
+
+
+def test_a_serving_start_imports_torch_only_in_the_engine_and_its_workers(tmp_path):
+    """`k3ray serve` checks its input and starts Ray before anything imports torch, and the engine actor's and the
+    workers' modules (their classes reach their processes from them) import none at their top: the engine starts its
+    workers before it imports torch, so their imports run beside its own."""
+    write_seeded_weights(load_config("configs/tiny.yaml"), str(tmp_path / "w"))
+    until_ray = ("import sys\n"
+                 "from k3ray.control import ray_cluster\n"
+                 "def init_ray(*args):\n"
+                 "    raise SystemExit('torch imported' if 'torch' in sys.modules else 0)\n"
+                 "ray_cluster.init_ray = init_ray\n"
+                 "from k3ray.control.cli import main\n"
+                 f"main(['serve', '--checkpoint', {str(tmp_path / 'w')!r}])\n")
+    actors = ("import sys\n"
+              "import k3ray.grid.worker, k3ray.serve.app, k3ray.serve.engine, k3ray.serve.metrics\n"
+              "raise SystemExit('torch imported' if 'torch' in sys.modules else 0)\n")
+    for code in (until_ray, actors):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]

@@ -25,7 +25,6 @@ import ray.util.scheduling_strategies
 import uvicorn
 
 from k3ray.steering.auth import API_KEY_ENV
-from k3ray.serve.front_door import build_app
 
 log = logging.getLogger("k3ray.serve")
 
@@ -66,6 +65,10 @@ class FrontDoorProcess:
     engine: its process start and imports overlap the engine's, and it listens once the engine is ready."""
 
     def __init__(self, engine, api_key: str | None, host: str, port: int, timeout_s: float = 600.0):
+        # the routes import torch (the request shapes' sampling parameters): imported in this process only, so
+        # `k3ray serve`, which imports this module, imports none
+        from k3ray.serve.front_door import build_app
+
         info = ray.get(engine.ready.remote(), timeout=timeout_s)
         sock = shared_port_socket(host, port)
         config = uvicorn.Config(build_app(engine, info, api_key), log_level="warning", access_log=False,
