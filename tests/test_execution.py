@@ -104,6 +104,7 @@ def test_without_cuda_a_worker_process_does_not_import_torch_dynamo():
     import subprocess
     import sys
 
-    code = "import sys, k3ray.grid.worker, k3ray.parallel.engine; print('torch._dynamo' in sys.modules)"
+    code = ("import sys, k3ray.grid.worker, k3ray.grid.worker_serving, k3ray.grid.worker_state, "
+            "k3ray.grid.worker_training, k3ray.parallel.engine; print('torch._dynamo' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
