@@ -17,7 +17,7 @@ DOOR_CHECK_S = 5.0  # how often `k3ray serve` looks for front doors that died
 def cmd_serve(args) -> int:
     """Serve a checkpoint until Ctrl-C (or SIGTERM)."""
     t0 = time.perf_counter()
-    # none of these imports torch (tests/test_layers.py): the checks below and Ray's start come first, and the
+    # none of these imports torch (tests/test_serving_start.py): the checks below and Ray's start come first, and the
     # engine's and the workers' processes import torch and the model code (a released folder's check does too)
     from k3ray.control.ray_cluster import init_ray
     from k3ray.formats.release_folder import is_hf_folder
