@@ -23,6 +23,6 @@ stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit
   --out "$OUT/w4"
 # shellcheck disable=SC2086
 [[ "${T8:-150}" != 0 ]] && stage weeks8 "${T8:-150}" python3 benchmarks/weeks_gpu.py --config configs/gpu2.yaml \
-  --set parallel.ep=1 $RELEASED --steps "${STEPS8:-8}" --snapshot-every "${EVERY8:-50}" --warm-steps 0 --out "$OUT/w8"
+  --set parallel.ep=1 $RELEASED --steps "${STEPS8:-8}" --snapshot-every "${EVERY8:-auto}" --warm-steps 0 --out "$OUT/w8"
 tar -C /root/kcache -cJf "$OUT/kcache.tar.xz" . && du -h "$OUT/kcache.tar.xz"
 exit 0
