@@ -31,38 +31,38 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_nan_rollback_equals_run_that_skipped_the_batch(ray_cluster):
-    steps, k = 10, 6
-    faulty = tiny(**{"parallel.ep": 2, "fault_tolerance.faults": [{"kind": "nan", "step": k, "layer": 1}]})
-    reports, incidents, status, params = run(faulty, steps)
-    (incident,) = incidents
-    assert incident["kind"] == "blowup" and incident["step"] == k and incident["batch_ids"] == [k]
-    assert incident["rule"] in ("nonfinite_loss", "nonfinite_grad", "activation")
-    assert status["skipped_batches"] == [k]
-    assert [r["batch_index"] for r in reports] == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10]
-    clean = tiny(**{"parallel.ep": 2, "data.skip_batches": [k]})
-    ref_reports, ref_incidents, _, ref_params = run(clean, steps)
-    assert ref_incidents == []
-    assert max_diff(params, ref_params) <= 1e-6
-    assert [r["loss"] for r in reports] == [r["loss"] for r in ref_reports]
-
-
-def test_blowup_before_the_first_snapshot_rolls_back_to_the_seed_and_equals_the_run_that_skipped_it(ray_cluster):
-    """No snapshot at step 0: until step 4's, the job's start point (its weights from the seed) is what a rollback
-    goes back to; the grid is rebuilt in place from the seed and steps 0-1 replayed."""
-    steps, k = 6, 2
-    faulty = tiny(**{"parallel.ep": 2, "fault_tolerance.faults": [{"kind": "nan", "step": k, "layer": 1}]})
-    reports, incidents, status, params = run(faulty, steps)
-    (incident,) = incidents
-    assert incident["kind"] == "blowup" and incident["step"] == k and incident["batch_ids"] == [k]
-    assert status["snapshots"]["committed"] == 1  # step 4's: none at step 0
-    warmed_gib, _ = status["snapshots"]["store_warmed"]  # after step 0, each worker its snapshot's size
+def test_blowups_before_and_after_the_first_snapshot_roll_back_and_equal_the_run_that_skipped_them(ray_cluster):
+    """Batch 2 turns NaN before the first snapshot: there is none at step 0, so the job's start point (its weights
+    from the seed) is what the rollback goes back to; the grid is rebuilt in place from the seed and steps 0-1
+    replayed. Step 6 (batch 7, batch 2 being skipped) turns NaN after step 4's snapshot, which the rollback restores.
+    Each blow-up is an incident naming its batch, the batch is skipped, and the run equals one that never saw either
+    batch: the same losses every step, the same parameters after 6 steps (the seed's rollback alone) and after 10."""
+    steps, second = 10, 6
+    batch_of_step = {2: 2, second: 7}  # the NaN steps and the batches they train
+    faults = [{"kind": "nan", "step": k, "layer": 1} for k in batch_of_step]
+    with running_job(tiny(**{"parallel.ep": 2, "fault_tolerance.faults": faults})) as controller:
+        reports = [ray.get(controller.train_step.remote(s), timeout=600) for s in range(second)]
+        snapshots_by_step_6 = ray.get(controller.status.remote())["snapshots"]
+        params_after_6 = job_params(controller)
+        reports += [ray.get(controller.train_step.remote(s), timeout=600) for s in range(second, steps)]
+        incidents = ray.get(controller.get_incidents.remote())
+        status = ray.get(controller.status.remote())
+        params = job_params(controller)
+    assert snapshots_by_step_6["committed"] == 1  # step 4's: none at step 0
+    warmed_gib, _ = snapshots_by_step_6["store_warmed"]  # after step 0, each worker its snapshot's size
     assert warmed_gib > 0
-    clean = tiny(**{"parallel.ep": 2, "data.skip_batches": [k]})
-    ref_reports, ref_incidents, _, ref_params = run(clean, steps)
-    assert ref_incidents == []
-    assert [r["loss"] for r in reports] == [r["loss"] for r in ref_reports]
-    assert max_diff(params, ref_params) == 0.0
+    assert len(incidents) == 2
+    for incident, (k, batch) in zip(incidents, batch_of_step.items()):
+        assert incident["kind"] == "blowup" and incident["step"] == k and incident["batch_ids"] == [batch]
+        assert incident["rule"] in ("nonfinite_loss", "nonfinite_grad", "activation")
+    assert status["skipped_batches"] == list(batch_of_step.values())
+    assert [r["batch_index"] for r in reports] == [0, 1, 3, 4, 5, 6, 8, 9, 10, 11]
+    clean = run_job(tiny(**{"parallel.ep": 2, "data.skip_batches": list(batch_of_step.values())}), steps,
+                    params_after=(second, steps))
+    assert clean.incidents == []
+    assert [r["loss"] for r in reports] == clean.losses
+    assert max_diff(params_after_6, clean.params[second]) == 0.0
+    assert max_diff(params, clean.params[steps]) <= 1e-6
 
 
 def test_repeated_trips_escalate_then_stop(ray_cluster):

@@ -25,7 +25,7 @@ def run_submit(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 def test_ray_job_submit_trains_to_success(ray_cluster):
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
     cmd = [shutil.which("ray"), "job", "submit", "--address", ray_cluster.dashboard_url, "--working-dir", ".",
-           "--", "k3ray", "train", "--config", "configs/tiny.yaml", "--steps", "6", "--no-progress",
+           "--", "k3ray", "train", "--config", "configs/tiny.yaml", "--steps", "2", "--no-progress",
            "--set", "data.micro_batch_size=2"]
     done = run_submit(cmd, cwd=REPO, env=env, timeout=600)
     out = done.stdout + done.stderr
@@ -35,7 +35,7 @@ def test_ray_job_submit_trains_to_success(ray_cluster):
     from ray.job_submission import JobSubmissionClient
 
     assert JobSubmissionClient(ray_cluster.dashboard_url).get_job_status(job_id.group(1)).value == "SUCCEEDED"
-    assert "k3ray: done: 6 steps" in out
+    assert "k3ray: done: 2 steps" in out
 
 
 def test_k3ray_submit_status_and_logs(ray_cluster):

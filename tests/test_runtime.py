@@ -84,53 +84,46 @@ def test_distributed_matches_reference_in_float32(ray_cluster, reference_losses)
     assert_close(got, want, 2e-3)
 
 
-def test_moonep_on_and_off_train_identically(ray_cluster, unfailed_ep4):
-    """MoonEP moves where experts are computed, never what: same losses, and per-rank loads become equal (MoonEP is
-    on in the shared unfailed run)."""
-    assert tiny().policies.moonep.enabled
-    on = unfailed_ep4.reports[:6]
-    off = run_distributed(tiny(**{"parallel.ep": 4, "model.dtype": "float64", "policies.moonep.enabled": False}), 6)
-    assert_close([r["loss"] for r in on], [r["loss"] for r in off], 1e-9)
-    for layer, loads in on[-1]["rank_load"].items():
-        assert max(loads) - min(loads) <= 1, f"layer {layer}: MoonEP rank loads {loads}"
-    assert any(max(v) - min(v) > 1 for v in off[-1]["rank_load"].values())
+def test_moved_shard_then_moonep_switched_off_live_train_as_the_unfailed_run(ray_cluster, unfailed_ep4):
+    """One job on pp=1 x ep=4 in float64, MoonEP on (as in the shared unfailed run):
+    - experts moved to another rank after 3 steps (optimizer moments exist, so they must travel too): the model
+      computes the same function, and the step after the move trains as the shared unfailed run, which never moves
+      anything (its loss, and the parameters it updates with the moved moments; the bound of test_faults' re-homed
+      experts);
+    - a policy change applies at the next step: bad requests are refused and change nothing; switching MoonEP off
+      is acknowledged for step 4, audited with its source, and step 4 runs plain EP (unequal rank loads);
+    - MoonEP moves where experts are computed, never what: the 6 steps trained with it off have the unfailed run's
+      losses, and with it on per-rank loads are equal."""
+    with running_job(tiny(**{"parallel.ep": 4, "model.dtype": "float64"})) as controller:
+        losses = [ray.get(controller.train_step.remote(s, s), timeout=300)["loss"] for s in range(3)]
+        before = ray.get(controller.evaluate.remote(), timeout=300)
+        placement = ray.get(controller.move_experts.remote([0, 1, 2], 1), timeout=300)
+        assert placement["home"][:3] == [1, 1, 1]
+        assert ray.get(controller.evaluate.remote(), timeout=300) == before
+        losses.append(ray.get(controller.train_step.remote(3, 3), timeout=300)["loss"])
+        params = job_params(controller)
 
-
-def test_policy_change_applies_at_next_step(ray_cluster):
-    with running_job(tiny(**{"parallel.ep": 2})) as controller:
-        ray.get(controller.train_step.remote(0, 0))
         with pytest.raises(ray.exceptions.RayTaskError, match="slots_per_rank"):
             ray.get(controller.set_policy.remote("moonep", {"slots_per_rank": -1}))
         with pytest.raises(ray.exceptions.RayTaskError, match="unknown policy"):
             ray.get(controller.set_policy.remote("nope", {}))
         assert ray.get(controller.get_policies.remote("moonep"))["enabled"] is True  # bad requests changed nothing
         ack = ray.get(controller.set_policy.remote("moonep", {"enabled": False}, "test"))
-        assert ack["applies_at_step"] == 1
-        report = ray.get(controller.train_step.remote(1, 1))
-        assert any(max(v) - min(v) > 1 for v in report["rank_load"].values())  # plain EP: unequal ranks
+        assert ack["applies_at_step"] == 4
+        off = [ray.get(controller.train_step.remote(s, s), timeout=300) for s in range(4, 10)]
+        assert any(max(v) - min(v) > 1 for v in off[0]["rank_load"].values())  # plain EP: unequal ranks
         audit = ray.get(controller.audit_log.remote())
         assert audit[-1]["policy"] == "moonep" and audit[-1]["applied"] and audit[-1]["source"] == "test"
-
-
-def test_moved_shard_gives_identical_outputs(ray_cluster, unfailed_ep4):
-    """Experts moved to another rank after 3 steps (optimizer moments exist, so they must travel too): the model
-    computes the same function, and the step after the move trains as the shared unfailed run, which never moves
-    anything (its loss, and the parameters it updates with the moved moments; the bound of test_faults' re-homed
-    experts)."""
-    cfg = tiny(**{"parallel.ep": 4, "model.dtype": "float64"})
-    with running_job(cfg) as controller:
-        losses = [ray.get(controller.train_step.remote(s, s))["loss"] for s in range(3)]
-        before = ray.get(controller.evaluate.remote())
-        placement = ray.get(controller.move_experts.remote([0, 1, 2], 1))
-        assert placement["home"][:3] == [1, 1, 1]
-        assert ray.get(controller.evaluate.remote()) == before
-        losses.append(ray.get(controller.train_step.remote(3, 3))["loss"])
-        params = job_params(controller)
     assert_close(losses, unfailed_ep4.losses[:4], 1e-12)
     want = unfailed_ep4.params[4]
     assert params.keys() == want.keys()
     diff = max(float((params[k] - want[k]).abs().max()) for k in want)
     assert diff <= 1e-12, f"parameters after 4 steps differ from the unfailed run's by {diff:.2e}"
+    assert_close([r["loss"] for r in off], unfailed_ep4.losses[4:10], 1e-9)
+    assert tiny().policies.moonep.enabled
+    for layer, loads in unfailed_ep4.reports[5]["rank_load"].items():
+        assert max(loads) - min(loads) <= 1, f"layer {layer}: MoonEP rank loads {loads}"
+    assert any(max(v) - min(v) > 1 for v in off[-1]["rank_load"].values())
 
 
 def test_gpu_jobs_run_at_normal_priority(ray_cluster):

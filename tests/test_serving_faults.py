@@ -27,17 +27,23 @@ def engine(serving_checkpoint):
         yield engine
 
 
-def streaming(engine, visible_reference, params: list[dict], at_least: int) -> tuple[list[list[int]], list[Stream]]:
-    """The reference's visible output of each prompt with its params, and the requests streaming from the engine
-    once `at_least` of them have had 2 tokens (or 120 s have passed)."""
-    want = [visible_reference(p, kw) for p, kw in zip(PROMPTS, params)]
+def streaming(engine, params: list[dict], at_least: int) -> list[Stream]:
+    """The requests of each prompt with its params streaming from the engine once `at_least` of them have had 2
+    tokens (or 120 s have passed)."""
     streams = [Stream(engine, encode(p), kw) for p, kw in zip(PROMPTS, params)]
     for s in streams:
         s.start()
     deadline = time.time() + 120
     while sum(len(s.tokens()) >= 2 for s in streams) < at_least and time.time() < deadline:
         time.sleep(0.05)
-    return want, streams
+    return streams
+
+
+def references(visible_reference, params: list[dict]) -> list[list[int]]:
+    """The reference's visible output of each prompt with its params. The tests compute it once a fault is under
+    way: the reference runs in this process while the engine recovers (partly asleep, under slow_recovery), not
+    before the streams start."""
+    return [visible_reference(p, kw) for p, kw in zip(PROMPTS, params)]
 
 
 def assert_undisturbed(streams: list[Stream], want: list[list[int]], params: list[dict]) -> None:
@@ -52,9 +58,10 @@ def assert_undisturbed(streams: list[Stream], want: list[list[int]], params: lis
 def test_killed_worker_every_request_completes_as_undisturbed(engine, visible_reference):
     params = [{"max_tokens": 28 + 3 * i, "temperature": 0.0 if i % 3 else 0.8, "seed": 70 + i}
               for i in range(len(PROMPTS))]
-    want, streams = streaming(engine, visible_reference, params, 8)
+    streams = streaming(engine, params, 8)
     t_kill = time.perf_counter()
     ray.get(engine.drill.remote("kill_worker", [2]))  # stage 1 of EP rank 0: its caches and experts are lost
+    want = references(visible_reference, params)
     for s in streams:
         s.join(timeout=300)
     in_flight = [s for s in streams if s.tokens(before=t_kill) and s.items[-1][0] > t_kill]
@@ -83,10 +90,10 @@ def test_streams_wait_for_a_recovery_slower_than_the_unavailable_wait(serving_ch
     tokens of an undisturbed run."""
     params = [{"max_tokens": 24 + 2 * i, "temperature": 0.0 if i % 2 else 0.8, "seed": 50 + i} for i in range(6)]
     with serving_engine(serving_checkpoint, 2, 2, {**SERVE, "unavailable_wait_s": 3.0}) as engine:
-        want, streams = streaming(engine, visible_reference, params, 4)
+        streams = streaming(engine, params, 4)
         ray.get(engine.drill.remote("slow_recovery", seconds=2.0))
         ray.get(engine.drill.remote("kill_worker", [3]))
-        assert_undisturbed(streams, want, params)
+        assert_undisturbed(streams, references(visible_reference, params), params)
         (lost,) = [i for i in ray.get(engine.incident_log.remote()) if i["kind"] == "worker_lost"]
         assert lost["ranks"] == [3] and lost["seconds"]["total"] > 8.0
 
@@ -97,7 +104,7 @@ def test_a_kill_during_the_recovery_then_another_every_request_completes_as_undi
     of a recovery ends a second later (slow_recovery): the grid rebuilt around the surviving column takes its
     place in well under a second otherwise."""
     params = [{"max_tokens": 30 + 2 * i, "temperature": 0.0 if i % 2 else 0.8, "seed": 90 + i} for i in range(6)]
-    want, streams = streaming(engine, visible_reference, params, 4)
+    streams = streaming(engine, params, 4)
     ray.get(engine.drill.remote("slow_recovery", seconds=1.0))
     ray.get(engine.drill.remote("kill_worker", [2]))
 
@@ -118,7 +125,7 @@ def test_a_kill_during_the_recovery_then_another_every_request_completes_as_undi
     while sum(len(s.tokens()) for s in streams) == sum(len(s.tokens(before=time.perf_counter() - 1)) for s in streams):
         time.sleep(0.05)  # tokens flow again
     ray.get(engine.drill.remote("kill_worker", [1]))
-    assert_undisturbed(streams, want, params)
+    assert_undisturbed(streams, references(visible_reference, params), params)
     first, second = [i for i in ray.get(engine.incident_log.remote()) if i["kind"] == "worker_lost"]
     assert first["ranks"] == [2] and len(first["interrupted"]) == 1
     assert first["interrupted"][0].startswith("lost world ranks [0]: ActorDiedError in ")
