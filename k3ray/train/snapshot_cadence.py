@@ -13,8 +13,8 @@ from k3ray.config.train import FaultToleranceConfig
 from k3ray.policies.snapshot_cadence import snapshot_interval
 
 FIRST_AUTO = 5  # steps from the start point to auto's first snapshot
-MEASURED = 3  # auto decides from the median of this many latest snapshots
-STEPS_MEASURED = 20  # ... and of this many latest steps
+MEASURED = 3  # auto decides from this many latest snapshots (their median cost, their longest arrival)
+STEPS_MEASURED = 20  # ... and the median of this many latest steps
 
 
 class SnapshotCadence:
