@@ -9,8 +9,10 @@ on) and the engine's phases, then the medians.
 --server-defaults: the serving sizes a user gets on the device (on a GPU: pools from free memory, 256 slots, the
 token budget, decode graphs), not the small fixed ones.
 
-With --spares the lost worker's place is taken by a hot spare (column "workers": swapping spares in) rather than by
-a grid launched anew (column "workers": placing and starting worker processes).
+With --spares, or with standbys (`fault_tolerance.standbys`, on by default on GPUs: a process beside each worker
+on its device), the lost worker's place is taken by a hot spare or its standby (column "workers": swapping them in)
+rather than by a grid launched anew (column "workers": placing and starting worker processes). The kill waits until
+every worker's standby is up (at most 120 s; column "standbys": those that took a place).
 
 Without --checkpoint it first trains the tiny config for a few steps into a temporary directory (serve_load.py's).
 """
@@ -75,6 +77,10 @@ def drill(checkpoint: str, pp: int, ep: int, concurrency: int, max_tokens: int, 
         undisturbed = [[] for _ in prompts]
         for t in [stream(engine, p, kw, out) for p, kw, out in zip(prompts, params, undisturbed)]:
             t.join()
+        deadline = time.monotonic() + 120  # a serving engine runs for hours: its standbys are up by a fault
+        while ((st := ray.get(engine.stats.remote()))["standbys_up"] < st["standbys"]
+               and time.monotonic() < deadline):
+            time.sleep(0.2)
         got = [[] for _ in prompts]
         threads = [stream(engine, p, kw, out) for p, kw, out in zip(prompts, params, got)]
         while sum(len(tokens(g)) >= 2 for g in got) < concurrency:
@@ -91,7 +97,8 @@ def drill(checkpoint: str, pp: int, ep: int, concurrency: int, max_tokens: int, 
             print(f"{len(errors)} streams ended with an error; the first: {errors[0]}", flush=True)
         seconds = dict(incident["seconds"])
         seconds["workers"] = seconds.pop("swap_in_spares", None) or seconds.pop("place_and_start_workers")
-        return {"gap": gap, "same": same, "ep": incident["ep"], "spares_used": incident["spares_used"], **seconds}
+        return {"gap": gap, "same": same, "ep": incident["ep"], "spares_used": incident["spares_used"],
+                "standbys_used": incident.get("standbys_used", []), **seconds}
     finally:
         ray.get(engine.shutdown.remote())
         ray.kill(engine, no_restart=True)
@@ -119,12 +126,13 @@ def main() -> None:
     if args.server_defaults:
         serve = {"max_tokens": max(args.max_tokens, 256)}
     rows = []
-    print(f"{'drill':>5} {'requests same':>13} {'ep':>6} {'spares':>6} {'gap s':>6} " + " ".join(f"{p:>14}" for p in PHASES))
+    print(f"{'drill':>5} {'requests same':>13} {'ep':>6} {'spares':>6} {'standbys':>8} {'gap s':>6} "
+          + " ".join(f"{p:>14}" for p in PHASES))
     for d in range(args.drills):
         r = drill(checkpoint, args.pp, args.ep, args.concurrency, args.max_tokens, args.kill, serve, args.spares)
         rows.append(r)
         print(f"{d:>5} {r['same']:>6}/{args.concurrency:<6} {'->'.join(map(str, r['ep'])):>6} "
-              f"{len(r['spares_used']):>6} {r['gap']:>6.2f} "
+              f"{len(r['spares_used']) - len(r['standbys_used']):>6} {len(r['standbys_used']):>8} {r['gap']:>6.2f} "
               + " ".join(f"{r.get(p, 0.0):>14.3f}" for p in PHASES), flush=True)
     med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in ["gap", *PHASES]}
     print(f"{'med':>5} {'':>13} {'':>6} {'':>6} {med['gap']:>6.2f} " + " ".join(f"{med[p]:>14.3f}" for p in PHASES))

@@ -197,14 +197,14 @@ def visible_reference(serving_reference):
 
 
 @contextlib.contextmanager
-def serving_engine(checkpoint: str, pp: int, ep: int, serve: dict, spares: int = 0):
+def serving_engine(checkpoint: str, pp: int, ep: int, serve: dict, spares: int = 0, standbys: bool | str = "auto"):
     """A ServingEngine actor serving `checkpoint` on a pp x ep grid (`serve`: serve.* overrides) with `spares` hot
-    spares, ready; shut down and killed afterwards."""
+    spares (and `standbys`: fault_tolerance.standbys), ready; shut down and killed afterwards."""
     import ray
 
     from k3ray.serve.engine import ServingEngine
 
-    engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve, spares=spares)
+    engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve, spares=spares, standbys=standbys)
     ray.get(engine.ready.remote(), timeout=300)
     try:
         yield engine

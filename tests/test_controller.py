@@ -16,6 +16,7 @@ from k3ray.train.controller import Controller, GuardError
 from k3ray.train.failures import RecoveryFailed
 from k3ray.io.checkpoint import part_name
 from k3ray.train.state import TRANSITIONS, IllegalTransition, JobState, StateMachine
+from k3ray.grid.standbys import Standbys
 from k3ray.grid.calls import TopologyError, WorkerLost
 from k3ray.io import checkpoint as ckpt
 from k3ray.policies import ladder, recovery
@@ -58,6 +59,7 @@ class FakeGroup:
         self.launch_seconds: dict[str, float] = {}
         self.alive = False
         self.spares: list[str] = []
+        self.standbys = Standbys()  # none (the standbys' path is tested on Ray: tests/test_faults.py)
         self.alive_nodes = self.transfer = self.resources = self  # the group's parts: this fake plays them itself
 
     @property
@@ -135,6 +137,12 @@ class FakeGroup:
         self.spares += [f"spare{len(self.cluster.calls)}.{i}" for i in range(started)]
         self.cluster.calls.append(("start_spares", started))
         return started
+
+    def standing_by(self, ranks: set[int]) -> frozenset[int]:
+        return frozenset()  # no standbys (CPU)
+
+    def start_standbys(self) -> int:
+        return 0
 
     def spares_ready(self) -> int:
         if self.cluster.spares_dead:
@@ -462,6 +470,12 @@ def test_spare_decisions():
     assert part.action == "reshard" and part.keep == (0, 1, 3) and part.spare_for == {1}
     assert part.home.tolist()[:2] == [0, 0] and part.home.tolist()[6:] == [2, 2]  # survivors renumbered densely
     assert recovery.on_workers_lost(home, 4, {1}, load, spares=0).spare_for == frozenset()
+    # standbys take only their own places, and need no spare
+    assert recovery.spare_cover({1, 5}, 4, 0, frozenset({1, 5})) == {1, 5}
+    assert recovery.spare_cover({1, 5}, 4, 1, frozenset({5})) == {1, 5}
+    assert recovery.spare_cover({1, 5, 2}, 4, 1, frozenset({1})) == {1, 5}  # each column needs one: the lowest
+    alone = recovery.on_workers_lost(recovery.grow(8, 1), 1, {0}, load, standing_by=frozenset({0}))
+    assert alone.action == "replace" and alone.in_place and alone.spare_for == {0}  # pp1 x ep1: no restart
 
 
 # -- a worker lost in any controller state -----------------------------------------------------------------------

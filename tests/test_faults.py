@@ -3,6 +3,7 @@ continues, capacity returning grows the job back, a hung collective is detected.
 from __future__ import annotations
 
 import tempfile
+import time
 
 import pytest
 
@@ -190,6 +191,30 @@ def test_killed_worker_is_replaced_by_a_hot_spare_and_the_run_equals_an_unfailed
     assert "swap_in_spares" in incident["seconds"]
     assert "place_and_start_workers" not in incident["seconds"]  # no process was started to recover
     assert status["ep"] == 4 and status["workers"] == 4 and status["spares"] == 1 and len(reports) == steps
+    assert [r["loss"] for r in reports] == pytest.approx(unfailed_ep4.losses[:steps], rel=1e-12, abs=0)
+    assert max_diff(params, unfailed_ep4.params[steps]) <= 1e-12
+
+
+def test_killed_worker_is_replaced_by_its_standby_and_the_run_equals_an_unfailed_one(ray_cluster, unfailed_ep4):
+    """ep=4 with standbys (a process beside each worker, holding no resources) and no spare, worker 2 killed at step
+    2: its standby takes its place (no process started, no resources placed), the grid keeps ep=4 and its homes, and
+    the float64 run equals an unfailed one; a standby is started again in its slot afterwards."""
+    steps, k = 4, 2
+    cfg = tiny(**{"parallel.ep": 4, "fault_tolerance.standbys": True,
+                  "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]})
+    with running_job(cfg) as controller:
+        reports = [ray.get(controller.train_step.remote(s), timeout=600) for s in range(k)]
+        deadline = time.monotonic() + 120  # the standbys import torch and the model code beside the first steps
+        while ray.get(controller.status.remote())["standbys_up"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        reports += [ray.get(controller.train_step.remote(s), timeout=600) for s in range(k, steps)]
+        incidents = ray.get(controller.get_incidents.remote())
+        status, params = ray.get(controller.status.remote()), job_params(controller)
+    (incident,) = incidents
+    assert incident["kind"] == "worker_lost" and incident["action"] == "replace" and incident["ep"] == [4, 4]
+    assert incident["standbys_used"] == [2] and incident["spares_used"] == [2]
+    assert "swap_in_spares" in incident["seconds"] and "place_and_start_workers" not in incident["seconds"]
+    assert status["ep"] == 4 and status["workers"] == 4 and status["spares"] == 0 and status["standbys"] == 4
     assert [r["loss"] for r in reports] == pytest.approx(unfailed_ep4.losses[:steps], rel=1e-12, abs=0)
     assert max_diff(params, unfailed_ep4.params[steps]) <= 1e-12
 

@@ -84,6 +84,26 @@ def test_killed_worker_every_request_completes_as_undisturbed(engine, visible_re
     assert (stats["ep"], stats["running"], stats["pages_used"]) == (1, 0, 0)
 
 
+def test_a_killed_worker_standby_takes_its_place_and_every_request_completes_as_undisturbed(serving_checkpoint,
+                                                                                             visible_reference):
+    """pp=1 x ep=1 with standbys: the only worker is killed while requests stream; its standby (a process beside it,
+    holding no resources, up before the kill) takes its place: no grid launched anew, no process started, and every
+    request ends with exactly the tokens of an undisturbed run."""
+    params = [{"max_tokens": 24 + 2 * i, "temperature": 0.0 if i % 2 else 0.8, "seed": 90 + i} for i in range(6)]
+    with serving_engine(serving_checkpoint, 1, 1, SERVE, standbys=True) as engine:
+        deadline = time.monotonic() + 120
+        while ray.get(engine.stats.remote())["standbys_up"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        streams = streaming(engine, params, 4)
+        ray.get(engine.drill.remote("kill_worker", [0]))
+        assert_undisturbed(streams, references(visible_reference, params), params)
+        (lost,) = [i for i in ray.get(engine.incident_log.remote()) if i["kind"] == "worker_lost"]
+        assert lost["action"] == "replace" and lost["standbys_used"] == [0] and lost["ep"] == [1, 1]
+        assert "swap_in_spares" in lost["seconds"] and "place_and_start_workers" not in lost["seconds"]
+        stats = ray.get(engine.stats.remote())
+        assert stats["standbys"] == 1 and stats["ep"] == 1
+
+
 def test_streams_wait_for_a_recovery_slower_than_the_unavailable_wait(serving_checkpoint, visible_reference):
     """Each phase of the recovery ends 2 s later (slow_recovery): rebuilt around the surviving column it takes over
     8 s, serve.unavailable_wait_s is 3 s; it progresses, so the streams in flight wait for it and end with exactly the

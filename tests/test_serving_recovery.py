@@ -317,6 +317,12 @@ class FakeGroup:
     def spares_ready(self) -> int:
         return 0  # the replacement spare is still starting
 
+    def standing_by(self, ranks: set[int]) -> frozenset[int]:
+        return frozenset()  # no standbys (CPU)
+
+    def start_standbys(self) -> int:
+        return 0
+
     def close(self) -> None:
         pass
 

@@ -87,13 +87,14 @@ class JobConfig(Section):
         return ep * self.parallel.micro_batches * self.data.micro_batch_size * self.data.seq_len
 
 
-def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None = None, spares: int = 0) -> JobConfig:
-    """The training job's config on the serving grid (pp x ep, `spares` hot spares), with `serve.*` overrides (a
-    `serve` section the checkpoint carries is the training job's default, not a serving choice: it is dropped; so
-    are its spares)."""
+def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None = None, spares: int = 0,
+                   standbys: bool | str = "auto") -> JobConfig:
+    """The training job's config on the serving grid (pp x ep, `spares` hot spares, `standbys`: the standby processes,
+    fault_tolerance.standbys), with `serve.*` overrides (a `serve` section the checkpoint carries is the training
+    job's default, not a serving choice: it is dropped; so are its spares and standbys)."""
     cfg = JobConfig.model_validate({k: v for k, v in train_config.items() if k != "serve"})
     par = cfg.parallel.model_copy(update={"pp": pp, "ep": ep})
     serve = cfg.serve.model_copy(update=overrides or {})
-    ft = cfg.fault_tolerance.model_copy(update={"spares": spares})
+    ft = cfg.fault_tolerance.model_copy(update={"spares": spares, "standbys": standbys})
     return JobConfig.model_validate({**cfg.model_dump(), "parallel": par.model_dump(), "serve": serve.model_dump(),
                                      "fault_tolerance": ft.model_dump()})

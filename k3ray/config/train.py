@@ -97,6 +97,10 @@ class FaultToleranceConfig(Section):
                                                                  "snapshots may cost (stall and optimizer wait)")
     spares: int = Field(0, ge=0, description="hot spares: standby workers (each holding its own device) that take "
                                              "lost ranks' places without a process start; 0 = none")
+    standbys: bool | Literal["auto"] = Field(
+        "auto", description="a standby process beside each worker, sharing its device and holding none of Ray's "
+                            "resources (process up, torch and the model code imported, no CUDA context): when the "
+                            "worker's process dies it takes the place, no process start; auto: on GPU jobs")
     max_retries_per_step: int = Field(3, ge=0)
     skip_growth: int = Field(2, ge=1, description="batches skipped grow by this factor on a repeated trip")
     lr_backoff: float = Field(0.5, gt=0, le=1)

@@ -12,6 +12,7 @@ from k3ray.control import hf_cli
 from k3ray.steering.auth import read_api_key
 
 DOOR_CHECK_S = 5.0  # how often `k3ray serve` looks for front doors that died
+STANDBYS = {"auto": "auto", "on": True, "off": False}  # --standbys -> fault_tolerance.standbys
 
 
 def cmd_serve(args) -> int:
@@ -46,7 +47,7 @@ def cmd_serve(args) -> int:
     t_ray = time.perf_counter()
     serving = start_serving(args.checkpoint, args.pp, args.ep, args.host, args.port, overrides, args.front_doors,
                             observers=[ServeMetrics(args.name)], spares=args.spares, api_key=api_key,
-                            insecure=args.insecure)
+                            insecure=args.insecure, standbys=STANDBYS[args.standbys])
     started = {"imports_and_checks": t_checked - t0, "ray_start": t_ray - t_checked, **serving.start_seconds,
                "total": time.perf_counter() - t0}
     print(json.dumps({"serving": serving.info["model"], "step": serving.info["step"], "url": f"{serving.url}/v1",
@@ -73,6 +74,9 @@ def add_parser(sub, count) -> None:
     sv.add_argument("--ep", type=int, default=1, help="EP ranks per stage (each also serves its own requests)")
     sv.add_argument("--spares", type=count, default=0,
                     help="hot spares: standby workers (one device each) that take a lost worker's place")
+    sv.add_argument("--standbys", choices=list(STANDBYS), default="auto",
+                    help="a standby process beside each worker on its device (no resources held) that takes its "
+                         "place if its process dies; auto: on GPUs")
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--api-key-file", metavar="F", help="every route but /health needs `Authorization: Bearer "
                                                          "<key>` (the key: F's first line; else $K3RAY_API_KEY)")

@@ -1,6 +1,6 @@
 """What a worker group holds of the cluster (`HeldResources`): its Ray placement groups, a slot (placement group,
-bundle index) per worker or spare, and the hot spares started in slots of their own. It places slots (all of a grid's
-at once, or one per spare), starts Worker actors in them, says how many more workers the group can seat without
+bundle index) per worker or spare, the hot spares started in slots of their own and the standbys sharing workers'
+slots. It places slots (all of a grid's at once, or one per spare), starts Worker actors in them, says how many more workers the group can seat without
 placing anything, and gives every placement group back when the group closes. The group (k3ray.grid.worker_group)
 decides which worker takes which place; this part only holds the room."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from k3ray.config import JobConfig
 from k3ray.grid.alive_nodes import AliveNodes
 from k3ray.grid.kernel_cache import kernel_cache_env
 from k3ray.grid.spares import SparePool
+from k3ray.grid.standbys import Standbys
 from k3ray.grid.worker import Worker
 
 # Ray starts actor processes at nice 15. In a GPU job the controller sits on every step's critical path and a
@@ -47,6 +48,7 @@ class HeldResources:
         self.cfg, self.bundle, self.alive_nodes, self.spares = cfg, bundle, alive_nodes, spares
         self.serving = serving
         self.pgs: list = []  # every placement group holding the group's workers and spares
+        self.standbys = Standbys()  # a standby process per worker's slot, holding no resources (fault_tolerance)
 
     def place(self, n: int, timeout_s: float) -> list[tuple] | None:
         """n slots in one placement group packed on the alive nodes, once placed; None (the group given back) if it
@@ -66,6 +68,15 @@ class HeldResources:
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
             num_cpus=self.bundle["CPU"], num_gpus=self.bundle.get("GPU", 0), runtime_env=actor_runtime_env(self.cfg),
         ).remote(self.cfg.model_dump(), self.serving)
+
+    def start_standby(self, slot: tuple, devices: str | None):
+        """A standby Worker in `slot` beside the worker that holds it, holding none of Ray's resources: it uses
+        `devices` (CUDA_VISIBLE_DEVICES of that worker; None on CPU) once it takes the place."""
+        pg, index = slot
+        return Worker.options(
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+            num_cpus=0, num_gpus=0, runtime_env=actor_runtime_env(self.cfg),
+        ).remote(self.cfg.model_dump(), self.serving, devices)
 
     def start_spares(self) -> int:
         """Start standby workers up to `fault_tolerance.spares`, without waiting for them: in slots lost workers

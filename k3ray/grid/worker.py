@@ -6,9 +6,10 @@
     state      snapshots, the neighbours' snapshot copies, restores, checkpoint parts (k3ray.grid.worker_state)
     serving    cache pools, serving iterations, read-only expert copies (k3ray.grid.worker_serving)
 
-A worker starts on standby (its process up, torch and the model code imported, on GPU its CUDA context made) and
-takes a place in a grid with `assume`: every grid worker right after its start, a hot spare when it replaces a lost
-rank, a survivor when its grid is rebuilt around spares.
+A worker starts on standby (its process up, torch and the model code imported, on GPU its CUDA context made, but for
+a standby sharing a worker's device: k3ray.grid.standbys) and takes a place in a grid with `assume`: every grid worker
+right after its start, a hot spare or a standby when it replaces a lost rank, a survivor when its grid is rebuilt
+around spares.
 
 Its remote API: `call` (every call a worker group makes by name, `assume`, `stand_by` and `leave_grid` among them:
 `calls` says which part runs each), and two calls that Ray needs as methods of their own: `snapshot` (a streaming
@@ -56,9 +57,14 @@ def fenced(method):
 
 @ray.remote(max_concurrency=THREADS)
 class Worker:
-    def __init__(self, cfg_dict: dict, serving: bool = False):
-        """serving: a serving grid's worker, which reads no training data."""
+    def __init__(self, cfg_dict: dict, serving: bool = False, shared_devices: str | None = None):
+        """serving: a serving grid's worker, which reads no training data. shared_devices: a standby's (it holds none
+        of Ray's resources, k3ray.grid.standbys): the devices of the worker whose slot it shares, used once it takes
+        that worker's place; its CUDA context is made then, not now (the device is that worker's until its process
+        is gone)."""
         t_begun = time.time()  # the process is up and has loaded this class
+        if shared_devices is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = shared_devices  # before CUDA is initialised, which reads it
         # torch and the model code are imported here, not at the module's top: Ray sends this class by value and a
         # process loading it imports what its methods name, so whoever starts workers (the serving engine) does so
         # before importing torch itself, and each worker's imports are a phase of its start
@@ -73,7 +79,7 @@ class Worker:
         torch.set_num_threads(max(1, int(os.environ.get("K3RAY_THREADS_PER_WORKER", "1"))))
         device = "cuda" if cfg.parallel.device == "cuda" else "cpu"
         t_imported = time.time()
-        if device == "cuda":
+        if device == "cuda" and shared_devices is None:
             torch.zeros(1, device=device)  # the CUDA context, before a spare is needed
         t_context = time.time()
         if not serving:
@@ -116,13 +122,14 @@ class Worker:
         """The Ray node this worker runs on (its answer also says the worker is up)."""
         return ray.get_runtime_context().get_node_id()
 
-    def assume(self, pp_rank: int, ep_rank: int, home: list[int], ep_size: int, init_weights: bool) -> bool:
+    def assume(self, pp_rank: int, ep_rank: int, home: list[int], ep_size: int, init_weights: bool) -> str | None:
         """Take place (pp_rank, ep_rank) of the grid this call names, of ep_size EP ranks, leaving the grid held
         before (if any): a new engine, its weights initialised or (init_weights=False) left for the restore that
-        follows."""
+        follows. Returns the devices it uses (CUDA_VISIBLE_DEVICES, Ray's for its bundle; None on CPU): the standby
+        beside it takes them."""
         self._leave()
         self.seat.take(pp_rank, ep_rank, home, ep_size, init_weights)
-        return True
+        return os.environ.get("CUDA_VISIBLE_DEVICES")
 
     def stand_by(self) -> bool:
         """Leave the grid held (its process groups, its engine's memory, the neighbours' snapshot copies, the

@@ -11,7 +11,9 @@ snapshots and restores: k3ray.grid.state_transfer), `spares`, the hot spares (`f
 workers started with the grid, each holding its own resources, which take lost ranks' places without a process
 start in `regroup`; k3ray.grid.spares) and `resources`, what it holds of the cluster (placement groups, slots,
 workers and spares started in them; new spares are started after a loss by `resources.start_spares`:
-k3ray.grid.held_resources).
+k3ray.grid.held_resources), with the standbys (`fault_tolerance.standbys`: a process beside each worker on its
+device, holding no resources, started once the grid has joined, which takes its own worker's place in `regroup` when
+that worker's process dies: k3ray.grid.standbys).
 """
 from __future__ import annotations
 
@@ -60,6 +62,9 @@ class WorkerGroup:
         self.on_phase = None  # called with each of launch_seconds' phases as it ends (a serving recovery's progress)
         self.generation = 0  # this grid's generation (0: not joined yet); every call to its workers names it
         self.start_time = (0.0, 0.0)  # when `start` began placing the workers: perf_counter and epoch seconds
+        ft = cfg.fault_tolerance
+        self.standbys_on = ft.standbys if ft.standbys != "auto" else cfg.parallel.device == "cuda"
+        self.devices: list[str | None] = []  # world rank -> the devices its worker uses (once the grid joined)
 
     @property
     def size(self) -> int:
@@ -138,8 +143,9 @@ class WorkerGroup:
         """Every worker takes its place (p, e) of this grid, the process groups are built (rendezvous on world rank
         0) and the state restored; the phases' seconds go to launch_seconds (the first one counted from t0)."""
         self.generation = next(_generations)  # calls queued for the grid before this one are refused from now on
-        self.call_each("assume", {r: (r // self.ep, r % self.ep, self.home, self.ep, restore is None)
-                                  for r in range(self.size)}, timeout_s)
+        devices = self.call_each("assume", {r: (r // self.ep, r % self.ep, self.home, self.ep, restore is None)
+                                            for r in range(self.size)}, timeout_s)
+        self.devices = [devices[r] for r in range(self.size)]
         par = self.cfg.parallel
         backend = par.backend if par.backend != "auto" else ("nccl" if par.device == "cuda" else "gloo")
         if self.size == 1 and self.serving:
@@ -161,6 +167,27 @@ class WorkerGroup:
         self._phase_ended("restore")
         return backend
 
+    def start_standbys(self) -> int:
+        """A standby (not waited for) beside every worker of the joined grid whose slot has none, on the devices
+        that worker uses; called once the grid serves or trains, so that their imports do not slow its start.
+        Returns how many were started."""
+        standbys = self.resources.standbys
+        missing = [r for r in range(len(self.devices)) if self.slots[r] not in standbys] if self.standbys_on else []
+        if not missing:
+            return 0
+        if self.cfg.parallel.device == "cuda" and any(self.devices[r] is None for r in missing):
+            log.warning("no standbys: a worker's CUDA_VISIBLE_DEVICES is not set (Ray sets it for its GPU)")
+            self.standbys_on = False
+            return 0
+        return standbys.start({self.slots[r]: self.devices[r] for r in missing}, self.resources.start_standby)
+
+    def standing_by(self, ranks: set[int]) -> frozenset[int]:
+        """The ranks among `ranks` whose slot's standby is up on a healthy node (they can take their own places)."""
+        if not len(self.resources.standbys):
+            return frozenset()
+        up = self.resources.standbys.ready(self.alive_nodes.healthy())
+        return frozenset(r for r in ranks if self.slots[r] in up)
+
     def _phase_ended(self, phase: str) -> None:
         if self.on_phase is not None:
             self.on_phase(phase)
@@ -168,18 +195,25 @@ class WorkerGroup:
     def regroup(self, lost: set[int], ep: int, home: list[int], keep: list[int], spare_for: set[int],
                 restore: dict[int, list], timeout_s: float) -> None:
         """Rebuild this grid in place, no process started: the lost workers are killed (their slots kept for new
-        workers), a ready spare takes the place of each world rank in spare_for, and the new grid of `ep` EP ranks
-        per stage is made of the old EP columns `keep` (in its EP-rank order, experts homed by `home`); survivors of
-        columns left out stand by as spares. Then every worker takes its place, the process groups are rebuilt and
-        the state restored (a loss meanwhile: WorkerLost naming ranks of the new grid)."""
+        workers), each world rank in spare_for is taken by its own standby where that is up, else by a ready hot
+        spare, and the new grid of `ep` EP ranks per stage is made of the old EP columns `keep` (in its EP-rank
+        order, experts homed by `home`); survivors of columns left out stand by as spares. Then every worker takes
+        its place, the process groups are rebuilt and the state restored (a loss meanwhile: WorkerLost naming ranks
+        of the new grid)."""
         t0 = time.perf_counter()
-        if self.spares.up_count() < len(spare_for):  # never fill a lost rank's place with the lost worker itself
-            raise TopologyError(f"{len(spare_for)} lost ranks to fill but {self.spares.up_count()} spares ready")
+        by_standby = self.standing_by(spare_for)
+        by_spare = sorted(set(spare_for) - by_standby)
+        if self.spares.up_count() < len(by_spare):  # never fill a lost rank's place with the lost worker itself
+            raise TopologyError(f"{len(by_spare)} lost ranks to fill but {self.spares.up_count()} spares ready")
         healthy = self.alive_nodes.healthy()
         for r in lost:
-            ray.kill(self.workers[r], no_restart=True)
-            self.spares.free(self.slots[r], self.nodes[r], healthy)
-        taken = dict(zip(sorted(spare_for), self.spares.take(len(spare_for))))
+            if r in by_standby:  # its standby makes a CUDA context on this device: the lost process must be gone
+                self.kill(r)
+            else:
+                ray.kill(self.workers[r], no_restart=True)
+                self.spares.free(self.slots[r], self.nodes[r], healthy)
+        taken = {r: self.resources.standbys.take(self.slots[r]) for r in by_standby}
+        taken.update(zip(by_spare, self.spares.take(len(by_spare))))
         old_ep, old = self.ep, list(zip(self.workers, self.slots, self.nodes))
         members = [p * old_ep + c for p in range(self.pp) for c in keep]
         grid = [(taken[o].actor, taken[o].slot, taken[o].node) if o in taken else old[o] for o in members]
@@ -239,7 +273,7 @@ class WorkerGroup:
                              for r, w in enumerate(self.workers)], timeout_s, f"step {step}")
 
     def close(self) -> None:
-        for w in self.workers + self.spares.clear():
+        for w in self.workers + self.spares.clear() + self.resources.standbys.clear():
             ray.kill(w, no_restart=True)
         self.workers = []
         self.resources.release()

@@ -48,17 +48,21 @@ def grow(num_experts: int, num_ranks: int) -> torch.Tensor:
     return default_home(num_experts, num_ranks)
 
 
-def spare_cover(lost_ranks: set[int], ep: int, spares: int) -> set[int]:
-    """The lost world ranks of a [pp][ep] grid that `spares` hot spares take the places of: whole EP columns only
-    (a column with a lost rank left unreplaced is dropped, spares and all), those needing the fewest spares first,
-    ties to the lowest column."""
+def spare_cover(lost_ranks: set[int], ep: int, spares: int, standing_by: frozenset[int] = frozenset()) -> set[int]:
+    """The lost world ranks of a [pp][ep] grid that `spares` hot spares and the standbys of `standing_by` (lost ranks
+    whose own standby is up, which take only their own place) take the places of: whole EP columns only (a column
+    with a lost rank left unreplaced is dropped, spares and all), those needing the fewest spares first, ties to the
+    lowest column."""
     columns: dict[int, list[int]] = {}
     for r in sorted(lost_ranks):
         columns.setdefault(r % ep, []).append(r)
+    needs = sorted((sum(r not in standing_by for r in ranks), c) for c, ranks in columns.items())
     covered: set[int] = set()
-    for _, ranks in sorted(columns.items(), key=lambda item: (len(item[1]), item[0])):
-        if len(ranks) <= spares - len(covered):
-            covered |= set(ranks)
+    used = 0
+    for need, c in needs:
+        if need <= spares - used:
+            covered |= set(columns[c])
+            used += need
     return covered
 
 
@@ -79,14 +83,16 @@ class LossDecision:
 
 
 def on_workers_lost(home: torch.Tensor, ep: int, lost_ranks: set[int], load: torch.Tensor,
-                    max_ep: int | None = None, spares: int = 0, nodes_lost: bool = False) -> LossDecision:
+                    max_ep: int | None = None, spares: int = 0, nodes_lost: bool = False,
+                    standing_by: frozenset[int] = frozenset()) -> LossDecision:
     """Replace, shrink or restart after losing world ranks `lost_ranks` of a [pp][ep] grid (world rank = p * ep + e):
-    `spares` ready hot spares take the places of whole columns' lost ranks (`spare_cover`); an EP rank is gone from
+    `spares` ready hot spares and the standbys of `standing_by` (lost ranks whose own standby is up) take the places
+    of whole columns' lost ranks (`spare_cover`); an EP rank is gone from
     every stage when any of its workers is lost and not replaced. The survivors' columns are kept in place unless
     `nodes_lost` (a lost rank's node is gone or silent: the grid's placement is made again off it, so it is launched
     anew; spares still fill in in place). `max_ep`: the most EP ranks the alive nodes hold for a grid launched anew
     (after a node loss fewer than the survivors): the highest-numbered survivors beyond it are let go too."""
-    spare_for = frozenset(spare_cover(lost_ranks, ep, spares))
+    spare_for = frozenset(spare_cover(lost_ranks, ep, spares, standing_by))
     lost_cols = {r % ep for r in lost_ranks - spare_for}
     anew = max_ep is not None  # a plan for a grid launched anew: nothing is kept in place
     if not lost_cols:

@@ -117,7 +117,8 @@ class Serving:
 
 def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.0.1", port: int = 8000,
                   serve_overrides: dict | None = None, front_doors: int = 1, observers: list | None = None,
-                  spares: int = 0, api_key: str | None = None, insecure: bool = False) -> Serving:
+                  spares: int = 0, api_key: str | None = None, insecure: bool = False,
+                  standbys: bool | str = "auto") -> Serving:
     """Start the engine (workers loaded from the checkpoint) and `front_doors` HTTP processes on host:port. With
     `api_key` every route but /health needs it (`check_exposure` first: ValueError)."""
     from k3ray.serve.engine import ServingEngine
@@ -125,7 +126,7 @@ def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.
     check_exposure(host, api_key, insecure)
     t0 = time.perf_counter()
     engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve_overrides, observers=observers,
-                                                      spares=spares)
+                                                      spares=spares, standbys=standbys)
     here = ray.get_runtime_context().get_node_id()  # the front doors listen on this machine's host:port
     pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(here, soft=False)
 

@@ -120,7 +120,15 @@ class Engine:
         c = self.counts
         return {**self.sched.usage(), "iterations": c.iterations, "tokens_out": c.tokens_out,
                 "uptime_s": time.time() - c.started, "pp": self.grid.pp, "ep": self.grid.ep,
-                "incidents": len(self.incidents), "phase_seconds": dict(c.phase_s)}
+                "incidents": len(self.incidents), "phase_seconds": dict(c.phase_s),
+                **self._standbys()}
+
+    def _standbys(self) -> dict:
+        """How many standbys the grid has (one per worker where fault_tolerance.standbys is on), how many are up."""
+        group = self.grid.group
+        if group is None or not group.standbys_on:
+            return {"standbys": 0, "standbys_up": 0}
+        return {"standbys": group.size, "standbys_up": group.resources.standbys.up_count()}
 
     def health(self) -> dict:
         """{'status': 'ok'}, or 'unavailable' with the reason and since when (the front door's /health: 503)."""
@@ -204,13 +212,14 @@ class ServingEngine(Engine):
     transport between their processes and this one (the Ray-free engine's callers read `generate`)."""
 
     def __init__(self, checkpoint: str, pp: int, ep: int, serve_overrides: dict | None = None,
-                 launch_timeout_s: float = 300.0, observers: list | None = None, spares: int = 0):
+                 launch_timeout_s: float = 300.0, observers: list | None = None, spares: int = 0,
+                 standbys: bool | str = "auto"):
         t0, started = time.perf_counter(), time.time()
         about, weights = hold_weights(checkpoint)  # read beside the grid's start: its restore waits for them
         config = serving_job_config(checkpoint)
         if config is None:  # a released folder: its config comes with its weights
             config = ray.get(about)[0].config
-        cfg = resolve_serve(serving_config(config, pp, ep, serve_overrides, spares))
+        cfg = resolve_serve(serving_config(config, pp, ep, serve_overrides, spares, standbys))
         workers = start_workers(cfg, ep, launch_timeout_s)  # before torch: their imports run beside the engine's
         try:
             t_started = time.perf_counter()

@@ -59,7 +59,9 @@ class ServingGrid:
             started.home = list(home)
         self.group = started
         self.group.on_phase = progress
-        return self.launcher.start(self.group, wait_for_spares, self.traffic.ranked())
+        phases = self.launcher.start(self.group, wait_for_spares, self.traffic.ranked())
+        self.group.start_standbys()  # once the grid can serve: their imports do not slow its start
+        return phases
 
     def run(self, plans: dict) -> dict[int, StageOutput]:
         """One iteration: rank -> RankPlan in, rank -> its stages' merged answer out (WorkerLost if a worker is).
@@ -129,7 +131,9 @@ class ServingGrid:
         placement_failed = False
         for attempt in range(1, attempts + 1):
             spares = old.resources.spares_ready() if self.cfg.fault_tolerance.spares else 0
-            decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, spares=spares)
+            standing_by = old.standing_by(lost.ranks)
+            decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, spares=spares,
+                                                standing_by=standing_by)
             # in place unless the grid was lost in its rendezvous: its survivors may wait there for the lost worker
             # (until parallel.collective_timeout_s), and a rebuild around them would wait on them; every EP column
             # lost, there is nothing to rebuild around
@@ -170,10 +174,12 @@ class ServingGrid:
         else:
             raise TopologyError(f"serving grid: {attempts} rebuilds interrupted, the last by {lost}")
         self.group.on_phase = None
+        self.group.start_standbys()
         self.spares_due = bool(decision.spare_for)
         incident["ep"].append(decision.ep)
         incident["action"] = decision.action
         incident["spares_used"] = sorted(decision.spare_for)
+        incident["standbys_used"] = sorted(decision.spare_for & standing_by)
         incident["seconds"] = {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}
         return incident
 
@@ -226,6 +232,7 @@ class ServingGrid:
         t0, before = time.perf_counter(), self.group.ep
         self.close()
         self.group = group
+        self.group.start_standbys()
         self.cfg.parallel = self.cfg.parallel.model_copy(update={"ep": group.ep})  # relaunches aim at this size
         self.spares_due = bool(self.cfg.fault_tolerance.spares)
         return {"ep": [before, group.ep], "action": "resize beside",

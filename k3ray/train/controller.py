@@ -176,6 +176,7 @@ class Controller:
             # spares that replaced lost workers (or found no room before): started once the step is done, so that
             # they do not slow the recovery they are started after
             grid.group.resources.start_spares()
+        grid.group.start_standbys()  # after the first step of a grid: their imports do not slow its start
         try:
             self.snapshots.commit(grid.group, wait=False)
             self.table.rebalance_on_schedule(grid.group, progress.step, self.incidents)
@@ -219,6 +220,8 @@ class Controller:
                "ep": self.table.ep, "ep_configured": par.ep, "ep_target": self.scaling.target_ep,
                "workers": par.pp * self.table.ep, "device": par.device,
                "spares": 0 if group is None else len(group.spares),
+               "standbys": 0 if group is None else len(group.resources.standbys),
+               "standbys_up": 0 if group is None else group.resources.standbys.up_count(),
                "skipped_batches": sorted(progress.skip), "lr_scale": progress.lr_scale,
                "loss": None if progress.last_report is None else progress.last_report["loss"],
                "api_url": None, "tokens_per_s": None,

@@ -176,11 +176,13 @@ class Recovery:
         t_gathered = time.perf_counter()
         load = self.table.expert_load(self.progress.last_report)
         spares = old.resources.spares_ready() if ft.spares else 0
+        standing_by = old.standing_by(lost.ranks)
         nodes_lost = recovery.on_lost_nodes(old.nodes, lost.ranks, old.alive_nodes.healthy())
         decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, spares=spares,
-                                            nodes_lost=nodes_lost)
+                                            nodes_lost=nodes_lost, standing_by=standing_by)
         fields = dict(step=step, ranks=sorted(lost.ranks), why=lost.why,
                       rule="collective_timeout" if lost.hung else "worker_lost", silent_nodes=sorted(silent),
+                      standbys_used=sorted(decision.spare_for & standing_by),
                       replayed_steps=[snap.step, step], attempt=self.machine.attempt)
         incident = None  # the launch anew records each of its attempts' outcomes itself
         try:
