@@ -207,7 +207,7 @@ def test_every_grid_joined_takes_a_new_generation_that_its_workers_are_told(monk
 
     def fake_calls(group: WorkerGroup) -> WorkerGroup:
         monkeypatch.setattr(group, "call_each", lambda method, args, timeout_s=None: (
-            told.append((method, group.generation)) or {0: ("127.0.0.1", 1)}))
+            told.append((method, group.generation)) or {r: ("127.0.0.1", 1) for r in args}))
         monkeypatch.setattr(group, "call", lambda method, *args, timeout_s=None: told.append(
             (method, group.generation)))
         return group

@@ -91,19 +91,22 @@ class SnapshotStager:
             cut = len(sizes) if self.stream is None else self._first_staged(sizes, after_a_step)
             if self.stream is None:
                 host = [self._host_chunk(k, n) for k, n in enumerate(sizes)]
-                for t, slot in tensors:
-                    view(host[slot.chunk], slot).copy_(t)
+                torch._foreach_copy_([view(host[slot.chunk], slot) for _, slot in tensors], [t for t, _ in tensors])
                 self.staged = _Staged(step, skeleton, len(sizes), None, {})
                 return sum(sizes), None
             base, starts = sum(sizes[:cut]), _starts(sizes)
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # reads the state at this boundary
             live: dict[int, list] = {}
+            to, of = [], []  # the staging buffer's views and the live tensors copied into them
+            for t, slot in tensors:
+                if slot.chunk >= cut:
+                    to.append(view(self.staging, slot, starts[slot.chunk] - base))
+                    of.append(t)
+                else:
+                    live.setdefault(slot.chunk, []).append((t, slot))
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # reads the state at this boundary
             with torch.cuda.stream(self.stream):
-                for t, slot in tensors:
-                    if slot.chunk >= cut:
-                        view(self.staging, slot, starts[slot.chunk] - base).copy_(t, non_blocking=True)
-                    else:
-                        live.setdefault(slot.chunk, []).append((t, slot))
+                if to:  # one call for hundreds of tensors: the boundary waits for their launches, not their copies
+                    torch._foreach_copy_(to, of, non_blocking=True)
                 staged = torch.cuda.Event()
                 staged.record()
             read = threading.Event() if live else staged
