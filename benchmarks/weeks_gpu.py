@@ -54,6 +54,7 @@ def snapshot_job(cfg, steps: int) -> dict:
             "stall_s": list(self.snapshots.stall_seconds), "total_s": list(self.snapshots.total_seconds),
             "read_wait_s": list(self.snapshots.read_wait_seconds), "skipped": list(self.snapshots.skipped),
             "store_warmed": self.snapshots.warmed(), "taken": list(self.snapshots.taken),
+            "worker_stage_s": list(self.snapshots.worker_stage_seconds),
             "every": self.cadence.interval,
             "bytes": self.snapshots.committed.nbytes if self.snapshots.committed is not None else 0})
         maxvio = [StepReport(**{k: v for k, v in r.items() if k not in ("warnings", "worker_seconds")}).mean_maxvio
@@ -74,15 +75,16 @@ def print_snapshots(j1: dict) -> None:
     snaps = j1["snapshots"]
     print(f"\nstate per snapshot {snaps['bytes'] / 2**30:.1f} GiB; median step {j1['median_step_s']:.3f} s; "
           f"store warmed before the first (GiB, slowest worker's s): {snaps['store_warmed']}")
-    print("| snapshot | staging stall ms | optimizer waited for live reads ms | boundary step excess ms "
-          "| arrived after s |")
-    print("|---|---|---|---|---|")
+    print("| snapshot | staging stall ms | of which the slowest worker's own staging ms | optimizer waited for live "
+          "reads ms | boundary step excess ms | arrived after s |")
+    print("|---|---|---|---|---|---|")
     for i, s in enumerate(snaps["taken"]):  # the first boundary takes none (the job's start point stands in)
         stall = snaps["stall_s"][i] * 1e3 if i < len(snaps["stall_s"]) else float("nan")
         total = snaps["total_s"][i] if i < len(snaps["total_s"]) else float("nan")
         waited = snaps["read_wait_s"][i] * 1e3 if i < len(snaps["read_wait_s"]) else float("nan")
+        own = snaps["worker_stage_s"][i] * 1e3 if i < len(snaps["worker_stage_s"]) else float("nan")
         excess = j1["boundary_excess_s"].get(s)
-        print(f"| step {s} | {stall:.1f} | {waited:.0f} | {'-' if excess is None else f'{excess * 1e3:.0f}'} | "
+        print(f"| step {s} | {stall:.1f} | {own:.1f} | {waited:.0f} | {'-' if excess is None else f'{excess * 1e3:.0f}'} | "
               f"{total:.2f} |")
     print(f"skipped: {snaps['skipped'] or 'none'}; interval at the end: {snaps['every']} steps; "
           f"warnings: {j1['warnings'] or 'none'}", flush=True)

@@ -72,7 +72,8 @@ def _format_summary(summary: dict) -> str:
         k = snaps.get("every")
         every = f" (every {k} step{'s' if k != 1 else ''} at the end)" if k else ""
         lines.append(f"  snapshots    {snaps['committed']} in memory{every}, training stalled "
-                     f"{snaps['stall_ms_median']:.0f} ms (median) / {snaps['stall_ms_max']:.0f} ms (largest) for them, "
+                     f"{snaps['stall_ms_median']:.0f} ms (median) / {snaps['stall_ms_max']:.0f} ms (largest) for them "
+                     f"({snaps['worker_stage_ms_median']:.0f} ms of it staging on the slowest worker), "
                      f"{len(snaps['skipped'])} skipped (the one before still arriving)")
         if snaps["read_wait_ms_max"] is not None:
             lines.append(f"               the optimizer waited {snaps['read_wait_ms_median']:.0f} ms (median) / "

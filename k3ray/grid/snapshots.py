@@ -112,9 +112,10 @@ class SnapshotPart:
     arrived), then references to its skeleton and its chunks in the object store. Passed to workers (restores, the
     neighbours' copies) once arrived; `packed` there maps it."""
 
-    def __init__(self, stream, nbytes: int):
+    def __init__(self, stream, nbytes: int, stage_seconds: float = 0.0):
         self.stream = stream  # ray.ObjectRefGenerator of Worker.snapshot
         self.nbytes = nbytes
+        self.stage_seconds = stage_seconds  # the worker's own time staging it (the rest of the stall: the call)
         self.refs: list | None = None
 
     @property
@@ -253,6 +254,7 @@ class Snapshots:
         self.read_wait_seconds: list[float] = []  # the optimizer held up by the part read live, per snapshot
         self.skipped: list[int] = []
         self.taken: list[int] = []  # the boundaries snapshots were started at
+        self.worker_stage_seconds: list[float] = []  # per snapshot taken: the slowest worker's own staging time
         self.warnings: list[str] = []
         self.on_commit = on_commit  # called with each committed Snapshot (metrics)
         self.on_skip = on_skip  # called with (step skipped, step of the snapshot still arriving)
@@ -260,12 +262,15 @@ class Snapshots:
         self.warming: list = []  # the workers' warm_store calls (bytes, seconds each), once per job
 
     def summary(self) -> dict:
-        """What the snapshots cost so far: how many were committed, training's stall for them and the optimizer's
+        """What the snapshots cost so far: how many were committed, training's stall for them (and the slowest
+        worker's own share of it) and the optimizer's
         wait for their part read live (median and largest, ms), the steps whose snapshot was skipped, and how much of
         the object store the workers warmed before the first (GiB, the slowest worker's seconds)."""
         stalls, waits = self.stall_seconds, self.read_wait_seconds
         return {"committed": len(stalls), "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else None,
                 "stall_ms_max": 1e3 * max(stalls) if stalls else None,
+                "worker_stage_ms_median": (1e3 * statistics.median(self.worker_stage_seconds)
+                                           if self.worker_stage_seconds else None),
                 "read_wait_ms_median": 1e3 * statistics.median(waits) if waits else None,
                 "read_wait_ms_max": 1e3 * max(waits) if waits else None, "skipped": list(self.skipped),
                 "store_warmed": self.warmed()}
@@ -325,6 +330,8 @@ class Snapshots:
         t0 = time.perf_counter()
         refs, size_refs, fit = group.transfer.begin_snapshot(step)
         self.taken.append(step)
+        self.worker_stage_seconds.append(max((p.stage_seconds for p in refs if isinstance(p, SnapshotPart)),
+                                             default=0.0))
         self.pending = Snapshot(step, guard, group.pp, group.ep, refs, size_refs, t0, time.perf_counter() - t0)
         if fit is not None:
             self.one_at_a_time = fit.one_at_a_time

@@ -39,14 +39,15 @@ class GridStateTransfer:
         from k3ray.grid.snapshots import SnapshotPart, store_fit
 
         g = self.group
-        part_bytes = g.call("stage_snapshot", step, timeout_s=300)
+        staged = g.call("stage_snapshot", step, timeout_s=300)  # (bytes, the worker's own seconds) per rank
+        part_bytes = [nbytes for nbytes, _ in staged]
         fit = None
         if sum(part_bytes) > self.store_checked_bytes:
             self.store_checked_bytes = sum(part_bytes)
             stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0.0) for n in ray.nodes() if n["Alive"]}
             fit = store_fit(part_bytes, g.nodes, stores)
-        parts = [SnapshotPart(w.snapshot.remote(g.generation, step), nbytes)
-                 for w, nbytes in zip(g.workers, part_bytes)]
+        parts = [SnapshotPart(w.snapshot.remote(g.generation, step), nbytes, seconds)
+                 for w, (nbytes, seconds) in zip(g.workers, staged)]
         return parts, parts, fit
 
     def warm_stores(self) -> list[ray.ObjectRef]:

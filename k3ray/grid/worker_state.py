@@ -30,10 +30,12 @@ class WorkerState:
         self.stop_warming = threading.Event()  # a snapshot was staged: warming ends after its current piece
 
     # -- snapshots -----------------------------------------------------------------------------------------------
-    def stage_snapshot(self, step: int) -> int:
-        """Copy the state to run `step` from aside (the short part, at the step boundary) and return its size in
-        bytes. Dense state only from EP rank 0 of the stage: the other EP ranks hold identical copies, and restores
-        read it from rank 0's. Parameters an fp32 master stands for are left out (a restore rounds the master)."""
+    def stage_snapshot(self, step: int) -> tuple[int, float]:
+        """Copy the state to run `step` from aside (the short part, at the step boundary); returns its size in bytes
+        and the seconds this worker took (the part of training's stall spent here, not in the call's way). Dense
+        state only from EP rank 0 of the stage: the other EP ranks hold identical copies, and restores read it from
+        rank 0's. Parameters an fp32 master stands for are left out (a restore rounds the master)."""
+        t0 = time.perf_counter()
         engine = self.seat.engine
         self.stop_warming.set()
         self.stager = self.stager or SnapshotStager(engine.device)
@@ -42,7 +44,7 @@ class WorkerState:
                                                   after_a_step=engine.steps_trained > 0)
         if still_reading is not None:
             engine.state_reads.append(still_reading)
-        return nbytes
+        return nbytes, time.perf_counter() - t0
 
     def snapshot_chunks(self, step: int):
         """The staged state of `step`: its skeleton, then its chunks as host bytes (streamed beside the next step),
