@@ -219,6 +219,30 @@ def test_killed_worker_is_replaced_by_its_standby_and_the_run_equals_an_unfailed
     assert max_diff(params, unfailed_ep4.params[steps]) <= 1e-12
 
 
+def test_a_standby_killed_as_it_takes_its_place_is_recovered_from_again(ray_cluster, unfailed_ep4):
+    """Two faults close together: worker 2 killed at step 2, then its standby, now rank 2, killed as soon as the
+    rebuilt grid has joined. The second loss finds no standby for rank 2 (a new one starts only after a step on the
+    new grid): the grid shrinks in place to ep=3, grows back at the next step, and the float64 losses still equal
+    the unfailed run's."""
+    steps, k = 5, 2
+    cfg = tiny(**{"parallel.ep": 4, "fault_tolerance.standbys": True,
+                  "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2},
+                                             {"kind": "kill_worker", "step": k, "worker": 2, "at": "relaunch"}]})
+    with running_job(cfg) as controller:
+        reports = [ray.get(controller.train_step.remote(s), timeout=600) for s in range(k)]
+        deadline = time.monotonic() + 120
+        while ray.get(controller.status.remote())["standbys_up"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        reports += [ray.get(controller.train_step.remote(s), timeout=600) for s in range(k, steps)]
+        incidents = ray.get(controller.get_incidents.remote())
+    first, second, grown = incidents
+    assert first["action"] == "replace" and first["standbys_used"] == [2]
+    assert first["outcome"].startswith("interrupted: lost world ranks [2]")
+    assert second["action"] == "reshard" and second["ep"] == [4, 3] and second["standbys_used"] == []
+    assert grown["kind"] == "grow_back" and grown["ep"] == [3, 4]
+    assert [r["loss"] for r in reports] == pytest.approx(unfailed_ep4.losses[:steps], rel=1e-12, abs=0)
+
+
 def test_killed_worker_without_a_spare_shrinks_in_place_keeping_the_survivors_processes(ray_cluster, unfailed_ep4):
     """ep=4, no spare, worker 2 killed at step 2: the grid shrinks to ep=3 in place (no worker process started,
     none launched anew): the 3 survivors are the same actors in the same processes, now EP ranks 0-2, and the
