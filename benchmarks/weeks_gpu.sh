@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Snapshot stalls and warm starts on one GPU machine (device tool), logs in $OUT: benchmarks/weeks_gpu.py on gpu2
+# Snapshot stalls and warm starts on one GPU machine (device tool), logs in $OUT: `k3ray warmup` (the training kernels
+# into the kept cache, TWARM=0 skips it), then benchmarks/weeks_gpu.py on gpu2
 # with the released features at 4 layers (40 steps, a snapshot every 10; then the same job again, warm) and at 8
 # layers (its state against the object store). Carry .carry/ray (benchmarks/carry_ray.sh); the kept kernel cache
 # comes back as $OUT/kcache.tar.xz (carry it as .carry/kcache/kcache.tar.xz to start warm).
@@ -18,6 +19,11 @@ python3 -c "import torch, ray, triton; print(torch.__version__, ray.__version__,
 stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit ${limit}s)"; \
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? ($(date -u +%T))"; tail -n 16 "$OUT/$name.log"; }
 # shellcheck disable=SC2086 # RELEASED is a list of arguments
+# the training kernels compiled and autotuned first (a kernel cache carried from serving holds none of them: the job
+# would spend minutes autotuning its first step); a no-op check where the cache has them
+[[ "${TWARM:-240}" != 0 ]] && stage warmup "${TWARM:-240}" python3 -m k3ray.control.cli warmup --config configs/gpu2.yaml \
+  --set parallel.ep=1 $RELEASED
+# shellcheck disable=SC2086
 [[ "${T4:-330}" != 0 ]] && stage weeks4 "${T4:-330}" python3 benchmarks/weeks_gpu.py --config configs/gpu2.yaml \
   --set parallel.ep=1 $RELEASED --set model.n_layers=4 --steps "${STEPS4:-40}" --snapshot-every "${EVERY4:-10}" --warm-steps "${WARM4:-3}" \
   --out "$OUT/w4"
