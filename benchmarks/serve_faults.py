@@ -37,7 +37,7 @@ PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self"
            "# Licensed to the PSF\n\"\"\"Helpers for ", "    if not data:\n        return ", "x = ", "print(",
            "with open(path) as f:\n", "return "]
 PHASES = ["replan", "workers", "worker_process", "worker_imports", "worker_cuda", "process_groups", "restore",
-          "cache_pools", "graph_capture", "to_next_token"]
+          "cache_pools", "graph_capture", "first_graph", "to_next_token"]
 
 
 def stream(engine, prompt: str, params: dict, into: list) -> threading.Thread:

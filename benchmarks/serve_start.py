@@ -27,7 +27,7 @@ import time
 import httpx
 
 ENGINE = ["read_weights", "hold_weights", "place_and_start_workers", "worker_process", "worker_imports", "worker_cuda",
-          "worker_parts", "process_groups", "restore", "cache_pools", "graph_capture"]
+          "worker_parts", "process_groups", "restore", "cache_pools", "graph_capture", "first_graph"]
 
 
 def free_port() -> int:

@@ -21,10 +21,11 @@ class WorkerServing:
         self.server = None  # the StageServer beside the engine (k3ray.parallel.serving), made by serve_init
 
     def serve_init(self, pages: int, page_size: int, slots: int, graphs_budget_s: float = 0.0,
-                   traffic: list | None = None) -> float:
+                   traffic: list | None = None) -> dict[str, float]:
         """Cache pools for serving beside the stage this worker holds, and the decode CUDA graphs that
         `graphs_budget_s` seconds capture (GPU): those of `traffic`'s decode shapes (a grid's so far, most used
-        first; `DecodeGraphs.capture_ahead`), else the likeliest; the seconds the captures took."""
+        first; `DecodeGraphs.capture_ahead`), else the likeliest. Returns the captures' seconds and the first one's
+        (a new process's kernels load in it)."""
         from k3ray.model.cache import new_pools
         from k3ray.parallel.serving import StageServer
 
@@ -36,8 +37,8 @@ class WorkerServing:
         graphs = self.server.graphs
         if graphs_budget_s > 0 and graphs is not None:
             graphs.capture_ahead(graphs_budget_s, traffic)
-            return graphs.capture_seconds
-        return 0.0
+            return {"seconds": graphs.capture_seconds, "first": graphs.first_capture_seconds}
+        return {"seconds": 0.0, "first": 0.0}
 
     def serve_pages_that_fit(self, page_size: int, slots: int, fraction: float) -> int:
         """Latent pages of this worker's stage that `fraction` of its device's free memory holds beside `slots`

@@ -214,6 +214,7 @@ class DecodeGraphs:
         self.server = server
         self.graphs: dict[tuple[int, int, bool], tuple] = {}
         self.capture_seconds = 0.0  # spent capturing (warm-up runs included), reported with the grid's start
+        self.first_capture_seconds = 0.0  # the first capture alone: a new CUDA process loads its kernels in it
         self.pool = torch.cuda.graph_pool_handle()
         # experts exchanged between EP ranks: the exchange's splits come from the host, so no graph
         self.enabled = all(getattr(getattr(moe.experts, "ctx", None), "num_ranks", 1) == 1
@@ -246,6 +247,8 @@ class DecodeGraphs:
             t0 = time.perf_counter()
             try:
                 self.graphs[key] = self._capture(*key)
+                if not self.capture_seconds:
+                    self.first_capture_seconds = time.perf_counter() - t0
                 self.capture_seconds += time.perf_counter() - t0
             except RuntimeError as err:  # a kernel that cannot be captured: this stage decodes eagerly from now on
                 log.warning("decode CUDA graphs off for this stage: the capture failed: %s", err)
