@@ -122,11 +122,14 @@ def start_serving(checkpoint: str, pp: int = 1, ep: int = 1, host: str = "127.0.
     """Start the engine (workers loaded from the checkpoint) and `front_doors` HTTP processes on host:port. With
     `api_key` every route but /health needs it (`check_exposure` first: ValueError)."""
     from k3ray.serve.engine import ServingEngine
+    from k3ray.serve.launch import hold_weights
 
     check_exposure(host, api_key, insecure)
     t0 = time.perf_counter()
+    # the read starts before the engine's process: the weights are then held by the time its workers are up
+    reading = list(hold_weights(checkpoint))
     engine = ServingEngine.options(num_cpus=0).remote(checkpoint, pp, ep, serve_overrides, observers=observers,
-                                                      spares=spares, standbys=standbys)
+                                                      spares=spares, standbys=standbys, reading=reading)
     here = ray.get_runtime_context().get_node_id()  # the front doors listen on this machine's host:port
     pin = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(here, soft=False)
 

@@ -213,9 +213,12 @@ class ServingEngine(Engine):
 
     def __init__(self, checkpoint: str, pp: int, ep: int, serve_overrides: dict | None = None,
                  launch_timeout_s: float = 300.0, observers: list | None = None, spares: int = 0,
-                 standbys: bool | str = "auto"):
+                 standbys: bool | str = "auto", reading: list | None = None):
+        """reading: [about, weights], `hold_weights(checkpoint)` started by the caller before this actor (in a list,
+        so that Ray passes the references, not the values they wait for); else started here."""
         t0, started = time.perf_counter(), time.time()
-        about, weights = hold_weights(checkpoint)  # read beside the grid's start: its restore waits for them
+        # read beside the grid's start: its restore waits for them
+        about, weights = reading if reading is not None else hold_weights(checkpoint)
         config = serving_job_config(checkpoint)
         if config is None:  # a released folder: its config comes with its weights
             config = ray.get(about)[0].config

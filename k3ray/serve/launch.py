@@ -3,7 +3,8 @@ put into the object store once, packed into one byte buffer (`k3ray.grid.snapsho
 and held for as long as the engine lives, so any grid started later (after a loss, any pp x ep) loads from them
 without reading the checkpoint again; every grid started gets empty cache pools of the same size.
 
-The weights are read by a Ray task (`hold_weights`) on the engine's node, whose result is the held object itself:
+The weights are read by a Ray task (`hold_weights`, started by `k3ray serve` before the engine actor, else by the
+engine) on the caller's node, whose result is the held object itself:
 its reference exists at once, so the first grid's worker processes start (their imports, the CUDA context) while
 the checkpoint is read, and each worker's restore waits for the object only when it runs (Ray resolves the
 reference first)."""
