@@ -195,51 +195,41 @@ def test_killed_worker_is_replaced_by_a_hot_spare_and_the_run_equals_an_unfailed
     assert max_diff(params, unfailed_ep4.params[steps]) <= 1e-12
 
 
-def test_killed_worker_is_replaced_by_its_standby_and_the_run_equals_an_unfailed_one(ray_cluster, unfailed_ep4):
-    """ep=4 with standbys (a process beside each worker, holding no resources) and no spare, worker 2 killed at step
-    2: its standby takes its place (no process started, no resources placed), the grid keeps ep=4 and its homes, and
-    the float64 run equals an unfailed one; a standby is started again in its slot afterwards."""
-    steps, k = 4, 2
+def test_killed_workers_are_replaced_by_their_standbys_and_the_run_equals_an_unfailed_one(ray_cluster, unfailed_ep4):
+    """ep=4 with standbys (a process beside each worker, holding no resources) and no spare. Worker 2 killed at step
+    2: its standby takes its place (no process started, no resources placed), the grid keeps ep=4 and its homes.
+    Then two faults close together: worker 1 killed at step 4 and its standby, now rank 1, killed as soon as the
+    rebuilt grid has joined; the second loss finds no standby for rank 1 (a new one starts only after a step on the
+    new grid): the grid shrinks in place to ep=3 and grows back at the next step. The float64 losses equal the
+    unfailed run's throughout."""
+    steps = 6
     cfg = tiny(**{"parallel.ep": 4, "fault_tolerance.standbys": True,
-                  "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2}]})
-    with running_job(cfg) as controller:
-        reports = [ray.get(controller.train_step.remote(s), timeout=600) for s in range(k)]
-        deadline = time.monotonic() + 120  # the standbys import torch and the model code beside the first steps
+                  "fault_tolerance.faults": [{"kind": "kill_worker", "step": 2, "worker": 2},
+                                             {"kind": "kill_worker", "step": 4, "worker": 1},
+                                             {"kind": "kill_worker", "step": 4, "worker": 1, "at": "relaunch"}]})
+
+    def standbys_up(controller) -> None:
+        deadline = time.monotonic() + 120  # they import torch and the model code beside the steps
         while ray.get(controller.status.remote())["standbys_up"] < 4 and time.monotonic() < deadline:
             time.sleep(0.2)
-        reports += [ray.get(controller.train_step.remote(s), timeout=600) for s in range(k, steps)]
-        incidents = ray.get(controller.get_incidents.remote())
-        status, params = ray.get(controller.status.remote()), job_params(controller)
-    (incident,) = incidents
-    assert incident["kind"] == "worker_lost" and incident["action"] == "replace" and incident["ep"] == [4, 4]
-    assert incident["standbys_used"] == [2] and incident["spares_used"] == [2]
-    assert "swap_in_spares" in incident["seconds"] and "place_and_start_workers" not in incident["seconds"]
-    assert status["ep"] == 4 and status["workers"] == 4 and status["spares"] == 0 and status["standbys"] == 4
-    assert [r["loss"] for r in reports] == pytest.approx(unfailed_ep4.losses[:steps], rel=1e-12, abs=0)
-    assert max_diff(params, unfailed_ep4.params[steps]) <= 1e-12
 
-
-def test_a_standby_killed_as_it_takes_its_place_is_recovered_from_again(ray_cluster, unfailed_ep4):
-    """Two faults close together: worker 2 killed at step 2, then its standby, now rank 2, killed as soon as the
-    rebuilt grid has joined. The second loss finds no standby for rank 2 (a new one starts only after a step on the
-    new grid): the grid shrinks in place to ep=3, grows back at the next step, and the float64 losses still equal
-    the unfailed run's."""
-    steps, k = 5, 2
-    cfg = tiny(**{"parallel.ep": 4, "fault_tolerance.standbys": True,
-                  "fault_tolerance.faults": [{"kind": "kill_worker", "step": k, "worker": 2},
-                                             {"kind": "kill_worker", "step": k, "worker": 2, "at": "relaunch"}]})
     with running_job(cfg) as controller:
-        reports = [ray.get(controller.train_step.remote(s), timeout=600) for s in range(k)]
-        deadline = time.monotonic() + 120
-        while ray.get(controller.status.remote())["standbys_up"] < 4 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        reports += [ray.get(controller.train_step.remote(s), timeout=600) for s in range(k, steps)]
+        reports = []
+        for s in range(steps):
+            if s in (2, 4):
+                standbys_up(controller)
+            reports.append(ray.get(controller.train_step.remote(s), timeout=600))
         incidents = ray.get(controller.get_incidents.remote())
-    first, second, grown = incidents
-    assert first["action"] == "replace" and first["standbys_used"] == [2]
-    assert first["outcome"].startswith("interrupted: lost world ranks [2]")
+        status = ray.get(controller.status.remote())
+    clean, first, second, grown = incidents
+    assert clean["kind"] == "worker_lost" and clean["action"] == "replace" and clean["ep"] == [4, 4]
+    assert clean["standbys_used"] == [2] and clean["spares_used"] == [2]
+    assert "swap_in_spares" in clean["seconds"] and "place_and_start_workers" not in clean["seconds"]
+    assert first["action"] == "replace" and first["standbys_used"] == [1]
+    assert first["outcome"].startswith("interrupted: lost world ranks [1]")
     assert second["action"] == "reshard" and second["ep"] == [4, 3] and second["standbys_used"] == []
     assert grown["kind"] == "grow_back" and grown["ep"] == [3, 4]
+    assert status["ep"] == 4 and status["workers"] == 4 and status["spares"] == 0 and status["standbys"] == 4
     assert [r["loss"] for r in reports] == pytest.approx(unfailed_ep4.losses[:steps], rel=1e-12, abs=0)
 
 
