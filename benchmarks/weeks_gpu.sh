@@ -18,9 +18,9 @@ python3 -c "import torch, ray, triton; print(torch.__version__, ray.__version__,
 . "$(dirname "${BASH_SOURCE[0]}")/released.sh"   # RELEASED: the released K3's features as --set arguments
 stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit ${limit}s)"; \
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? ($(date -u +%T))"; tail -n 16 "$OUT/$name.log"; }
-# shellcheck disable=SC2086 # RELEASED is a list of arguments
 # the training kernels compiled and autotuned first (a kernel cache carried from serving holds none of them: the job
 # would spend minutes autotuning its first step); a no-op check where the cache has them
+# shellcheck disable=SC2086 # RELEASED is a list of arguments
 [[ "${TWARM:-240}" != 0 ]] && stage warmup "${TWARM:-240}" python3 -m k3ray.control.cli warmup --config configs/gpu2.yaml \
   --set parallel.ep=1 $RELEASED
 # shellcheck disable=SC2086

@@ -263,9 +263,9 @@ class Snapshots:
 
     def summary(self) -> dict:
         """What the snapshots cost so far: how many were committed, training's stall for them (and the slowest
-        worker's own share of it) and the optimizer's
-        wait for their part read live (median and largest, ms), the steps whose snapshot was skipped, and how much of
-        the object store the workers warmed before the first (GiB, the slowest worker's seconds)."""
+        worker's own share of it) and the optimizer's wait for their part read live (median and largest, ms), the
+        steps whose snapshot was skipped, and how much of the object store the workers warmed before the first (GiB,
+        the slowest worker's seconds)."""
         stalls, waits = self.stall_seconds, self.read_wait_seconds
         return {"committed": len(stalls), "stall_ms_median": 1e3 * statistics.median(stalls) if stalls else None,
                 "stall_ms_max": 1e3 * max(stalls) if stalls else None,

@@ -29,6 +29,17 @@ class Spare:
     node: str | None = None
     started: float = field(default_factory=time.monotonic)
 
+    def keep(self, healthy: set[str]) -> bool:
+        """Whether to keep it (its node learned once `up` has answered, without waiting): up on a `healthy` node, or
+        still starting within SPARE_START_TIMEOUT_S; not dead, on another node, or never come up."""
+        if self.node is None and ray.wait([self.up], timeout=0)[0]:
+            try:
+                self.node = ray.get(self.up)
+            except RayError:
+                self.node = ""  # died starting
+        return self.node in healthy or (self.node is None
+                                        and time.monotonic() - self.started < SPARE_START_TIMEOUT_S)
+
 
 class SparePool:
     def __init__(self, want: int):
@@ -61,13 +72,7 @@ class SparePool:
         for). The dead, those on other nodes and those that never came up are killed and dropped."""
         kept = []
         for spare in self.spares:
-            if spare.node is None and ray.wait([spare.up], timeout=0)[0]:
-                try:
-                    spare.node = ray.get(spare.up)
-                except RayError:
-                    spare.node = ""  # died starting
-            if spare.node in healthy or (spare.node is None
-                                         and time.monotonic() - spare.started < SPARE_START_TIMEOUT_S):
+            if spare.keep(healthy):
                 kept.append(spare)
             else:
                 ray.kill(spare.actor, no_restart=True)

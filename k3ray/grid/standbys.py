@@ -9,13 +9,11 @@ a lost node takes its standbys with it. This part holds them by slot and says wh
 (k3ray.grid.worker_group) starts them once its grid has joined and hands them to `regroup`."""
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import ray
-from ray.exceptions import RayError
 
-from k3ray.grid.spares import SPARE_START_TIMEOUT_S, Spare
+from k3ray.grid.spares import Spare
 
 
 class Standbys:
@@ -43,19 +41,11 @@ class Standbys:
         """The slots whose standby is up on a `healthy` node (those still starting are not waited for). The dead,
         those on other nodes and those that never came up are killed and dropped (started again with the grid's
         next change)."""
-        up = set()
         for slot, standby in list(self.by_slot.items()):
-            if standby.node is None and ray.wait([standby.up], timeout=0)[0]:
-                try:
-                    standby.node = ray.get(standby.up)
-                except RayError:
-                    standby.node = ""  # died starting
-            if standby.node in healthy:
-                up.add(slot)
-            elif standby.node is not None or time.monotonic() - standby.started > SPARE_START_TIMEOUT_S:
+            if not standby.keep(healthy):
                 ray.kill(standby.actor, no_restart=True)
                 del self.by_slot[slot]
-        return up
+        return {slot for slot, standby in self.by_slot.items() if standby.node in healthy}
 
     def up_count(self) -> int:
         """How many have come up (read only: dead ones are found and dropped by `ready`)."""
