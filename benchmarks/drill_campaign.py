@@ -11,6 +11,11 @@ polled throughout (unavailable while no grid serves, ok at the end).
 
     python benchmarks/drill_campaign.py [--drills 110] [--master-seed 0] [--results FILE] [--resume FILE]
                                         [--seeds S,S,...] [--workdir DIR] [--serving 0.3] [--table]
+                                        [--store-mb 80 --set model.expert_inner=512 ...]
+
+--store-mb gives every raylet an object store of that size (Ray's least is 75 MB) and --set changes the training
+drills' config (and their reference's): with a wider model the snapshots outgrow the store, so every drill runs with
+snapshots held one at a time and spilled to disk.
 
 ONE Ray cluster (a head of 8 CPUs on loopback, a second raylet joining for each node drill) for the whole campaign;
 one unfailed training run and one serving checkpoint, cached in the workdir (reference.json) across resumes. The
@@ -39,7 +44,7 @@ from pathlib import Path
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
-from k3ray.config import load_config
+from k3ray.config import load_config, parse_assignments
 from k3ray.control.driver import running_job
 from k3ray.control.local_nodes import free_port, head_room, join_node, kill_node, start_raylet, stop_node
 from k3ray.serve.drills import Stream, serving_reference
@@ -52,6 +57,8 @@ PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in
            "if not path:\n    raise ValueError(", "@classmethod\n", "try:\n    pass\nexcept", "s = "]
 SERVE = {"page_size": 4, "pages_per_rank": 128, "slots_per_rank": 8, "token_budget": 16, "max_waiting": 16,
          "max_tokens": 64}
+OVERRIDES: dict = {}  # --set: the training drills' config changes
+STORE: list[str] = []  # --store-mb: `ray start`'s arguments for every raylet
 # what a drill's faults should cause; any other incident (a failed checkpoint write, a guard trip, a failed
 # grow-back) is flagged in its line and counted in the table's "clean" column
 EXPECTED_INCIDENTS = {"worker_lost", "checkpoint_abandoned", "grow_back", "rebalance"}
@@ -103,7 +110,7 @@ def references(workdir: Path) -> dict:
     ref = json.loads(path.read_text()) if path.exists() else {}
     if "losses" not in ref:
         t0 = time.perf_counter()
-        cfg = load_config("configs/tiny.yaml", drill_overrides(str(workdir / "unfailed"), ()))
+        cfg = load_config("configs/tiny.yaml", {**drill_overrides(str(workdir / "unfailed"), ()), **OVERRIDES})
         with running_job(cfg) as controller:
             ref["losses"], _ = run_drill(controller, None, DRILL_STEPS)
         print(f"unfailed run: {DRILL_STEPS} steps in {time.perf_counter() - t0:.0f}s", flush=True)
@@ -131,7 +138,7 @@ def join(address: str, tries: int = 3) -> str:
     for attempt in range(1, tries + 1):
         node = tempfile.mkdtemp(prefix="k3ray-campaign-node-", dir="/tmp")
         try:
-            join_node(node, address, 2)
+            join_node(node, address, 2, *STORE)
             return node
         except (RuntimeError, TimeoutError) as err:
             stop_node(node)
@@ -142,7 +149,7 @@ def join(address: str, tries: int = 3) -> str:
 
 def training_drill(drill: dict, ref: dict, workdir: Path, address: str) -> dict:
     ckpt = workdir / f"drill-{drill['seed']}"
-    cfg = load_config("configs/tiny.yaml", {**drill_overrides(str(ckpt), drill["faults"]),
+    cfg = load_config("configs/tiny.yaml", {**drill_overrides(str(ckpt), drill["faults"]), **OVERRIDES,
                                             "fault_tolerance.incidents_file": str(ckpt / "incidents.jsonl")})
     node, at = None, {"begin": time.perf_counter()}
     try:
@@ -297,7 +304,7 @@ def start_cluster(preload: bool) -> tuple[str, str]:
         os.environ["RAY_preload_python_modules"] = "torch,k3ray.grid.worker"
     port = free_port()
     head = tempfile.mkdtemp(prefix="k3ray-campaign-", dir="/tmp")
-    start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false")
+    start_raylet(head, "--head", "--port", str(port), "--num-cpus", "8", "--include-dashboard", "false", *STORE)
     address = f"127.0.0.1:{port}"
     ray.init(address=address, log_to_driver=False)
     return head, address
@@ -314,7 +321,12 @@ def main() -> None:
     ap.add_argument("--table", action="store_true", help="only print the results file's table")
     ap.add_argument("--no-preload", action="store_true", help="worker processes import torch when an actor starts")
     ap.add_argument("--workdir", default="runs/drill_campaign", help="references and failed drills' folders")
+    ap.add_argument("--store-mb", type=int, help="every raylet's object store, MB (Ray's default otherwise)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="the training drills' config (and their reference's)")
     args = ap.parse_args()
+    OVERRIDES.update(parse_assignments(args.set))
+    STORE.extend(["--object-store-memory", str(args.store_mb << 20)] if args.store_mb else [])
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     results_path = Path(args.resume or args.results)

@@ -26,6 +26,9 @@ CATEGORIES = [  # (category, kernel-name pattern), in matching order
 ]
 
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+
+
 def categorize(name: str) -> str:
     for category, pattern in CATEGORIES:
         if re.search(pattern, name):
@@ -50,9 +53,11 @@ def profile_step(fn, top: int = 25) -> dict:
         c["ms"] += e.self_device_time_total / 1e3
         c["launches"] += e.count
     busy = sum(c["ms"] for c in by_category.values())
+    # host syncs: the runtime calls that block the host until the device catches up (a .item(), a device-to-host copy)
+    syncs = {e.key: e.count for e in prof.key_averages() if e.key in SYNC_CALLS}
     kernels.sort(key=lambda e: -e.self_device_time_total)
     return {"wall_ms": wall * 1e3, "kernel_ms": busy, "idle_ms": wall * 1e3 - busy,
-            "launches": sum(c["launches"] for c in by_category.values()),
+            "launches": sum(c["launches"] for c in by_category.values()), "host_syncs": syncs,
             "by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1]["ms"])),
             "top_kernels": [{"name": e.key[:90], "category": categorize(e.key), "ms": e.self_device_time_total / 1e3,
                              "launches": e.count} for e in kernels[:top]]}
@@ -60,7 +65,7 @@ def profile_step(fn, top: int = 25) -> dict:
 
 def print_profile(p: dict) -> None:
     print(f"\n### step profile: wall {p['wall_ms']:.1f} ms, kernels {p['kernel_ms']:.1f} ms in {p['launches']} "
-          f"launches, device idle {p['idle_ms']:.1f} ms\n")
+          f"launches, device idle {p['idle_ms']:.1f} ms; host syncs {p.get('host_syncs', {})}\n")
     print("| category | ms | share of wall | launches |\n|---|---|---|---|")
     for name, c in p["by_category"].items():
         print(f"| {name} | {c['ms']:.1f} | {c['ms'] / p['wall_ms']:.1%} | {c['launches']} |")

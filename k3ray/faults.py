@@ -39,6 +39,8 @@ FAULT_KINDS: dict[str, FaultKind] = {k.name: k for k in (
     FaultKind("slow_recovery", "each phase of the serving grid's recoveries from now on ends `seconds` later",
               training=False, serving=True),
 )}
+SNAPSHOT_PHASES = ("snapshot_stage", "snapshot_stream", "snapshot_commit", "snapshot_hold")
+KILL_AT = ("step", "boundary", "after_step", "relaunch", *SNAPSHOT_PHASES)  # where a kill_worker drill lands
 TRAINING_FAULTS: tuple[str, ...] = tuple(k.name for k in FAULT_KINDS.values() if k.training)
 SERVING_FAULTS: tuple[str, ...] = tuple(k.name for k in FAULT_KINDS.values() if k.serving)
 
@@ -88,6 +90,34 @@ def _slow_copies(worker, seconds: float) -> None:
     copies.stage_read_only = slow
 
 
+def _die_in(worker, phase: str) -> None:
+    """Inside a worker: its process dies (SIGKILL) in the given phase of its next snapshot: entering the staging
+    (snapshot_stage), after streaming the skeleton (snapshot_stream), after streaming every chunk, before the
+    controller commits (snapshot_commit), or entering the mapping of a neighbour's copy (snapshot_hold)."""
+    import os
+    import signal
+
+    def die(*_):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    state = worker.state
+    if phase == "snapshot_stage":
+        worker.calls["stage_snapshot"] = die
+    elif phase == "snapshot_hold":
+        worker.calls["hold_peer_snapshot"] = die
+    else:
+        chunks = state.snapshot_chunks
+
+        def dying(step: int):
+            stream = chunks(step)
+            yield next(stream)
+            if phase == "snapshot_commit":
+                yield from stream
+            die()
+
+        state.snapshot_chunks = dying
+
+
 def slow_recovery(grid, seconds: float) -> None:
     """The serving grid's recoveries and relaunches from now on (`grid.recover(lost, progress)`,
     `grid.relaunch(progress)`): each of their phases ends `seconds` later (their thread waits before it reports the
@@ -106,11 +136,13 @@ def slow_recovery(grid, seconds: float) -> None:
 
 
 def inject(group, kind: str, ranks: list[int], layer: int | None = None, token: int | None = None,
-           seconds: float = 5.0) -> None:
+           seconds: float = 5.0, phase: str | None = None) -> None:
     """Fault `kind` (FAULT_KINDS, all but corrupt_checkpoint, which acts on a committed checkpoint) into the given
-    world ranks of a worker group, now. nan and nan_token hold until `clear`. (slow_recovery acts on the serving
+    world ranks of a worker group, now (kill_worker with a `phase` of SNAPSHOT_PHASES: armed now, dying there). nan and nan_token hold until `clear`. (slow_recovery acts on the serving
     grid, not its workers: `slow_recovery`.)"""
-    if kind == "kill_worker":
+    if kind == "kill_worker" and phase is not None:
+        group.run_on([r for r in ranks if r < group.size], _die_in, phase)
+    elif kind == "kill_worker":
         for rank in ranks:
             if rank < group.size:  # a smaller grid than the drill was written for has no such rank
                 group.kill(rank)

@@ -143,14 +143,15 @@ def unfailed_ep4(ray_cluster, tmp_path_factory) -> Run:
 
 @pytest.fixture
 def extra_nodes(ray_cluster):
-    """Raylets joining the session's cluster on this machine (`join(num_cpus)` -> the node's temp dir; lose one with
+    """Raylets joining the session's cluster on this machine (`join(num_cpus, *ray_start_args)` -> the node's temp
+    dir; lose one with
     k3ray.control.local_nodes). Teardown stops only these nodes' processes."""
     dirs: list[str] = []
 
-    def join(num_cpus: int = 2) -> str:
+    def join(num_cpus: int = 2, *args: str) -> str:
         temp_dir = tempfile.mkdtemp(prefix="k3ray-node-", dir="/tmp")
         dirs.append(temp_dir)
-        join_node(temp_dir, ray_cluster.address, num_cpus)
+        join_node(temp_dir, ray_cluster.address, num_cpus, *args)
         return temp_dir
 
     try:

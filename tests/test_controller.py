@@ -209,17 +209,21 @@ class FakeGroup:
         self.cluster.warmed_after.append(self.trained)  # the batches trained when the stores were warmed
         return []
 
-    def begin_snapshot(self, step: int) -> tuple[list, list, None]:
-        self._die("begin_snapshot")
+    def stage_snapshot(self, step: int) -> tuple[list, None]:
+        self._die("stage_snapshot")
         self.cluster.snapshot_steps.append(step)
-        return [self.trained] * self.size, [1] * self.size, None
+        return [(1, 0.0)] * self.size, None
 
-    def snapshot_bytes(self, size_refs: list, timeout_s: float | None) -> int:
+    def stream_snapshot(self, step: int, staged: list) -> list:
+        return [self.trained] * self.size
+
+    def snapshot_bytes(self, parts: list, timeout_s: float | None) -> int:
         self._die("snapshot_bytes")
-        return sum(size_refs)
+        return len(parts)
 
-    def hold_peer_snapshots(self, step: int, refs: list) -> None:
+    def hold_peer_snapshots(self, step: int, refs: list) -> list:
         self._die("hold_peer_snapshots")
+        return []
 
     def close(self) -> None:
         self.alive = False
@@ -487,7 +491,7 @@ def clean_run(steps: int, **overrides) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("method, nth", [
     ("set_policies", 2),          # a policy change pushed at a step boundary
-    ("begin_snapshot", 1),        # taking the step-4 snapshot (the job's first: step 0 is its start point)
+    ("stage_snapshot", 1),        # taking the step-4 snapshot (the job's first: step 0 is its start point)
     ("snapshot_bytes", 1),        # its bytes arriving after the step
     ("hold_peer_snapshots", 1),   # the neighbours mapping their copies
 ])

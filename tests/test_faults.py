@@ -264,3 +264,27 @@ def test_killed_worker_without_a_spare_shrinks_in_place_keeping_the_survivors_pr
     assert "place_and_start_workers" not in incident["seconds"]  # no process was started to recover
     assert [r["loss"] for r in reports] == pytest.approx(unfailed_ep4.losses[:steps], rel=1e-12, abs=0)
     assert max_diff(params, unfailed_ep4.params[steps]) <= 1e-12
+
+
+def test_a_store_too_small_for_one_snapshot_and_kills_in_its_phases_leave_the_run_exact(ray_cluster, extra_nodes):
+    """The workers' node has an object store of 80 MB (Ray's least is 75) and the model's snapshot is ~160 MB: the
+    job says so once, holds snapshots one at a time, and they spill to disk. A worker is killed entering a
+    snapshot's staging, after streaming its first value, and after streaming all of it (before the commit): each
+    time the job goes back to the newest state it holds (the committed snapshot, or the start point while one
+    arrives), shrinks, grows back, and ends with the losses of the same job run unfailed on the session's store."""
+    from k3ray.control.local_nodes import head_room
+
+    wide = {"model.d_model": 128, "model.d_latent": 64, "model.expert_inner": 512}  # ~6.7M parameters in float64
+    steps, faults = 9, [{"kind": "kill_worker", "step": 2, "worker": 3, "at": "snapshot_stage"},
+                        {"kind": "kill_worker", "step": 4, "worker": 1, "at": "snapshot_stream"},
+                        {"kind": "kill_worker", "step": 6, "worker": 2, "at": "snapshot_commit"}]
+    base = {"parallel.ep": 4, "fault_tolerance.snapshot_every": 2, "fault_tolerance.grow_back_after_steps": 1,
+            "checkpoint.at_end": False, **wide}
+    unfailed = run_job(tiny(**base), steps)
+    extra_nodes(4, "--object-store-memory", str(80 << 20))
+    with head_room(0):  # every worker on the small store's node
+        failed = run_job(tiny(**base, **{"fault_tolerance.faults": faults}), steps)
+    lost = [i for i in failed.incidents if i["kind"] == "worker_lost"]
+    assert [i["step"] for i in lost] == [2, 4, 6], failed.incidents
+    assert failed.status["snapshots"]["one_at_a_time"] and failed.status["snapshots"]["committed"] >= 1
+    assert failed.losses == pytest.approx(unfailed.losses, rel=1e-12, abs=0), failed.incidents

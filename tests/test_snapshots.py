@@ -139,17 +139,18 @@ GiB = 2**30
 def test_stores_that_hold_two_snapshots_of_their_parts_pass_and_a_small_one_is_named_in_one_line():
     from k3ray.grid.snapshots import store_fit
     assert store_fit([10 * GiB], ["a"], {"a": 25 * GiB}) is None
-    assert store_fit([10 * GiB], ["a"], {"a": 24 * GiB}) is not None  # Ray spills past 80 % of a store
+    fit = store_fit([10 * GiB], ["a"], {"a": 24 * GiB})  # Ray spills past 80 % of a store: two do not fit below it
+    assert fit.one_at_a_time and not fit.spills
+    # smaller than one snapshot of the parts: one at a time, spilling to disk, and the line says what to give it
     fit = store_fit([29 * GiB, 29 * GiB], ["a", "a"], {"a": 20 * GiB})
-    assert "\n" not in fit.line and not fit.one_at_a_time
-    assert "145.0 GiB" in fit.line and "58.0 GiB of parts, held 2 times" in fit.line and "has 20.0 GiB" in fit.line
-    assert "K3RAY_OBJECT_STORE_GB" in fit.line and "spill to disk" in fit.line
-    # room for one snapshot of the parts but not two: used one at a time, and the line says what that costs
-    assert not store_fit([54 * GiB], ["a"], {"a": 64 * GiB}).one_at_a_time  # 54 > 80 % of 64: it would spill
+    assert "\n" not in fit.line and fit.one_at_a_time and fit.spills
+    assert "58.0 GiB of parts" in fit.line and "holds 16.0 GiB before it spills" in fit.line
+    assert "spill to local disk" in fit.line and "145 GiB" in fit.line and "K3RAY_OBJECT_STORE_GB" in fit.line
     fit = store_fit([54 * GiB], ["a"], {"a": 68 * GiB})
-    assert fit.one_at_a_time and "one at a time" in fit.line and "resume it from a checkpoint" in fit.line
+    assert fit.one_at_a_time and not fit.spills and "fit one at a time" in fit.line
+    assert "newest durable checkpoint or the job's start point" in fit.line
     # on two nodes each also holds its neighbour's committed parts
-    assert store_fit([10 * GiB, 10 * GiB], ["a", "b"], {"a": 30 * GiB, "b": 30 * GiB}) is not None
+    assert store_fit([10 * GiB, 10 * GiB], ["a", "b"], {"a": 30 * GiB, "b": 30 * GiB}).one_at_a_time
     assert store_fit([10 * GiB, 10 * GiB], ["a", "b"], {"a": 38 * GiB, "b": 38 * GiB}) is None
 
 
@@ -164,47 +165,76 @@ class SlowStoreGroup:
         self.begun: list[int] = []
         self.transfer = self  # the group's state-transfer part: this fake plays it itself
 
-    def begin_snapshot(self, step):
+    def stage_snapshot(self, step):
         self.begun.append(step)
-        return [f"ref{step}"] * 2, [step] * 2, StoreFit("snapshots need more store", self.one_at_a_time)
+        return [(4, 0.0)] * 2, StoreFit("snapshots need more store", self.one_at_a_time, False)
 
-    def snapshot_bytes(self, size_refs, timeout_s):
-        if size_refs[0] in self.arrived or timeout_s != 0:
+    def stream_snapshot(self, step, staged):
+        return [step] * 2
+
+    def snapshot_bytes(self, parts, timeout_s):
+        if parts[0] in self.arrived or timeout_s != 0:
             return 8
         return None
 
     def hold_peer_snapshots(self, step, refs):
         self.held.append(step)
+        return []
 
 
 def test_a_snapshot_due_while_the_previous_one_still_arrives_is_skipped_not_waited_for():
     from k3ray.grid.snapshots import Snapshots
     skips = []
     snaps, group = Snapshots(on_skip=lambda step, arriving: skips.append((step, arriving))), SlowStoreGroup()
-    assert snaps.take(group, 0, guard=None)
-    assert not snaps.take(group, 10, guard=None)  # step 0's bytes have not arrived: no wait, no new staging
-    assert group.begun == [0] and snaps.skipped == [10] and skips == [(10, 0)]
-    assert snaps.committed is None and snaps.pending.step == 0
-    group.arrived.add(0)
+    snaps.start_at(0, guard=None, restore=None)
+    assert snaps.take(group, 1, guard=None)
+    assert not snaps.take(group, 10, guard=None)  # step 1's bytes have not arrived: no wait, no new staging
+    assert group.begun == [1] and snaps.skipped == [10] and skips == [(10, 1)]
+    assert snaps.committed.step == 0 and snaps.pending.step == 1
+    group.arrived.add(1)
     assert snaps.take(group, 20, guard=None)  # arrived meanwhile: committed, and the next one starts
-    assert snaps.committed.step == 0 and snaps.pending.step == 20 and group.begun == [0, 20]
+    assert snaps.committed.step == 1 and snaps.pending.step == 20 and group.begun == [1, 20]
     assert snaps.take(group, 30, guard=None, wait=True)  # a resize or recovery waits for this boundary's state
     assert snaps.committed.step == 30 and snaps.pending is None
     assert snaps.warnings == ["snapshots need more store"]  # said once, however often the group says it
-    assert group.held == [0, 20, 30]  # the neighbours map each committed one
+    assert group.held == [1, 20, 30]  # the neighbours map each committed one
 
 
-def test_a_store_that_holds_one_snapshot_drops_the_committed_one_when_the_next_starts():
-    from k3ray.grid.snapshots import Snapshots
+def test_a_store_that_holds_one_snapshot_falls_back_on_the_start_or_the_newest_checkpoint_while_one_arrives():
+    from k3ray.grid.snapshots import Snapshots, StartPoint
     snaps, group = Snapshots(), SlowStoreGroup(one_at_a_time=True)
-    assert snaps.take(group, 0, guard=None, wait=True)
-    assert snaps.one_at_a_time and snaps.committed.step == 0 and group.held == []  # no neighbours' copies
+    snaps.start_at(0, guard=None, restore=None)
+    assert snaps.take(group, 4, guard=None, wait=True)
+    assert snaps.one_at_a_time and snaps.committed.step == 4 and group.held == []  # no neighbours' copies
     group.arrived.add(10)
     assert snaps.take(group, 10, guard=None)
-    assert snaps.committed is None and snaps.pending.step == 10  # its store space is the new one's
+    assert snaps.committed is snaps.base and snaps.committed.step == 0  # step 4's store space is step 10's
+    snaps.durable(StartPoint(6, guard=None, restore={0: ["part"]}))  # a durable checkpoint of step 6 committed
+    assert snaps.committed.step == 6 and snaps.committed.sources() == {0: ["part"]}
     assert snaps.take(group, 20, guard=None)  # step 10's arrived: committed, then dropped for step 20's
-    assert snaps.committed is None and snaps.pending.step == 20
-    assert len(snaps.stall_seconds) == len(snaps.total_seconds) == 2  # steps 0 and 10 were committed
+    assert snaps.committed.step == 6 and snaps.pending.step == 20
+    assert len(snaps.stall_seconds) == len(snaps.total_seconds) == 2  # steps 4 and 10 were committed
+    snaps.commit(group, wait=True)
+    snaps.durable(StartPoint(12, guard=None, restore={0: ["older"]}))  # older than the snapshot held: kept as base
+    assert snaps.committed.step == 20 and snaps.base.step == 12
+
+
+def test_a_snapshot_whose_workers_answer_pings_but_not_in_time_is_abandoned_not_a_lost_worker():
+    from k3ray.grid.calls import WorkerSlow
+    from k3ray.grid.snapshots import Snapshots
+
+    class SpilledGroup(SlowStoreGroup):
+        def snapshot_bytes(self, parts, timeout_s):
+            if timeout_s:
+                raise WorkerSlow({1}, "no answer to snapshot within 30s, but they answer pings")
+            return None
+
+    snaps, group = Snapshots(), SpilledGroup()
+    snaps.start_at(0, guard=None, restore=None)
+    assert snaps.take(group, 4, guard=None)
+    snaps.commit(group, wait=True, timeout_s=30)
+    assert snaps.pending is None and snaps.committed.step == 0 and snaps.abandoned == [4]
+    assert snaps.summary()["abandoned"] == [4]
 
 
 def test_the_optimizers_wait_for_live_reads_is_kept_per_snapshot_and_summarised():

@@ -10,12 +10,12 @@ from test_controller import Cluster, clean_run, resume, run, states
 def test_the_first_boundary_takes_no_snapshot_the_start_point_stands_in():
     cluster = Cluster()
     ctrl = run(cluster, 4, **{"parallel.ep": 2})  # snapshot_every 4
-    assert cluster.seen.get("begin_snapshot", 0) == 0 and ctrl.status()["snapshots"]["committed"] == 0
+    assert cluster.seen.get("stage_snapshot", 0) == 0 and ctrl.status()["snapshots"]["committed"] == 0
     start = ctrl.snapshots.committed
     assert isinstance(start, StartPoint) and start.step == 0 and start.sources() is None
     assert cluster.warmed_after == [(0,)]  # the stores are warmed once, after the first step, for the first snapshot
     ctrl.train_step(4)
-    assert cluster.seen["begin_snapshot"] == 1 and ctrl.snapshots.committed.step == 4
+    assert cluster.seen["stage_snapshot"] == 1 and ctrl.snapshots.committed.step == 4
     assert ctrl.status()["snapshots"]["committed"] == 1
 
 
@@ -63,7 +63,7 @@ def test_a_worker_lost_before_the_first_snapshot_of_a_resumed_job_restores_the_c
     (lost,) = [i for i in ctrl.incidents if i["kind"] == "worker_lost"]
     assert lost["action"] == "restart" and lost["replayed_steps"] == [6, 7]
     assert cluster.groups[-1].trained == tuple(range(9))
-    assert ctrl.snapshots.committed.step == 8 and cluster.seen["begin_snapshot"] == 1  # no snapshot at step 6
+    assert ctrl.snapshots.committed.step == 8 and cluster.seen["stage_snapshot"] == 1  # no snapshot at step 6
 
 
 def test_auto_snapshots_come_as_close_as_their_cost_allows():

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 
 from k3ray.config.base import Beta, Section
-from k3ray.faults import TRAINING_FAULTS
+from k3ray.faults import KILL_AT, TRAINING_FAULTS
 
 
 class ParallelConfig(Section):
@@ -82,10 +82,12 @@ class FaultSpec(Section):
     worker: int | None = Field(None, ge=0)
     workers: list[int] = Field(default_factory=list, description="kill_worker: these world ranks at once")
     layer: int | None = Field(None, ge=0)
-    at: Literal["step", "boundary", "after_step", "relaunch"] = Field(
+    at: Literal[KILL_AT] = Field(
         "step", description="kill_worker: during the step, at its boundary (before the snapshot, checkpoint, policy "
-                            "push, grow-back), after it (the next call meets it: an evaluation), or in the next grid "
-                            "launched at or after the step (a recovery or grow-back under way)")
+                            "push, grow-back), after it (the next call meets it: an evaluation), in the next grid "
+                            "launched at or after the step (a recovery or grow-back under way), or in a phase of the "
+                            "snapshot taken at the step's boundary: entering its staging, after streaming its first "
+                            "value, after streaming all of it (before the commit), or mapping a neighbour's copy")
 
 
 class FaultToleranceConfig(Section):

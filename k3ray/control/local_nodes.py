@@ -54,14 +54,14 @@ def start_raylet(temp_dir: str, *args: str, env: dict | None = None, attempts: i
                                + " | ".join(said))
 
 
-def join_node(temp_dir: str, address: str, num_cpus: int, timeout_s: float = 60.0) -> str:
-    """Start a raylet joining the cluster at `address` (GCS host:port; this process connected to it) and wait until
-    Ray reports it alive. Returns its node id. Waits for a new id, not for one more alive node: a node lost just
+def join_node(temp_dir: str, address: str, num_cpus: int, *args: str, timeout_s: float = 60.0) -> str:
+    """Start a raylet joining the cluster at `address` (GCS host:port; this process connected to it; `args`: more
+    of `ray start`'s, e.g. --object-store-memory) and wait until Ray reports it alive. Returns its node id. Waits for a new id, not for one more alive node: a node lost just
     before may be reported dead meanwhile."""
     import ray
 
     before = {n["NodeID"] for n in ray.nodes()}
-    start_raylet(temp_dir, "--address", address, "--num-cpus", str(num_cpus))
+    start_raylet(temp_dir, "--address", address, "--num-cpus", str(num_cpus), *args)
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         new = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] not in before]

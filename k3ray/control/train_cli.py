@@ -11,7 +11,7 @@ from pathlib import Path
 
 from k3ray.config import JobConfig, load_config, parse_assignments
 from k3ray.control.cli_args import UsageError, positive_int
-from k3ray.faults import TRAINING_FAULTS
+from k3ray.faults import KILL_AT, TRAINING_FAULTS
 
 
 def _load(args) -> JobConfig:
@@ -183,8 +183,9 @@ def add_parsers(sub) -> None:
     d.add_argument("--at-step", type=int, required=True, help="step to inject at")
     d.add_argument("--worker", type=int, help="world rank (kill_worker, hang_collective)")
     d.add_argument("--workers", type=_rank_list, help="kill_worker: several world ranks at once, e.g. 1,2")
-    d.add_argument("--at", default="step", choices=["step", "boundary", "after_step", "relaunch"],
-                   help="kill_worker: during the step, at its boundary, after it, or in the next grid launched")
+    d.add_argument("--at", default="step", choices=KILL_AT,
+                   help="kill_worker: during the step, at its boundary, after it, in the next grid launched, or in a "
+                        "phase of the snapshot taken at its boundary")
     d.add_argument("--layer", type=int, help="layer (nan)")
     d.add_argument("--steps", type=positive_int)
     d.add_argument("--address")

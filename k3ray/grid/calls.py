@@ -55,8 +55,17 @@ class WorkerLost(RuntimeError):
         return WorkerLost, (self.ranks, self.why, self.hung)
 
 
+class WorkerSlow(RuntimeError):
+    """Workers gave no answer to a call within its timeout but answer pings: alive and slow (a snapshot's bytes
+    spilled to disk, say), not lost. Raised only for calls whose caller can do without their answer."""
+
+    def __init__(self, ranks: set[int], why: str):
+        super().__init__(f"slow world ranks {sorted(ranks)}: {why}")
+        self.ranks = ranks
+
+
 def gather(calls: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what: str,
-           dead_ranks: Callable[..., set[int]], grace_s: float = 5.0) -> list:
+           dead_ranks: Callable[..., set[int]], grace_s: float = 5.0, slow_is_lost: bool = True) -> list:
     """The one failure path of every call to workers: the results of (world rank, call) in order, or WorkerLost
     naming every dead or hung worker. A dead worker (RayActorError) is lost, together with every other worker a
     ping finds dead or whose node Ray reports lost (a lost node takes all of its ranks); the survivors are given
@@ -64,7 +73,9 @@ def gather(calls: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what
     timeout_s, or within grace_s after some peers have already failed (their collectives timed out waiting for
     it). Survivors' errors caused by a lost peer (RayTaskError) do not
     count as lost; errors with no worker lost are raised as WorkerError (the first failing rank's, readable).
-    dead_ranks(exclude=...): the ranks found dead besides (the group's `dead_ranks`)."""
+    dead_ranks(exclude=...): the ranks found dead besides (the group's `dead_ranks`). slow_is_lost=False: workers
+    that gave no answer within timeout_s but answer a ping are WorkerSlow, not WorkerLost (a step's or a
+    collective's caller cannot tell a hung collective from a slow one: its workers answer pings too)."""
     index = {ref: i for i, (_, ref) in enumerate(calls)}
     results: dict[int, object] = {}
     errors: dict[int, Exception] = {}
@@ -95,7 +106,11 @@ def gather(calls: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what
         raise WorkerLost(dead | dead_ranks(exclude=answered | dead) | dead,
                          f"ActorDiedError in {what} (rank {first} first)")
     if pending:
-        hung = {calls[index[f]][0] for f in pending} | dead_ranks(exclude=answered)
+        silent = {calls[index[f]][0] for f in pending}
+        found_dead = dead_ranks(exclude=answered)
+        if not slow_is_lost and not errors and not found_dead:
+            raise WorkerSlow(silent, f"no answer to {what} within {timeout_s:g}s, but they answer pings")
+        hung = silent | found_dead
         raise WorkerLost(hung, f"no answer to {what} within {timeout_s if not errors else grace_s:g}s "
                                f"(hung collective or silent node?)", hung=True)
     if errors:

@@ -26,6 +26,8 @@ import ray
 import torch
 from torch.utils._pytree import tree_map_only
 
+from k3ray.grid.calls import WorkerSlow
+
 ALIGN = 64  # bytes; every tensor starts aligned, so dtype views of a chunk are legal
 CHUNK_BYTES = 1 << 30  # a snapshot streams in chunks of about this size (a tensor larger than it is a chunk alone)
 PACK_THREADS = min(8, os.cpu_count() or 1)
@@ -112,16 +114,16 @@ class SnapshotPart:
     arrived), then references to its skeleton and its chunks in the object store. Passed to workers (restores, the
     neighbours' copies) once arrived; `packed` there maps it."""
 
-    def __init__(self, stream, nbytes: int, stage_seconds: float = 0.0):
+    def __init__(self, stream, nbytes: int):
         self.stream = stream  # ray.ObjectRefGenerator of Worker.snapshot
         self.nbytes = nbytes
-        self.stage_seconds = stage_seconds  # the worker's own time staging it (the rest of the stall: the call)
         self.refs: list | None = None
 
     @property
     def done(self) -> ray.ObjectRef:
-        """Ready when every chunk has arrived (raises, when fetched, if the worker died first)."""
-        return self.stream.completed()
+        """Ready when every chunk has arrived (raises, when fetched, if the worker died first); once collected, its
+        last chunk (ready)."""
+        return self.stream.completed() if self.refs is None else self.refs[-1]
 
     def collect(self) -> None:
         """Take the references of an arrived snapshot off its stream (an error the worker raised, raised here)."""
@@ -156,37 +158,40 @@ def as_state(x: Any) -> Any:
 
 @dataclass(frozen=True)
 class StoreFit:
-    """What the nodes' object stores allow: `one_at_a_time` when some node holds one snapshot of its parts but not
-    the two (and a neighbour's) it needs while the next arrives; `line` says what the job does about it."""
+    """What the nodes' object stores allow: `one_at_a_time` when some node's store cannot hold two snapshots of its
+    parts (the committed one and the next, arriving) below the spill threshold; `spills` when it cannot hold even
+    one; `line` says what the job does about it, once."""
     line: str
     one_at_a_time: bool
+    spills: bool
 
 
 def store_fit(part_bytes: list[int], nodes: list[str], store_bytes: dict[str, float]) -> StoreFit | None:
-    """None when every node's object store holds its snapshots. A node holds its workers' parts (`part_bytes`,
-    `nodes`: by world rank) twice while a snapshot arrives (the committed one and the next), and on several nodes a
-    neighbour's committed parts too (`hold_peer_snapshots`). A store that holds only one is used one at a time (each
-    snapshot replaces the last when it starts, without the neighbours' copies); past that the store spills to disk:
-    snapshots arrive late (and are skipped) and fill the disk."""
+    """None when every node's object store holds two snapshots of its workers' parts (`part_bytes`, `nodes`: by
+    world rank) and, on several nodes, a neighbour's committed parts (`hold_peer_snapshots`) below Ray's spill
+    threshold. Otherwise snapshots are held one at a time (each replaces the last when it starts, without the
+    neighbours' copies: a node's store then holds one snapshot of its own parts, no more), and past the threshold
+    they spill to local disk: they arrive later, the auto cadence takes them further apart, and none is read back
+    unless a recovery needs it."""
     own: dict[str, int] = {}
     for node, nbytes in zip(nodes, part_bytes):
         own[node] = own.get(node, 0) + nbytes
     peers = 1 if len(own) > 1 else 0
-    need = {node: (2 + peers) * nbytes / SPILL_AT for node, nbytes in own.items()}  # store sizes that hold them
-    short = max(need, key=lambda node: need[node] - store_bytes.get(node, 0.0))
-    have = store_bytes.get(short, 0.0)
-    if need[short] <= have:
+    room = {node: SPILL_AT * store_bytes.get(node, 0.0) for node in own}
+    if all((2 + peers) * nbytes <= room[node] for node, nbytes in own.items()):
         return None
+    short = max(own, key=lambda node: own[node] - room[node])
+    spills = own[short] > room[short]
     gib = 2.0**30
-    one = all(nbytes <= SPILL_AT * store_bytes.get(node, 0.0) for node, nbytes in own.items())
-    what = ("it holds one at a time: each snapshot replaces the last when it starts, and a worker lost while one "
-            "arrives stops the job (resume it from a checkpoint)") if one else \
-        "they spill to disk and arrive late (late ones are skipped)"
-    return StoreFit(f"snapshots need {need[short] / gib:.1f} GiB of object store on a node ({own[short] / gib:.1f} "
-                    f"GiB of parts, held {2 + peers} times, and Ray spills past {SPILL_AT:.0%} of a store) and it has "
-                    f"{have / gib:.1f} GiB: {what}; give every node's store {need[short] / gib:.0f} GiB "
-                    f"(K3RAY_OBJECT_STORE_GB for a local cluster, `ray start --object-store-memory` on a cluster, "
-                    f"/dev/shm at least as large)", one)
+    what = "they spill to local disk and arrive later (the auto cadence takes them further apart)" if spills else \
+        "they fit one at a time"
+    return StoreFit(f"snapshots of {own[short] / gib:.1f} GiB of parts on a node, whose object store holds "
+                    f"{room[short] / gib:.1f} GiB before it spills: {what}; each replaces the last when it starts, so a "
+                    f"worker lost while one arrives goes back to the newest durable checkpoint or the job's start "
+                    f"point (exact, with more steps to run again). Two at a time need "
+                    f"{(2 + peers) * own[short] / SPILL_AT / gib:.0f} GiB of store per node (K3RAY_OBJECT_STORE_GB "
+                    f"for a local cluster, `ray start --object-store-memory` on a cluster, /dev/shm as large)",
+                    True, spills)
 
 
 def restore_sources(states: dict[int, Any], pp: int, ep: int) -> dict[int, list]:
@@ -204,7 +209,6 @@ class Snapshot:
     pp: int
     ep: int
     refs: list  # world rank -> its SnapshotPart
-    size_refs: list  # world rank -> what tells that its part has arrived (the same SnapshotParts)
     started: float
     stall_seconds: float  # training held up: staging on every worker
     nbytes: int = 0  # all workers together, once committed
@@ -237,8 +241,10 @@ class Snapshots:
     (started at a step boundary, bytes still arriving while the next step runs).
 
     Interface: `start_at` once the first grid is up (the job's start point is what recovery falls back on until the
-    first snapshot commits), `holds` and `take` at a boundary, `commit` after the step (or at once), `drop_pending`
-    when a worker is lost, `committed` to restore from (a Snapshot, or the StartPoint); `stall_seconds` /
+    first snapshot commits), `durable` when a durable checkpoint commits (a newer point to fall back on), `holds` and
+    `take` at a boundary, `commit` after the step (or at once), `drop_pending` when a worker is lost, `committed` to
+    restore from (a Snapshot, or the StartPoint: the job's start or its newest durable checkpoint, `base`, whenever no
+    snapshot is held: before the first, and while one arrives in a store that holds one at a time); `stall_seconds` /
     `total_seconds` per committed snapshot, `read_wait_seconds` per snapshot (`optimizer_waited`) and `skipped` (the
     steps whose snapshot was due while the previous one was still arriving) for the benchmarks; `warnings` for the
     user."""
@@ -247,12 +253,15 @@ class Snapshots:
         """timeout_s: the longest wait for a snapshot's bytes (`commit(wait=True)` without a timeout of its own)."""
         self.timeout_s = timeout_s
         self.committed: Snapshot | StartPoint | None = None
+        self.base: StartPoint | None = None  # the newest state held outside the object store (start, checkpoint)
         self.pending: Snapshot | None = None
+        self.peer_holds: list = []  # the neighbours' copies of the committed snapshot being mapped (refs)
         self.stall_seconds: list[float] = []  # training stalled per snapshot
         self.total_seconds: list[float] = []  # start to committed
         self.arrival_steps: list[int] = []  # steps that ended before it was found arrived (1: within the first)
         self.read_wait_seconds: list[float] = []  # the optimizer held up by the part read live, per snapshot
         self.skipped: list[int] = []
+        self.abandoned: list[int] = []  # snapshots given up: their workers alive but their bytes too slow to arrive
         self.taken: list[int] = []  # the boundaries snapshots were started at
         self.worker_stage_seconds: list[float] = []  # per snapshot taken: the slowest worker's own staging time
         self.warnings: list[str] = []
@@ -273,6 +282,7 @@ class Snapshots:
                                            if self.worker_stage_seconds else None),
                 "read_wait_ms_median": 1e3 * statistics.median(waits) if waits else None,
                 "read_wait_ms_max": 1e3 * max(waits) if waits else None, "skipped": list(self.skipped),
+                "abandoned": list(self.abandoned), "one_at_a_time": self.one_at_a_time,
                 "store_warmed": self.warmed()}
 
     def warm_stores(self, group, step: int) -> None:
@@ -303,7 +313,15 @@ class Snapshots:
     def start_at(self, step: int, guard: Any, restore: dict[int, list] | None) -> None:
         """The job's first grid is up at the boundary before `step`, built from `restore` (the resumed checkpoint's
         parts by stage; None: from the seed): that is the state to fall back on until the first snapshot commits."""
-        self.committed, self.pending = StartPoint(step, guard, restore), None
+        self.committed = self.base = StartPoint(step, guard, restore)
+        self.pending = None
+
+    def durable(self, point: StartPoint) -> None:
+        """A durable checkpoint of the boundary before `point.step` committed: the state to fall back on when no
+        newer snapshot is held."""
+        self.base = point
+        if isinstance(self.committed, StartPoint) or self.committed.step < point.step:
+            self.committed = point
 
     def holds(self, step: int) -> bool:
         """Whether the state at the boundary of `step` is held already (a snapshot of it, or the job's start
@@ -325,37 +343,45 @@ class Snapshots:
             if self.on_skip is not None:
                 self.on_skip(step, self.pending.step)
             return False
-        if self.one_at_a_time:
-            self.committed = None  # its store space is this one's
         t0 = time.perf_counter()
-        refs, size_refs, fit = group.transfer.begin_snapshot(step)
-        self.taken.append(step)
-        self.worker_stage_seconds.append(max((p.stage_seconds for p in refs if isinstance(p, SnapshotPart)),
-                                             default=0.0))
-        self.pending = Snapshot(step, guard, group.pp, group.ep, refs, size_refs, t0, time.perf_counter() - t0)
+        staged, fit = group.transfer.stage_snapshot(step)
         if fit is not None:
             self.one_at_a_time = fit.one_at_a_time
             if fit.line not in self.warnings:
                 self.warnings.append(fit.line)
+        if self.one_at_a_time:  # its store space is this one's: until it arrives, the base is what recovery has
+            self.committed, self.peer_holds = self.base, []
+        refs = group.transfer.stream_snapshot(step, staged)
+        self.taken.append(step)
+        self.worker_stage_seconds.append(max((seconds for _, seconds in staged), default=0.0))
+        self.pending = Snapshot(step, guard, group.pp, group.ep, refs, t0, time.perf_counter() - t0)
         if wait:
             self.commit(group, wait=True)
         return True
 
     def commit(self, group, wait: bool, timeout_s: float | None = None, hold: bool = True) -> None:
         """Make the pending snapshot the committed one once all of it has arrived (WorkerLost if a worker died
-        first). hold=False leaves out the neighbours' copies (a recovery: the new grid takes them)."""
+        first; a wait that runs out while its workers answer pings abandons it: the committed one stays). On
+        several nodes the neighbours then map copies (not waited for); hold=False leaves them out (a recovery: the
+        new grid takes them)."""
         snap = self.pending
         if snap is None:
             return
-        nbytes = group.transfer.snapshot_bytes(snap.size_refs, (self.timeout_s if timeout_s is None else timeout_s)
-                                               if wait else 0)
+        try:
+            nbytes = group.transfer.snapshot_bytes(snap.refs, (self.timeout_s if timeout_s is None
+                                                                    else timeout_s) if wait else 0)
+        except WorkerSlow as slow:
+            log.warning("snapshot of step %d abandoned: %s", snap.step, slow)
+            self.abandoned.append(snap.step)
+            self.pending = None
+            return
         if nbytes is None:
             snap.polls += 1
             return
         snap.nbytes = nbytes
-        if hold and not self.one_at_a_time:
-            group.transfer.hold_peer_snapshots(snap.step, snap.refs)
         self.committed, self.pending = snap, None
+        self.peer_holds = group.transfer.hold_peer_snapshots(snap.step, snap.refs) \
+            if hold and not self.one_at_a_time else []
         self.stall_seconds.append(snap.stall_seconds)
         self.total_seconds.append(time.perf_counter() - snap.started)
         self.arrival_steps.append(snap.polls + 1)

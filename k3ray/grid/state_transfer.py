@@ -31,24 +31,29 @@ class GridStateTransfer:
                 for p, states in sources.items()}
         g.call_each("restore", {r: tuple(refs[r // g.ep]) for r in range(g.size)}, timeout_s)
 
-    def begin_snapshot(self, step: int) -> tuple[list[SnapshotPart], list[SnapshotPart], StoreFit | None]:
-        """Stage every worker's state to run `step` from (training stalls only for this), then ask for the bytes,
-        which stream into the object store while the next step runs (owned by the caller): per world rank, the part
-        that will hold them (twice: as the snapshot's parts and as what tells when they have arrived); and, on
-        this grid's first snapshot and whenever they grow, what the nodes' object stores allow (None: enough)."""
-        from k3ray.grid.snapshots import SnapshotPart, store_fit
+    def stage_snapshot(self, step: int) -> tuple[list[tuple[int, float]], StoreFit | None]:
+        """Stage every worker's state to run `step` from (training stalls only for this): per world rank, its size in
+        bytes and the worker's own seconds; and, on this grid's first snapshot and whenever they grow, what the
+        nodes' object stores allow (None: enough)."""
+        from k3ray.grid.snapshots import store_fit
 
         g = self.group
-        staged = g.call("stage_snapshot", step, timeout_s=300)  # (bytes, the worker's own seconds) per rank
+        staged = g.call("stage_snapshot", step, timeout_s=300)
         part_bytes = [nbytes for nbytes, _ in staged]
         fit = None
         if sum(part_bytes) > self.store_checked_bytes:
             self.store_checked_bytes = sum(part_bytes)
             stores = {n["NodeID"]: n["Resources"].get("object_store_memory", 0.0) for n in ray.nodes() if n["Alive"]}
             fit = store_fit(part_bytes, g.nodes, stores)
-        parts = [SnapshotPart(w.snapshot.remote(g.generation, step), nbytes, seconds)
-                 for w, (nbytes, seconds) in zip(g.workers, staged)]
-        return parts, parts, fit
+        return staged, fit
+
+    def stream_snapshot(self, step: int, staged: list[tuple[int, float]]) -> list[SnapshotPart]:
+        """Ask for the staged bytes, which stream into the object store while the next step runs (owned by the
+        caller): per world rank, the part that will hold them."""
+        from k3ray.grid.snapshots import SnapshotPart
+
+        g = self.group
+        return [SnapshotPart(w.snapshot.remote(g.generation, step), nbytes) for w, (nbytes, _) in zip(g.workers, staged)]
 
     def warm_stores(self) -> list[ray.ObjectRef]:
         """Start every worker writing its snapshot's size into its node's object store and freeing it (Worker
@@ -64,28 +69,33 @@ class GridStateTransfer:
 
     def snapshot_bytes(self, parts: list[SnapshotPart], timeout_s: float | None) -> int | None:
         """The total size once every part of a snapshot has arrived: timeout_s=0 waits not at all (None while some
-        have not arrived); else WorkerLost if a worker died before delivering its part or gave none within
-        timeout_s (hung)."""
+        have not arrived); else WorkerLost if a worker died before delivering its part, WorkerSlow if some gave none
+        within timeout_s but answer pings (alive: their bytes are slow to arrive, spilled to disk say)."""
         done = [p.done for p in parts]
         if timeout_s == 0:
             ready, _ = ray.wait(done, num_returns=len(done), timeout=0, fetch_local=False)
             if len(ready) < len(done):
                 return None
-        calls.gather(list(enumerate(done)), timeout_s, "snapshot", self.group.dead_ranks)
+        calls.gather(list(enumerate(done)), timeout_s, "snapshot", self.group.dead_ranks, slow_is_lost=False)
         for p in parts:
             p.collect()
         return sum(p.nbytes for p in parts)
 
-    def hold_peer_snapshots(self, step: int, refs: list) -> None:
+    def hold_peer_snapshots(self, step: int, refs: list) -> list[ray.ObjectRef]:
         """Each snapshot part (by old world rank: the refs may be an older grid's) is mapped by a worker on another
         node than the one holding it, the next such rank after its own (placement-aware neighbour), so a copy
-        survives the loss of that node; on one node, simply the next rank."""
+        survives the loss of that node. A part with no worker on another node is held by none: on its own node a
+        worker's mapping is the same memory, no copy. The calls are sent, not waited for (a copy crosses the
+        network beside the next steps; a worker lost meanwhile is met by the next step): their refs."""
         g = self.group
+        if len(set(g.nodes)) < 2:
+            return []
         where = ray.experimental.get_object_locations([part.refs[-1] for part in refs])
         holds = []
         for i, part in enumerate(refs):
             holding = set(where.get(part.refs[-1], {}).get("node_ids") or [])
             order = [(i + k) % g.size for k in range(1, g.size + 1)]
-            holder = next((r for r in order if g.nodes and g.nodes[r] not in holding), order[0])
-            holds.append((holder, calls.send(g.workers[holder], g.generation, "hold_peer_snapshot", i, step, part)))
-        calls.gather(holds, 300, "hold_peer_snapshots", g.dead_ranks)
+            holder = next((r for r in order if g.nodes[r] not in holding), None)
+            if holder is not None:
+                holds.append(calls.send(g.workers[holder], g.generation, "hold_peer_snapshot", i, step, part))
+        return holds

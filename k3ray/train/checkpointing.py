@@ -4,7 +4,7 @@ checkpoint onto the configured EP size.
 
 Interface: `resume` (before the workers start), `request`, `boundary` (every step boundary), `commit_pending`
 (before a resize), `at_end` (before stopping), `abandon_pending` (its writers were lost), `committed` (what was
-written)."""
+written), `start_point` (a committed one as a state to go back to)."""
 from __future__ import annotations
 
 import logging
@@ -18,9 +18,10 @@ import torch
 
 from k3ray.config import CheckpointConfig
 from k3ray.formats.hf import hf_serving_state, is_hf_folder
-from k3ray.grid.snapshots import restore_sources
+from k3ray.grid.snapshots import StartPoint, restore_sources
 from k3ray.grid.calls import WorkerLost
 from k3ray.io import checkpoint as ckpt
+from k3ray.policies import guards
 
 log = logging.getLogger("k3ray.controller")
 
@@ -115,9 +116,14 @@ class DurableCheckpoints:
                         "; ".join(changed))
             self.on_incident("resumed_with_changes", step=manifest.step, rule="resumed_with_changes",
                              changed=changed)
-        states = {r: ckpt.load_part(root, manifest.step, ckpt.part_name(r), mmap=True)
-                  for r in range(meta["pp"] * meta["ep"])}
-        return Resumed(str(manifest.path), manifest.step, meta, restore_sources(states, meta["pp"], meta["ep"]))
+        return Resumed(str(manifest.path), manifest.step, meta, _mapped_sources(manifest, root))
+
+    def start_point(self, step: int) -> StartPoint:
+        """This job's committed checkpoint of `step` as a state to go back to (k3ray.grid.snapshots.Snapshots.durable):
+        its parts mapped from their files, the guards' statistics it recorded."""
+        manifest = ckpt.read_manifest(self.cfg.dir, step)
+        return StartPoint(step, guards.GuardState(**manifest.meta["guard_state"]), _mapped_sources(manifest,
+                                                                                                   self.cfg.dir))
 
     def _warn(self, kind: str, message: str, **fields) -> None:
         """A checkpoint problem the user must see: logged here, an incident, and kept for the driver's console."""
@@ -217,6 +223,15 @@ class DurableCheckpoints:
         if self.failures_in_a_row >= limit:
             raise ckpt.CheckpointError(f"{self.cfg.dir}: {limit} checkpoint writes failed in a row (last: {why}); "
                                        f"stopping. Free space or make the directory writable, then --resume")
+
+
+def _mapped_sources(manifest: ckpt.Manifest, root: str) -> dict[int, list]:
+    """A checkpoint's parts by stage (`restore_sources`), mapped from their files: in the page cache (which the
+    kernel may reclaim), not in the controller's heap."""
+    meta = manifest.meta
+    states = {r: ckpt.load_part(root, manifest.step, ckpt.part_name(r), mmap=True)
+              for r in range(meta["pp"] * meta["ep"])}
+    return restore_sources(states, meta["pp"], meta["ep"])
 
 
 def _changed_fields(stored: dict, current: dict, prefix: str = "") -> list[str]:

@@ -82,7 +82,8 @@ class Controller:
         self.drills = FaultInjector(ft.faults)
         self.checkpoints = DurableCheckpoints(
             cfg.checkpoint,
-            on_commit=[self.drills.on_checkpoint, lambda *a: notify(self.callbacks, "on_checkpoint", *a)],
+            on_commit=[self.drills.on_checkpoint, lambda *a: notify(self.callbacks, "on_checkpoint", *a),
+                       lambda step, *_: self.snapshots.durable(self.checkpoints.start_point(step))],
             on_incident=lambda kind, **fields: self.incidents.write(self.incidents.record(kind, **fields)),
             timeout_s=ft.wait_timeout_s, job=cfg.name)
         self.warnings = ConsoleWarnings(self.checkpoints.warnings, self.snapshots.warnings)

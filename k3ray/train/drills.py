@@ -12,7 +12,7 @@ import random
 import ray
 
 from k3ray.config import FaultSpec
-from k3ray.faults import clear, inject
+from k3ray.faults import SNAPSHOT_PHASES, clear, inject
 
 log = logging.getLogger("k3ray.controller")
 
@@ -40,14 +40,17 @@ class FaultInjector:
             return
 
     def kill_at(self, group, step: int, at: str) -> None:
-        """Fire the kill_worker drills due at this point: `at` is "boundary" (of `step`), "after_step" (`step` done)
-        or "relaunch" (a new grid just launched at the boundary of `step`)."""
+        """Fire the kill_worker drills due at this point: `at` is "boundary" (of `step`; the snapshot-phase kills are
+        armed there), "after_step" (`step` done) or "relaunch" (a new grid just launched at the boundary of
+        `step`)."""
         for i, fault in self.pending:
             due = fault.step <= step if at == "relaunch" else fault.step == step
-            if fault.kind == "kill_worker" and fault.at == at and due and i not in self.fired:
+            armed = at == "boundary" and fault.at in SNAPSHOT_PHASES  # dies in that phase of the boundary's snapshot
+            if fault.kind == "kill_worker" and (fault.at == at or armed) and due and i not in self.fired:
                 self.fired.add(i)
-                log.warning("fault drill: kill_worker %s at step %d", at, step)
-                inject(group, "kill_worker", fault.workers or [fault.worker or 0])
+                log.warning("fault drill: kill_worker %s at step %d", fault.at, step)
+                inject(group, "kill_worker", fault.workers or [fault.worker or 0],
+                       phase=fault.at if armed else None)
 
     def after_attempt(self, group) -> None:
         if self.poisoned:
@@ -70,8 +73,10 @@ class FaultInjector:
 DRILL_STEPS, SNAPSHOT_EVERY, CHECKPOINT_EVERY = 8, 3, 3  # DRILL_STEPS: the most a drill runs (its reference's)
 FAULT_BEFORE = 5  # faults land in steps 1-4: every state exists by then (the first snapshot at 3, commit at 4)
 # where a kill lands: the state the controller is in when it meets the dead worker
-DRILL_STATES = ("step", "snapshot", "checkpoint_commit", "evaluation", "policy_change", "grow_back", "recovery",
-                "second_at_commit")
+# (a kill in a phase of a snapshot: entering its staging, mid-stream, after it streamed, before the commit)
+SNAPSHOT_STATES = ("snapshot_stage", "snapshot_stream", "snapshot_commit")
+DRILL_STATES = ("step", "snapshot", *SNAPSHOT_STATES, "checkpoint_commit", "evaluation", "policy_change", "grow_back",
+                "recovery", "second_at_commit")
 TWO_FAULTS = ("grow_back", "recovery", "second_at_commit")  # a first loss, then a second close after it
 NODE_STATES = ("step", "snapshot", "checkpoint_commit", "evaluation", "policy_change")  # a node dies between steps
 DRILL_KINDS = ("worker", "two_workers", "node")
@@ -93,7 +98,7 @@ def plan(seed: int, kinds=DRILL_KINDS) -> dict:
     kind = rng.choice(kinds)
     state = rng.choice(NODE_STATES if kind == "node" else DRILL_STATES)
     ranks = rng.sample(range(4), 2 if kind == "two_workers" else 1)
-    if state == "snapshot":
+    if state == "snapshot" or state in SNAPSHOT_STATES:
         step = rng.choice(range(SNAPSHOT_EVERY, FAULT_BEFORE, SNAPSHOT_EVERY))
     elif state in ("checkpoint_commit", "second_at_commit"):  # parts written at a boundary commit at the next
         step = rng.choice(range(CHECKPOINT_EVERY + 1, FAULT_BEFORE, CHECKPOINT_EVERY))
@@ -101,7 +106,7 @@ def plan(seed: int, kinds=DRILL_KINDS) -> dict:
         step = rng.randrange(2 if state in ("grow_back", "recovery") else 1, FAULT_BEFORE - 1)
     faults = []
     if kind != "node":
-        at = {"step": "step", "evaluation": "after_step"}.get(state, "boundary")
+        at = {"step": "step", "evaluation": "after_step", **{s: s for s in SNAPSHOT_STATES}}.get(state, "boundary")
         if state in ("grow_back", "recovery"):  # a first loss, then one in the grid launched to recover or grow back
             faults.append({"kind": "kill_worker", "step": step, "worker": 3})
             at, ranks = "relaunch", [rng.randrange(2 if state == "recovery" else 4)]

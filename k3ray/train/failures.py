@@ -165,11 +165,7 @@ class Recovery:
             pass
         self.snapshots.drop_pending()  # what is still pending lacks a lost worker's part
         self.checkpoints.abandon_pending(str(lost))  # its writers are gone: the new grid writes it again
-        snap = self.snapshots.committed
-        if snap is None:
-            self.machine.to(JobState.ERRORED, "no snapshot yet")
-            raise RecoveryFailed(f"{lost} before the first snapshot completed; restart with --resume from a "
-                                 f"checkpoint. {self.incidents.where()}")
+        snap = self.snapshots.committed  # a snapshot, or the job's start or newest durable checkpoint
         silent = recovery.silent_nodes(old.nodes, lost.ranks) if lost.hung else set()
         self.grid.avoid_nodes |= silent
         old.avoid_nodes = old.alive_nodes.avoid_nodes = frozenset(self.grid.avoid_nodes)  # no spare on them either

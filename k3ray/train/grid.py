@@ -37,10 +37,10 @@ class TrainingGrid:
         self.drills.kill_at(self.group, self.progress.step, "relaunch")
         self.push_policies()
         self.group.call("set_lr_scale", self.progress.lr_scale)
-        snap = self.snapshots.committed
+        snaps = self.snapshots
         # a store that holds one snapshot has no room for the neighbours' copies; the start point has none
-        if snap.refs and not self.snapshots.one_at_a_time:
-            self.group.transfer.hold_peer_snapshots(snap.step, snap.refs)  # re-pin on the new grid
+        if snaps.committed.refs and not snaps.one_at_a_time:  # mapped again by the new grid's neighbours
+            snaps.peer_holds = self.group.transfer.hold_peer_snapshots(snaps.committed.step, snaps.committed.refs)
 
 
 def merge_reports(step: int, batch_index: int, reports: list[dict], ep: int, tokens: int) -> StepReport:
