@@ -104,3 +104,10 @@ class ModelConfig(Section):
 
     def moe_layer_ids(self) -> list[int]:
         return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
+
+    def stage_layers(self, pp: int, stage: int) -> range:
+        """The layers of pipeline stage `stage` of `pp`: a contiguous split (the first stages take one more when it
+        does not divide)."""
+        base, extra = divmod(self.n_layers, pp)
+        start = stage * base + min(stage, extra)
+        return range(start, start + base + (1 if stage < extra else 0))

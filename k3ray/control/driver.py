@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
 from k3ray.config import JobConfig
+from k3ray.control import preflight
 from k3ray.control.api import ApiCallback
 from k3ray.control.ray_cluster import init_ray
 from k3ray.control.metrics import MetricsCallback
@@ -133,10 +134,12 @@ def running_job(cfg: JobConfig, resume: bool = False, fresh: bool = False,
 def train_distributed(cfg: JobConfig, steps: int, address: str | None = None, progress: bool = True,
                       resume: bool = False, fresh: bool = False, resume_from: str | None = None,
                       announce=None) -> dict:
-    """Run the job to `steps`; `announce(status, cfg)` is called once the workers run (the CLI prints where the
-    job writes and how to steer it)."""
+    """Run the job to `steps`, after the pre-flight device-memory check (k3ray.control.preflight: it may turn on
+    recompute or split micro-batches, or refuse); `announce(status, cfg)` is called once the workers run (the CLI
+    prints where the job writes and how to steer it)."""
     started = init_ray(address, cfg.parallel.world_size + cfg.fault_tolerance.spares)
     try:
+        cfg = preflight.checked(cfg, preflight.device_bytes(cfg))  # before any worker builds its part of the model
         with running_job(cfg, resume=resume, fresh=fresh, resume_from=resume_from) as controller:
             status = ray.get(controller.status.remote())
             start = status["step"]

@@ -1,10 +1,10 @@
 """`k3ray config show` (a config's derived totals) and `k3ray plan` (expert placement policies simulated at scale,
-or goodput under faults), neither of which needs a cluster."""
+goodput under faults, or one worker's device memory), none of which needs a cluster."""
 from __future__ import annotations
 
 import json
 
-from k3ray.config import load_config, parse_assignments
+from k3ray.config import JobConfig, load_config, parse_assignments
 from k3ray.control.cli_args import UsageError, positive_int
 
 
@@ -34,6 +34,9 @@ def cmd_plan(args) -> int:
     if not args.faults and any(flag is not None for flag in goodput_flags):
         raise UsageError("plan: --gpus, --spares, --snapshot-every, --checkpoint-every, --days, --calibration and "
                          "--svg go with --faults")
+    if args.memory:
+        print(_memory_plan(cfg, args.json))
+        return 0
     if args.faults:
         from k3ray.goodput.report import plan_command
 
@@ -50,6 +53,31 @@ def cmd_plan(args) -> int:
         raise UsageError(f"plan: {err}") from None
     print(json.dumps(result.to_json()) if args.json else format_table(result))
     return 0
+
+
+def _memory_plan(cfg: JobConfig, as_json: bool) -> str:
+    """The heaviest worker's device memory (k3ray.policies.memory) and, for execution.device_memory_gib, what the
+    pre-flight check of `k3ray train` decides."""
+    from k3ray.policies import memory
+
+    est = memory.estimate(cfg)
+    device = cfg.execution.device_memory_gib
+    decision = None if device is None else memory.decide(cfg, int(device * memory.GiB))
+    if as_json:
+        out = {"peak_gib": est.peak / memory.GiB, **{f"{k}_gib": v for k, v in est.parts_gib().items()}}
+        if decision is not None:
+            out |= {"device_gib": device, "decision": decision.outcome, "changes": decision.changes,
+                    "fitting_grids": {g: e.peak / memory.GiB for g, e in decision.fitting_grids.items()}}
+        return json.dumps(out)
+    par = cfg.parallel
+    lines = [f"{cfg.name}: device memory per worker (pp {par.pp} x ep {par.ep}, {par.micro_batches} micro-batches of "
+             f"{cfg.data.micro_batch_size} x {cfg.data.seq_len} tokens, recompute {cfg.execution.recompute})"]
+    lines += [f"  {name:<22} {gib:8.2f} GiB" for name, gib in est.parts_gib().items()]
+    lines.append(f"  {'peak':<22} {est.peak / memory.GiB:8.2f} GiB  (static + max(activations + replica_weights + "
+                 f"dispatch, optimizer_transient) + overhead)")
+    lines.append("  " + (memory.describe(decision) if decision is not None else
+                         "set execution.device_memory_gib to see what `k3ray train` decides for a device"))
+    return "\n".join(lines)
 
 
 def add_parsers(sub) -> None:
@@ -73,6 +101,10 @@ def add_parsers(sub) -> None:
     pl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override config fields, e.g. policies.moonep.ib_gb_per_s=25 policies.moonep.ranks_per_node=4")
     pl.add_argument("--json", action="store_true")
+    pl.add_argument("--memory", action="store_true",
+                    help="instead of the simulation: one worker's device memory estimate, and what `k3ray train` "
+                         "decides for a device of execution.device_memory_gib (e.g. --set "
+                         "execution.device_memory_gib=79.6)")
     g = pl.add_argument_group("goodput under faults (k3ray.goodput): --faults replaces the placement simulation")
     g.add_argument("--faults", help="llama3 | mtbf:H | node-mtbf:H | hang-mtbf:H (joined by +) | a YAML/JSON file")
     g.add_argument("--gpus", help="GPU counts, whole replicas of pp x ep (default 1024,4096,16384)")

@@ -1,5 +1,5 @@
 """K3 model blocks in plain PyTorch (no Ray)."""
-from k3ray.model.decoder import K3Stage, build_stage, is_expert_param, stage_layers
+from k3ray.model.decoder import K3Stage, build_stage, is_expert_param
 from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts
 
-__all__ = ["K3Stage", "build_stage", "stage_layers", "is_expert_param", "ExpertShard", "LatentMoE", "LocalExperts"]
+__all__ = ["K3Stage", "build_stage", "is_expert_param", "ExpertShard", "LatentMoE", "LocalExperts"]

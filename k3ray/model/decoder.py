@@ -271,10 +271,3 @@ def build_stage(cfg: ModelConfig, layers: range, expert_ids: list[int] | None = 
         stage.to_empty(device=device if device is not None else torch.empty(0).device)
     stage.eval()
     return stage.to(device) if device is not None else stage
-
-
-def stage_layers(n_layers: int, pp: int, stage: int) -> range:
-    """Contiguous split of the layers over pp stages (the first stages take one more when it does not divide)."""
-    base, extra = divmod(n_layers, pp)
-    start = stage * base + min(stage, extra)
-    return range(start, start + base + (1 if stage < extra else 0))

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map_only
 
 from k3ray.config import JobConfig
 from k3ray.dtypes import up32
-from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, set_execution, stage_layers
+from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, set_execution
 from k3ray.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from k3ray.parallel import shards
 from k3ray.parallel.batches import StageBatches
@@ -55,7 +55,7 @@ class StageEngine:
         self.pp, self.ep = cfg.parallel.pp, ep_size
         self.device = torch.device(device)
         self.home = torch.tensor(home, dtype=torch.int64)
-        self.layers = stage_layers(cfg.model.n_layers, self.pp, pp_rank)
+        self.layers = cfg.model.stage_layers(self.pp, pp_rank)
         # world ranks of this EP rank in the stages before and after (pipeline sends and receives)
         self.prev_rank, self.next_rank = (pp_rank - 1) * ep_size + ep_rank, (pp_rank + 1) * ep_size + ep_rank
         self.batches = StageBatches(cfg, ep_rank, ep_size, self.device)

@@ -26,7 +26,7 @@ from k3ray.config import ConfigError, JobConfig, ModelConfig, parse_config
 from k3ray.io import checkpoint as ckpt
 from k3ray.formats.hf import keys
 from k3ray.formats.hf.files import DTYPES, HFFolder, HFFormatError, ShardWriter
-from k3ray.model.decoder import build_stage, is_expert_param, stage_layers
+from k3ray.model.decoder import build_stage, is_expert_param
 from k3ray.policies.guards import GuardState
 from k3ray.policies.moonep import default_home
 
@@ -183,7 +183,7 @@ def convert_from_hf(src: str, dst: str, pp: int = 1, ep: int = 1, dtype: str | N
     home = default_home(layout.cfg.n_experts, ep).tolist()  # what a fresh job of this grid places
     parts = []
     for p in range(pp):
-        layers = stage_layers(layout.cfg.n_layers, pp, p)
+        layers = layout.cfg.stage_layers(pp, p)
         for e in range(ep):
             state = rank_state(folder, layout, layers, [x for x in range(len(home)) if home[x] == e], dense=e == 0)
             state["stage"] = p
@@ -225,7 +225,7 @@ def _planned(layout: ModelLayout, meta: dict, weights: torch.dtype) -> list[tupl
     out = []
     one = [t.shape for t in keys.expert_to_hf(*(torch.empty(s, device="meta") for s in layout.expert_shapes))]
     for p in range(meta["pp"]):
-        layers = stage_layers(layout.cfg.n_layers, meta["pp"], p)
+        layers = layout.cfg.stage_layers(meta["pp"], p)
         for e in range(meta["ep"]):
             if e == 0:
                 for g in layout.stage_groups(layers):
@@ -259,7 +259,7 @@ def export_hf(root: str, out: str, max_shard_bytes: int, layout_name: str | None
     writer = ShardWriter(out, [(keys.to_layout(n, spelled), s, d) for n, s, d in plan], max_shard_bytes)
     try:
         for p, e, part in _parts(root, manifest):
-            layers = stage_layers(layout.cfg.n_layers, meta["pp"], p)
+            layers = layout.cfg.stage_layers(meta["pp"], p)
             if e == 0:
                 for g in layout.stage_groups(layers):
                     ts = [part["router_bias"][int(n.split(".")[1])] if _is_bias(n) else part["dense"][n]
