@@ -14,6 +14,8 @@ import openai
 import pytest
 import torch
 
+from conftest import SMALL_BATCH, run_job
+from k3ray.config import load_config
 from k3ray.control.local_nodes import free_port
 from k3ray.serve import openai_schema as oa
 from k3ray.serve.app import start_serving, stop_serving
@@ -24,14 +26,15 @@ from k3ray.serve.tool_calls import ToolCallParser, merge, parse, render_calls
 from k3ray.tokenizer import load_tokenizer
 
 SERVE = {"page_size": 8, "pages_per_rank": 200, "slots_per_rank": 8, "token_budget": 64, "max_waiting": 64,
-         "max_tokens": 200}
+         "max_tokens": 300}
 WORD = {"type": "string", "pattern": "^[a-z]{1,8}$"}  # bounded: an untrained model's output ends
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "required": ["city", "unit"],
                                                            "properties": {"city": WORD, "unit": {
                                                                "enum": ["celsius", "fahrenheit"]}}}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}}, "required": ["zone"]}}}
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"]}}}
 SCHEMAS = [
     {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]},
     {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
@@ -110,7 +113,8 @@ def test_request_shapes_parts_tool_turns_and_errors():
     assert text.startswith("### system\nuse the tools\n### tools\n[{\"type\": \"function\"")
     assert ("### user\nweather in paris?\n### assistant\n<|tool_calls_section_begin|><|tool_call_begin|>"
             "functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"paris\"}<|tool_call_end|>"
-            "<|tool_calls_section_end|>\n### tool\n## Return of functions.get_weather:0\nsunny\n### assistant\n") in text
+            "<|tool_calls_section_end|>\n### tool\n## Return of functions.get_weather:0\nsunny\n"
+            "### assistant\n") in text
     bad = [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
            {"messages": [{"role": "tool", "content": "x"}]},
            {"messages": MESSAGES, "tools": [WEATHER], "tool_choice": {"type": "function",
@@ -133,8 +137,20 @@ def test_grammar_errors_name_the_field_and_slow_compiles_are_refused():
 
 # -- against the served tiny model ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def server(serving_checkpoint):
-    serving = start_serving(serving_checkpoint, pp=1, ep=1, port=free_port(), serve_overrides=SERVE)
+def checkpoint(ray_cluster, tmp_path_factory) -> str:
+    """The tiny model in float64 after one step, with a context of 1024 tokens: K3's tool-call markers alone take
+    ~150 byte tokens (the session's serving checkpoint has 128)."""
+    root = tmp_path_factory.mktemp("serve-openai") / "ckpt"
+    cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "model.dtype": "float64", "parallel.pp": 1,
+                                            "parallel.ep": 1, "model.max_seq_len": 1024, "checkpoint.dir": str(root),
+                                            "checkpoint.every_n_steps": 1, **SMALL_BATCH})
+    run_job(cfg, 1)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    serving = start_serving(checkpoint, pp=1, ep=1, port=free_port(), serve_overrides=SERVE)
     try:
         yield serving
     finally:
@@ -158,7 +174,7 @@ async def _chat(client, model, stream: bool, **kw):
         content += delta.content or ""
         deltas += [d.model_dump(exclude_none=True) for d in delta.tool_calls or ()]
         finish = chunk.choices[0].finish_reason or finish
-    return content or None, merge(deltas), finish
+    return content or (None if deltas else content), merge(deltas), finish
 
 
 def test_tool_call_round_trip_streaming_and_not(server):
@@ -169,7 +185,7 @@ def test_tool_call_round_trip_streaming_and_not(server):
         got = {}
         for stream in (False, True):
             content, calls, finish = await _chat(client, model, stream, messages=MESSAGES, tools=[WEATHER, TIME],
-                                                 tool_choice="required", temperature=0, max_tokens=120)
+                                                 tool_choice="required", temperature=0, max_tokens=200)
             assert finish == "tool_calls" and calls, (content, calls)
             for call in calls:
                 tool = {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]]
@@ -193,9 +209,9 @@ def test_required_and_named_tool_choice_always_give_a_call(server):
     async def one(client, i):
         choice = choices[i % 2]
         _, calls, finish = await _chat(client, model, False, messages=MESSAGES, tools=[WEATHER, TIME],
-                                       tool_choice=choice, temperature=1.0, seed=i, max_tokens=160,
+                                       tool_choice=choice, temperature=1.0, seed=i, max_tokens=300,
                                        parallel_tool_calls=False)
-        assert finish == "tool_calls" and len(calls) == 1
+        assert finish == "tool_calls" and len(calls) == 1, calls
         name = calls[0]["function"]["name"]
         assert name == "get_time" if i % 2 else name in ("get_weather", "get_time")
         tool = {"get_weather": WEATHER, "get_time": TIME}[name]
@@ -229,7 +245,7 @@ def test_json_schema_outputs_validate(server):
     asyncio.run(go())
 
 
-def test_logprobs_are_the_log_softmax_of_the_model_logits(server, serving_checkpoint):
+def test_logprobs_are_the_log_softmax_of_the_model_logits(server, checkpoint):
     model_name, tok = server.info["model"], load_tokenizer("bytes")
 
     async def go():
@@ -240,27 +256,30 @@ def test_logprobs_are_the_log_softmax_of_the_model_logits(server, serving_checkp
                                                               temperature=0, logprobs=3, stream=True)]
         c = await client.chat.completions.create(model=model_name, messages=MESSAGES[1:], max_tokens=4,
                                                  temperature=0.7, seed=5, logprobs=True, top_logprobs=2)
-        return r, s, c
+        g = await client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "def f("}],
+                                                 max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+        return r, s, c, g
 
-    whole, chunks, chat = asyncio.run(go())
-    model = reference_model(serving_checkpoint)
+    whole, chunks, chat, greedy = asyncio.run(go())
     lp = whole.choices[0].logprobs
     streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
-    assert streamed == lp.token_logprobs and len(lp.tokens) == whole.usage.completion_tokens
-    prompt, out = tok.encode("def f("), [ord(t) for t in lp.tokens]
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([prompt + out]))[0, len(prompt) - 1:-1].double(), -1)
-    for i, token in enumerate(out):
-        assert abs(lp.token_logprobs[i] - logp[i, token].item()) < 1e-9
-        top = logp[i].topk(3)
-        assert [ord(t) for t in lp.top_logprobs[i]] == top.indices.tolist()
-    content = chat.choices[0].logprobs.content
-    chat_prompt = prompt_ids(tok, oa.ChatRequest.model_validate({"model": "m", "messages": MESSAGES[1:]}), True)[0]
-    out = [e.bytes[0] for e in content]
-    with torch.no_grad():
-        logp = torch.log_softmax(model(torch.tensor([chat_prompt + out]))[0, len(chat_prompt) - 1:-1].double(), -1)
-    for i, entry in enumerate(content):
-        assert abs(entry.logprob - logp[i, out[i]].item()) < 1e-9 and len(entry.top_logprobs) == 2
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-9) and len(lp.tokens) == whole.usage.completion_tokens
+    # keyed by token text: byte tokens that are part of a character share "\ufffd"
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    model = reference_model(checkpoint)
+    def chat_ids(messages):
+        return prompt_ids(tok, oa.ChatRequest.model_validate({"model": "m", "messages": messages}), True)[0]
+
+    for prompt, content in ((chat_ids([{"role": "user", "content": "def f("}]), greedy.choices[0].logprobs.content),
+                            (chat_ids(MESSAGES[1:]), chat.choices[0].logprobs.content)):
+        out = [e.bytes[0] for e in content]  # byte tokens: each token's one byte
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt + out]))[0, len(prompt) - 1:-1].double(), -1)
+        for i, entry in enumerate(content):
+            assert abs(entry.logprob - logp[i, out[i]].item()) < 1e-9
+            top = logp[i].topk(len(entry.top_logprobs))
+            assert [t.bytes[0] for t in entry.top_logprobs] == top.indices.tolist()
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-9)
 
 
 def test_n_choices_bias_limits_and_content_parts(server):

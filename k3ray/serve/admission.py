@@ -26,7 +26,8 @@ class Admission:
         'unavailable', 'message', 'retry_after'} (no grid served within serve.unavailable_wait_s), then items
         {'text': new final text, 'tokens': the token ids it came from, 'finish': None | 'stop' | 'length'}, or
         {'error': 'internal', ...}; with params.logprobs, items carry 'logprobs' too (one per token:
-        k3ray.model.sampling.token_logprobs's). 'invalid' errors may name the request field ('param'). The text never ends inside a character nor in what a stop string may still cut
+        k3ray.model.sampling.token_logprobs's). 'invalid' errors may name the request field ('param'). The text
+        never ends inside a character nor in what a stop string may still cut
         (the request's detokenizer holds that back)."""
         if (why := await self.availability.unavailable()) is not None:
             yield {"error": "unavailable", "message": f"no serving grid: {why}",
