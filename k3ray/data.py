@@ -133,7 +133,6 @@ def check_data(cfg: JobConfig) -> None:
 # -- the byte tokenizer (k3ray.tokenizer has the others) -------------------------------------------------------------
 EOS = BYTE_EOS
 """The NUL byte that separates files in the corpus ends a generation (finish_reason "stop")."""
-CHAT_ROLES = ("system", "user", "assistant")
 _BYTES = ByteTokenizer()
 encode, decode = _BYTES.encode, _BYTES.decode
 

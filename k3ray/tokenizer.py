@@ -58,17 +58,19 @@ class Tokenizer:
         """Stop strings a chat reply ends at (besides end-of-text): the byte template's next header."""
         return () if self.chat_template else ("\n### ",)
 
-    def chat_prompt(self, messages: list[dict]) -> str:
-        """The prompt for chat messages [{'role', 'content'}]: the tokenizer's own template (jinja2, rendered as
-        Hugging Face's apply_chat_template with add_generation_prompt=True), else the byte template
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """The prompt for chat messages [{'role', 'content'}, with 'tool_calls' and 'tool_call_id' where OpenAI's
+        have them]: the tokenizer's own template (jinja2, rendered as Hugging Face's apply_chat_template with
+        add_generation_prompt=True, `tools` given to it), else the byte template (text content only: its tools and
+        tool turns rendered beforehand, k3ray.serve.tool_calls.byte_template_messages)
 
             ### system\\n{content}\\n### user\\n{content}\\n### assistant\\n
 
         which a byte-level model trained on source code can continue; "\\n### " (chat_stop) ends the reply."""
         if self.chat_template is None:
             return "".join(f"### {m['role']}\n{m['content']}\n" for m in messages) + "### assistant\n"
-        return _compiled_template(self.chat_template).render(messages=messages, add_generation_prompt=True,
-                                                             **self.special)
+        return _compiled_template(self.chat_template).render(messages=messages, tools=tools,
+                                                             add_generation_prompt=True, **self.special)
 
     def detokenizer(self, stop: tuple[str, ...] = ()) -> Detokenizer:
         return Detokenizer(self, stop)

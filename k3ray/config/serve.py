@@ -58,6 +58,8 @@ class ServeConfig(Section):
     recovery_attempts: int = Field(2, ge=1, description="grid recoveries tried after a loss (each planning up to 3 "
                                                         "times) before the grid is relaunched from the weights")
     recovery_backoff_s: float = Field(1.0, ge=0, le=60, description="wait before the 2nd attempt, doubling after")
+    grammar_compile_s: float = Field(10.0, gt=0, description="how long a request's grammar (response_format, a "
+                                     "required tool call) may take to compile; longer, the request is refused (400)")
     unavailable_wait_s: float = Field(30.0, ge=0, description="while no grid serves, how long a new request waits "
                                                               "(then 503) and a stream in flight (then an error), "
                                                               "for a stream counted from the recovery's last phase")

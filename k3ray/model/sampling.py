@@ -9,6 +9,10 @@ prefilled again after a lost worker draws the same noise for its next token as i
 
 Sampling from the nucleus is the Gumbel-max trick: argmax over kept tokens of log p + G, G ~ Gumbel(0, 1), draws
 token v with probability p_v / sum of the kept p (the nucleus renormalised).
+
+Before sampling, rows may have their logits adjusted (`LogitsRows`, built by the engine from a request's grammar,
+penalties and logit_bias, applied on the device: `adjust_logits`), and ask for the log-probabilities of the model's own
+distribution (before any adjustment, as OpenAI's and vLLM's logprobs are): `token_logprobs`.
 """
 from __future__ import annotations
 
@@ -27,10 +31,20 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    logprobs: int | None = None  # None: no logprobs; k >= 0: the sampled token's and the k likeliest tokens'
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # subtracted once per time the output holds the token
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)  # (token, added to its logit)
+    grammar: str | None = None  # a grammar the output must follow (xgrammar's serialized Grammar, k3ray.serve.grammar)
 
     def __post_init__(self):
-        # stop strings may arrive as a list (JSON) or None: held as a tuple, the params stay immutable
+        # stop strings and biases may arrive as lists (JSON) or None: held as tuples, the params stay immutable
         object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias or ()))
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
     def resolved_seed(self) -> int:
         """The request's seed: its own, or a random one (drawn once per request, then fixed)."""
@@ -72,6 +86,57 @@ def sample_tokens(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_p_N:
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     scores = torch.where(keep, logp + gumbel_noise(seed_N, counter_N, logits.shape[-1]), -torch.inf)
     return torch.where(temperature_N.to(logits.device) == 0, greedy, scores.argmax(-1))
+
+
+@dataclass
+class LogitsRow:
+    """What one row of an iteration asks of its logits before its token is sampled: a token bitmask (int32 words,
+    bit v % 32 of word v // 32 set where token v is allowed; xgrammar's layout), additive biases on some tokens, and
+    how many top log-probabilities to return beside the sampled token's (None: no logprobs)."""
+    row: int
+    mask: torch.Tensor | None = None  # [ceil(V / 32)] int32, on the host
+    bias_ids: list[int] = field(default_factory=list)
+    bias: list[float] = field(default_factory=list)
+    logprobs: int | None = None
+
+
+def adjust_logits(logits_NV: torch.Tensor, rows: list[LogitsRow]) -> torch.Tensor:
+    """The logits with the rows' biases added and the tokens their masks forbid at -inf (a new tensor; a few copies
+    to the device, no host sync). Tokens past a mask's words (a model vocabulary wider than the tokenizer's) are
+    forbidden too. Plain torch rather than xgrammar's kernels: it takes any dtype (float64 serving included)."""
+    out, dev, V = logits_NV.clone(), logits_NV.device, logits_NV.shape[-1]
+    biased = [(r.row, t, b) for r in rows for t, b in zip(r.bias_ids, r.bias)]
+    if biased:
+        at, tok, val = zip(*biased)
+        out.index_put_((torch.tensor(at, device=dev), torch.tensor(tok, device=dev)),
+                       torch.tensor(val, dtype=out.dtype, device=dev), accumulate=True)
+    masked = [r for r in rows if r.mask is not None]
+    if masked:
+        words = torch.stack([r.mask for r in masked]).to(dev)  # [R, W]
+        vocab = torch.arange(V, device=dev)
+        inside = vocab < words.shape[1] * 32
+        bits = (words[:, (vocab // 32).clamp_max(words.shape[1] - 1)] >> (vocab % 32)) & 1
+        allowed = (bits == 1) & inside
+        at = torch.tensor([r.row for r in masked], device=dev)
+        out[at] = torch.where(allowed, out[at], -torch.inf)
+    return out
+
+
+def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, rows: list[LogitsRow]
+                   ) -> dict[int, tuple[float, list[int], list[float]]]:
+    """row -> (log p of its sampled token, the k likeliest tokens, their log p) under the model's distribution
+    (log-softmax of the raw logits in float64), for the rows that ask (`LogitsRow.logprobs`); one host copy."""
+    asked = [r for r in rows if r.logprobs is not None]
+    if not asked:
+        return {}
+    at = torch.tensor([r.row for r in asked], device=logits_NV.device)
+    logp = torch.log_softmax(logits_NV[at].double(), dim=-1)
+    chosen = logp.gather(-1, tokens_N[at][:, None]).squeeze(-1)
+    k = max(r.logprobs for r in asked)
+    top_lp, top_id = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    host = torch.cat([chosen[:, None], top_lp, top_id.double()], dim=-1).cpu()
+    return {r.row: (float(h[0]), h[1 + k:1 + k + r.logprobs].long().tolist(), h[1:1 + r.logprobs].tolist())
+            for r, h in zip(asked, host)}
 
 
 def next_token(logits_V: torch.Tensor, params: SamplingParams, seed: int, counter: int) -> int:

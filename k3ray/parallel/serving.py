@@ -7,14 +7,15 @@ request lives on one rank: its latent pages and KDA slot are there, on every sta
 runs `StageServer.step` with its rank's `RankPlan`, also when that plan is empty: the MoE layers' expert-parallel
 exchanges span the stage's EP group, so every EP rank joins them, with zero tokens if need be. Stage p receives the
 hidden states from (p-1, e) and sends its own to (p+1, e); the last stage samples each sequence's next token on the
-device. Only token ids and each sequence's largest activation (for the per-request guards) leave the worker.
+device. Only token ids and each sequence's largest activation (for the per-request guards) leave the worker, with
+the log-probabilities of the rows that ask for them.
 
 A plan is small: the sequences by slot with their start and token count, the new token ids, and for sequences new
 on the rank their pages and sampling parameters (sent once). Decode iterations (one token per sequence) on a stage
 whose experts are all local run as CUDA graphs, one per (batch bucket, context bucket), the likeliest captured when
 the pools are made (as many as serve.graphs_at_start_s allows), the rest on first use (`DecodeGraphs`); prefill chunks
-run eagerly. The same code runs on CPU
-without graphs.
+run eagerly, and so do iterations with rows whose logits are adjusted or whose logprobs are asked for
+(`RankPlan.logits`: grammars, penalties, logit_bias). The same code runs on CPU without graphs.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, SeqPages, new_pools
 from k3ray.model.decoder import K3Stage, boundary_shape
-from k3ray.model.sampling import sample_tokens
+from k3ray.model.sampling import LogitsRow, adjust_logits, sample_tokens, token_logprobs
 
 log = logging.getLogger("k3ray.serve")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -53,6 +54,7 @@ class RankPlan:
     grow: list[SeqPages] = field(default_factory=list)  # pages running sequences grew by (allocated on demand)
     from_device: list[bool] = field(default_factory=list)
     greedy: bool = False  # every sequence decodes greedily: the last stage takes the argmax and draws no noise
+    logits: list[LogitsRow] = field(default_factory=list)  # rows whose logits are adjusted or whose logprobs return
 
 
 @dataclass
@@ -63,12 +65,13 @@ class StageOutput:
     tokens: list[int] | None
     maxabs: list[float]
     seconds: float = 0.0
+    logprobs: dict[int, tuple[float, list[int], list[float]]] = field(default_factory=dict)  # `token_logprobs`
 
     @staticmethod
     def merge(stages: list[StageOutput]) -> StageOutput:
         """One data-parallel rank's answer from its stages' (in pipeline order; the seconds of the slowest)."""
         return StageOutput(stages[-1].tokens, [max(m) for m in zip(*(s.maxabs for s in stages))],
-                           max(s.seconds for s in stages))
+                           max(s.seconds for s in stages), stages[-1].logprobs)
 
 
 @dataclass
@@ -106,7 +109,8 @@ class StageServer:
                             device=self.device)
             if T:
                 dist.recv(x, self.prev_rank, group=self.groups.world)
-        replayed = self.graphs.run(plan, x) if self.graphs is not None and n and max(plan.counts) == 1 else None
+        graphed = self.graphs is not None and n and max(plan.counts) == 1 and not plan.logits
+        replayed = self.graphs.run(plan, x) if graphed else None
         if replayed is not None:
             out, tokens, maxabs = replayed
         else:
@@ -114,14 +118,15 @@ class StageServer:
             if self.stage.is_first:
                 x = self._input_ids(plan)[None]
             counters = torch.tensor(plan.counters, dtype=torch.int64, device=self.device)
-            out, tokens, maxabs = self.forward(x, cache, counters, plan.greedy)
+            out, tokens, maxabs = self.forward(x, cache, counters, plan.greedy, plan.logits)
         if not self.stage.is_last:
             if T:
                 dist.send(out.contiguous(), self.next_rank, group=self.groups.world)
             return StageOutput(None, maxabs.tolist(), time.perf_counter() - t0)
+        logprobs = token_logprobs(out, tokens, plan.logits) if plan.logits else {}
         both = torch.cat([tokens.double(), maxabs])  # one device-to-host copy
         host = both.cpu()
-        return StageOutput(host[:n].long().tolist(), host[n:].tolist(), time.perf_counter() - t0)
+        return StageOutput(host[:n].long().tolist(), host[n:].tolist(), time.perf_counter() - t0, logprobs)
 
     def _input_ids(self, plan: RankPlan) -> torch.Tensor:
         """The plan's token ids [T] on the device, those of `from_device` rows taken from the slots' last sampled
@@ -135,20 +140,22 @@ class StageServer:
             ids[at] = self.pools.last_token[slots]
         return ids
 
-    def forward(self, x: torch.Tensor, cache: IterationCache, counters_N: torch.Tensor, greedy: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def forward(self, x: torch.Tensor, cache: IterationCache, counters_N: torch.Tensor, greedy: bool = False,
+                rows: list[LogitsRow] = ()) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The stage on one iteration (no host sync: a CUDA graph can hold it): its output (hidden [1, T, d], or the
-        logits [N, V] on the last stage), the sampled tokens [N] (last stage; `greedy`: every sequence of the
-        iteration decodes greedily, so argmax alone) and each sequence's max-abs [N]."""
+        logits [N, V] on the last stage: the model's, before `rows` adjust them for sampling), the sampled tokens [N]
+        (last stage; `greedy`: every sequence of the iteration decodes greedily, so argmax alone) and each sequence's
+        max-abs [N]."""
         out = self.stage(x, cache)
         maxabs = cache.sequence_maxabs()
         if not self.stage.is_last:
             return out, None, maxabs
         p, s = self.pools, cache.slots
+        logits = adjust_logits(out, rows) if any(r.mask is not None or r.bias_ids for r in rows) else out
         if greedy:
-            tokens = out.argmax(-1)
+            tokens = logits.argmax(-1)
         else:
-            tokens = sample_tokens(out, p.temperature[s], p.top_p[s], p.seed[s], counters_N)
+            tokens = sample_tokens(logits, p.temperature[s], p.top_p[s], p.seed[s], counters_N)
         p.last_token[s] = tokens  # the next iteration, scheduled before these come back, may read them (overlap)
         maxabs = torch.where(torch.isfinite(out).all(-1), maxabs, torch.inf)
         return out, tokens, maxabs

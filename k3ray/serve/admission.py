@@ -1,13 +1,15 @@
 """A request's way into the serving engine and its tokens' way back (`Admission.stream`): refused while no grid
 serves (after waiting up to serve.unavailable_wait_s), when the scheduler is full or the request is invalid; once
 accepted, the iteration loop is started if idle and the request's stream yields its text as the loop completes
-tokens (woken through `RequestEvents`). Ending the stream, however it ends, cancels the request and frees its pages
+tokens (woken through `RequestEvents`). A request with a grammar has it compiled first (k3ray.serve.grammar:
+refused past serve.grammar_compile_s). Ending the stream, however it ends, cancels the request and frees its pages
 and slot."""
 from __future__ import annotations
 
 from k3ray.config import ServeConfig
 from k3ray.model.sampling import SamplingParams
 from k3ray.serve.availability import Availability
+from k3ray.serve.grammar import GrammarError, Grammars
 from k3ray.serve.iterations import IterationLoop
 from k3ray.serve.scheduler import Overloaded, Scheduler
 from k3ray.serve.streams import RequestEvents
@@ -17,21 +19,28 @@ class Admission:
     def __init__(self, serve: ServeConfig, sched: Scheduler, availability: Availability, loop: IterationLoop,
                  events: RequestEvents):
         self.serve, self.sched, self.availability, self.loop, self.events = serve, sched, availability, loop, events
+        self.grammars = Grammars(sched.tokenizer, serve.grammar_compile_s)
 
     async def stream(self, prompt: list[int], params: SamplingParams):
         """A request's items: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'} or {'error':
         'unavailable', 'message', 'retry_after'} (no grid served within serve.unavailable_wait_s), then items
         {'text': new final text, 'tokens': the token ids it came from, 'finish': None | 'stop' | 'length'}, or
-        {'error': 'internal', ...}. The text never ends inside a character nor in what a stop string may still cut
+        {'error': 'internal', ...}; with params.logprobs, items carry 'logprobs' too (one per token:
+        k3ray.model.sampling.token_logprobs's). 'invalid' errors may name the request field ('param'). The text
+        never ends inside a character nor in what a stop string may still cut
         (the request's detokenizer holds that back)."""
         if (why := await self.availability.unavailable()) is not None:
             yield {"error": "unavailable", "message": f"no serving grid: {why}",
                    "retry_after": self.serve.retry_after_s}
             return
         try:
-            req = self.sched.submit(prompt, params)
+            grammar = None if params.grammar is None else await self.grammars.compile(params.grammar)
+            req = self.sched.submit(prompt, params, grammar)
         except Overloaded as err:
             yield {"error": "overloaded", "message": str(err)}
+            return
+        except GrammarError as err:
+            yield {"error": "invalid", "message": str(err), "param": err.param}
             return
         except ValueError as err:
             yield {"error": "invalid", "message": str(err)}
@@ -53,6 +62,8 @@ class Admission:
                 text, done = req.text, req.done
                 if done or len(text) > sent_text and (sent == 0 or upto - sent >= interval):
                     item = {"text": text[sent_text:], "tokens": req.out[sent:upto], "finish": req.finish}
+                    if params.logprobs is not None:
+                        item["logprobs"] = req.logprobs[sent:upto]
                     sent, sent_text = upto, len(text)
                     yield item
                 if done:

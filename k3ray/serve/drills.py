@@ -17,15 +17,21 @@ from k3ray.parallel.reference import generate_reference
 from k3ray.train.checkpointing import serving_weights
 
 
-def serving_reference(checkpoint: str):
-    """The single-process reference generation from a checkpoint: (prompt ids, SamplingParams) -> (generated ids,
-    finish reason); what a serving drill's every request must end with."""
+def reference_model(checkpoint: str):
+    """The whole model of a checkpoint in this process (one intra-op thread)."""
     torch.set_num_threads(1)
     w = serving_weights(checkpoint)
     cfg = serving_config(w.config, 1, 1)
     model = build_stage(cfg.model, range(cfg.model.n_layers), init=False)
     shards.load_weights(model, AdamW(cfg.optimizer), w.state, {i: [w.state["experts"][i]] for i in model.layers},
                         set(range(cfg.model.n_experts)))
+    return model
+
+
+def serving_reference(checkpoint: str):
+    """The single-process reference generation from a checkpoint: (prompt ids, SamplingParams) -> (generated ids,
+    finish reason); what a serving drill's every request must end with."""
+    model = reference_model(checkpoint)
     return lambda prompt_ids, params: generate_reference(model, prompt_ids, params)
 
 

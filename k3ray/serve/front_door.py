@@ -26,12 +26,19 @@ Retry-After.
 
 Text: the training job's tokenizer (data.tokenizer, k3ray.tokenizer) encodes prompts; the engine returns final text
 (decoded incrementally, stop strings met on the text). Chat: messages are rendered with the tokenizer's chat template
-(tokenizer_config.json, jinja2, as Hugging Face does); for `bytes`, "### role\\ncontent\\n" per message with
-"\\n### " added to the stop strings, so a reply ends where the next turn's header would begin.
+(tokenizer_config.json, jinja2, as Hugging Face does; it gets `tools` and the tool turns); for `bytes`,
+"### role\\ncontent\\n" per message (tool turns in K3's format: k3ray.serve.tool_calls) with "\\n### " added to the
+stop strings, so a reply ends where the next turn's header would begin.
+
+Choices: `n` > 1 is n requests to the engine (it has no prefix sharing: each prefills the prompt), choice i seeded
+with seed + i. Tool calls, logprobs and their streaming shapes: k3ray.serve.choices. Grammars (response_format,
+tool_choice required or named): k3ray.serve.grammar; a schema that does not convert is a 400 naming
+response_format.json_schema, one that compiles for longer than serve.grammar_compile_s a 400 naming response_format.
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -39,13 +46,17 @@ import time
 import uuid
 
 from fastapi import Depends, FastAPI, Request
+from jinja2.exceptions import TemplateError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
 from k3ray.serve import openai_schema as oa
+from k3ray.serve.choices import Choice
+from k3ray.serve.grammar import GrammarError
 from k3ray.serve.steering import EngineSteering
 from k3ray.steering.auth import BearerAuth
 from k3ray.steering.router import steering_app
+from k3ray.serve.tool_calls import byte_template_messages
 from k3ray.tokenizer import Tokenizer, load_tokenizer
 
 log = logging.getLogger("k3ray.serve")
@@ -67,7 +78,10 @@ def prompt_ids(tok: Tokenizer, req, chat: bool) -> tuple[list[int], tuple[str, .
     the template adds."""
     if not chat:
         return tok.encode(req.prompt), ()
-    return tok.encode(tok.chat_prompt([{"role": m.role, "content": m.content} for m in req.messages])), tok.chat_stop
+    messages, tools = [m.rendered() for m in req.messages], req.tool_dicts()
+    if tok.chat_template is None:
+        messages, tools = byte_template_messages(messages, tools), None
+    return tok.encode(tok.chat_prompt(messages, tools)), tok.chat_stop
 
 
 class EngineStreams:
@@ -107,20 +121,22 @@ class EngineStreams:
             queue.put_nowait({"error": "internal", "message": why})
 
     @staticmethod
-    async def next(queue: asyncio.Queue) -> tuple[str, int, str | None, str | None]:
-        """(text, tokens, finish, error) of every item waiting, at least one: a client that fell behind gets what
-        accumulated in one event. The text is final (the engine's detokenizer never ends it inside a character)."""
+    async def next(queue: asyncio.Queue) -> tuple[str, list[int], list, str | None, str | None]:
+        """(text, token ids, their logprobs, finish, error) of every item waiting, at least one: a client that fell
+        behind gets what accumulated in one event. The text is final (the engine's detokenizer never ends it inside
+        a character)."""
         items = [await queue.get()]
         while not queue.empty():
             items.append(queue.get_nowait())
-        text, tokens, finish = "", 0, None
+        text, ids, logprobs, finish = "", [], [], None
         for item in items:
             if "error" in item:
-                return text, tokens, finish, item["message"]
+                return text, ids, logprobs, finish, item["message"]
             text += item["text"]
-            tokens += len(item["tokens"])
+            ids += item["tokens"]
+            logprobs += item.get("logprobs", [])
             finish = item["finish"]
-        return text, tokens, finish, None
+        return text, ids, logprobs, finish, None
 
 
 class FrontDoor:
@@ -148,28 +164,38 @@ class FrontDoor:
             req, ids, sampling = self._validate(await request.body(), chat)
         except BadRequest as bad:
             return bad.response
-        key, queue = self.streams.open()
+        opened = [self.streams.open() for _ in range(req.n)]
+        seeds = [None if sampling.seed is None else sampling.seed + i for i in range(req.n)]
         try:
-            first = await self.engine.submit.remote(ids, sampling, self.streams.id, key)
+            firsts = await asyncio.gather(*(
+                self.engine.submit.remote(ids, dataclasses.replace(sampling, seed=seed), self.streams.id, key)
+                for (key, _), seed in zip(opened, seeds)))
         except BaseException:
-            self.streams.close(key)
+            for key, _ in opened:
+                self.streams.close(key, cancel=True)
             raise
-        if "error" in first:
-            self.streams.close(key)
-        if first.get("error") == "overloaded":
-            return _error(429, f"overloaded: {first['message']}; retry later", kind="rate_limit_error",
-                          code="overloaded", headers={"Retry-After": str(self.limits["retry_after_s"])})
-        if first.get("error") == "unavailable":
-            return _error(503, first["message"], kind="server_error", code="unavailable",
-                          headers={"Retry-After": str(first["retry_after"])})
-        if "error" in first:
-            return _error(400, first["message"], param="prompt")
+        refused = next((f for f in firsts if "error" in f), None)
+        if refused is not None:
+            for (key, _), first in zip(opened, firsts):
+                self.streams.close(key, cancel="error" not in first)
+            return self._refused(refused)
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
+        choices = [Choice(i, chat, self.tokenizer, chat and req.calls_tools, sampling.logprobs is not None)
+                   for i in range(req.n)]
         if req.stream:
             with_usage = bool((req.stream_options or {}).get("include_usage"))
-            return StreamingResponse(self._events(key, queue, rid, chat, len(ids) if with_usage else None),
+            return StreamingResponse(self._events(opened, choices, rid, chat, len(ids) if with_usage else None),
                                      media_type="text/event-stream")
-        return await self._whole(key, queue, rid, chat, len(ids))
+        return await self._whole(opened, choices, rid, chat, len(ids))
+
+    def _refused(self, first: dict) -> JSONResponse:
+        if first["error"] == "overloaded":
+            return _error(429, f"overloaded: {first['message']}; retry later", kind="rate_limit_error",
+                          code="overloaded", headers={"Retry-After": str(self.limits["retry_after_s"])})
+        if first["error"] == "unavailable":
+            return _error(503, first["message"], kind="server_error", code="unavailable",
+                          headers={"Retry-After": str(first["retry_after"])})
+        return _error(400, first["message"], param=first.get("param", "prompt"))
 
     def _validate(self, body: bytes, chat: bool):
         try:
@@ -190,9 +216,12 @@ class FrontDoor:
         if req.model != self.model:
             raise BadRequest(_error(404, f"model: unknown model {req.model!r}; this server serves {self.model!r}",
                                     "model", code="model_not_found"))
-        ids, stop = prompt_ids(self.tokenizer, req, chat)
+        try:
+            ids, stop = prompt_ids(self.tokenizer, req, chat)
+        except TemplateError as err:
+            raise BadRequest(_error(400, f"messages: the chat template refused them ({err})", "messages"))
         field = "messages" if chat else "prompt"
-        max_tokens = req.max_tokens or min(DEFAULT_MAX_TOKENS, self.max_seq_len - len(ids))
+        max_tokens = req.wanted_tokens or min(DEFAULT_MAX_TOKENS, self.max_seq_len - len(ids))
         if not ids:
             raise BadRequest(_error(400, f"{field}: empty", field))
         if len(ids) >= self.max_seq_len:
@@ -205,48 +234,77 @@ class FrontDoor:
             raise BadRequest(_error(400, f"max_tokens: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed "
                                          f"the context of {self.max_seq_len} tokens", "max_tokens",
                                     code="context_length_exceeded"))
-        return req, ids, req.sampling(max_tokens, stop)
-
-    async def _whole(self, key: int, queue: asyncio.Queue, rid: str, chat: bool, prompt_tokens: int):
-        pieces, generated, finish = [], 0, None
         try:
-            while finish is None:
-                text, tokens, finish, error = await self.streams.next(queue)
-                pieces.append(text)
-                generated += tokens
-                if error is not None:
-                    return _error(500, error, kind="server_error")
-        finally:  # the client went away (the handler is cancelled): stop generating, free the caches
-            self.streams.close(key, cancel=finish is None)
-        use = oa.usage(prompt_tokens, generated)
-        return JSONResponse((oa.chat_completion if chat else oa.completion)(rid, self.model, "".join(pieces), finish,
-                                                                             use))
+            return req, ids, req.sampling(max_tokens, self.tokenizer.vocab_size, stop)
+        except GrammarError as err:
+            raise BadRequest(_error(400, str(err), err.param))
+        except ValueError as err:
+            raise BadRequest(_error(400, str(err), str(err).split(":")[0]))
 
-    async def _events(self, key: int, queue: asyncio.Queue, rid: str, chat: bool, usage_prompt_tokens: int | None):
-        finish, generated = None, 0
+    async def _whole(self, opened: list, choices: list[Choice], rid: str, chat: bool, prompt_tokens: int):
+        async def one(key: int, queue: asyncio.Queue, choice: Choice) -> str | None:
+            try:
+                while choice.finish is None:
+                    text, ids, logprobs, finish, error = await self.streams.next(queue)
+                    choice.take(text, ids, logprobs, finish)
+                    if error is not None:
+                        return error
+            finally:  # the client went away (the handler is cancelled): stop generating, free the caches
+                self.streams.close(key, cancel=choice.finish is None)
+            return None
+
+        errors = await asyncio.gather(*(one(key, queue, c) for (key, queue), c in zip(opened, choices)))
+        if any(errors):
+            return _error(500, next(e for e in errors if e), kind="server_error")
+        use = oa.usage(prompt_tokens, sum(len(c.ids) for c in choices))
+        build = oa.chat_completion if chat else oa.completion
+        return JSONResponse(build(rid, self.model, [c.whole() for c in choices], use))
+
+    async def _events(self, opened: list, choices: list[Choice], rid: str, chat: bool,
+                      usage_prompt_tokens: int | None):
+        """The choices' chunks as they come, interleaved (one task per choice feeds a queue)."""
+        chunks: asyncio.Queue = asyncio.Queue()
 
         def sse(obj: dict) -> str:
             return f"data: {json.dumps(obj)}\n\n"
 
+        async def feed(key: int, queue: asyncio.Queue, choice: Choice) -> None:
+            try:
+                while choice.finish is None:
+                    text, ids, logprobs, finish, error = await self.streams.next(queue)
+                    chunk = choice.chunk(rid, self.model, text, ids, logprobs, finish)
+                    if chunk is not None:
+                        chunks.put_nowait(chunk)
+                    if error is not None:
+                        chunks.put_nowait(oa.error(error, "server_error"))
+                        break
+            finally:
+                self.streams.close(key, cancel=choice.finish is None)
+                chunks.put_nowait(None)
+
+        tasks = []
         try:
             if chat:
-                yield sse(oa.chat_chunk(rid, self.model, "", None, first=True))
-            while finish is None:
-                text, tokens, finish, error = await self.streams.next(queue)
-                generated += tokens
-                if text or finish is not None:
-                    if chat:
-                        yield sse(oa.chat_chunk(rid, self.model, text if text else None, finish))
-                    else:
-                        yield sse(oa.completion_chunk(rid, self.model, text, finish))
-                if error is not None:
-                    yield sse(oa.error(error, "server_error"))
-                    break
+                for c in choices:
+                    yield sse(oa.chat_chunk(rid, self.model, c.index, {"role": "assistant", "content": ""}))
+            tasks = [asyncio.get_running_loop().create_task(feed(key, queue, c))
+                     for (key, queue), c in zip(opened, choices)]
+            running = len(tasks)
+            while running:
+                chunk = await chunks.get()
+                if chunk is None:
+                    running -= 1
+                else:
+                    yield sse(chunk)
             if usage_prompt_tokens is not None:
-                yield sse(oa.usage_chunk(rid, self.model, chat, oa.usage(usage_prompt_tokens, generated)))
+                use = oa.usage(usage_prompt_tokens, sum(len(c.ids) for c in choices))
+                yield sse(oa.usage_chunk(rid, self.model, chat, use))
             yield "data: [DONE]\n\n"
-        finally:
-            self.streams.close(key, cancel=finish is None)
+        finally:  # the client went away: every choice's request ends
+            for task in tasks:
+                task.cancel()
+            for (key, _), c in zip(opened, choices):
+                self.streams.close(key, cancel=c.finish is None)
 
 
 def build_app(engine, info: dict, api_key: str | None = None) -> FastAPI:

@@ -56,6 +56,7 @@ from k3ray.model.sampling import SamplingParams, finish_reason
 from k3ray.parallel.serving import StageOutput
 from k3ray.policies import guards
 from k3ray.serve.cache_allocator import CacheAllocator
+from k3ray.serve.grammar import RequestLogits, needs_logits
 from k3ray.serve.pacing import IterationPacer, paced_chunk
 from k3ray.serve.request_table import RequestTable
 from k3ray.serve.scheduler_output import RankBatch, Request, SchedulerOutput
@@ -88,7 +89,8 @@ class Scheduler:
         self.rank_tokens = [0] * dp  # tokens each rank has run (prefill and decode), since the start
 
     # -- requests ------------------------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams) -> Request:
+    def submit(self, prompt: list[int], params: SamplingParams, grammar=None) -> Request:
+        """A new request; `grammar`: its params.grammar compiled (k3ray.serve.grammar.Grammars.compile)."""
         s = self.serve
         if not prompt:
             raise ValueError("prompt: empty")
@@ -103,7 +105,8 @@ class Scheduler:
         if len(table.waiting) >= s.max_waiting + free_slots:
             raise Overloaded(f"{len(table.waiting) - free_slots} requests waiting (limit {s.max_waiting})")
         req = Request(next(self._ids), list(prompt), params, self.clock(), seed=params.resolved_seed(),
-                      detok=self.tokenizer.detokenizer(params.stop))
+                      detok=self.tokenizer.detokenizer(params.stop),
+                      logits=RequestLogits(params, grammar) if needs_logits(params) else None)
         table.add(req)
         return req
 
@@ -151,6 +154,8 @@ class Scheduler:
             req.in_flight += 1
             if req.planned == req.length + req.unconfirmed:  # the row reaches the end: it samples the next token
                 req.unconfirmed += 1
+                if req.logits is not None:
+                    plan.logits.append(req.logits.row(len(plan.slots) - 1))
 
         table = self.table
         running = sorted((r for r in table.running.values() if self._may_continue(r)),
@@ -217,9 +222,11 @@ class Scheduler:
 
     def _may_continue(self, req: Request) -> bool:
         """Whether `req` may get a row now: not ended, and the tokens in flight leave it room to generate another
-        (max_tokens and the context are known on the host; end-of-text and stop strings are not)."""
+        (max_tokens and the context are known on the host; end-of-text and stop strings are not), and none of a
+        grammar's or penalised request's tokens is in flight (its next logits depend on it)."""
         return (not req.done and len(req.out) + req.unconfirmed < req.params.max_tokens
-                and req.length + req.unconfirmed < self.max_seq_len)
+                and req.length + req.unconfirmed < self.max_seq_len
+                and not (req.unconfirmed and req.logits is not None and req.logits.stateful))
 
     def _admit_rank(self, req: Request, budget: list[int], prompt_budget: list[int]) -> tuple[int, int | None]:
         """(first chunk, rank) for a waiting request: the rank with the most free pages among those with a free slot,
@@ -274,6 +281,10 @@ class Scheduler:
                     continue  # a prompt chunk short of the end: nothing to sample yet
                 req.unconfirmed -= 1
                 req.out.append(out.tokens[row])
+                if req.logits is not None:
+                    req.logits.accept(req.out[-1])
+                if req.params.logprobs is not None:
+                    req.logprobs.append(out.logprobs[row])
                 req.token_times.append(now)
                 req.text += req.detok.push(req.out[-1:])
                 req.finish = finish_reason(req.out, req.params, self.tokenizer.eos_id,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import RankPlan
 from k3ray.policies import guards
+from k3ray.serve.grammar import RequestLogits
 from k3ray.tokenizer import Detokenizer
 
 
@@ -32,6 +33,8 @@ class Request:
     seed: int = 0  # the sampling noise's seed (the request's own, or drawn at submit)
     detok: Detokenizer | None = None  # the output as text, token by token: stop strings are checked on it
     text: str = ""  # the output text so far that is final (no half character, nothing a stop string may still cut)
+    logits: RequestLogits | None = None  # grammar, penalties, logit_bias, logprobs: what its sampling rows carry
+    logprobs: list = field(default_factory=list)  # per token of `out` (params.logprobs set): `token_logprobs`'s
 
     @property
     def ids(self) -> list[int]:

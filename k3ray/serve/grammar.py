@@ -1,0 +1,158 @@
+"""Constrained decoding for `k3ray serve`, through xgrammar: the grammar a request's output must follow
+(response_format json_object / json_schema, and tool_choice required / a named function, whose calls take K3's
+tool-call format: k3ray.serve.tool_calls), and, per request, what its next token's logits need (`RequestLogits`).
+
+The front door builds a request's grammar (`request_grammar`: a bad schema is a GrammarError naming the field) and
+sends it serialized; the engine compiles it against its tokenizer (`Grammars.compile`: cached, refused past
+serve.grammar_compile_s) and keeps a matcher per request. Each iteration the scheduler asks every sampling row of a
+constrained or penalised request for its `LogitsRow` (the token bitmask filled on the host while the iteration
+before runs on the device, with the penalties' and logit_bias's biases); the last stage applies it on the device
+before sampling (k3ray.model.sampling.adjust_logits). A grammar's bitmask and the penalties depend on the tokens
+sampled so far, so such a request's next row waits for its last token to come back (no `from_device` rows for it:
+with serve.overlap it gets a row every other iteration).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from functools import lru_cache
+
+from k3ray.model.sampling import LogitsRow, SamplingParams
+from k3ray.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+TOOL_CALL_FORMAT = "kimi"  # xgrammar's name for the Kimi K2 tool-call format K3 is served with (tool_calls.py)
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be built or compiled; `param` names the request field."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def request_grammar(response_format: dict | None, tools: list[dict] | None, tool_choice, parallel_tool_calls: bool
+                    ) -> str | None:
+    """The serialized grammar (xgrammar's Grammar.serialize_json) a request's output must follow, or None:
+    tool_choice 'required' or {'type': 'function', ...} constrains the output to tool calls in K3's format; else
+    response_format {'type': 'json_object'} to a JSON object, {'type': 'json_schema', 'json_schema': {'schema'}} to
+    that schema (as strict: properties the schema does not name are not generated)."""
+    import xgrammar as xgr
+
+    if tools and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        try:
+            tag = xgr.get_model_structural_tag(TOOL_CALL_FORMAT, tools=tools, tool_choice=tool_choice,
+                                               reasoning="disabled", parallel_tool_calls=parallel_tool_calls,
+                                               max_whitespace_cnt=1)
+            return xgr.Grammar.from_structural_tag(tag).serialize_json()
+        except (RuntimeError, ValueError) as err:
+            raise GrammarError(f"tools: {_first_line(err)}", "tools") from None
+    kind = (response_format or {}).get("type", "text")
+    if kind == "json_object":
+        return xgr.Grammar.builtin_json_grammar().serialize_json()
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema", {})
+        try:
+            grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise GrammarError(f"response_format.json_schema: {_first_line(err)}", "response_format.json_schema") \
+                from None
+        return grammar.serialize_json()
+    return None
+
+
+def _first_line(err: Exception) -> str:
+    """xgrammar's message without its source location prefix."""
+    line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return line.split(": ", 1)[1] if line.startswith("[") and ": " in line else line
+
+
+def tokenizer_info(tok: Tokenizer):
+    """xgrammar's view of a k3ray tokenizer: each token's bytes and the end-of-text token."""
+    import xgrammar as xgr
+
+    if isinstance(tok, HFTokenizer):
+        from transformers import PreTrainedTokenizerFast
+
+        return xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=tok.hf),
+                                                  vocab_size=tok.vocab_size, stop_token_ids=[tok.eos_id])
+    vocab = [tok.token_bytes(i) or b"" for i in range(tok.vocab_size)]
+    if not isinstance(tok, ByteTokenizer):  # tiktoken: its special tokens are text, not bytes of the output
+        vocab[tok.eos_id] = b""
+    return xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=tok.vocab_size, stop_token_ids=[tok.eos_id])
+
+
+class Grammars:
+    """The engine's grammar compiler for its tokenizer (compiled grammars cached by xgrammar)."""
+
+    def __init__(self, tok: Tokenizer, timeout_s: float):
+        self.tok, self.timeout_s = tok, timeout_s
+
+    @property
+    def compiler(self):
+        return _compiler(self.tok)
+
+    async def compile(self, grammar: str):
+        """The compiled grammar, off the event loop; GrammarError when it takes longer than serve.grammar_compile_s
+        (the compile finishes in its thread and is cached; this request is refused)."""
+        import xgrammar as xgr
+
+        def build():
+            return self.compiler.compile_grammar(xgr.Grammar.deserialize_json(grammar))
+
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(build), self.timeout_s)
+        except TimeoutError:
+            raise GrammarError(f"response_format: the grammar did not compile within {self.timeout_s:g} s; "
+                               f"simplify the schema", "response_format") from None
+
+
+@lru_cache(maxsize=2)
+def _compiler(tok: Tokenizer):
+    import xgrammar as xgr
+
+    return xgr.GrammarCompiler(tokenizer_info(tok), max_threads=1)
+
+
+def needs_logits(params: SamplingParams) -> bool:
+    """Whether a request's rows carry a `LogitsRow`: a grammar, penalties, logit_bias or logprobs."""
+    return bool(params.grammar or params.penalised or params.logit_bias or params.logprobs is not None)
+
+
+class RequestLogits:
+    """One request's host-side logits state: its grammar's matcher and its output's token counts (penalties)."""
+
+    def __init__(self, params: SamplingParams, compiled=None):
+        import xgrammar as xgr
+
+        self.params = params
+        self.matcher = None if compiled is None else xgr.GrammarMatcher(compiled)
+        self.words = None if compiled is None else xgr.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1]
+        self.counts: Counter[int] = Counter()
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the next row needs the last token back first (grammar, penalties)."""
+        return self.matcher is not None or self.params.penalised
+
+    def accept(self, token: int) -> None:
+        """A token of the output, confirmed (in order)."""
+        if self.params.penalised:
+            self.counts[token] += 1
+        if self.matcher is not None and not self.matcher.is_terminated():
+            self.matcher.accept_token(token)
+
+    def row(self, row: int) -> LogitsRow:
+        """What row `row` of an iteration needs of its logits for this request's next token."""
+        import torch
+
+        p, mask = self.params, None
+        if self.matcher is not None:
+            mask = torch.empty(1, self.words, dtype=torch.int32)
+            self.matcher.fill_next_token_bitmask(mask, 0)
+            mask = mask[0]
+        bias = dict(p.logit_bias)
+        for token, n in self.counts.items() if p.penalised else ():
+            bias[token] = bias.get(token, 0.0) - p.presence_penalty - p.frequency_penalty * n
+        return LogitsRow(row, mask, list(bias), list(bias.values()), p.logprobs)

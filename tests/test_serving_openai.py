@@ -1,0 +1,311 @@
+"""The OpenAI API's agent-facing fields against the tiny model (float64, barely trained), with the real `openai`
+client: tool calls in K3's format (a round trip call -> tool result -> answer, streaming and not), tool_choice
+'required' and a named function enforced by the grammar, json_schema outputs that validate, logprobs equal to the
+log-softmax of the model's logits, n choices, logit_bias, max_completion_tokens, content parts; and, without Ray,
+the request shapes, the tool-call parser and the grammar's errors."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+
+from conftest import SMALL_BATCH, run_job
+from k3ray.config import load_config
+from k3ray.control.local_nodes import free_port
+from k3ray.serve import openai_schema as oa
+from k3ray.serve.app import start_serving, stop_serving
+from k3ray.serve.drills import reference_model
+from k3ray.serve.front_door import prompt_ids
+from k3ray.serve.grammar import GrammarError, Grammars, request_grammar
+from k3ray.serve.tool_calls import ToolCallParser, merge, parse, render_calls
+from k3ray.tokenizer import load_tokenizer
+
+SERVE = {"page_size": 8, "pages_per_rank": 200, "slots_per_rank": 8, "token_budget": 64, "max_waiting": 64,
+         "max_tokens": 300}
+WORD = {"type": "string", "pattern": "^[a-z]{1,8}$"}  # bounded: an untrained model's output ends
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
+                                            "parameters": {"type": "object", "required": ["city", "unit"],
+                                                           "properties": {"city": WORD, "unit": {
+                                                               "enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["zone"]}}}
+SCHEMAS = [
+    {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]},
+    {"type": "object", "properties": {"name": WORD, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": WORD, "minItems": 1, "maxItems": 3}},
+     "required": ["tags"]},
+    {"type": "object", "properties": {"p": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -5,
+                                                                                  "maximum": 5},
+                                                                            "y": {"type": "boolean"}},
+                                            "required": ["x", "y"]}}, "required": ["p"]},
+    {"type": "object", "properties": {"v": {"type": "null"}}, "required": ["v"]},
+    {"type": "object", "properties": {"k": {"const": "fixed"}}, "required": ["k"]},
+    {"type": "object", "properties": {"id": {"type": "string", "pattern": "^[0-9]{3}-[A-Z]{2}$"}}, "required": ["id"]},
+    {"type": "object", "properties": {"choice": {"anyOf": [{"type": "boolean"}, {"enum": ["yes", "no"]}]}},
+     "required": ["choice"]},
+    {"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"enum": [1, 2, 3]}}, "required": ["a", "b"]},
+    {"type": "object", "properties": {"grid": {"type": "array", "items": {"type": "array", "items": {
+        "type": "integer", "minimum": 0, "maximum": 1}, "minItems": 2, "maxItems": 2}, "minItems": 2, "maxItems": 2}},
+     "required": ["grid"]},
+    {"type": "object", "properties": {"level": {"type": "string", "enum": ["low", "mid", "high"]},
+                                      "score": {"type": "integer", "minimum": 1, "maximum": 10}},
+     "required": ["level", "score"]},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {"name": WORD, "admin": {
+        "type": "boolean"}}, "required": ["name", "admin"]}}, "required": ["user"]},
+    {"type": "object", "properties": {"flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 4}},
+     "required": ["flags"]},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[a-f0-9]{4}$"},
+                                      "n": {"type": "integer", "minimum": 100, "maximum": 999}},
+     "required": ["code", "n"]},
+    {"type": "object", "properties": {"x": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 3},
+                                                      {"type": "null"}]}}, "required": ["x"]},
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "object", "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["id"]}, "maxItems": 2}},
+     "required": ["items"]},
+    {"type": "object", "properties": {"lang": {"enum": ["py", "rs", "go"]}, "stars": {"type": "integer",
+                                                                                    "minimum": 0, "maximum": 5}},
+     "required": ["lang"]},
+    {"type": "object", "properties": {"when": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]$"}},
+     "required": ["when"]},
+]
+MESSAGES = [{"role": "system", "content": "use the tools"}, {"role": "user", "content": "weather in paris?"}]
+
+
+# -- without Ray ------------------------------------------------------------------------------------------------------
+def test_tool_call_parser_streams_what_it_parses_whole():
+    calls = [{"id": "functions.get_weather:0", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}},
+             {"id": "functions.get_time:1", "type": "function", "function": {"name": "get_time",
+                                                                              "arguments": '{"zone": 1}'}}]
+    text = "let me look <|" + render_calls(calls)
+    assert parse(text) == ("let me look <|", calls)
+    parser, content, deltas = ToolCallParser(), "", []
+    for ch in text:  # a character at a time: markers split anywhere
+        c, d = parser.push(ch)
+        content, deltas = content + c, deltas + d
+    c, d = parser.push("", final=True)
+    assert content + c == "let me look <|" and merge(deltas + d) == calls
+    assert parse("no calls <|tool") == ("no calls <|tool", [])
+
+
+def test_request_shapes_parts_tool_turns_and_errors():
+    tok = load_tokenizer("bytes")
+    body = {"model": "m", "user": "u1", "metadata": {"k": "v"}, "max_completion_tokens": 7, "tools": [WEATHER],
+            "messages": [*MESSAGES[:1], {"role": "user", "content": [{"type": "text", "text": "weather "},
+                                                                      {"type": "text", "text": "in paris?"}]},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "functions.get_weather:0", "type": "function",
+                              "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}]},
+                         {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]}
+    req = oa.ChatRequest.model_validate(body)
+    assert req.wanted_tokens == 7 and req.calls_tools
+    ids, stop = prompt_ids(tok, req, chat=True)
+    text = bytes(ids).decode()
+    assert text.startswith("### system\nuse the tools\n### tools\n[{\"type\": \"function\"")
+    assert ("### user\nweather in paris?\n### assistant\n<|tool_calls_section_begin|><|tool_call_begin|>"
+            "functions.get_weather:0<|tool_call_argument_begin|>{\"city\": \"paris\"}<|tool_call_end|>"
+            "<|tool_calls_section_end|>\n### tool\n## Return of functions.get_weather:0\nsunny\n"
+            "### assistant\n") in text
+    bad = [{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+           {"messages": [{"role": "tool", "content": "x"}]},
+           {"messages": MESSAGES, "tools": [WEATHER], "tool_choice": {"type": "function",
+                                                                     "function": {"name": "nope"}}},
+           {"messages": MESSAGES, "tool_choice": "required"},
+           {"messages": MESSAGES, "top_logprobs": 2}]
+    for extra in bad:
+        with pytest.raises(ValueError):
+            oa.ChatRequest.model_validate({"model": "m", **extra})
+
+
+def test_grammar_errors_name_the_field_and_slow_compiles_are_refused():
+    with pytest.raises(GrammarError) as err:
+        request_grammar({"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}, None, None, True)
+    assert err.value.param == "response_format.json_schema" and "wat" in str(err.value)
+    grammar = request_grammar({"type": "json_schema", "json_schema": {"schema": SCHEMAS[2]}}, None, None, True)
+    with pytest.raises(GrammarError, match="did not compile within"):
+        asyncio.run(Grammars(load_tokenizer("bytes"), 1e-9).compile(grammar))
+
+
+# -- against the served tiny model ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(ray_cluster, tmp_path_factory) -> str:
+    """The tiny model in float64 after one step, with a context of 1024 tokens: K3's tool-call markers alone take
+    ~150 byte tokens (the session's serving checkpoint has 128)."""
+    root = tmp_path_factory.mktemp("serve-openai") / "ckpt"
+    cfg = load_config("configs/tiny.yaml", {"train.eval_every": 0, "model.dtype": "float64", "parallel.pp": 1,
+                                            "parallel.ep": 1, "model.max_seq_len": 1024, "checkpoint.dir": str(root),
+                                            "checkpoint.every_n_steps": 1, **SMALL_BATCH})
+    run_job(cfg, 1)
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint):
+    serving = start_serving(checkpoint, pp=1, ep=1, port=free_port(), serve_overrides=SERVE)
+    try:
+        yield serving
+    finally:
+        stop_serving(serving)
+
+
+def api(server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                              http_client=httpx.AsyncClient(timeout=300))
+
+
+async def _chat(client, model, stream: bool, **kw):
+    """(content, tool_calls as dicts, finish) of one choice, streamed or not."""
+    if not stream:
+        r = await client.chat.completions.create(model=model, **kw)
+        m = r.choices[0].message
+        return m.content, [c.model_dump() for c in m.tool_calls or ()], r.choices[0].finish_reason
+    content, deltas, finish = "", [], None
+    async for chunk in await client.chat.completions.create(model=model, stream=True, **kw):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        deltas += [d.model_dump(exclude_none=True) for d in delta.tool_calls or ()]
+        finish = chunk.choices[0].finish_reason or finish
+    return content or (None if deltas else content), merge(deltas), finish
+
+
+def test_tool_call_round_trip_streaming_and_not(server):
+    model = server.info["model"]
+
+    async def go():
+        client = api(server)
+        got = {}
+        for stream in (False, True):
+            content, calls, finish = await _chat(client, model, stream, messages=MESSAGES, tools=[WEATHER, TIME],
+                                                 tool_choice="required", temperature=0, max_tokens=200)
+            assert finish == "tool_calls" and calls, (content, calls)
+            for call in calls:
+                tool = {"get_weather": WEATHER, "get_time": TIME}[call["function"]["name"]]
+                jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+                assert call["id"].startswith(f"functions.{call['function']['name']}:")
+            turn = [*MESSAGES, {"role": "assistant", "content": content, "tool_calls": calls},
+                    *({"role": "tool", "tool_call_id": c["id"], "content": "sunny, 21"} for c in calls)]
+            answer, _, why = await _chat(client, model, stream, messages=turn, tools=[WEATHER, TIME],
+                                         tool_choice="none", temperature=0, max_tokens=12)
+            assert why in ("stop", "length") and isinstance(answer, str)
+            got[stream] = (calls, answer)
+        assert got[False] == got[True]  # greedy: the stream carries what the whole response holds
+
+    asyncio.run(go())
+
+
+def test_required_and_named_tool_choice_always_give_a_call(server):
+    model = server.info["model"]
+    choices = ["required", {"type": "function", "function": {"name": "get_time"}}]
+
+    async def one(client, i):
+        choice = choices[i % 2]
+        _, calls, finish = await _chat(client, model, False, messages=MESSAGES, tools=[WEATHER, TIME],
+                                       tool_choice=choice, temperature=1.0, seed=i, max_tokens=300,
+                                       parallel_tool_calls=False)
+        assert finish == "tool_calls" and len(calls) == 1, calls
+        name = calls[0]["function"]["name"]
+        assert name == "get_time" if i % 2 else name in ("get_weather", "get_time")
+        tool = {"get_weather": WEATHER, "get_time": TIME}[name]
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), tool["function"]["parameters"])
+
+    async def go():
+        client = api(server)
+        await asyncio.gather(*(one(client, i) for i in range(8)))
+
+    asyncio.run(go())
+
+
+def test_json_schema_outputs_validate(server):
+    model = server.info["model"]
+
+    async def one(client, i, schema):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+        r = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": "json please"}],
+                                                 response_format=fmt, temperature=1.0, seed=i, max_tokens=160)
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+
+    async def go():
+        client = api(server)
+        await asyncio.gather(*(one(client, i, s) for i, s in enumerate(SCHEMAS)))
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(model=model, messages=MESSAGES, response_format={
+                "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "wat"}}})
+        assert err.value.body["param"] == "response_format.json_schema"
+
+    asyncio.run(go())
+
+
+def test_logprobs_are_the_log_softmax_of_the_model_logits(server, checkpoint):
+    model_name, tok = server.info["model"], load_tokenizer("bytes")
+
+    async def go():
+        client = api(server)
+        r = await client.completions.create(model=model_name, prompt="def f(", max_tokens=6, temperature=0,
+                                            logprobs=3)
+        s = [c async for c in await client.completions.create(model=model_name, prompt="def f(", max_tokens=6,
+                                                              temperature=0, logprobs=3, stream=True)]
+        c = await client.chat.completions.create(model=model_name, messages=MESSAGES[1:], max_tokens=4,
+                                                 temperature=0.7, seed=5, logprobs=True, top_logprobs=2)
+        g = await client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "def f("}],
+                                                 max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+        return r, s, c, g
+
+    whole, chunks, chat, greedy = asyncio.run(go())
+    lp = whole.choices[0].logprobs
+    streamed = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(lp.token_logprobs, abs=1e-9) and len(lp.tokens) == whole.usage.completion_tokens
+    # keyed by token text: byte tokens that are part of a character share "\ufffd"
+    assert all(1 <= len(top) <= 3 for top in lp.top_logprobs)
+    model = reference_model(checkpoint)
+    def chat_ids(messages):
+        return prompt_ids(tok, oa.ChatRequest.model_validate({"model": "m", "messages": messages}), True)[0]
+
+    for prompt, content in ((chat_ids([{"role": "user", "content": "def f("}]), greedy.choices[0].logprobs.content),
+                            (chat_ids(MESSAGES[1:]), chat.choices[0].logprobs.content)):
+        out = [e.bytes[0] for e in content]  # byte tokens: each token's one byte
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([prompt + out]))[0, len(prompt) - 1:-1].double(), -1)
+        for i, entry in enumerate(content):
+            assert abs(entry.logprob - logp[i, out[i]].item()) < 1e-9
+            top = logp[i].topk(len(entry.top_logprobs))
+            assert [t.bytes[0] for t in entry.top_logprobs] == top.indices.tolist()
+            assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-9)
+
+
+def test_n_choices_bias_limits_and_content_parts(server):
+    model = server.info["model"]
+
+    async def go():
+        client = api(server)
+        r = await client.chat.completions.create(model=model, messages=MESSAGES, n=4, temperature=1.0, seed=3,
+                                                 max_completion_tokens=5)
+        assert [c.index for c in r.choices] == [0, 1, 2, 3] and r.usage.completion_tokens <= 20
+        assert len({c.message.content for c in r.choices}) > 1  # each choice its own seed
+        finishes = {}
+        async for chunk in await client.completions.create(model=model, prompt="x", n=4, max_tokens=3,
+                                                           temperature=1.0, stream=True):
+            for c in chunk.choices:
+                finishes[c.index] = c.finish_reason or finishes.get(c.index)
+        assert sorted(finishes) == [0, 1, 2, 3] and all(finishes.values())
+        biased = await client.completions.create(model=model, prompt="x", max_tokens=6, temperature=0,
+                                                 logit_bias={str(ord("Q")): 100}, frequency_penalty=1.0,
+                                                 presence_penalty=0.5)
+        assert biased.choices[0].text == "QQQQQQ"
+        parts = [{"role": "user", "content": [{"type": "text", "text": "weather "}, {"type": "text",
+                                                                                     "text": "in paris?"}]}]
+        a = await client.chat.completions.create(model=model, messages=parts, max_tokens=6, temperature=0,
+                                                 user="u", metadata={"k": "v"})
+        b = await client.chat.completions.create(model=model, messages=MESSAGES[1:], max_tokens=6, temperature=0)
+        assert a.choices[0].message.content == b.choices[0].message.content
+
+    asyncio.run(go())
