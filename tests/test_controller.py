@@ -17,7 +17,7 @@ from k3ray.train.failures import RecoveryFailed
 from k3ray.io.checkpoint import part_name
 from k3ray.train.state import TRANSITIONS, IllegalTransition, JobState, StateMachine
 from k3ray.grid.standbys import Standbys
-from k3ray.grid.calls import TopologyError, WorkerLost
+from k3ray.grid.calls import ObjectsLost, TopologyError, WorkerLost
 from k3ray.io import checkpoint as ckpt
 from k3ray.policies import ladder, recovery
 
@@ -40,6 +40,7 @@ class Cluster:
         self.step_gate = None  # a threading.Event a step waits on (forced interleavings with API calls)
         self.warmed_after: list[tuple] = []  # the batches trained each time the object stores were warmed
         self.snapshot_steps: list[int] = []  # the boundaries snapshots were taken at
+        self.snapshots_lost = 0  # restores from a snapshot that find its parts lost with a node
         self.calls: list[tuple] = []
         self.groups: list[FakeGroup] = []
 
@@ -167,6 +168,9 @@ class FakeGroup:
         self._die("restore")
         assert set(sources) == set(range(self.pp))
         state = sources[0][0]  # a snapshot (the tuple) or a checkpoint part (written by save_checkpoint)
+        if isinstance(state, tuple) and self.cluster.snapshots_lost:
+            self.cluster.snapshots_lost -= 1
+            raise ObjectsLost("restore failed on 1 of 2 workers (rank 0: ObjectReconstructionFailedError: lost)")
         self.trained = tuple(state["trained"].tolist()) if isinstance(state, dict) else state
 
     def run_step(self, step: int, batch: int, timeout_s: float) -> list[dict]:

@@ -3,6 +3,8 @@ no snapshot; until the first one has arrived, a lost worker or a blow-up goes ba
 seed, or the checkpoint it resumed from) and replays from there, with the results of a run that never failed."""
 from __future__ import annotations
 
+import pytest
+
 from k3ray.grid.snapshots import StartPoint
 from test_controller import Cluster, clean_run, resume, run, states
 
@@ -27,6 +29,21 @@ def test_a_worker_lost_before_the_first_snapshot_replays_from_the_seed():
     assert ("regroup", [1], 1, [0], []) in cluster.calls  # in place, the survivor initialised from the seed
     assert cluster.groups[-1].trained == clean_run(6, **{"parallel.ep": 2}) == tuple(range(6))
     assert states(ctrl) == ["scheduling", "running", "recovering", "running"]
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_snapshot_lost_with_its_node_gives_way_to_the_start_point(in_place):
+    """The step-4 snapshot's parts were on the lost node and no neighbour had mapped a copy yet: the restore reads
+    the start point instead (rebuilt from the seed) and replays from step 0, with the results of an unfailed run,
+    whether the grid is rebuilt in place (a survivor per stage) or launched anew (a lost stage)."""
+    cluster = Cluster(capacity=4, lose={6: 1})
+    cluster.snapshots_lost = 1
+    grid = {"parallel.ep": 2} if in_place else {"parallel.pp": 2}
+    ctrl = run(cluster, 8, **grid, **{"fault_tolerance.grow_back": False})
+    (lost,) = [i for i in ctrl.incidents if i["kind"] == "worker_lost"]
+    assert lost["snapshot_lost"] == 4 and lost["replayed_steps"] == [0, 6], lost
+    assert ctrl.status()["snapshots"]["lost"] == [4]
+    assert cluster.groups[-1].trained == clean_run(8, **grid) == tuple(range(8))
 
 
 def test_a_lost_stage_before_the_first_snapshot_launches_the_grid_anew_from_the_seed():

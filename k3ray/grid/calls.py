@@ -7,7 +7,7 @@ import time
 from typing import Callable
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import ObjectLostError, RayActorError, RayError, RayTaskError
 
 
 def send(worker, generation: int, name: str, *args) -> ray.ObjectRef:
@@ -20,13 +20,24 @@ class WorkerError(RuntimeError):
     """A call failed inside workers that are alive (not a lost worker): the first failing rank's error, readable."""
 
 
-def cause_line(err: BaseException) -> str:
-    """The error raised inside an actor, as one line (Ray's wrapping taken off; a cause that could not be sent
-    back whole still carries its message in Ray's text)."""
+class ObjectsLost(WorkerError):
+    """A call failed inside live workers only because objects it read are gone (held on a node that was lost, say a
+    snapshot's part before a neighbour's copy was made): the caller can read another source instead."""
+
+
+def root_cause(err: BaseException) -> BaseException:
+    """The error raised inside an actor, Ray's wrapping taken off."""
     cause = err
     while isinstance(cause, RayTaskError) and getattr(cause, "cause", None) is not None \
             and cause.cause is not cause:
         cause = cause.cause
+    return cause
+
+
+def cause_line(err: BaseException) -> str:
+    """The error raised inside an actor, as one line (Ray's wrapping taken off; a cause that could not be sent
+    back whole still carries its message in Ray's text)."""
+    cause = root_cause(err)
     text = str(cause).strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     return f"{type(cause).__name__}: {lines[-1]}" if lines else type(cause).__name__
@@ -115,8 +126,9 @@ def gather(calls: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what
                                f"(hung collective or silent node?)", hung=True)
     if errors:
         rank, err = min((calls[i][0], e) for i, e in errors.items())
-        raise WorkerError(f"{what} failed on {len(errors)} of {len(calls)} workers (rank {rank}: "
-                          f"{cause_line(err)})") from None
+        lost_objects = all(isinstance(root_cause(e), ObjectLostError) for e in errors.values())
+        raise (ObjectsLost if lost_objects else WorkerError)(
+            f"{what} failed on {len(errors)} of {len(calls)} workers (rank {rank}: {cause_line(err)})") from None
     return [results[i] for i in range(len(calls))]
 
 def dead_ranks(workers: list, nodes: list[str], exclude: set[int] = frozenset(), timeout_s: float = 2.0) -> set[int]:

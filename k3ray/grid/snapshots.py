@@ -262,6 +262,7 @@ class Snapshots:
         self.read_wait_seconds: list[float] = []  # the optimizer held up by the part read live, per snapshot
         self.skipped: list[int] = []
         self.abandoned: list[int] = []  # snapshots given up: their workers alive but their bytes too slow to arrive
+        self.lost: list[int] = []  # committed snapshots that could not be read back (a part lost with its node)
         self.taken: list[int] = []  # the boundaries snapshots were started at
         self.worker_stage_seconds: list[float] = []  # per snapshot taken: the slowest worker's own staging time
         self.warnings: list[str] = []
@@ -282,7 +283,7 @@ class Snapshots:
                                            if self.worker_stage_seconds else None),
                 "read_wait_ms_median": 1e3 * statistics.median(waits) if waits else None,
                 "read_wait_ms_max": 1e3 * max(waits) if waits else None, "skipped": list(self.skipped),
-                "abandoned": list(self.abandoned), "one_at_a_time": self.one_at_a_time,
+                "abandoned": list(self.abandoned), "lost": list(self.lost), "one_at_a_time": self.one_at_a_time,
                 "store_warmed": self.warmed()}
 
     def warm_stores(self, group, step: int) -> None:
@@ -387,6 +388,14 @@ class Snapshots:
         self.arrival_steps.append(snap.polls + 1)
         if self.on_commit is not None:
             self.on_commit(snap)
+
+    def fall_back(self) -> StartPoint:
+        """The committed snapshot could not be read back (a part of it lost with its node before a neighbour's copy
+        was made): dropped; the base (the job's start or its newest durable checkpoint) is what to restore."""
+        log.warning("snapshot of step %d lost with a node: going back to step %d", self.committed.step, self.base.step)
+        self.lost.append(self.committed.step)
+        self.committed, self.peer_holds = self.base, []
+        return self.base
 
     def drop_pending(self) -> None:
         self.pending = None

@@ -14,7 +14,7 @@ import time
 import torch
 
 from k3ray.config import JobConfig
-from k3ray.grid.calls import TopologyError, WorkerLost
+from k3ray.grid.calls import ObjectsLost, TopologyError, WorkerLost
 from k3ray.grid.snapshots import Snapshots
 from k3ray.policies import guards, ladder, recovery
 from k3ray.train.checkpointing import DurableCheckpoints
@@ -193,6 +193,8 @@ class Recovery:
                     decision, incident, t_planned = self._launch_anew(old, lost, load, fields, snap)
             else:
                 decision, incident, t_planned = self._launch_anew(old, lost, load, fields, snap)
+            if self.snapshots.committed is not snap:  # its parts were lost with a node: the base was restored
+                incident.update(replayed_steps=[self.snapshots.committed.step, step], snapshot_lost=snap.step)
             t_restored = time.perf_counter()
             self.replay(step)
         except WorkerLost as again:
@@ -249,12 +251,20 @@ class Recovery:
     def _relaunch(self, ep: int, home: list[int], sources: dict, placement_timeout_s: float = 120.0) -> None:
         self.table.reset(ep, home)
         self.grid.group = self.grid.new_group(ep, home)
-        self.grid.group.launch(placement_timeout_s, restore=sources, wait_for_spares=False)
+        try:
+            self.grid.group.launch(placement_timeout_s, restore=sources, wait_for_spares=False)
+        except ObjectsLost:
+            self._restore_in_place(self.snapshots.fall_back().sources())
         self.grid.joined()
 
     def _regroup(self, lost: set[int], decision: recovery.LossDecision, sources: dict) -> None:
+        """The grid rebuilt in place and restored from `sources`; a snapshot whose parts were lost with a node (before
+        a neighbour's copy was made) gives way to the base, restored instead."""
         home = decision.home.tolist()
         self.table.reset(decision.ep, home)
-        self.grid.group.regroup(lost, decision.ep, home, list(decision.keep), set(decision.spare_for), sources,
-                                timeout_s=60.0)
+        try:
+            self.grid.group.regroup(lost, decision.ep, home, list(decision.keep), set(decision.spare_for), sources,
+                                    timeout_s=60.0)
+        except ObjectsLost:
+            self._restore_in_place(self.snapshots.fall_back().sources())
         self.grid.joined()
