@@ -5,7 +5,8 @@ two task submissions and thread hops per iteration (2-3 ms measured on an H200 m
 plans go out and the answers come back over shared-memory channels (under 1 ms). The graph is compiled on a grid's
 first iteration and belongs to that grid generation: a grid rebuilt around spares (a new generation) or launched
 anew gets a new one. Failures keep the one meaning they have everywhere: a worker lost or hung is WorkerLost (the
-graph, broken, is dropped with its grid), an error raised inside live workers is WorkerError.
+graph, broken, is dropped with its grid; its teardown goes on in the background, so nothing waits on a dead worker),
+an error raised inside live workers is WorkerError.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ MAX_IN_FLIGHT = 2  # iterations submitted before the first is collected (serve.o
 # submitted while the workers run the one before)
 TEARDOWN_S = 5.0  # how long a graph's teardown waits for a worker still inside a step (a lost peer's)
 DROP_WAIT_S = 1.0  # how long dropping a graph waits for its teardown, which goes on in the background
+TEARDOWN_THREAD = "k3ray-serving-graph-teardown"
 LEAVE_S = 5.0  # how long a lost grid's survivors are given to leave its process groups
 WATCH_S = 1.0  # how often a wait for an iteration's answers looks for dead workers
 
@@ -120,9 +122,6 @@ class ServingGraph:
         teardown = threading.Thread(target=_tear_down, args=(compiled,), name=TEARDOWN_THREAD, daemon=True)
         teardown.start()
         teardown.join(DROP_WAIT_S)
-
-
-TEARDOWN_THREAD = "k3ray-serving-graph-teardown"
 
 
 def _tear_down(compiled) -> None:
