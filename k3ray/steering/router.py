@@ -44,9 +44,13 @@ class Error(BaseModel):
     detail: str
 
 
-class AuthError(BaseModel):
+class ErrorBody(BaseModel):
+    """Every refusal's body (`error_body`): `detail` and the OpenAI error shape."""
     detail: str
     error: dict[str, Any]
+
+
+NOT_JSON = {415: {"model": ErrorBody, "description": "a body not declared application/json"}}
 
 
 class PolicyChange(BaseModel):
@@ -102,7 +106,7 @@ def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 4
     """The routes (module docstring) answering from `backend`; `status_model` documents GET /v1/status."""
     router = APIRouter()
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth), Depends(json_bodies)],
-                   responses={401: {"model": AuthError, "description": "missing or wrong token"}})
+                   responses={401: {"model": ErrorBody, "description": "missing or wrong token"}})
 
     async def health() -> JSONResponse:
         h = await backend.health()
@@ -142,7 +146,8 @@ def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 4
     for name, model in UPDATE_MODELS.items():
         v1.add_api_route(f"/policies/{name}", setter(name, model), methods=["PUT"], response_model=PolicyChange,
                          openapi_extra=_body_schema(model),
-                         responses={invalid_status: {"model": Error, "description": "a field is invalid (named)"}},
+                         responses={invalid_status: {"model": Error, "description": "a field is invalid (named)"},
+                                    **NOT_JSON},
                          summary=f"update the {name} policy (applied at the next step boundary)")
 
     @v1.put("/policies/{name}", include_in_schema=False)
@@ -150,7 +155,7 @@ def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 4
         raise Refused(404, f"unknown policy {name!r}; policies: {', '.join(POLICY_MODELS)}")
 
     @v1.post("/scale", status_code=202, openapi_extra=_body_schema(ScaleRequest),
-             responses={invalid_status: {"model": Error, "description": "ep is invalid"}})
+             responses={invalid_status: {"model": Error, "description": "ep is invalid"}, **NOT_JSON})
     async def scale(request: Request) -> dict[str, Any]:
         """Resize the grid to pp x ep (`k3ray scale --ep N`): 202 with the step it applies at where the change is
         queued (training: at the next step boundary, the global batch kept), 200 where it is done (serving)."""
