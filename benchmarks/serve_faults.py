@@ -17,11 +17,12 @@ every worker's standby is up (at most 120 s; column "standbys": those that took 
 --kills N: one engine, N kills instead of one per drill. In each round C requests start (two of them with long
 prompts, prefilled over several iterations) and the worker of world rank --kill is SIGKILLed from outside at a random
 moment, aimed in turn during the prefill, mid-iteration while every request decodes (a decode graph's replay on a
-GPU) and just as a token arrived (between iterations); the standbys are given --standby-wait seconds to be up again
-before each kill. Prints one row per kill: where it landed (prefill: a request had no token yet; after token: one
-arrived within 2 ms before; else mid-iteration) and the ms since the last token, the gap (the longest time no token
-reached any client), the recovery's own seconds and its next token, the requests that completed with their
-undisturbed tokens; then the median and the worst gap.
+GPU: a random offset) and between iterations (as a token arrives); the standbys are given --standby-wait seconds to
+be up again before each kill. Prints one row per kill: where it landed as the clients saw it (prefill: a request had
+no token yet, else decode) and the ms since the last token reached a client, the gap (the longest time no token
+reached any client), the recovery's own seconds and the loss to its next token, the requests that completed (no
+error), those that ended with an error, and those with exactly their undisturbed tokens (all in float64; in bf16 a
+re-prefilled row's rounding differs from the decode steps', so fewer); then the median and the worst gap.
 
 Without --checkpoint it first trains the tiny config for a few steps into a temporary directory (serve_load.py's).
 """
@@ -49,7 +50,7 @@ PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self"
            "# Licensed to the PSF\n\"\"\"Helpers for ", "    if not data:\n        return ", "x = ", "print(",
            "with open(path) as f:\n", "return "]
 LONG_PROMPT = "# The arguments, checked once here: every function below trusts them.\n" * 20  # 1,360 bytes
-AIMS = ["prefill", "mid-iteration", "after token"]
+AIMS = ["prefill", "mid-iteration", "between iterations"]
 PHASES = ["replan", "workers", "worker_process", "worker_imports", "worker_cuda", "process_groups", "restore",
           "cache_pools", "graph_capture", "first_graph", "to_next_token"]
 
@@ -156,6 +157,8 @@ def kill_rounds(checkpoint: str, args, serve: dict) -> list[dict]:
                 "since_token_ms": 1e3 * (t_kill - before[-1]) if before else float("nan"),
                 "gap": serving_gap(token_times, t_kill), "recovery": seconds.get("total", float("nan")),
                 "to_next_token": seconds.get("to_next_token", float("nan")),
+                "completed": sum(bool(g) and g[-1][1].get("finish") is not None for g in got),
+                "errors": sum(bool(g) and "error" in g[-1][1] for g in got),
                 "same": sum(tokens(g) == tokens(u) and "error" not in g[-1][1] for g, u in zip(got, undisturbed)),
                 "standbys_up": f"{st['standbys_up']}/{st['standbys']}",
                 "actions": ",".join(str(i.get("action", i["kind"])) for i in lost),
@@ -176,7 +179,7 @@ def aimed_kill(pid: int, aim: str, got: list, rng: random.Random) -> float:
             time.sleep(0.002)
         if aim == "mid-iteration":
             time.sleep(rng.uniform(0.0, 0.05))
-        else:  # as the next token arrives
+        else:  # as the next token arrives: an iteration's answers just came back
             seen = sum(len(g) for g in got)
             while sum(len(g) for g in got) == seen:
                 time.sleep(0.0005)
@@ -187,20 +190,17 @@ def aimed_kill(pid: int, aim: str, got: list, rng: random.Random) -> float:
 
 def landed(got: list, t_kill: float) -> str:
     """Where the kill landed, as the clients saw it."""
-    if any(not tokens([(at, item) for at, item in g if at <= t_kill]) for g in got):
-        return "prefill"
-    last = max(at for g in got for at, item in g if at <= t_kill and item.get("tokens"))
-    return "after token" if t_kill - last < 0.002 else "mid-iteration"
+    return "prefill" if any(not tokens([(at, item) for at, item in g if at <= t_kill]) for g in got) else "decode"
 
 
 def print_kill(k: int, r: dict, concurrency: int) -> None:
     if k == 0:
-        print(f"{'kill':>4} {'aimed at':>13} {'landed':>13} {'since token ms':>14} {'gap s':>6} {'recovery s':>10} "
-              f"{'next token s':>12} {'completed same':>14} {'standbys up':>11}  incidents: the recovery's phases (s)",
-              flush=True)
-    print(f"{k:>4} {r['aim']:>13} {r['landed']:>13} {r['since_token_ms']:>14.1f} {r['gap']:>6.2f} "
-          f"{r['recovery']:>10.2f} {r['to_next_token']:>12.2f} {r['same']:>7}/{concurrency:<6} "
-          f"{r['standbys_up']:>11}  {r['actions']}: {r['phases']}", flush=True)
+        print(f"{'kill':>4} {'aimed at':>18} {'landed':>7} {'since token ms':>14} {'gap s':>6} {'recovery s':>10} "
+              f"{'next token s':>12} {'completed':>9} {'errors':>6} {'same':>4} {'standbys up':>11}  incidents: the "
+              f"recovery's phases (s)", flush=True)
+    print(f"{k:>4} {r['aim']:>18} {r['landed']:>7} {r['since_token_ms']:>14.1f} {r['gap']:>6.2f} "
+          f"{r['recovery']:>10.2f} {r['to_next_token']:>12.2f} {r['completed']:>4}/{concurrency:<4} {r['errors']:>6} "
+          f"{r['same']:>4} {r['standbys_up']:>11}  {r['actions']}: {r['phases']}", flush=True)
 
 
 def main() -> None:
@@ -233,8 +233,10 @@ def main() -> None:
     if args.kills:
         rows = kill_rounds(checkpoint, args, serve)
         gaps = [r["gap"] for r in rows]
-        print(f"gap s: median {statistics.median(gaps):.2f}, worst {max(gaps):.2f}; completed with the undisturbed "
-              f"tokens: {sum(r['same'] for r in rows)}/{args.concurrency * len(rows)}", flush=True)
+        print(f"gap s: median {statistics.median(gaps):.2f}, worst {max(gaps):.2f}; streams completed "
+              f"{sum(r['completed'] for r in rows)}/{args.concurrency * len(rows)}, with an error "
+              f"{sum(r['errors'] for r in rows)}, with the undisturbed tokens {sum(r['same'] for r in rows)}",
+              flush=True)
         return
     rows = []
     print(f"{'drill':>5} {'requests same':>13} {'ep':>6} {'spares':>6} {'standbys':>8} {'gap s':>6} "
