@@ -130,8 +130,9 @@ class Echo:
 
 
 def test_a_graph_over_a_worker_that_no_longer_answers_is_dropped_within_a_second(ray_cluster):
-    """A worker killed on a GPU is reported dead only once its process is gone, seconds later; Ray's teardown of its
-    compiled graph waits up to 30 s for it (a stopped process stands in for it here): dropping the graph does not."""
+    """A killed worker is reported dead only once its process is gone (a process holding a GPU takes seconds); Ray's
+    teardown of its compiled graph waits up to 30 s for it (a stopped process stands in for it here): dropping the
+    graph does not."""
     from ray.dag import InputNode
 
     from k3ray.serve.dag import ServingGraph
