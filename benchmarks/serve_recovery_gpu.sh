@@ -6,8 +6,11 @@
 # tokens; the engine's start and the recovery in phases); `serve_load.py` with real prompt lengths (200-1,200 tokens,
 # max_tokens 32-256) at concurrency 1 / 16 / 64; `prefill_gpu.py` (no Ray) at concurrency 64 with
 # serve.iteration_target_ms=20 and the profiled mixed iteration; `serve_load.py` short prompts at concurrency 64.
+# Not by default: `kills` (serve_faults.py --kills: pp1 x ep1 at the defaults, the worker SIGKILLed KILLS times at
+# random moments, during a prefill, mid-iteration, just after a token; the gap per kill, median and worst).
 # Carry .carry/ray and .carry/kcache.
 #   bash benchmarks/serve_recovery_gpu.sh      (STAGES, and T_<STAGE> limits in s)
+#   STAGES="init kills" bash benchmarks/serve_recovery_gpu.sh
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/site /root/kcache
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site
@@ -29,6 +32,8 @@ for s in ${STAGES:-init start faults real prefill short}; do
     start) stage start "${T_START:-300}" python3 benchmarks/serve_start.py --checkpoint /root/w4 --runs 2 ;;
     faults) stage faults "${T_FAULTS:-170}" python3 benchmarks/serve_faults.py --checkpoint /root/w4 --pp 1 --ep 1 \
               --kill 0 --drills "${DRILLS:-1}" --concurrency 12 --max-tokens 256 --server-defaults ;;
+    kills) stage kills "${T_KILLS:-360}" python3 benchmarks/serve_faults.py --checkpoint /root/w4 --pp 1 --ep 1 \
+             --kill 0 --kills "${KILLS:-10}" --concurrency 12 --max-tokens 128 --server-defaults ;;
     real) stage real "${T_REAL:-170}" "${LOAD[@]}" --concurrency 1 16 64 --prompt-tokens 200:1200 --max-tokens 32:256 ;;
     prefill) stage prefill "${T_PREFILL:-90}" python3 benchmarks/prefill_gpu.py --config configs/gpu2.yaml \
                --set model.n_layers=4 --stages levels,mixed --concurrency 64 --set serve.iteration_target_ms=20 ;;

@@ -307,7 +307,10 @@ def test_policies_and_placement_of_a_serving_job_from_the_cli(server, monkeypatc
     info, url = server.info, server.url
     monkeypatch.setenv("K3RAY_API_KEY", API_KEY)
     with httpx.Client(base_url=url, timeout=60, headers=AUTH) as http:
-        assert http.put("/v1/policies/replication", content=b"[1]").status_code == 400
+        assert http.put("/v1/policies/replication", content=b"[1]",
+                        headers={"Content-Type": "application/json"}).status_code == 400
+        assert http.put("/v1/policies/moonep", content=b'{"enabled": false}',
+                        headers={"Content-Type": "text/plain"}).status_code == 415
         assert http.put("/v1/policies/nope", json={"enabled": True}).status_code == 404
     capsys.readouterr()
     assert main(["policy", "set", "replication", "spare_slots_per_rank=-1", "--serve", url]) == 2

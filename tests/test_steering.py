@@ -151,7 +151,7 @@ def test_a_bad_body_names_the_field_on_both_apps(apps):
         app = apps[name]
         r = app.put("/v1/policies/moonep", json={"slots_per_rank": 0}, headers=AUTH)
         assert r.status_code == status and r.json()["detail"].startswith("moonep.slots_per_rank: "), r.text
-        r = app.put("/v1/policies/replication", content=b"[1]", headers=AUTH)
+        r = app.put("/v1/policies/replication", content=b"[1]", headers={**AUTH, "Content-Type": "application/json"})
         assert r.status_code == status and r.json()["detail"].startswith("replication: "), r.text
         r = app.put("/v1/policies/moonep", json={}, headers=AUTH)
         assert r.status_code == status and r.json()["detail"] == "moonep: give at least one field to change"
@@ -167,7 +167,29 @@ def test_scale_is_queued_on_training_and_done_on_serving(apps):
     r = apps["serving"].post("/v1/scale", json={"ep": 1}, headers=AUTH)
     assert r.status_code == 200 and r.json() == {"ep": [2, 1], "action": "none"}
     r = apps["serving"].post("/v1/scale", json={"ep": 3}, headers=AUTH)
-    assert r.status_code == 409 and r.json() == {"detail": "ep=3 does not divide model.n_experts=16"}
+    assert r.status_code == 409 and r.json()["detail"] == "ep=3 does not divide model.n_experts=16"
+
+
+def test_write_routes_take_json_bodies_only_on_both_apps(apps):
+    """A body not declared JSON is refused before it is read (415, the OpenAI error shape beside `detail`), even one
+    that would parse as JSON; a route that needs no body takes none."""
+    writes = [("PUT", "/v1/policies/moonep"), ("PUT", "/v1/policies/nosuch"), ("POST", "/v1/scale")]
+    for name, app in apps.items():
+        for method, path in writes + [("POST", "/v1/checkpoints")] * (name == "training"):
+            for media in ("text/plain", "application/x-www-form-urlencoded", None):
+                headers = AUTH if media is None else {**AUTH, "Content-Type": media}
+                r = app.request(method, path, headers=headers, content=b'{"enabled": false, "ep": 1}')
+                assert r.status_code == 415, (name, method, path, media, r.text)
+                err = r.json()["error"]
+                assert err["code"] == "unsupported_media_type" and err["type"] == "invalid_request_error"
+                assert err["message"] == r.json()["detail"] and "application/json" in err["message"]
+        assert app.get("/v1/policies/moonep", headers=AUTH).json()["enabled"] is True  # nothing changed
+        r = app.put("/v1/policies/moonep", json={"enabled": False}, headers=AUTH)
+        assert r.status_code == 200, r.text
+        r = app.put("/v1/policies/moonep", content=b'{"enabled": true}',
+                    headers={**AUTH, "Content-Type": "application/json; charset=utf-8"})
+        assert r.status_code == 200, r.text
+    assert apps["training"].post("/v1/checkpoints", headers=AUTH).status_code == 202  # no body
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from k3ray.steering.auth import BearerAuth, new_token, write_private
 from k3ray.steering.protocol import Health, Refused
-from k3ray.steering.router import AuthError, steering_app
+from k3ray.steering.router import NOT_JSON, ErrorBody, json_bodies, steering_app
 from k3ray.train.callbacks import Callback
 
 log = logging.getLogger("k3ray.api")
@@ -106,8 +106,8 @@ def build_app(ctrl, token: str) -> FastAPI:
                        description="Live view and steering of one k3ray training job. Changes apply at the next step "
                                    "boundary and are audited.")
     app.add_api_route("/v1/checkpoints", steering.checkpoint, methods=["POST"], status_code=202,
-                      dependencies=[Depends(auth)], response_model=dict[str, Any],
-                      responses={401: {"model": AuthError, "description": "missing or wrong token"}})
+                      dependencies=[Depends(auth), Depends(json_bodies)], response_model=dict[str, Any],
+                      responses={401: {"model": ErrorBody, "description": "missing or wrong token"}, **NOT_JSON})
     return app
 
 

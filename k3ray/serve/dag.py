@@ -5,7 +5,8 @@ two task submissions and thread hops per iteration (2-3 ms measured on an H200 m
 plans go out and the answers come back over shared-memory channels (under 1 ms). The graph is compiled on a grid's
 first iteration and belongs to that grid generation: a grid rebuilt around spares (a new generation) or launched
 anew gets a new one. Failures keep the one meaning they have everywhere: a worker lost or hung is WorkerLost (the
-graph, broken, is dropped with its grid), an error raised inside live workers is WorkerError.
+graph, broken, is dropped with its grid; its teardown goes on in the background, so nothing waits on a dead worker),
+an error raised inside live workers is WorkerError.
 """
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from k3ray.grid.worker_group import WorkerGroup
 log = logging.getLogger("k3ray.serve")
 MAX_IN_FLIGHT = 2  # iterations submitted before the first is collected (serve.overlap: the next one is scheduled and
 # submitted while the workers run the one before)
-TEARDOWN_S = 5.0  # how long dropping a graph waits for a worker still inside a step (a lost peer's)
+TEARDOWN_S = 5.0  # how long a graph's teardown waits for a worker still inside a step (a lost peer's)
+DROP_WAIT_S = 1.0  # how long dropping a graph waits for its teardown, which goes on in the background
+TEARDOWN_THREAD = "k3ray-serving-graph-teardown"
 LEAVE_S = 5.0  # how long a lost grid's survivors are given to leave its process groups
 WATCH_S = 1.0  # how often a wait for an iteration's answers looks for dead workers
 
@@ -107,17 +110,33 @@ class ServingGraph:
         self.generation = group.generation
 
     def drop(self) -> None:
-        """Tear the graph down (its workers may be dead: Ray's complaints about those are expected)."""
+        """Tear the graph down in the background, waiting DROP_WAIT_S at most. Ray's teardown waits up to 30 s for
+        each worker to take the cancel of its loop and TEARDOWN_S for the loop to end, and a dead worker is reported
+        dead only once its process is gone (a process holding a GPU takes seconds to go): nothing waits for that. The
+        cancels are sent at once, so a live worker's loop ends soon, and a graph compiled on it meanwhile starts
+        once it has."""
         if self.compiled is None:
             return
         compiled, self.compiled = self.compiled, None
-        quiet = logging.getLogger("ray.dag.compiled_dag_node")
-        level = quiet.level
-        quiet.setLevel(logging.CRITICAL)
         DAGContext.get_current().teardown_timeout = TEARDOWN_S
-        try:
-            compiled.teardown()
-        except Exception:  # noqa: BLE001 - a graph over dead workers may not tear down cleanly: it is gone anyway
-            log.debug("tearing the serving graph down failed", exc_info=True)
-        finally:
-            quiet.setLevel(level)
+        teardown = threading.Thread(target=_tear_down, args=(compiled,), name=TEARDOWN_THREAD, daemon=True)
+        teardown.start()
+        teardown.join(DROP_WAIT_S)
+
+
+def _tear_down(compiled) -> None:
+    try:
+        compiled.teardown()
+    except Exception:  # noqa: BLE001 - a graph over dead workers may not tear down cleanly: it is gone anyway
+        log.debug("tearing the serving graph down failed", exc_info=True)
+
+
+class _QuietTeardown(logging.Filter):
+    """Ray's complaints while it tears a graph down, ours or one its monitor found broken (about dead workers:
+    expected), are left out."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.threadName not in (TEARDOWN_THREAD, "CompiledGraphMonitorThread")
+
+
+logging.getLogger("ray.dag.compiled_dag_node").addFilter(_QuietTeardown())

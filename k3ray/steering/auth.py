@@ -15,6 +15,8 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
+from k3ray.steering.protocol import error_body
+
 API_KEY_ENV = "K3RAY_API_KEY"
 _BEARER = HTTPBearer(auto_error=False, description="a training job's runs/<job>/api_token, or the key `k3ray serve` "
                                                    "was given")
@@ -26,15 +28,9 @@ class Unauthorized(HTTPException):
                               f"`k3ray serve` was given)", headers={"WWW-Authenticate": "Bearer"})
 
 
-def unauthorized_body(message: str) -> dict:
-    """The 401 body of both apps: FastAPI's `detail` and the OpenAI error shape."""
-    return {"detail": message,
-            "error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}}
-
-
 async def answer_unauthorized(request: Request, err: Unauthorized) -> JSONResponse:
     """The app's handler for `Unauthorized` (routers cannot hold handlers; `steering_app` installs it)."""
-    return JSONResponse(unauthorized_body(err.detail), status_code=401, headers=err.headers)
+    return JSONResponse(error_body(err.detail, 401, "invalid_api_key"), status_code=401, headers=err.headers)
 
 
 class BearerAuth:

@@ -2,7 +2,8 @@
 `Steering` (through an adapter beside their app), and `k3ray.steering.router` serves any implementation.
 
 Every method is a coroutine returning JSON-ready values; a request the job refuses raises `Refused` with the HTTP
-status and a one-line reason naming what is wrong (404 unknown policy, 4xx bad value, 409 a size the grid cannot take).
+status and a one-line reason naming what is wrong (404 unknown policy, 4xx bad value, 409 a size the grid cannot take,
+415 a body that is not JSON).
 """
 from __future__ import annotations
 
@@ -11,11 +12,17 @@ from typing import Any, Protocol
 
 
 class Refused(Exception):
-    """The job refused a request: answered as {"detail": message} with `status`."""
+    """The job refused a request: answered as `error_body(message, status, code)` with `status`."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str | None = None):
         super().__init__(message)
-        self.status, self.message = status, message
+        self.status, self.message, self.code = status, message, code
+
+
+def error_body(message: str, status: int, code: str | None = None) -> dict[str, Any]:
+    """The error body of both apps: FastAPI's `detail` (the control CLI reads it) and the OpenAI error shape."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"detail": message, "error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 @dataclass

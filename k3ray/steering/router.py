@@ -4,9 +4,11 @@ front door alike.
 Routes: GET /health and /healthz (the same answer, no token), and behind the token: GET /v1/status (alias /v1/stats),
 /v1/placement, /v1/policies[/NAME], PUT /v1/policies/NAME, GET /v1/audit, POST /v1/scale ({"ep": N}), GET
 /v1/incidents. Bodies are read and validated here, after the token is checked, so a client without it learns nothing,
-not even a 422: a policy change passes the policy's update model (every field optional, unknown fields, empty bodies
-and non-finite numbers rejected), and a bad body is answered `invalid_status` with "policy.field: why". Training
-answers 422 there (its OpenAPI spec says so); serving 400, as it answers every bad request.
+not even a 422. A write route (PUT, POST) takes a body declared JSON (Content-Type: application/json) or none, else
+415 (`json_bodies`), whatever the body would parse as. A policy change passes the policy's update model (every field
+optional, unknown fields, empty bodies and non-finite numbers rejected), and a bad body is answered `invalid_status`
+with "policy.field: why". Training answers 422 there (its OpenAPI spec says so); serving 400, as it answers every bad
+request. Every refusal's body carries FastAPI's `detail` and the OpenAI error shape (`error_body`).
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
 import math
@@ -18,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 
 from k3ray.config import PoliciesConfig
 from k3ray.steering.auth import BearerAuth, Unauthorized, answer_unauthorized
-from k3ray.steering.protocol import Refused, Steering
+from k3ray.steering.protocol import Refused, Steering, error_body
 
 POLICY_MODELS: dict[str, type[BaseModel]] = {name: f.annotation for name, f in PoliciesConfig.model_fields.items()}
 
@@ -42,9 +44,13 @@ class Error(BaseModel):
     detail: str
 
 
-class AuthError(BaseModel):
+class ErrorBody(BaseModel):
+    """Every refusal's body (`error_body`): `detail` and the OpenAI error shape."""
     detail: str
     error: dict[str, Any]
+
+
+NOT_JSON = {415: {"model": ErrorBody, "description": "a body not declared application/json"}}
 
 
 class PolicyChange(BaseModel):
@@ -69,6 +75,18 @@ def finite(obj: Any) -> Any:
     return obj
 
 
+def json_bodies(request: Request) -> None:
+    """The dependency of the write routes (after the token's): a body must be declared JSON; none is fine (a route
+    that needs one says so when it reads it)."""
+    if request.method not in ("PUT", "POST", "PATCH"):
+        return
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    has_body = request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
+    if media != "application/json" and (media or has_body):
+        raise Refused(415, f"{request.method} {request.url.path} takes a JSON body (Content-Type: application/json), "
+                           f"not {media or 'one without a Content-Type'}", code="unsupported_media_type")
+
+
 def _body_schema(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
@@ -87,8 +105,8 @@ def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 4
                     status_model: Any = dict[str, Any]) -> APIRouter:
     """The routes (module docstring) answering from `backend`; `status_model` documents GET /v1/status."""
     router = APIRouter()
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)],
-                   responses={401: {"model": AuthError, "description": "missing or wrong token"}})
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth), Depends(json_bodies)],
+                   responses={401: {"model": ErrorBody, "description": "missing or wrong token"}})
 
     async def health() -> JSONResponse:
         h = await backend.health()
@@ -128,7 +146,8 @@ def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 4
     for name, model in UPDATE_MODELS.items():
         v1.add_api_route(f"/policies/{name}", setter(name, model), methods=["PUT"], response_model=PolicyChange,
                          openapi_extra=_body_schema(model),
-                         responses={invalid_status: {"model": Error, "description": "a field is invalid (named)"}},
+                         responses={invalid_status: {"model": Error, "description": "a field is invalid (named)"},
+                                    **NOT_JSON},
                          summary=f"update the {name} policy (applied at the next step boundary)")
 
     @v1.put("/policies/{name}", include_in_schema=False)
@@ -136,7 +155,7 @@ def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 4
         raise Refused(404, f"unknown policy {name!r}; policies: {', '.join(POLICY_MODELS)}")
 
     @v1.post("/scale", status_code=202, openapi_extra=_body_schema(ScaleRequest),
-             responses={invalid_status: {"model": Error, "description": "ep is invalid"}})
+             responses={invalid_status: {"model": Error, "description": "ep is invalid"}, **NOT_JSON})
     async def scale(request: Request) -> dict[str, Any]:
         """Resize the grid to pp x ep (`k3ray scale --ep N`): 202 with the step it applies at where the change is
         queued (training: at the next step boundary, the global batch kept), 200 where it is done (serving)."""
@@ -157,7 +176,7 @@ def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 4
 
 
 async def _answer_refused(request: Request, err: Refused) -> JSONResponse:
-    return JSONResponse({"detail": err.message}, status_code=err.status)
+    return JSONResponse(error_body(err.message, err.status, err.code), status_code=err.status)
 
 
 def steering_app(backend: Steering, auth: BearerAuth, title: str, description: str = "", docs: bool = True,
