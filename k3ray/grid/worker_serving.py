@@ -20,8 +20,8 @@ class WorkerServing:
         self.seat = seat
         self.server = None  # the StageServer beside the engine (k3ray.parallel.serving), made by serve_init
 
-    def serve_init(self, pages: int, page_size: int, slots: int, graphs_budget_s: float = 0.0,
-                   traffic: list | None = None, checkpoints: int = 0) -> dict[str, float]:
+    def serve_init(self, pages: int, page_size: int, slots: int, checkpoints: int = 0, graphs_budget_s: float = 0.0,
+                   traffic: list | None = None) -> dict[str, float]:
         """Cache pools for serving beside the stage this worker holds (with `checkpoints` prefix-cache KDA state
         checkpoints), and the decode CUDA graphs that
         `graphs_budget_s` seconds capture (GPU): those of `traffic`'s decode shapes (a grid's so far, most used

@@ -123,5 +123,7 @@ class CacheAllocator:
         if caches:
             prefix = {k: sum(c[k] for c in caches) for k in caches[0]}
             prefix["hit_rate"] = prefix["hit_tokens"] / prefix["lookup_tokens"] if prefix["lookup_tokens"] else 0.0
+            sizes = self.ranks[0].prefix.sizes
+            prefix |= {"state_every": sizes.every, "state_bytes_per_token": sizes.state_bytes_per_token}
             out["prefix_cache"] = prefix
         return out

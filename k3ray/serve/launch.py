@@ -107,8 +107,8 @@ class GridLauncher:
                               checkpoints, timeout_s=self.timeout_s)
             self.cfg.serve = s = s.model_copy(update={"pages_per_rank": max(1, min(fits))})
             log.info("serving: %d KV pages of %d tokens per rank (free GPU memory)", min(fits), s.page_size)
-        captures = group.call("serve_init", s.pages_per_rank, s.page_size, s.slots_per_rank, s.graphs_at_start_s,
-                              traffic or None, checkpoints, timeout_s=self.timeout_s)
+        captures = group.call("serve_init", s.pages_per_rank, s.page_size, s.slots_per_rank, checkpoints,
+                              s.graphs_at_start_s, traffic or None, timeout_s=self.timeout_s)
         return {"cache_pools": time.perf_counter() - t0,
                 "graph_capture": max((c["seconds"] for c in captures), default=0.0),
                 "first_graph": max((c["first"] for c in captures), default=0.0)}
