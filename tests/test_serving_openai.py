@@ -334,8 +334,9 @@ def test_a_shared_system_prompt_reports_cached_tokens_and_changes_no_text(server
     first, second, streamed, completion = asyncio.run(go())
     assert second.choices[0].message.content == first.choices[0].message.content
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 160 <= cached < second.usage.prompt_tokens and cached % 16 == 0  # the system turn: 150+ bytes
-    assert streamed.prompt_tokens_details.cached_tokens >= 160
+    # the system turn's 167 bytes, as far as the default budget's 8 checkpoints (one per slot) of 16 tokens reach
+    assert cached == 128 < second.usage.prompt_tokens
+    assert streamed.prompt_tokens_details.cached_tokens == 128
     assert completion.prompt_tokens_details.cached_tokens == 0  # another rendering: no shared first block
     status = httpx.get(f"{server.url}/v1/status", timeout=30).json()
     prefix = status["prefix_cache"]
