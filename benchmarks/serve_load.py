@@ -12,6 +12,15 @@ Prompts: without --prompt-tokens, a few short code snippets; with it, request i'
 tokens (drawn uniformly, seeded by --seed and i) of Python's own standard library source read from disk, so every
 level and every run serves the same requests. --max-tokens is one number or a range drawn alike.
 
+Shared prefixes (the prefix cache, serve.prefix_cache, switched by --prefix-cache on|off): --system-tokens LO:HI puts
+one system prompt of that many tokens (drawn once, seeded) before every request's prompt; --turns LO:HI makes each
+request a chat of that many turns, each turn resending the conversation so far (prompts and replies) with a new
+user turn of --prompt-tokens. TTFT counts every turn; the table adds the prompt tokens served from the cache (usage's
+cached_tokens) and the engine's hit rate over the level.
+
+    python benchmarks/serve_load.py ... --system-tokens 1000:2000 --prompt-tokens 50:300 --prefix-cache on
+    python benchmarks/serve_load.py ... --turns 4:8 --prompt-tokens 50:300 --max-tokens 64:256 --prefix-cache off
+
 Without --checkpoint: with --config, the config's seeded weights (`k3ray init`) in a temporary directory; else it
 first trains the tiny config for a few steps there. On a GPU machine the GPU's busy share (nvidia-smi, sampled every
 0.2 s) is printed per level. Every streamed chunk counts once for ITL; "tokens per chunk" says how many tokens the
@@ -49,12 +58,28 @@ PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self"
            "# Licensed to the PSF\n\"\"\"Helpers for ", "    if not data:\n        return "]
 
 
-def workload(tokenizer, n: int, prompt_tokens: str | None, max_tokens: str, seed: int) -> list[tuple[str, int]]:
-    """n requests (prompt text, max_tokens), request i's drawn by Random((seed, i)): the same whatever n."""
+def workload(tokenizer, n: int, prompt_tokens: str | None, max_tokens: str, seed: int,
+             system_tokens: str | None = None, turns: str = "1") -> list[list[tuple[str, int]]]:
+    """n requests, each a chat of one or more turns (user text, max_tokens); request i's drawn by Random((seed, i)):
+    the same whatever n. With system_tokens, one system prompt (seeded by `seed` alone) starts every first turn."""
+    lo_t, hi_t = span(turns)
+    counts = [random.Random(f"{seed}/turns/{i}").randint(lo_t, hi_t) for i in range(n)]
     if prompt_tokens is None:
         lo_m, hi_m = span(max_tokens)
-        return [(PROMPTS[i % len(PROMPTS)], random.Random(f"{seed}/{i}").randint(lo_m, hi_m)) for i in range(n)]
-    return [(tokenizer.decode(ids), m) for ids, m in draws(tokenizer, n, prompt_tokens, max_tokens, seed)]
+        flat = [(PROMPTS[i % len(PROMPTS)], random.Random(f"{seed}/{i}").randint(lo_m, hi_m))
+                for i in range(sum(counts))]
+    else:
+        flat = [(tokenizer.decode(ids), m) for ids, m in draws(tokenizer, sum(counts), prompt_tokens, max_tokens, seed)]
+    system = ""
+    if system_tokens is not None:
+        ids, _ = draws(tokenizer, 1, system_tokens, "1", seed + 10**6)[0]
+        system = tokenizer.decode(ids)
+    chats, at = [], 0
+    for c in counts:
+        chat = flat[at:at + c]
+        chats.append([(system + chat[0][0], chat[0][1]), *chat[1:]])
+        at += c
+    return chats
 
 
 def train_checkpoint(root: str) -> None:
@@ -72,37 +97,48 @@ def pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
-async def clients(url: str, model: str, concurrency: int, requests: list[tuple[str, int]]) -> dict:
-    """`concurrency` clients in this process, sending `requests` (prompt, max_tokens) in order: their TTFTs, ITLs,
-    output and prompt tokens, chunks."""
+async def clients(url: str, model: str, concurrency: int, requests: list[list[tuple[str, int]]]) -> dict:
+    """`concurrency` clients in this process, sending `requests` (chats: turns of (user text, max_tokens), each
+    turn's prompt the conversation so far) in order: their TTFTs, ITLs, output, prompt and cached prompt tokens,
+    chunks."""
     api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-    ttft, itl, tokens, prompt_tokens, chunks = [], [], [0], [0], [0]
+    ttft, itl, tokens, prompt_tokens, cached, chunks = [], [], [0], [0], [0], [0]
     queue = list(reversed(requests))
+
+    async def turn(prompt: str, max_tokens: int) -> str:
+        t0 = time.perf_counter()
+        last, reply = None, ""
+        stream = await api.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens[0] += chunk.usage.completion_tokens
+                prompt_tokens[0] += chunk.usage.prompt_tokens
+                details = chunk.usage.prompt_tokens_details
+                cached[0] += details.cached_tokens if details is not None else 0
+            if not chunk.choices:
+                continue
+            chunks[0] += 1
+            reply += chunk.choices[0].text
+            now = time.perf_counter()  # one chunk per engine iteration that gave this request a token
+            if last is None:
+                ttft.append(now - t0)
+            else:
+                itl.append(now - last)
+            last = now
+        return reply
 
     async def client() -> None:
         while queue:
-            prompt, max_tokens = queue.pop()
-            t0 = time.perf_counter()
-            last = None
-            stream = await api.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True})
-            async for chunk in stream:
-                if chunk.usage is not None:
-                    tokens[0] += chunk.usage.completion_tokens
-                    prompt_tokens[0] += chunk.usage.prompt_tokens
-                if not chunk.choices:
-                    continue
-                chunks[0] += 1
-                now = time.perf_counter()  # one chunk per engine iteration that gave this request a token
-                if last is None:
-                    ttft.append(now - t0)
-                else:
-                    itl.append(now - last)
-                last = now
+            history = ""
+            for user, max_tokens in queue.pop():
+                prompt = history + user
+                history = prompt + await turn(prompt, max_tokens)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     await api.close()
-    return {"ttft": ttft, "itl": itl, "tokens": tokens[0], "prompt_tokens": prompt_tokens[0], "chunks": chunks[0]}
+    return {"ttft": ttft, "itl": itl, "tokens": tokens[0], "prompt_tokens": prompt_tokens[0], "cached": cached[0],
+            "chunks": chunks[0]}
 
 
 def client_process(job: tuple) -> dict:
@@ -115,7 +151,7 @@ def client_process(job: tuple) -> dict:
 
 
 def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model: str, concurrency: int,
-          requests: list[tuple[str, int]]) -> dict:
+          requests: list[list[tuple[str, int]]]) -> dict:
     """One concurrency level, its clients spread over the pool's processes (one process's openai client parses
     a few thousand SSE events per second: more would measure the client)."""
     procs = 1 if pool is None else min(procs, concurrency)
@@ -134,6 +170,9 @@ def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model:
     itl = [x for p in parts for x in p["itl"]]
     tokens, chunks = sum(p["tokens"] for p in parts), sum(p["chunks"] for p in parts)
     prompt_tokens = sum(p["prompt_tokens"] for p in parts)
+    cache0, cache = stats0.get("prefix_cache", {}), stats.get("prefix_cache", {})
+    looked = cache.get("lookup_tokens", 0) - cache0.get("lookup_tokens", 0)
+    hit_rate = (cache.get("hit_tokens", 0) - cache0.get("hit_tokens", 0)) / looked if looked else None
     run = sum(stats["tokens_per_rank"]) - sum(stats0["tokens_per_rank"])  # prompt and decode tokens the workers ran
     worker_s = stats["phase_seconds"]["worker"] - stats0["phase_seconds"]["worker"]
     return {"concurrency": concurrency, "requests": len(requests), "tokens": tokens, "seconds": wall,
@@ -142,7 +181,9 @@ def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model:
             "itl_p50": pct(itl, 50), "itl_p90": pct(itl, 90), "itl_p99": pct(itl, 99), "cpu": cpu, "wall": wall,
             "iterations": iterations, "phases": phases, "tokens_per_iteration": run / iterations,
             "prompt_tokens_per_s": prompt_tokens / wall, "worker_us_per_prompt_token": 1e6 * worker_s
-            / max(prompt_tokens, 1), "preemptions": stats.get("preemptions", 0) - stats0.get("preemptions", 0)}
+            / max(prompt_tokens, 1), "preemptions": stats.get("preemptions", 0) - stats0.get("preemptions", 0),
+            "cached_share": sum(p["cached"] for p in parts) / max(prompt_tokens, 1), "hit_rate": hit_rate,
+            "cached_bytes": cache.get("cached_bytes")}
 
 
 def process_cpu_seconds() -> dict[str, float]:
@@ -207,6 +248,9 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", help="LO:HI: prompts of that many tokens of Python's stdlib source (seeded); "
                                             "default: short code snippets")
     ap.add_argument("--seed", type=int, default=0, help="the prompt and max_tokens draws")
+    ap.add_argument("--system-tokens", help="LO:HI: one system prompt of that many tokens before every request")
+    ap.add_argument("--turns", default="1", help="N or LO:HI turns per request, each resending the conversation")
+    ap.add_argument("--prefix-cache", choices=["on", "off"], help="serve.prefix_cache (default: the config's, on)")
     ap.add_argument("--config", help="serve this config's seeded weights (no --checkpoint)")
     ap.add_argument("--set", action="append", default=[], help="config override, with --config")
     ap.add_argument("--token-budget", type=int, help="serve.token_budget (default: the server's, by device)")
@@ -239,6 +283,7 @@ def main() -> None:
     serve_cfg = {"max_waiting": top, "stream_interval": args.stream_interval,  # queue room for every client
                  **({} if args.token_budget is None else {"token_budget": args.token_budget}),
                  **({} if args.overlap is None else {"overlap": args.overlap == "on"}),
+                 **({} if args.prefix_cache is None else {"prefix_cache": args.prefix_cache == "on"}),
                  **({} if args.stepwise_prefill_max is None else {"stepwise_prefill_max": args.stepwise_prefill_max}),
                  **({} if args.graphs_at_start_s is None else {"graphs_at_start_s": args.graphs_at_start_s})}
     t_start = time.perf_counter()
@@ -260,37 +305,44 @@ def main() -> None:
             list(pool.map(time.sleep, [0.5] * args.client_procs))
         print(f"[serve_load] serving after {time.perf_counter() - t_start:.0f}s", flush=True)
 
-        def run_level(concurrency: int, requests: list[tuple[str, int]]) -> dict:
+        def run_level(concurrency: int, requests: list[list[tuple[str, int]]]) -> dict:
             t0 = time.perf_counter()
             row = level(pool, args.client_procs, serving.engine, url, info["model"], concurrency, requests)
             print(f"[serve_load] concurrency {concurrency}: {row['tokens_per_s']:,.0f} tok/s, "
                   f"{time.perf_counter() - t0:.1f}s", flush=True)
             return row
 
-        run_level(1, [(p, 4) for p, _ in workload(tokenizer, 2, args.prompt_tokens, "4", args.seed)])  # warm-up
+        run_level(1, [[(p, 4)] for p, _ in (c[0] for c in workload(tokenizer, 2, args.prompt_tokens, "4",
+                                                                   args.seed + 1))])  # warm-up, nothing shared
         print(f"[serve_load] first answers done {time.perf_counter() - t_start:.0f}s after the start", flush=True)
         rows = [run_level(c, workload(tokenizer, args.requests or max(4 * c, 16), args.prompt_tokens,
-                                      args.max_tokens, args.seed)) for c in args.concurrency]
+                                      args.max_tokens, args.seed, args.system_tokens, args.turns))
+                for c in args.concurrency]
     finally:
         if pool is not None:
             pool.shutdown()
         stop_serving(serving)
     print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, prompts "
-          f"{args.prompt_tokens or 'short'} tokens, max_tokens={args.max_tokens} (seed {args.seed}), greedy, "
+          f"{args.prompt_tokens or 'short'} tokens, system prompt {args.system_tokens or 'none'}, turns {args.turns}, "
+          f"max_tokens={args.max_tokens} (seed {args.seed}), prefix cache "
+          f"{'on' if sizes.get('prefix_cache') else 'off'}, greedy, "
           f"streaming, stream_interval={args.stream_interval}, {args.front_doors} front doors, clients in "
           f"{args.client_procs} processes, overlap {'on' if overlap else 'off'}, prompts of up to {stepwise} tokens "
           f"stepwise; server sizes: token_budget {sizes.get('token_budget')}, slots {sizes.get('slots_per_rank')}, "
           f"pages {sizes.get('pages_per_rank')} x {sizes.get('page_size')} tokens per rank")
     print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p90 / p99 (ms) | tokens per "
-          "iteration | prompt tokens/s | worker us per prompt token | preempted | tokens per chunk | GPU busy |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "iteration | prompt tokens/s | worker us per prompt token | preempted | tokens per chunk | GPU busy | "
+          "cached prompt share | hit rate | cache held MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         busy = "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0f} %"
         print(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:,.1f} | {r['ttft_p50']:.3f} / "
               f"{r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.2f} / {1e3 * r['itl_p90']:.2f} / {1e3 * r['itl_p99']:.2f} "
               f"| {r['tokens_per_iteration']:.1f} | {r['prompt_tokens_per_s']:,.0f} | "
-              f"{r['worker_us_per_prompt_token']:.1f} | {r['preemptions']} | {r['tokens_per_chunk']:.2f} | {busy} |",
-              flush=True)
+              f"{r['worker_us_per_prompt_token']:.1f} | {r['preemptions']} | {r['tokens_per_chunk']:.2f} | {busy} | "
+              f"{100 * r['cached_share']:.0f} % | "
+              + ("-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.0f} %") + " | "
+              + ("-" if r["cached_bytes"] is None else f"{r['cached_bytes'] / 1e6:,.1f}") + " |", flush=True)
     print("\nHost CPU per process kind: share of one core during the level (CPU seconds / wall seconds), and CPU ms "
           "per 1000 output tokens")
     names = sorted({k for r in rows for k, v in r["cpu"].items() if v > 0.05 * r["wall"]})

@@ -31,6 +31,7 @@ from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams, visible_ids
 from k3ray.parallel.reference import generate_reference
 from k3ray.parallel.serving import LocalExecutor, PoolSizes
+from k3ray.serve.prefix_cache import prefix_sizes
 
 PROMPTS = ["def ", "import os\n", "class A:\n    def f(self", "x = "]
 SERVE = {"page_size": 4, "pages_per_rank": 64, "slots_per_rank": 6, "token_budget": 16, "max_tokens": 32,
@@ -108,7 +109,10 @@ class FakeGrid:
 
 
 def sizes(cfg) -> PoolSizes:
-    return PoolSizes(cfg.serve.pages_per_rank, cfg.serve.page_size, cfg.serve.slots_per_rank)
+    """The workers' pools as a grid launches them (the prefix cache's checkpoints included)."""
+    prefix = prefix_sizes(cfg.serve.resolved("cpu"), cfg.model)
+    return PoolSizes(cfg.serve.pages_per_rank, cfg.serve.page_size, cfg.serve.slots_per_rank,
+                     0 if prefix is None else prefix.checkpoints)
 
 
 def params(i: int) -> SamplingParams:

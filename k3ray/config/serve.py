@@ -13,6 +13,9 @@ SERVE_DEFAULTS = {"cpu": {"token_budget": 128, "slots_per_rank": 16, "pages_per_
                   "gpu": {"token_budget": 8192, "slots_per_rank": 256, "pages_per_rank": None}}
 PROMPT_TOKENS_FLOOR = 256  # prompt tokens an iteration may always hold, however long its decode rows take
 DEFAULT_STEPWISE_PREFILL_MAX = 64
+# KDA's chunk: fla's on GPUs, the torch reference's on CPU (k3ray.kernels.kda.CHUNK); the prefix cache checkpoints
+# the states at multiples of it by default
+KDA_CHUNK = {"cpu": 16, "gpu": 64}
 
 
 class ServeConfig(Section):
@@ -60,6 +63,18 @@ class ServeConfig(Section):
     recovery_backoff_s: float = Field(1.0, ge=0, le=60, description="wait before the 2nd attempt, doubling after")
     grammar_compile_s: float = Field(10.0, gt=0, description="how long a request's grammar (response_format, a "
                                      "required tool call) may take to compile; longer, the request is refused (400)")
+    prefix_cache: bool = Field(True, description="share the caches of common prompt prefixes between requests: "
+                               "latent pages by block, KDA states checkpointed every prefix_state_every tokens; a "
+                               "request starts its prefill at the deepest boundary it shares with a cached prefix")
+    prefix_cache_bytes: int | None = Field(None, gt=0, description="bytes per data-parallel rank the prefix cache "
+                                           "may keep (all stages): KDA state checkpoints, each with the latent pages "
+                                           "of the prefix_state_every tokens before it; default as many "
+                                           "checkpoints as serve.slots_per_rank (the checkpoints are allocated "
+                                           "beside the state slots; cached pages live in the page pool and are "
+                                           "evicted, least recently used first, when requests need them)")
+    prefix_state_every: int | None = Field(None, gt=0, description="tokens between the prefix cache's KDA state "
+                                           "checkpoints, a multiple of serve.page_size; default KDA's chunk: 64 on "
+                                           "GPUs (fla's), 16 on CPU (the torch reference's), rounded up to whole pages")
     unavailable_wait_s: float = Field(30.0, ge=0, description="while no grid serves, how long a new request waits "
                                                               "(then 503) and a stream in flight (then an error), "
                                                               "for a stream counted from the recovery's last phase")
@@ -67,8 +82,14 @@ class ServeConfig(Section):
     def resolved(self, device: str = "cpu", ep: int = 1) -> "ServeConfig":
         """This config with its unset sizes filled for `device` ('cpu', 'cuda') and a grid of `ep` EP ranks. On a
         GPU pages_per_rank stays unset: the grid measures it when it starts (k3ray.serve.grid)."""
-        defaults = SERVE_DEFAULTS["cpu" if device == "cpu" else "gpu"]
+        kind = "cpu" if device == "cpu" else "gpu"
+        defaults = SERVE_DEFAULTS[kind]
         update = {k: v for k, v in defaults.items() if getattr(self, k) is None}
+        if self.prefix_state_every is None:
+            update["prefix_state_every"] = -(-KDA_CHUNK[kind] // self.page_size) * self.page_size
+        elif self.prefix_state_every % self.page_size:
+            raise ValueError(f"serve.prefix_state_every={self.prefix_state_every} is not a multiple of "
+                             f"serve.page_size={self.page_size}: checkpoints sit on page boundaries")
         if self.stepwise_prefill_max is None:
             update["stepwise_prefill_max"] = DEFAULT_STEPWISE_PREFILL_MAX if device != "cpu" and ep == 1 else 0
         return self.model_copy(update=update)

@@ -133,6 +133,9 @@ def serving(ds_uid: str = DATASOURCE_UID) -> dict:
               w=8),
         panel("Finished requests by reason (5m)", [
             (f"sum by (finish) (increase(ray_k3ray_serve_requests_total{{{SEL}}}[5m]))", "{{finish}}")], w=8),
+        panel("Prefix cache hit rate (prompt tokens)", [(q("k3ray_serve_prefix_cache_hit_ratio"), "hit rate")],
+              unit="percentunit"),
+        panel("Prefix cache held", [(q("k3ray_serve_prefix_cache_bytes"), "bytes")], unit="bytes"),
         panel("Iteration time p50 / p99", quantiles("k3ray_serve_iteration_seconds"), unit="s"),
         panel("Served expert load / mean", [
             (f"sum by (le) (increase(ray_k3ray_serve_expert_load_ratio_bucket{{{SEL}}}[$__rate_interval]))",

@@ -20,9 +20,10 @@ class WorkerServing:
         self.seat = seat
         self.server = None  # the StageServer beside the engine (k3ray.parallel.serving), made by serve_init
 
-    def serve_init(self, pages: int, page_size: int, slots: int, graphs_budget_s: float = 0.0,
+    def serve_init(self, pages: int, page_size: int, slots: int, checkpoints: int = 0, graphs_budget_s: float = 0.0,
                    traffic: list | None = None) -> dict[str, float]:
-        """Cache pools for serving beside the stage this worker holds, and the decode CUDA graphs that
+        """Cache pools for serving beside the stage this worker holds (with `checkpoints` prefix-cache KDA state
+        checkpoints), and the decode CUDA graphs that
         `graphs_budget_s` seconds capture (GPU): those of `traffic`'s decode shapes (a grid's so far, most used
         first; `DecodeGraphs.capture_ahead`), else the likeliest. Returns the captures' seconds and the first one's
         (a new process's kernels load in it)."""
@@ -30,7 +31,7 @@ class WorkerServing:
         from k3ray.parallel.serving import StageServer
 
         e = self.seat.engine
-        pools = new_pools(e.cfg.model, e.layers, pages, page_size, slots, e.device)
+        pools = new_pools(e.cfg.model, e.layers, pages, page_size, slots, e.device, checkpoints)
         rank = e.pp_rank * e.ep + e.ep_rank
         self.server = StageServer(e.stage, pools, e.device, rank - e.ep if e.pp_rank > 0 else None,
                                   rank + e.ep if e.pp_rank < e.pp - 1 else None, e.groups)
@@ -40,14 +41,14 @@ class WorkerServing:
             return {"seconds": graphs.capture_seconds, "first": graphs.first_capture_seconds}
         return {"seconds": 0.0, "first": 0.0}
 
-    def serve_pages_that_fit(self, page_size: int, slots: int, fraction: float) -> int:
+    def serve_pages_that_fit(self, page_size: int, slots: int, fraction: float, checkpoints: int = 0) -> int:
         """Latent pages of this worker's stage that `fraction` of its device's free memory holds beside `slots`
-        sequences' state (k3ray.model.cache.pages_that_fit)."""
+        sequences' state and `checkpoints` state checkpoints (k3ray.model.cache.pages_that_fit)."""
         from k3ray.model.cache import pages_that_fit
 
         e = self.seat.engine
         free, _ = torch.cuda.mem_get_info(e.device)
-        return pages_that_fit(e.cfg.model, e.layers, page_size, slots, fraction * free)
+        return pages_that_fit(e.cfg.model, e.layers, page_size, slots, fraction * free, checkpoints)
 
     def serve_step(self, plan):
         """This worker's part of a serving iteration: its rank's plan (k3ray.parallel.serving.RankPlan) in, a

@@ -6,6 +6,11 @@
 - KDA: the recurrent state S [H, K, V] of every sequence, one fixed slot per sequence (`state[layer]`:
   [slots + 1, H, K, V], fp32, float64 for float64 models); its size does not grow with the context. With KDA's short
   convolution (kernel W) each slot also keeps the last W-1 inputs of q, k, v (`conv[layer]`: [slots + 1, W-1, 3 H K]).
+- Prefix cache (k3ray.serve.prefix_cache): checkpoints of a sequence's KDA states (and convolution tails) at
+  boundaries of its prefix (`checkpoint_state[layer]`: [C, H, K, V], `checkpoint_conv[layer]`: [C, W-1, 3 H K]),
+  saved where the engine asks (`StateSave`: after a row's first `offset` new tokens) and copied into the slot of a
+  sequence admitted past a cached prefix (`SeqAdmit.checkpoint`); the latent pages of the prefix are shared through
+  the page tables.
 
 Everything an iteration needs beyond its new tokens lives on the device beside the pools, written once when a
 sequence is admitted (`CachePools.admit`): each slot's page table and sampling parameters. An iteration then names
@@ -18,6 +23,7 @@ length the iteration's attention reads (a bucket at least as long as its longest
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +41,15 @@ class SeqAdmit:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    checkpoint: int = -1  # the prefix cache's checkpoint its KDA states start from (-1: the empty state)
+
+
+@dataclass(frozen=True)
+class StateSave:
+    """Save row `row`'s KDA states (and convolution tails) after its first `offset` new tokens in `checkpoint`."""
+    row: int
+    offset: int
+    checkpoint: int
 
 
 @dataclass(frozen=True)
@@ -46,7 +61,8 @@ class SeqPages:
 
 
 class CachePools:
-    def __init__(self, cfg: ModelConfig, layers: range, pages: int, page_size: int, slots: int, device=None):
+    def __init__(self, cfg: ModelConfig, layers: range, pages: int, page_size: int, slots: int, device=None,
+                 checkpoints: int = 0):
         dtype = getattr(torch, cfg.dtype)
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         self.page_size, self.pages, self.slots = page_size, pages, slots
@@ -54,6 +70,8 @@ class CachePools:
         self.latent: dict[int, torch.Tensor] = {}  # MLA layer -> [pages + 1, P, r]
         self.state: dict[int, torch.Tensor] = {}  # KDA layer -> [slots + 1, H, K, V]
         self.conv: dict[int, torch.Tensor] = {}  # KDA layer with a short convolution -> [slots + 1, W-1, 3 H K]
+        self.checkpoint_state: dict[int, torch.Tensor] = {}  # KDA layer -> [C, H, K, V]
+        self.checkpoint_conv: dict[int, torch.Tensor] = {}  # KDA layer with a short convolution -> [C, W-1, 3 H K]
         self.load: dict[int, torch.Tensor] = {}  # MoE layer -> [E] int64 routes served since the last read
         for layer in layers:
             if cfg.layer_kind(layer) == "mla":
@@ -62,9 +80,13 @@ class CachePools:
             else:
                 h = cfg.kda_head_dim
                 self.state[layer] = torch.zeros(slots + 1, cfg.n_heads, h, h, dtype=state_dtype, device=device)
+                self.checkpoint_state[layer] = torch.zeros(checkpoints, cfg.n_heads, h, h, dtype=state_dtype,
+                                                           device=device)
                 if cfg.kda_conv_size:
                     self.conv[layer] = torch.zeros(slots + 1, cfg.kda_conv_size - 1, 3 * cfg.n_heads * h, dtype=dtype,
                                                    device=device)
+                    self.checkpoint_conv[layer] = torch.zeros(checkpoints, cfg.kda_conv_size - 1, 3 * cfg.n_heads * h,
+                                                              dtype=dtype, device=device)
             if cfg.is_moe_layer(layer):
                 self.load[layer] = torch.zeros(cfg.n_experts, dtype=torch.int64, device=device)
         # per slot: its page table (unused entries: the scratch page) and its sampling parameters
@@ -80,7 +102,8 @@ class CachePools:
         return self.slots
 
     def admit(self, seqs: list[SeqAdmit]) -> None:
-        """Write the page tables and sampling parameters of sequences new on this rank (one copy each table)."""
+        """Write the page tables and sampling parameters of sequences new on this rank (one copy each table); their
+        KDA states start empty, or from the checkpoint of their cached prefix."""
         if not seqs:
             return
         dev = self.page_table.device
@@ -91,9 +114,28 @@ class CachePools:
         self.page_table[slots] = table.to(dev)
         for state in (*self.state.values(), *self.conv.values()):  # a sequence starts from the empty state
             state[slots] = 0.0
+        restored = [(s.slot, s.checkpoint) for s in seqs if s.checkpoint >= 0]
+        if restored:
+            to, ckpt = torch.tensor(restored, dtype=torch.int64, device=dev).unbind(1)
+            for layer, state in self.state.items():
+                state[to] = self.checkpoint_state[layer][ckpt]
+            for layer, conv in self.conv.items():
+                conv[to] = self.checkpoint_conv[layer][ckpt]
         self.temperature[slots] = torch.tensor([s.temperature for s in seqs], dtype=torch.float32, device=dev)
         self.top_p[slots] = torch.tensor([s.top_p for s in seqs], dtype=torch.float32, device=dev)
         self.seed[slots] = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
+
+    def save(self, slots: list[int], checkpoints: list[int]) -> None:
+        """Checkpoint the KDA states (and convolution tails) of `slots` as they are now (one copy per layer)."""
+        if not slots:
+            return
+        dev = self.page_table.device
+        frm = torch.tensor(slots, dtype=torch.int64, device=dev)
+        to = torch.tensor(checkpoints, dtype=torch.int64, device=dev)
+        for layer, state in self.state.items():
+            self.checkpoint_state[layer][to] = state[frm]
+        for layer, conv in self.conv.items():
+            self.checkpoint_conv[layer][to] = conv[frm]
 
     def grow(self, seqs: list[SeqPages]) -> None:
         """Append pages to running sequences' page tables (one copy for all)."""
@@ -119,15 +161,20 @@ class CachePools:
         return min(1 << (pages - 1).bit_length(), self.max_pages) * self.page_size
 
 
-def pages_that_fit(cfg: ModelConfig, layers: range, page_size: int, slots: int, free_bytes: float) -> int:
+def pages_that_fit(cfg: ModelConfig, layers: range, page_size: int, slots: int, free_bytes: float,
+                   checkpoints: int = 0) -> int:
     """How many latent pages of this stage's layers fit in `free_bytes` beside the per-slot state (KDA state and
-    convolution, page tables) of `slots` sequences; at most every slot's full context (more pages serve nobody)."""
+    convolution, page tables) of `slots` sequences and `checkpoints` prefix-cache state checkpoints; at most every
+    slot's full context (more pages serve nobody)."""
     elem = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
     state_elem = 8 if elem == 8 else 4
     mla = [layer for layer in layers if cfg.layer_kind(layer) == "mla"]
     kda = len(layers) - len(mla)
     h = cfg.kda_head_dim
-    per_slot = kda * (cfg.n_heads * h * h * state_elem + max(cfg.kda_conv_size - 1, 0) * 3 * cfg.n_heads * h * elem)
+    per_checkpoint = kda * (cfg.n_heads * h * h * state_elem
+                            + max(cfg.kda_conv_size - 1, 0) * 3 * cfg.n_heads * h * elem)
+    free_bytes -= checkpoints * per_checkpoint
+    per_slot = per_checkpoint
     max_pages = -(-cfg.max_seq_len // page_size)
     per_slot += max_pages * 8  # its page table row
     per_page = len(mla) * page_size * (cfg.kv_rank + cfg.mla_rope_dim) * elem
@@ -137,8 +184,9 @@ def pages_that_fit(cfg: ModelConfig, layers: range, page_size: int, slots: int, 
     return int(max(0, min(cap, (free_bytes - (slots + 1) * per_slot) // per_page - 1)))
 
 
-def new_pools(cfg: ModelConfig, layers: range, pages: int, page_size: int, slots: int, device=None) -> CachePools:
-    return CachePools(cfg, layers, pages, page_size, slots, device)
+def new_pools(cfg: ModelConfig, layers: range, pages: int, page_size: int, slots: int, device=None,
+              checkpoints: int = 0) -> CachePools:
+    return CachePools(cfg, layers, pages, page_size, slots, device, checkpoints)
 
 
 @dataclass
@@ -156,6 +204,28 @@ class PromptRows:
     cu_seqlens_cpu: torch.Tensor  # [N + 1] every row's offsets in the packed tokens, on the host (fla's chunk indices)
 
 
+@dataclass
+class SavesInRows:
+    """Checkpoints of an iteration inside its rows (`StateSave`s, offset < the row's count), with every row's first
+    packed token, new tokens and slot (host ints)."""
+    saves: list[StateSave]
+    firsts: list[int]
+    counts: list[int]
+    slots: list[int]
+
+    def pieces(self) -> list[list[tuple[int, int, int]]]:
+        """Per row, its tokens cut at its saves: (start, end, checkpoint the state after it goes to, or -1)."""
+        cuts: dict[int, dict[int, int]] = {}
+        for s in self.saves:
+            cuts.setdefault(s.row, {})[s.offset] = s.checkpoint
+        out = []
+        for r, n in enumerate(self.counts):
+            at = sorted(cuts.get(r, {}))
+            bounds = [0, *at, n]
+            out.append([(a, b, cuts[r][b] if b in at else -1) for a, b in zip(bounds, bounds[1:])])
+        return out
+
+
 class IterationCache:
     """One iteration of N sequences on a stage: their new tokens packed into one row [1, T].
 
@@ -167,8 +237,8 @@ class IterationCache:
 
     def __init__(self, pools: CachePools, slots_N: torch.Tensor, starts_N: torch.Tensor, counts_N: torch.Tensor,
                  seq_of_token_T: torch.Tensor, valid_N: torch.Tensor, context: int, prompt: PromptRows | None = None,
-                 decode_rows: torch.Tensor | None = None):
-        self.pools, self.context, self.prompt = pools, context, prompt
+                 decode_rows: torch.Tensor | None = None, saves: SavesInRows | None = None):
+        self.pools, self.context, self.prompt, self.saves = pools, context, prompt, saves
         self.decode = prompt is None
         self.slots, self.starts, self.counts, self.valid = slots_N, starts_N, counts_N, valid_N
         self.seq_of_token = seq_of_token_T
@@ -202,9 +272,10 @@ class IterationCache:
 
     @classmethod
     def from_plan(cls, pools: CachePools, slots: list[int], starts: list[int], counts: list[int], device,
-                  context: int | None = None) -> "IterationCache":
+                  context: int | None = None, saves: list[StateSave] = ()) -> "IterationCache":
         """An eager iteration's cache from the plan's lists: every index computed on the host, then one
-        host-to-device copy (no host sync inside the forward)."""
+        host-to-device copy (no host sync inside the forward). saves: checkpoints inside prompt rows (those at a
+        row's end are the pools' `save` after the iteration)."""
         n = len(slots)
         counts_t = torch.tensor(counts, dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(n), counts_t)
@@ -228,8 +299,9 @@ class IterationCache:
         sn, seq_t, rows, kv_seq_d, kv_pos_d = out
         prompt = PromptRows([firsts[i] for i in pre], [counts[i] for i in pre], lens.tolist(), rows[len(dec):],
                             kv_seq_d, kv_pos_d, torch.tensor(firsts, dtype=torch.int64))
+        inside = SavesInRows(list(saves), firsts, counts, slots) if saves else None
         return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, torch.ones(n, dtype=torch.bool, device=device),
-                   context, prompt, rows[:len(dec)])
+                   context, prompt, rows[:len(dec)], inside)
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
         """Fold a block's output (the residual stream) into each token's max-abs (NaN propagates)."""
@@ -285,9 +357,36 @@ class IterationCache:
         if self.decode:  # [N, 1, ...]: one token per sequence, each state updated in its slot
             as_batch = [t.transpose(0, 1) for t in (q, k, v, g, beta)]
             return kda_decode_slots(*as_batch, pool, self.slots).transpose(0, 1)
+        if self.saves is not None:
+            return self._kda_in_pieces(q, k, v, g, beta, pool)
         o, s1 = kda_attention(q, k, v, g, beta, initial_state=pool[self.slots], output_final_state=True,
                               cu_seqlens=self.cu_seqlens, cu_seqlens_cpu=self.prompt.cu_seqlens_cpu)
         pool.index_copy_(0, self.slots, s1.to(pool.dtype))
+        return o
+
+    def _kda_in_pieces(self, q, k, v, g, beta, pool: torch.Tensor) -> torch.Tensor:
+        """`kda` with states saved inside rows: each row cut at its saves' offsets, round j running every row's j-th
+        piece (packed, one kernel call) from the state its piece j-1 left; a piece that ends at a save checkpoints
+        the state it leaves. Rounds: 1 + the most saves inside one row."""
+        saves, dev = self.saves, q.device
+        ckpt_pool = self.pools.checkpoint_state[self.layer]
+        state = pool[self.slots].clone()  # [N, H, K, V]
+        o = torch.empty_like(v)
+        pieces = saves.pieces()
+        for j in range(max(len(p) for p in pieces)):
+            rows = [r for r, p in enumerate(pieces) if len(p) > j]
+            spans = [(saves.firsts[r] + pieces[r][j][0], saves.firsts[r] + pieces[r][j][1]) for r in rows]
+            idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(dev)
+            cu = torch.tensor([0, *itertools.accumulate(b - a for a, b in spans)], dtype=torch.int64)
+            rows_d = torch.tensor(rows, dtype=torch.int64, device=dev)
+            o_j, s_j = kda_attention(*(t[:, idx] for t in (q, k, v, g, beta)), initial_state=state[rows_d],
+                                     output_final_state=True, cu_seqlens=cu.to(dev), cu_seqlens_cpu=cu)
+            o[:, idx] = o_j.to(o.dtype)
+            state[rows_d] = s_j.to(state.dtype)
+            for i, r in enumerate(rows):
+                if pieces[r][j][2] >= 0:
+                    ckpt_pool[pieces[r][j][2]] = s_j[i].to(ckpt_pool.dtype)
+        pool.index_copy_(0, self.slots, state)
         return o
 
     def short_conv(self, x_1TC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
@@ -297,6 +396,12 @@ class IterationCache:
         if not self.slots.numel():
             return x_1TC.new_zeros(x_1TC.shape)
         pool = self.pools.conv[self.layer]
+        if self.saves is not None:  # the tails at saves inside rows: the slot's last inputs, then the row's
+            W1 = pool.shape[1]
+            for save in self.saves.saves:
+                first = self.saves.firsts[save.row]
+                ext = torch.cat([pool[self.saves.slots[save.row]], x_1TC[0, first:first + save.offset].to(pool.dtype)])
+                self.pools.checkpoint_conv[self.layer][save.checkpoint] = ext[-W1:]
         if self.decode:
             y, s1 = short_conv(x_1TC.transpose(0, 1), weight_CW, pool[self.slots], output_final_state=True)
             y = y.transpose(0, 1)

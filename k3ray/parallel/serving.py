@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, SeqPages, new_pools
+from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, SeqPages, StateSave, new_pools
 from k3ray.model.decoder import K3Stage, boundary_shape
 from k3ray.model.sampling import LogitsRow, adjust_logits, sample_tokens, token_logprobs
 
@@ -55,6 +55,7 @@ class RankPlan:
     from_device: list[bool] = field(default_factory=list)
     greedy: bool = False  # every sequence decodes greedily: the last stage takes the argmax and draws no noise
     logits: list[LogitsRow] = field(default_factory=list)  # rows whose logits are adjusted or whose logprobs return
+    saves: list[StateSave] = field(default_factory=list)  # KDA state checkpoints for the prefix cache
 
 
 @dataclass
@@ -76,11 +77,12 @@ class StageOutput:
 
 @dataclass
 class PoolSizes:
-    """Cache pools of every worker: latent pages of page_size tokens, and KDA state slots (one per running
-    request of the rank)."""
+    """Cache pools of every worker: latent pages of page_size tokens, KDA state slots (one per running request of
+    the rank) and the prefix cache's KDA state checkpoints."""
     pages: int
     page_size: int
     slots: int
+    checkpoints: int = 0
 
 
 class StageServer:
@@ -111,14 +113,18 @@ class StageServer:
                 dist.recv(x, self.prev_rank, group=self.groups.world)
         graphed = self.graphs is not None and n and max(plan.counts) == 1 and not plan.logits
         replayed = self.graphs.run(plan, x) if graphed else None
+        at_end = [s for s in plan.saves if s.offset == plan.counts[s.row]]  # the slot's state once the step ran
         if replayed is not None:
             out, tokens, maxabs = replayed
         else:
-            cache = IterationCache.from_plan(self.pools, plan.slots, plan.starts, plan.counts, self.device)
+            inside = [s for s in plan.saves if s.offset < plan.counts[s.row]]
+            cache = IterationCache.from_plan(self.pools, plan.slots, plan.starts, plan.counts, self.device,
+                                             saves=inside)
             if self.stage.is_first:
                 x = self._input_ids(plan)[None]
             counters = torch.tensor(plan.counters, dtype=torch.int64, device=self.device)
             out, tokens, maxabs = self.forward(x, cache, counters, plan.greedy, plan.logits)
+        self.pools.save([plan.slots[s.row] for s in at_end], [s.checkpoint for s in at_end])
         if not self.stage.is_last:
             if T:
                 dist.send(out.contiguous(), self.next_rank, group=self.groups.world)
@@ -315,7 +321,8 @@ class LocalExecutor:
     """The whole model in this process (pp = 1, ep = 1, one data-parallel rank): the engine without Ray."""
 
     def __init__(self, model: K3Stage, sizes: PoolSizes, device="cpu", graphs: bool = True):
-        pools = new_pools(model.cfg, model.layers, sizes.pages, sizes.page_size, sizes.slots, device)
+        pools = new_pools(model.cfg, model.layers, sizes.pages, sizes.page_size, sizes.slots, device,
+                          sizes.checkpoints)
         self.server = StageServer(model, pools, device, graphs=graphs)
 
     def run(self, plans: dict[int, RankPlan]) -> dict[int, StageOutput]:

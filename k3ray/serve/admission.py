@@ -25,7 +25,8 @@ class Admission:
         """A request's items: {'accepted': id} or {'error': 'overloaded' | 'invalid', 'message'} or {'error':
         'unavailable', 'message', 'retry_after'} (no grid served within serve.unavailable_wait_s), then items
         {'text': new final text, 'tokens': the token ids it came from, 'finish': None | 'stop' | 'length'}, or
-        {'error': 'internal', ...}; with params.logprobs, items carry 'logprobs' too (one per token:
+        {'error': 'internal', ...}; the last item carries 'cached_tokens' (the prompt tokens taken from the prefix
+        cache: OpenAI's usage.prompt_tokens_details.cached_tokens); with params.logprobs, items carry 'logprobs' too (one per token:
         k3ray.model.sampling.token_logprobs's). 'invalid' errors may name the request field ('param'). The text
         never ends inside a character nor in what a stop string may still cut
         (the request's detokenizer holds that back)."""
@@ -64,6 +65,8 @@ class Admission:
                     item = {"text": text[sent_text:], "tokens": req.out[sent:upto], "finish": req.finish}
                     if params.logprobs is not None:
                         item["logprobs"] = req.logprobs[sent:upto]
+                    if done:
+                        item["cached_tokens"] = req.cached_prompt or 0
                     sent, sent_text = upto, len(text)
                     yield item
                 if done:

@@ -96,6 +96,8 @@ class Availability:
         incident["attempts"] = attempt
         incident.setdefault("seconds", {})["total"] = time.perf_counter() - t0  # the failed attempts included
         incident["requeued"] = len(self.sched.reset(self.grid.ep))
+        if self.sched.prefix is not None:
+            incident["prefix_cache"] = "cold: the new grid's caches start empty"
         self.gap_from = (incident, t0)
         self._go_up()
         log.warning("serving: %s on pp=%d x ep=%d in %.2fs, %d requests to prefill again",

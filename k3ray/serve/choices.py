@@ -48,6 +48,7 @@ class Choice:
         self.parser = ToolCallParser() if chat and tools else None
         self.text, self.ids, self.entries, self.calls = "", [], [], []
         self.finish: str | None = None
+        self.cached_tokens = 0  # prompt tokens its request took from the prefix cache (known once it ends)
         self.offset = 0  # text offset of the next chunk's first token (completions' logprobs)
 
     def take(self, text: str, ids: list[int], entries: list, finish: str | None) -> tuple[str, list[dict]]:

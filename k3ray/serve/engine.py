@@ -84,6 +84,7 @@ class Engine:
         from k3ray.serve.availability import Availability
         from k3ray.serve.iterations import IterationLoop
         from k3ray.serve.live import BoundaryLock, LivePlacement
+        from k3ray.serve.prefix_cache import prefix_sizes
         from k3ray.serve.scheduler import Scheduler
         from k3ray.serve.streams import RequestEvents, Subscribers
 
@@ -93,7 +94,7 @@ class Engine:
             cfg.serve = cfg.serve.resolved("cpu")
         sc = cfg.serve
         self.sched = Scheduler(sc, cfg.model.max_seq_len, grid.ep, cfg.policies.guards,
-                               load_tokenizer(cfg.data.tokenizer))
+                               load_tokenizer(cfg.data.tokenizer), prefix=prefix_sizes(sc, cfg.model))
         self.counts = ServingStats()
         self.incidents = IncidentLog(stamp=lambda: {"iteration": self.counts.iterations})
         self.events = RequestEvents()

@@ -121,22 +121,23 @@ class EngineStreams:
             queue.put_nowait({"error": "internal", "message": why})
 
     @staticmethod
-    async def next(queue: asyncio.Queue) -> tuple[str, list[int], list, str | None, str | None]:
-        """(text, token ids, their logprobs, finish, error) of every item waiting, at least one: a client that fell
-        behind gets what accumulated in one event. The text is final (the engine's detokenizer never ends it inside
-        a character)."""
+    async def next(queue: asyncio.Queue) -> tuple[str, list[int], list, str | None, int | None, str | None]:
+        """(text, token ids, their logprobs, finish, cached prompt tokens (the last item's), error) of every item
+        waiting, at least one: a client that fell behind gets what accumulated in one event. The text is final (the
+        engine's detokenizer never ends it inside a character)."""
         items = [await queue.get()]
         while not queue.empty():
             items.append(queue.get_nowait())
-        text, ids, logprobs, finish = "", [], [], None
+        text, ids, logprobs, finish, cached = "", [], [], None, None
         for item in items:
             if "error" in item:
-                return text, ids, logprobs, finish, item["message"]
+                return text, ids, logprobs, finish, cached, item["message"]
             text += item["text"]
             ids += item["tokens"]
             logprobs += item.get("logprobs", [])
             finish = item["finish"]
-        return text, ids, logprobs, finish, None
+            cached = item.get("cached_tokens", cached)
+        return text, ids, logprobs, finish, cached, None
 
 
 class FrontDoor:
@@ -245,8 +246,9 @@ class FrontDoor:
         async def one(key: int, queue: asyncio.Queue, choice: Choice) -> str | None:
             try:
                 while choice.finish is None:
-                    text, ids, logprobs, finish, error = await self.streams.next(queue)
+                    text, ids, logprobs, finish, cached, error = await self.streams.next(queue)
                     choice.take(text, ids, logprobs, finish)
+                    choice.cached_tokens = cached if cached is not None else choice.cached_tokens
                     if error is not None:
                         return error
             finally:  # the client went away (the handler is cancelled): stop generating, free the caches
@@ -256,7 +258,7 @@ class FrontDoor:
         errors = await asyncio.gather(*(one(key, queue, c) for (key, queue), c in zip(opened, choices)))
         if any(errors):
             return _error(500, next(e for e in errors if e), kind="server_error")
-        use = oa.usage(prompt_tokens, sum(len(c.ids) for c in choices))
+        use = oa.usage(prompt_tokens, sum(len(c.ids) for c in choices), max(c.cached_tokens for c in choices))
         build = oa.chat_completion if chat else oa.completion
         return JSONResponse(build(rid, self.model, [c.whole() for c in choices], use))
 
@@ -271,7 +273,8 @@ class FrontDoor:
         async def feed(key: int, queue: asyncio.Queue, choice: Choice) -> None:
             try:
                 while choice.finish is None:
-                    text, ids, logprobs, finish, error = await self.streams.next(queue)
+                    text, ids, logprobs, finish, cached, error = await self.streams.next(queue)
+                    choice.cached_tokens = cached if cached is not None else choice.cached_tokens
                     chunk = choice.chunk(rid, self.model, text, ids, logprobs, finish)
                     if chunk is not None:
                         chunks.put_nowait(chunk)
@@ -297,7 +300,8 @@ class FrontDoor:
                 else:
                     yield sse(chunk)
             if usage_prompt_tokens is not None:
-                use = oa.usage(usage_prompt_tokens, sum(len(c.ids) for c in choices))
+                use = oa.usage(usage_prompt_tokens, sum(len(c.ids) for c in choices),
+                               max(c.cached_tokens for c in choices))
                 yield sse(oa.usage_chunk(rid, self.model, chat, use))
             yield "data: [DONE]\n\n"
         finally:  # the client went away: every choice's request ends

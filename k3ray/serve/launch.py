@@ -97,14 +97,18 @@ class GridLauncher:
         else the likeliest. Returns the seconds it took: `cache_pools` in all, of which `graph_capture` the
         slowest worker's decode graph captures (within serve.graphs_at_start_s), of which `first_graph` the
         longest first capture (a new process's kernels load in it)."""
+        from k3ray.serve.prefix_cache import prefix_sizes
+
         t0, s = time.perf_counter(), self.cfg.serve
+        prefix = prefix_sizes(s, self.cfg.model)
+        checkpoints = 0 if prefix is None else prefix.checkpoints
         if s.pages_per_rank is None:
             fits = group.call("serve_pages_that_fit", s.page_size, s.slots_per_rank, s.gpu_memory_fraction,
-                              timeout_s=self.timeout_s)
+                              checkpoints, timeout_s=self.timeout_s)
             self.cfg.serve = s = s.model_copy(update={"pages_per_rank": max(1, min(fits))})
             log.info("serving: %d KV pages of %d tokens per rank (free GPU memory)", min(fits), s.page_size)
-        captures = group.call("serve_init", s.pages_per_rank, s.page_size, s.slots_per_rank, s.graphs_at_start_s,
-                              traffic or None, timeout_s=self.timeout_s)
+        captures = group.call("serve_init", s.pages_per_rank, s.page_size, s.slots_per_rank, checkpoints,
+                              s.graphs_at_start_s, traffic or None, timeout_s=self.timeout_s)
         return {"cache_pools": time.perf_counter() - t0,
                 "graph_capture": max((c["seconds"] for c in captures), default=0.0),
                 "first_graph": max((c["first"] for c in captures), default=0.0)}

@@ -140,6 +140,8 @@ class LivePlacement:
                     return {"error": f"scaling to ep={ep} failed ({type(err).__name__}: {err}); serving on ep="
                                      f"{self.grid.ep}", "status": 500}
             fields["requeued"] = len(self.sched.reset(self.grid.ep))
+            if self.sched.prefix is not None:
+                fields["prefix_cache"] = "cold: the new grid's caches start empty"
             fields["seconds"]["total"] = time.perf_counter() - t0
             self.incidents.record("scaled", **fields)
             log.warning("serving: scaled to pp=%d x ep=%d (%s) in %.2fs, %d requests to prefill again", self.grid.pp,

@@ -22,6 +22,10 @@ SERVE_SPECS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "k3ray_serve_requests": ("gauge", "requests by state", ("state",)),
     "k3ray_serve_kv_pages_used": ("gauge", "latent-KV pages held by requests, all ranks", ()),
     "k3ray_serve_kv_pages_total": ("gauge", "latent-KV pages, all ranks", ()),
+    "k3ray_serve_prefix_cache_hit_ratio": ("gauge", "prompt tokens taken from the prefix cache / prompt tokens, "
+                                           "since the grid started", ()),
+    "k3ray_serve_prefix_cache_bytes": ("gauge", "bytes the prefix cache holds (latent pages and KDA state "
+                                       "checkpoints), all ranks", ()),
     "k3ray_serve_tokens_per_second": ("gauge", "output tokens per second over the last iteration", ()),
     "k3ray_serve_output_tokens_total": ("counter", "tokens generated", ()),
     "k3ray_serve_requests_total": ("counter", "requests finished, by finish reason", ("finish",)),
@@ -78,6 +82,9 @@ class ServeMetrics:
         m["k3ray_serve_kv_pages_used"].set(u["pages_used"])
         m["k3ray_serve_kv_pages_total"].set(u["pages_total"])
         m["k3ray_serve_tokens_per_second"].set(tokens / seconds if seconds > 0 else 0.0)
+        if "prefix_cache" in u:
+            m["k3ray_serve_prefix_cache_hit_ratio"].set(u["prefix_cache"]["hit_rate"])
+            m["k3ray_serve_prefix_cache_bytes"].set(u["prefix_cache"]["cached_bytes"])
 
     def expert_load(self, per_worker: list[dict[int, list[int]]], home: list[int] | None = None,
                     copies: list[list[int]] | None = None) -> None:

@@ -5,6 +5,7 @@ in each iteration is the scheduler's decision (k3ray.serve.scheduler); this tabl
 from __future__ import annotations
 
 from k3ray.serve.cache_allocator import CacheAllocator
+from k3ray.serve.prefix_cache import Hit
 from k3ray.serve.scheduler_output import Request
 
 
@@ -23,10 +24,11 @@ class RequestTable:
         self.waiting.append(req)
         self.requests[req.id] = req
 
-    def seat(self, req: Request, rank: int, tokens: int) -> None:
-        """The head of the queue runs on `rank`: a slot and the pages of its first `tokens` positions."""
+    def seat(self, req: Request, rank: int, tokens: int, hit: Hit) -> None:
+        """The head of the queue runs on `rank`: a slot, its cached prefix `hit` and the pages of its next `tokens`
+        positions."""
         self.waiting.pop(0)
-        self.caches.admit(req, rank, tokens)
+        self.caches.admit(req, rank, tokens, hit)
         self.running[req.id] = req
 
     def on_rank(self, rank: int) -> list[Request]:
@@ -87,4 +89,4 @@ class RequestTable:
 
 def _forget_caches(req: Request) -> None:
     req.rank, req.pages, req.slot = -1, [], -1
-    req.cached = req.planned = req.unconfirmed = req.in_flight = 0
+    req.cached = req.planned = req.unconfirmed = req.in_flight = req.blocks_offered = 0

@@ -51,13 +51,14 @@ import time
 
 from k3ray.config import GuardPolicy, ServeConfig
 from k3ray.config.serve import PROMPT_TOKENS_FLOOR
-from k3ray.model.cache import SeqAdmit, SeqPages
+from k3ray.model.cache import SeqAdmit, SeqPages, StateSave
 from k3ray.model.sampling import SamplingParams, finish_reason
 from k3ray.parallel.serving import StageOutput
 from k3ray.policies import guards
 from k3ray.serve.cache_allocator import CacheAllocator
 from k3ray.serve.grammar import RequestLogits, needs_logits
 from k3ray.serve.pacing import IterationPacer, paced_chunk
+from k3ray.serve.prefix_cache import ROOT, Hit, PrefixSizes, block_key
 from k3ray.serve.request_table import RequestTable
 from k3ray.serve.scheduler_output import RankBatch, Request, SchedulerOutput
 from k3ray.tokenizer import ByteTokenizer, Tokenizer
@@ -72,17 +73,17 @@ class Overloaded(RuntimeError):
 class Scheduler:
     """serve: the serving config, its sizes resolved (`ServeConfig.resolved`); dp: data-parallel ranks (requests
     are spread over them); guards: a sequence that trips them fails alone; tokenizer: end-of-text, and the text stop
-    strings are met in."""
+    strings are met in; prefix: the prefix cache's sizes (k3ray.serve.prefix_cache.prefix_sizes; None: off)."""
 
     def __init__(self, serve: ServeConfig, max_seq_len: int, dp: int = 1, guards: GuardPolicy | None = None,
-                 tokenizer: Tokenizer | None = None, clock=time.monotonic):
+                 tokenizer: Tokenizer | None = None, clock=time.monotonic, prefix: PrefixSizes | None = None):
         unset = [k for k in ("pages_per_rank", "slots_per_rank", "token_budget") if getattr(serve, k) is None]
         if unset:
             raise ValueError(f"serve.{unset[0]} is unset: resolve the serving config for the device first")
-        self.serve, self.max_seq_len, self.dp, self.clock = serve, max_seq_len, dp, clock
+        self.serve, self.max_seq_len, self.dp, self.clock, self.prefix = serve, max_seq_len, dp, clock, prefix
         self.guards = guards or GuardPolicy()
         self.tokenizer = tokenizer or ByteTokenizer()
-        self.table = RequestTable(CacheAllocator(serve, dp))
+        self.table = RequestTable(CacheAllocator(serve, dp, prefix))
         target = serve.iteration_target_ms
         self.pacer = IterationPacer(None if target is None else target / 1e3, serve.token_budget, PROMPT_TOKENS_FLOOR)
         self._ids = itertools.count()
@@ -116,7 +117,7 @@ class Scheduler:
         generated so far; its output so far stands. Returns the requeued requests."""
         self.dp = dp
         self.rank_tokens = (self.rank_tokens + [0] * dp)[:dp]
-        return self.table.requeue_all(CacheAllocator(self.serve, dp))
+        return self.table.requeue_all(CacheAllocator(self.serve, dp, self.prefix))
 
     # -- iterations ----------------------------------------------------------------------------------------------
     @property
@@ -150,6 +151,8 @@ class Scheduler:
                 prompt_budget[req.rank] -= n
             out.total_tokens += n
             self.rank_tokens[req.rank] += n
+            if self.prefix is not None:
+                self._checkpoint(req, n, batch, from_device)
             req.planned += n
             req.in_flight += 1
             if req.planned == req.length + req.unconfirmed:  # the row reaches the end: it samples the next token
@@ -173,12 +176,13 @@ class Scheduler:
                 add(req, n)
         while table.waiting:
             req = table.waiting[0]
-            n, rank = self._admit_rank(req, budget, prompt_budget)
+            n, rank, hit = self._admit_rank(req, budget, prompt_budget)
             if rank is None:
                 break
-            table.seat(req, rank, n)
+            table.seat(req, rank, n, hit)
             p = req.params
-            out.ranks[rank].plan.admit.append(SeqAdmit(req.slot, list(req.pages), p.temperature, p.top_p, req.seed))
+            out.ranks[rank].plan.admit.append(SeqAdmit(req.slot, list(req.pages), p.temperature, p.top_p, req.seed,
+                                                        hit.checkpoint))
             add(req, n)
         for batch in out.ranks.values():
             batch.plan.greedy = all(r.params.temperature == 0 for r in batch.requests)
@@ -192,7 +196,7 @@ class Scheduler:
         pool, P = table.caches.ranks[req.rank], self.serve.page_size
 
         def short() -> int:
-            return table.caches.pages(req.planned + n) - len(req.pages) - len(pool.free_pages)
+            return table.caches.pages(req.planned + n) - len(req.pages) - pool.available_pages()
 
         while short() > pool.held_pages:
             newer = [r for r in table.on_rank(req.rank) if not r.done and r.id not in scheduled
@@ -203,7 +207,7 @@ class Scheduler:
             table.preempt(victim)
             out.preempted.append(victim.id)
         if short() > 0:
-            fit = (len(req.pages) + len(pool.free_pages)) * P - req.planned
+            fit = (len(req.pages) + pool.available_pages()) * P - req.planned
             if fit < 1 and req.to_run == 1 and not pool.held_pages:  # decoding, and no page will come back
                 table.preempt(req)
                 out.preempted.append(req.id)
@@ -228,20 +232,73 @@ class Scheduler:
                 and req.length + req.unconfirmed < self.max_seq_len
                 and not (req.unconfirmed and req.logits is not None and req.logits.stateful))
 
-    def _admit_rank(self, req: Request, budget: list[int], prompt_budget: list[int]) -> tuple[int, int | None]:
-        """(first chunk, rank) for a waiting request: the rank with the most free pages among those with a free slot,
-        budget left and pages for the chunk beside one in reserve per running request; (0, None) if none."""
-        best = None
+    def _admit_rank(self, req: Request, budget: list[int], prompt_budget: list[int]
+                    ) -> tuple[int, int | None, Hit]:
+        """(first chunk, rank, cached prefix) for a waiting request: among the ranks with a free slot, budget left
+        and pages for the chunk past the prefix they hold of it beside one in reserve per running request, the one
+        holding the longest prefix, then the one with the most pages available; (0, None, no hit) if none."""
+        best, best_key = (0, None, Hit()), None
         caches = self.table.caches
         for rank, pool in enumerate(caches.ranks):
-            n = 1 if self._stepwise(req) else min(req.length, budget[rank])  # a requeued request re-prefills its output
+            hit = self._lookup(req, pool.prefix)
+            left = req.length - hit.tokens  # a requeued request re-prefills its output
+            n = 1 if self._stepwise(req) else min(left, budget[rank])
             if n > 1:
                 n = paced_chunk(n, prompt_budget[rank])
             reserve = len(self.table.on_rank(rank))
-            if (n > 0 and pool.free_slots and len(pool.free_pages) >= caches.pages(n) + reserve
-                    and (best is None or len(pool.free_pages) > len(caches.ranks[best[1]].free_pages))):
-                best = (n, rank)
-        return best or (0, None)
+            available = pool.available_pages() - (pool.prefix.reusable(hit) if pool.prefix is not None else 0)
+            need = caches.pages(hit.tokens + n) - len(hit.pages)
+            key = (hit.tokens, available)
+            if n > 0 and pool.free_slots and available >= need + reserve and (best_key is None or key > best_key):
+                best, best_key = (n, rank, hit), key
+        return best
+
+    # -- the prefix cache ------------------------------------------------------------------------------------------
+    def _keys(self, req: Request, blocks: int) -> list[bytes]:
+        """`req`'s block keys, extended to its first `blocks` full blocks (their tokens known)."""
+        P, keys = self.serve.page_size, req.keys
+        for i in range(len(keys), blocks):
+            keys.append(block_key(keys[-1] if keys else ROOT, req.tokens(i * P, P)))
+        return keys
+
+    def _lookup(self, req: Request, cache) -> Hit:
+        """The prefix of `req` that `cache` (a rank's prefix cache; None: off) holds."""
+        if cache is None:
+            return Hit()
+        return cache.match(self._keys(req, (req.length - 1) // self.serve.page_size), req.ids)
+
+    def _checkpoint(self, req: Request, n: int, batch: RankBatch, from_device: bool) -> None:
+        """Checkpoint the KDA states at the boundaries (every prefix_state_every tokens) that `req`'s row of n
+        tokens from req.planned reaches, where the cache holds none there yet and a checkpoint is free."""
+        every, start, P = self.prefix.every, req.planned, self.serve.page_size
+        cache = self.table.caches.ranks[req.rank].prefix
+        for b in range((start // every + 1) * every, start + n + 1, every):
+            if not from_device and cache.has_checkpoint(self._keys(req, b // P)[b // P - 1]):
+                continue
+            ckpt = cache.new_checkpoint()
+            if ckpt < 0:
+                return
+            batch.plan.saves.append(StateSave(len(batch.plan.slots) - 1, b - start, ckpt))
+            batch.saves.append((len(batch.plan.slots) - 1, b, ckpt))
+
+    def _offer(self, req: Request, row: int, batch: RankBatch) -> None:
+        """After `req`'s row completed: its newly full pages and the checkpoints its row saved go to the cache."""
+        P, cache = self.serve.page_size, self.table.caches.ranks[req.rank].prefix
+        full = req.cached // P
+        keys = self._keys(req, full)
+        for i in range(req.blocks_offered, full):
+            cache.offer_page(keys[i], keys[i - 1] if i else ROOT, req.tokens(i * P, P), req.pages[i])
+        req.blocks_offered = max(req.blocks_offered, full)
+        for r, b, ckpt in batch.saves:
+            if r == row:
+                cache.offer_checkpoint(keys[b // P - 1], ckpt)
+
+    def _drop_saves(self, rank: int, row: int, batch: RankBatch) -> None:
+        """The checkpoints a void or failed row was to save are free again."""
+        cache = self.table.caches.ranks[rank].prefix
+        for r, _, ckpt in batch.saves:
+            if r == row:
+                cache.drop_checkpoint(ckpt)
 
     def complete(self, scheduled: SchedulerOutput, outputs: dict[int, StageOutput]) -> list[Request]:
         """Take an iteration's answers (rank -> StageOutput: next tokens [N] and max-abs [N], one per sequence of
@@ -258,10 +315,17 @@ class Scheduler:
             trips = guards.check_sequences(out.maxabs, self.guards)
             for row, (n, req, epoch) in enumerate(zip(plan.counts, batch.requests, batch.epochs)):
                 if epoch != req.epoch:  # preempted after this was scheduled: its caches return once none holds them
+                    if batch.saves:
+                        self._drop_saves(rank, row, batch)
                     self.table.caches.row_done(req.id, epoch)
                     continue
                 req.cached += n
                 req.in_flight -= 1
+                if self.prefix is not None:
+                    if row in trips:
+                        self._drop_saves(rank, row, batch)
+                    else:
+                        self._offer(req, row, batch)
                 if req.done:  # cancelled while in flight, or ended by the iteration before (its token dropped)
                     if req.in_flight == 0:
                         self.table.release(req)

@@ -35,6 +35,9 @@ class Request:
     text: str = ""  # the output text so far that is final (no half character, nothing a stop string may still cut)
     logits: RequestLogits | None = None  # grammar, penalties, logit_bias, logprobs: what its sampling rows carry
     logprobs: list = field(default_factory=list)  # per token of `out` (params.logprobs set): `token_logprobs`'s
+    keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks of `ids` known so far
+    blocks_offered: int = 0  # pages of this incarnation offered to the prefix cache (its hit's included)
+    cached_prompt: int | None = None  # prompt tokens its first admission took from the prefix cache
 
     @property
     def ids(self) -> list[int]:
@@ -68,6 +71,7 @@ class RankBatch:
     plan: RankPlan = field(default_factory=RankPlan)
     requests: list[Request] = field(default_factory=list)
     epochs: list[int] = field(default_factory=list)
+    saves: list[tuple[int, int, int]] = field(default_factory=list)  # (row, boundary, checkpoint) of plan.saves
 
 
 @dataclass

@@ -1,0 +1,207 @@
+"""The prefix cache of one data-parallel rank (Ray-free): latent pages of token blocks that requests computed, shared
+by the requests whose prompts start with the same blocks, and KDA state checkpoints at every `every`-th token, so
+that a request starts its prefill at the deepest boundary it shares with a cached prefix.
+
+- Blocks: the page_size tokens of one latent page. A block's key chains its parent's (the block before it), as vLLM's
+  block hashing does: key_i = blake2b(key_{i-1} + tokens_i). A block also keeps its tokens and its parent's key, and
+  a lookup compares both, so a hash collision is a miss, never another prefix's cache.
+- A cached block holds its page (written once, read by every request that shares it: a request writes only the
+  positions past its prefix, which start on a page boundary) and, where its last token ends a multiple of `every`
+  tokens, the checkpoint of every KDA layer's state (and short-convolution tail) after that token.
+- Requests hold references on the blocks of their prefix; a block nobody holds is evictable, least recently used
+  first (a lookup touches the deepest blocks first, so the shallow ones, shared most, go last). Evicting a block
+  frees its page and its checkpoint together. Evictable pages are taken back when a rank's free pages run out, and
+  kept at most to the byte budget (`PrefixSizes`).
+
+A request's hit is the deepest boundary b (a multiple of `every`, at most its length - 1: one token at least is
+computed, for its logits) where every block before b is cached and the block ending at b holds a checkpoint.
+Shapes: P page size, b a boundary in tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
+
+ROOT = b""  # the parent key of a prompt's first block
+DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def block_key(parent: bytes, tokens) -> bytes:
+    """The key of a block: its parent's key chained with its token ids."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class PrefixSizes:
+    """every: tokens between KDA state checkpoints (a multiple of the page size); checkpoints: the checkpoint pool of
+    a rank (on every worker of the rank, beside its KDA slots); kept_pages: evictable pages kept at most (the pages
+    of `checkpoints` intervals); page_bytes / checkpoint_bytes: the whole model's (every stage's layers)."""
+    every: int
+    checkpoints: int
+    kept_pages: int
+    page_bytes: int
+    checkpoint_bytes: int
+
+    @property
+    def state_bytes_per_token(self) -> float:
+        """Bytes of state checkpoint per cached token (one checkpoint every `every` tokens)."""
+        return self.checkpoint_bytes / self.every
+
+
+def prefix_sizes(serve, model) -> PrefixSizes | None:
+    """The prefix cache's sizes from serve.* (resolved) and the model config; None with serve.prefix_cache off.
+    serve.prefix_cache_bytes (default: one checkpoint per state slot) buys checkpoints, each with the pages of the
+    interval before it."""
+    if not serve.prefix_cache:
+        return None
+    elem = DTYPE_BYTES[model.dtype]
+    state_elem = 8 if elem == 8 else 4
+    kda = sum(model.layer_kind(i) == "kda" for i in range(model.n_layers))
+    mla = model.n_layers - kda
+    h, H = model.kda_head_dim, model.n_heads
+    checkpoint = kda * (H * h * h * state_elem + max(model.kda_conv_size - 1, 0) * 3 * H * h * elem)
+    page = mla * serve.page_size * (model.kv_rank + model.mla_rope_dim) * elem
+    pages_per_interval = serve.prefix_state_every // serve.page_size
+    interval = checkpoint + pages_per_interval * page
+    budget = serve.prefix_cache_bytes if serve.prefix_cache_bytes is not None else serve.slots_per_rank * interval
+    n = max(1, budget // max(1, interval))
+    return PrefixSizes(serve.prefix_state_every, n, n * pages_per_interval, page, checkpoint)
+
+
+@dataclass
+class Block:
+    key: bytes
+    parent: bytes
+    tokens: tuple
+    page: int
+    refs: int = 0  # requests holding it
+    checkpoint: int = -1  # the KDA state checkpoint after its last token (-1: none)
+
+
+@dataclass
+class Hit:
+    """What a request reuses: its first `tokens` positions (a boundary), the pages holding them, the checkpoint of
+    the state after them; `keys`: those pages' blocks."""
+    tokens: int = 0
+    pages: tuple = ()
+    checkpoint: int = -1
+    keys: tuple = ()
+
+
+class PrefixCache:
+    """One rank's cached blocks. page_size: P; sizes: as `prefix_sizes`; free_pages: the rank's free list, which
+    evicted blocks' pages join."""
+
+    def __init__(self, sizes: PrefixSizes, page_size: int, free_pages: list[int]):
+        self.sizes, self.page_size, self.free_pages = sizes, page_size, free_pages
+        self.blocks: dict[bytes, Block] = {}
+        self.by_page: dict[int, Block] = {}
+        self.evictable: OrderedDict[bytes, Block] = OrderedDict()  # blocks nobody holds, least recently used first
+        self.free_checkpoints = list(range(sizes.checkpoints))
+        self.lookup_tokens = 0  # prompt tokens of admitted requests
+        self.hit_tokens = 0  # of which taken from the cache
+
+    # -- lookups ---------------------------------------------------------------------------------------------------
+    def match(self, keys: list[bytes], ids: list[int]) -> Hit:
+        """The deepest hit for a sequence of token ids whose full blocks' keys are `keys` (no reference taken)."""
+        P, every = self.page_size, self.sizes.every
+        limit = (len(ids) - 1) // P  # blocks that may be reused: one token at least is left to compute
+        parent, best = ROOT, Hit()
+        for i in range(min(limit, len(keys))):
+            block = self.blocks.get(keys[i])
+            if block is None or block.parent != parent or block.tokens != tuple(ids[i * P:(i + 1) * P]):
+                break
+            parent = block.key
+            if block.checkpoint >= 0 and ((i + 1) * P) % every == 0:
+                best = Hit((i + 1) * P, (), block.checkpoint, tuple(keys[:i + 1]))
+        return Hit(best.tokens, tuple(self.blocks[k].page for k in best.keys), best.checkpoint, best.keys)
+
+    def reusable(self, hit: Hit) -> int:
+        """How many of a hit's pages are evictable now (taking the hit makes them unavailable to others)."""
+        return sum(k in self.evictable for k in hit.keys)
+
+    def take(self, hit: Hit, prompt_tokens: int) -> None:
+        """A request admitted with `hit` (of a prompt of `prompt_tokens`): it holds the hit's blocks."""
+        for key in hit.keys:
+            block = self.blocks[key]
+            block.refs += 1
+            self.evictable.pop(key, None)
+        self.lookup_tokens += prompt_tokens
+        self.hit_tokens += min(hit.tokens, prompt_tokens)
+
+    # -- what requests computed --------------------------------------------------------------------------------------
+    def offer_page(self, key: bytes, parent: bytes, tokens, page: int) -> bool:
+        """A request's full page of block `key`, computed: cached (the request then holds it) unless the block is
+        cached already (the page stays the request's own). Whether it was taken."""
+        if key in self.blocks:
+            return False
+        block = Block(key, parent, tuple(tokens), page, refs=1)
+        self.blocks[key] = block
+        self.by_page[page] = block
+        return True
+
+    def new_checkpoint(self) -> int:
+        """A free checkpoint id, evicting the least recently used evictable block with a checkpoint where none is
+        free (its page is freed with it); -1 where every checkpoint is held (the boundary is not checkpointed)."""
+        if not self.free_checkpoints:
+            victim = next((b for b in self.evictable.values() if b.checkpoint >= 0), None)
+            if victim is None:
+                return -1
+            self._evict(victim)
+        return self.free_checkpoints.pop()
+
+    def offer_checkpoint(self, key: bytes, checkpoint: int) -> None:
+        """The state after block `key` was saved in `checkpoint`: the block keeps it, unless it is not cached or has
+        one already (then the checkpoint is free again)."""
+        block = self.blocks.get(key)
+        if block is None or block.checkpoint >= 0:
+            self.free_checkpoints.append(checkpoint)
+        else:
+            block.checkpoint = checkpoint
+
+    def has_checkpoint(self, key: bytes) -> bool:
+        block = self.blocks.get(key)
+        return block is not None and block.checkpoint >= 0
+
+    def drop_checkpoint(self, checkpoint: int) -> None:
+        """A checkpoint that was never saved (its iteration void or failed)."""
+        self.free_checkpoints.append(checkpoint)
+
+    # -- pages coming back -------------------------------------------------------------------------------------------
+    def release(self, pages: list[int]) -> None:
+        """A request lets go of its pages: cached ones lose its reference (evictable once nobody holds them, the
+        deepest first, so they are evicted first), the others are freed; evictable pages past the budget too."""
+        for page in reversed(pages):
+            block = self.by_page.get(page)
+            if block is None:
+                self.free_pages.append(page)
+                continue
+            block.refs -= 1
+            if block.refs == 0:
+                self.evictable[block.key] = block
+        while len(self.evictable) > self.sizes.kept_pages:
+            self.evict_one()
+
+    def evict_one(self) -> bool:
+        """Free the least recently used evictable block's page and checkpoint; False if none is evictable."""
+        if not self.evictable:
+            return False
+        self._evict(next(iter(self.evictable.values())))
+        return True
+
+    def _evict(self, block: Block) -> None:
+        del self.blocks[block.key]
+        del self.by_page[block.page]
+        self.evictable.pop(block.key, None)
+        self.free_pages.append(block.page)
+        if block.checkpoint >= 0:
+            self.free_checkpoints.append(block.checkpoint)
+
+    # -- what it holds -----------------------------------------------------------------------------------------------
+    def usage(self) -> dict:
+        held = self.sizes.checkpoints - len(self.free_checkpoints)
+        return {"cached_pages": len(self.blocks), "checkpoints": held,
+                "cached_bytes": len(self.blocks) * self.sizes.page_bytes + held * self.sizes.checkpoint_bytes,
+                "lookup_tokens": self.lookup_tokens, "hit_tokens": self.hit_tokens}
