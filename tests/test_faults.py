@@ -271,14 +271,16 @@ def test_a_store_too_small_for_one_snapshot_and_kills_in_its_phases_leave_the_ru
     job says so once, holds snapshots one at a time, and they spill to disk. A worker is killed entering a
     snapshot's staging, after streaming its first value, and after streaming all of it (before the commit): each
     time the job goes back to the newest state it holds (the committed snapshot, or the start point while one
-    arrives), shrinks, grows back, and ends with the losses of the same job run unfailed on the session's store."""
+    arrives) and shrinks (4 -> 3 -> 2 -> 1 EP ranks, the global batch kept), and ends with the losses of the same job
+    run unfailed on the session's store."""
     from k3ray.control.local_nodes import head_room
 
-    wide = {"model.d_model": 128, "model.d_latent": 64, "model.expert_inner": 512}  # ~6.7M parameters in float64
-    steps, faults = 9, [{"kind": "kill_worker", "step": 2, "worker": 3, "at": "snapshot_stage"},
-                        {"kind": "kill_worker", "step": 4, "worker": 1, "at": "snapshot_stream"},
-                        {"kind": "kill_worker", "step": 6, "worker": 2, "at": "snapshot_commit"}]
-    base = {"parallel.ep": 4, "fault_tolerance.snapshot_every": 2, "fault_tolerance.grow_back_after_steps": 1,
+    # ~6.7M parameters in float64 (short sequences: the snapshot's size is the parameters', not the batch's)
+    wide = {"model.d_model": 128, "model.d_latent": 64, "model.expert_inner": 512, "data.seq_len": 32}
+    steps, faults = 8, [{"kind": "kill_worker", "step": 2, "worker": 3, "at": "snapshot_stage"},
+                        {"kind": "kill_worker", "step": 4, "worker": 2, "at": "snapshot_stream"},
+                        {"kind": "kill_worker", "step": 6, "worker": 1, "at": "snapshot_commit"}]
+    base = {"parallel.ep": 4, "fault_tolerance.snapshot_every": 2, "fault_tolerance.grow_back": False,
             "checkpoint.at_end": False, **wide}
     unfailed = run_job(tiny(**base), steps)
     extra_nodes(4, "--object-store-memory", str(80 << 20))
