@@ -83,7 +83,7 @@ class Controller:
         self.checkpoints = DurableCheckpoints(
             cfg.checkpoint,
             on_commit=[self.drills.on_checkpoint, lambda *a: notify(self.callbacks, "on_checkpoint", *a),
-                       lambda step, *_: self.snapshots.durable(self.checkpoints.start_point(step))],
+                       lambda step, *_: self._checkpointed(step)],
             on_incident=lambda kind, **fields: self.incidents.write(self.incidents.record(kind, **fields)),
             timeout_s=ft.wait_timeout_s, job=cfg.name)
         self.warnings = ConsoleWarnings(self.checkpoints.warnings, self.snapshots.warnings)
@@ -96,6 +96,14 @@ class Controller:
         self.cadence = SnapshotCadence(ft)
         self.boundary = StepBoundary(cfg, self.progress, self.grid, self.table, self.policies, self.drills,
                                      self.scaling, self.snapshots, self.cadence, self.checkpoints, self.recovery)
+
+    def _checkpointed(self, step: int) -> None:
+        """A durable checkpoint of `step` committed: the state to go back to when no newer snapshot is held (one that
+        does not load, damaged since its commit, is not: the older one stays)."""
+        try:
+            self.snapshots.durable(self.checkpoints.start_point(step))
+        except CheckpointError as err:
+            log.warning("checkpoint of step %d is no state to go back to: %s", step, err)
 
     # -- topology ------------------------------------------------------------------------------------------------
     @holding_the_grid
