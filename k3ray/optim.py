@@ -51,6 +51,26 @@ def fresh_state(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return state
 
 
+WIDEN_CHUNK_BYTES = 1 << 30  # bf16 gradients are widened to fp32 for the fused step this many bytes at a time
+
+
+def _widening_chunks(entries: list[tuple]):
+    """(param, target, grad, m, v) entries in runs, in order, whose gradients widened to their targets' dtype take
+    at most WIDEN_CHUNK_BYTES (a larger one alone): the fp32 copies of a bf16 model's gradients then never all exist
+    at once (15.9 GiB for gpu2's 8 layers on one worker). Gradients already of their target's dtype count nothing."""
+    run, widened = [], 0
+    for entry in entries:
+        _, target, grad = entry[:3]
+        size = grad.numel() * target.element_size() if grad.dtype != target.dtype else 0
+        if run and widened + size > WIDEN_CHUNK_BYTES:
+            yield run
+            run, widened = [], 0
+        run.append(entry)
+        widened += size
+    if run:
+        yield run
+
+
 class AdamW:
     def __init__(self, cfg: OptimizerConfig):
         self.cfg = cfg
@@ -79,29 +99,32 @@ class AdamW:
             if st is None:
                 st = self.state[name] = fresh_state(p)
             target = st.get("master", p)
-            grad = p.grad if p.grad.dtype == target.dtype else p.grad.to(target.dtype)
-            groups[p.ndim >= 2 and self.cfg.weight_decay > 0].append((p, target, grad, st["m"], st["v"]))
+            groups[p.ndim >= 2 and self.cfg.weight_decay > 0].append((p, target, p.grad, st["m"], st["v"]))
         b1, b2 = self.cfg.betas
         for decayed, entries in groups.items():
-            if not entries:
-                continue
-            low, targets, grads, ms, vs = (list(t) for t in zip(*entries))
-            fused = all(t.is_cuda for t in targets)
-            # the fused kernel divides by its grad_scale as it reads each gradient: no separate pass over them
-            divide_by = None
-            if grad_scale != 1.0 and fused:
-                divide_by = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=targets[0].device)
-            elif grad_scale != 1.0:
-                torch._foreach_mul_(grads, grad_scale)
-            steps = list(torch.full((len(targets),), float(self.steps - 1),  # torch's adam advances these
-                                    device=targets[0].device if fused else "cpu").unbind())
-            adam(targets, grads, ms, vs, [], steps, foreach=not fused, fused=fused, grad_scale=divide_by,
-                 decoupled_weight_decay=True,
-                 amsgrad=False, beta1=b1, beta2=b2, lr=lr, weight_decay=self.cfg.weight_decay if decayed else 0.0,
-                 eps=self.cfg.eps, maximize=False)
-            pairs = [(p, t) for p, t in zip(low, targets) if p is not t]
-            if pairs:  # bf16 parameters: the rounding of their fp32 masters
-                torch._foreach_copy_([p for p, _ in pairs], [t for _, t in pairs])
+            for chunk in _widening_chunks(entries):
+                self._adam(chunk, lr, grad_scale, decayed, b1, b2)
+
+    def _adam(self, entries: list[tuple], lr: float, grad_scale: float, decayed: bool, b1: float, b2: float) -> None:
+        """torch's AdamW over (param, target, grad, m, v) entries: bf16 gradients widened to their masters' fp32
+        here (the fused kernel takes one dtype per tensor list), the parameters then the rounding of their masters."""
+        low, targets, grads, ms, vs = (list(t) for t in zip(*entries))
+        grads = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, targets)]
+        fused = all(t.is_cuda for t in targets)
+        # the fused kernel divides by its grad_scale as it reads each gradient: no separate pass over them
+        divide_by = None
+        if grad_scale != 1.0 and fused:
+            divide_by = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=targets[0].device)
+        elif grad_scale != 1.0:
+            torch._foreach_mul_(grads, grad_scale)
+        steps = list(torch.full((len(targets),), float(self.steps - 1),  # torch's adam advances these
+                                device=targets[0].device if fused else "cpu").unbind())
+        adam(targets, grads, ms, vs, [], steps, foreach=not fused, fused=fused, grad_scale=divide_by,
+             decoupled_weight_decay=True, amsgrad=False, beta1=b1, beta2=b2, lr=lr,
+             weight_decay=self.cfg.weight_decay if decayed else 0.0, eps=self.cfg.eps, maximize=False)
+        pairs = [(p, t) for p, t in zip(low, targets) if p is not t]
+        if pairs:  # bf16 parameters: the rounding of their fp32 masters
+            torch._foreach_copy_([p for p, _ in pairs], [t for _, t in pairs])
 
     def take_rows(self, name: str, rows: list[int]) -> dict[str, torch.Tensor] | None:
         st = self.state.get(name)

@@ -108,3 +108,26 @@ def test_without_cuda_a_worker_process_does_not_import_torch_dynamo():
             "k3ray.grid.worker_training, k3ray.parallel.engine; print('torch._dynamo' in sys.modules)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_device_timer_reports_the_previous_steps_phases_without_waiting(device):
+    """Each step's report carries the previous step's device seconds by phase, which add up within its total; on
+    CPU (no device clock) and on the first step, none."""
+    from k3ray.parallel.device_timer import MARKS, PHASES, DeviceTimer
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("CUDA events need a GPU")
+    timer, a = DeviceTimer(torch.device(device)), torch.ones(512, 512, device=device)
+    reports = []
+    for _ in range(3):
+        for mark in MARKS:
+            a = a @ a / 512
+            timer.mark(mark)
+        reports.append(timer.finish())
+    if device == "cpu":
+        assert reports == [{}, {}, {}]
+        return
+    assert reports[0] == {} and set(reports[1]) == set(reports[2]) == set(PHASES)
+    parts = sum(reports[2][p] for p in PHASES if p != "device_total")
+    assert 0 < parts <= reports[2]["device_total"] + 1e-6

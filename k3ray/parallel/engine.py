@@ -37,6 +37,7 @@ from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, se
 from k3ray.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from k3ray.parallel import shards
 from k3ray.parallel.batches import StageBatches
+from k3ray.parallel.device_timer import DeviceTimer
 from k3ray.parallel.engine_copies import EngineCopies
 from k3ray.parallel.ep import EPContext, ExpertParallelExperts
 from k3ray.parallel.grid_groups import GridGroups, LeftGroup
@@ -54,6 +55,7 @@ class StageEngine:
         self.cfg, self.pp_rank, self.ep_rank = cfg, pp_rank, ep_rank
         self.pp, self.ep = cfg.parallel.pp, ep_size
         self.device = torch.device(device)
+        self.device_timer = DeviceTimer(self.device)  # the step's phases on the device (the previous step's)
         self.home = torch.tensor(home, dtype=torch.int64)
         self.layers = cfg.model.stage_layers(self.pp, pp_rank)
         # world ranks of this EP rank in the stages before and after (pipeline sends and receives)
@@ -122,6 +124,7 @@ class StageEngine:
         pending = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         t_step = time.perf_counter()
+        self.device_timer.mark("start")
         for op, m in one_f_one_b(M, self.pp_rank, self.pp):
             if op == "F":
                 tokens = self.batches.micro_batch(batch_index, m)
@@ -160,13 +163,15 @@ class StageEngine:
                                               group=self.groups.world))
         for work in pending:
             work.wait()
+        self.device_timer.mark("backward_done")
         t_opt = time.perf_counter()
         report = self._finish_step(step, loss_sum, timings)
         timings["optimizer"] = time.perf_counter() - t_opt
         timings["dispatch_combine"] = self.ctx.comm_seconds
         timings["compute"] -= self.ctx.comm_seconds
         timings["total"] = time.perf_counter() - t_step
-        report["timings"] = timings
+        self.device_timer.mark("end")
+        report["timings"] = {**timings, **self.device_timer.finish()}
         report["batch_index"] = batch_index
         self.steps_trained += 1
         return report
@@ -191,7 +196,9 @@ class StageEngine:
         sq, loss = totals.tolist()
         lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)
         timings["snapshot_wait"] = self.wait_state_reads()  # a snapshot's part read live holds the optimizer
+        self.device_timer.mark("optimizer_start")
         self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
+        self.device_timer.mark("optimizer_done")
         if any(self.ctx.copies):
             self.copies.fetch(self.ctx.copies)  # the copies take the home's new weights
         routing = reduce_balance(cfg.model, self.stage, self.groups.ep_group, self.ep)
