@@ -87,6 +87,9 @@ def run_steps(program, steps: int, kill_at: int | None = None) -> tuple[list[flo
         vio = StepReport(**{k: v for k, v in reports[-1].items() if k not in ("warnings", "worker_seconds")})
         print(f"step {step}: {times[-1]:.3f} s, loss {vio.loss:.4f}, MaxVio mean {vio.mean_maxvio:.3f}"
               + "".join(f"; warning: {w}" for w in reports[-1].get("warnings", [])), flush=True)
+        if step == kill_at:  # the recovery's incident at once: a run cut short still shows where its seconds went
+            lost = [i for i in program.call(lambda self: self.get_incidents()) if i["kind"] == "worker_lost"]
+            print(f"step {step}: recovered: {lost[-1] if lost else 'no worker_lost incident'}", flush=True)
     return times, reports
 
 

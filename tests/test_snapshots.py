@@ -125,6 +125,9 @@ def test_a_snapshot_streamed_by_a_worker_call_arrives_in_chunks_and_restores_exa
     ray.get(part.done)
     part.collect()
     assert len(part.refs) > 3 and part.nbytes == nbytes
+    # collected (its stream taken off): still a valid input of a commit, whose wait finds it arrived at once
+    assert part.done == part.refs[-1] and ray.wait([part.done], timeout=0)[0]
+    part.collect()  # collecting again changes nothing
     _assert_same(_state(6), ray.get(holder.read.remote(part)))
     _assert_same(_state(6), as_state(part))
     stale = SnapshotPart(holder.snapshot.remote(5), nbytes)  # nothing staged for step 5: the stream carries the error
