@@ -24,7 +24,7 @@ stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit
 [[ "${TWEEKS:-330}" != 0 ]] && stage weeks "${TWEEKS:-330}" python3 benchmarks/weeks_gpu.py $SHAPE \
   --set model.n_layers="${LAYERS:-6}" --steps "${STEPS:-100}" --snapshot-every auto --kill-at "${KILL_AT:-50}" \
   --warm-steps 0 --out "$OUT/weeks"
-grep "^step" "$OUT/weeks.log" | awk 'NR % 10 == 1 || /SIGKILL/' | head -20
+grep "^step" "$OUT/weeks.log" | awk 'NR % 10 == 1 || /SIGKILL|recovered/' | head -20
 # shellcheck disable=SC2086
 [[ "${TPRE:-150}" != 0 ]] && stage preflight8 "${TPRE:-150}" python3 -m k3ray.control.cli train $SHAPE --steps 3 \
   --no-progress
