@@ -19,7 +19,7 @@ import time
 
 from k3ray.config import ServeConfig
 from k3ray.grid.calls import WorkerLost
-from k3ray.train.incidents import IncidentLog
+from k3ray.jobs.incidents import IncidentLog
 from k3ray.serve.scheduler import Scheduler
 from k3ray.serve.streams import RequestEvents
 

@@ -16,10 +16,10 @@ import torch
 from k3ray.config import JobConfig
 from k3ray.grid.calls import ObjectsLost, TopologyError, WorkerLost
 from k3ray.grid.snapshots import Snapshots
+from k3ray.jobs.incidents import IncidentLog
 from k3ray.policies import guards, ladder, recovery
 from k3ray.train.checkpointing import DurableCheckpoints
 from k3ray.train.grid import TrainingGrid
-from k3ray.train.incidents import IncidentLog
 from k3ray.train.placement import Placement
 from k3ray.train.progress import TrainingProgress
 from k3ray.train.scaling import Scaling

@@ -15,11 +15,11 @@ import torch
 from k3ray.config import JobConfig
 from k3ray.grid.calls import TopologyError
 from k3ray.grid.snapshots import Snapshots
+from k3ray.jobs.incidents import IncidentLog
 from k3ray.policies import resize
 from k3ray.policies.resize import ResizeDecision
 from k3ray.train.checkpointing import DurableCheckpoints
 from k3ray.train.grid import TrainingGrid
-from k3ray.train.incidents import IncidentLog
 from k3ray.train.placement import Placement
 from k3ray.train.progress import TrainingProgress
 from k3ray.train.state import JobState, StateMachine
