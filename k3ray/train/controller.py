@@ -76,15 +76,15 @@ class Controller:
         self.policies = LivePolicies(cfg.policies)
         self.grid_lock = threading.RLock()  # see holding_the_grid
         self.snapshots = Snapshots(on_commit=lambda snap: notify(self.callbacks, "on_snapshot", snap.stall_seconds),
-                                   on_skip=lambda step, arriving: self.incidents.write(self.incidents.record(
-                                       "snapshot_skipped", step=step, still_arriving=arriving)),
+                                   on_skip=lambda step, arriving: self.incidents.add(
+                                       "snapshot_skipped", step=step, still_arriving=arriving),
                                    timeout_s=ft.wait_timeout_s)
         self.drills = FaultInjector(ft.faults)
         self.checkpoints = DurableCheckpoints(
             cfg.checkpoint,
             on_commit=[self.drills.on_checkpoint, lambda *a: notify(self.callbacks, "on_checkpoint", *a),
                        lambda step, *_: self.snapshots.durable(self.checkpoints.start_point(step))],
-            on_incident=lambda kind, **fields: self.incidents.write(self.incidents.record(kind, **fields)),
+            on_incident=self.incidents.add,
             timeout_s=ft.wait_timeout_s, job=cfg.name)
         self.warnings = ConsoleWarnings(self.checkpoints.warnings, self.snapshots.warnings)
         self.progress = TrainingProgress(skip=set(cfg.data.skip_batches))
