@@ -1,10 +1,15 @@
 """One Ray cluster per test session: a real `ray start --head` on loopback, with the dashboard (Jobs API) and the
-metrics export port, so Jobs and Prometheus tests talk to the same cluster as the runtime tests."""
+metrics export port, so Jobs and Prometheus tests talk to the same cluster as the runtime tests.
+
+Every test that starts or uses Ray carries the `ray` marker: those whose fixtures include `ray_cluster` (every
+Ray fixture here depends on it), marked at collection. `pytest -m "not ray"` runs the rest, with no Ray started; a
+test that starts Ray without the marker fails."""
 from __future__ import annotations
 
 import contextlib
 import os
 import secrets
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +51,27 @@ RELEASED = {"model.q_lora_rank": 24, "model.mla_rope_dim": 4, "model.mla_rope": 
 # micro-batch, not tiny.yaml's 8: their claims (exact trajectories, recoveries) hold at any batch size, at a quarter
 # of the compute.
 SMALL_BATCH = {"data.micro_batch_size": 2}
+
+
+RAY_FIXTURES = {"ray_cluster"}  # the fixtures that start Ray: every other Ray fixture depends on one of them
+
+
+def pytest_collection_modifyitems(config, items):
+    """The `ray` marker on every test whose fixtures (with those they depend on) start Ray."""
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.ray)
+
+
+@pytest.fixture(autouse=True)
+def _ray_only_where_marked(request):
+    """A test without the `ray` marker that leaves Ray started (in this process) fails: `-m "not ray"` must start
+    none."""
+    was = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    yield
+    if not was and request.node.get_closest_marker("ray") is None and "ray" in sys.modules \
+            and sys.modules["ray"].is_initialized():
+        pytest.fail(f"{request.node.nodeid} started Ray without the `ray` marker: use the ray_cluster fixture")
 
 
 @dataclass

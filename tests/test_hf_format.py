@@ -12,8 +12,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3ray.control.cli import main
-from k3ray.train.checkpointing import serving_weights
 from k3ray.formats.hf.convert import convert_from_hf, export_hf, export_weights_only
+from k3ray.formats.serving_weights import serving_weights
 from k3ray.io import checkpoint as ckpt
 from k3ray.formats.hf.files import HFFolder
 

@@ -13,8 +13,8 @@ from conftest import job_params
 from k3ray.config import load_config, serving_config
 from k3ray.control.driver import running_job
 
-from k3ray.train.checkpointing import serving_weights
 from k3ray.formats.hf.convert import convert_from_hf
+from k3ray.formats.serving_weights import serving_weights
 from k3ray.serve.engine import ServingEngine
 from k3ray.data import EOS, encode
 from k3ray.model.decoder import build_stage

@@ -1,14 +1,15 @@
-"""Imports flow one way: control -> serve -> train -> formats -> grid -> parallel -> model -> kernels; policies, io
-and steering import none of them, and no module imports one that imports it back. Checked on the source (every
-import statement, function-level ones too), so a new upward import or cycle fails here."""
+"""Imports flow one way: control -> serve | train -> formats -> grid -> parallel -> model -> kernels; serve and train
+are siblings on one floor and never import each other; policies, io, steering and jobs import none of them, and no
+module imports one that imports it back. Checked on the source (every import statement, function-level ones too), so
+a new upward or sideways import or a cycle fails here."""
 from __future__ import annotations
 
 import ast
 
 from conftest import REPO
 
-LAYER = {"control": 8, "serve": 7, "train": 6, "formats": 5, "grid": 4, "parallel": 3, "model": 2, "kernels": 1}
-PURE = ("policies", "io", "steering")
+LAYER = {"control": 7, "serve": 6, "train": 6, "formats": 5, "grid": 4, "parallel": 3, "model": 2, "kernels": 1}
+PURE = ("policies", "io", "steering", "jobs")
 
 
 def k3ray_imports(path) -> list[str]:
@@ -21,22 +22,35 @@ def k3ray_imports(path) -> list[str]:
     return found
 
 
-def test_no_module_imports_upward():
-    upward = []
-    for path in sorted((REPO / "k3ray").rglob("*.py")):
-        package = path.relative_to(REPO / "k3ray").parts[0]
+def wrong_way(root) -> list[str]:
+    """Every import of the package `root`/k3ray that goes up a floor, or sideways to another package of its floor
+    (serve <-> train)."""
+    found = []
+    for path in sorted((root / "k3ray").rglob("*.py")):
+        package = path.relative_to(root / "k3ray").parts[0]
         for target in k3ray_imports(path):
             if package in PURE and target in LAYER:
-                upward.append(f"{path.relative_to(REPO)} imports k3ray.{target}")
-            elif package in LAYER and target in LAYER and LAYER[target] > LAYER[package]:
-                upward.append(f"{path.relative_to(REPO)} imports k3ray.{target}")
-    assert upward == []
+                found.append(f"{path.relative_to(root)} imports k3ray.{target}")
+            elif package in LAYER and target in LAYER and target != package and LAYER[target] >= LAYER[package]:
+                found.append(f"{path.relative_to(root)} imports k3ray.{target}")
+    return found
+
+
+def test_no_module_imports_upward_or_sideways():
+    assert wrong_way(REPO) == []
 
 
 def test_the_check_sees_an_upward_import(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("def f():\n    from k3ray.grid.worker_group import WorkerGroup\n")
     assert k3ray_imports(module) == ["grid"]
+
+
+def test_the_check_sees_serve_and_train_import_each_other(tmp_path):
+    for package, target in (("serve", "train.incidents"), ("train", "serve.engine")):
+        (tmp_path / "k3ray" / package).mkdir(parents=True)
+        (tmp_path / "k3ray" / package / "m.py").write_text(f"def f():\n    from k3ray.{target} import X\n")
+    assert wrong_way(tmp_path) == ["k3ray/serve/m.py imports k3ray.train", "k3ray/train/m.py imports k3ray.serve"]
 
 
 def _module_imports(path) -> set[str]:

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from k3ray.config import MoonEPPolicy, load_config
-from k3ray.policies import moonep, replication, scheduling
+from k3ray.policies import moonep, replication, retry, scheduling
 from k3ray.policies.expert_cost import ExpertCost
 from k3ray.policies.planner import MoonEPPlanner
 
@@ -465,3 +465,8 @@ def test_received_by_is_the_destination_column_of_the_send_matrix():
     for rank in range(4):
         assert torch.equal(moonep.received_by(counts, alloc, rank), send[:, :, rank])
         assert torch.equal(moonep.send_matrix(counts, alloc, src=rank), send[rank])
+
+
+def test_backoff_doubles_from_the_base_and_stops_at_the_cap():
+    assert [retry.backoff_s(a, 0.5, cap_s=3.0) for a in range(6)] == [0.0, 0.5, 1.0, 2.0, 3.0, 3.0]
+    assert retry.backoff_s(4, 0.0) == 0.0

@@ -1,4 +1,4 @@
-"""Recovery and grow-back as bounded handlers, against the fake worker group of test_controller (no Ray): a loss
+"""Recovery and grow-back as bounded handlers, against the fake worker group (fakes/training.py, no Ray): a loss
 during every attempt ends in one readable stop after the attempt limit (never a recursion); a grow-back whose
 placement fails leaves the shrunk grid training; a second failure inside a rollback never leaves half of it; the
 control API's calls wait for the step that holds the grid; checkpoint folders belong to one job."""
@@ -9,13 +9,13 @@ import threading
 
 import pytest
 
+from fakes.training import Cluster, config, run, states
 from k3ray.config import load_config
 from k3ray.train import failures
 from k3ray.train.controller import Controller, GuardError
 from k3ray.train.failures import RecoveryFailed
 from k3ray.train.state import AttemptsExhausted, JobState, StateMachine
 from k3ray.io.checkpoint import CheckpointError
-from test_controller import Cluster, config, run, states
 
 
 def test_the_machine_bounds_a_handlers_attempts_and_backs_off():

@@ -389,7 +389,7 @@ def test_init_writes_the_seeded_weights_as_a_servable_checkpoint(tmp_path, capsy
     """`k3ray init`: the model's initial weights (a function of the seed and the config) as a checkpoint that serving
     loads, equal to the model built from the seed; a directory that is not empty is refused in one line."""
     from k3ray.control.cli import main
-    from k3ray.train.checkpointing import serving_weights
+    from k3ray.formats.serving_weights import serving_weights
 
     out = tmp_path / "seeded"
     assert main(["init", "--config", "configs/tiny.yaml", "--out", str(out), "--set", "train.seed=7"]) == 0

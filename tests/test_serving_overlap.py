@@ -174,7 +174,7 @@ def test_a_grid_lost_with_two_iterations_in_flight_discards_both(model):
 def test_the_engine_recovers_a_lost_worker_with_two_iterations_in_flight(model):
     """The engine loop with serve.overlap on a fake grid that loses its worker at the 5th iteration (the 4th still
     uncompleted): every request ends as the reference."""
-    from test_serving_recovery import SERVE, FakeGrid, collect, reference, sizes
+    from fakes.serving import SERVE, FakeGrid, collect, reference, sizes
 
     from k3ray.serve.engine import Engine
 
@@ -264,7 +264,7 @@ def test_overlap_defaults_on_for_one_stage_and_is_refused_with_more():
 def test_whoever_waits_between_iterations_gets_in_with_nothing_in_flight(model):
     """A resize takes `between_iterations`: an overlapped stretch drains and lets it in with no iteration in flight,
     and serving goes on after it, every request ending as the reference."""
-    from test_serving_recovery import SERVE, FakeGrid, collect, reference, sizes
+    from fakes.serving import SERVE, FakeGrid, collect, reference, sizes
 
     from k3ray.serve.engine import Engine
 

@@ -14,11 +14,12 @@ import torch
 from conftest import serving_engine
 from k3ray.config import load_config
 from k3ray.data import encode
+from k3ray.formats.serving_weights import serving_weights
 from k3ray.grid.packed_restore import copy_pieces, restore_weights, weight_pieces, weights_only
 from k3ray.grid.snapshots import pack, unpack
 from k3ray.parallel.engine import StageEngine
 from k3ray.serve.drills import Stream
-from k3ray.train.checkpointing import serving_weights, write_seeded_weights
+from k3ray.train.checkpointing import write_seeded_weights
 
 SERVE = {"page_size": 4, "pages_per_rank": 64, "slots_per_rank": 6, "token_budget": 16, "max_waiting": 16,
          "max_tokens": 64}

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from k3ray.config import load_config
+from fakes.serving import FakeGrid, sizes
 from k3ray.data import EOS, encode
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams, visible_ids
 from k3ray.parallel.reference import generate_reference
 from k3ray.serve.engine import Engine
-from test_serving_recovery import FakeGrid, sizes
 
 PROMPTS = ["def ", "import os\n", "class A:\n    def f(self", "x = "]
 SERVE = {"page_size": 4, "pages_per_rank": 64, "slots_per_rank": 6, "token_budget": 16, "max_tokens": 32,

@@ -1,12 +1,12 @@
-"""The job's start point, against the fake worker group of test_controller (no Ray): a job's first boundary takes
+"""The job's start point, against the fake worker group (fakes/training.py, no Ray): a job's first boundary takes
 no snapshot; until the first one has arrived, a lost worker or a blow-up goes back to where the job started (the
 seed, or the checkpoint it resumed from) and replays from there, with the results of a run that never failed."""
 from __future__ import annotations
 
 import pytest
 
+from fakes.training import Cluster, clean_run, resume, run, states
 from k3ray.grid.snapshots import StartPoint
-from test_controller import Cluster, clean_run, resume, run, states
 
 
 def test_the_first_boundary_takes_no_snapshot_the_start_point_stands_in():

@@ -8,8 +8,8 @@ from fastapi.testclient import TestClient
 
 from k3ray.config import PoliciesConfig
 from k3ray.control.api import build_app as control_app
+from k3ray.jobs.live_policies import LivePolicies
 from k3ray.serve.front_door import build_app as front_door_app
-from k3ray.train.live_policies import LivePolicies
 
 KEY = "steering-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -19,5 +19,6 @@ Modules:
     ladder       a blow-up: roll back and skip batches, lower the learning rate, or stop (TripDecision)
     recovery     workers lost: hot spares, shrink or restart, experts re-homed (LossDecision)
     resize       a resize asked for or a grow-back due at a step boundary (ResizeDecision)
+    retry        the doubling, capped backoff between a bounded handler's attempts
     snapshot_cadence  steps between in-memory snapshots from what they cost (snapshot_every: auto)
 """

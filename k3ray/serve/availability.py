@@ -19,7 +19,8 @@ import time
 
 from k3ray.config import ServeConfig
 from k3ray.grid.calls import WorkerLost
-from k3ray.train.incidents import IncidentLog
+from k3ray.jobs.incidents import IncidentLog
+from k3ray.policies import retry
 from k3ray.serve.scheduler import Scheduler
 from k3ray.serve.streams import RequestEvents
 
@@ -91,7 +92,7 @@ class Availability:
             failed[:] = [*failed[-(MAX_FAILURES_KEPT - 1):], what]
             self.down["reason"] = what
             self._arm_expiry(self.down["t0"] + self.serve.unavailable_wait_s)  # a failure extends no wait
-            await asyncio.sleep(min(MAX_BACKOFF_S, self.serve.recovery_backoff_s * 2 ** (attempt - 1)))
+            await asyncio.sleep(retry.backoff_s(attempt, self.serve.recovery_backoff_s, MAX_BACKOFF_S))
         incident.update(fields)
         incident["attempts"] = attempt
         incident.setdefault("seconds", {})["total"] = time.perf_counter() - t0  # the failed attempts included

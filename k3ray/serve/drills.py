@@ -9,12 +9,12 @@ import ray
 import torch
 
 from k3ray.config import serving_config
+from k3ray.formats.serving_weights import serving_weights
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams
 from k3ray.optim import AdamW
 from k3ray.parallel import shards
 from k3ray.parallel.reference import generate_reference
-from k3ray.train.checkpointing import serving_weights
 
 
 def reference_model(checkpoint: str):

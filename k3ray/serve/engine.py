@@ -12,7 +12,7 @@ owns a scheduler and an executor): the scheduler (k3ray.serve.scheduler), the it
 grid -> complete, k3ray.serve.iterations), the availability (every grid call, recoveries, `health`,
 k3ray.serve.availability), the live placement (policies, expert copies, resizes, k3ray.serve.live), the
 requests' admission (k3ray.serve.admission) and their streams (k3ray.serve.streams); they share the incident log
-(k3ray.train.incidents) and the iterations' counters (k3ray.serve.record). The engine's own methods are its Ray API,
+(k3ray.jobs.incidents) and the iterations' counters (k3ray.serve.record). The engine's own methods are its Ray API,
 with the front doors' batched streams (`submit`, `cancel`, `subscribe`) that only the actor carries.
 
 Requests stream: `generate` is an async generator (a Ray streaming call); its first item says whether the request
@@ -46,10 +46,10 @@ import ray
 from k3ray.config import JobConfig, serving_config
 from k3ray.faults import clear, inject, slow_recovery
 from k3ray.io.checkpoint import CheckpointError
+from k3ray.jobs.incidents import IncidentLog
 from k3ray.serve.launch import hold_weights, serving_job_config, start_workers
 from k3ray.serve.record import ServingStats
 from k3ray.tokenizer import load_tokenizer
-from k3ray.train.incidents import IncidentLog
 
 if TYPE_CHECKING:
     from k3ray.model.sampling import SamplingParams

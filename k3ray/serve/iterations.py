@@ -27,12 +27,12 @@ import logging
 import math
 import time
 
+from k3ray.jobs.incidents import IncidentLog
 from k3ray.serve.availability import Availability
 from k3ray.serve.live import BoundaryLock, LivePlacement
 from k3ray.serve.record import ServingStats
 from k3ray.serve.scheduler import Scheduler
 from k3ray.serve.streams import RequestEvents
-from k3ray.train.incidents import IncidentLog
 
 log = logging.getLogger("k3ray.serve")
 BOUNDARY_EVERY = 32  # overlapped iterations at most between two boundaries (policies, placement moves)

@@ -24,8 +24,8 @@ from k3ray.grid.worker_group import WorkerGroup
 from k3ray.io import checkpoint as ckpt
 
 if TYPE_CHECKING:
+    from k3ray.formats.serving_weights import ServingWeights
     from k3ray.grid.snapshots import Packed
-    from k3ray.train.checkpointing import ServingWeights
 
 log = logging.getLogger("k3ray.serve")
 
@@ -33,8 +33,8 @@ log = logging.getLogger("k3ray.serve")
 @ray.remote(num_returns=2, max_retries=0)
 def _read_and_pack(checkpoint: str) -> tuple[tuple[ServingWeights, dict], Packed]:
     # imported here, in the task's process: this module is the engine's before it imports torch (`start_workers`)
+    from k3ray.formats.serving_weights import serving_weights
     from k3ray.grid.snapshots import pack
-    from k3ray.train.checkpointing import serving_weights
 
     t0, started = time.perf_counter(), time.time()
     weights = serving_weights(checkpoint)

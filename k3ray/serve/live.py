@@ -15,12 +15,12 @@ import time
 
 from k3ray.config import JobConfig
 from k3ray.grid.calls import TopologyError
+from k3ray.jobs.incidents import IncidentLog
+from k3ray.jobs.live_policies import LivePolicies
 from k3ray.serve.availability import Availability
 from k3ray.serve.placement import ServePlacement
 from k3ray.serve.record import ServingStats
 from k3ray.serve.scheduler import Scheduler
-from k3ray.train.live_policies import LivePolicies
-from k3ray.train.incidents import IncidentLog
 
 log = logging.getLogger("k3ray.serve")
 

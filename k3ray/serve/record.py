@@ -1,5 +1,5 @@
 """What the serving engine did: the iterations' counters (`ServingStats`, counted by the iteration loop), which the
-engine's parts share by reference; what happened to it goes into the incident log (k3ray.train.incidents)."""
+engine's parts share by reference; what happened to it goes into the incident log (k3ray.jobs.incidents)."""
 from __future__ import annotations
 
 import time

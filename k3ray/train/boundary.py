@@ -9,11 +9,11 @@ import functools
 from k3ray.config import JobConfig
 from k3ray.grid.calls import WorkerLost
 from k3ray.grid.snapshots import Snapshots
+from k3ray.jobs.live_policies import LivePolicies
 from k3ray.train.checkpointing import DurableCheckpoints
 from k3ray.train.drills import FaultInjector
 from k3ray.train.failures import Recovery
 from k3ray.train.grid import TrainingGrid
-from k3ray.train.live_policies import LivePolicies
 from k3ray.train.placement import Placement
 from k3ray.train.progress import TrainingProgress
 from k3ray.train.scaling import Scaling

@@ -3,12 +3,12 @@
     progress     step, data order, skipped batches, learning-rate scale, guard statistics (k3ray.train.progress)
     machine      JobState and the transition table (k3ray.train.state)
     table        the expert placement table and load history (k3ray.train.placement)
-    policies     live policies, queued changes and their audit (k3ray.train.live_policies)
+    policies     live policies, queued changes and their audit (k3ray.jobs.live_policies)
     snapshots    in-memory snapshots (k3ray.grid.snapshots)
     checkpoints  durable checkpoints (k3ray.train.checkpointing)
     drills       fault drills (k3ray.train.drills)
     grid         the worker group in use, a step run on it, the next group made (k3ray.train.grid)
-    incidents    the incident log (k3ray.train.incidents)
+    incidents    the incident log (k3ray.jobs.incidents)
     recovery     carries out the failure policies' decisions: rollback, lost workers (k3ray.train.failures)
     scaling      carries out the resize policy's decisions: `k3ray scale`, grow-back (k3ray.train.scaling)
     boundary     what happens between steps and at the end: policies, scaling, snapshot, checkpoint
@@ -32,14 +32,14 @@ import time
 import ray
 
 from k3ray.config import JobConfig
+from k3ray.jobs.incidents import IncidentLog
+from k3ray.jobs.live_policies import LivePolicies
 from k3ray.train.boundary import StepBoundary
 from k3ray.train.callbacks import Callback, ConsoleWarnings, notify
 from k3ray.train.checkpointing import DurableCheckpoints
 from k3ray.train.drills import FaultInjector
 from k3ray.train.failures import GuardError, Recovery  # noqa: F401 - GuardError: API
 from k3ray.train.grid import TrainingGrid
-from k3ray.train.incidents import IncidentLog
-from k3ray.train.live_policies import LivePolicies
 from k3ray.train.placement import Placement
 from k3ray.train.progress import TrainingProgress
 from k3ray.train.scaling import Scaling
@@ -76,15 +76,15 @@ class Controller:
         self.policies = LivePolicies(cfg.policies)
         self.grid_lock = threading.RLock()  # see holding_the_grid
         self.snapshots = Snapshots(on_commit=lambda snap: notify(self.callbacks, "on_snapshot", snap.stall_seconds),
-                                   on_skip=lambda step, arriving: self.incidents.write(self.incidents.record(
-                                       "snapshot_skipped", step=step, still_arriving=arriving)),
+                                   on_skip=lambda step, arriving: self.incidents.add(
+                                       "snapshot_skipped", step=step, still_arriving=arriving),
                                    timeout_s=ft.wait_timeout_s)
         self.drills = FaultInjector(ft.faults)
         self.checkpoints = DurableCheckpoints(
             cfg.checkpoint,
             on_commit=[self.drills.on_checkpoint, lambda *a: notify(self.callbacks, "on_checkpoint", *a),
                        lambda step, *_: self._checkpointed(step)],
-            on_incident=lambda kind, **fields: self.incidents.write(self.incidents.record(kind, **fields)),
+            on_incident=self.incidents.add,
             timeout_s=ft.wait_timeout_s, job=cfg.name)
         self.warnings = ConsoleWarnings(self.checkpoints.warnings, self.snapshots.warnings)
         self.progress = TrainingProgress(skip=set(cfg.data.skip_batches))

@@ -16,10 +16,10 @@ import torch
 from k3ray.config import JobConfig
 from k3ray.grid.calls import ObjectsLost, TopologyError, WorkerLost
 from k3ray.grid.snapshots import Snapshots
-from k3ray.policies import guards, ladder, recovery
+from k3ray.jobs.incidents import IncidentLog
+from k3ray.policies import guards, ladder, recovery, retry
 from k3ray.train.checkpointing import DurableCheckpoints
 from k3ray.train.grid import TrainingGrid
-from k3ray.train.incidents import IncidentLog
 from k3ray.train.placement import Placement
 from k3ray.train.progress import TrainingProgress
 from k3ray.train.scaling import Scaling
@@ -61,13 +61,13 @@ class Recovery:
                 raise
             except WorkerLost as lost:
                 self.grid.group.close()
-                self.incidents.write(self.incidents.record("launch_failed", step=self.progress.step, rule="other",
-                                                           why=str(lost), attempt=attempt))
+                self.incidents.add("launch_failed", step=self.progress.step, rule="other", why=str(lost),
+                                   attempt=attempt)
                 if attempt == ft.recovery_attempts:
                     self.machine.to(JobState.ERRORED, f"the workers did not start: {lost}")
                     raise RecoveryFailed(f"the workers did not start ({attempt} attempts; last: {lost}); stopping. "
                                          f"{self.incidents.where()}") from None
-                time.sleep(min(30.0, ft.retry_backoff_s * 2 ** (attempt - 1)))
+                time.sleep(retry.backoff_s(attempt, ft.retry_backoff_s))
 
     def replay(self, until: int) -> None:
         """Re-run the accepted steps snap.step .. until-1 on the batches they used (deterministic), from the committed
@@ -91,10 +91,9 @@ class Recovery:
         """Carry out the failure ladder's decision on the `attempt`-th guard trip of `step` (run on `batch`)."""
         t0, progress = time.perf_counter(), self.progress
         decision = ladder.on_trip(attempt, batch, progress.lr_scale, self.cfg.fault_tolerance)
-        incident = self.incidents.record("blowup", action=decision.action, step=step, rule=trip.rule,
-                                         layer=trip.layer, value=trip.value, detail=trip.detail,
-                                         batch_ids=list(decision.skip), attempt=attempt)
-        self.incidents.write(incident)
+        incident = self.incidents.add("blowup", action=decision.action, step=step, rule=trip.rule, layer=trip.layer,
+                                      value=trip.value, detail=trip.detail, batch_ids=list(decision.skip),
+                                      attempt=attempt)
         if decision.action == "stop":
             self.machine.to(JobState.ERRORED, f"step {step}: {attempt} guard trips")
             raise GuardError(f"step {step}: guard tripped {attempt} times (last: {trip.rule} = {trip.value} "
@@ -148,7 +147,7 @@ class Recovery:
     def give_up(self, step: int, what: str) -> None:
         self.snapshots.drop_pending()
         self.machine.to(JobState.ERRORED, what)
-        self.incidents.write(self.incidents.record("stopped", step=step, rule="recovery_failed", why=what))
+        self.incidents.add("stopped", step=step, rule="recovery_failed", why=what)
         raise RecoveryFailed(f"step {step}: recovery failed: {what}; stopping. {self.incidents.where()}")
 
     def _recover_once(self, step: int, lost: WorkerLost, detected_after: float) -> None:

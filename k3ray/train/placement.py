@@ -13,10 +13,10 @@ import logging
 import torch
 
 from k3ray.config import JobConfig
+from k3ray.jobs.incidents import IncidentLog
 from k3ray.parallel import shards
 from k3ray.policies import copies as copies_policy
 from k3ray.policies import recovery, replication
-from k3ray.train.incidents import IncidentLog
 
 log = logging.getLogger("k3ray.controller")
 

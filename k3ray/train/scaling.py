@@ -15,11 +15,11 @@ import torch
 from k3ray.config import JobConfig
 from k3ray.grid.calls import TopologyError
 from k3ray.grid.snapshots import Snapshots
+from k3ray.jobs.incidents import IncidentLog
 from k3ray.policies import resize
 from k3ray.policies.resize import ResizeDecision
 from k3ray.train.checkpointing import DurableCheckpoints
 from k3ray.train.grid import TrainingGrid
-from k3ray.train.incidents import IncidentLog
 from k3ray.train.placement import Placement
 from k3ray.train.progress import TrainingProgress
 from k3ray.train.state import JobState, StateMachine
@@ -93,22 +93,21 @@ class Scaling:
         else:
             self.grow_back_failures = 0
         self.shrunk_at = None
-        self.incidents.write(self.incidents.record("scaled" if decision.why == "scale" else "grow_back", step=step,
-                                                   ep=[decision.old_ep, decision.ep],
-                                                   seconds=time.perf_counter() - t0))
+        self.incidents.add("scaled" if decision.why == "scale" else "grow_back", step=step,
+                           ep=[decision.old_ep, decision.ep], seconds=time.perf_counter() - t0)
         self.machine.to(JobState.RUNNING, f"{'scaled' if decision.why == 'scale' else 'grown back'} to "
                                           f"{self.grid.group.size} workers")
 
     def _did_not_fit(self, step: int, decision: ResizeDecision, err: TopologyError) -> None:
         ep = [decision.old_ep, decision.ep]
         if decision.why == "scale":
-            self.incidents.write(self.incidents.record("scale_failed", step=step, ep=ep, why=str(err)))
+            self.incidents.add("scale_failed", step=step, ep=ep, why=str(err))
             self.machine.to(JobState.RUNNING, f"scaling to ep={decision.ep} did not fit ({err})")
             return
         self.grow_back_failures += 1
         self.shrunk_at = step  # the next try after grow_back_after_steps more steps
-        self.incidents.write(self.incidents.record("grow_back_failed", step=step, rule="grow_back_failed", ep=ep,
-                                                   why=str(err), attempt=self.grow_back_failures))
+        self.incidents.add("grow_back_failed", step=step, rule="grow_back_failed", ep=ep, why=str(err),
+                           attempt=self.grow_back_failures)
         stay = self.grow_back_failures >= self.cfg.fault_tolerance.grow_back_attempts
         self.machine.to(JobState.RUNNING, f"grow-back did not fit ({err}); "
                                           + ("staying shrunk" if stay else "trying again later"))

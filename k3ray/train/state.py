@@ -19,6 +19,8 @@ import enum
 import logging
 import time
 
+from k3ray.policies import retry
+
 log = logging.getLogger("k3ray.controller")
 
 
@@ -58,7 +60,7 @@ class AttemptsExhausted(RuntimeError):
 
 class StateMachine:
     def __init__(self, attempts: dict[JobState, int] | None = None, backoff_s: float = 0.0,
-                 max_backoff_s: float = 30.0) -> None:
+                 max_backoff_s: float = retry.MAX_BACKOFF_S) -> None:
         """attempts: the attempt limit of each bounded handler state (BOUNDED; unlimited where not given)."""
         self.state = JobState.INITIALIZING
         self.history: list[tuple[float, str, str]] = []  # (time, new state, why)
@@ -84,9 +86,7 @@ class StateMachine:
 
     def backoff_s(self) -> float:
         """How long the bounded handler waits before its next attempt: doubling from the base, capped."""
-        if self.attempt < 1 or self.base_backoff_s <= 0:
-            return 0.0
-        return min(self.max_backoff_s, self.base_backoff_s * 2 ** (self.attempt - 1))
+        return retry.backoff_s(self.attempt, self.base_backoff_s, self.max_backoff_s)
 
     @property
     def done(self) -> bool:

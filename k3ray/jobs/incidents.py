@@ -30,7 +30,14 @@ class IncidentLog(list):
         self.append(incident)
         return incident
 
+    def add(self, kind: str, **fields) -> dict:
+        """A complete incident: recorded and written at once; returned."""
+        incident = self.record(kind, **fields)
+        self.write(incident)
+        return incident
+
     def write(self, incident: dict) -> None:
+        """Append `incident` to the file (again, after an update: the last line wins)."""
         if not self.path:
             return
         try:
