@@ -32,7 +32,7 @@ class StepBoundary:
         """Between steps, before `step`: queued policy changes, a resize asked for or growing back, the snapshot and
         checkpoint due. A worker lost in here raises WorkerLost (the step loop recovers and comes back here)."""
         grid = self.grid  # its group is the one in place at each line: a resize puts a new one there
-        self.drills.kill_at(grid.group, step, "boundary")
+        self.drills.kill_at(grid.group, step, "boundary", settle=lambda: self.snapshots.commit(grid.group, wait=True))
         self.snapshots.warm_stores(grid.group, step)
         if self.policies.take_pending(step):
             grid.push_policies()

@@ -64,6 +64,15 @@ def holding_the_grid(method):
     return call
 
 
+def go_back_to_checkpoint(snapshots: Snapshots, checkpoints: DurableCheckpoints, step: int) -> None:
+    """A durable checkpoint of `step` committed: the state to go back to when no newer snapshot is held (one that
+    does not load, damaged since its commit, is not: the older one stays)."""
+    try:
+        snapshots.durable(checkpoints.start_point(step))
+    except CheckpointError as err:
+        log.warning("checkpoint of step %d is no state to go back to: %s", step, err)
+
+
 class Controller:
     def __init__(self, cfg: JobConfig | dict, callbacks: list[Callback] = (), group_factory=WorkerGroup):
         """group_factory: (cfg, ep, home, avoid_nodes) -> a worker group (the tests' fakes, or WorkerGroup)."""
@@ -83,7 +92,7 @@ class Controller:
         self.checkpoints = DurableCheckpoints(
             cfg.checkpoint,
             on_commit=[self.drills.on_checkpoint, lambda *a: notify(self.callbacks, "on_checkpoint", *a),
-                       lambda step, *_: self._checkpointed(step)],
+                       lambda step, *_: go_back_to_checkpoint(self.snapshots, self.checkpoints, step)],
             on_incident=self.incidents.add,
             timeout_s=ft.wait_timeout_s, job=cfg.name)
         self.warnings = ConsoleWarnings(self.checkpoints.warnings, self.snapshots.warnings)
@@ -96,14 +105,6 @@ class Controller:
         self.cadence = SnapshotCadence(ft)
         self.boundary = StepBoundary(cfg, self.progress, self.grid, self.table, self.policies, self.drills,
                                      self.scaling, self.snapshots, self.cadence, self.checkpoints, self.recovery)
-
-    def _checkpointed(self, step: int) -> None:
-        """A durable checkpoint of `step` committed: the state to go back to when no newer snapshot is held (one that
-        does not load, damaged since its commit, is not: the older one stays)."""
-        try:
-            self.snapshots.durable(self.checkpoints.start_point(step))
-        except CheckpointError as err:
-            log.warning("checkpoint of step %d is no state to go back to: %s", step, err)
 
     # -- topology ------------------------------------------------------------------------------------------------
     @holding_the_grid

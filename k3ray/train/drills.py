@@ -39,16 +39,18 @@ class FaultInjector:
             self.poisoned = fault.kind == "nan"
             return
 
-    def kill_at(self, group, step: int, at: str) -> None:
+    def kill_at(self, group, step: int, at: str, settle=None) -> None:
         """Fire the kill_worker drills due at this point: `at` is "boundary" (of `step`; the snapshot-phase kills are
-        armed there), "after_step" (`step` done) or "relaunch" (a new grid just launched at the boundary of
-        `step`)."""
+        armed there, after `settle()` has waited for the previous snapshot, so that this boundary's is taken, not
+        skipped), "after_step" (`step` done) or "relaunch" (a new grid just launched at the boundary of `step`)."""
         for i, fault in self.pending:
             due = fault.step <= step if at == "relaunch" else fault.step == step
             armed = at == "boundary" and fault.at in SNAPSHOT_PHASES  # dies in that phase of the boundary's snapshot
             if fault.kind == "kill_worker" and (fault.at == at or armed) and due and i not in self.fired:
                 self.fired.add(i)
                 log.warning("fault drill: kill_worker %s at step %d", fault.at, step)
+                if armed:
+                    settle()
                 inject(group, "kill_worker", fault.workers or [fault.worker or 0],
                        phase=fault.at if armed else None)
 
