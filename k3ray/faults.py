@@ -138,8 +138,8 @@ def slow_recovery(grid, seconds: float) -> None:
 def inject(group, kind: str, ranks: list[int], layer: int | None = None, token: int | None = None,
            seconds: float = 5.0, phase: str | None = None) -> None:
     """Fault `kind` (FAULT_KINDS, all but corrupt_checkpoint, which acts on a committed checkpoint) into the given
-    world ranks of a worker group, now (kill_worker with a `phase` of SNAPSHOT_PHASES: armed now, dying there). nan and nan_token hold until `clear`. (slow_recovery acts on the serving
-    grid, not its workers: `slow_recovery`.)"""
+    world ranks of a worker group, now (kill_worker with a `phase` of SNAPSHOT_PHASES: armed now, dying there). nan
+    and nan_token hold until `clear`. (slow_recovery acts on the serving grid, not its workers: `slow_recovery`.)"""
     if kind == "kill_worker" and phase is not None:
         group.run_on([r for r in ranks if r < group.size], _die_in, phase)
     elif kind == "kill_worker":

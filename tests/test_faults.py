@@ -287,6 +287,9 @@ def test_a_store_too_small_for_one_snapshot_and_kills_in_its_phases_leave_the_ru
     with head_room(0):  # every worker on the small store's node
         failed = run_job(tiny(**base, **{"fault_tolerance.faults": faults}), steps)
     lost = [i for i in failed.incidents if i["kind"] == "worker_lost"]
-    assert [i["step"] for i in lost] == [2, 4, 6], failed.incidents
+    # the worker that dies after streaming all of step 6's snapshot is met by step 6, or after it when the bytes
+    # (spilled to disk) outlast the step
+    steps = [i["step"] for i in lost]
+    assert steps[:2] == [2, 4] and steps[2:] in ([6], [7]), failed.incidents
     assert failed.status["snapshots"]["one_at_a_time"] and failed.status["snapshots"]["committed"] >= 1
     assert failed.losses == pytest.approx(unfailed.losses, rel=1e-12, abs=0), failed.incidents

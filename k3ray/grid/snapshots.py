@@ -186,8 +186,8 @@ def store_fit(part_bytes: list[int], nodes: list[str], store_bytes: dict[str, fl
     what = "they spill to local disk and arrive later (the auto cadence takes them further apart)" if spills else \
         "they fit one at a time"
     return StoreFit(f"snapshots of {own[short] / gib:.1f} GiB of parts on a node, whose object store holds "
-                    f"{room[short] / gib:.1f} GiB before it spills: {what}; each replaces the last when it starts, so a "
-                    f"worker lost while one arrives goes back to the newest durable checkpoint or the job's start "
+                    f"{room[short] / gib:.1f} GiB before it spills: {what}; each replaces the last when it starts, so "
+                    f"a worker lost while one arrives goes back to the newest durable checkpoint or the job's start "
                     f"point (exact, with more steps to run again). Two at a time need "
                     f"{(2 + peers) * own[short] / SPILL_AT / gib:.0f} GiB of store per node (K3RAY_OBJECT_STORE_GB "
                     f"for a local cluster, `ray start --object-store-memory` on a cluster, /dev/shm as large)",
@@ -255,7 +255,6 @@ class Snapshots:
         self.committed: Snapshot | StartPoint | None = None
         self.base: StartPoint | None = None  # the newest state held outside the object store (start, checkpoint)
         self.pending: Snapshot | None = None
-        self.peer_holds: list = []  # the neighbours' copies of the committed snapshot being mapped (refs)
         self.stall_seconds: list[float] = []  # training stalled per snapshot
         self.total_seconds: list[float] = []  # start to committed
         self.arrival_steps: list[int] = []  # steps that ended before it was found arrived (1: within the first)
@@ -351,7 +350,7 @@ class Snapshots:
             if fit.line not in self.warnings:
                 self.warnings.append(fit.line)
         if self.one_at_a_time:  # its store space is this one's: until it arrives, the base is what recovery has
-            self.committed, self.peer_holds = self.base, []
+            self.committed = self.base
         refs = group.transfer.stream_snapshot(step, staged)
         self.taken.append(step)
         self.worker_stage_seconds.append(max((seconds for _, seconds in staged), default=0.0))
@@ -381,8 +380,8 @@ class Snapshots:
             return
         snap.nbytes = nbytes
         self.committed, self.pending = snap, None
-        self.peer_holds = group.transfer.hold_peer_snapshots(snap.step, snap.refs) \
-            if hold and not self.one_at_a_time else []
+        if hold and not self.one_at_a_time:
+            group.transfer.hold_peer_snapshots(snap.step, snap.refs)
         self.stall_seconds.append(snap.stall_seconds)
         self.total_seconds.append(time.perf_counter() - snap.started)
         self.arrival_steps.append(snap.polls + 1)
@@ -394,7 +393,7 @@ class Snapshots:
         was made): dropped; the base (the job's start or its newest durable checkpoint) is what to restore."""
         log.warning("snapshot of step %d lost with a node: going back to step %d", self.committed.step, self.base.step)
         self.lost.append(self.committed.step)
-        self.committed, self.peer_holds = self.base, []
+        self.committed = self.base
         return self.base
 
     def drop_pending(self) -> None:

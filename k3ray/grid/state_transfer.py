@@ -53,7 +53,8 @@ class GridStateTransfer:
         from k3ray.grid.snapshots import SnapshotPart
 
         g = self.group
-        return [SnapshotPart(w.snapshot.remote(g.generation, step), nbytes) for w, (nbytes, _) in zip(g.workers, staged)]
+        return [SnapshotPart(w.snapshot.remote(g.generation, step), nbytes)
+                for w, (nbytes, _) in zip(g.workers, staged)]
 
     def warm_stores(self) -> list[ray.ObjectRef]:
         """Start every worker writing its snapshot's size into its node's object store and freeing it (Worker
@@ -81,21 +82,19 @@ class GridStateTransfer:
             p.collect()
         return sum(p.nbytes for p in parts)
 
-    def hold_peer_snapshots(self, step: int, refs: list) -> list[ray.ObjectRef]:
+    def hold_peer_snapshots(self, step: int, refs: list) -> None:
         """Each snapshot part (by old world rank: the refs may be an older grid's) is mapped by a worker on another
         node than the one holding it, the next such rank after its own (placement-aware neighbour), so a copy
         survives the loss of that node. A part with no worker on another node is held by none: on its own node a
         worker's mapping is the same memory, no copy. The calls are sent, not waited for (a copy crosses the
-        network beside the next steps; a worker lost meanwhile is met by the next step): their refs."""
+        network beside the next steps; a worker lost meanwhile is met by the next step)."""
         g = self.group
         if len(set(g.nodes)) < 2:
-            return []
+            return
         where = ray.experimental.get_object_locations([part.refs[-1] for part in refs])
-        holds = []
         for i, part in enumerate(refs):
             holding = set(where.get(part.refs[-1], {}).get("node_ids") or [])
             order = [(i + k) % g.size for k in range(1, g.size + 1)]
             holder = next((r for r in order if g.nodes[r] not in holding), None)
             if holder is not None:
-                holds.append(calls.send(g.workers[holder], g.generation, "hold_peer_snapshot", i, step, part))
-        return holds
+                calls.send(g.workers[holder], g.generation, "hold_peer_snapshot", i, step, part)

@@ -40,7 +40,7 @@ class TrainingGrid:
         snaps = self.snapshots
         # a store that holds one snapshot has no room for the neighbours' copies; the start point has none
         if snaps.committed.refs and not snaps.one_at_a_time:  # mapped again by the new grid's neighbours
-            snaps.peer_holds = self.group.transfer.hold_peer_snapshots(snaps.committed.step, snaps.committed.refs)
+            self.group.transfer.hold_peer_snapshots(snaps.committed.step, snaps.committed.refs)
 
 
 def merge_reports(step: int, batch_index: int, reports: list[dict], ep: int, tokens: int) -> StepReport:

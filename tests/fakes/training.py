@@ -220,9 +220,8 @@ class FakeGroup:
         self._die("snapshot_bytes")
         return len(parts)
 
-    def hold_peer_snapshots(self, step: int, refs: list) -> list:
+    def hold_peer_snapshots(self, step: int, refs: list) -> None:
         self._die("hold_peer_snapshots")
-        return []
 
     def close(self) -> None:
         self.alive = False
