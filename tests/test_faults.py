@@ -277,7 +277,7 @@ def test_a_store_too_small_for_one_snapshot_and_kills_in_its_phases_leave_the_ru
 
     # ~6.7M parameters in float64 (short sequences: the snapshot's size is the parameters', not the batch's)
     wide = {"model.d_model": 128, "model.d_latent": 64, "model.expert_inner": 512, "data.seq_len": 32}
-    steps, faults = 8, [{"kind": "kill_worker", "step": 2, "worker": 3, "at": "snapshot_stage"},
+    steps, faults = 12, [{"kind": "kill_worker", "step": 2, "worker": 3, "at": "snapshot_stage"},
                         {"kind": "kill_worker", "step": 4, "worker": 2, "at": "snapshot_stream"},
                         {"kind": "kill_worker", "step": 6, "worker": 1, "at": "snapshot_commit"}]
     base = {"parallel.ep": 4, "fault_tolerance.snapshot_every": 2, "fault_tolerance.grow_back": False,
@@ -287,9 +287,9 @@ def test_a_store_too_small_for_one_snapshot_and_kills_in_its_phases_leave_the_ru
     with head_room(0):  # every worker on the small store's node
         failed = run_job(tiny(**base, **{"fault_tolerance.faults": faults}), steps)
     lost = [i for i in failed.incidents if i["kind"] == "worker_lost"]
-    # the worker that dies after streaming all of step 6's snapshot is met by step 6, or after it when the bytes
-    # (spilled to disk) outlast the step
-    steps = [i["step"] for i in lost]
-    assert steps[:2] == [2, 4] and steps[2:] in ([6], [7]), failed.incidents
+    # the worker that dies after streaming all of step 6's snapshot is met by step 6, or later when the bytes
+    # (spilled to disk) outlast steps: the run leaves five steps for them on a loaded machine
+    met = [i["step"] for i in lost]
+    assert met[:2] == [2, 4] and len(met) == 3 and 6 <= met[2] < steps, failed.incidents
     assert failed.status["snapshots"]["one_at_a_time"] and failed.status["snapshots"]["committed"] >= 1
     assert failed.losses == pytest.approx(unfailed.losses, rel=1e-12, abs=0), failed.incidents

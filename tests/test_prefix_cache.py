@@ -65,7 +65,7 @@ def test_a_key_that_collides_is_a_miss_not_another_prefix():
     assert c.match(keys_of(ids)[:2], forged).tokens == 0  # ids' keys, other tokens: the tokens are compared
 
 
-def test_held_blocks_stay_evictable_ones_go_least_recently_used_with_their_checkpoint():
+def test_held_blocks_stay_evictable_ones_go_least_recently_used_leaves_first():
     c = cache(checkpoints=2, kept=3)
     a, b = list(range(9)), list(range(100, 109))
     offer(c, a[:8], [0, 1], boundaries=(8,))  # its request holds them
@@ -75,14 +75,40 @@ def test_held_blocks_stay_evictable_ones_go_least_recently_used_with_their_check
     held = c.match(keys_of(b), b)
     c.take(held, len(b))
     assert c.usage()["hit_tokens"] == 8 and c.usage()["lookup_tokens"] == 9
-    assert c.new_checkpoint() >= 0  # evicts a's checkpointed block, page and checkpoint together
-    assert c.match(keys_of(a), a).tokens == 0 and 1 in c.free_pages
+    assert c.new_checkpoint() >= 0  # taken from a's block: its pages stay cached, a hit no longer
+    assert c.match(keys_of(a), a).tokens == 0 and c.usage()["cached_pages"] == 4
     assert c.match(keys_of(b), b).tokens == 8  # held: never evicted
     assert c.new_checkpoint() == -1  # no evictable block has one: that boundary is not checkpointed
     c.release(list(held.pages))
-    c.release(list(held.pages))  # both of b's holders ended
-    assert len(c.evictable) == 3 and c.evict_one() and c.evict_one() and c.evict_one() and not c.evict_one()
+    c.release(list(held.pages))  # both of b's holders ended: 4 evictable, 3 kept: a's last block (a leaf) goes
+    assert 1 in c.free_pages and len(c.evictable) == 3
+    assert c.evict_one() and c.evict_one() and c.evict_one() and not c.evict_one()
     assert sorted(c.free_pages) == list(range(32))
+
+
+def test_a_block_stays_while_its_children_are_cached_and_one_computed_again_is_shared():
+    """Two prompts open with the same block (a chat template's first tokens). The second request computes that
+    block too, finds it cached, and holds it beside its own copy; evicting to the budget takes the least recently
+    used leaves, never a block under a cached one, so the second prompt still hits (its deepest block went)."""
+    c = cache(checkpoints=4, kept=3)
+    a = list(range(8)) + [1]
+    b = list(range(4)) + list(range(50, 62)) + [1]  # block 0 is a's
+    offer(c, a[:8], [0, 1], boundaries=(8,))
+    c.release([0, 1])  # a's blocks: evictable
+    kb, shared = keys_of(b[:16]), {}
+    for i, page in enumerate([2, 3, 4, 5]):
+        c.free_pages.remove(page)
+        if c.offer_page(kb[i], kb[i - 1] if i else ROOT, b[i * P:(i + 1) * P], page) == "shared":
+            shared[i] = kb[i]
+    assert shared == {0: kb[0]} and kb[0] not in c.evictable  # held by b's request now
+    for boundary in (8, 16):
+        c.offer_checkpoint(kb[boundary // P - 1], c.new_checkpoint())
+    c.release([2, 3, 4, 5], shared)  # its own copy of block 0 is freed; 5 evictable, 3 kept
+    assert {1, 2, 5} <= set(c.free_pages)  # a's block 1, then b's block 3: leaves; a's block 0 has b's under it
+    assert c.match(keys_of(b), b).tokens == 8 and c.match(keys_of(a), a).tokens == 0
+    c.free_pages.remove(9)
+    assert c.offer_page(keys_of(a)[1], kb[0], a[4:8], 9) == "cached"  # under a cached parent
+    assert c.offer_page(block_key(b"x", [1, 2, 3, 4]), b"x", [1, 2, 3, 4], 10) == "refused"  # no parent cached
 
 
 def test_evictable_pages_are_kept_to_the_budget():

@@ -343,11 +343,10 @@ def test_n_choices_bias_limits_and_content_parts(server):
     asyncio.run(go())
 
 
-@pytest.mark.xfail(reason="known: after the grammar-constrained tool-call requests above, the server's prefix cache "
-                          "takes no new prefix (its blocks and checkpoints stay held); found, not yet fixed")
-def test_a_shared_prompt_still_hits_after_constrained_tool_calls(server):
-    """Run after the tool-call, grammar and n tests: a new shared system prompt is cached and hits as the first one
-    did."""
+def test_a_shared_prompt_still_hits_after_other_prompts_filled_the_cache(server):
+    """Run after the tool-call, grammar and n tests filled the cache with prompts whose first block (the chat
+    template's opening) is this one's: a new shared system prompt is cached and hits as the first one did (its
+    cached blocks are never left without their first one)."""
     model = server.info["model"]
     system = {"role": "system", "content": "Answer in French, in one short line, and never call a tool. " * 3}
     ask = {"role": "user", "content": "weather in lyon?"}

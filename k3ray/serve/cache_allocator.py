@@ -13,9 +13,10 @@ from k3ray.serve.scheduler_output import Request
 
 @dataclass
 class HeldCaches:
-    """The pages and slot of a preempted incarnation that iterations in flight still hold."""
+    """The pages, shared blocks and slot of a preempted incarnation that iterations in flight still hold."""
     rank: int
     pages: list[int]
+    shared_blocks: dict[int, bytes]
     slot: int
     in_flight: int
 
@@ -44,11 +45,12 @@ class RankPool:
         del self.free_pages[-n:]
         return taken
 
-    def give(self, pages: list[int], slot: int) -> None:
+    def give(self, pages: list[int], shared_blocks: dict[int, bytes], slot: int) -> None:
+        """A request's pages, the cached blocks it shares (position -> key) and its slot come back."""
         if self.prefix is None:
             self.free_pages += pages
         else:
-            self.prefix.release(pages)
+            self.prefix.release(pages, shared_blocks)
         self.free_slots.append(slot)
 
 
@@ -83,17 +85,18 @@ class CacheAllocator:
 
     def release(self, req: Request) -> None:
         """`req` ended and no iteration holds its caches: they go back."""
-        self.ranks[req.rank].give(req.pages, req.slot)
-        req.pages, req.slot, req.in_flight, req.unconfirmed = [], -1, 0, 0
+        self.ranks[req.rank].give(req.pages, req.shared_blocks, req.slot)
+        req.pages, req.slot, req.in_flight, req.unconfirmed, req.shared_blocks = [], -1, 0, 0, {}
 
     def give_back(self, req: Request) -> None:
         """`req` is preempted: its caches go back now, or once the iterations in flight that hold them complete."""
         pool = self.ranks[req.rank]
         if req.in_flight:
-            self.held[(req.id, req.epoch)] = HeldCaches(req.rank, req.pages, req.slot, req.in_flight)
+            self.held[(req.id, req.epoch)] = HeldCaches(req.rank, req.pages, req.shared_blocks, req.slot,
+                                                        req.in_flight)
             pool.held_pages += len(req.pages)
         else:
-            pool.give(req.pages, req.slot)
+            pool.give(req.pages, req.shared_blocks, req.slot)
 
     def row_done(self, request_id: int, epoch: int) -> None:
         """An iteration holding a preempted incarnation's caches completed: the last one gives them back."""
@@ -110,7 +113,7 @@ class CacheAllocator:
     def _free_held(self, key: tuple[int, int]) -> None:
         held = self.held.pop(key)
         pool = self.ranks[held.rank]
-        pool.give(held.pages, held.slot)
+        pool.give(held.pages, held.shared_blocks, held.slot)
         pool.held_pages -= len(held.pages)
 
     def usage(self) -> dict:

@@ -8,10 +8,15 @@ that a request starts its prefill at the deepest boundary it shares with a cache
 - A cached block holds its page (written once, read by every request that shares it: a request writes only the
   positions past its prefix, which start on a page boundary) and, where its last token ends a multiple of `every`
   tokens, the checkpoint of every KDA layer's state (and short-convolution tail) after that token.
-- Requests hold references on the blocks of their prefix; a block nobody holds is evictable, least recently used
-  first (a lookup touches the deepest blocks first, so the shallow ones, shared most, go last). Evicting a block
-  frees its page and its checkpoint together. Evictable pages are taken back when a rank's free pages run out, and
-  kept at most to the byte budget (`PrefixSizes`).
+- Requests hold references on the cached blocks of their prefix: those of their hit, those they computed and
+  cached, and those they computed that another request had cached first (their own page stays theirs). A request
+  holds a block only with its parent, so a block nobody holds has no held descendant.
+- A block nobody holds is evictable, least recently used first (a request lets go of its deepest blocks first, so
+  the shallow ones, shared most, go last), and only as a leaf: a block stays while a child of it is cached, so every
+  cached block's whole prefix is cached (a lookup walks it from the first block). Evicting a block frees its page
+  and its checkpoint. Evictable pages are taken back when a rank's free pages run out, and kept at most to the byte
+  budget (`PrefixSizes`). A checkpoint needed where none is free is taken from the least recently used evictable
+  block holding one; the block keeps its page.
 
 A request's hit is the deepest boundary b (a multiple of `every`, at most its length - 1: one token at least is
 computed, for its logits) where every block before b is cached and the block ending at b holds a checkpoint.
@@ -78,6 +83,7 @@ class Block:
     page: int
     refs: int = 0  # requests holding it
     checkpoint: int = -1  # the KDA state checkpoint after its last token (-1: none)
+    children: int = 0  # cached blocks whose parent it is
 
 
 @dataclass
@@ -132,24 +138,40 @@ class PrefixCache:
         self.hit_tokens += min(hit.tokens, prompt_tokens)
 
     # -- what requests computed --------------------------------------------------------------------------------------
-    def offer_page(self, key: bytes, parent: bytes, tokens, page: int) -> bool:
-        """A request's full page of block `key`, computed: cached (the request then holds it) unless the block is
-        cached already (the page stays the request's own). Whether it was taken."""
-        if key in self.blocks:
-            return False
+    def offer_page(self, key: bytes, parent: bytes, tokens, page: int) -> str:
+        """A request's full page of block `key`, computed, the request holding the block's parent (or `parent` is
+        ROOT): "cached" (the page is the block's now, the request holds it), "shared" (the block was cached by
+        another request: the request holds it too, its page stays its own and goes back with it), or "refused"
+        (another block has that key, or the parent is not cached: nothing is cached)."""
+        block = self.blocks.get(key)
+        if block is not None:
+            if block.parent != parent or block.tokens != tuple(tokens):
+                return "refused"
+            block.refs += 1
+            self.evictable.pop(key, None)
+            return "shared"
+        if parent != ROOT and parent not in self.blocks:
+            return "refused"
         block = Block(key, parent, tuple(tokens), page, refs=1)
         self.blocks[key] = block
         self.by_page[page] = block
-        return True
+        if parent != ROOT:
+            self.blocks[parent].children += 1
+        return "cached"
+
+    def holds_page(self, page: int) -> bool:
+        """Whether `page` is a cached block's."""
+        return page in self.by_page
 
     def new_checkpoint(self) -> int:
-        """A free checkpoint id, evicting the least recently used evictable block with a checkpoint where none is
-        free (its page is freed with it); -1 where every checkpoint is held (the boundary is not checkpointed)."""
+        """A free checkpoint id, taken from the least recently used evictable block holding one where none is free
+        (the block stays, without it); -1 where every checkpoint is held (the boundary is not checkpointed)."""
         if not self.free_checkpoints:
             victim = next((b for b in self.evictable.values() if b.checkpoint >= 0), None)
             if victim is None:
                 return -1
-            self._evict(victim)
+            self.free_checkpoints.append(victim.checkpoint)
+            victim.checkpoint = -1
         return self.free_checkpoints.pop()
 
     def offer_checkpoint(self, key: bytes, checkpoint: int) -> None:
@@ -170,25 +192,33 @@ class PrefixCache:
         self.free_checkpoints.append(checkpoint)
 
     # -- pages coming back -------------------------------------------------------------------------------------------
-    def release(self, pages: list[int]) -> None:
-        """A request lets go of its pages: cached ones lose its reference (evictable once nobody holds them, the
-        deepest first, so they are evicted first), the others are freed; evictable pages past the budget too."""
-        for page in reversed(pages):
-            block = self.by_page.get(page)
+    def release(self, pages: list[int], shared: dict[int, bytes] | None = None) -> None:
+        """A request lets go of its pages (and of the blocks it shares, `shared`: position -> key, where its own
+        page holds what a cached block holds): cached blocks lose its reference (evictable once nobody holds them,
+        the deepest first, so they are evicted first), its own pages are freed; evictable pages past the budget too."""
+        shared = shared or {}
+        for i in reversed(range(len(pages))):
+            if i in shared:
+                self._let_go(self.blocks[shared[i]])
+            block = self.by_page.get(pages[i])
             if block is None:
-                self.free_pages.append(page)
-                continue
-            block.refs -= 1
-            if block.refs == 0:
-                self.evictable[block.key] = block
+                self.free_pages.append(pages[i])
+            else:
+                self._let_go(block)
         while len(self.evictable) > self.sizes.kept_pages:
             self.evict_one()
 
+    def _let_go(self, block: Block) -> None:
+        block.refs -= 1
+        if block.refs == 0:
+            self.evictable[block.key] = block
+
     def evict_one(self) -> bool:
-        """Free the least recently used evictable block's page and checkpoint; False if none is evictable."""
-        if not self.evictable:
+        """Free the least recently used evictable leaf's page and checkpoint; False if none is evictable."""
+        leaf = next((b for b in self.evictable.values() if b.children == 0), None)
+        if leaf is None:
             return False
-        self._evict(next(iter(self.evictable.values())))
+        self._evict(leaf)
         return True
 
     def _evict(self, block: Block) -> None:
@@ -198,6 +228,9 @@ class PrefixCache:
         self.free_pages.append(block.page)
         if block.checkpoint >= 0:
             self.free_checkpoints.append(block.checkpoint)
+        parent = self.blocks.get(block.parent)
+        if parent is not None:
+            parent.children -= 1
 
     # -- what it holds -----------------------------------------------------------------------------------------------
     def usage(self) -> dict:

@@ -90,3 +90,4 @@ class RequestTable:
 def _forget_caches(req: Request) -> None:
     req.rank, req.pages, req.slot = -1, [], -1
     req.cached = req.planned = req.unconfirmed = req.in_flight = req.blocks_offered = 0
+    req.shared_blocks = {}

@@ -287,7 +287,10 @@ class Scheduler:
         full = req.cached // P
         keys = self._keys(req, full)
         for i in range(req.blocks_offered, full):
-            cache.offer_page(keys[i], keys[i - 1] if i else ROOT, req.tokens(i * P, P), req.pages[i])
+            if i and not ((i - 1) in req.shared_blocks or cache.holds_page(req.pages[i - 1])):
+                break  # it holds no cached block before this one: it caches nothing deeper
+            if cache.offer_page(keys[i], keys[i - 1] if i else ROOT, req.tokens(i * P, P), req.pages[i]) == "shared":
+                req.shared_blocks[i] = keys[i]
         req.blocks_offered = max(req.blocks_offered, full)
         for r, b, ckpt in batch.saves:
             if r == row:

@@ -37,6 +37,8 @@ class Request:
     logprobs: list = field(default_factory=list)  # per token of `out` (params.logprobs set): `token_logprobs`'s
     keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full blocks of `ids` known so far
     blocks_offered: int = 0  # pages of this incarnation offered to the prefix cache (its hit's included)
+    shared_blocks: dict[int, bytes] = field(default_factory=dict)  # position -> key of a cached block it holds
+    # beside its own page of the same tokens (another request cached that block first)
     cached_prompt: int | None = None  # prompt tokens its first admission took from the prefix cache
 
     @property
