@@ -41,8 +41,9 @@ reference's; in bf16 the rounding differs from a chunk's, as it does between chu
 
 Interface: `submit`, `schedule` -> SchedulerOutput, `complete(output, answers by rank)`; `step` runs both with a
 synchronous executor (tests, the single-process engine); `reset` after a lost grid. The requests themselves, and
-`cancel`, `forget` and `fail_all`, are in its request table (`Scheduler.table`, k3ray.serve.request_table). Sizes
-come from serve.* (ServeConfig, resolved for the device: `ServeConfig.resolved`).
+`cancel`, `forget` and `fail_all`, are in its request table (`Scheduler.table`, k3ray.serve.request_table), and
+what the requests hit in and offer to the prefix cache in its books on it (`Scheduler.request_prefixes`,
+k3ray.serve.request_prefixes). Sizes come from serve.* (ServeConfig, resolved for the device: `ServeConfig.resolved`).
 """
 from __future__ import annotations
 
@@ -85,7 +86,7 @@ class Scheduler:
         self.guards = guards or GuardPolicy()
         self.tokenizer = tokenizer or ByteTokenizer()
         self.table = RequestTable(CacheAllocator(serve, dp, prefix))
-        # None with the prefix cache off
+        # the prefix cache's hits, checkpoints and offers per request (None: the cache is off)
         self.request_prefixes = None if prefix is None else RequestPrefixes(serve.page_size, prefix.every, self.table)
         target = serve.iteration_target_ms
         self.pacer = IterationPacer(None if target is None else target / 1e3, serve.token_budget, PROMPT_TOKENS_FLOOR)
