@@ -1,7 +1,8 @@
 """Live expert placement in serving: the engine on pp=1 x ep=4 (float64, the shared serving checkpoint) takes a
 rebalance in the middle of 16 concurrent streams (read-only copies of the hot experts fetched in the background,
 the table switched between two iterations) and every request still ends with exactly the tokens of the
-single-process reference; policies change live through the engine, bad values are refused with the field named."""
+single-process reference; policies change live through the engine, bad values are refused (raised) with the field
+named."""
 from __future__ import annotations
 
 import threading
@@ -13,12 +14,21 @@ import ray
 from conftest import serving_engine
 from k3ray.serve.drills import Stream
 from k3ray.data import encode
+from k3ray.steering.protocol import Refused
 
 PROMPTS = ["def ", "import sys\n", "class A:\n    def f(self", "x", "for k, v in d.items():\n", "return ",
            "if not path:\n    raise ValueError(", "@classmethod\n", "try:\n    pass\nexcept", "s = ", "while True:\n",
            "print(", "with open(p) as f:\n", "# ", "yield ", "lambda x: "]
 SERVE = {"page_size": 4, "pages_per_rank": 64, "slots_per_rank": 4, "token_budget": 16, "max_waiting": 16,
          "max_tokens": 64}
+
+
+def refusal(method, *args, of: type[Exception]) -> Exception:
+    """What the engine actor raised for method(*args), out of Ray's wrapping: a refusal of type `of`."""
+    with pytest.raises(ray.exceptions.RayTaskError) as raised:
+        ray.get(method.remote(*args))
+    assert isinstance(raised.value.cause, of), raised.value
+    return raised.value.cause
 
 
 @pytest.fixture(scope="module")
@@ -60,12 +70,10 @@ def test_a_rebalance_amid_16_streams_changes_no_token_and_fails_no_request(engin
 
 
 def test_policies_change_live_and_bad_values_are_refused_with_the_field_named(engine):
-    bad = ray.get(engine.set_policy.remote("replication", {"spare_slots_per_rank": -1}))
-    assert bad["status"] == 400 and "replication.spare_slots_per_rank" in bad["error"]
-    unknown_field = ray.get(engine.set_policy.remote("moonep", {"slots": 2}))
-    assert unknown_field["status"] == 400 and "moonep.slots" in unknown_field["error"]
-    unknown = ray.get(engine.set_policy.remote("nope", {"enabled": False}))
-    assert unknown["status"] == 404 and "unknown policy 'nope'" in unknown["error"]
+    assert "replication.spare_slots_per_rank" in str(refusal(engine.set_policy, "replication",
+                                                              {"spare_slots_per_rank": -1}, of=ValueError))
+    assert "moonep.slots" in str(refusal(engine.set_policy, "moonep", {"slots": 2}, of=ValueError))
+    assert "unknown policy 'nope'" in str(refusal(engine.set_policy, "nope", {"enabled": False}, of=KeyError))
     assert ray.get(engine.policies.remote("moonep"))["enabled"] is True
     change = ray.get(engine.set_policy.remote("moonep", {"enabled": False}, "test"))
     assert change["value"]["enabled"] is False
@@ -79,10 +87,10 @@ def test_scaling_the_grid_down_and_up_amid_streams_changes_no_token(engine, visi
     grid is launched beside the serving one (tokens keep coming meanwhile) and adopted between two iterations, the
     requests in flight prefilled again on it; every request ends with the reference's tokens. Sizes the grid cannot
     take are refused, the grid untouched."""
-    assert ray.get(engine.scale.remote(0))["status"] == 400
-    assert "ep=3 does not divide model.n_experts=16" in ray.get(engine.scale.remote(3))["error"]
-    too_big = ray.get(engine.scale.remote(16))
-    assert too_big["status"] == 409 and "a 1 x 16 grid needs 16" in too_big["error"]
+    assert str(refusal(engine.scale, 0, of=ValueError)).startswith("ep: must be a whole number >= 1")
+    assert refusal(engine.scale, 3, of=Refused).message == "ep=3 does not divide model.n_experts=16"
+    too_big = refusal(engine.scale, 16, of=Refused)
+    assert too_big.status == 409 and "a 1 x 16 grid needs 16" in too_big.message
     assert ray.get(engine.stats.remote())["ep"] == 4
     params = [{"max_tokens": 24 + i, "temperature": 0.0 if i % 2 else 0.8, "seed": 60 + i} for i in range(16)]
     # those arriving while a resize lasts are long, so some are in flight when the new grid is adopted

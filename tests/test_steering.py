@@ -3,6 +3,8 @@ actor) serve the same steering routes, refuse a request without the token with t
 /health and /healthz alike. Both apps run in-process over stand-ins for the controller and the engine (no Ray)."""
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -10,6 +12,7 @@ from k3ray.config import PoliciesConfig
 from k3ray.control.api import build_app as control_app
 from k3ray.jobs.live_policies import LivePolicies
 from k3ray.serve.front_door import build_app as front_door_app
+from k3ray.steering.protocol import Refused
 
 KEY = "steering-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -93,10 +96,7 @@ class EngineMethods:
 
     @staticmethod
     def policies(engine, name=None) -> dict:
-        try:
-            return engine.live.get(name)
-        except KeyError as err:
-            return {"error": err.args[0], "status": 404}
+        return engine.live.get(name)
 
     @staticmethod
     def set_policy(engine, name, params, source) -> dict:
@@ -108,8 +108,10 @@ class EngineMethods:
 
     @staticmethod
     def scale(engine, ep) -> dict:
+        if ep < 1:
+            raise ValueError(f"ep: must be a whole number >= 1, got {ep!r}")
         if ep == 3:
-            return {"error": "ep=3 does not divide model.n_experts=16", "status": 409}
+            raise Refused(409, "ep=3 does not divide model.n_experts=16")
         return {"ep": [2, ep], "action": "none"}
 
     @staticmethod
@@ -168,6 +170,14 @@ def test_scale_is_queued_on_training_and_done_on_serving(apps):
     assert r.status_code == 200 and r.json() == {"ep": [2, 1], "action": "none"}
     r = apps["serving"].post("/v1/scale", json={"ep": 3}, headers=AUTH)
     assert r.status_code == 409 and r.json()["detail"] == "ep=3 does not divide model.n_experts=16"
+    r = apps["serving"].post("/v1/scale", json={"ep": 0}, headers=AUTH)  # a bad value: serving's 400, as a bad body
+    assert r.status_code == 400 and r.json()["detail"] == "ep: must be a whole number >= 1, got 0"
+
+
+def test_a_refusal_crosses_processes_whole():
+    """The serving engine's refusals reach the front door pickled (Ray): status, message and code kept."""
+    err = pickle.loads(pickle.dumps(Refused(409, "ep=3 does not divide model.n_experts=16", "too_big")))
+    assert (err.status, err.message, err.code) == (409, "ep=3 does not divide model.n_experts=16", "too_big")
 
 
 def test_write_routes_take_json_bodies_only_on_both_apps(apps):

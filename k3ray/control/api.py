@@ -24,7 +24,7 @@ from fastapi import Depends, FastAPI
 from pydantic import BaseModel
 
 from k3ray.steering.auth import BearerAuth, new_token, write_private
-from k3ray.steering.protocol import Health, Refused
+from k3ray.steering.protocol import Health
 from k3ray.steering.router import NOT_JSON, ErrorBody, json_bodies, steering_app
 from k3ray.train.callbacks import Callback
 
@@ -50,22 +50,14 @@ class Status(BaseModel):
 
 
 class ControllerSteering:
-    """The training controller as a `Steering` implementation."""
+    """The training controller as a `Steering` implementation: its refusals (KeyError, ValueError) are the router's
+    to answer (k3ray.steering.router `refusals`)."""
 
     def __init__(self, ctrl):
         self.ctrl = ctrl
 
     async def _call(self, method: str, *args) -> Any:
         return await asyncio.to_thread(getattr(self.ctrl, method), *args)
-
-    async def _request(self, method: str, *args) -> Any:
-        """A call that may be refused: KeyError (an unknown policy) a 404, ValueError (a bad value, named) a 422."""
-        try:
-            return await self._call(method, *args)
-        except KeyError as err:
-            raise Refused(404, err.args[0]) from None
-        except ValueError as err:
-            raise Refused(422, str(err)) from None
 
     async def health(self) -> Health:
         return Health({"status": "ok"})
@@ -80,16 +72,16 @@ class ControllerSteering:
         return await self._call("placement")
 
     async def policies(self, name: str | None = None) -> dict[str, Any]:
-        return await self._request("get_policies", name)
+        return await self._call("get_policies", name)
 
     async def set_policy(self, name: str, params: dict[str, Any], source: str) -> dict[str, Any]:
-        return await self._request("set_policy", name, params, source)
+        return await self._call("set_policy", name, params, source)
 
     async def audit(self) -> list[dict[str, Any]]:
         return await self._call("audit_log")
 
     async def scale(self, ep: int) -> dict[str, Any]:
-        return await self._request("request_scale", ep)
+        return await self._call("request_scale", ep)
 
     async def incidents(self) -> list[dict[str, Any]]:
         return await self._call("get_incidents")

@@ -30,6 +30,11 @@ MAX_FAILURES_KEPT = 10  # failed attempts an incident lists (the newest)
 BROKEN_AFTER_FAILURES = 3  # grid calls failing in a row (no worker lost) before the grid is relaunched
 
 
+class GridLost(Exception):
+    """A grid call found workers lost (`Availability.call`): the grid has been rebuilt and every unfinished request
+    requeued, to be prefilled again; what the call was for (an iteration, a placement switch, a chore) is void."""
+
+
 class Availability:
     def __init__(self, serve: ServeConfig, grid, sched: Scheduler, incidents: IncidentLog, events: RequestEvents):
         self.serve, self.grid, self.sched, self.incidents, self.events = serve, grid, sched, incidents, events
@@ -39,14 +44,14 @@ class Availability:
         self.gap_from: tuple[dict, float] | None = None  # (incident, when the loss was found) until the next token
 
     async def call(self, fn, *args):
-        """fn(*args) off the event loop (requests keep arriving and leaving meanwhile). None when workers were lost:
-        the grid is then rebuilt and every unfinished request requeued, to be prefilled again (no request fails)."""
+        """fn(*args) off the event loop (requests keep arriving and leaving meanwhile). Workers lost: the grid is
+        rebuilt and every unfinished request requeued, to be prefilled again (no request fails), then GridLost."""
         try:
             out = await asyncio.to_thread(fn, *args)
         except WorkerLost as lost:
             self.failures_in_row = 0
             await self.restore(lost)
-            return None
+            raise GridLost(str(lost)) from lost
         except Exception as err:
             # no worker lost, yet the grid fails (its process groups broken?): the caller fails what was running;
             # failing again and again, the grid is relaunched

@@ -11,9 +11,10 @@ Parts, each a class of its own, owned here and handed what they use in their con
 owns a scheduler and an executor): the scheduler (k3ray.serve.scheduler), the iteration loop (schedule -> run on the
 grid -> complete, k3ray.serve.iterations), the availability (every grid call, recoveries, `health`,
 k3ray.serve.availability), the live placement (policies, expert copies, resizes, k3ray.serve.live), the
-requests' admission (k3ray.serve.admission) and their streams (k3ray.serve.streams); they share the incident log
-(k3ray.jobs.incidents) and the iterations' counters (k3ray.serve.record). The engine's own methods are its Ray API,
-with the front doors' batched streams (`submit`, `cancel`, `subscribe`) that only the actor carries.
+requests' admission (k3ray.serve.admission), their streams (k3ray.serve.streams) and the serving view of its status
+(`stats`: k3ray.serve.record.ServingStatus); they share the incident log (k3ray.jobs.incidents) and the iterations'
+counters (k3ray.serve.record). The engine's own methods are its Ray API, with the front doors' batched streams
+(`submit`, `cancel`, `subscribe`) that only the actor carries.
 
 Requests stream: `generate` is an async generator (a Ray streaming call); its first item says whether the request
 was accepted, then one item per iteration in which it got tokens, the last one with the finish reason. Cancelling
@@ -48,7 +49,7 @@ from k3ray.faults import clear, inject, slow_recovery
 from k3ray.io.checkpoint import CheckpointError
 from k3ray.jobs.incidents import IncidentLog
 from k3ray.serve.launch import hold_weights, serving_job_config, start_workers
-from k3ray.serve.record import ServingStats
+from k3ray.serve.record import ServingStats, ServingStatus
 from k3ray.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class Engine:
                                   self.counts, self.incidents, self.events, observers or [], overlap(cfg))
         self.admission = Admission(sc, self.sched, self.availability, self.loop, self.events)
         self.subscribers = Subscribers(self.admission.stream)
+        self.status = ServingStatus(grid, self.sched, self.counts, self.incidents)
         self.start_seconds: dict[str, float] = {}  # the ServingEngine's start in phases
 
     def ready(self) -> dict:
@@ -118,18 +120,8 @@ class Engine:
                 "tokenizer": self.cfg.data.tokenizer, "start_seconds": dict(self.start_seconds)}
 
     def stats(self) -> dict:
-        c = self.counts
-        return {**self.sched.usage(), "iterations": c.iterations, "tokens_out": c.tokens_out,
-                "uptime_s": time.time() - c.started, "pp": self.grid.pp, "ep": self.grid.ep,
-                "incidents": len(self.incidents), "phase_seconds": dict(c.phase_s),
-                **self._standbys()}
-
-    def _standbys(self) -> dict:
-        """How many standbys the grid has (one per worker where fault_tolerance.standbys is on), how many are up."""
-        group = self.grid.group
-        if group is None or not group.standbys_on:
-            return {"standbys": 0, "standbys_up": 0}
-        return {"standbys": group.size, "standbys_up": group.resources.standbys.up_count()}
+        """The serving view (`ServingStatus.view`): requests, pages, iterations, tokens, the grid and its standbys."""
+        return self.status.view()
 
     def health(self) -> dict:
         """{'status': 'ok'}, or 'unavailable' with the reason and since when (the front door's /health: 503)."""
@@ -143,13 +135,14 @@ class Engine:
                 yield item
 
     # -- steering: k3ray.serve.live --------------------------------------------------------------------------------
+    # a refusal is raised (k3ray.steering.protocol): KeyError, ValueError or Refused, answered by the front door
     def policies(self, name: str | None = None) -> dict:
-        """The live policies (changes waiting for the next iteration on top), or {'error', 'status': 404}."""
+        """The live policies (changes waiting for the next iteration on top); KeyError for an unknown name."""
         return self.live.policies(name)
 
     def set_policy(self, name: str, params: dict, source: str = "api") -> dict:
-        """Change one policy at the next iteration (audited): {'policy', 'value', 'applies_at_step'}, or {'error',
-        'status'}: 404 for an unknown policy, 400 naming the field for a bad value; nothing changes then."""
+        """Change one policy at the next iteration (audited): {'policy', 'value', 'applies_at_step'}; KeyError for an
+        unknown policy, ValueError naming the field for a bad value (nothing changes then)."""
         return self.live.set_policy(name, params, source)
 
     def policy_audit(self) -> list[dict]:
@@ -166,12 +159,13 @@ class Engine:
         return True
 
     async def scale(self, ep: int) -> dict:
-        """Resize the grid to pp x ep, no request dropped (`LivePlacement.scale`): the incident's fields, or
-        {'error', 'status'}: 400 for an ep below 1, 409 where the grid cannot take that size, 500 where it failed."""
-        fields = await self.live.scale(ep)
-        if self.sched.has_work:
-            self.loop.ensure_running()
-        return fields
+        """Resize the grid to pp x ep, no request dropped (`LivePlacement.scale`): the incident's fields; ValueError
+        for an ep below 1, Refused(409) where the grid cannot take that size, Refused(500) where it failed."""
+        try:
+            return await self.live.scale(ep)
+        finally:  # the requests requeued onto the new grid (or the relaunched one, after a failure) run on
+            if self.sched.has_work:
+                self.loop.ensure_running()
 
     def incident_log(self) -> list[dict]:
         """Lost workers, relaunches, resizes, guard trips, failed iterations (`k3ray incidents --serve`)."""

@@ -15,10 +15,12 @@ between two iterations: someone waits for the lock (a resize), the live placemen
 failure with two in flight takes the sequential path's way out: a lost worker voids both (the grid is rebuilt and
 every unfinished request prefilled again from its confirmed tokens), any other failure fails every request.
 
-Every grid call goes through `Availability.call` (a lost worker: None, the grid rebuilt). Observers (metrics) are
-told after every iteration (`iteration(changed requests, scheduler, seconds)`) and every `expert_load_every`
-iterations (`expert_load(workers' counts, homes, copies)`); one that fails is logged, never the end of the loop. The
-loop itself failing (a bug) fails every request, and the next request starts it again.
+Every grid call goes through `Availability.call` (a lost worker: the grid rebuilt, then GridLost); the iterations
+whose call was lost or failed end in one place (`_iterations`), and their seconds go into no phase (a recovery's are
+in its incident). Observers (metrics) are told after every iteration (`iteration(changed requests, scheduler,
+seconds)`) and every `expert_load_every` iterations (`expert_load(workers' counts, homes, copies)`); one that fails is
+logged, never the end of the loop. The loop itself failing (a bug) fails every request, and the next request starts
+it again.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import math
 import time
 
 from k3ray.jobs.incidents import IncidentLog
-from k3ray.serve.availability import Availability
+from k3ray.serve.availability import Availability, GridLost
 from k3ray.serve.live import BoundaryLock, LivePlacement
 from k3ray.serve.record import ServingStats
 from k3ray.serve.scheduler import Scheduler
@@ -37,6 +39,23 @@ from k3ray.serve.streams import RequestEvents
 log = logging.getLogger("k3ray.serve")
 BOUNDARY_EVERY = 32  # overlapped iterations at most between two boundaries (policies, placement moves)
 SPARES_CHECK_S = 5.0  # how often missing hot spares are looked for room
+
+
+def _observe(observer, method: str, *args) -> None:
+    """Tell an observer (metrics) what happened: one that fails is logged, never the end of the loop."""
+    try:
+        getattr(observer, method)(*args)
+    except Exception:  # noqa: BLE001 - metrics must not stop serving
+        log.exception("serving observer %s.%s failed", type(observer).__name__, method)
+
+
+class GridCallFailed(Exception):
+    """An iteration's grid call failed, no worker lost (its `__cause__`): every request fails. `beside`: the
+    iteration (plans, handle) submitted beside the one that failed, if any: waited for, its answers void."""
+
+    def __init__(self, beside=None):
+        super().__init__("an iteration's grid call failed")
+        self.beside = beside
 
 
 class IterationLoop:
@@ -51,6 +70,7 @@ class IterationLoop:
         self.task: asyncio.Task | None = None
         self.chores: set[str] = set()  # grid calls due between iterations: 'expert_load', 'placement'
         self.spares_checked = time.monotonic()
+        self.iteration_t0 = 0.0  # when the iteration under way began (perf_counter): its observers get its seconds
 
     def ensure_running(self) -> None:
         """Work arrived: wake the loop, or start it (on the running event loop) where it is not running."""
@@ -81,45 +101,55 @@ class IterationLoop:
                 continue
             async with self.between_iterations:
                 await self.live.at_boundary()
-                if self.overlap:
-                    await self._overlapped_stretch()
-                else:
-                    await self._sequential_iteration()
+                await self._iterations()
             await self._grid_chores()
 
+    async def _iterations(self) -> None:
+        """One iteration, or a stretch of overlapped ones; a grid call that fails ends them here, with whatever is
+        in flight: a lost grid voids them (rebuilt, every unfinished request requeued), any other failure fails
+        every request."""
+        try:
+            if self.overlap:
+                await self._overlapped_stretch()
+            else:
+                await self._sequential_iteration()
+        except GridLost:
+            self._iteration_done([], self.iteration_t0)
+        except GridCallFailed as failed:
+            await self._discard(failed.beside)
+            self._iteration_done(self._iteration_failed(failed.__cause__), self.iteration_t0)
+
+    async def _on_grid(self, fn, *args, beside=None):
+        """fn(*args) through `Availability.call`: GridLost passes; any other failure is the iteration's
+        (GridCallFailed, with `beside`: the iteration submitted beside the one that failed, if any)."""
+        try:
+            return await self.availability.call(fn, *args)
+        except GridLost:
+            raise
+        except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
+            raise GridCallFailed(beside) from err
+
     async def _sequential_iteration(self) -> None:
-        t0 = time.perf_counter()
+        t0 = self.iteration_t0 = time.perf_counter()
         plans = self.sched.schedule()
         t1 = time.perf_counter()
-        try:
-            outputs = await self.availability.call(self.grid.run, plans.plans())
-        except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
-            changed = self._iteration_failed(err)
-        else:
-            t2 = time.perf_counter()
-            changed = [] if outputs is None else self.sched.complete(plans, outputs)
-            self._time_phases(t1 - t0, t2 - t1, time.perf_counter() - t2, outputs)
+        outputs = await self._on_grid(self.grid.run, plans.plans())
+        t2 = time.perf_counter()
+        changed = self.sched.complete(plans, outputs)
+        self._time_phases(t1 - t0, t2 - t1, time.perf_counter() - t2, outputs)
         self._iteration_done(changed, t0)
 
     async def _overlapped_stretch(self) -> None:
         """Overlapped iterations until a boundary is due or the work ends; returns with nothing in flight."""
         ahead = None  # (plans, handle): the iteration submitted and not yet completed
         for count in range(BOUNDARY_EVERY):
-            t0 = time.perf_counter()
+            t0 = self.iteration_t0 = time.perf_counter()
             submitted, t1, submit_s = None, t0, 0.0
             if self.sched.has_work and (count == 0 or not self._boundary_due()):
                 plans = self.sched.schedule()
                 if ahead is None or not plans.empty:
                     t1 = time.perf_counter()
-                    try:
-                        handle = await self.availability.call(self.grid.submit, plans.plans())
-                    except Exception as err:  # noqa: BLE001 - as a failed iteration, with the one in flight
-                        await self._discard(ahead)
-                        self._iteration_done(self._iteration_failed(err), t0)
-                        return
-                    if handle is None:  # workers lost: the grid is rebuilt, the iteration in flight void
-                        self._iteration_done([], t0)
-                        return
+                    handle = await self._on_grid(self.grid.submit, plans.plans(), beside=ahead)
                     submitted, submit_s = (plans, handle), time.perf_counter() - t1
             if ahead is None:
                 if submitted is None:
@@ -127,15 +157,7 @@ class IterationLoop:
                 ahead = submitted
                 continue
             t2 = time.perf_counter()
-            try:
-                outputs = await self.availability.call(self.grid.collect, ahead[1])
-            except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
-                await self._discard(submitted)
-                self._iteration_done(self._iteration_failed(err), t0)
-                return
-            if outputs is None:  # workers lost: both iterations void, every unfinished request requeued
-                self._iteration_done([], t0)
-                return
+            outputs = await self._on_grid(self.grid.collect, ahead[1], beside=submitted)
             t3 = time.perf_counter()
             changed = self.sched.complete(ahead[0], outputs)
             self._time_phases(t1 - t0, submit_s + t3 - t2, time.perf_counter() - t3, outputs)
@@ -147,14 +169,10 @@ class IterationLoop:
             await self._drain(ahead)
 
     async def _drain(self, ahead) -> None:
-        t0 = time.perf_counter()
-        try:
-            outputs = await self.availability.call(self.grid.collect, ahead[1])
-        except Exception as err:  # noqa: BLE001 - whatever failed, no request may wait forever
-            self._iteration_done(self._iteration_failed(err), t0)
-            return
+        t0 = self.iteration_t0 = time.perf_counter()
+        outputs = await self._on_grid(self.grid.collect, ahead[1])
         t1 = time.perf_counter()
-        changed = [] if outputs is None else self.sched.complete(ahead[0], outputs)
+        changed = self.sched.complete(ahead[0], outputs)
         self._time_phases(0.0, t1 - t0, time.perf_counter() - t1, outputs)
         self._iteration_done(changed, t0)
 
@@ -164,7 +182,7 @@ class IterationLoop:
             return
         try:
             await self.availability.call(self.grid.collect, submitted[1])
-        except Exception:  # noqa: BLE001 - its requests have failed already
+        except Exception:  # noqa: BLE001 - its requests have failed already (a lost grid among them: rebuilt)
             log.debug("an iteration after a failed one failed too", exc_info=True)
 
     def _boundary_due(self) -> bool:
@@ -202,14 +220,14 @@ class IterationLoop:
         self.events.wake(changed)
         stats.phase_s["wake"] += time.perf_counter() - t3
         for observer in self.observers:
-            self._observe(observer, "iteration", changed, self.sched, time.perf_counter() - t0)
+            _observe(observer, "iteration", changed, self.sched, time.perf_counter() - t0)
 
-    def _time_phases(self, schedule_s: float, grid_s: float, complete_s: float, outputs: dict | None) -> None:
+    def _time_phases(self, schedule_s: float, grid_s: float, complete_s: float, outputs: dict) -> None:
         p = self.stats.phase_s
         p["schedule"] += schedule_s
         p["grid"] += grid_s
         p["complete"] += complete_s
-        p["worker"] += max((o.seconds for o in (outputs or {}).values()), default=0.0)
+        p["worker"] += max((o.seconds for o in outputs.values()), default=0.0)
 
     async def _grid_chores(self) -> None:
         """Between iterations, nothing in flight: every so often the workers' expert load (observers, placement);
@@ -219,23 +237,20 @@ class IterationLoop:
         if chores:
             try:
                 loads = await self.availability.call(self.grid.expert_load)
+            except GridLost:  # the counts went with the lost grid
+                loads = None
             except Exception:  # noqa: BLE001 - not a lost worker (those are recovered): the next iteration shows
                 log.exception("collecting the expert load failed")
                 loads = None
             for observer in self.observers if loads is not None else ():
-                self._observe(observer, "expert_load", loads, list(self.grid.group.home), self.live.view()["copies"])
+                _observe(observer, "expert_load", loads, list(self.grid.group.home), self.live.view()["copies"])
             if loads is not None and "placement" in chores:
                 self.live.observe_load(loads)
         if time.monotonic() - self.spares_checked > SPARES_CHECK_S:
             self.spares_checked = time.monotonic()
             try:
                 await self.availability.call(self.grid.group.resources.top_up_spares)
+            except GridLost:  # the rebuilt grid's spares are topped up at the next check
+                pass
             except Exception:  # noqa: BLE001 - a spare is an optimisation: serving goes on without it
                 log.exception("starting hot spares failed")
-
-    @staticmethod
-    def _observe(observer, method: str, *args) -> None:
-        try:
-            getattr(observer, method)(*args)
-        except Exception:  # noqa: BLE001 - metrics must not stop serving
-            log.exception("serving observer %s.%s failed", type(observer).__name__, method)

@@ -10,6 +10,7 @@ overlapped ones: nothing is in flight while it is free), asks `boundary_due` whe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -17,10 +18,11 @@ from k3ray.config import JobConfig
 from k3ray.grid.calls import TopologyError
 from k3ray.jobs.incidents import IncidentLog
 from k3ray.jobs.live_policies import LivePolicies
-from k3ray.serve.availability import Availability
+from k3ray.serve.availability import Availability, GridLost
 from k3ray.serve.placement import ServePlacement
 from k3ray.serve.record import ServingStats
 from k3ray.serve.scheduler import Scheduler
+from k3ray.steering.protocol import Refused
 
 log = logging.getLogger("k3ray.serve")
 
@@ -55,15 +57,19 @@ class LivePlacement:
         try:
             changed = self.live.take_pending(self.stats.iterations)
             if changed & {"moonep", "scheduling"}:
-                await self.availability.call(self.grid.group.call, "set_policies", self.policy_cfg.model_dump())
+                with contextlib.suppress(GridLost):  # a rebuilt grid's workers start from the live values
+                    await self.availability.call(self.grid.group.call, "set_policies", self.policy_cfg.model_dump())
             if "replication" in changed or self.placement.decide_next:
                 self.placement.start(self.grid, self.policy_cfg.replication)
             record = self.placement.ready(self.grid)
-            if record is not None and await self.availability.call(self.grid.use_copies, record["copies"]):
+            if record is not None:
+                await self.availability.call(self.grid.use_copies, record["copies"])
                 self.placement.switched(record, self.stats.iterations)
                 log.info("serving placement: switched to copies %s (balancedness %s -> %s, %d bytes fetched)",
                          record["copies"], record["balancedness_before"], record["balancedness_after"],
                          record["bytes_moved"])
+        except GridLost:  # the switch is void with the grid it was for; the loss is an incident of its own
+            pass
         except Exception as err:  # noqa: BLE001 - placement and policies are optimisations: serving goes on
             log.exception("serving: applying policies or a placement move failed")
             self.incidents.record("placement_failed", action="kept the placement", why=f"{type(err).__name__}: {err}")
@@ -86,22 +92,14 @@ class LivePlacement:
         return self.placement.view(self.grid)
 
     def policies(self, name: str | None = None) -> dict:
-        """The live policies (changes waiting for the next iteration on top), or {'error', 'status': 404}."""
-        try:
-            return self.live.get(name)
-        except KeyError as err:
-            return {"error": err.args[0], "status": 404}
+        """The live policies (changes waiting for the next iteration on top); KeyError for an unknown name."""
+        return self.live.get(name)
 
     def set_policy(self, name: str, params: dict, source: str) -> dict:
         """Validate a change to one policy and apply it at the next iteration (audited): {'policy', 'value',
-        'applies_at_step'}, or {'error', 'status'}: 404 for an unknown policy, 400 naming the field for a bad value;
-        nothing changes then."""
-        try:
-            return self.live.set(name, params, source, self.stats.iterations)
-        except KeyError as err:
-            return {"error": err.args[0], "status": 404}
-        except ValueError as err:
-            return {"error": str(err), "status": 400}
+        'applies_at_step'}; KeyError for an unknown policy, ValueError naming the field for a bad value (nothing
+        changes then)."""
+        return self.live.set(name, params, source, self.stats.iterations)
 
     def audit(self) -> list[dict]:
         return self.live.audit_log()
@@ -115,20 +113,20 @@ class LivePlacement:
         """Resize the grid to pp x ep: launched beside the serving grid from the held weights while iterations go on
         (`ServingGrid.launch_beside`), then adopted between two iterations; where both do not fit, the grid is
         relaunched at the new size (serving pauses meanwhile). Every unfinished request is prefilled again on the
-        new grid, as after a loss: none dropped, outputs unchanged. The incident's fields, or {'error', 'status'}:
-        400 for an ep below 1, 409 where the grid cannot take that size (nothing changes), 500 where the launch
-        failed (a relaunch that fails goes the failure path, `Availability.restore`)."""
+        new grid, as after a loss: none dropped, outputs unchanged. The incident's fields; ValueError for an ep below
+        1, Refused(409) where the grid cannot take that size (nothing changes), Refused(500) where the launch failed
+        (a relaunch that fails goes the failure path, `Availability.restore`, before the refusal)."""
         if not isinstance(ep, int) or ep < 1:
-            return {"error": f"ep: must be a whole number >= 1, got {ep!r}", "status": 400}
+            raise ValueError(f"ep: must be a whole number >= 1, got {ep!r}")
         if ep == self.grid.ep:
             return {"ep": [ep, ep], "action": "none"}
         t0 = time.perf_counter()
         try:
             beside = await asyncio.to_thread(self.grid.launch_beside, ep)
         except TopologyError as err:
-            return {"error": str(err), "status": 409}
+            raise Refused(409, str(err)) from None
         except Exception as err:  # noqa: BLE001 - the serving grid is untouched: say why and serve on
-            return {"error": f"launching ep={ep} failed: {type(err).__name__}: {err}", "status": 500}
+            raise Refused(500, f"launching ep={ep} failed: {type(err).__name__}: {err}") from None
         async with self.between_iterations:
             if beside is not None:
                 fields = self.grid.adopt(*beside)
@@ -137,8 +135,8 @@ class LivePlacement:
                     fields = await asyncio.to_thread(self.grid.resize, ep)
                 except Exception as err:  # noqa: BLE001 - the old grid is gone: serve again, whatever it takes
                     await self.availability.restore(None, f"scaling to ep={ep} failed: {type(err).__name__}: {err}")
-                    return {"error": f"scaling to ep={ep} failed ({type(err).__name__}: {err}); serving on ep="
-                                     f"{self.grid.ep}", "status": 500}
+                    raise Refused(500, f"scaling to ep={ep} failed ({type(err).__name__}: {err}); serving on ep="
+                                       f"{self.grid.ep}") from None
             fields["requeued"] = len(self.sched.reset(self.grid.ep))
             if self.sched.prefix is not None:
                 fields["prefix_cache"] = "cold: the new grid's caches start empty"

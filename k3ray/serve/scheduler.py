@@ -41,8 +41,9 @@ reference's; in bf16 the rounding differs from a chunk's, as it does between chu
 
 Interface: `submit`, `schedule` -> SchedulerOutput, `complete(output, answers by rank)`; `step` runs both with a
 synchronous executor (tests, the single-process engine); `reset` after a lost grid. The requests themselves, and
-`cancel`, `forget` and `fail_all`, are in its request table (`Scheduler.table`, k3ray.serve.request_table). Sizes
-come from serve.* (ServeConfig, resolved for the device: `ServeConfig.resolved`).
+`cancel`, `forget` and `fail_all`, are in its request table (`Scheduler.table`, k3ray.serve.request_table), and
+what the requests hit in and offer to the prefix cache in its books on it (`Scheduler.request_prefixes`,
+k3ray.serve.request_prefixes). Sizes come from serve.* (ServeConfig, resolved for the device: `ServeConfig.resolved`).
 """
 from __future__ import annotations
 
@@ -51,14 +52,15 @@ import time
 
 from k3ray.config import GuardPolicy, ServeConfig
 from k3ray.config.serve import PROMPT_TOKENS_FLOOR
-from k3ray.model.cache import SeqAdmit, SeqPages, StateSave
+from k3ray.model.cache import SeqAdmit, SeqPages
 from k3ray.model.sampling import SamplingParams, finish_reason
 from k3ray.parallel.serving import StageOutput
 from k3ray.policies import guards
 from k3ray.serve.cache_allocator import CacheAllocator
 from k3ray.serve.grammar import RequestLogits, needs_logits
 from k3ray.serve.pacing import IterationPacer, paced_chunk
-from k3ray.serve.prefix_cache import ROOT, Hit, PrefixSizes, block_key
+from k3ray.serve.prefix_cache import Hit, PrefixSizes
+from k3ray.serve.request_prefixes import RequestPrefixes
 from k3ray.serve.request_table import RequestTable
 from k3ray.serve.scheduler_output import RankBatch, Request, SchedulerOutput
 from k3ray.tokenizer import ByteTokenizer, Tokenizer
@@ -84,6 +86,8 @@ class Scheduler:
         self.guards = guards or GuardPolicy()
         self.tokenizer = tokenizer or ByteTokenizer()
         self.table = RequestTable(CacheAllocator(serve, dp, prefix))
+        # the prefix cache's hits, checkpoints and offers per request (None: the cache is off)
+        self.request_prefixes = None if prefix is None else RequestPrefixes(serve.page_size, prefix.every, self.table)
         target = serve.iteration_target_ms
         self.pacer = IterationPacer(None if target is None else target / 1e3, serve.token_budget, PROMPT_TOKENS_FLOOR)
         self._ids = itertools.count()
@@ -135,30 +139,22 @@ class Scheduler:
 
         def add(req: Request, n: int) -> None:
             batch = out.ranks[req.rank]
-            plan = batch.plan
             from_device = req.planned >= req.length  # the token an iteration in flight samples for it
-            plan.tokens += [0] if from_device else req.tokens(req.planned, n)
-            plan.from_device.append(from_device)
-            plan.slots.append(req.slot)
-            plan.starts.append(req.planned)
-            plan.counts.append(n)
-            plan.counters.append(len(req.out) + req.unconfirmed)
-            batch.requests.append(req)
-            batch.epochs.append(req.epoch)
+            batch.add_row(req, n, from_device)
             scheduled.add(req.id)
             budget[req.rank] -= n
             if n > 1:
                 prompt_budget[req.rank] -= n
             out.total_tokens += n
             self.rank_tokens[req.rank] += n
-            if self.prefix is not None:
-                self._checkpoint(req, n, batch, from_device)
+            if self.request_prefixes is not None:
+                self.request_prefixes.checkpoint(req, n, batch, from_device)
             req.planned += n
             req.in_flight += 1
             if req.planned == req.length + req.unconfirmed:  # the row reaches the end: it samples the next token
                 req.unconfirmed += 1
                 if req.logits is not None:
-                    plan.logits.append(req.logits.row(len(plan.slots) - 1))
+                    batch.plan.logits.append(req.logits.row(len(batch.plan.slots) - 1))
 
         table = self.table
         running = sorted((r for r in table.running.values() if self._may_continue(r)),
@@ -240,7 +236,7 @@ class Scheduler:
         best, best_key = (0, None, Hit()), None
         caches = self.table.caches
         for rank, pool in enumerate(caches.ranks):
-            hit = self._lookup(req, pool.prefix)
+            hit = Hit() if self.request_prefixes is None else self.request_prefixes.lookup(req, rank)
             left = req.length - hit.tokens  # a requeued request re-prefills its output
             n = 1 if self._stepwise(req) else min(left, budget[rank])
             if n > 1:
@@ -252,56 +248,6 @@ class Scheduler:
             if n > 0 and pool.free_slots and available >= need + reserve and (best_key is None or key > best_key):
                 best, best_key = (n, rank, hit), key
         return best
-
-    # -- the prefix cache ------------------------------------------------------------------------------------------
-    def _keys(self, req: Request, blocks: int) -> list[bytes]:
-        """`req`'s block keys, extended to its first `blocks` full blocks (their tokens known)."""
-        P, keys = self.serve.page_size, req.keys
-        for i in range(len(keys), blocks):
-            keys.append(block_key(keys[-1] if keys else ROOT, req.tokens(i * P, P)))
-        return keys
-
-    def _lookup(self, req: Request, cache) -> Hit:
-        """The prefix of `req` that `cache` (a rank's prefix cache; None: off) holds."""
-        if cache is None:
-            return Hit()
-        return cache.match(self._keys(req, (req.length - 1) // self.serve.page_size), req.ids)
-
-    def _checkpoint(self, req: Request, n: int, batch: RankBatch, from_device: bool) -> None:
-        """Checkpoint the KDA states at the boundaries (every prefix_state_every tokens) that `req`'s row of n
-        tokens from req.planned reaches, where the cache holds none there yet and a checkpoint is free."""
-        every, start, P = self.prefix.every, req.planned, self.serve.page_size
-        cache = self.table.caches.ranks[req.rank].prefix
-        for b in range((start // every + 1) * every, start + n + 1, every):
-            if not from_device and cache.has_checkpoint(self._keys(req, b // P)[b // P - 1]):
-                continue
-            ckpt = cache.new_checkpoint()
-            if ckpt < 0:
-                return
-            batch.plan.saves.append(StateSave(len(batch.plan.slots) - 1, b - start, ckpt))
-            batch.saves.append((len(batch.plan.slots) - 1, b, ckpt))
-
-    def _offer(self, req: Request, row: int, batch: RankBatch) -> None:
-        """After `req`'s row completed: its newly full pages and the checkpoints its row saved go to the cache."""
-        P, cache = self.serve.page_size, self.table.caches.ranks[req.rank].prefix
-        full = req.cached // P
-        keys = self._keys(req, full)
-        for i in range(req.blocks_offered, full):
-            if i and not ((i - 1) in req.shared_blocks or cache.holds_page(req.pages[i - 1])):
-                break  # it holds no cached block before this one: it caches nothing deeper
-            if cache.offer_page(keys[i], keys[i - 1] if i else ROOT, req.tokens(i * P, P), req.pages[i]) == "shared":
-                req.shared_blocks[i] = keys[i]
-        req.blocks_offered = max(req.blocks_offered, full)
-        for r, b, ckpt in batch.saves:
-            if r == row:
-                cache.offer_checkpoint(keys[b // P - 1], ckpt)
-
-    def _drop_saves(self, rank: int, row: int, batch: RankBatch) -> None:
-        """The checkpoints a void or failed row was to save are free again."""
-        cache = self.table.caches.ranks[rank].prefix
-        for r, _, ckpt in batch.saves:
-            if r == row:
-                cache.drop_checkpoint(ckpt)
 
     def complete(self, scheduled: SchedulerOutput, outputs: dict[int, StageOutput]) -> list[Request]:
         """Take an iteration's answers (rank -> StageOutput: next tokens [N] and max-abs [N], one per sequence of
@@ -319,16 +265,16 @@ class Scheduler:
             for row, (n, req, epoch) in enumerate(zip(plan.counts, batch.requests, batch.epochs)):
                 if epoch != req.epoch:  # preempted after this was scheduled: its caches return once none holds them
                     if batch.saves:
-                        self._drop_saves(rank, row, batch)
+                        self.request_prefixes.drop_saves(rank, row, batch)
                     self.table.caches.row_done(req.id, epoch)
                     continue
                 req.cached += n
                 req.in_flight -= 1
-                if self.prefix is not None:
+                if self.request_prefixes is not None:
                     if row in trips:
-                        self._drop_saves(rank, row, batch)
+                        self.request_prefixes.drop_saves(rank, row, batch)
                     else:
-                        self._offer(req, row, batch)
+                        self.request_prefixes.offer(req, row, batch)
                 if req.done:  # cancelled while in flight, or ended by the iteration before (its token dropped)
                     if req.in_flight == 0:
                         self.table.release(req)

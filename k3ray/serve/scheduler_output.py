@@ -75,6 +75,19 @@ class RankBatch:
     epochs: list[int] = field(default_factory=list)
     saves: list[tuple[int, int, int]] = field(default_factory=list)  # (row, boundary, checkpoint) of plan.saves
 
+    def add_row(self, req: Request, n: int, from_device: bool) -> None:
+        """`req`'s row of n positions from req.planned, last in the batch; from_device: its one token is the one an
+        iteration in flight samples (0 here, taken on the workers)."""
+        plan = self.plan
+        plan.tokens += [0] if from_device else req.tokens(req.planned, n)
+        plan.from_device.append(from_device)
+        plan.slots.append(req.slot)
+        plan.starts.append(req.planned)
+        plan.counts.append(n)
+        plan.counters.append(len(req.out) + req.unconfirmed)
+        self.requests.append(req)
+        self.epochs.append(req.epoch)
+
 
 @dataclass
 class SchedulerOutput:

@@ -1,5 +1,6 @@
 """The serving engine as a `Steering` implementation (k3ray.steering.protocol), for the front door's steering routes:
-each method asks the engine actor; its answer {'error', 'status'} is a refusal with that HTTP status."""
+each method asks the engine actor. What the engine raises comes back as itself, out of Ray's wrapping: a refusal
+(KeyError, ValueError, Refused) is answered by the router as training's are (k3ray.steering.router `refusals`)."""
 from __future__ import annotations
 
 from typing import Any
@@ -7,7 +8,7 @@ from typing import Any
 import ray
 
 from k3ray.serve import openai_schema as oa
-from k3ray.steering.protocol import Health, Refused
+from k3ray.steering.protocol import Health
 
 
 class EngineSteering:
@@ -15,10 +16,10 @@ class EngineSteering:
         self.engine, self.info = engine, info
 
     async def _ask(self, method: str, *args) -> Any:
-        answer = await getattr(self.engine, method).remote(*args)
-        if isinstance(answer, dict) and "error" in answer and "status" in answer:
-            raise Refused(answer["status"], answer["error"])
-        return answer
+        try:
+            return await getattr(self.engine, method).remote(*args)
+        except ray.exceptions.RayTaskError as err:  # its message is the actor's traceback: the cause's is the reason
+            raise err.cause from None
 
     async def health(self) -> Health:
         """200 while a grid serves; 503 with the reason while the engine is gone or recovers its grid."""
@@ -44,14 +45,15 @@ class EngineSteering:
         return await self._ask("policies", name)
 
     async def set_policy(self, name: str, params: dict[str, Any], source: str) -> dict[str, Any]:
-        """Applied at the next iteration; 400 naming the field for a bad value, 404 for an unknown policy."""
+        """Applied at the next iteration; ValueError naming the field for a bad value, KeyError for an unknown
+        policy."""
         return await self._ask("set_policy", name, params, source)
 
     async def audit(self) -> list[dict[str, Any]]:
         return await self._ask("policy_audit")
 
     async def scale(self, ep: int) -> dict[str, Any]:
-        """Done before the answer, no request dropped; 409 where the grid cannot take that size."""
+        """Done before the answer, no request dropped; Refused(409) where the grid cannot take that size."""
         return await self._ask("scale", ep)
 
     async def incidents(self) -> list[dict[str, Any]]:

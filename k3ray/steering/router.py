@@ -8,7 +8,8 @@ not even a 422. A write route (PUT, POST) takes a body declared JSON (Content-Ty
 415 (`json_bodies`), whatever the body would parse as. A policy change passes the policy's update model (every field
 optional, unknown fields, empty bodies and non-finite numbers rejected), and a bad body is answered `invalid_status`
 with "policy.field: why". Training answers 422 there (its OpenAPI spec says so); serving 400, as it answers every bad
-request. Every refusal's body carries FastAPI's `detail` and the OpenAI error shape (`error_body`).
+request; a bad value the backend finds (a ValueError) is answered the same (`refusals`). Every refusal's body
+carries FastAPI's `detail` and the OpenAI error shape (`error_body`).
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
 import math
@@ -101,6 +102,18 @@ async def _validated(request: Request, model: type[BaseModel], where: str, inval
         raise Refused(invalid_status, "; ".join(parts) or f"{where or 'request'}: invalid") from None
 
 
+async def refusals(call, invalid_status: int) -> Any:
+    """Await a steering call that may refuse the request (k3ray.steering.protocol), training's and serving's alike:
+    KeyError (an unknown name) is a 404, ValueError (a bad value, named) an `invalid_status`; Refused passes as
+    raised. Only the routes that take a name or a value map these: elsewhere a KeyError is a bug (a 500)."""
+    try:
+        return await call
+    except KeyError as err:
+        raise Refused(404, err.args[0]) from None
+    except ValueError as err:
+        raise Refused(invalid_status, str(err)) from None
+
+
 def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 422,
                     status_model: Any = dict[str, Any]) -> APIRouter:
     """The routes (module docstring) answering from `backend`; `status_model` documents GET /v1/status."""
@@ -131,7 +144,7 @@ def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 4
 
     @v1.get("/policies/{name}", responses={404: {"model": Error}})
     async def policy(name: str) -> dict[str, Any]:
-        return finite(await backend.policies(name))
+        return finite(await refusals(backend.policies(name), invalid_status))
 
     def setter(name: str, body_model: type[BaseModel]):
         async def put(request: Request) -> PolicyChange:
@@ -139,7 +152,7 @@ def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 4
             if not params:
                 raise Refused(invalid_status, f"{name}: give at least one field to change")
             source = f"api:{request.client.host}:{request.client.port}" if request.client else "api"
-            return PolicyChange(**finite(await backend.set_policy(name, params, source)))
+            return PolicyChange(**finite(await refusals(backend.set_policy(name, params, source), invalid_status)))
         put.__name__ = f"set_{name}"
         return put
 
@@ -160,7 +173,7 @@ def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 4
         """Resize the grid to pp x ep (`k3ray scale --ep N`): 202 with the step it applies at where the change is
         queued (training: at the next step boundary, the global batch kept), 200 where it is done (serving)."""
         body = await _validated(request, ScaleRequest, "", invalid_status)
-        answer = finite(await backend.scale(body["ep"]))
+        answer = finite(await refusals(backend.scale(body["ep"]), invalid_status))
         return answer if "applies_at_step" in answer else JSONResponse(answer, status_code=200)
 
     @v1.get("/incidents")
