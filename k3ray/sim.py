@@ -162,13 +162,10 @@ def run_simulation(cfg, ranks: int, trace: str, steps: int = 3, layers: int | No
             if placement is None or step % every == 0:
                 bar.set_postfix_str("replication")
                 t0 = time.perf_counter()
-                new = replication.rebalance(totals if history is None else history, ranks, num_phys,
-                                            current=None if placement is None else placement.physical_to_logical,
-                                            moved_budget=None if placement is None else rep_cfg.moved_budget)
+                placement, moved = _replan(totals if history is None else history, placement, ranks, num_phys,
+                                           rep_cfg.moved_budget)
                 rebalance_ms.append((time.perf_counter() - t0) * 1e3)
-                if placement is not None:
-                    moved_total += int((new.physical_to_logical != placement.physical_to_logical).sum())
-                placement = new
+                moved_total += moved
             history = totals if history is None else rep_cfg.history_decay * history + totals
             home_phys = torch.arange(num_phys) // slots
             bar.set_postfix_str("policies")
@@ -177,19 +174,34 @@ def run_simulation(cfg, ranks: int, trace: str, steps: int = 3, layers: int | No
                 _simulate_layer(stats, counts, placement, layer, home_phys, cfg.policies.moonep.slots_per_rank, cost,
                                 cfg.parallel.micro_batches)
                 bar.update(1)
-    # Persistent copies move only when the placement changes (the first placement is set up before step 0);
-    # MoonEP copies move every step: replicas per rank per layer x layers.
-    moved_per_step = moved_total / ranks / steps
-    for name, st in stats.items():
-        st.finish(steps)
-        copies = (st.replicas_per_rank_mean * num_layers if "moonep" in name else 0.0) + \
-            (moved_per_step if name.startswith("replicas") else 0.0)
-        st.copy_bytes_per_step_per_rank = copies * expert_bytes
+    _finish_stats(stats, steps, num_layers, moved_total / ranks / steps, expert_bytes)
     return SimResult(trace=trace, ranks=ranks, experts=num_experts, top_k=top_k, layers=num_layers, steps=steps,
                      tokens_per_rank=tokens_per_rank, slots_per_rank_replicas=slots, expert_bytes=expert_bytes,
                      expert_maxvio_mean=statistics.fmean(maxvios), policies=stats, cost=cost,
                      rebalance_every=every, rebalance_ms_median=statistics.median(rebalance_ms),
                      wall_s=time.perf_counter() - started)
+
+
+def _replan(load: torch.Tensor, placement, ranks: int, num_phys: int, moved_budget) -> tuple:
+    """(the persistent replicas planned on `load` [L, E], physical slots that changed expert): the first placement
+    is free, a re-plan is limited by `moved_budget`."""
+    new = replication.rebalance(load, ranks, num_phys,
+                                current=None if placement is None else placement.physical_to_logical,
+                                moved_budget=None if placement is None else moved_budget)
+    moved = 0 if placement is None else int((new.physical_to_logical != placement.physical_to_logical).sum())
+    return new, moved
+
+
+def _finish_stats(stats: dict[str, PolicyStats], steps: int, num_layers: int, moved_per_step: float,
+                  expert_bytes: int) -> None:
+    """Each policy's means over the steps and its copy bytes per step and rank: persistent copies move only when
+    the placement changes (the first placement is set up before step 0); MoonEP copies move every step (replicas
+    per rank per layer x layers)."""
+    for name, st in stats.items():
+        st.finish(steps)
+        copies = (st.replicas_per_rank_mean * num_layers if "moonep" in name else 0.0) + \
+            (moved_per_step if name.startswith("replicas") else 0.0)
+        st.copy_bytes_per_step_per_rank = copies * expert_bytes
 
 
 def _simulate_layer(stats: dict[str, PolicyStats], counts: torch.Tensor, placement, layer: int,

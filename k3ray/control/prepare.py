@@ -226,21 +226,28 @@ def prepare(inputs: list[str], tokenizer: str, output: str, field: str = "text",
     total_tokens = sum(e["tokens"] for e in listed)
     if total_tokens == 0:
         raise ConfigError(f"--input {' '.join(inputs)}: no text (every document is empty)")
-    manifest = {"format": shards.FORMAT, "field": field, "shards": listed, "tokens": total_tokens,
-                "documents": sum(e["documents"] for e in listed),
-                "tokenizer": {"name": Path(tok.name).name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-                              "fingerprint": tok.fingerprint}}
-    for stale in out.glob("shard_*.*"):  # shards of an earlier, larger input
-        if stale.stem not in {e["name"] for e in listed}:
-            stale.unlink()
-    shards.write_json(out / shards.MANIFEST, manifest)
-    for i in range(len(units)):
-        _journal(out, i).unlink(missing_ok=True)
+    manifest = _write_manifest(out, listed, field, tok)
     seconds = time.perf_counter() - t0
     return {"documents": manifest["documents"], "tokens": total_tokens, "shards": len(listed),
             "input_bytes": sum(u.size for u in units), "seconds": seconds, "reused_shards": reused,
             "tokens_per_s": fresh_tokens / seconds if seconds > 0 else 0.0, "task_cpu_seconds": cpu_seconds,
             "output": str(out)}
+
+
+def _write_manifest(out: Path, listed: list[dict], field: str, tok) -> dict:
+    """The folder's manifest of the shards `listed` (in order), written after the shards of an earlier, larger
+    input are removed; the per-shard journals go once it is written. Returns the manifest."""
+    manifest = {"format": shards.FORMAT, "field": field, "shards": listed, "tokens": sum(e["tokens"] for e in listed),
+                "documents": sum(e["documents"] for e in listed),
+                "tokenizer": {"name": Path(tok.name).name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                              "fingerprint": tok.fingerprint}}
+    for stale in out.glob("shard_*.*"):
+        if stale.stem not in {e["name"] for e in listed}:
+            stale.unlink()
+    shards.write_json(out / shards.MANIFEST, manifest)
+    for i in range(len(listed)):
+        _journal(out, i).unlink(missing_ok=True)
+    return manifest
 
 
 # -- the command: `k3ray data prepare` ----------------------------------------------------------------------------

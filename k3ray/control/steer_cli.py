@@ -64,6 +64,11 @@ def add_parsers(sub) -> None:
     _serve_args(sc, "a `k3ray serve` endpoint instead (the request then waits for the new grid)")
     sc.set_defaults(func=client.cmd_scale)
 
+    _add_policy_parser(sub)
+    _add_dashboards_parser(sub)
+
+
+def _add_policy_parser(sub) -> None:
     pol = sub.add_parser("policy", help="read or change live policies (applied at the next step boundary)")
     psub = pol.add_subparsers(dest="policy_command", required=True)
     get = psub.add_parser("get", help="show all policies or one")
@@ -78,6 +83,8 @@ def add_parsers(sub) -> None:
     _serve_args(put, "change a `k3ray serve` endpoint's policy instead (applied at its next iteration)")
     put.set_defaults(func=client.cmd_policy_set)
 
+
+def _add_dashboards_parser(sub) -> None:
     dash = sub.add_parser("dashboards", help="Grafana dashboards generated from code")
     dsub = dash.add_subparsers(dest="dashboards_command", required=True)
     exp = dsub.add_parser("export", help="write dashboard JSON and provisioning YAML to DIR")

@@ -153,6 +153,32 @@ class _Run:
         self.spares_free += sum(back)
 
 
+def _lose_gpus(run: _Run, c: PhaseCosts, policy: Policy, fc, repair_s: float) -> None:
+    """A GPU (or a node's, by fc.scope) lost and detected: back to the last snapshot, then a spare swapped in, or
+    the grid shrunk by the lost columns, or (no column left) the same grid started again once the GPUs are back
+    (LossDecision restart); the lost GPUs return after `repair_s`."""
+    lost = c.gpus_per_node if fc.scope == "node" else 1
+    run.pause("detection", c.detect_s[fc.detection])
+    run.roll_back(policy.snapshot_every)
+    run.free_spares()
+    back = run.t + repair_s
+    if run.spares_free >= lost:
+        run.spares_free -= lost
+        run.spare_returns.append((back, lost))
+        run.pause("swap", c.swap_s)
+    elif run.lost_columns + lost < c.columns:
+        run.pause("relaunch", c.relaunch_s)
+        run.lost_columns += lost
+        run.back_at = max(run.back_at, back)
+        run.shrunk_since = run.t
+    else:
+        run.back_at = max(run.back_at, back)
+        run.pause("relaunch", max(run.back_at - run.t, 0.0) + c.relaunch_s)
+        run.lost_columns = 0
+    run.pause("restore", c.restore_s)
+    run.pause("warmup", c.warmup_s)
+
+
 def simulate(costs: PhaseCosts, profile: Profile, policy: Policy, faults: Faults, seconds: float,
              steps: float | None = None) -> Outcome:
     """Run `seconds` of wall time under `faults` (sample_faults), or, with `steps`, until that many steps are kept
@@ -185,26 +211,7 @@ def simulate(costs: PhaseCosts, profile: Profile, policy: Policy, faults: Faults
             run.roll_back(policy.snapshot_every)
             run.pause("restore", c.restore_s)
         else:
-            lost = c.gpus_per_node if fc.scope == "node" else 1
-            run.pause("detection", c.detect_s[fc.detection])
-            run.roll_back(policy.snapshot_every)
-            run.free_spares()
-            back = run.t + (repair_s if fc.repair else 0.0)
-            if run.spares_free >= lost:
-                run.spares_free -= lost
-                run.spare_returns.append((back, lost))
-                run.pause("swap", c.swap_s)
-            elif run.lost_columns + lost < c.columns:
-                run.pause("relaunch", c.relaunch_s)
-                run.lost_columns += lost
-                run.back_at = max(run.back_at, back)
-                run.shrunk_since = run.t
-            else:  # no column survives: the same grid starts again once its GPUs are back (LossDecision restart)
-                run.back_at = max(run.back_at, back)
-                run.pause("relaunch", max(run.back_at - run.t, 0.0) + c.relaunch_s)
-                run.lost_columns = 0
-            run.pause("restore", c.restore_s)
-            run.pause("warmup", c.warmup_s)
+            _lose_gpus(run, c, policy, fc, repair_s if fc.repair else 0.0)
         stats = per_class[ci]
         stats["faults"] += 1
         stats["seconds"] += sum(run.wall.values()) - sum(before[0].values()) + before[1] - run.useful

@@ -111,11 +111,7 @@ class StageEngine:
         scale = len(dp) / (cfg.parallel.ep * M)
         timings = {"compute": 0.0, "pipeline_wait": 0.0}
         self.ctx.comm_seconds = 0.0
-        stage.reset_stats()
-        for moe in stage.moe_layers().values():
-            moe.experts.reset()
-        for p in self.params.values():
-            p.grad = None
+        _clear_step_state(stage, self.params.values())
         # what the previous stage sends: the hidden state (and, with Block AttnRes, the block summaries)
         shape = boundary_shape(cfg.model, self.layers.start, len(dp) * cfg.data.micro_batch_size, cfg.data.seq_len)
         out_shape = boundary_shape(cfg.model, self.layers.stop, len(dp) * cfg.data.micro_batch_size, cfg.data.seq_len)
@@ -131,10 +127,7 @@ class StageEngine:
                 if stage.is_first:
                     x = tokens[:, :-1]
                 else:
-                    x = torch.empty(shape, dtype=dtype, device=self.device)
-                    t0 = time.perf_counter()
-                    dist.recv(x, self.prev_rank, tag=m, group=self.groups.world)
-                    timings["pipeline_wait"] += time.perf_counter() - t0
+                    x = _receive(shape, dtype, self.device, self.prev_rank, m, self.groups.world, timings)
                     x.requires_grad_(True)
                 t0 = time.perf_counter()
                 out = stage(x, documents=self.batches.documents(tokens))
@@ -148,13 +141,8 @@ class StageEngine:
                 saved[m] = (x, out)
             else:
                 x, out = saved.pop(m)
-                if stage.is_last:
-                    grad = None
-                else:
-                    grad = torch.empty(out_shape, dtype=dtype, device=self.device)
-                    t0 = time.perf_counter()
-                    dist.recv(grad, self.next_rank, tag=M + m, group=self.groups.world)
-                    timings["pipeline_wait"] += time.perf_counter() - t0
+                grad = None if stage.is_last else _receive(out_shape, dtype, self.device, self.next_rank, M + m,
+                                                           self.groups.world, timings)
                 t0 = time.perf_counter()
                 out.backward(grad)
                 timings["compute"] += time.perf_counter() - t0
@@ -325,3 +313,21 @@ class StageEngine:
         self.copies.drop()
         shards.load_weights(self.stage, self.opt, dense_state, expert_payloads, mine)
         self._refresh_params()
+
+
+def _clear_step_state(stage, params) -> None:
+    """A step starts with no routing statistics, expert-copy state or gradients left from the one before."""
+    stage.reset_stats()
+    for moe in stage.moe_layers().values():
+        moe.experts.reset()
+    for p in params:
+        p.grad = None
+
+
+def _receive(shape, dtype, device, src: int, tag: int, group, timings: dict[str, float]) -> torch.Tensor:
+    """A tensor of `shape` received from pipeline neighbour `src` (blocking), the wait counted as pipeline_wait."""
+    x = torch.empty(shape, dtype=dtype, device=device)
+    t0 = time.perf_counter()
+    dist.recv(x, src, tag=tag, group=group)
+    timings["pipeline_wait"] += time.perf_counter() - t0
+    return x

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from k3ray.formats.release_folder import CONFIG, INDEX, SINGLE, is_hf_folder
+from k3ray.io.json_object import read_json_object
 
 __all__ = ["HFFormatError", "TensorInfo", "HFFolder", "ShardWriter", "is_hf_folder", "DTYPES", "INDEX", "CONFIG"]
 
@@ -74,15 +75,7 @@ class HFFolder:
                 raise HFFormatError(f"{name}: {INDEX} places it in {self.path / file}, which does not hold it")
 
     def _json(self, name: str) -> dict:
-        try:
-            doc = json.loads((self.path / name).read_text())
-        except FileNotFoundError:
-            raise HFFormatError(f"{self.path / name}: missing") from None
-        except (OSError, ValueError) as e:
-            raise HFFormatError(f"{self.path / name}: unreadable or not JSON ({e})") from None
-        if not isinstance(doc, dict):
-            raise HFFormatError(f"{self.path / name}: expected a JSON object")
-        return doc
+        return read_json_object(self.path / name, HFFormatError)
 
     def _handle(self, file: str):
         if file not in self._open:

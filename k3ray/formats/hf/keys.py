@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Iterable
 
 import torch
@@ -266,44 +267,55 @@ def text_config(doc: dict) -> dict:
     return doc["text_config"] if isinstance(doc.get("text_config"), dict) else doc
 
 
-def config_from_hf(doc: dict, dtype: str | None = None) -> dict:
-    """ModelConfig fields from a config.json (either layout). Raises ValueError naming the field that k3ray's model
-    cannot represent or that is missing."""
-    t = text_config(doc)
+def _need(where: dict, key: str, prefix: str = ""):
+    """where[key], or ValueError naming the missing field."""
+    if where.get(key) is None:
+        raise ValueError(f"config.json: {prefix}{key} is missing")
+    return where[key]
 
-    def need(key, where=t, prefix=""):
-        if where.get(key) is None:
-            raise ValueError(f"config.json: {prefix}{key} is missing")
-        return where[key]
 
-    def require(key, want, default):
-        got = t.get(key, default)
+def _check_representable(t: dict) -> None:
+    """ValueError naming a field of the text config whose value k3ray's model cannot hold."""
+    for key, want in (("mla_use_output_gate", True), ("tie_word_embeddings", False),
+                      ("moe_router_activation_func", "sigmoid")):
+        got = t.get(key, want)
         if got != want:
             raise ValueError(f"config.json: {key}={got!r}: k3ray's model holds only {key}={want!r}")
-
-    require("mla_use_output_gate", True, True)
-    require("tie_word_embeddings", False, False)
-    require("moe_router_activation_func", "sigmoid", "sigmoid")
-    if need("qk_nope_head_dim") != need("v_head_dim"):
+    if _need(t, "qk_nope_head_dim") != _need(t, "v_head_dim"):
         raise ValueError(f"config.json: qk_nope_head_dim={t['qk_nope_head_dim']} != v_head_dim={t['v_head_dim']}: "
                          f"k3ray's MLA uses one head width")
-    la = need("linear_attn_config")
-    n = need("num_hidden_layers")
+
+
+def _layer_kinds(t: dict) -> tuple[set[int], list[str]]:
+    """(MLA layers 0-based, the kind of every layer) from linear_attn_config, checked: the KDA and full-attention
+    layers split 1..n, KDA's heads are MLA's, KDA's output gate full rank."""
+    la = _need(t, "linear_attn_config")
+    n = _need(t, "num_hidden_layers")
     mla = {i - 1 for i in la.get("full_attn_layers") or []}
     kda = {i - 1 for i in la.get("kda_layers") or []}
     if mla & kda or (mla | kda) != set(range(n)):
         raise ValueError(f"config.json: linear_attn_config.kda_layers and full_attn_layers must split layers "
                          f"1..{n} between them")
-    if kda and need("num_heads", la, "linear_attn_config.") != need("num_attention_heads"):
+    if kda and _need(la, "num_heads", "linear_attn_config.") != _need(t, "num_attention_heads"):
         raise ValueError(f"config.json: linear_attn_config.num_heads={la['num_heads']} != num_attention_heads="
                          f"{t['num_attention_heads']}: k3ray's KDA and MLA layers have the same heads")
     if kda and not la.get("use_full_rank_gate", True):
         raise ValueError("config.json: linear_attn_config.use_full_rank_gate=false: k3ray's KDA output gate is "
                          "full rank (g_proj)")
+    return mla, ["mla" if i in mla else "kda" for i in range(n)]
+
+
+def config_from_hf(doc: dict, dtype: str | None = None) -> dict:
+    """ModelConfig fields from a config.json (either layout). Raises ValueError naming the field that k3ray's model
+    cannot represent or that is missing."""
+    t = text_config(doc)
+    _check_representable(t)
+    mla, kinds = _layer_kinds(t)
+    la, n = t["linear_attn_config"], len(kinds)
     shared = t.get("shared_expert_intermediate_size") or \
-        (t.get("num_shared_experts") or 0) * need("moe_intermediate_size")
-    kinds = ["mla" if i in mla else "kda" for i in range(n)]
+        (t.get("num_shared_experts") or 0) * _need(t, "moe_intermediate_size")
     pattern = _pattern(kinds)
+    need = partial(_need, t)
     out = {
         "vocab_size": need("vocab_size"), "d_model": need("hidden_size"), "n_layers": n,
         "n_heads": need("num_attention_heads"), "head_dim": need("qk_nope_head_dim"),
@@ -326,19 +338,24 @@ def config_from_hf(doc: dict, dtype: str | None = None) -> dict:
         out["mla_rope"] = False
     if not out["first_dense_layers"]:
         out["dense_inner"] = 0
-    extra = t.get(K3RAY_FIELDS) or {}
-    out.update({k: v for k, v in extra.items() if k in _K3RAY_ONLY})
-    # how k3ray splits the shared width and spells the layer kinds, when that gives the same model
+    out = _k3ray_spelling(out, t.get(K3RAY_FIELDS) or {}, mla, kinds)
+    if dtype is not None:
+        out["dtype"] = dtype
+    return out
+
+
+def _k3ray_spelling(out: dict, extra: dict, mla: set[int], kinds: list[str]) -> dict:
+    """`out` with the fields only k3ray has (`extra`: the config's K3RAY_FIELDS), and k3ray's own split of the
+    shared width and spelling of the layer kinds where they give the same model."""
+    out = {**out, **{k: v for k, v in extra.items() if k in _K3RAY_ONLY}}
     if extra.get("n_shared", 0) * extra.get("shared_inner", 0) == out["n_shared"] * out["shared_inner"] > 0:
         out["n_shared"], out["shared_inner"] = extra["n_shared"], extra["shared_inner"]
     if "attention_pattern" in extra and "mla_layers" in extra:
         spelled = {k: v for k, v in out.items() if k not in ("attention_pattern", "mla_layers")}
         spelled.update(attention_pattern=extra["attention_pattern"], mla_layers=extra["mla_layers"])
         if extra["mla_layers"] is not None and sorted(extra["mla_layers"]) == sorted(mla) or \
-                extra["mla_layers"] is None and _aligned(extra["attention_pattern"], n) == kinds:
+                extra["mla_layers"] is None and _aligned(extra["attention_pattern"], len(kinds)) == kinds:
             out = spelled
-    if dtype is not None:
-        out["dtype"] = dtype
     return out
 
 

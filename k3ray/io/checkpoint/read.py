@@ -12,6 +12,7 @@ from pathlib import Path
 
 from k3ray.io.checkpoint.layout import (FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError, Manifest, PartInfo,
                                         check_name, step_dir, step_dirs)
+from k3ray.io.json_object import read_json_object
 
 log = logging.getLogger("k3ray.checkpoint")
 MANIFEST_KEYS = ("format", "version", "step", "created", "parts", "meta")
@@ -45,14 +46,7 @@ def read_manifest(root, step: int) -> Manifest:
     """The manifest of `step`, parsed and checked for form, its parts not verified (`verify` does that)."""
     d = step_dir(root, step)
     path = d / MANIFEST
-    try:
-        doc = json.loads(path.read_bytes())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: missing (incomplete checkpoint)") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable or not JSON ({e})") from e
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    doc = read_json_object(path, CheckpointError, "missing (incomplete checkpoint)")
     missing = [k for k in MANIFEST_KEYS if k not in doc]
     if missing:
         raise CheckpointError(f"{path}: missing keys {missing}")
