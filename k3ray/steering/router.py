@@ -114,30 +114,8 @@ async def refusals(call, invalid_status: int) -> Any:
         raise Refused(invalid_status, str(err)) from None
 
 
-def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 422,
-                    status_model: Any = dict[str, Any]) -> APIRouter:
-    """The routes (module docstring) answering from `backend`; `status_model` documents GET /v1/status."""
-    router = APIRouter()
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth), Depends(json_bodies)],
-                   responses={401: {"model": ErrorBody, "description": "missing or wrong token"}})
-
-    async def health() -> JSONResponse:
-        h = await backend.health()
-        return JSONResponse(finite(h.body), status_code=h.status, headers=h.headers)
-
-    router.add_api_route("/healthz", health, methods=["GET"], tags=["health"], response_model=dict[str, Any])
-    router.add_api_route("/health", health, methods=["GET"], include_in_schema=False)
-
-    async def status() -> Any:
-        return finite(await backend.status())
-
-    v1.add_api_route("/status", status, methods=["GET"], response_model=status_model)
-    v1.add_api_route("/stats", status, methods=["GET"], response_model=status_model, include_in_schema=False)
-
-    @v1.get("/placement")
-    async def placement() -> dict[str, Any]:
-        return finite(await backend.placement())
-
+def _add_policy_routes(v1: APIRouter, backend: Steering, invalid_status: int) -> None:
+    """GET /v1/policies[/NAME] and PUT /v1/policies/NAME (one route per policy, its update model as the body)."""
     @v1.get("/policies")
     async def policies() -> dict[str, dict[str, Any]]:
         return finite(await backend.policies())
@@ -166,6 +144,33 @@ def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 4
     @v1.put("/policies/{name}", include_in_schema=False)
     async def unknown_policy(name: str) -> None:
         raise Refused(404, f"unknown policy {name!r}; policies: {', '.join(POLICY_MODELS)}")
+
+
+def steering_router(backend: Steering, auth: BearerAuth, invalid_status: int = 422,
+                    status_model: Any = dict[str, Any]) -> APIRouter:
+    """The routes (module docstring) answering from `backend`; `status_model` documents GET /v1/status."""
+    router = APIRouter()
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth), Depends(json_bodies)],
+                   responses={401: {"model": ErrorBody, "description": "missing or wrong token"}})
+
+    async def health() -> JSONResponse:
+        h = await backend.health()
+        return JSONResponse(finite(h.body), status_code=h.status, headers=h.headers)
+
+    router.add_api_route("/healthz", health, methods=["GET"], tags=["health"], response_model=dict[str, Any])
+    router.add_api_route("/health", health, methods=["GET"], include_in_schema=False)
+
+    async def status() -> Any:
+        return finite(await backend.status())
+
+    v1.add_api_route("/status", status, methods=["GET"], response_model=status_model)
+    v1.add_api_route("/stats", status, methods=["GET"], response_model=status_model, include_in_schema=False)
+
+    @v1.get("/placement")
+    async def placement() -> dict[str, Any]:
+        return finite(await backend.placement())
+
+    _add_policy_routes(v1, backend, invalid_status)
 
     @v1.post("/scale", status_code=202, openapi_extra=_body_schema(ScaleRequest),
              responses={invalid_status: {"model": Error, "description": "ep is invalid"}, **NOT_JSON})
