@@ -25,6 +25,13 @@ Without --checkpoint: with --config, the config's seeded weights (`k3ray init`) 
 first trains the tiny config for a few steps there. On a GPU machine the GPU's busy share (nvidia-smi, sampled every
 0.2 s) is printed per level. Every streamed chunk counts once for ITL; "tokens per chunk" says how many tokens the
 chunks carried on average (above 1 when the client falls behind and an SSE event carries several).
+Agents' requests (`--kind`): `text` (the default) streams completions; `chat` the same prompts as one user turn
+through chat completions; `json_schema` those chat requests with `response_format` a JSON schema (an object of a
+string, a number list and an enum: the grammar masks every token); `tool_call` with two tools and
+`tool_choice: required` (a call forced by the grammar). Compare a kind's row with `chat`'s on the same prompts:
+
+    python benchmarks/serve_load.py ... --concurrency 64 --kind chat
+    python benchmarks/serve_load.py ... --concurrency 64 --kind json_schema
 `--front-doors N` serves HTTP from N processes; `--client-procs N` spreads the clients over N processes. The host
 CPU table gives each process kind's share of a core during a level and its CPU time per 1000 output tokens: where
 the host work per token goes.
@@ -54,6 +61,18 @@ from k3ray.control.driver import running_job
 from k3ray.control.ray_cluster import init_ray
 from k3ray.serve.app import start_serving, stop_serving
 
+SCHEMA = {"type": "object", "required": ["summary", "scores", "verdict"], "properties": {
+    "summary": {"type": "string", "maxLength": 2000}, "scores": {"type": "array", "items": {"type": "integer"}},
+    "verdict": {"enum": ["keep", "drop", "unsure"]}}}
+TOOLS = [{"type": "function", "function": {"name": "search", "description": "search the code base", "parameters": {
+             "type": "object", "required": ["query"], "properties": {"query": {"type": "string", "maxLength": 2000},
+                                                                     "limit": {"type": "integer"}}}}},
+         {"type": "function", "function": {"name": "open_file", "description": "read a file", "parameters": {
+             "type": "object", "required": ["path"], "properties": {"path": {"type": "string"}}}}}]
+KINDS = {"text": {}, "chat": {},
+         "json_schema": {"response_format": {"type": "json_schema",
+                                             "json_schema": {"name": "review", "schema": SCHEMA}}},
+         "tool_call": {"tools": TOOLS, "tool_choice": "required"}}
 PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self", "for i in range(",
            "# Licensed to the PSF\n\"\"\"Helpers for ", "    if not data:\n        return "]
 
@@ -97,10 +116,11 @@ def pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
-async def clients(url: str, model: str, concurrency: int, requests: list[list[tuple[str, int]]]) -> dict:
+async def clients(url: str, model: str, concurrency: int, requests: list[list[tuple[str, int]]],
+                  kind: str = "text") -> dict:
     """`concurrency` clients in this process, sending `requests` (chats: turns of (user text, max_tokens), each
-    turn's prompt the conversation so far) in order: their TTFTs, ITLs, output, prompt and cached prompt tokens,
-    chunks."""
+    turn's prompt the conversation so far) in order, as `kind` (KINDS): their TTFTs, ITLs, output, prompt and cached
+    prompt tokens, chunks."""
     api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     ttft, itl, tokens, prompt_tokens, cached, chunks = [], [], [0], [0], [0], [0]
     queue = list(reversed(requests))
@@ -108,8 +128,13 @@ async def clients(url: str, model: str, concurrency: int, requests: list[list[tu
     async def turn(prompt: str, max_tokens: int) -> str:
         t0 = time.perf_counter()
         last, reply = None, ""
-        stream = await api.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                              stream=True, stream_options={"include_usage": True})
+        common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+                      stream_options={"include_usage": True})
+        if kind == "text":
+            stream = await api.completions.create(prompt=prompt, **common)
+        else:
+            stream = await api.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common,
+                                                       **KINDS[kind])
         async for chunk in stream:
             if chunk.usage is not None:
                 tokens[0] += chunk.usage.completion_tokens
@@ -119,7 +144,7 @@ async def clients(url: str, model: str, concurrency: int, requests: list[list[tu
             if not chunk.choices:
                 continue
             chunks[0] += 1
-            reply += chunk.choices[0].text
+            reply += _chunk_text(chunk.choices[0])
             now = time.perf_counter()  # one chunk per engine iteration that gave this request a token
             if last is None:
                 ttft.append(now - t0)
@@ -141,6 +166,16 @@ async def clients(url: str, model: str, concurrency: int, requests: list[list[tu
             "chunks": chunks[0]}
 
 
+def _chunk_text(choice) -> str:
+    """The text a streamed choice carries: a completion's, a chat delta's content or its tool calls' pieces."""
+    delta = getattr(choice, "delta", None)
+    if delta is None:
+        return choice.text or ""
+    calls = "".join((c.function.name or "") + (c.function.arguments or "") for c in delta.tool_calls or ()
+                    if c.function is not None)
+    return (delta.content or "") + calls
+
+
 def client_process(job: tuple) -> dict:
     """One process's clients. An error comes back as a plain RuntimeError with the server's message: the openai
     client's errors do not pickle, and a pool then reports only that a process died."""
@@ -151,11 +186,11 @@ def client_process(job: tuple) -> dict:
 
 
 def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model: str, concurrency: int,
-          requests: list[list[tuple[str, int]]]) -> dict:
+          requests: list[list[tuple[str, int]]], kind: str = "text") -> dict:
     """One concurrency level, its clients spread over the pool's processes (one process's openai client parses
     a few thousand SSE events per second: more would measure the client)."""
     procs = 1 if pool is None else min(procs, concurrency)
-    jobs = [(url, model, len(range(i, concurrency, procs)), requests[i::procs]) for i in range(procs)]
+    jobs = [(url, model, len(range(i, concurrency, procs)), requests[i::procs], kind) for i in range(procs)]
     busy = GpuBusy()
     stats0 = ray.get(engine.stats.remote())
     cpu0 = process_cpu_seconds()
@@ -251,6 +286,8 @@ def main() -> None:
     ap.add_argument("--system-tokens", help="LO:HI: one system prompt of that many tokens before every request")
     ap.add_argument("--turns", default="1", help="N or LO:HI turns per request, each resending the conversation")
     ap.add_argument("--prefix-cache", choices=["on", "off"], help="serve.prefix_cache (default: the config's, on)")
+    ap.add_argument("--kind", choices=list(KINDS), default="text",
+                    help="the requests: completions, chat, chat with a JSON schema, chat with a required tool call")
     ap.add_argument("--config", help="serve this config's seeded weights (no --checkpoint)")
     ap.add_argument("--set", action="append", default=[], help="config override, with --config")
     ap.add_argument("--token-budget", type=int, help="serve.token_budget (default: the server's, by device)")
@@ -307,7 +344,8 @@ def main() -> None:
 
         def run_level(concurrency: int, requests: list[list[tuple[str, int]]]) -> dict:
             t0 = time.perf_counter()
-            row = level(pool, args.client_procs, serving.engine, url, info["model"], concurrency, requests)
+            row = level(pool, args.client_procs, serving.engine, url, info["model"], concurrency, requests,
+                        args.kind)
             print(f"[serve_load] concurrency {concurrency}: {row['tokens_per_s']:,.0f} tok/s, "
                   f"{time.perf_counter() - t0:.1f}s", flush=True)
             return row
@@ -322,7 +360,8 @@ def main() -> None:
         if pool is not None:
             pool.shutdown()
         stop_serving(serving)
-    print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, prompts "
+    print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, "
+          f"requests: {args.kind}, prompts "
           f"{args.prompt_tokens or 'short'} tokens, system prompt {args.system_tokens or 'none'}, turns {args.turns}, "
           f"max_tokens={args.max_tokens} (seed {args.seed}), prefix cache "
           f"{'on' if sizes.get('prefix_cache') else 'off'}, greedy, "

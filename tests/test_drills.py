@@ -30,7 +30,9 @@ def tiny(tmp_path, faults=()):
 def seeds() -> list[int]:
     if os.environ.get("K3RAY_DRILL_SEED"):
         return [int(seed) for seed in os.environ["K3RAY_DRILL_SEED"].split(",")]
-    return [random.randrange(2**31) for _ in range(int(os.environ.get("K3RAY_DRILLS", "1")))]
+    # one draw per run: pytest-xdist's workers each collect, and must collect the same seeds (the run's id)
+    draw = random.Random(os.environ.get("PYTEST_XDIST_TESTRUNUID"))
+    return [draw.randrange(2**31) for _ in range(int(os.environ.get("K3RAY_DRILLS", "1")))]
 
 
 def train(cfg, drill: dict, lose_node=None) -> tuple[list[float], list[dict]]:
