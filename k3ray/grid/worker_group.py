@@ -47,9 +47,8 @@ class WorkerGroup:
         has one worker (it runs no collective, where training's reductions name them even alone)."""
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
         self.serving = serving
-        self.avoid_nodes = frozenset(avoid_nodes)
         bundle = {"CPU": 1} if cfg.parallel.device == "cpu" else {"CPU": 1, "GPU": 1}
-        self.alive_nodes = AliveNodes(bundle, self.avoid_nodes)  # what the alive nodes hold, in workers
+        self.alive_nodes = AliveNodes(bundle, avoid_nodes)  # what the alive nodes hold, in workers
         self.workers: list = []  # world rank -> actor
         self.slots: list[tuple] = []  # world rank -> (placement group, bundle index) it holds
         self.nodes: list[str] = []  # world rank -> Ray node id
