@@ -213,7 +213,7 @@ def test_without_a_ready_spare_a_lost_node_launches_the_grid_anew():
     ctrl = run(cluster, 7, **{"parallel.ep": 4, "fault_tolerance.spares": 1, "fault_tolerance.grow_back": False})
     (lost,) = ctrl.incidents
     assert lost["action"] == "reshard" and lost["ep"] == [4, 3] and lost["spares_used"] == []
-    assert not any(c[0] == "regroup" for c in cluster.calls) and len(cluster.groups) == 3  # probe + new grid
+    assert not any(c[0] == "regroup" for c in cluster.calls) and len(cluster.groups) == 2  # the new grid
     cluster = Cluster(capacity=5, lose={6: 2})
     cluster.spares_dead, cluster.lost_node_ranks = True, {2}  # the spare's node was lost before the worker's
     ctrl = run(cluster, 7, **{"parallel.ep": 4, "fault_tolerance.spares": 1, "fault_tolerance.grow_back": False})

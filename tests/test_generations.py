@@ -1,5 +1,5 @@
 """Grid generations without Ray: a left engine refuses its collectives (never the default group, which is the newest
-grid's), a worker refuses calls for an older generation, and the one failure path of calls to workers (`_gather`)
+grid's), a worker refuses calls for an older generation, and the one failure path of calls to workers (`calls.gather`)
 reports a dead worker after a short grace for the survivors, and errors with no worker lost in one line."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from k3ray.config import load_config
 from k3ray.control.local_nodes import free_port
 from k3ray.grid import worker_group
-from k3ray.grid.calls import AFTER_DEATH_GRACE_S, WorkerError, WorkerLost
+from k3ray.grid.calls import AFTER_DEATH_GRACE_S, WorkerError, WorkerLost, gather
 from k3ray.grid.worker import fenced
 from k3ray.grid.worker_seat import StaleGeneration, WorkerSeat
 from k3ray.grid.worker_group import WorkerGroup
@@ -103,7 +103,7 @@ def test_gather_reports_a_dead_worker_after_a_short_grace_without_waiting_for_th
              (1, FakeRef(1, 1.2, error=RayTaskError("train_step", "gloo: peer closed", ValueError("peer")))),
              (2, FakeRef(2, 4.0, result={}))]  # still computing (or blocked in a collective) when rank 0 died
     with pytest.raises(WorkerLost) as lost:
-        g._gather(calls, 100.0, "step 5")
+        gather(calls, 100.0, "step 5", g.dead_ranks)
     assert lost.value.ranks == {0} and not lost.value.hung  # rank 2 is pinged (alive), not taken for hung
     assert clock.got == [0, 1] and clock.now == pytest.approx(1.0 + AFTER_DEATH_GRACE_S)
 
@@ -113,7 +113,7 @@ def test_gather_gives_up_on_survivors_after_the_grace(monkeypatch):
     g = group(monkeypatch)
     calls = [(0, FakeRef(0, 1.0, error=RayActorError())), (1, FakeRef(1, 50.0, result={}))]
     with pytest.raises(WorkerLost) as lost:
-        g._gather(calls, 100.0, "step 5", grace_s=5.0)
+        gather(calls, 100.0, "step 5", g.dead_ranks, grace_s=5.0)
     assert lost.value.ranks == {0} and clock.now == pytest.approx(1.0 + AFTER_DEATH_GRACE_S)  # not 50 s
 
 
@@ -124,7 +124,7 @@ def test_errors_of_every_rank_with_none_lost_are_one_readable_line(monkeypatch):
                                                         FileNotFoundError("data/x: no such corpus"))))
              for r in range(2)]
     with pytest.raises(WorkerError) as err:
-        g._gather(calls, 10.0, "evaluate")
+        gather(calls, 10.0, "evaluate", g.dead_ranks)
     text = str(err.value)
     assert "\n" not in text and text.startswith("evaluate failed on 2 of 2 workers (rank 0: ")
     assert "data/x: no such corpus" in text
@@ -137,7 +137,8 @@ def test_a_worker_whose_constructor_raised_is_an_error_to_show_not_a_loss_to_rec
                                    ".__init__()\nk3ray.config.ConfigError: data.source='/x' is neither 'stdlib' "
                                    "nor a directory", actor_init_failed=True)
     with pytest.raises(WorkerError, match=r"rank 0: .*data.source='/x' is neither 'stdlib' nor a directory\)$"):
-        g._gather([(0, FakeRef(0, 1.0, error=init)), (1, FakeRef(1, 1.0, error=init))], 10.0, "assume")
+        gather([(0, FakeRef(0, 1.0, error=init)), (1, FakeRef(1, 1.0, error=init))], 10.0, "assume",
+               g.dead_ranks)
 
 
 def test_worker_lost_crosses_ray_whole():

@@ -24,6 +24,10 @@ class AliveNodes:
         self.bundle = bundle  # one worker's resources
         self.avoid_nodes = frozenset(avoid_nodes)  # nodes found silent
 
+    def avoid(self, nodes: set[str]) -> None:
+        """Nodes found silent from now on (besides those already)."""
+        self.avoid_nodes |= frozenset(nodes)
+
     def fits(self, size: int, extra_cluster_free: bool = False) -> tuple[bool, str]:
         """Whether they can hold a grid of `size` workers (in total, or in what is free right now), and if not
         why."""

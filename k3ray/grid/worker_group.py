@@ -47,9 +47,8 @@ class WorkerGroup:
         has one worker (it runs no collective, where training's reductions name them even alone)."""
         self.cfg, self.pp, self.ep, self.home = cfg, cfg.parallel.pp, ep, list(home)
         self.serving = serving
-        self.avoid_nodes = frozenset(avoid_nodes)
         bundle = {"CPU": 1} if cfg.parallel.device == "cpu" else {"CPU": 1, "GPU": 1}
-        self.alive_nodes = AliveNodes(bundle, self.avoid_nodes)  # what the alive nodes hold, in workers
+        self.alive_nodes = AliveNodes(bundle, avoid_nodes)  # what the alive nodes hold, in workers
         self.workers: list = []  # world rank -> actor
         self.slots: list[tuple] = []  # world rank -> (placement group, bundle index) it holds
         self.nodes: list[str] = []  # world rank -> Ray node id
@@ -124,25 +123,17 @@ class WorkerGroup:
             self.start(timeout_s)
         t0, t0_wall = self.start_time
         backend = self._join(timeout_s, restore, t0, "place_and_start_workers")
-        self.worker_start_seconds = self._worker_starts(t0_wall, timeout_s)
+        stamps = self.call_each("started_at", {r: () for r in range(self.size)}, timeout_s).values()
+        self.worker_start_seconds = slowest_start(stamps, t0_wall)
         if wait_for_spares:
             ray.wait([s.up for s in self.spares], num_returns=len(self.spares), timeout=timeout_s)
         return backend
-
-    def _worker_starts(self, since: float, timeout_s: float) -> dict[str, float]:
-        """The start in phases (s) of this grid's worker that was ready last, its launch begun at `since` (epoch s):
-        placed and its process up (Ray's worker start, the Worker class loaded), imports, CUDA context, parts."""
-        stamps = self.call_each("started_at", {r: () for r in range(self.size)}, timeout_s).values()
-        last = max(stamps, key=lambda s: s["ready"])
-        return {"worker_process": max(0.0, last["constructor"] - since),
-                "worker_imports": last["imports"] - last["constructor"],
-                "worker_cuda": last["cuda_context"] - last["imports"],
-                "worker_parts": last["ready"] - last["cuda_context"]}
 
     def _join(self, timeout_s: float, restore: dict[int, list] | None, t0: float, first_phase: str) -> str:
         """Every worker takes its place (p, e) of this grid, the process groups are built (rendezvous on world rank
         0) and the state restored; the phases' seconds go to launch_seconds (the first one counted from t0)."""
         self.generation = next(_generations)  # calls queued for the grid before this one are refused from now on
+        phase_ended = self.on_phase or (lambda phase: None)
         devices = self.call_each("assume", {r: (r // self.ep, r % self.ep, self.home, self.ep, restore is None)
                                             for r in range(self.size)}, timeout_s)
         self.devices = [devices[r] for r in range(self.size)]
@@ -150,21 +141,21 @@ class WorkerGroup:
         backend = par.backend if par.backend != "auto" else ("nccl" if par.device == "cuda" else "gloo")
         if self.size == 1 and self.serving:
             t1 = time.perf_counter()
-            self._phase_ended(first_phase)
+            phase_ended(first_phase)
             self.call("setup", None, None, timeout_s=timeout_s)
         else:
             ip, port = self.call_each("rendezvous_address", {0: ()}, timeout_s)[0]
             t1 = time.perf_counter()
-            self._phase_ended(first_phase)
+            phase_ended(first_phase)
             if ip == ray.util.get_node_ip_address() and len([n for n in ray.nodes() if n["Alive"]]) == 1:
                 ip = "127.0.0.1"
             self.call("setup", f"tcp://{ip}:{port}", backend, timeout_s=timeout_s)
         t2 = time.perf_counter()
-        self._phase_ended("process_groups")
+        phase_ended("process_groups")
         if restore is not None:
             self.transfer.restore(restore, timeout_s)
         self.launch_seconds = {first_phase: t1 - t0, "process_groups": t2 - t1, "restore": time.perf_counter() - t2}
-        self._phase_ended("restore")
+        phase_ended("restore")
         return backend
 
     def start_standbys(self) -> int:
@@ -187,10 +178,6 @@ class WorkerGroup:
             return frozenset()
         up = self.resources.standbys.ready(self.alive_nodes.healthy())
         return frozenset(r for r in ranks if self.slots[r] in up)
-
-    def _phase_ended(self, phase: str) -> None:
-        if self.on_phase is not None:
-            self.on_phase(phase)
 
     def regroup(self, lost: set[int], ep: int, home: list[int], keep: list[int], spare_for: set[int],
                 restore: dict[int, list], timeout_s: float) -> None:
@@ -229,24 +216,20 @@ class WorkerGroup:
 
     def call(self, method: str, *args, timeout_s: float | None = 120.0) -> list:
         """Every worker's `method(*args)`, in world-rank order."""
-        return self._gather([(r, calls.send(w, self.generation, method, *args)) for r, w in enumerate(self.workers)],
-                            timeout_s, method)
+        return calls.gather([(r, calls.send(w, self.generation, method, *args)) for r, w in enumerate(self.workers)],
+                            timeout_s, method, self.dead_ranks)
 
     def call_each(self, method: str, args: dict[int, tuple], timeout_s: float | None = 120.0) -> dict[int, object]:
         """`method(*args[r])` on world rank r, for the ranks in `args`."""
         ranks = list(args)
-        out = self._gather([(r, calls.send(self.workers[r], self.generation, method, *args[r])) for r in ranks],
-                           timeout_s, method)
+        out = calls.gather([(r, calls.send(self.workers[r], self.generation, method, *args[r])) for r in ranks],
+                           timeout_s, method, self.dead_ranks)
         return dict(zip(ranks, out))
 
     def run_on(self, ranks: list[int], fn, *args) -> list:
         """`fn(worker, *args)` inside the given workers' processes (fault drills)."""
-        return self._gather([(r, self.workers[r].__ray_call__.remote(fn, *args)) for r in ranks], 120.0, "drill")
-
-    def _gather(self, sent: list[tuple[int, ray.ObjectRef]], timeout_s: float | None, what: str,
-                grace_s: float = 5.0) -> list:
-        """The results of (world rank, call) in order, through the one failure path (`calls.gather`)."""
-        return calls.gather(sent, timeout_s, what, self.dead_ranks, grace_s)
+        return calls.gather([(r, self.workers[r].__ray_call__.remote(fn, *args)) for r in ranks], 120.0, "drill",
+                            self.dead_ranks)
 
     def dead_ranks(self, exclude: set[int] = frozenset(), timeout_s: float = 2.0) -> set[int]:
         """World ranks found lost (`calls.dead_ranks`) but those in `exclude`."""
@@ -268,12 +251,23 @@ class WorkerGroup:
             time.sleep(0.02)
 
     def run_step(self, step: int, batch_index: int, timeout_s: float) -> list[dict]:
-        """Reports of every worker, in world-rank order (WorkerLost: see `_gather`)."""
-        return self._gather([(r, calls.send(w, self.generation, "train_step", step, batch_index))
-                             for r, w in enumerate(self.workers)], timeout_s, f"step {step}")
+        """Reports of every worker, in world-rank order (WorkerLost: see `calls.gather`)."""
+        return calls.gather([(r, calls.send(w, self.generation, "train_step", step, batch_index))
+                             for r, w in enumerate(self.workers)], timeout_s, f"step {step}", self.dead_ranks)
 
     def close(self) -> None:
         for w in self.workers + self.spares.clear() + self.resources.standbys.clear():
             ray.kill(w, no_restart=True)
         self.workers = []
         self.resources.release()
+
+
+def slowest_start(stamps, since: float) -> dict[str, float]:
+    """The start in phases (s) of the worker that was ready last, from every started worker's `started_at` stamps
+    (epoch s), its grid's launch begun at `since`: placed and its process up (Ray's worker start, the Worker class
+    loaded), imports, CUDA context, parts."""
+    last = max(stamps, key=lambda s: s["ready"])
+    return {"worker_process": max(0.0, last["constructor"] - since),
+            "worker_imports": last["imports"] - last["constructor"],
+            "worker_cuda": last["cuda_context"] - last["imports"],
+            "worker_parts": last["ready"] - last["cuda_context"]}

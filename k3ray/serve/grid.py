@@ -2,12 +2,13 @@
 checkpoint, run iterations on it, and rebuild it when workers are lost.
 
 Every grid is started from the checkpoint's weights held in the object store (k3ray.serve.launch). A lost worker
-comes out of the one failure path of every call to workers (`WorkerGroup._gather` -> WorkerLost); what to do is
+comes out of the one failure path of every call to workers (k3ray.grid.calls -> WorkerLost); what to do is
 training's decision (`recovery.on_workers_lost`: carry on with the surviving EP columns, the lost experts re-homed
 by load, or the same grid again when a whole column of every stage is gone; with hot spares, spares in the lost
-ranks' places). The grid is rebuilt in place around its surviving EP columns and ready spares (no process started:
-seconds, whether or not a spare is up), else launched anew; either way its caches are new, so the engine's
-scheduler prefills every unfinished request again (`Scheduler.reset`).
+ranks' places), carried out by the grid rebuild training's recovery uses too (k3ray.grid.rebuild, with serving's
+steps: `RebuildFromWeights`). The grid is rebuilt in place around its surviving EP columns and ready spares (no
+process started: seconds, whether or not a spare is up), else launched anew; either way its caches are new, so the
+engine's scheduler prefills every unfinished request again (`Scheduler.reset`).
 
 load [E]: routed tokens per expert served since the engine started (summed over layers), plus one.
 """
@@ -22,6 +23,7 @@ from k3ray.config import JobConfig
 from k3ray.serve.dag import ServingGraph
 from k3ray.serve.launch import GridLauncher
 from k3ray.grid.calls import TopologyError, WorkerLost
+from k3ray.grid.rebuild import GridRebuild
 from k3ray.grid.worker_group import WorkerGroup
 from k3ray.parallel.serving import StageOutput
 from k3ray.serve.decode_traffic import DecodeTraffic
@@ -112,75 +114,26 @@ class ServingGrid:
         return True
 
     def recover(self, lost: WorkerLost, progress=None, attempts: int = 3) -> dict:
-        """Replace the grid that lost workers by the one the recovery policy decides on: rebuilt in place, no process
-        started, where EP columns survive (ready hot spares in the lost ranks' places, the columns still lost left
-        out, their survivors standing by as spares), else (or when lost in its rendezvous) launched anew; loaded
-        from the held weights (a worker lost meanwhile starts the decision again from the grid being built).
-        progress(phase) as each phase ends ('replan', then those of WorkerGroup.launch_seconds), from this thread.
-        Returns the incident's fields: lost ranks, EP size before and after, spares used, phases in seconds."""
-        progress = progress or (lambda phase: None)
-        joining = [False]  # the grid being built has begun its rendezvous (it reported a phase of its launch)
-
-        def phase_ended(phase: str) -> None:
-            joining[0] = True
-            progress(phase)
-
+        """Replace the grid that lost workers by the one the recovery policy decides on (k3ray.grid.rebuild): rebuilt
+        in place, no process started, where EP columns survive (ready hot spares in the lost ranks' places, the
+        columns still lost left out, their survivors standing by as spares), else (or when lost in its rendezvous)
+        launched anew; loaded from the held weights (a worker lost meanwhile starts the decision again from the grid
+        being built). progress(phase) as each phase ends ('replan', then those of WorkerGroup.launch_seconds), from
+        this thread. Returns the incident's fields: lost ranks, EP size before and after, spares used, phases in
+        seconds."""
         t0 = time.perf_counter()
-        old = self.group
-        incident = {"ranks": sorted(lost.ranks), "why": lost.why, "ep": [old.ep]}
-        placement_failed = False
-        for attempt in range(1, attempts + 1):
-            spares = old.resources.spares_ready() if self.cfg.fault_tolerance.spares else 0
-            standing_by = old.standing_by(lost.ranks)
-            decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load, spares=spares,
-                                                standing_by=standing_by)
-            # in place unless the grid was lost in its rendezvous: its survivors may wait there for the lost worker
-            # (until parallel.collective_timeout_s), and a rebuild around them would wait on them; every EP column
-            # lost, there is nothing to rebuild around
-            in_place, joining[0] = bool(decision.keep) and not joining[0], False
-            if not in_place:
-                old.close()
-                # planned on the alive nodes' totals: the grids just closed gave their resources back and Ray's free
-                # counts lag (a worker lost while the grid was being built is no reason to doubt them); on what is
-                # free only once a placement failed (as the training grid's, failures.py)
-                max_ep = old.alive_nodes.capacity(free=placement_failed) // self.pp
-                if max_ep < 1:
-                    raise TopologyError(f"{lost}: the alive nodes hold no {self.pp}-stage grid")
-                decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, self.load,
-                                                    max_ep=max_ep)
-            t_planned = time.perf_counter()
-            progress("replan")
-            log.warning("serving: %s; %s on pp=%d x ep=%d (%s)", lost,
-                        f"rebuilt in place, {len(decision.spare_for)} hot spares in lost places" if in_place
-                        else "relaunching", self.pp, decision.ep, decision.action)
-            try:
-                if in_place:
-                    self.group.on_phase = phase_ended
-                    self.group.regroup(lost.ranks, decision.ep, decision.home.tolist(), list(decision.keep),
-                                       set(decision.spare_for), self.launcher.sources(), self.launcher.timeout_s)
-                    phases = {**self.group.launch_seconds,
-                              **self.launcher.cache_pools(self.group, self.traffic.ranked())}
-                else:
-                    phases = self.launch(decision.ep, decision.home.tolist(), wait_for_spares=False,
-                                         progress=phase_ended)
-                break
-            except WorkerLost as again:  # lost in the grid being built: decide again from that grid
-                old, lost = self.group, again
-            except TopologyError:  # a node lost but not yet reported dead failed the placement: plan again
-                if attempt == attempts:
-                    raise
-                placement_failed = True
-            incident.setdefault("interrupted", []).append(str(lost))
-        else:
-            raise TopologyError(f"serving grid: {attempts} rebuilds interrupted, the last by {lost}")
-        self.group.on_phase = None
+        incident = {"ranks": sorted(lost.ranks), "why": lost.why, "ep": [self.group.ep]}
+        rebuild = GridRebuild(RebuildFromWeights(self, incident), self.pp, bool(self.cfg.fault_tolerance.spares),
+                              attempts=attempts, progress=progress)
+        rebuilt = rebuild.run(lost, self.load)
+        decision = rebuilt.decision
         self.group.start_standbys()
         self.spares_due = bool(decision.spare_for)
         incident["ep"].append(decision.ep)
         incident["action"] = decision.action
         incident["spares_used"] = sorted(decision.spare_for)
-        incident["standbys_used"] = sorted(decision.spare_for & standing_by)
-        incident["seconds"] = {"replan": t_planned - t0, **phases, "total": time.perf_counter() - t0}
+        incident["standbys_used"] = sorted(rebuilt.standbys_used)
+        incident["seconds"] = {"replan": rebuilt.planned_at - t0, **rebuilt.phases, "total": time.perf_counter() - t0}
         return incident
 
     def relaunch(self, progress=None) -> dict:
@@ -256,3 +209,35 @@ class ServingGrid:
         self.graph.drop()
         if self.group is not None:
             self.group.close()
+
+
+class RebuildFromWeights:
+    """Serving's side of a grid rebuild (k3ray.grid.rebuild.RebuildSteps): every grid, rebuilt in place or launched
+    anew, loads the held weights and gets new cache pools (their decode graphs those of the traffic served); each
+    decision is logged, and each build that did not finish is named in the incident's `interrupted`."""
+
+    def __init__(self, grid: ServingGrid, incident: dict):
+        self.grid, self.incident = grid, incident
+
+    @property
+    def group(self) -> WorkerGroup:
+        return self.grid.group
+
+    def planned(self, lost: WorkerLost, old_ep: int, decision: recovery.LossDecision,
+                standbys_used: frozenset[int]) -> None:
+        log.warning("serving: %s; %s on pp=%d x ep=%d (%s)", lost,
+                    f"rebuilt in place, {len(decision.spare_for)} hot spares in lost places" if decision.in_place
+                    else "relaunching", self.grid.pp, decision.ep, decision.action)
+
+    def regroup(self, lost: set[int], decision: recovery.LossDecision, on_phase) -> dict[str, float]:
+        grid = self.grid
+        grid.group.on_phase = on_phase
+        grid.group.regroup(lost, decision.ep, decision.home.tolist(), list(decision.keep), set(decision.spare_for),
+                           grid.launcher.sources(), grid.launcher.timeout_s)
+        return {**grid.group.launch_seconds, **grid.launcher.cache_pools(grid.group, grid.traffic.ranked())}
+
+    def launch(self, decision: recovery.LossDecision, on_phase) -> dict[str, float]:
+        return self.grid.launch(decision.ep, decision.home.tolist(), wait_for_spares=False, progress=on_phase)
+
+    def failed(self, err: TopologyError | WorkerLost) -> None:
+        self.incident.setdefault("interrupted", []).append(str(err))

@@ -276,9 +276,7 @@ class Controller:
             log.warning("no final checkpoint: %s", err)
         finally:
             notify(self.callbacks, "on_shutdown", self)
-            if self.grid.group is not None:
-                self.grid.group.close()
-                self.grid.group = None
+            self.grid.close()
             if not self.machine.done:
                 self.machine.to(JobState.FINISHED)
 

@@ -1,7 +1,8 @@
 """The controller's recovery part: it carries out the failure policies' typed decisions. A guard trip gets the failure
 ladder's `TripDecision` (k3ray.policies.ladder: roll back to the snapshot and skip batches, lower the learning rate,
 or stop); lost workers get the recovery policy's `LossDecision` (k3ray.policies.recovery: hot spares take their
-places, the grid shrinks to the survivors, or it starts again), in any state of the controller.
+places, the grid shrinks to the survivors, or it starts again), in any state of the controller, carried out by the
+grid rebuild serving's recovery uses too (k3ray.grid.rebuild, with training's steps: `RebuildFromSnapshot`).
 
 Recovery and the first launch are bounded handlers of the state machine (k3ray.train.state): each attempt is a
 transition into its state, a loss during an attempt starts the next one after a backoff, and the machine refuses the
@@ -11,10 +12,9 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from k3ray.config import JobConfig
 from k3ray.grid.calls import ObjectsLost, TopologyError, WorkerLost
+from k3ray.grid.rebuild import GridRebuild
 from k3ray.grid.snapshots import Snapshots
 from k3ray.jobs.incidents import IncidentLog
 from k3ray.policies import guards, ladder, recovery, retry
@@ -53,14 +53,13 @@ class Recovery:
         ft, attempt = self.cfg.fault_tolerance, 0
         while True:
             attempt += 1
-            self.grid.group = self.grid.new_group(self.table.ep, self.table.home)
             try:
-                return self.grid.group.launch(timeout_s, restore=restore)
+                return self.grid.launch(self.table.ep, self.table.home, timeout_s, restore=restore)
             except TopologyError:
                 self.machine.to(JobState.ERRORED, "topology does not fit")
                 raise
             except WorkerLost as lost:
-                self.grid.group.close()
+                self.grid.close()
                 self.incidents.add("launch_failed", step=self.progress.step, rule="other", why=str(lost),
                                    attempt=attempt)
                 if attempt == ft.recovery_attempts:
@@ -105,7 +104,7 @@ class Recovery:
         progress.skip.update(decision.skip)
         progress.lr_scale = decision.lr_scale
         self.snapshots.commit(self.grid.group, wait=True, timeout_s=self.cfg.fault_tolerance.wait_timeout_s)
-        self._restore_in_place(self.snapshots.committed.sources())
+        self.grid.restore_in_place(self.snapshots.committed.sources())
         self.table.drop_copies()  # the restored workers hold none
         incident["restore_seconds"] = time.perf_counter() - t0
         self.grid.group.call("set_lr_scale", progress.lr_scale)
@@ -113,18 +112,6 @@ class Recovery:
         incident["rollback_seconds"] = time.perf_counter() - t0  # restore + replay since the snapshot
         self.machine.to(JobState.RUNNING, f"rolled back to step {self.snapshots.committed.step}, skipping "
                                           f"{list(decision.skip)}")
-
-    def _restore_in_place(self, sources: dict | None) -> None:
-        """Every worker of the grid in use goes back to a snapshot's or checkpoint's state (`sources`) or, before the
-        first snapshot of a job that started from its seed (None), takes its place again with its weights initialised
-        from the seed (the grid rebuilt in place: same workers, same homes)."""
-        group = self.grid.group
-        if sources is not None:
-            group.transfer.restore(sources)
-            return
-        ep, home = self.table.ep, list(self.table.home)
-        group.regroup(set(), ep, home, list(range(ep)), set(), None, timeout_s=60.0)
-        self.grid.push_policies()  # the new engines hold the configured policies, not the live ones
 
     def recover(self, step: int, lost: WorkerLost, detected_after: float) -> None:
         """Recover from `lost` to the boundary before `step`, a bounded handler: each attempt (`_recover_once`) is a
@@ -151,61 +138,36 @@ class Recovery:
         raise RecoveryFailed(f"step {step}: recovery failed: {what}; stopping. {self.incidents.where()}")
 
     def _recover_once(self, step: int, lost: WorkerLost, detected_after: float) -> None:
-        """One attempt: rebuild the grid the policy decides on from the survivors' snapshots and replay to `step`:
-        in place where the policy says so (survivors keep their processes, ready spares take lost ranks' places,
-        no process started), else, or when that fails (TopologyError), launched anew. A worker lost during it (the
-        new grid's launch, restore or replay) raises WorkerLost for the next attempt."""
+        """One attempt: the grid the policy decides on rebuilt from the survivors' snapshots (k3ray.grid.rebuild: in
+        place where it says so, survivors keeping their processes and ready spares taking lost ranks' places, no
+        process started; else, or when that does not fit, launched anew), then replayed to `step`. A worker lost
+        during it (the new grid's launch, restore or replay) raises WorkerLost for the next attempt."""
         t0 = time.perf_counter()
-        ft = self.cfg.fault_tolerance
-        old = self.grid.group
-        try:  # a snapshot started at this boundary is the newest state, if every worker finished its part
-            self.snapshots.commit(old, wait=True, timeout_s=min(30.0, ft.wait_timeout_s), hold=False)
-        except WorkerLost:  # a lost worker never delivered its part
-            pass
-        self.snapshots.drop_pending()  # what is still pending lacks a lost worker's part
-        self.checkpoints.abandon_pending(str(lost))  # its writers are gone: the new grid writes it again
-        snap = self.snapshots.committed  # a snapshot, or the job's start or newest durable checkpoint
-        silent = recovery.silent_nodes(old.nodes, lost.ranks) if lost.hung else set()
-        self.grid.avoid_nodes |= silent
-        old.avoid_nodes = old.alive_nodes.avoid_nodes = frozenset(self.grid.avoid_nodes)  # no spare on them either
+        snap = self._settle_snapshots(lost)
+        silent = recovery.silent_nodes(self.grid.group.nodes, lost.ranks) if lost.hung else set()
+        self.grid.avoid(silent)  # no spare on them either
         t_gathered = time.perf_counter()
-        load = self.table.expert_load(self.progress.last_report)
-        spares = old.resources.spares_ready() if ft.spares else 0
-        standing_by = old.standing_by(lost.ranks)
-        nodes_lost = recovery.on_lost_nodes(old.nodes, lost.ranks, old.alive_nodes.healthy())
-        decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, spares=spares,
-                                            nodes_lost=nodes_lost, standing_by=standing_by)
         fields = dict(step=step, ranks=sorted(lost.ranks), why=lost.why,
                       rule="collective_timeout" if lost.hung else "worker_lost", silent_nodes=sorted(silent),
-                      standbys_used=sorted(decision.spare_for & standing_by),
                       replayed_steps=[snap.step, step], attempt=self.machine.attempt)
-        incident = None  # the launch anew records each of its attempts' outcomes itself
+        steps = RebuildFromSnapshot(self.cfg, self.grid, self.table, self.snapshots, self.incidents, fields)
+        rebuilt = GridRebuild(steps, self.cfg.parallel.pp, bool(self.cfg.fault_tolerance.spares), off_lost_nodes=True,
+                              decide_again_when_lost=False).run(lost, self.table.expert_load(self.progress.last_report))
+        incident = steps.incident
+        if self.snapshots.committed is not snap:  # its parts were lost with a node: the base was restored
+            incident.update(replayed_steps=[self.snapshots.committed.step, step], snapshot_lost=snap.step)
+        t_restored = time.perf_counter()
         try:
-            if decision.in_place:
-                t_planned = time.perf_counter()
-                incident = self._loss_incident(decision, old.ep, fields)
-                try:
-                    self._regroup(lost.ranks, decision, snap.sources())
-                except TopologyError as err:  # the spares went away meanwhile: launch anew instead
-                    incident["outcome"] = f"not in place after all: {err}"
-                    incident = None
-                    decision, incident, t_planned = self._launch_anew(old, lost, load, fields, snap)
-            else:
-                decision, incident, t_planned = self._launch_anew(old, lost, load, fields, snap)
-            if self.snapshots.committed is not snap:  # its parts were lost with a node: the base was restored
-                incident.update(replayed_steps=[self.snapshots.committed.step, step], snapshot_lost=snap.step)
-            t_restored = time.perf_counter()
             self.replay(step)
         except WorkerLost as again:
-            if incident is not None:
-                incident["outcome"] = f"interrupted: {again}"
-                self.incidents.write(incident)
+            steps.failed(again)
             raise
+        decision = rebuilt.decision
         self.scaling.after_recovery(step, decision.ep)
-        launch = self.grid.group.launch_seconds
         incident["seconds"] = {
-            "detection": detected_after, "find_snapshot": t_gathered - t0, "replan": t_planned - t_gathered,
-            **launch, "launch_other": t_restored - t_planned - sum(launch.values()),
+            "detection": detected_after, "find_snapshot": t_gathered - t0,
+            "replan": rebuilt.planned_at - t_gathered, **rebuilt.phases,
+            "launch_other": t_restored - rebuilt.planned_at - sum(rebuilt.phases.values()),
             "replay": time.perf_counter() - t_restored}
         self.incidents.write(incident)
         self._resuming = incident, time.perf_counter()
@@ -213,57 +175,66 @@ class Recovery:
                                           + (f", {len(decision.spare_for)} of them hot spares" if decision.spare_for
                                              else ""))
 
-    def _loss_incident(self, decision: recovery.LossDecision, old_ep: int, fields: dict) -> dict:
+    def _settle_snapshots(self, lost: WorkerLost):
+        """The state to recover from: a snapshot started at this boundary is the newest, if every worker finished its
+        part; what is still pending lacks a lost worker's part, and the pending checkpoint its writers. Returns the
+        committed snapshot (or the job's start or newest durable checkpoint)."""
+        try:
+            self.snapshots.commit(self.grid.group, wait=True,
+                                  timeout_s=min(30.0, self.cfg.fault_tolerance.wait_timeout_s), hold=False)
+        except WorkerLost:  # a lost worker never delivered its part
+            pass
+        self.snapshots.drop_pending()
+        self.checkpoints.abandon_pending(str(lost))  # its writers are gone: the new grid writes it again
+        return self.snapshots.committed
+
+
+class RebuildFromSnapshot:
+    """Training's side of a grid rebuild (k3ray.grid.rebuild.RebuildSteps): every grid, rebuilt in place or launched
+    anew, restores the committed snapshot (its base instead where its parts were lost with a node, before a
+    neighbour's copy was made) and is brought up to date (`TrainingGrid.joined`), the placement table reset to the
+    decision; each decision is a `worker_lost` incident (`incident`: the last one), written with its outcome when
+    its build did not finish."""
+
+    def __init__(self, cfg: JobConfig, grid: TrainingGrid, table: Placement, snapshots: Snapshots,
+                 incidents: IncidentLog, fields: dict):
+        """fields: the incidents' fields that every decision of this recovery shares (step, lost ranks, why...)."""
+        self.cfg, self.grid, self.table, self.snapshots, self.incidents = cfg, grid, table, snapshots, incidents
+        self.fields, self.sources = fields, snapshots.committed.sources()
+        self.incident: dict = {}
+
+    @property
+    def group(self):
+        return self.grid.group
+
+    def planned(self, lost: WorkerLost, old_ep: int, decision: recovery.LossDecision,
+                standbys_used: frozenset[int]) -> None:
         full = self.cfg.parallel.ep
-        return self.incidents.record(
-            "worker_lost", action=decision.action, **fields, ep=[old_ep, decision.ep],
-            spares_used=sorted(decision.spare_for),
+        self.incident = self.incidents.record(
+            "worker_lost", action=decision.action, **self.fields, standbys_used=sorted(standbys_used),
+            ep=[old_ep, decision.ep], spares_used=sorted(decision.spare_for),
             dp_ranks_per_ep_rank=[recovery.dp_ranks_of(e, decision.ep, full) for e in range(decision.ep)])
 
-    def _launch_anew(self, old, lost: WorkerLost, load, fields: dict, snap):
-        """Launch the grid that fits the alive nodes, planned first on their totals (the old grid's resources were
-        just given back, and Ray's free counts lag), then, when the placement failed (a lost node not yet reported
-        dead, or others hold resources), again on what they have free. Returns (decision, incident, when it was
-        planned)."""
-        old.close()  # a grid that lost workers holds their places: the new one is planned on what it gives back
-        for attempt in range(1, 4):
-            max_ep = self.grid.new_group(1, old.home).alive_nodes.capacity(free=attempt > 1) // self.cfg.parallel.pp
-            if max_ep < 1:
-                raise TopologyError(f"the alive nodes hold no {self.cfg.parallel.pp}-stage grid")
-            decision = recovery.on_workers_lost(torch.tensor(old.home), old.ep, lost.ranks, load, max_ep=max_ep)
-            t_planned = time.perf_counter()
-            incident = self._loss_incident(decision, old.ep, fields)
-            try:
-                self._relaunch(decision.ep, decision.home.tolist(), snap.sources(), placement_timeout_s=60.0)
-                return decision, incident, t_planned
-            except TopologyError as err:
-                incident["outcome"] = f"did not fit: {err}"
-                self.incidents.write(incident)
-                self.grid.group.close()
-                if attempt == 3:
-                    raise
-            except WorkerLost as again:
-                incident["outcome"] = f"interrupted: {again}"
-                self.incidents.write(incident)
-                raise
+    def regroup(self, lost: set[int], decision: recovery.LossDecision, on_phase) -> dict[str, float]:
+        self.table.reset(decision.ep, decision.home.tolist())
+        return self._restored(lambda: self.grid.regroup(lost, decision, self.sources, on_phase))
 
-    def _relaunch(self, ep: int, home: list[int], sources: dict, placement_timeout_s: float = 120.0) -> None:
-        self.table.reset(ep, home)
-        self.grid.group = self.grid.new_group(ep, home)
-        try:
-            self.grid.group.launch(placement_timeout_s, restore=sources, wait_for_spares=False)
-        except ObjectsLost:
-            self._restore_in_place(self.snapshots.fall_back().sources())
-        self.grid.joined()
-
-    def _regroup(self, lost: set[int], decision: recovery.LossDecision, sources: dict) -> None:
-        """The grid rebuilt in place and restored from `sources`; a snapshot whose parts were lost with a node (before
-        a neighbour's copy was made) gives way to the base, restored instead."""
+    def launch(self, decision: recovery.LossDecision, on_phase) -> dict[str, float]:
         home = decision.home.tolist()
         self.table.reset(decision.ep, home)
+        return self._restored(lambda: self.grid.launch(decision.ep, home, 60.0, self.sources, wait_for_spares=False,
+                                                       on_phase=on_phase))
+
+    def failed(self, err: TopologyError | WorkerLost) -> None:
+        self.incident["outcome"] = f"{'interrupted' if isinstance(err, WorkerLost) else 'did not fit'}: {err}"
+        self.incidents.write(self.incident)
+
+    def _restored(self, build) -> dict[str, float]:
+        """build() (a grid restoring the snapshot), the base restored instead where the snapshot's parts were lost,
+        then the grid brought up to date. Returns its launch's phases in seconds."""
         try:
-            self.grid.group.regroup(lost, decision.ep, home, list(decision.keep), set(decision.spare_for), sources,
-                                    timeout_s=60.0)
+            build()
         except ObjectsLost:
-            self._restore_in_place(self.snapshots.fall_back().sources())
+            self.grid.restore_in_place(self.snapshots.fall_back().sources())
         self.grid.joined()
+        return self.grid.group.launch_seconds

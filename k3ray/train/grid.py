@@ -1,12 +1,14 @@
-"""The training job's worker grid (`TrainingGrid`): the worker group in use, how the next one is made (the group
-factory, never on a node found silent), a step run on it with the workers' reports merged into one, and a grid that
-has just taken the snapshot's state brought up to date. The controller, its recovery and its scaling parts share
-it: a recovery or a resize puts a new group in place, and the step loop runs on whichever group is there."""
+"""The training job's worker grid (`TrainingGrid`): it owns the worker group in use, makes the next one (the group
+factory, never on a node found silent), launches, rebuilds in place, restores and closes it, runs a step on it with
+the workers' reports merged into one, and brings a grid that has just taken the snapshot's state up to date. The
+controller, its recovery and its scaling parts share it: they ask it for a new group in place (a recovery, a resize),
+and the step loop runs on whichever group is there."""
 from __future__ import annotations
 
 from k3ray.config import JobConfig
 from k3ray.grid.snapshots import Snapshots
 from k3ray.parallel.step import StepReport
+from k3ray.policies.recovery import LossDecision
 from k3ray.train.drills import FaultInjector
 from k3ray.train.placement import Placement
 from k3ray.train.progress import TrainingProgress
@@ -22,6 +24,44 @@ class TrainingGrid:
 
     def new_group(self, ep: int, home: list[int]):
         return self.factory(self.cfg, ep, home, frozenset(self.avoid_nodes))
+
+    def launch(self, ep: int, home: list[int], timeout_s: float, restore: dict | None = None,
+               wait_for_spares: bool = True, on_phase=None) -> str:
+        """A new group of pp x ep workers (experts homed by `home`) put in use and launched (`WorkerGroup.launch`),
+        restored from `restore` (None: initialised from the seed); on_phase(phase) as each phase of its launch
+        ends. Returns the backend."""
+        self.group = self.new_group(ep, home)
+        self.group.on_phase = on_phase
+        return self.group.launch(timeout_s, restore=restore, wait_for_spares=wait_for_spares)
+
+    def regroup(self, lost: set[int], decision: LossDecision, restore: dict, on_phase=None) -> None:
+        """The group in use rebuilt in place as the recovery policy's `decision` says (`WorkerGroup.regroup`) and
+        restored from `restore`; on_phase(phase) as each phase of the rebuild ends."""
+        self.group.on_phase = on_phase
+        self.group.regroup(lost, decision.ep, decision.home.tolist(), list(decision.keep), set(decision.spare_for),
+                           restore, timeout_s=60.0)
+
+    def restore_in_place(self, sources: dict | None) -> None:
+        """Every worker of the group in use goes back to a snapshot's or checkpoint's state (`sources`) or, before the
+        first snapshot of a job that started from its seed (None), takes its place again with its weights initialised
+        from the seed (the grid rebuilt in place: same workers, same homes)."""
+        if sources is not None:
+            self.group.transfer.restore(sources)
+            return
+        ep, home = self.table.ep, list(self.table.home)
+        self.group.regroup(set(), ep, home, list(range(ep)), set(), None, timeout_s=60.0)
+        self.push_policies()  # the new engines hold the configured policies, not the live ones
+
+    def avoid(self, nodes: set[str]) -> None:
+        """Nodes found silent: never placed on again, neither by the group in use (its new spares) nor by later ones."""
+        self.avoid_nodes |= nodes
+        self.group.alive_nodes.avoid(nodes)
+
+    def close(self) -> None:
+        """The group in use stopped, its workers and what it holds given back; none is in use after."""
+        if self.group is not None:
+            self.group.close()
+        self.group = None
 
     def run(self, step: int, batch: int) -> dict:
         """`step` on `batch` on the grid: the workers' reports merged into one (no guards, no bookkeeping)."""

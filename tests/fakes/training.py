@@ -106,6 +106,9 @@ class FakeGroup:
     def nodes(self) -> list[str]:  # a node per world rank
         return [f"node{r}" for r in range(self.size)]
 
+    def avoid(self, nodes: set[str]) -> None:
+        pass  # every node of the fake cluster is placed on
+
     def healthy(self) -> set[str]:
         return {f"node{r}" for r in range(self.size) if r not in self.cluster.lost_node_ranks}
 
