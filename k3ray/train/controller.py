@@ -182,11 +182,7 @@ class Controller:
         self.recovery.resumed(since=t0)
         self.table.track(report)
         self.drills.kill_at(grid.group, step, "after_step")
-        if len(grid.group.spares) < self.cfg.fault_tolerance.spares:
-            # spares that replaced lost workers (or found no room before): started once the step is done, so that
-            # they do not slow the recovery they are started after
-            grid.group.resources.start_spares()
-        grid.group.start_standbys()  # after the first step of a grid: their imports do not slow its start
+        grid.after_step()
         try:
             self.snapshots.commit(grid.group, wait=False)
             self.table.rebalance_on_schedule(grid.group, progress.step, self.incidents)
@@ -225,13 +221,11 @@ class Controller:
 
     # -- views ---------------------------------------------------------------------------------------------------
     def status(self) -> dict:
-        par, progress, group = self.cfg.parallel, self.progress, self.grid.group
+        par, progress = self.cfg.parallel, self.progress
         out = {"name": self.cfg.name, "state": self.machine.state.value, "step": progress.step, "pp": par.pp,
                "ep": self.table.ep, "ep_configured": par.ep, "ep_target": self.scaling.target_ep,
                "workers": par.pp * self.table.ep, "device": par.device,
-               "spares": 0 if group is None else len(group.spares),
-               "standbys": 0 if group is None else len(group.resources.standbys),
-               "standbys_up": 0 if group is None else group.resources.standbys.up_count(),
+               **self.grid.holdings(),
                "skipped_batches": sorted(progress.skip), "lr_scale": progress.lr_scale,
                "loss": None if progress.last_report is None else progress.last_report["loss"],
                "api_url": None, "tokens_per_s": None,

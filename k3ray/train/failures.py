@@ -11,6 +11,7 @@ attempt past the limit; then the job stops with one line naming what happened an
 from __future__ import annotations
 
 import time
+from typing import NoReturn
 
 from k3ray.config import JobConfig
 from k3ray.grid.calls import ObjectsLost, TopologyError, WorkerLost
@@ -131,7 +132,7 @@ class Recovery:
             except TopologyError as err:
                 self.give_up(step, f"recovering from {lost}: {err}")
 
-    def give_up(self, step: int, what: str) -> None:
+    def give_up(self, step: int, what: str) -> NoReturn:
         self.snapshots.drop_pending()
         self.machine.to(JobState.ERRORED, what)
         self.incidents.add("stopped", step=step, rule="recovery_failed", why=what)

@@ -57,6 +57,25 @@ class TrainingGrid:
         self.avoid_nodes |= nodes
         self.group.alive_nodes.avoid(nodes)
 
+    def room_for(self, workers: int) -> bool:
+        """Whether the alive nodes have room for `workers` more workers beside the places the group holds already
+        (its spares' and standbys' included)."""
+        return self.group.alive_nodes.room_for(max(0, workers - self.group.resources.places_held()))
+
+    def after_step(self) -> None:
+        """A step done: hot spares that replaced lost workers (or found no room before) and the standbys are
+        started now, so that their imports slow neither a grid's start nor the recovery they follow."""
+        if len(self.group.spares) < self.cfg.fault_tolerance.spares:
+            self.group.resources.start_spares()
+        self.group.start_standbys()
+
+    def holdings(self) -> dict:
+        """What the grid holds beside its workers: hot spares, standbys and how many of those are up."""
+        if self.group is None:
+            return {"spares": 0, "standbys": 0, "standbys_up": 0}
+        standbys = self.group.resources.standbys
+        return {"spares": len(self.group.spares), "standbys": len(standbys), "standbys_up": standbys.up_count()}
+
     def close(self) -> None:
         """The group in use stopped, its workers and what it holds given back; none is in use after."""
         if self.group is not None:

@@ -59,9 +59,7 @@ class Scaling:
                 self._resize(step, decision)
         decision = resize.on_grow_back(step, self.shrunk_at, table.ep, self.target_ep, cfg.model.n_experts,
                                        self.grow_back_failures, cfg.fault_tolerance)
-        group = self.grid.group
-        added = 0 if decision is None else cfg.parallel.pp * (decision.ep - decision.old_ep)
-        if decision is not None and group.alive_nodes.room_for(max(0, added - group.resources.places_held())):
+        if decision is not None and self.grid.room_for(cfg.parallel.pp * (decision.ep - decision.old_ep)):
             self._resize(step, decision)
 
     def after_recovery(self, step: int, ep: int) -> None:
