@@ -101,3 +101,23 @@ def test_the_auto_interval_is_the_least_that_keeps_the_cost_in_budget_and_lets_e
     assert snapshot_interval(cost_s=0.02, step_s=0.885, arrival_steps=4, budget=0.02) == 4  # found arrived 4th poll
     assert snapshot_interval(cost_s=50.0, step_s=1.0, arrival_steps=1, budget=0.02) == MOST_STEPS
     assert snapshot_interval(cost_s=0.0, step_s=0.0, arrival_steps=1, budget=0.02) == MOST_STEPS
+    # one snapshot at a time: while one arrives a loss goes back to the base; they arrive in 1 step of 10 at most
+    assert snapshot_interval(cost_s=0.3, step_s=0.62, arrival_steps=12, budget=0.02, one_at_a_time=True) == 120
+    assert snapshot_interval(cost_s=0.3, step_s=0.62, arrival_steps=12, budget=0.02) == 25  # two held: at arrival
+    assert snapshot_interval(cost_s=0.01, step_s=1.0, arrival_steps=1, budget=0.02, one_at_a_time=True) == 1
+
+
+def test_snapshots_held_one_at_a_time_are_spaced_so_few_steps_fall_while_one_arrives():
+    """The cadence asks the policy with the store's fit: a snapshot that took 12 steps to arrive, in a store that
+    holds one, is followed by the next 120 steps after (two held: 25, its cost's)."""
+    from types import SimpleNamespace
+
+    from k3ray.config.train import FaultToleranceConfig
+    from k3ray.train.snapshot_cadence import SnapshotCadence
+
+    for one_at_a_time, interval in ((True, 120), (False, 25)):
+        cadence = SnapshotCadence(FaultToleranceConfig(snapshot_every="auto"))
+        snaps = SimpleNamespace(total_seconds=[1.0], stall_seconds=[0.3], read_wait_seconds=[], arrival_steps=[12],
+                                one_at_a_time=one_at_a_time)
+        cadence.after_step(0.62, snaps)
+        assert cadence.interval == interval

@@ -3,7 +3,9 @@
 that k3ray.policies.snapshot_cadence decides from what the job's latest snapshots cost (their stall, the optimizer's
 wait for their live reads, their arrival in the store) and what its steps take. Until a snapshot has been measured,
 auto takes the first FIRST_AUTO steps after the job's start point (the workers warm their stores meanwhile). With
-auto, a snapshot due while the previous one still arrives is taken at the first boundary after it arrived."""
+auto, a snapshot due while the previous one still arrives is taken at the first boundary after it arrived; where the
+store holds one snapshot at a time, snapshots are spaced so that few steps fall while one arrives (the policy's
+window)."""
 from __future__ import annotations
 
 import statistics
@@ -56,4 +58,5 @@ class SnapshotCadence:
         stall = statistics.median(snapshots.stall_seconds[-MEASURED:])
         wait = statistics.median(snapshots.read_wait_seconds[-MEASURED:]) if snapshots.read_wait_seconds else 0.0
         arrival = max(snapshots.arrival_steps[-MEASURED:])
-        self.interval = snapshot_interval(stall + wait, statistics.median(self.step_seconds), arrival, self.budget)
+        self.interval = snapshot_interval(stall + wait, statistics.median(self.step_seconds), arrival, self.budget,
+                                          one_at_a_time=snapshots.one_at_a_time)
