@@ -16,6 +16,7 @@ from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.reference import generate_reference
 from k3ray.parallel.serving import LocalExecutor, PoolSizes
+from k3ray.serve.cache_allocator import RankPool
 from k3ray.serve.prefix_cache import ROOT, Hit, PrefixCache, PrefixSizes, block_key, prefix_sizes
 from k3ray.serve.scheduler import Scheduler
 
@@ -30,9 +31,9 @@ def keys_of(ids: list[int]) -> list[bytes]:
     return keys
 
 
-def cache(checkpoints=4, kept=8, pages=32) -> PrefixCache:
-    return PrefixCache(PrefixSizes(every=8, checkpoints=checkpoints, kept_pages=kept, page_bytes=10,
-                                   checkpoint_bytes=100), P, list(range(pages)))
+def cache(checkpoints=4, pages=32) -> PrefixCache:
+    return PrefixCache(PrefixSizes(every=8, checkpoints=checkpoints, page_bytes=10, checkpoint_bytes=100), P,
+                       list(range(pages)))
 
 
 def offer(c: PrefixCache, ids: list[int], pages: list[int], boundaries=()) -> None:
@@ -66,10 +67,10 @@ def test_a_key_that_collides_is_a_miss_not_another_prefix():
 
 
 def test_held_blocks_stay_evictable_ones_go_least_recently_used_leaves_first():
-    c = cache(checkpoints=2, kept=3)
+    c = cache(checkpoints=2)
     a, b = list(range(9)), list(range(100, 109))
     offer(c, a[:8], [0, 1], boundaries=(8,))  # its request holds them
-    c.release([0, 1])  # it ended: evictable, kept (2 <= 3)
+    c.release([0, 1])  # it ended: evictable, kept while the pool has free pages
     assert c.usage()["cached_pages"] == 2 and c.usage()["checkpoints"] == 1
     offer(c, b[:8], [2, 3], boundaries=(8,))  # every checkpoint taken
     held = c.match(keys_of(b), b)
@@ -80,17 +81,30 @@ def test_held_blocks_stay_evictable_ones_go_least_recently_used_leaves_first():
     assert c.match(keys_of(b), b).tokens == 8  # held: never evicted
     assert c.new_checkpoint() == -1  # no evictable block has one: that boundary is not checkpointed
     c.release(list(held.pages))
-    c.release(list(held.pages))  # both of b's holders ended: 4 evictable, 3 kept: a's last block (a leaf) goes
-    assert 1 in c.free_pages and len(c.evictable) == 3
+    c.release(list(held.pages))  # both of b's holders ended
+    assert c.evict_one() and 1 in c.free_pages  # a's last block first: the least recently used leaf
     assert c.evict_one() and c.evict_one() and c.evict_one() and not c.evict_one()
     assert sorted(c.free_pages) == list(range(32))
 
 
+def test_evictable_pages_stay_until_the_free_pages_run_out():
+    c = cache(pages=6)
+    ids = list(range(17))
+    offer(c, ids[:16], [0, 1, 2, 3], boundaries=(8, 16))
+    c.release([0, 1, 2, 3])
+    assert c.usage()["cached_pages"] == 4 and c.match(keys_of(ids), ids).tokens == 16
+    pool = RankPool(6, 1, P, None)
+    pool.prefix, c.free_pages = c, pool.free_pages  # the rank's free list is the cache's
+    pool.free_pages[:] = [4, 5]
+    assert pool.available_pages() == 6 and sorted(pool.take_pages(4)) == [2, 3, 4, 5]  # blocks 3 and 2 evicted
+    assert c.match(keys_of(ids), ids).tokens == 8  # the shallow ones stay
+
+
 def test_a_block_stays_while_its_children_are_cached_and_one_computed_again_is_shared():
     """Two prompts open with the same block (a chat template's first tokens). The second request computes that
-    block too, finds it cached, and holds it beside its own copy; evicting to the budget takes the least recently
-    used leaves, never a block under a cached one, so the second prompt still hits (its deepest block went)."""
-    c = cache(checkpoints=4, kept=3)
+    block too, finds it cached, and holds it beside its own copy; eviction takes the least recently used leaves,
+    never a block under a cached one, so the second prompt still hits (its deepest block went)."""
+    c = cache(checkpoints=4)
     a = list(range(8)) + [1]
     b = list(range(4)) + list(range(50, 62)) + [1]  # block 0 is a's
     offer(c, a[:8], [0, 1], boundaries=(8,))
@@ -103,20 +117,32 @@ def test_a_block_stays_while_its_children_are_cached_and_one_computed_again_is_s
     assert shared == {0: kb[0]} and kb[0] not in c.evictable  # held by b's request now
     for boundary in (8, 16):
         c.offer_checkpoint(kb[boundary // P - 1], c.new_checkpoint())
-    c.release([2, 3, 4, 5], shared)  # its own copy of block 0 is freed; 5 evictable, 3 kept
-    assert {1, 2, 5} <= set(c.free_pages)  # a's block 1, then b's block 3: leaves; a's block 0 has b's under it
+    c.release([2, 3, 4, 5], shared)  # its own copy of block 0 is freed
+    assert 2 in c.free_pages and len(c.evictable) == 5
+    assert c.evict_one() and c.evict_one()
+    assert {1, 5} <= set(c.free_pages)  # a's block 1, then b's block 3: leaves; a's block 0 has b's under it
     assert c.match(keys_of(b), b).tokens == 8 and c.match(keys_of(a), a).tokens == 0
     c.free_pages.remove(9)
     assert c.offer_page(keys_of(a)[1], kb[0], a[4:8], 9) == "cached"  # under a cached parent
     assert c.offer_page(block_key(b"x", [1, 2, 3, 4]), b"x", [1, 2, 3, 4], 10) == "refused"  # no parent cached
 
 
-def test_evictable_pages_are_kept_to_the_budget():
-    c = cache(checkpoints=4, kept=2)
-    ids = list(range(17))
-    offer(c, ids[:16], [0, 1, 2, 3], boundaries=(8, 16))
-    c.release([0, 1, 2, 3])  # the deepest first: blocks 3 and 2 are evicted, 0 and 1 kept
-    assert set(c.free_pages) >= {2, 3} and c.match(keys_of(ids), ids).tokens == 8
+def test_a_finished_chat_keeps_its_deepest_state_longest():
+    """Checkpoints are the budget: one taken from the evictable blocks comes from a state with a deeper one cached
+    under it (a chat's intermediate boundaries) before any chat's deepest, where its next turn resumes."""
+    c = cache(checkpoints=4)
+    chat, other = list(range(25)), list(range(100, 117))
+    offer(c, chat[:24], [0, 1, 2, 3, 4, 5], boundaries=(8, 16, 24))
+    c.release([0, 1, 2, 3, 4, 5])
+    offer(c, other[:16], [6, 7, 8, 9], boundaries=(8, 16))  # the last free checkpoint, then the chat's state at 16
+    kc, ko = keys_of(chat), keys_of(other)
+    assert not c.has_checkpoint(kc[3]) and c.has_checkpoint(kc[1]) and c.has_checkpoint(kc[5])
+    assert c.match(kc, chat).tokens == 24  # its next turn resumes from its end
+    c.release([6, 7, 8, 9])
+    assert c.new_checkpoint() >= 0 and not c.has_checkpoint(kc[1])  # the chat's state at 8: under it, 24's
+    assert c.new_checkpoint() >= 0 and not c.has_checkpoint(ko[1])  # then other's at 8: under it, its 16
+    assert c.match(kc, chat).tokens == 24 and c.match(ko, other).tokens == 16
+    assert c.new_checkpoint() >= 0 and c.match(kc, chat).tokens == 0  # none intermediate left: the oldest goes
 
 
 def test_sizes_come_from_the_budget_and_the_switch_turns_the_cache_off():

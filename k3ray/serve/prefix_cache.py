@@ -14,9 +14,12 @@ that a request starts its prefill at the deepest boundary it shares with a cache
 - A block nobody holds is evictable, least recently used first (a request lets go of its deepest blocks first, so
   the shallow ones, shared most, go last), and only as a leaf: a block stays while a child of it is cached, so every
   cached block's whole prefix is cached (a lookup walks it from the first block). Evicting a block frees its page
-  and its checkpoint. Evictable pages are taken back when a rank's free pages run out, and kept at most to the byte
-  budget (`PrefixSizes`). A checkpoint needed where none is free is taken from the least recently used evictable
-  block holding one; the block keeps its page.
+  and its checkpoint. Evictable pages cost nothing while the rank's page pool has free pages: they are taken back
+  when its free pages run out.
+- Checkpoints are the budget (`PrefixSizes`: they sit in memory of their own, beside the state slots). One needed
+  where none is free is taken from an evictable block, the block keeping its page: the least recently used one
+  whose prefix has a deeper checkpoint cached below it (a chat's intermediate states), else the least recently used
+  one. So a finished chat keeps the state at its deepest boundary, where its next turn resumes, the longest.
 
 A request's hit is the deepest boundary b (a multiple of `every`, at most its length - 1: one token at least is
 computed, for its logits) where every block before b is cached and the block ending at b holds a checkpoint.
@@ -30,6 +33,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 ROOT = b""  # the parent key of a prompt's first block
+VICTIMS_SCANNED = 64  # evictable checkpointed blocks looked at for an intermediate state to take a checkpoint from
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -41,11 +45,10 @@ def block_key(parent: bytes, tokens) -> bytes:
 @dataclass(frozen=True)
 class PrefixSizes:
     """every: tokens between KDA state checkpoints (a multiple of the page size); checkpoints: the checkpoint pool of
-    a rank (on every worker of the rank, beside its KDA slots); kept_pages: evictable pages kept at most (the pages
-    of `checkpoints` intervals); page_bytes / checkpoint_bytes: the whole model's (every stage's layers)."""
+    a rank (on every worker of the rank, beside its KDA slots); page_bytes / checkpoint_bytes: the whole model's
+    (every stage's layers)."""
     every: int
     checkpoints: int
-    kept_pages: int
     page_bytes: int
     checkpoint_bytes: int
 
@@ -72,7 +75,7 @@ def prefix_sizes(serve, model) -> PrefixSizes | None:
     interval = checkpoint + pages_per_interval * page
     budget = serve.prefix_cache_bytes if serve.prefix_cache_bytes is not None else serve.slots_per_rank * interval
     n = max(1, budget // max(1, interval))
-    return PrefixSizes(serve.prefix_state_every, n, n * pages_per_interval, page, checkpoint)
+    return PrefixSizes(serve.prefix_state_every, n, page, checkpoint)
 
 
 @dataclass
@@ -84,6 +87,7 @@ class Block:
     refs: int = 0  # requests holding it
     checkpoint: int = -1  # the KDA state checkpoint after its last token (-1: none)
     children: int = 0  # cached blocks whose parent it is
+    below: int = 0  # checkpoints held by the blocks under it (its descendants)
 
 
 @dataclass
@@ -167,12 +171,34 @@ class PrefixCache:
         """A free checkpoint id, taken from the least recently used evictable block holding one where none is free
         (the block stays, without it); -1 where every checkpoint is held (the boundary is not checkpointed)."""
         if not self.free_checkpoints:
-            victim = next((b for b in self.evictable.values() if b.checkpoint >= 0), None)
+            victim = self._checkpoint_victim()
             if victim is None:
                 return -1
             self.free_checkpoints.append(victim.checkpoint)
             victim.checkpoint = -1
+            self._count_below(victim, -1)
         return self.free_checkpoints.pop()
+
+    def _checkpoint_victim(self) -> Block | None:
+        """Among the first VICTIMS_SCANNED evictable blocks holding a checkpoint (least recently used first), the first
+        with a deeper checkpoint under it, else the first of all; None if no evictable block holds one."""
+        first, seen = None, 0
+        for block in self.evictable.values():
+            if block.checkpoint < 0:
+                continue
+            if block.below:
+                return block
+            first, seen = first or block, seen + 1
+            if seen == VICTIMS_SCANNED:
+                break
+        return first
+
+    def _count_below(self, block: Block, change: int) -> None:
+        """A checkpoint came to (change 1) or left (-1) `block`: its ancestors count it under them."""
+        parent = self.blocks.get(block.parent)
+        while parent is not None:
+            parent.below += change
+            parent = self.blocks.get(parent.parent)
 
     def offer_checkpoint(self, key: bytes, checkpoint: int) -> None:
         """The state after block `key` was saved in `checkpoint`: the block keeps it, unless it is not cached or has
@@ -182,6 +208,7 @@ class PrefixCache:
             self.free_checkpoints.append(checkpoint)
         else:
             block.checkpoint = checkpoint
+            self._count_below(block, 1)
 
     def has_checkpoint(self, key: bytes) -> bool:
         block = self.blocks.get(key)
@@ -195,7 +222,7 @@ class PrefixCache:
     def release(self, pages: list[int], shared: dict[int, bytes] | None = None) -> None:
         """A request lets go of its pages (and of the blocks it shares, `shared`: position -> key, where its own
         page holds what a cached block holds): cached blocks lose its reference (evictable once nobody holds them,
-        the deepest first, so they are evicted first), its own pages are freed; evictable pages past the budget too."""
+        the deepest first, so they are evicted first), its own pages are freed."""
         shared = shared or {}
         for i in reversed(range(len(pages))):
             if i in shared:
@@ -205,8 +232,6 @@ class PrefixCache:
                 self.free_pages.append(pages[i])
             else:
                 self._let_go(block)
-        while len(self.evictable) > self.sizes.kept_pages:
-            self.evict_one()
 
     def _let_go(self, block: Block) -> None:
         block.refs -= 1
@@ -228,6 +253,7 @@ class PrefixCache:
         self.free_pages.append(block.page)
         if block.checkpoint >= 0:
             self.free_checkpoints.append(block.checkpoint)
+            self._count_below(block, -1)
         parent = self.blocks.get(block.parent)
         if parent is not None:
             parent.children -= 1
