@@ -17,7 +17,7 @@ from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.reference import generate_reference
 from k3ray.parallel.serving import LocalExecutor, PoolSizes
 from k3ray.serve.cache_allocator import RankPool
-from k3ray.serve.prefix_cache import ROOT, Hit, PrefixCache, PrefixSizes, block_key, prefix_sizes
+from k3ray.serve.prefix_cache import ROOT, PrefixCache, PrefixSizes, block_key, prefix_sizes
 from k3ray.serve.scheduler import Scheduler
 
 P = 4  # page size of these tests

@@ -27,7 +27,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from k3ray.config import JobConfig
 from k3ray.grid import calls
 from k3ray.grid.alive_nodes import AliveNodes
-from k3ray.grid.calls import TopologyError, WorkerLost
+from k3ray.grid.calls import TopologyError
 from k3ray.grid.held_resources import HeldResources, node_of
 from k3ray.grid.spares import SparePool
 from k3ray.grid.state_transfer import GridStateTransfer

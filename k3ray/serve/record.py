@@ -20,7 +20,6 @@ class ServingStats:
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
 
-
 class ServingStatus:
     """The serving view of /v1/status (`k3ray status --serve`), read from the engine's parts: the scheduler's requests
     and pages, the iterations' counters, the grid's size and standbys, and how many incidents."""
