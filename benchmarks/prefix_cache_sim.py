@@ -1,7 +1,7 @@
 """Multi-turn chats through the prefix cache's books alone (k3ray.serve.prefix_cache, no model, no Ray): C chats of T
 turns run together, each turn's prompt the conversation so far plus a new user turn (50-300 tokens), each reply
-64-256 tokens; every full page of prompt and reply is offered, a KDA state checkpoint at every `every` tokens while
-checkpoints last. Prints the share of the shareable prompt tokens that hit (the conversation before the new user
+64-256 tokens; every full page of prompt and reply is offered, and KDA state checkpoints taken where the server
+takes them while checkpoints last: in a prefill at `row_saves`' boundaries, in the reply at every `every` tokens. Prints the share of the shareable prompt tokens that hit (the conversation before the new user
 turn, down to a checkpoint boundary) per concurrency and checkpoint budget: how far the default budget (one
 checkpoint per state slot: 256 on a GPU) carries chats.
 
@@ -13,6 +13,7 @@ import argparse
 import random
 
 from k3ray.serve.prefix_cache import ROOT, PrefixCache, PrefixSizes, block_key
+from k3ray.serve.request_prefixes import row_saves
 
 
 def keys_of(ids: list[int], P: int) -> list[bytes]:
@@ -37,9 +38,10 @@ def hit_share(chats: int, turns: int, checkpoints: int, every: int = 64, P: int 
             h = cache.match(keys[:(len(prompt) - 1) // P], prompt)
             cache.take(h, len(prompt))
             hit, shareable = hit + h.tokens, shareable + len(history[i]) // every * every
-            rows.append((i, prompt + [rng.randrange(50_000) for _ in range(rng.randint(64, 256))], h))
-        for i, row, h in rows:
+            rows.append((i, prompt + [rng.randrange(50_000) for _ in range(rng.randint(64, 256))], h, len(prompt)))
+        for i, row, h, prompt_len in rows:
             keys, pages, shared = keys_of(row, P), list(h.pages), {}
+            saves = set(row_saves(h.tokens, prompt_len - h.tokens, every, True, h.shared))  # the prefill's
             for b in range(len(h.pages), len(keys)):
                 if not cache.free_pages:
                     cache.evict_one()
@@ -48,7 +50,9 @@ def hit_share(chats: int, turns: int, checkpoints: int, every: int = 64, P: int 
                     continue
                 if cache.offer_page(keys[b], keys[b - 1] if b else ROOT, row[b * P:(b + 1) * P], pages[b]) == "shared":
                     shared[b] = keys[b]
-                if (b + 1) * P % every == 0 and not cache.has_checkpoint(keys[b]):
+                boundary = (b + 1) * P
+                if (boundary in saves or boundary > prompt_len) and boundary % every == 0 \
+                        and not cache.has_checkpoint(keys[b]):
                     checkpoint = cache.new_checkpoint()
                     if checkpoint >= 0:
                         cache.offer_checkpoint(keys[b], checkpoint)

@@ -18,6 +18,7 @@ from k3ray.parallel.reference import generate_reference
 from k3ray.parallel.serving import LocalExecutor, PoolSizes
 from k3ray.serve.cache_allocator import RankPool
 from k3ray.serve.prefix_cache import ROOT, PrefixCache, PrefixSizes, block_key, prefix_sizes
+from k3ray.serve.request_prefixes import row_saves
 from k3ray.serve.scheduler import Scheduler
 
 P = 4  # page size of these tests
@@ -54,8 +55,22 @@ def test_a_hit_is_the_deepest_boundary_with_pages_and_a_checkpoint_and_leaves_a_
     hit = c.match(keys_of(longer), longer)
     assert (hit.tokens, hit.pages) == (24, (0, 1, 2, 3, 4, 5))
     other = ids[:12] + [7] * 12  # diverges inside block 3: the deepest shared boundary is 8
-    assert c.match(keys_of(other), other).tokens == 8
+    assert (c.match(keys_of(other), other).tokens, c.match(keys_of(other), other).shared) == (8, 12)
     assert c.match(keys_of([5] + ids[1:]), [5] + ids[1:]).tokens == 0
+
+
+def test_a_row_saves_at_its_end_and_inside_only_where_a_prompt_ends_or_parts_from_a_cached_one():
+    """Each save inside a row costs its KDA layers a pass: a prefill saves at most two there."""
+    assert row_saves(63, 1, 64, True, 0) == [64]  # a decode row reaching a boundary
+    assert row_saves(62, 1, 64, True, 0) == []
+    assert row_saves(0, 300, 64, True, 0) == [256]  # a whole prompt: its deepest boundary (its next turn's)
+    assert row_saves(0, 200, 64, False, 0) == []  # a chunk before the prompt's last
+    assert row_saves(0, 192, 64, False, 0) == [192]  # ... ending on a boundary (saved after the iteration)
+    assert row_saves(0, 1500, 64, True, 1000) == [960, 1472]  # parts at 1000 from a cached prompt
+    assert row_saves(960, 540, 64, True, 1000) == [1472]  # a hit at 960: nothing cached past it to part from
+    for start, n, shared in [(0, 4000, 1999), (64, 3000, 70), (17, 1000, 900)]:
+        inside = [b for b in row_saves(start, n, 64, True, shared) if b < start + n]
+        assert len(inside) <= 2 and all(b % 64 == 0 and start < b for b in inside)
 
 
 def test_a_key_that_collides_is_a_miss_not_another_prefix():
@@ -200,7 +215,7 @@ def test_a_shared_system_prompt_hits_and_changes_no_token(model):
         sched, ex = engine(model, pages=pages)
         reqs = run(sched, ex, work)
         assert [r.out for r in reqs] == want, pages
-        assert [r.cached_prompt for r in reqs[2:]] == [32] * 4
+        assert [r.cached_prompt for r in reqs[2:]] == [32] * 4  # the second saved the state where it parts
         u = sched.usage()
         assert u["pages_used"] == 0 and u["slots_used"] == 0
         assert reqs[0].cached_prompt == 0  # the second of the first two is admitted once the first's prefill ran

@@ -205,6 +205,19 @@ class PromptRows:
 
 
 @dataclass
+class SaveRound:
+    """One pass of KDA over pieces of rows cut at their saves: `rows` (host) the rows it runs, each from the state its
+    piece before left; tokens [t] their pieces' packed tokens, rows_d [n] / cu [n + 1] (device) and cu_cpu (host)
+    those rows and the pieces' offsets; `to`: (index in `rows`, checkpoint) for pieces ending at a save."""
+    rows: list[int]
+    to: list[tuple[int, int]]
+    cu_cpu: torch.Tensor
+    tokens: torch.Tensor | None = None
+    rows_d: torch.Tensor | None = None
+    cu: torch.Tensor | None = None
+
+
+@dataclass
 class SavesInRows:
     """Checkpoints of an iteration inside its rows (`StateSave`s, offset < the row's count), with every row's first
     packed token, new tokens and slot (host ints)."""
@@ -225,6 +238,26 @@ class SavesInRows:
             out.append([(a, b, cuts[r][b] if b in at else -1) for a, b in zip(bounds, bounds[1:])])
         return out
 
+    def rounds(self) -> tuple[list[SaveRound], list[torch.Tensor]]:
+        """The passes (1 + the most saves inside one row), and the host tensors their device tensors are copied from:
+        per round its tokens, rows and offsets (IterationCache.from_plan sends them with the plan's, in one copy)."""
+        pieces = self.pieces()
+        out, host = [], []
+        for j in range(max(len(p) for p in pieces)):
+            rows = [r for r, p in enumerate(pieces) if len(p) > j]
+            spans = [(self.firsts[r] + pieces[r][j][0], self.firsts[r] + pieces[r][j][1]) for r in rows]
+            cu = torch.tensor([0, *itertools.accumulate(b - a for a, b in spans)], dtype=torch.int64)
+            to = [(i, pieces[r][j][2]) for i, r in enumerate(rows) if pieces[r][j][2] >= 0]
+            out.append(SaveRound(rows, to, cu))
+            host += [torch.cat([torch.arange(a, b) for a, b in spans]), torch.tensor(rows, dtype=torch.int64), cu]
+        return out, host
+
+    @staticmethod
+    def place(rounds: list[SaveRound], device_parts: list[torch.Tensor]) -> None:
+        """Give each round its device tensors (in `rounds`' order)."""
+        for i, r in enumerate(rounds):
+            r.tokens, r.rows_d, r.cu = device_parts[3 * i:3 * i + 3]
+
 
 class IterationCache:
     """One iteration of N sequences on a stage: their new tokens packed into one row [1, T].
@@ -237,8 +270,10 @@ class IterationCache:
 
     def __init__(self, pools: CachePools, slots_N: torch.Tensor, starts_N: torch.Tensor, counts_N: torch.Tensor,
                  seq_of_token_T: torch.Tensor, valid_N: torch.Tensor, context: int, prompt: PromptRows | None = None,
-                 decode_rows: torch.Tensor | None = None, saves: SavesInRows | None = None):
+                 decode_rows: torch.Tensor | None = None, saves: SavesInRows | None = None,
+                 save_rounds: list[SaveRound] = ()):
         self.pools, self.context, self.prompt, self.saves = pools, context, prompt, saves
+        self.save_rounds = save_rounds
         self.decode = prompt is None
         self.slots, self.starts, self.counts, self.valid = slots_N, starts_N, counts_N, valid_N
         self.seq_of_token = seq_of_token_T
@@ -294,14 +329,16 @@ class IterationCache:
         kv_pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
         parts = [torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token,
                  torch.tensor(dec + pre, dtype=torch.int64), kv_seq, kv_pos]
-        sizes = [p.numel() for p in parts]
-        out = torch.cat(parts).to(device).split(sizes)
-        sn, seq_t, rows, kv_seq_d, kv_pos_d = out
+        inside = SavesInRows(list(saves), firsts, counts, slots) if saves else None
+        rounds, round_parts = inside.rounds() if inside else ([], [])
+        sizes = [p.numel() for p in parts + round_parts]
+        out = torch.cat(parts + round_parts).to(device).split(sizes)  # one copy: no sync inside the forward
+        sn, seq_t, rows, kv_seq_d, kv_pos_d = out[:5]
+        SavesInRows.place(rounds, list(out[5:]))
         prompt = PromptRows([firsts[i] for i in pre], [counts[i] for i in pre], lens.tolist(), rows[len(dec):],
                             kv_seq_d, kv_pos_d, torch.tensor(firsts, dtype=torch.int64))
-        inside = SavesInRows(list(saves), firsts, counts, slots) if saves else None
         return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, torch.ones(n, dtype=torch.bool, device=device),
-                   context, prompt, rows[:len(dec)], inside)
+                   context, prompt, rows[:len(dec)], inside, rounds)
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
         """Fold a block's output (the residual stream) into each token's max-abs (NaN propagates)."""
@@ -367,25 +404,18 @@ class IterationCache:
     def _kda_in_pieces(self, q, k, v, g, beta, pool: torch.Tensor) -> torch.Tensor:
         """`kda` with states saved inside rows: each row cut at its saves' offsets, round j running every row's j-th
         piece (packed, one kernel call) from the state its piece j-1 left; a piece that ends at a save checkpoints
-        the state it leaves. Rounds: 1 + the most saves inside one row."""
-        saves, dev = self.saves, q.device
+        the state it leaves. Rounds (`SaveRound`, their indices on the device already): 1 + the most saves inside
+        one row."""
         ckpt_pool = self.pools.checkpoint_state[self.layer]
         state = pool[self.slots].clone()  # [N, H, K, V]
         o = torch.empty_like(v)
-        pieces = saves.pieces()
-        for j in range(max(len(p) for p in pieces)):
-            rows = [r for r, p in enumerate(pieces) if len(p) > j]
-            spans = [(saves.firsts[r] + pieces[r][j][0], saves.firsts[r] + pieces[r][j][1]) for r in rows]
-            idx = torch.cat([torch.arange(a, b) for a, b in spans]).to(dev)
-            cu = torch.tensor([0, *itertools.accumulate(b - a for a, b in spans)], dtype=torch.int64)
-            rows_d = torch.tensor(rows, dtype=torch.int64, device=dev)
-            o_j, s_j = kda_attention(*(t[:, idx] for t in (q, k, v, g, beta)), initial_state=state[rows_d],
-                                     output_final_state=True, cu_seqlens=cu.to(dev), cu_seqlens_cpu=cu)
-            o[:, idx] = o_j.to(o.dtype)
-            state[rows_d] = s_j.to(state.dtype)
-            for i, r in enumerate(rows):
-                if pieces[r][j][2] >= 0:
-                    ckpt_pool[pieces[r][j][2]] = s_j[i].to(ckpt_pool.dtype)
+        for rnd in self.save_rounds:
+            o_j, s_j = kda_attention(*(t[:, rnd.tokens] for t in (q, k, v, g, beta)), initial_state=state[rnd.rows_d],
+                                     output_final_state=True, cu_seqlens=rnd.cu, cu_seqlens_cpu=rnd.cu_cpu)
+            o[:, rnd.tokens] = o_j.to(o.dtype)
+            state[rnd.rows_d] = s_j.to(state.dtype)
+            for i, ckpt in rnd.to:
+                ckpt_pool[ckpt] = s_j[i].to(ckpt_pool.dtype)
         pool.index_copy_(0, self.slots, state)
         return o
 

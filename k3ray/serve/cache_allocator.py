@@ -78,6 +78,7 @@ class CacheAllocator:
         if pool.prefix is not None:
             pool.prefix.take(hit, len(req.prompt) if req.cached_prompt is None else 0)  # first admissions count
         req.cached = req.planned = hit.tokens
+        req.shared_prefix = hit.shared
         req.blocks_offered = len(hit.pages)
         req.pages = list(hit.pages) + pool.take_pages(self.pages(hit.tokens + tokens) - len(hit.pages))
         if req.cached_prompt is None:

@@ -93,11 +93,13 @@ class Block:
 @dataclass
 class Hit:
     """What a request reuses: its first `tokens` positions (a boundary), the pages holding them, the checkpoint of
-    the state after them; `keys`: those pages' blocks."""
+    the state after them; `keys`: those pages' blocks. `shared`: the tokens of its prefix in cached blocks, with a
+    checkpoint or not (>= tokens: where its prompt leaves the cached prefixes)."""
     tokens: int = 0
     pages: tuple = ()
     checkpoint: int = -1
     keys: tuple = ()
+    shared: int = 0
 
 
 class PrefixCache:
@@ -118,15 +120,15 @@ class PrefixCache:
         """The deepest hit for a sequence of token ids whose full blocks' keys are `keys` (no reference taken)."""
         P, every = self.page_size, self.sizes.every
         limit = (len(ids) - 1) // P  # blocks that may be reused: one token at least is left to compute
-        parent, best = ROOT, Hit()
+        parent, best, shared = ROOT, Hit(), 0
         for i in range(min(limit, len(keys))):
             block = self.blocks.get(keys[i])
             if block is None or block.parent != parent or block.tokens != tuple(ids[i * P:(i + 1) * P]):
                 break
-            parent = block.key
+            parent, shared = block.key, (i + 1) * P
             if block.checkpoint >= 0 and ((i + 1) * P) % every == 0:
                 best = Hit((i + 1) * P, (), block.checkpoint, tuple(keys[:i + 1]))
-        return Hit(best.tokens, tuple(self.blocks[k].page for k in best.keys), best.checkpoint, best.keys)
+        return Hit(best.tokens, tuple(self.blocks[k].page for k in best.keys), best.checkpoint, best.keys, shared)
 
     def reusable(self, hit: Hit) -> int:
         """How many of a hit's pages are evictable now (taking the hit makes them unavailable to others)."""

@@ -14,6 +14,26 @@ from k3ray.serve.request_table import RequestTable
 from k3ray.serve.scheduler_output import RankBatch, Request
 
 
+def row_saves(start: int, n: int, every: int, last_chunk: bool, shared: int) -> list[int]:
+    """The boundaries (multiples of `every`) where a row of n tokens from position `start` saves its KDA states: its
+    end where that is a boundary (saved after the iteration, at no cost to it: every decode row crossing one), and
+    inside the row only two, since each boundary inside a row costs its KDA layers one more pass over the iteration
+    (k3ray.model.cache `IterationCache._kda_in_pieces`): the deepest of a prompt's last chunk (`last_chunk`: where its
+    next turn resumes should the reply stay short of the next boundary), and the deepest within the prefix it shares
+    with cached blocks (`shared`: where another cached prompt and this one part, so a third prompt sharing that much
+    hits there)."""
+    end, out = start + n, set()
+    if end % every == 0:
+        out.add(end)
+    deepest = end // every * every
+    if last_chunk and deepest > start:
+        out.add(deepest)
+    parted = min(shared, end) // every * every
+    if parted > start:
+        out.add(parted)
+    return sorted(out)
+
+
 class RequestPrefixes:
     """page_size: P; every: tokens between KDA state checkpoints (`PrefixSizes.every`); table: the scheduler's
     request table, holding each rank's cache."""
@@ -37,11 +57,11 @@ class RequestPrefixes:
         return self._cache(rank).match(self._keys(req, (req.length - 1) // self.page_size), req.ids)
 
     def checkpoint(self, req: Request, n: int, batch: RankBatch, from_device: bool) -> None:
-        """Checkpoint the KDA states at the boundaries that `req`'s row of n tokens from req.planned reaches, where
+        """Checkpoint the KDA states at `row_saves`' boundaries of `req`'s row of n tokens from req.planned, where
         the cache holds none there yet and a checkpoint is free (the row is the batch's last)."""
         every, start, P = self.every, req.planned, self.page_size
         cache = self._cache(req.rank)
-        for b in range((start // every + 1) * every, start + n + 1, every):
+        for b in row_saves(start, n, every, start + n >= req.length, req.shared_prefix):
             if not from_device and cache.has_checkpoint(self._keys(req, b // P)[b // P - 1]):
                 continue
             ckpt = cache.new_checkpoint()

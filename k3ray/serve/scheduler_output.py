@@ -40,6 +40,7 @@ class Request:
     shared_blocks: dict[int, bytes] = field(default_factory=dict)  # position -> key of a cached block it holds
     # beside its own page of the same tokens (another request cached that block first)
     cached_prompt: int | None = None  # prompt tokens its first admission took from the prefix cache
+    shared_prefix: int = 0  # tokens of its prefix in cached blocks at its admission (`Hit.shared`)
 
     @property
     def ids(self) -> list[int]:
