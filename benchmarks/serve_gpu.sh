@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # The served path on one GPU machine (device tool): `serve_load.py` on the gpu2 model (4 layers, then 8), logging to
 # $OUT. Carry .carry/ray (benchmarks/carry_ray.sh) and .carry/kcache (the kept kernel cache that
-# benchmarks/weeks_gpu.sh brings back). Each stage has a timeout
-# so one call stays inside its limit. The seeded weights are written once per model (`k3ray init`) and served by
-# every variant: VARIANTS4 holds serve_load.py argument sets separated by ';' (default: the config's settings).
+# benchmarks/weeks_gpu.sh brings back), or .carry/grammar instead of the kernel cache for serve_load's --kind
+# json_schema | tool_call (xgrammar). Each stage has a timeout so one call stays inside its limit. The seeded
+# weights are written once per model (`k3ray init`) and served by every variant: VARIANTS4 holds serve_load.py
+# argument sets separated by ';' (default: the config's settings).
 #   bash benchmarks/serve_gpu.sh [extra serve_load.py arguments for every run]
 #   bash benchmarks/serve_gpu.sh --prompt-tokens 200:1200 --max-tokens 32:256   # real prompt lengths, defaults
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/site /root
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site
+[[ -f .carry/grammar/site.tar.xz ]] && tar -xJf .carry/grammar/site.tar.xz -C /tmp/site  # xgrammar (carry_ray.sh)
 mkdir -p /root/kcache; [[ -f .carry/kcache/kcache.tar.xz ]] && tar -xJf .carry/kcache/kcache.tar.xz -C /root/kcache
 export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0 K3RAY_KERNEL_CACHE=/root/kcache PYTHONUNBUFFERED=1 \
        K3RAY_OBJECT_STORE_GB=24 RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0

@@ -14,6 +14,7 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/site /root/kcache
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site
+[[ -f .carry/grammar/site.tar.xz ]] && tar -xJf .carry/grammar/site.tar.xz -C /tmp/site  # xgrammar (carry_ray.sh)
 [[ -f .carry/kcache/kcache.tar.xz ]] && tar -xJf .carry/kcache/kcache.tar.xz -C /root/kcache
 export NCCL_NVLS_ENABLE=0 K3RAY_KERNEL_CACHE=/root/kcache TRITON_CACHE_DIR=/root/kcache/triton \
        TRITON_CACHE_AUTOTUNING=1 PYTHONUNBUFFERED=1 K3RAY_OBJECT_STORE_GB=24 RAY_AUTH_MODE=token \

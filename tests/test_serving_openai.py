@@ -6,7 +6,9 @@ the request shapes, the tool-call parser and the grammar's errors."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
+import sys
 
 import httpx
 import jsonschema
@@ -15,12 +17,16 @@ import pytest
 import torch
 
 from conftest import SMALL_BATCH, run_job
+from fakes.serving import SERVE as FAKE_SERVE
+from fakes.serving import FakeGrid, sizes
 from k3ray.config import load_config
 from k3ray.control.local_nodes import free_port
+from k3ray.model.decoder import build_stage
 from k3ray.serve import openai_schema as oa
 from k3ray.serve.app import start_serving, stop_serving
 from k3ray.serve.drills import reference_model
-from k3ray.serve.front_door import prompt_ids
+from k3ray.serve.engine import Engine
+from k3ray.serve.front_door import build_app, prompt_ids
 from k3ray.serve.grammar import GrammarError, Grammars, request_grammar
 from k3ray.serve.tool_calls import ToolCallParser, merge, parse, render_calls
 from k3ray.tokenizer import load_tokenizer
@@ -135,6 +141,86 @@ def test_grammar_errors_name_the_field_and_slow_compiles_are_refused():
         asyncio.run(Grammars(load_tokenizer("bytes"), 1e-9).compile(grammar))
 
 
+class InProcessEngine:
+    """The engine actor's handle as a front door calls it (`engine.method.remote(...)`, awaited or not, and the
+    streaming `subscribe`), over an `Engine` in this process and event loop (submit, cancel and subscribe: its
+    `subscribers`', as the ServingEngine actor's are)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def __getattr__(self, name):
+        method = getattr(self.engine, name, None) or getattr(self.engine.subscribers, name)
+
+        def done(value):
+            future = asyncio.get_running_loop().create_future()
+            future.set_result(value)
+            return future
+
+        async def refs(*args):
+            async for item in method(*args):
+                yield done(item)
+
+        class Remote:
+            @staticmethod
+            def options(**_):
+                return Remote
+
+            @staticmethod
+            def remote(*args):
+                if inspect.isasyncgenfunction(method):
+                    return refs(*args)
+                if inspect.iscoroutinefunction(method):
+                    return asyncio.ensure_future(method(*args))
+                return done(method(*args))
+        return Remote
+
+
+def test_chat_needs_no_xgrammar_and_a_grammar_without_it_is_a_readable_501(monkeypatch):
+    """A server where xgrammar is not installed (the GPU image): chat completions, streamed or not, with logprobs or
+    not, are served (every chat request used to import xgrammar and got a bare 500, as did logprobs in the engine);
+    response_format and tool_choice 'required' get a 501 naming the field; an error nothing answers (here raised in
+    the engine) is a 500 naming it in one line. The front door's app over the engine in this process, no Ray."""
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ModuleNotFoundError
+    cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1, "model.max_seq_len": 512,
+                                            **{f"serve.{k}": v for k, v in FAKE_SERVE.items()}})
+    torch.manual_seed(0)
+    engine = Engine(cfg, 0, FakeGrid(build_stage(cfg.model, range(cfg.model.n_layers), seed=3), sizes(cfg)))
+    app = build_app(InProcessEngine(engine), engine.ready())
+    chat = {"model": cfg.name, "messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 4,
+            "temperature": 0}
+
+    async def main():
+        transport = httpx.ASGITransport(app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://door", timeout=60) as http:
+            whole = await http.post("/v1/chat/completions", json=chat)
+            assert whole.status_code == 200, whole.text
+            assert whole.json()["usage"]["completion_tokens"] > 0
+            streamed = await http.post("/v1/chat/completions", json={**chat, "stream": True})
+            assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]"), streamed.text
+            logprobs = await http.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 2})
+            assert logprobs.status_code == 200, logprobs.text
+            assert len(logprobs.json()["choices"][0]["logprobs"]["content"]) > 0
+            schema = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMAS[0]}}
+            for extra, param in [({"response_format": schema}, "response_format"),
+                                 ({"tools": [WEATHER], "tool_choice": "required"}, "tool_choice")]:
+                for stream in (False, True):
+                    r = await http.post("/v1/chat/completions", json={**chat, **extra, "stream": stream})
+                    err = r.json()["error"]
+                    assert r.status_code == 501 and err["param"] == param, r.text
+                    assert err["message"].startswith(f"{param}: ") and "xgrammar" in err["message"], err
+                    assert "\n" not in err["message"]
+
+            async def broken(*args):
+                raise RuntimeError("the grid is on fire\n  and a traceback follows")
+            engine.submit = broken
+            r = await http.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 500, r.text
+            assert r.json()["error"]["message"] == "internal error: RuntimeError: the grid is on fire", r.text
+
+    asyncio.run(main())
+
+
 # -- against the served tiny model ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def checkpoint(ray_cluster, tmp_path_factory) -> str:
@@ -200,8 +286,9 @@ def test_a_shared_system_prompt_reports_cached_tokens_and_changes_no_text(server
     first, second, streamed, completion = asyncio.run(go())
     assert second.choices[0].message.content == first.choices[0].message.content
     cached = second.usage.prompt_tokens_details.cached_tokens
-    # the system turn's 167 bytes, as far as the default budget's 8 checkpoints (one per slot) of 16 tokens reach
-    assert cached == 128 < second.usage.prompt_tokens
+    # the same prompt: as far as its deepest boundary (the first saved the state there); another user turn: the
+    # boundary where the first's first prompt chunk (128 tokens, the CPU's token budget) ended
+    assert cached == 192 < second.usage.prompt_tokens
     assert streamed.prompt_tokens_details.cached_tokens == 128
     assert completion.prompt_tokens_details.cached_tokens == 0  # another rendering: no shared first block
     status = httpx.get(f"{server.url}/v1/status", timeout=30).json()

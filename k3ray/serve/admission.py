@@ -27,7 +27,8 @@ class Admission:
         {'text': new final text, 'tokens': the token ids it came from, 'finish': None | 'stop' | 'length'}, or
         {'error': 'internal', ...}; the last item carries 'cached_tokens' (the prompt tokens taken from the prefix
         cache: OpenAI's usage.prompt_tokens_details.cached_tokens); with params.logprobs, items carry 'logprobs' too (one per token:
-        k3ray.model.sampling.token_logprobs's). 'invalid' errors may name the request field ('param'). The text
+        k3ray.model.sampling.token_logprobs's). 'invalid' errors may name the request field ('param') and the
+        front door's status ('status': 501 for a grammar on a server without xgrammar). The text
         never ends inside a character nor in what a stop string may still cut
         (the request's detokenizer holds that back)."""
         if (why := await self.availability.unavailable()) is not None:
@@ -41,7 +42,7 @@ class Admission:
             yield {"error": "overloaded", "message": str(err)}
             return
         except GrammarError as err:
-            yield {"error": "invalid", "message": str(err), "param": err.param}
+            yield {"error": "invalid", "message": str(err), "param": err.param, "status": err.status}
             return
         except ValueError as err:
             yield {"error": "invalid", "message": str(err)}

@@ -34,6 +34,9 @@ Choices: `n` > 1 is n requests to the engine (it has no prefix sharing: each pre
 with seed + i. Tool calls, logprobs and their streaming shapes: k3ray.serve.choices. Grammars (response_format,
 tool_choice required or named): k3ray.serve.grammar; a schema that does not convert is a 400 naming
 response_format.json_schema, one that compiles for longer than serve.grammar_compile_s a 400 naming response_format.
+Only a request with a grammar imports xgrammar: a server without it serves completions and plain chat, and answers
+a grammar with 501 naming the field. Whatever no route answers (a bug, an error raised in the engine actor) is a
+500 whose message names the error in one line (`_internal_error`), never a bare "Internal Server Error".
 """
 # No `from __future__ import annotations` here: FastAPI reads the handlers' annotations (Request) at runtime.
 
@@ -71,6 +74,23 @@ def _error(status: int, message: str, param: str | None = None, kind: str = "inv
 class BadRequest(Exception):
     def __init__(self, response: JSONResponse):
         self.response = response
+
+
+def _invalid(status: int, message: str, param: str | None) -> JSONResponse:
+    """A request refused for a field: 400, or 501 for a grammar this server cannot apply (no xgrammar)."""
+    if status == 501:
+        return _error(501, message, param, kind="server_error", code="unsupported")
+    return _error(400, message, param)
+
+
+async def _internal_error(request: Request, err: Exception) -> JSONResponse:
+    """What no route answered (a bug, the engine actor's error): a 500 with one readable line, never Starlette's bare
+    text. The engine's own error is named, not Ray's wrapping; the traceback goes to the server's log (Starlette
+    raises the error on after this answer)."""
+    cause = getattr(err, "cause", None) or err  # ray.exceptions.RayTaskError: what the engine actor raised
+    lines = [line.strip() for line in str(cause).splitlines() if line.strip()]
+    return _error(500, f"internal error: {type(cause).__name__}" + (f": {lines[0]}" if lines else ""),
+                  kind="server_error", code="internal_error")
 
 
 def prompt_ids(tok: Tokenizer, req, chat: bool) -> tuple[list[int], tuple[str, ...]]:
@@ -196,7 +216,7 @@ class FrontDoor:
         if first["error"] == "unavailable":
             return _error(503, first["message"], kind="server_error", code="unavailable",
                           headers={"Retry-After": str(first["retry_after"])})
-        return _error(400, first["message"], param=first.get("param", "prompt"))
+        return _invalid(first.get("status", 400), first["message"], first.get("param", "prompt"))
 
     def _validate(self, body: bytes, chat: bool):
         try:
@@ -238,7 +258,7 @@ class FrontDoor:
         try:
             return req, ids, req.sampling(max_tokens, self.tokenizer.vocab_size, stop)
         except GrammarError as err:
-            raise BadRequest(_error(400, str(err), err.param))
+            raise BadRequest(_invalid(err.status, str(err), err.param))
         except ValueError as err:
             raise BadRequest(_error(400, str(err), str(err).split(":")[0]))
 
@@ -317,6 +337,7 @@ def build_app(engine, info: dict, api_key: str | None = None) -> FastAPI:
     No OpenAPI pages: no open routes but the health ones."""
     auth, door = BearerAuth(api_key), FrontDoor(engine, info)
     app = steering_app(EngineSteering(engine, info), auth, "k3ray serve", docs=False, invalid_status=400)
+    app.add_exception_handler(Exception, _internal_error)
     guarded = [Depends(auth)]
     app.add_api_route("/v1/models", door.models, methods=["GET"], dependencies=guarded)
     app.add_api_route("/v1/completions", door.completions, methods=["POST"], dependencies=guarded)

@@ -25,11 +25,24 @@ TOOL_CALL_FORMAT = "kimi"  # xgrammar's name for the Kimi K2 tool-call format K3
 
 
 class GrammarError(ValueError):
-    """A grammar that cannot be built or compiled; `param` names the request field."""
+    """A grammar that cannot be built or compiled; `param` names the request field. `status`: the front door's
+    answer, 400 (the request's grammar is wrong) or 501 (this server has no xgrammar: `xgrammar`)."""
 
-    def __init__(self, message: str, param: str):
+    def __init__(self, message: str, param: str, status: int = 400):
         super().__init__(message)
-        self.param = param
+        self.param, self.status = param, status
+
+
+def xgrammar(param: str):
+    """The xgrammar module, imported only where a request needs a grammar (plain chat never does); where it is not
+    installed, a GrammarError naming `param` (the field that asked for a grammar) with status 501."""
+    try:
+        import xgrammar as xgr
+    except ImportError:
+        raise GrammarError(f"{param}: this server cannot constrain the output (the xgrammar package is not installed "
+                           f"where it runs); send the request without {param}, or install xgrammar>=0.2.9 there",
+                           param, status=501) from None
+    return xgr
 
 
 def request_grammar(response_format: dict | None, tools: list[dict] | None, tool_choice, parallel_tool_calls: bool
@@ -37,10 +50,10 @@ def request_grammar(response_format: dict | None, tools: list[dict] | None, tool
     """The serialized grammar (xgrammar's Grammar.serialize_json) a request's output must follow, or None:
     tool_choice 'required' or {'type': 'function', ...} constrains the output to tool calls in K3's format; else
     response_format {'type': 'json_object'} to a JSON object, {'type': 'json_schema', 'json_schema': {'schema'}} to
-    that schema (as strict: properties the schema does not name are not generated)."""
-    import xgrammar as xgr
-
+    that schema (as strict: properties the schema does not name are not generated). xgrammar is imported only
+    for a request that has a grammar."""
     if tools and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        xgr = xgrammar("tool_choice")
         try:
             tag = xgr.get_model_structural_tag(TOOL_CALL_FORMAT, tools=tools, tool_choice=tool_choice,
                                                reasoning="disabled", parallel_tool_calls=parallel_tool_calls,
@@ -50,8 +63,9 @@ def request_grammar(response_format: dict | None, tools: list[dict] | None, tool
             raise GrammarError(f"tools: {_first_line(err)}", "tools") from None
     kind = (response_format or {}).get("type", "text")
     if kind == "json_object":
-        return xgr.Grammar.builtin_json_grammar().serialize_json()
+        return xgrammar("response_format").Grammar.builtin_json_grammar().serialize_json()
     if kind == "json_schema":
+        xgr = xgrammar("response_format")
         schema = (response_format.get("json_schema") or {}).get("schema", {})
         try:
             grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
@@ -96,7 +110,7 @@ class Grammars:
     async def compile(self, grammar: str):
         """The compiled grammar, off the event loop; GrammarError when it takes longer than serve.grammar_compile_s
         (the compile finishes in its thread and is cached; this request is refused)."""
-        import xgrammar as xgr
+        xgr = xgrammar("response_format")
 
         def build():
             return self.compiler.compile_grammar(xgr.Grammar.deserialize_json(grammar))
@@ -124,11 +138,12 @@ class RequestLogits:
     """One request's host-side logits state: its grammar's matcher and its output's token counts (penalties)."""
 
     def __init__(self, params: SamplingParams, compiled=None):
-        import xgrammar as xgr
+        self.params, self.matcher, self.words = params, None, None
+        if compiled is not None:  # penalties, logit_bias and logprobs alone need no xgrammar
+            import xgrammar as xgr
 
-        self.params = params
-        self.matcher = None if compiled is None else xgr.GrammarMatcher(compiled)
-        self.words = None if compiled is None else xgr.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1]
+            self.matcher = xgr.GrammarMatcher(compiled)
+            self.words = xgr.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1]
         self.counts: Counter[int] = Counter()
 
     @property
