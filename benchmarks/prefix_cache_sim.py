@@ -52,10 +52,10 @@ def hit_share(chats: int, turns: int, checkpoints: int, every: int = 64, P: int 
                     shared[b] = keys[b]
                 boundary = (b + 1) * P
                 if (boundary in saves or boundary > prompt_len) and boundary % every == 0 \
-                        and not cache.has_checkpoint(keys[b]):
-                    checkpoint = cache.new_checkpoint()
+                        and not cache.checkpoints.held_at(keys[b]):
+                    checkpoint = cache.checkpoints.new()
                     if checkpoint >= 0:
-                        cache.offer_checkpoint(keys[b], checkpoint)
+                        cache.checkpoints.offer(keys[b], checkpoint)
             history[i] = row
             cache.release(pages, shared)
     return hit / max(shareable, 1)

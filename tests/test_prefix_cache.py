@@ -43,7 +43,7 @@ def offer(c: PrefixCache, ids: list[int], pages: list[int], boundaries=()) -> No
         c.free_pages.remove(page)
         c.offer_page(key, keys[i - 1] if i else ROOT, ids[i * P:(i + 1) * P], page)
     for b in boundaries:
-        c.offer_checkpoint(keys[b // P - 1], c.new_checkpoint())
+        c.checkpoints.offer(keys[b // P - 1], c.checkpoints.new())
 
 
 def test_a_hit_is_the_deepest_boundary_with_pages_and_a_checkpoint_and_leaves_a_token_to_compute():
@@ -91,10 +91,10 @@ def test_held_blocks_stay_evictable_ones_go_least_recently_used_leaves_first():
     held = c.match(keys_of(b), b)
     c.take(held, len(b))
     assert c.usage()["hit_tokens"] == 8 and c.usage()["lookup_tokens"] == 9
-    assert c.new_checkpoint() >= 0  # taken from a's block: its pages stay cached, a hit no longer
+    assert c.checkpoints.new() >= 0  # taken from a's block: its pages stay cached, a hit no longer
     assert c.match(keys_of(a), a).tokens == 0 and c.usage()["cached_pages"] == 4
     assert c.match(keys_of(b), b).tokens == 8  # held: never evicted
-    assert c.new_checkpoint() == -1  # no evictable block has one: that boundary is not checkpointed
+    assert c.checkpoints.new() == -1  # no evictable block has one: that boundary is not checkpointed
     c.release(list(held.pages))
     c.release(list(held.pages))  # both of b's holders ended
     assert c.evict_one() and 1 in c.free_pages  # a's last block first: the least recently used leaf
@@ -131,7 +131,7 @@ def test_a_block_stays_while_its_children_are_cached_and_one_computed_again_is_s
             shared[i] = kb[i]
     assert shared == {0: kb[0]} and kb[0] not in c.evictable  # held by b's request now
     for boundary in (8, 16):
-        c.offer_checkpoint(kb[boundary // P - 1], c.new_checkpoint())
+        c.checkpoints.offer(kb[boundary // P - 1], c.checkpoints.new())
     c.release([2, 3, 4, 5], shared)  # its own copy of block 0 is freed
     assert 2 in c.free_pages and len(c.evictable) == 5
     assert c.evict_one() and c.evict_one()
@@ -151,13 +151,13 @@ def test_a_finished_chat_keeps_its_deepest_state_longest():
     c.release([0, 1, 2, 3, 4, 5])
     offer(c, other[:16], [6, 7, 8, 9], boundaries=(8, 16))  # the last free checkpoint, then the chat's state at 16
     kc, ko = keys_of(chat), keys_of(other)
-    assert not c.has_checkpoint(kc[3]) and c.has_checkpoint(kc[1]) and c.has_checkpoint(kc[5])
+    assert not c.checkpoints.held_at(kc[3]) and c.checkpoints.held_at(kc[1]) and c.checkpoints.held_at(kc[5])
     assert c.match(kc, chat).tokens == 24  # its next turn resumes from its end
     c.release([6, 7, 8, 9])
-    assert c.new_checkpoint() >= 0 and not c.has_checkpoint(kc[1])  # the chat's state at 8: under it, 24's
-    assert c.new_checkpoint() >= 0 and not c.has_checkpoint(ko[1])  # then other's at 8: under it, its 16
+    assert c.checkpoints.new() >= 0 and not c.checkpoints.held_at(kc[1])  # the chat's state at 8: under it, 24's
+    assert c.checkpoints.new() >= 0 and not c.checkpoints.held_at(ko[1])  # then other's at 8: under it, its 16
     assert c.match(kc, chat).tokens == 24 and c.match(ko, other).tokens == 16
-    assert c.new_checkpoint() >= 0 and c.match(kc, chat).tokens == 0  # none intermediate left: the oldest goes
+    assert c.checkpoints.new() >= 0 and c.match(kc, chat).tokens == 0  # none intermediate left: the oldest goes
 
 
 def test_sizes_come_from_the_budget_and_the_switch_turns_the_cache_off():

@@ -16,10 +16,11 @@ that a request starts its prefill at the deepest boundary it shares with a cache
   cached block's whole prefix is cached (a lookup walks it from the first block). Evicting a block frees its page
   and its checkpoint. Evictable pages cost nothing while the rank's page pool has free pages: they are taken back
   when its free pages run out.
-- Checkpoints are the budget (`PrefixSizes`: they sit in memory of their own, beside the state slots). One needed
-  where none is free is taken from an evictable block, the block keeping its page: the least recently used one
-  whose prefix has a deeper checkpoint cached below it (a chat's intermediate states), else the least recently used
-  one. So a finished chat keeps the state at its deepest boundary, where its next turn resumes, the longest.
+- Checkpoints are the budget (`PrefixSizes`: they sit in memory of their own, beside the state slots; the cache's
+  `StateCheckpoints` keeps them). One needed where none is free is taken from an evictable block, the block keeping
+  its page: the least recently used one whose prefix has a deeper checkpoint cached below it (a chat's intermediate
+  states), else the least recently used one. So a finished chat keeps the state at its deepest boundary, where its
+  next turn resumes, the longest.
 
 A request's hit is the deepest boundary b (a multiple of `every`, at most its length - 1: one token at least is
 computed, for its logits) where every block before b is cached and the block ending at b holds a checkpoint.
@@ -102,6 +103,67 @@ class Hit:
     shared: int = 0
 
 
+class StateCheckpoints:
+    """A rank's KDA state checkpoints, the prefix cache's budget: the free ones, and the cached blocks holding the
+    others (`blocks`, `evictable`: the cache's own, shared). A block holding one counts for its ancestors (`below`)."""
+
+    def __init__(self, n: int, blocks: dict[bytes, Block], evictable: OrderedDict[bytes, Block]):
+        self.free = list(range(n))
+        self.blocks, self.evictable = blocks, evictable
+
+    def new(self) -> int:
+        """A free checkpoint id, taken from the least recently used evictable block holding one where none is free
+        (the block stays, without it); -1 where every checkpoint is held (the boundary is not checkpointed)."""
+        if not self.free:
+            victim = self._victim()
+            if victim is None:
+                return -1
+            self.free.append(victim.checkpoint)
+            victim.checkpoint = -1
+            self.count_below(victim, -1)
+        return self.free.pop()
+
+    def _victim(self) -> Block | None:
+        """Among the first VICTIMS_SCANNED evictable blocks holding a checkpoint (least recently used first), the first
+        with a deeper checkpoint under it, else the first of all; None if no evictable block holds one."""
+        first, seen = None, 0
+        for block in self.evictable.values():
+            if block.checkpoint < 0:
+                continue
+            if block.below:
+                return block
+            first, seen = first or block, seen + 1
+            if seen == VICTIMS_SCANNED:
+                break
+        return first
+
+    def count_below(self, block: Block, change: int) -> None:
+        """A checkpoint came to (change 1) or left (-1) `block`: its ancestors count it under them."""
+        parent = self.blocks.get(block.parent)
+        while parent is not None:
+            parent.below += change
+            parent = self.blocks.get(parent.parent)
+
+    def offer(self, key: bytes, checkpoint: int) -> None:
+        """The state after block `key` was saved in `checkpoint`: the block keeps it, unless it is not cached or has
+        one already (then the checkpoint is free again)."""
+        block = self.blocks.get(key)
+        if block is None or block.checkpoint >= 0:
+            self.free.append(checkpoint)
+        else:
+            block.checkpoint = checkpoint
+            self.count_below(block, 1)
+
+    def held_at(self, key: bytes) -> bool:
+        """Whether cached block `key` holds a checkpoint."""
+        block = self.blocks.get(key)
+        return block is not None and block.checkpoint >= 0
+
+    def drop(self, checkpoint: int) -> None:
+        """A checkpoint that was never saved (its iteration void or failed)."""
+        self.free.append(checkpoint)
+
+
 class PrefixCache:
     """One rank's cached blocks. page_size: P; sizes: as `prefix_sizes`; free_pages: the rank's free list, which
     evicted blocks' pages join."""
@@ -111,7 +173,7 @@ class PrefixCache:
         self.blocks: dict[bytes, Block] = {}
         self.by_page: dict[int, Block] = {}
         self.evictable: OrderedDict[bytes, Block] = OrderedDict()  # blocks nobody holds, least recently used first
-        self.free_checkpoints = list(range(sizes.checkpoints))
+        self.checkpoints = StateCheckpoints(sizes.checkpoints, self.blocks, self.evictable)
         self.lookup_tokens = 0  # prompt tokens of admitted requests
         self.hit_tokens = 0  # of which taken from the cache
 
@@ -169,57 +231,6 @@ class PrefixCache:
         """Whether `page` is a cached block's."""
         return page in self.by_page
 
-    def new_checkpoint(self) -> int:
-        """A free checkpoint id, taken from the least recently used evictable block holding one where none is free
-        (the block stays, without it); -1 where every checkpoint is held (the boundary is not checkpointed)."""
-        if not self.free_checkpoints:
-            victim = self._checkpoint_victim()
-            if victim is None:
-                return -1
-            self.free_checkpoints.append(victim.checkpoint)
-            victim.checkpoint = -1
-            self._count_below(victim, -1)
-        return self.free_checkpoints.pop()
-
-    def _checkpoint_victim(self) -> Block | None:
-        """Among the first VICTIMS_SCANNED evictable blocks holding a checkpoint (least recently used first), the first
-        with a deeper checkpoint under it, else the first of all; None if no evictable block holds one."""
-        first, seen = None, 0
-        for block in self.evictable.values():
-            if block.checkpoint < 0:
-                continue
-            if block.below:
-                return block
-            first, seen = first or block, seen + 1
-            if seen == VICTIMS_SCANNED:
-                break
-        return first
-
-    def _count_below(self, block: Block, change: int) -> None:
-        """A checkpoint came to (change 1) or left (-1) `block`: its ancestors count it under them."""
-        parent = self.blocks.get(block.parent)
-        while parent is not None:
-            parent.below += change
-            parent = self.blocks.get(parent.parent)
-
-    def offer_checkpoint(self, key: bytes, checkpoint: int) -> None:
-        """The state after block `key` was saved in `checkpoint`: the block keeps it, unless it is not cached or has
-        one already (then the checkpoint is free again)."""
-        block = self.blocks.get(key)
-        if block is None or block.checkpoint >= 0:
-            self.free_checkpoints.append(checkpoint)
-        else:
-            block.checkpoint = checkpoint
-            self._count_below(block, 1)
-
-    def has_checkpoint(self, key: bytes) -> bool:
-        block = self.blocks.get(key)
-        return block is not None and block.checkpoint >= 0
-
-    def drop_checkpoint(self, checkpoint: int) -> None:
-        """A checkpoint that was never saved (its iteration void or failed)."""
-        self.free_checkpoints.append(checkpoint)
-
     # -- pages coming back -------------------------------------------------------------------------------------------
     def release(self, pages: list[int], shared: dict[int, bytes] | None = None) -> None:
         """A request lets go of its pages (and of the blocks it shares, `shared`: position -> key, where its own
@@ -254,15 +265,15 @@ class PrefixCache:
         self.evictable.pop(block.key, None)
         self.free_pages.append(block.page)
         if block.checkpoint >= 0:
-            self.free_checkpoints.append(block.checkpoint)
-            self._count_below(block, -1)
+            self.checkpoints.free.append(block.checkpoint)
+            self.checkpoints.count_below(block, -1)
         parent = self.blocks.get(block.parent)
         if parent is not None:
             parent.children -= 1
 
     # -- what it holds -----------------------------------------------------------------------------------------------
     def usage(self) -> dict:
-        held = self.sizes.checkpoints - len(self.free_checkpoints)
+        held = self.sizes.checkpoints - len(self.checkpoints.free)
         return {"cached_pages": len(self.blocks), "checkpoints": held,
                 "cached_bytes": len(self.blocks) * self.sizes.page_bytes + held * self.sizes.checkpoint_bytes,
                 "lookup_tokens": self.lookup_tokens, "hit_tokens": self.hit_tokens}

@@ -62,9 +62,9 @@ class RequestPrefixes:
         every, start, P = self.every, req.planned, self.page_size
         cache = self._cache(req.rank)
         for b in row_saves(start, n, every, start + n >= req.length, req.shared_prefix):
-            if not from_device and cache.has_checkpoint(self._keys(req, b // P)[b // P - 1]):
+            if not from_device and cache.checkpoints.held_at(self._keys(req, b // P)[b // P - 1]):
                 continue
-            ckpt = cache.new_checkpoint()
+            ckpt = cache.checkpoints.new()
             if ckpt < 0:
                 return
             batch.plan.saves.append(StateSave(len(batch.plan.slots) - 1, b - start, ckpt))
@@ -83,11 +83,11 @@ class RequestPrefixes:
         req.blocks_offered = max(req.blocks_offered, full)
         for r, b, ckpt in batch.saves:
             if r == row:
-                cache.offer_checkpoint(keys[b // P - 1], ckpt)
+                cache.checkpoints.offer(keys[b // P - 1], ckpt)
 
     def drop_saves(self, rank: int, row: int, batch: RankBatch) -> None:
         """The checkpoints a void or failed row was to save are free again."""
         cache = self._cache(rank)
         for r, _, ckpt in batch.saves:
             if r == row:
-                cache.drop_checkpoint(ckpt)
+                cache.checkpoints.drop(ckpt)
