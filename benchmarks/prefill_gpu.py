@@ -14,6 +14,10 @@ Stages (each prints as it ends; an exception prints its traceback and the next s
    (serve.graphs_at_start_s), each capture timed, by context and batch bucket.
 4. A profile of mixed iterations of about `--mixed-tokens` tokens (64 decode rows + prompt chunks): device time by
    kernel category (attention, KDA, convolution, matmul, experts, elementwise/other) and the worker's wall time.
+
+`--system-tokens LO:HI` puts one system prompt (drawn once) before every prompt; `--prefix-cache on|off` (default:
+the config's) the prefix cache, with the pools' state checkpoints, as a server has it. The levels then print the
+hit rate over prompt tokens.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ from k3ray.model.cache import pages_that_fit
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import LocalExecutor, PoolSizes
+from k3ray.serve.prefix_cache import PrefixSizes, prefix_sizes
 from k3ray.serve.scheduler import Scheduler
 from k3ray.tokenizer import ByteTokenizer
 from real_prompts import draws
@@ -36,9 +41,17 @@ from real_prompts import draws
 DEVICE = "cuda"  # --device cpu: a smoke run of the same code at a tiny shape (no profile categories then)
 
 
+SYSTEM: list[int] = []  # --system-tokens: the system prompt before every prompt
+
+
 def workload(n: int, prompt_tokens: str, max_tokens: str, seed: int) -> list[tuple[list[int], int]]:
     """serve_load.py's requests (benchmarks/real_prompts.py) as the byte-level model's token ids."""
-    return draws(ByteTokenizer(), n, prompt_tokens, max_tokens, seed)
+    return [(SYSTEM + ids, m) for ids, m in draws(ByteTokenizer(), n, prompt_tokens, max_tokens, seed)]
+
+
+def pool_sizes(serve: ServeConfig, prefix: PrefixSizes | None) -> PoolSizes:
+    return PoolSizes(serve.pages_per_rank, serve.page_size, serve.slots_per_rank,
+                     0 if prefix is None else prefix.checkpoints)
 
 
 class TimedExecutor:
@@ -67,18 +80,19 @@ def serve_sizes(model, cfg, fraction: float) -> ServeConfig:
     if serve.pages_per_rank:
         return serve
     free, _ = torch.cuda.mem_get_info()
+    prefix = prefix_sizes(serve, cfg.model)
     pages = serve.pages_per_rank or pages_that_fit(cfg.model, model.layers, serve.page_size, serve.slots_per_rank,
-                                                   fraction * free)
+                                                   fraction * free, 0 if prefix is None else prefix.checkpoints)
     return serve.model_copy(update={"pages_per_rank": pages})
 
 
 def ttft_one(model, cfg, serve, tokens: int) -> None:
     prompt = workload(1, f"{tokens}:{tokens}", "1", 7)[0][0]
-    sizes = PoolSizes(serve.pages_per_rank, serve.page_size, serve.slots_per_rank)
-    ex = TimedExecutor(LocalExecutor(model, sizes, device=DEVICE))
+    ex = TimedExecutor(LocalExecutor(model, pool_sizes(serve, None), device=DEVICE))
     times = []
-    for _ in range(6):
-        sched = Scheduler(serve, cfg.model.max_seq_len, 1, cfg.policies.guards)
+    for _ in range(6):  # the prefix cache off: each run's prompt prefilled whole
+        sched = Scheduler(serve.model_copy(update={"prefix_cache": False}), cfg.model.max_seq_len, 1,
+                          cfg.policies.guards)
         t0 = time.perf_counter()
         req = sched.submit(prompt, SamplingParams(max_tokens=1))
         while sched.has_work:
@@ -92,10 +106,10 @@ def ttft_one(model, cfg, serve, tokens: int) -> None:
 def level(model, cfg, serve, args, concurrency: int) -> None:
     n = args.requests or max(4 * concurrency, 16)
     requests = workload(n, args.prompt_tokens, args.max_tokens, args.seed)
-    sizes = PoolSizes(serve.pages_per_rank, serve.page_size, serve.slots_per_rank)
+    prefix = prefix_sizes(serve, cfg.model)
     sched = Scheduler(serve.model_copy(update={"max_waiting": 10 ** 6}), cfg.model.max_seq_len, 1,
-                      cfg.policies.guards)
-    ex = TimedExecutor(LocalExecutor(model, sizes, device=DEVICE))
+                      cfg.policies.guards, prefix=prefix)
+    ex = TimedExecutor(LocalExecutor(model, pool_sizes(serve, prefix), device=DEVICE))
     sent, t_sent, reqs = 0, {}, []
     t0 = time.perf_counter()
     while sent < n or sched.has_work:
@@ -113,10 +127,12 @@ def level(model, cfg, serve, args, concurrency: int) -> None:
     itl = [b - a for r in reqs for a, b in zip(r.token_times, r.token_times[1:])]
     worker = sum(s[3] for s in ex.steps)
     errors = [r.error for r in reqs if r.error]
+    hit = sched.usage().get("prefix_cache", {}).get("hit_rate")
     print(f"| {concurrency} | {n} | {out_tokens / wall:,.0f} | {pct(ttft, 50) * 1e3:.0f} / {pct(ttft, 99) * 1e3:.0f} "
           f"| {pct(itl, 50) * 1e3:.1f} / {pct(itl, 90) * 1e3:.1f} / {pct(itl, 99) * 1e3:.1f} "
           f"| {sum(s[0] for s in ex.steps) / len(ex.steps):.0f} | {prompt_tokens / wall:,.0f} "
-          f"| {worker / wall:.0%} | {sched.table.preemptions} | {len(errors)} |", flush=True)
+          f"| {worker / wall:.0%} | {sched.table.preemptions} | {len(errors)} "
+          f"| {'-' if hit is None else f'{hit:.0%}'} |", flush=True)
     bins = {}
     for tokens, prompts, decodes, dt in ex.steps:
         b = 1 << max(0, (tokens - 1).bit_length())
@@ -147,11 +163,11 @@ def category(name: str) -> str:
 def mixed_profile(model, cfg, serve, args) -> None:
     """64 decode rows at ~700 tokens of context, then iterations that add prompt chunks up to --mixed-tokens."""
     requests = workload(256, args.prompt_tokens, "1000", args.seed + 1)
-    sizes = PoolSizes(serve.pages_per_rank, serve.page_size, serve.slots_per_rank)
     budget = args.mixed_tokens
+    prefix = prefix_sizes(serve, cfg.model)
     sched = Scheduler(serve.model_copy(update={"max_waiting": 10 ** 6, "token_budget": budget}),
-                      cfg.model.max_seq_len, 1, cfg.policies.guards)
-    ex = TimedExecutor(LocalExecutor(model, sizes, device=DEVICE))
+                      cfg.model.max_seq_len, 1, cfg.policies.guards, prefix=prefix)
+    ex = TimedExecutor(LocalExecutor(model, pool_sizes(serve, prefix), device=DEVICE))
     for prompt, _ in requests[:64]:
         sched.submit(prompt, SamplingParams(max_tokens=1000))
     while any(r.cached < r.length for r in sched.table.running.values()) or sched.table.waiting:
@@ -245,9 +261,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--stages", default="ttft,levels,graphs,mixed")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--system-tokens", help="LO:HI tokens of one system prompt before every prompt")
+    ap.add_argument("--prefix-cache", choices=["on", "off"], help="serve.prefix_cache (default: the config's)")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device
+    if args.prefix_cache is not None:
+        args.set.append(f"serve.prefix_cache={args.prefix_cache == 'on'}")
+    if args.system_tokens is not None:
+        SYSTEM.extend(draws(ByteTokenizer(), 1, args.system_tokens, "1", args.seed + 10 ** 6)[0][0])
     torch.set_num_threads(1)  # as a k3ray worker runs (grid/worker.py): host-side ops on tiny tensors, one thread
     cfg = load_config(args.config, parse_assignments(args.set + ["parallel.ep=1", "parallel.pp=1"]))
     t0 = time.perf_counter()
@@ -265,10 +287,11 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - the benchmark reports every stage's failure and goes on
             traceback.print_exc()
     if "levels" in stages:
-        print(f"prompts {args.prompt_tokens} tokens, max_tokens {args.max_tokens}, greedy, no Ray")
+        print(f"prompts {args.prompt_tokens} tokens after a system prompt of {len(SYSTEM)}, max_tokens "
+              f"{args.max_tokens}, greedy, no Ray, prefix cache {'on' if serve.prefix_cache else 'off'}")
         print("| concurrency | requests | output tok/s | TTFT p50 / p99 ms | ITL p50 / p90 / p99 ms | tokens per "
-              "iteration | prompt tok/s | worker busy | preempted | errors |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+              "iteration | prompt tok/s | worker busy | preempted | errors | hit rate |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for c in args.concurrency:
             try:
                 level(model, cfg, serve, args, c)
