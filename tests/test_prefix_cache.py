@@ -6,6 +6,8 @@ give the reference's tokens with the cache on, starting past the cached prefixes
 (which starts cold)."""
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -100,6 +102,51 @@ def test_held_blocks_stay_evictable_ones_go_least_recently_used_leaves_first():
     assert c.evict_one() and 1 in c.free_pages  # a's last block first: the least recently used leaf
     assert c.evict_one() and c.evict_one() and c.evict_one() and not c.evict_one()
     assert sorted(c.free_pages) == list(range(32))
+
+
+def test_the_books_agree_after_random_requests():
+    """Random prompts sharing prefixes, checkpoints at random boundaries, releases and evictions: the blocks nobody
+    holds that hold a checkpoint are the checkpoints' evictable ones, each block counts the checkpoints under it,
+    and every checkpoint is free or held by one block."""
+    rng = random.Random(3)
+    c = cache(checkpoints=6, pages=40)
+    held = []
+    for _ in range(300):
+        if held and (rng.random() < 0.4 or len(c.free_pages) < 8):
+            pages, shared = held.pop(rng.randrange(len(held)))
+            c.release(pages, shared)
+        else:
+            ids = [rng.randrange(3) for _ in range(rng.choice([4, 8, 12, 16, 20]))]
+            keys, hit = keys_of(ids), c.match(keys_of(ids), ids + [0])
+            c.take(hit, len(ids) + 1)
+            pages, shared = list(hit.pages), {}
+            for i in range(len(hit.pages), len(keys)):
+                while not c.free_pages and c.evict_one():
+                    pass
+                pages.append(c.free_pages.pop())
+                if c.offer_page(keys[i], keys[i - 1] if i else ROOT, ids[i * P:(i + 1) * P], pages[i]) == "shared":
+                    shared[i] = keys[i]
+                if (i + 1) * P % 8 == 0 and rng.random() < 0.7 and not c.checkpoints.held_at(keys[i]):
+                    if (ckpt := c.checkpoints.new()) >= 0:
+                        c.checkpoints.offer(keys[i], ckpt)
+            held.append((pages, shared))
+        evictable = {k for k, b in c.evictable.items() if b.checkpoint >= 0}
+        assert set(c.checkpoints.evictable) == evictable
+        assert all((b.refs == 0) == (k in c.evictable) for k, b in c.blocks.items())
+        for b in c.blocks.values():
+            under = [d for d in c.blocks.values() if d.checkpoint >= 0 and _ancestor(c, b.key, d)]
+            assert b.below == len(under)
+        owned = [b.checkpoint for b in c.blocks.values() if b.checkpoint >= 0]
+        assert sorted(owned + c.checkpoints.free) == list(range(6))
+
+
+def _ancestor(c: PrefixCache, key: bytes, block) -> bool:
+    parent = c.blocks.get(block.parent)
+    while parent is not None:
+        if parent.key == key:
+            return True
+        parent = c.blocks.get(parent.parent)
+    return False
 
 
 def test_evictable_pages_stay_until_the_free_pages_run_out():

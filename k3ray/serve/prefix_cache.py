@@ -105,11 +105,23 @@ class Hit:
 
 class StateCheckpoints:
     """A rank's KDA state checkpoints, the prefix cache's budget: the free ones, and the cached blocks holding the
-    others (`blocks`, `evictable`: the cache's own, shared). A block holding one counts for its ancestors (`below`)."""
+    others (`blocks`: the cache's own, shared). `evictable`: the blocks nobody holds that hold one, least recently
+    let go first (the cache tells it: `let_go`, `held`), so a checkpoint needed where none is free is found without
+    walking the blocks that hold none (most of them). A block holding one counts for its ancestors (`below`)."""
 
-    def __init__(self, n: int, blocks: dict[bytes, Block], evictable: OrderedDict[bytes, Block]):
+    def __init__(self, n: int, blocks: dict[bytes, Block]):
         self.free = list(range(n))
-        self.blocks, self.evictable = blocks, evictable
+        self.blocks = blocks
+        self.evictable: OrderedDict[bytes, Block] = OrderedDict()
+
+    def let_go(self, block: Block) -> None:
+        """Nobody holds `block` now."""
+        if block.checkpoint >= 0:
+            self.evictable[block.key] = block
+
+    def held(self, key: bytes) -> None:
+        """Block `key` is held again, or evicted."""
+        self.evictable.pop(key, None)
 
     def new(self) -> int:
         """A free checkpoint id, taken from the least recently used evictable block holding one where none is free
@@ -120,6 +132,7 @@ class StateCheckpoints:
                 return -1
             self.free.append(victim.checkpoint)
             victim.checkpoint = -1
+            self.evictable.pop(victim.key)
             self.count_below(victim, -1)
         return self.free.pop()
 
@@ -128,8 +141,6 @@ class StateCheckpoints:
         with a deeper checkpoint under it, else the first of all; None if no evictable block holds one."""
         first, seen = None, 0
         for block in self.evictable.values():
-            if block.checkpoint < 0:
-                continue
             if block.below:
                 return block
             first, seen = first or block, seen + 1
@@ -153,6 +164,8 @@ class StateCheckpoints:
         else:
             block.checkpoint = checkpoint
             self.count_below(block, 1)
+            if block.refs == 0:
+                self.evictable[key] = block
 
     def held_at(self, key: bytes) -> bool:
         """Whether cached block `key` holds a checkpoint."""
@@ -173,7 +186,7 @@ class PrefixCache:
         self.blocks: dict[bytes, Block] = {}
         self.by_page: dict[int, Block] = {}
         self.evictable: OrderedDict[bytes, Block] = OrderedDict()  # blocks nobody holds, least recently used first
-        self.checkpoints = StateCheckpoints(sizes.checkpoints, self.blocks, self.evictable)
+        self.checkpoints = StateCheckpoints(sizes.checkpoints, self.blocks)
         self.lookup_tokens = 0  # prompt tokens of admitted requests
         self.hit_tokens = 0  # of which taken from the cache
 
@@ -200,8 +213,7 @@ class PrefixCache:
         """A request admitted with `hit` (of a prompt of `prompt_tokens`): it holds the hit's blocks."""
         for key in hit.keys:
             block = self.blocks[key]
-            block.refs += 1
-            self.evictable.pop(key, None)
+            self._hold(block)
         self.lookup_tokens += prompt_tokens
         self.hit_tokens += min(hit.tokens, prompt_tokens)
 
@@ -215,8 +227,7 @@ class PrefixCache:
         if block is not None:
             if block.parent != parent or block.tokens != tuple(tokens):
                 return "refused"
-            block.refs += 1
-            self.evictable.pop(key, None)
+            self._hold(block)
             return "shared"
         if parent != ROOT and parent not in self.blocks:
             return "refused"
@@ -246,10 +257,16 @@ class PrefixCache:
             else:
                 self._let_go(block)
 
+    def _hold(self, block: Block) -> None:
+        block.refs += 1
+        self.evictable.pop(block.key, None)
+        self.checkpoints.held(block.key)
+
     def _let_go(self, block: Block) -> None:
         block.refs -= 1
         if block.refs == 0:
             self.evictable[block.key] = block
+            self.checkpoints.let_go(block)
 
     def evict_one(self) -> bool:
         """Free the least recently used evictable leaf's page and checkpoint; False if none is evictable."""
@@ -263,6 +280,7 @@ class PrefixCache:
         del self.blocks[block.key]
         del self.by_page[block.page]
         self.evictable.pop(block.key, None)
+        self.checkpoints.held(block.key)
         self.free_pages.append(block.page)
         if block.checkpoint >= 0:
             self.checkpoints.free.append(block.checkpoint)
