@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from k3ray.config import load_config
+from k3ray.dtypes import bmm_f32, matmul_f32, mm_f32
 from k3ray.model.balancing import own_bias, quantile_bias, quantile_histogram
 from k3ray.model.decoder import new_shard
 from k3ray.model.moe import LatentMoE, LocalExperts
 from k3ray.parallel.reference import ReferenceTrainer
-from k3ray.parallel.step import balance_diagnostics
+from k3ray.parallel.step import balance_diagnostics, to_host
 from k3ray.policies.moonep import maxvio
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -101,6 +102,45 @@ def test_balance_diagnostics():
     counts = torch.tensor([4, 4, 4, 4, 8, 4, 2, 2, 3, 10], dtype=torch.int64)  # E = 4, 3 of 10 scores saturated
     d = balance_diagnostics(counts, 4)
     assert d == {"maxvio_step_bias": 0.0, "maxvio_micro_batch_bias": 1.0, "saturated": 0.3}
+    assert balance_diagnostics(counts.tolist(), 4) == d  # as read to the host with the rest of the step report
+
+
+def test_step_report_reads_are_one_host_copy_of_the_same_values():
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(0, 1 << 40, (2, 3), generator=g), torch.randn(4, generator=g),
+               torch.randn(2, 2, generator=g, dtype=torch.float64), torch.zeros(2, 0, dtype=torch.int64),
+               torch.tensor(7)]
+    got = to_host(tensors)
+    assert got == [t.tolist() for t in tensors]
+    assert [type(x) for x in got[0][0]] == [int] * 3
+
+
+def test_router_scores_in_bf16_are_the_widened_products():
+    """bf16 router: fp32 scores from one GEMM with fp32 output (dtypes.matmul_f32), the same as widening x and W
+    first; the gradients come back in bf16."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g).to(torch.bfloat16).requires_grad_(True)
+    w = (torch.randn(8, 64, generator=g) / 8).to(torch.bfloat16).requires_grad_(True)
+    s = matmul_f32(x, w.t())
+    assert s.dtype == torch.float32 and torch.equal(s, x.detach().float() @ w.detach().float().t())
+    ds = torch.randn(s.shape, generator=g)
+    gx, gw = torch.autograd.grad(s, (x, w), ds)
+    assert gx.dtype == gw.dtype == torch.bfloat16
+    for got, want in ((gx, ds @ w.detach().float()), (gw, ds.t() @ x.detach().float())):  # within bf16 rounding
+        assert float((got.float() - want).norm() / want.norm()) < 5e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-output GEMMs on bf16 operands are CUDA's")
+def test_fp32_output_gemms_on_cuda_are_the_widened_products():
+    """mm_f32 / bmm_f32 on CUDA (cuBLAS with an fp32 output: torch's out_dtype) against widening first."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    b = torch.randn(128, 32, device="cuda", generator=g).to(torch.bfloat16)
+    got = mm_f32(a, b)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, a.float() @ b.float(), rtol=1e-5, atol=1e-4)
+    got = bmm_f32(a.view(4, 16, 128), b[None].expand(4, 128, 32))
+    torch.testing.assert_close(got, a.view(4, 16, 128).float() @ b.float(), rtol=1e-5, atol=1e-4)
 
 
 def test_micro_batch_bias_holds_in_training_at_a_high_learning_rate(one_thread):

@@ -14,7 +14,7 @@ from k3ray.config import load_config
 from k3ray.kernels import kda_gate, short_conv
 from k3ray.kernels.kda import kda_recurrent_reference
 from k3ray.model.decoder import boundary_shape, build_stage
-from k3ray.model.layers import KDA, AttnResRead, GatedMLA, attn_res_mix
+from k3ray.model.layers import KDA, AttnResRead, GatedMLA, _AttnResMix, attn_res_mix
 
 D = torch.float64
 
@@ -81,6 +81,36 @@ def test_attn_res_matches_direct_formula():
     read = AttnResRead(d, eps).to(D)
     torch.nn.init.zeros_(read.proj.weight)
     torch.testing.assert_close(read(list(v)), v.mean(0))
+
+
+def test_attn_res_in_bf16_has_fp32_scores_and_exact_gradients():
+    """The bf16 read (_AttnResMix: the norm folded into the score, explicit backward) is the formula's derivative
+    (gradcheck in float64), and in bf16 it stays within bf16 rounding of the float64 read, for the pseudo-query's and
+    the norm's gradients too when the values are alike (their depth softmax gradient sums to zero: bf16 keys leaked
+    the values' common part into those sums, a few percent)."""
+    g = torch.Generator().manual_seed(5)
+    N, B, S, d, eps = 3, 2, 5, 8, 1e-5
+    args = (torch.randn(N, B, S, d, generator=g, dtype=D, requires_grad=True),
+            torch.randn(d, generator=g, dtype=D, requires_grad=True),
+            (1 + torch.rand(d, generator=g, dtype=D)).requires_grad_(True))
+    assert torch.autograd.gradcheck(lambda v, w, nw: _AttnResMix.apply(v, w, nw, eps), args)
+    torch.testing.assert_close(_AttnResMix.apply(*args, eps), attn_res_mix(*args, eps), rtol=0, atol=1e-14)
+
+    N, S, d = 3, 64, 256
+    common = torch.randn(1, B, S, d, generator=g, dtype=D)
+    for spread in (1.0, 0.05):
+        v = (common + spread * torch.randn(N, B, S, d, generator=g, dtype=D)).to(torch.bfloat16)
+        w = (0.1 * torch.randn(d, generator=g)).to(torch.bfloat16)
+        nw = (1 + 0.1 * torch.randn(d, generator=g)).to(torch.bfloat16)
+        dh = torch.randn(B, S, d, generator=g, dtype=D)
+        outs = {}
+        for dt in (D, torch.bfloat16):
+            leaves = [t.to(dt).requires_grad_(True) for t in (v, w, nw)]
+            h = attn_res_mix(*leaves, eps)
+            assert h.dtype == dt
+            outs[dt] = [h.detach()] + list(torch.autograd.grad(h, leaves, dh.to(dt)))
+        for got, want in zip(outs[torch.bfloat16], outs[D]):  # h, dv, dw, dnw
+            assert float((got.double() - want).norm() / want.norm()) < 5e-3
 
 
 def test_qlora_mla_without_rope_matches_direct_formula(cfg):

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from k3ray.dtypes import up32
+from k3ray.dtypes import bmm_f32, mm_f32, up32
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -294,12 +294,71 @@ def attn_res_mix(values_NBSd: torch.Tensor, query_d: torch.Tensor, norm_weight_d
         h = sum_n softmax_n( w . RMSNorm(v_n) ) v_n
 
     over the values v_0..v_N [N+1, B, S, d] (the committed block summaries, then the current partial block), per
-    token; w [d] the learned pseudo-query. In fp32 (float64 stays float64), returned in the values' dtype."""
-    f32 = torch.float64 if values_NBSd.dtype == torch.float64 else torch.float32
-    v = values_NBSd.to(f32)
-    keys = F.rms_norm(v, (v.shape[-1],), norm_weight_d.to(f32), eps)
-    weights = torch.softmax(torch.einsum("d,nbsd->nbs", query_d.to(f32), keys), dim=0)
-    return torch.einsum("nbs,nbsd->bsd", weights, v).to(values_NBSd.dtype)
+    token; w [d] the learned pseudo-query. Scores and softmax in fp32 (float64 stays float64), returned in the values'
+    dtype: fp32 and float64 values directly, bf16/fp16 values through `_AttnResMix` (no fp32 copy of the values and
+    no keys materialised; every pass over the values reads them in bf16 and computes in fp32: a tensor-core GEMM with
+    fp32 accumulation, a reduction or an elementwise op)."""
+    if values_NBSd.dtype in (torch.float32, torch.float64):
+        v = values_NBSd
+        keys = F.rms_norm(v, (v.shape[-1],), norm_weight_d.to(v.dtype), eps)
+        weights = torch.softmax(torch.einsum("d,nbsd->nbs", query_d.to(v.dtype), keys), dim=0)
+        return torch.einsum("nbs,nbsd->bsd", weights, v)
+    return _AttnResMix.apply(values_NBSd, query_d, norm_weight_d, eps)
+
+
+def _hilo(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x (fp32) [..] -> [.., 2] in `dtype`, hi + lo = x to ~16 significant bits for bf16 (exact for float64): a GEMM
+    against both columns costs one read of the other operand, as against x rounded once."""
+    hi = x.to(dtype)
+    return torch.stack([hi, (x - hi.to(x.dtype)).to(dtype)], dim=-1)
+
+
+class _AttnResMix(torch.autograd.Function):
+    """`attn_res_mix` for bf16/fp16 values v [N, B, S, d] (T = B S tokens), written with the norm folded into the
+    score: s_nt = r_nt (v_nt . u), r_nt = (|v_nt|^2 / d + eps)^-1/2, u = w * g (g the key norm's weight).
+
+    Forward reads the values three times (|v|^2 in fp32, the scores, the mix) and writes only h: the scores come out of
+    their GEMM in fp32 against u as two bf16 terms (`_hilo`); p = softmax is fp32 and rounded to bf16 for the mixing
+    GEMM, as attention kernels round P before P V (the rounded weights sum to 1 only to bf16 rounding: a scale of h
+    per token, which the RMSNorm every reader of h applies first takes out).
+    Backward, with ds = p (dp - sum_n p dp) from dp = dh . v_n in fp32:
+        dw = g * X, dg = w * X, X = sum_nt ds r v_nt (a GEMM on the exact values; ds r as two bf16 terms);
+        dv_nt = p_nt dh_t + ds r u - ds s r^2 / d v_nt (fp32 coefficients, one bf16 tensor written in place).
+    ds sums to zero over depth while the values share a large common part: the sums over tokens for dw and dg take
+    the exact values and ~16-bit coefficients, so no per-element bf16 rounding leaks that common part in (bf16 keys,
+    or ds rounded once, put those gradients off by a few percent when the values are alike)."""
+
+    @staticmethod
+    def forward(ctx, values_NBSd, query_d, norm_weight_d, eps):
+        N, d, dt = values_NBSd.shape[0], values_NBSd.shape[-1], values_NBSd.dtype
+        flat = values_NBSd.reshape(-1, d)  # [N T, d]
+        wide = torch.float64 if dt == torch.float64 else torch.float32
+        r = torch.rsqrt(torch.linalg.vector_norm(flat, dim=-1, dtype=wide).square() / d + eps)  # [N T]
+        u = query_d.to(wide) * norm_weight_d.to(wide)
+        s = r * mm_f32(flat, _hilo(u, dt)).sum(1)
+        p = torch.softmax(s.view(N, -1), dim=0)  # [N, T]
+        h = torch.bmm(p.t().to(dt)[:, None, :], flat.view(N, -1, d).transpose(0, 1))  # [T, 1, N] @ [T, N, d]
+        ctx.save_for_backward(values_NBSd, query_d, norm_weight_d, r, s, p)
+        return h.view(values_NBSd.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad_BSd):
+        values_NBSd, query_d, norm_weight_d, r, s, p = ctx.saved_tensors
+        N, d, dt = values_NBSd.shape[0], values_NBSd.shape[-1], values_NBSd.dtype
+        flat = values_NBSd.reshape(-1, d)
+        v_NTd = flat.view(N, -1, d)
+        dh_Td = grad_BSd.reshape(-1, d).to(dt)
+        dp = bmm_f32(dh_Td[:, None, :], v_NTd.permute(1, 2, 0)).view(-1, N).t()  # [T, 1, d] @ [T, d, N] -> [N, T]
+        c_u = (p * (dp - (p * dp).sum(0, keepdim=True))).reshape(-1) * r  # ds r [N T]
+        X = mm_f32(flat.t(), _hilo(c_u, dt)).sum(1)  # [d]
+        wide = X.dtype
+        grad_query = (norm_weight_d.to(wide) * X).to(query_d.dtype)
+        grad_norm = (query_d.to(wide) * X).to(norm_weight_d.dtype)
+        u = (query_d.to(wide) * norm_weight_d.to(wide)).to(dt)
+        grad_v = torch.mul(p[:, :, None], dh_Td, out=torch.empty_like(v_NTd))
+        grad_v.addcmul_(c_u.view(N, -1, 1), u)
+        grad_v.addcmul_((c_u * s * r / -d).view(N, -1, 1), v_NTd)
+        return grad_v.view_as(values_NBSd), grad_query, grad_norm, None
 
 
 class AttnResRead(nn.Module):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from k3ray.dtypes import up32
+from k3ray.dtypes import matmul_f32, up32
 from torch import nn
 
 from k3ray.config import ModelConfig
@@ -73,7 +73,9 @@ class LocalExperts(nn.Module):
 
 
 class Router(nn.Module):
-    """Sigmoid router on the full-width input; `bias` (a buffer set by balancing) only decides who is picked."""
+    """Sigmoid router on the full-width input; `bias` (a buffer set by balancing) only decides who is picked. The
+    scores are fp32: in a bf16 model one tensor-core GEMM with fp32 accumulation and output (`dtypes.matmul_f32`, the
+    same products as widening x and W first, without their fp32 copies)."""
 
     def __init__(self, d_model: int, n_experts: int):
         super().__init__()
@@ -81,7 +83,7 @@ class Router(nn.Module):
         self.register_buffer("bias", torch.zeros(n_experts, dtype=torch.float32))
 
     def forward(self, x_Td: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(up32(x_Td) @ up32(self.weight).t())
+        return torch.sigmoid(matmul_f32(x_Td, self.weight.t()))
 
 
 def maxabs(t: torch.Tensor) -> torch.Tensor:
@@ -190,6 +192,6 @@ class LatentMoE(nn.Module):
             other = self.router.bias if used_micro else micro_bias
             other_routes = count_routes(select_experts(scores, other, cfg.top_k)[0], cfg.n_experts)
             step_routes, micro_routes = (other_routes, routes) if used_micro else (routes, other_routes)
-            counts = torch.stack([(scores == 1.0).sum(), torch.tensor(scores.numel(), device=scores.device)])
-            balance = torch.cat([step_routes, micro_routes, counts.to(torch.int64)])
+            total = torch.full((), scores.numel(), dtype=torch.int64, device=scores.device)  # a fill: no host copy
+            balance = torch.cat([step_routes, micro_routes, torch.stack([(scores == 1.0).sum(), total])])
         self.stats.add(hist, balance, routes, y_lat)

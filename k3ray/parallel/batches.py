@@ -27,7 +27,12 @@ class StageBatches:
     def micro_batch(self, batch_index: int, micro: int) -> torch.Tensor:
         """The rows [B * len(dp_ranks), L + 1] of micro-batch `micro` of batch `batch_index`, on the device."""
         parts = [self.data.batch(batch_index, d, micro) for d in self.dp_ranks]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self.device)
+        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if self.device.type != "cuda":
+            return rows.to(self.device)
+        # from pinned memory, queued behind the work already launched: a copy from pageable memory would make the host
+        # wait for the device to drain first (torch's pinned-memory pool keeps the buffer until the copy is done)
+        return rows.pin_memory().to(self.device, non_blocking=True)
 
     def validation(self, index: int) -> torch.Tensor:
         """Validation batch `index` [B, L + 1], on the device."""

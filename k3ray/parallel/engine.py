@@ -177,9 +177,12 @@ class StageEngine:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         # global grad norm and loss: dense counted once per stage (EP rank 0), experts on their holder
-        dense_sq = sum_of_squares(grads if self.ep_rank == 0 else []).to(self.device, torch.float64)
-        expert_sq = sum_of_squares([p.grad for p in self.experts.values() if p.grad is not None])
-        totals = torch.stack([dense_sq + expert_sq.to(self.device, torch.float64), loss_sum.double()])
+        # (no gradients: a zero made on the device, not copied there from the host, which would wait for the device)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        expert_grads = [p.grad for p in self.experts.values() if p.grad is not None]
+        dense_sq = sum_of_squares(grads) if self.ep_rank == 0 and grads else zero
+        expert_sq = sum_of_squares(expert_grads) if expert_grads else zero
+        totals = torch.stack([dense_sq.double() + expert_sq.double(), loss_sum.double()])
         dist.all_reduce(totals, group=self.groups.world)
         sq, loss = totals.tolist()
         lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)

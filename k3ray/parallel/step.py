@@ -36,29 +36,68 @@ def update_router_bias(cfg: ModelConfig, moe: LatentMoE, histogram: torch.Tensor
         bias.copy_(sign_bias(load_E, bias, cfg.sign_update_rate))
 
 
-def balance_diagnostics(counts: torch.Tensor, num_experts: int) -> dict[str, float]:
-    """A layer's step balance diagnostics from its (globally reduced) RoutingStats.balance [2E + 2]: the MaxVio the
-    global batch gets routed with the step's bias and with each micro-batch's own bias (whichever was not used is
-    what it would have given), and the share of scores saturated at exactly 1.0 (ties no bias can split)."""
-    step_routes, micro_routes, rest = counts.split([num_experts, num_experts, 2])
-    saturated, total = rest.tolist()
-    return {"maxvio_step_bias": maxvio([step_routes.tolist()]),
-            "maxvio_micro_batch_bias": maxvio([micro_routes.tolist()]), "saturated": saturated / max(total, 1)}
+def balance_diagnostics(counts, num_experts: int) -> dict[str, float]:
+    """A layer's step balance diagnostics from its (globally reduced) RoutingStats.balance [2E + 2] (a tensor or its
+    host list): the MaxVio the global batch gets routed with the step's bias and with each micro-batch's own bias
+    (whichever was not used is what it would have given), and the share of scores saturated at exactly 1.0 (ties no
+    bias can split)."""
+    counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+    E = num_experts
+    saturated, total = counts[2 * E:]
+    return {"maxvio_step_bias": maxvio([counts[:E]]), "maxvio_micro_batch_bias": maxvio([counts[E:2 * E]]),
+            "saturated": saturated / max(total, 1)}
 
 
-def activation_stats(stage: K3Stage) -> dict[int, dict[str, float]]:
-    """Per-layer max-abs and RMS of the routed output and max-abs of the residual stream, one host copy."""
+def activation_rows(stage: K3Stage) -> tuple[list[int], torch.Tensor | None]:
+    """(MoE layers, [L, 3] on the device: per layer the max-abs and RMS of the routed output and the max-abs of the
+    residual stream)."""
     layers = [key for key, block in stage.blocks.items() if block.moe is not None]
     if not layers:
-        return {}
+        return [], None
     rows = []
     for key in layers:
         block = stage.blocks[key]
         st = block.moe.stats
         rms = (st.routed_sumsq / max(st.routed_count, 1)).sqrt()
         rows.append(torch.stack([st.routed_maxabs, rms, block.resid_maxabs]))
-    values = torch.stack(rows).cpu().tolist()
-    return {int(k): {"routed_maxabs": v[0], "routed_rms": v[1], "resid_maxabs": v[2]} for k, v in zip(layers, values)}
+    return [int(k) for k in layers], torch.stack(rows)
+
+
+def activation_dict(layers: list[int], values: list[list[float]]) -> dict[int, dict[str, float]]:
+    return {k: {"routed_maxabs": v[0], "routed_rms": v[1], "resid_maxabs": v[2]} for k, v in zip(layers, values)}
+
+
+def activation_stats(stage: K3Stage) -> dict[int, dict[str, float]]:
+    """Per-layer max-abs and RMS of the routed output and max-abs of the residual stream, one host copy."""
+    layers, rows = activation_rows(stage)
+    return {} if rows is None else activation_dict(layers, rows.cpu().tolist())
+
+
+def to_host(tensors: list[torch.Tensor]) -> list:
+    """Many small tensors' values as (nested) lists, read with one copy per device (one host wait for all of those on
+    a GPU, not one each); integer tensors give ints (float64 carries them exactly below 2^53)."""
+    out: list = [None] * len(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for indices in by_device.values():
+        flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in indices]).tolist()
+        start = 0
+        for i in indices:
+            t = tensors[i]
+            part = flat[start:start + t.numel()]
+            start += t.numel()
+            out[i] = _nested(part if t.is_floating_point() else [int(x) for x in part], tuple(t.shape))
+    return out
+
+
+def _nested(flat: list, shape: tuple[int, ...]):
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nested(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 @dataclass
@@ -104,7 +143,7 @@ def reduce_balance(cfg: ModelConfig, stage: K3Stage, ep_group, ep: int) -> dict:
     flat = torch.cat(parts)
     if ep > 1:
         dist.all_reduce(flat, group=ep_group)
-    offset, tpe, rank_load, balance = 0, {}, {}, {}
+    offset, balance_counts = 0, {}
     for layer, moe in moes.items():
         load = flat[offset:offset + E]
         offset += E
@@ -113,10 +152,17 @@ def reduce_balance(cfg: ModelConfig, stage: K3Stage, ep_group, ep: int) -> dict:
             n = moe.stats.histogram.numel()
             hist = flat[offset:offset + n].view_as(moe.stats.histogram)
             offset += n
-            balance[layer] = balance_diagnostics(flat[offset:offset + 2 * E + 2], E)
+            balance_counts[layer] = flat[offset:offset + 2 * E + 2]
             offset += 2 * E + 2
         update_router_bias(cfg, moe, hist, load)
-        tpe[layer] = moe.experts.tokens_per_rank_expert.tolist()
-        rank_load[layer] = moe.experts.rank_load.tolist()
+    # everything the report reads, in one copy to the host (the step's last host wait)
+    act_layers, act_rows = activation_rows(stage)
+    reads = [t for moe in moes.values() for t in (moe.experts.tokens_per_rank_expert, moe.experts.rank_load)]
+    reads += list(balance_counts.values()) + ([] if act_rows is None else [act_rows])
+    host = iter(to_host(reads))
+    tpe, rank_load = {}, {}
+    for layer in moes:
+        tpe[layer], rank_load[layer] = next(host), next(host)
+    balance = {layer: balance_diagnostics(next(host), E) for layer in balance_counts}
     return {"tokens_per_expert": tpe, "rank_load": rank_load, "balance": balance,
-            "activations": activation_stats(stage)}
+            "activations": {} if act_rows is None else activation_dict(act_layers, next(host))}

@@ -155,8 +155,11 @@ def _ffn_bytes(m: ModelConfig, layer: int, w: int, f: int) -> int:
 
 
 def _attn_res_bytes(values: int, d: int, w: int, f: int) -> int:
-    """Bytes per token one Block AttnRes read over `values` tensors keeps: the stack, its fp32 copy and keys."""
-    return values * d * (w + 2 * f) if values > 1 else 0
+    """Bytes per token one Block AttnRes read over `values` tensors keeps: the stack, and in bf16 an fp32 norm, score
+    and weight per value (model.layers._AttnResMix), in fp32 and wider the keys."""
+    if values <= 1:
+        return 0
+    return values * (d * w + 3 * f) if w < 4 else values * 2 * d * w
 
 
 def stage_activation_bytes(cfg: JobConfig, layers: range) -> tuple[int, int]:
