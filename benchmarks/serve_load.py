@@ -78,35 +78,25 @@ PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self"
 
 
 def workload(tokenizer, n: int, prompt_tokens: str | None, max_tokens: str, seed: int,
-             system_tokens: str | None = None, turns: str = "1", context: int | None = None
-             ) -> list[list[tuple[str, int]]]:
+             system_tokens: str | None = None, turns: str = "1") -> list[list[tuple[str, int]]]:
     """n requests, each a chat of one or more turns (user text, max_tokens); request i's drawn by Random((seed, i)):
-    the same whatever n. With system_tokens, one system prompt (seeded by `seed` alone) starts every first turn. A
-    chat ends before the turn whose conversation (its prompts and every reply at its max_tokens) would pass 90 % of
-    `context` tokens (the rest: a re-tokenized reply's and the chat template's tokens), as a client that keeps its
-    chats within the model's context does."""
+    the same whatever n. With system_tokens, one system prompt (seeded by `seed` alone) starts every first turn."""
     lo_t, hi_t = span(turns)
     counts = [random.Random(f"{seed}/turns/{i}").randint(lo_t, hi_t) for i in range(n)]
     if prompt_tokens is None:
         lo_m, hi_m = span(max_tokens)
-        flat = [(PROMPTS[i % len(PROMPTS)], 0, random.Random(f"{seed}/{i}").randint(lo_m, hi_m))
+        flat = [(PROMPTS[i % len(PROMPTS)], random.Random(f"{seed}/{i}").randint(lo_m, hi_m))
                 for i in range(sum(counts))]
     else:
-        flat = [(tokenizer.decode(ids), len(ids), m)
-                for ids, m in draws(tokenizer, sum(counts), prompt_tokens, max_tokens, seed)]
-    system, system_len = "", 0
+        flat = [(tokenizer.decode(ids), m) for ids, m in draws(tokenizer, sum(counts), prompt_tokens, max_tokens, seed)]
+    system = ""
     if system_tokens is not None:
         ids, _ = draws(tokenizer, 1, system_tokens, "1", seed + 10**6)[0]
-        system, system_len = tokenizer.decode(ids), len(ids)
+        system = tokenizer.decode(ids)
     chats, at = [], 0
     for c in counts:
-        chat, used = [], system_len
-        for i, (text, length, m) in enumerate(flat[at:at + c]):
-            used += length + m
-            if i and context is not None and used > 0.9 * context:
-                break
-            chat.append((system + text if i == 0 else text, m))
-        chats.append(chat)
+        chat = flat[at:at + c]
+        chats.append([(system + chat[0][0], chat[0][1]), *chat[1:]])
         at += c
     return chats
 
@@ -297,7 +287,8 @@ def main() -> None:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
-    ap.add_argument("--requests", type=int, default=0, help="requests (chats) per level (default: max(4C, 16); with --turns max(C, 16))")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="requests (chats) per level (default: max(4C, 16); with --turns max(C, 16))")
     ap.add_argument("--max-tokens", default="32", help="N or LO:HI (drawn per request, seeded)")
     ap.add_argument("--prompt-tokens", help="LO:HI: prompts of that many tokens of Python's stdlib source (seeded); "
                                             "default: short code snippets")
@@ -349,7 +340,9 @@ def main() -> None:
     overlap = ray.get(serving.engine.__ray_call__.remote(lambda e: e.loop.overlap))
     sizes = ray.get(serving.engine.__ray_call__.remote(lambda e: e.cfg.serve.model_dump()))
     stepwise = sizes.get("stepwise_prefill_max")
-    context = ray.get(serving.engine.__ray_call__.remote(lambda e: e.cfg.model.max_seq_len))
+    multi_turn = span(args.turns)[1] > 1
+    fits = (info["tokenizer"], ray.get(serving.engine.__ray_call__.remote(lambda e: e.cfg.model.max_seq_len))) \
+        if multi_turn else None
     started = ray.get(serving.engine.__ray_call__.remote(lambda e: e.start_seconds))
     print("[serve_load] the engine started in " + ", ".join(f"{k} {v:.1f} s" for k, v in started.items()),
           flush=True)
@@ -365,7 +358,7 @@ def main() -> None:
         def run_level(concurrency: int, requests: list[list[tuple[str, int]]]) -> dict:
             t0 = time.perf_counter()
             row = level(pool, args.client_procs, serving.engine, url, info["model"], concurrency, requests,
-                        args.kind, (info["tokenizer"], context) if span(args.turns)[1] > 1 else None)
+                        args.kind, fits)
             print(f"[serve_load] concurrency {concurrency}: {row['tokens_per_s']:,.0f} tok/s, "
                   f"{time.perf_counter() - t0:.1f}s", flush=True)
             return row
@@ -373,9 +366,8 @@ def main() -> None:
         run_level(1, [[(p, 4)] for p, _ in (c[0] for c in workload(tokenizer, 2, args.prompt_tokens, "4",
                                                                    args.seed + 1))])  # warm-up, nothing shared
         print(f"[serve_load] first answers done {time.perf_counter() - t_start:.0f}s after the start", flush=True)
-        chats = (lambda c: max(c, 16)) if span(args.turns)[1] > 1 else (lambda c: max(4 * c, 16))
-        rows = [run_level(c, workload(tokenizer, args.requests or chats(c), args.prompt_tokens, args.max_tokens,
-                                      args.seed, args.system_tokens, args.turns, context))
+        rows = [run_level(c, workload(tokenizer, args.requests or max(c if multi_turn else 4 * c, 16),
+                                      args.prompt_tokens, args.max_tokens, args.seed, args.system_tokens, args.turns))
                 for c in args.concurrency]
     finally:
         if pool is not None:

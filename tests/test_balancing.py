@@ -130,7 +130,9 @@ def test_router_scores_in_bf16_are_the_widened_products():
         assert float((got.float() - want).norm() / want.norm()) < 5e-3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fp32-output GEMMs on bf16 operands are CUDA's")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="torch's fp32-output GEMM on bf16 operands (out_dtype) exists on CUDA only; the CPU path "
+                           "widens the operands and is tested above")
 def test_fp32_output_gemms_on_cuda_are_the_widened_products():
     """mm_f32 / bmm_f32 on CUDA (cuBLAS with an fp32 output: torch's out_dtype) against widening first."""
     g = torch.Generator(device="cuda").manual_seed(0)

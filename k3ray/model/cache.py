@@ -204,17 +204,16 @@ class PromptRows:
     cu_seqlens_cpu: torch.Tensor  # [N + 1] every row's offsets in the packed tokens, on the host (fla's chunk indices)
 
 
-@dataclass
+@dataclass(frozen=True)
 class SaveRound:
-    """One pass of KDA over pieces of rows cut at their saves: `rows` (host) the rows it runs, each from the state its
-    piece before left; tokens [t] their pieces' packed tokens, rows_d [n] / cu [n + 1] (device) and cu_cpu (host)
-    those rows and the pieces' offsets; `to`: (index in `rows`, checkpoint) for pieces ending at a save."""
-    rows: list[int]
-    to: list[tuple[int, int]]
+    """One pass of KDA over pieces of rows cut at their saves, each row's piece from the state its piece before left:
+    tokens [t] the pieces' packed tokens, rows [n] their rows, cu [n + 1] (on the device) and cu_cpu (host) the
+    pieces' offsets; `to`: (index in `rows`, checkpoint) for pieces ending at a save."""
+    tokens: torch.Tensor
+    rows: torch.Tensor
+    cu: torch.Tensor
     cu_cpu: torch.Tensor
-    tokens: torch.Tensor | None = None
-    rows_d: torch.Tensor | None = None
-    cu: torch.Tensor | None = None
+    to: list[tuple[int, int]]
 
 
 @dataclass
@@ -238,25 +237,19 @@ class SavesInRows:
             out.append([(a, b, cuts[r][b] if b in at else -1) for a, b in zip(bounds, bounds[1:])])
         return out
 
-    def rounds(self) -> tuple[list[SaveRound], list[torch.Tensor]]:
-        """The passes (1 + the most saves inside one row), and the host tensors their device tensors are copied from:
-        per round its tokens, rows and offsets (IterationCache.from_plan sends them with the plan's, in one copy)."""
+    def rounds(self) -> list[tuple[list[torch.Tensor], list[tuple[int, int]]]]:
+        """The passes (1 + the most saves inside one row) on the host: per round its tokens, rows and offsets
+        (IterationCache.from_plan sends them with the plan's, in one copy, making `SaveRound`s), and its `to`."""
         pieces = self.pieces()
-        out, host = [], []
+        out = []
         for j in range(max(len(p) for p in pieces)):
             rows = [r for r, p in enumerate(pieces) if len(p) > j]
             spans = [(self.firsts[r] + pieces[r][j][0], self.firsts[r] + pieces[r][j][1]) for r in rows]
             cu = torch.tensor([0, *itertools.accumulate(b - a for a, b in spans)], dtype=torch.int64)
             to = [(i, pieces[r][j][2]) for i, r in enumerate(rows) if pieces[r][j][2] >= 0]
-            out.append(SaveRound(rows, to, cu))
-            host += [torch.cat([torch.arange(a, b) for a, b in spans]), torch.tensor(rows, dtype=torch.int64), cu]
-        return out, host
-
-    @staticmethod
-    def place(rounds: list[SaveRound], device_parts: list[torch.Tensor]) -> None:
-        """Give each round its device tensors (in `rounds`' order)."""
-        for i, r in enumerate(rounds):
-            r.tokens, r.rows_d, r.cu = device_parts[3 * i:3 * i + 3]
+            out.append(([torch.cat([torch.arange(a, b) for a, b in spans]), torch.tensor(rows, dtype=torch.int64), cu],
+                        to))
+        return out
 
 
 class IterationCache:
@@ -330,11 +323,11 @@ class IterationCache:
         parts = [torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token,
                  torch.tensor(dec + pre, dtype=torch.int64), kv_seq, kv_pos]
         inside = SavesInRows(list(saves), firsts, counts, slots) if saves else None
-        rounds, round_parts = inside.rounds() if inside else ([], [])
-        sizes = [p.numel() for p in parts + round_parts]
-        out = torch.cat(parts + round_parts).to(device).split(sizes)  # one copy: no sync inside the forward
+        on_host = inside.rounds() if inside else []
+        parts += [t for host, _ in on_host for t in host]
+        out = torch.cat(parts).to(device).split([p.numel() for p in parts])  # one copy: no sync inside the forward
         sn, seq_t, rows, kv_seq_d, kv_pos_d = out[:5]
-        SavesInRows.place(rounds, list(out[5:]))
+        rounds = [SaveRound(*out[5 + 3 * i:8 + 3 * i], host[2], to) for i, (host, to) in enumerate(on_host)]
         prompt = PromptRows([firsts[i] for i in pre], [counts[i] for i in pre], lens.tolist(), rows[len(dec):],
                             kv_seq_d, kv_pos_d, torch.tensor(firsts, dtype=torch.int64))
         return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, torch.ones(n, dtype=torch.bool, device=device),
@@ -410,10 +403,10 @@ class IterationCache:
         state = pool[self.slots].clone()  # [N, H, K, V]
         o = torch.empty_like(v)
         for rnd in self.save_rounds:
-            o_j, s_j = kda_attention(*(t[:, rnd.tokens] for t in (q, k, v, g, beta)), initial_state=state[rnd.rows_d],
+            o_j, s_j = kda_attention(*(t[:, rnd.tokens] for t in (q, k, v, g, beta)), initial_state=state[rnd.rows],
                                      output_final_state=True, cu_seqlens=rnd.cu, cu_seqlens_cpu=rnd.cu_cpu)
             o[:, rnd.tokens] = o_j.to(o.dtype)
-            state[rnd.rows_d] = s_j.to(state.dtype)
+            state[rnd.rows] = s_j.to(state.dtype)
             for i, ckpt in rnd.to:
                 ckpt_pool[ckpt] = s_j[i].to(ckpt_pool.dtype)
         pool.index_copy_(0, self.slots, state)

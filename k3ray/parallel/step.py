@@ -81,23 +81,11 @@ def to_host(tensors: list[torch.Tensor]) -> list:
     for i, t in enumerate(tensors):
         by_device.setdefault(t.device, []).append(i)
     for indices in by_device.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in indices]).tolist()
-        start = 0
-        for i in indices:
+        flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in indices]).cpu()
+        for i, part in zip(indices, flat.split([tensors[i].numel() for i in indices])):
             t = tensors[i]
-            part = flat[start:start + t.numel()]
-            start += t.numel()
-            out[i] = _nested(part if t.is_floating_point() else [int(x) for x in part], tuple(t.shape))
+            out[i] = (part if t.is_floating_point() else part.long()).view(t.shape).tolist()
     return out
-
-
-def _nested(flat: list, shape: tuple[int, ...]):
-    if not shape:
-        return flat[0]
-    if len(shape) == 1:
-        return flat
-    step = len(flat) // shape[0] if shape[0] else 0
-    return [_nested(flat[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
 
 
 @dataclass

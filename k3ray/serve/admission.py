@@ -26,11 +26,10 @@ class Admission:
         'unavailable', 'message', 'retry_after'} (no grid served within serve.unavailable_wait_s), then items
         {'text': new final text, 'tokens': the token ids it came from, 'finish': None | 'stop' | 'length'}, or
         {'error': 'internal', ...}; the last item carries 'cached_tokens' (the prompt tokens taken from the prefix
-        cache: OpenAI's usage.prompt_tokens_details.cached_tokens); with params.logprobs, items carry 'logprobs' too (one per token:
-        k3ray.model.sampling.token_logprobs's). 'invalid' errors may name the request field ('param') and the
-        front door's status ('status': 501 for a grammar on a server without xgrammar). The text
-        never ends inside a character nor in what a stop string may still cut
-        (the request's detokenizer holds that back)."""
+        cache: OpenAI's usage.prompt_tokens_details.cached_tokens); with params.logprobs, items carry 'logprobs' too
+        (one per token: k3ray.model.sampling.token_logprobs's). 'invalid' errors may name the request field ('param')
+        and the front door's status ('status': 501 for a grammar on a server without xgrammar). The text never ends
+        inside a character nor in what a stop string may still cut (the request's detokenizer holds that back)."""
         if (why := await self.availability.unavailable()) is not None:
             yield {"error": "unavailable", "message": f"no serving grid: {why}",
                    "retry_after": self.serve.retry_after_s}

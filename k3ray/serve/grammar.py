@@ -110,7 +110,7 @@ class Grammars:
     async def compile(self, grammar: str):
         """The compiled grammar, off the event loop; GrammarError when it takes longer than serve.grammar_compile_s
         (the compile finishes in its thread and is cached; this request is refused)."""
-        xgr = xgrammar("response_format")
+        import xgrammar as xgr  # a grammar was built (request_grammar): xgrammar is installed
 
         def build():
             return self.compiler.compile_grammar(xgr.Grammar.deserialize_json(grammar))

@@ -120,7 +120,7 @@ class StateCheckpoints:
             self.evictable[block.key] = block
 
     def held(self, key: bytes) -> None:
-        """Block `key` is held again, or evicted."""
+        """Block `key` is held again."""
         self.evictable.pop(key, None)
 
     def new(self) -> int:
@@ -130,11 +130,15 @@ class StateCheckpoints:
             victim = self._victim()
             if victim is None:
                 return -1
-            self.free.append(victim.checkpoint)
-            victim.checkpoint = -1
-            self.evictable.pop(victim.key)
-            self.count_below(victim, -1)
+            self.take_from(victim)
         return self.free.pop()
+
+    def take_from(self, block: Block) -> None:
+        """`block` (holding one) gives its checkpoint back: free again, no longer counted under its ancestors."""
+        self.free.append(block.checkpoint)
+        block.checkpoint = -1
+        self.evictable.pop(block.key, None)
+        self._count_below(block, -1)
 
     def _victim(self) -> Block | None:
         """Among the first VICTIMS_SCANNED evictable blocks holding a checkpoint (least recently used first), the first
@@ -148,7 +152,7 @@ class StateCheckpoints:
                 break
         return first
 
-    def count_below(self, block: Block, change: int) -> None:
+    def _count_below(self, block: Block, change: int) -> None:
         """A checkpoint came to (change 1) or left (-1) `block`: its ancestors count it under them."""
         parent = self.blocks.get(block.parent)
         while parent is not None:
@@ -163,7 +167,7 @@ class StateCheckpoints:
             self.free.append(checkpoint)
         else:
             block.checkpoint = checkpoint
-            self.count_below(block, 1)
+            self._count_below(block, 1)
             if block.refs == 0:
                 self.evictable[key] = block
 
@@ -280,11 +284,9 @@ class PrefixCache:
         del self.blocks[block.key]
         del self.by_page[block.page]
         self.evictable.pop(block.key, None)
-        self.checkpoints.held(block.key)
         self.free_pages.append(block.page)
         if block.checkpoint >= 0:
-            self.checkpoints.free.append(block.checkpoint)
-            self.checkpoints.count_below(block, -1)
+            self.checkpoints.take_from(block)
         parent = self.blocks.get(block.parent)
         if parent is not None:
             parent.children -= 1

@@ -23,10 +23,8 @@ def row_saves(start: int, n: int, every: int, last_chunk: bool, shared: int) -> 
     with cached blocks (`shared`: where another cached prompt and this one part, so a third prompt sharing that much
     hits there)."""
     end, out = start + n, set()
-    if end % every == 0:
-        out.add(end)
     deepest = end // every * every
-    if last_chunk and deepest > start:
+    if deepest > start and (last_chunk or deepest == end):
         out.add(deepest)
     parted = min(shared, end) // every * every
     if parted > start:
