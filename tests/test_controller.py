@@ -159,6 +159,9 @@ def test_silent_nodes_are_those_whose_every_rank_hung():
     assert recovery.silent_nodes(nodes, {1, 2, 3}) == {"b"}  # a's rank 0 answered: a hung worker, not a node
     assert recovery.silent_nodes(nodes, {3}) == set()
     assert recovery.silent_nodes(nodes, {0, 1, 2, 3}) == set()  # every node silent: evidence against none
+    # a rank whose bundle Ray is placing again (its node lost) has no node: none is kept off for it (an empty id
+    # would be a placement label selector Ray refuses)
+    assert recovery.silent_nodes(["a", "a", "", ""], {2, 3}) == set()
 
 
 # -- hot spares ------------------------------------------------------------------------------------------------------

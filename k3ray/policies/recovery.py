@@ -115,10 +115,11 @@ def on_workers_lost(home: torch.Tensor, ep: int, lost_ranks: set[int], load: tor
 def silent_nodes(node_of_rank: list[str], hung_ranks: set[int]) -> set[str]:
     """Nodes that went silent: every rank they held gave no answer (hung, not dead), while some other node's ranks
     answered. One hung rank among answering peers is a hung worker, not a node; every node silent is no evidence
-    against any one of them. node_of_rank[r]: the node of world rank r."""
+    against any one of them. node_of_rank[r]: the node of world rank r ("" where Ray has none for it: a bundle being
+    placed again after its node was lost, which names no node to keep off)."""
     nodes = set(node_of_rank)
     silent = {n for n in nodes if all(r in hung_ranks for r, m in enumerate(node_of_rank) if m == n)}
-    return silent if silent != nodes else set()
+    return silent - {""} if silent != nodes else set()
 
 
 def on_lost_nodes(node_of_rank: list[str], lost_ranks: set[int], healthy: set[str]) -> bool:
