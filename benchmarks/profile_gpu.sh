@@ -21,7 +21,7 @@ stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit
 [[ "${TWARM:-150}" != 0 ]] && stage warmup "${TWARM:-150}" python3 -m k3ray.control.cli warmup $SHAPE
 # shellcheck disable=SC2086
 stage profile31 "${T31:-220}" python3 benchmarks/train_speed_gpu.py $SHAPE --variants "${VARIANTS:-eager:1x4,compile:1x4}" \
-  --profile "${PROFILE:-eager:1x4,compile:1x4}" --steps 5 --warmup 3 --out "$OUT/p31"
+  --profile "${PROFILE:-eager:1x4,compile:1x4}" ${SOURCES:+--sources} --steps 5 --warmup 3 --out "$OUT/p31"
 # shellcheck disable=SC2086
 [[ "${TMLA:-130}" != 0 ]] && stage profile_mla "${TMLA:-130}" python3 benchmarks/train_speed_gpu.py $SHAPE \
   --set 'model.attention_pattern=[mla]' --variants eager:1x4 --profile eager:1x4 --steps 5 --warmup 3 --out "$OUT/pmla"

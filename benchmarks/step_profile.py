@@ -63,6 +63,24 @@ def profile_step(fn, top: int = 25) -> dict:
                              "launches": e.count} for e in kernels[:top]]}
 
 
+def profile_sources(fn, path, rows: int = 60) -> None:
+    """fn() once more under the profiler with Python stacks: the aten ops by the device time of the kernels they
+    launch, grouped by their 6 innermost Python frames, written to `path` (where the eager elementwise and copy
+    kernels come from). A separate run because recording stacks slows the host (its idle figure would mislead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        fn()
+        torch.cuda.synchronize()
+    ops = prof.key_averages(group_by_stack_n=6)
+    with open(path, "w") as f:
+        f.write(ops.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+        f.write("\n\nby op (no stacks)\n")
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows,
+                                          max_name_column_width=60))
+
+
 def print_profile(p: dict) -> None:
     print(f"\n### step profile: wall {p['wall_ms']:.1f} ms, kernels {p['kernel_ms']:.1f} ms in {p['launches']} "
           f"launches, device idle {p['idle_ms']:.1f} ms; host syncs {p.get('host_syncs', {})}\n")

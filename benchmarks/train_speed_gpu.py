@@ -42,7 +42,7 @@ def variant_config(cfg: JobConfig, name: str) -> JobConfig:
 
 
 def run_variant(engine, cfg: JobConfig, name: str, first_step: int, steps: int, warmup: int, peak: float,
-                profile: bool) -> dict:
+                profile: bool, sources: Path | None = None) -> dict:
     from k3ray.model.decoder import set_execution
     from k3ray.parallel.batches import StageBatches
 
@@ -70,11 +70,15 @@ def run_variant(engine, cfg: JobConfig, name: str, first_step: int, steps: int, 
            "mfu": flops_per_token(vcfg) * tokens / med / (peak * 1e12),
            "first_step_s": times[0], "reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0}
     if profile:
-        from step_profile import print_profile, profile_step
+        from step_profile import print_profile, profile_sources, profile_step
 
-        out["profile"] = profile_step(lambda: engine.train_step(first_step + warmup + steps,
-                                                                first_step + warmup + steps))
+        def one_step():
+            engine.train_step(first_step + warmup + steps, first_step + warmup + steps)
+
+        out["profile"] = profile_step(one_step)
         print_profile(out["profile"])
+        if sources is not None:
+            profile_sources(one_step, sources / f"sources_{name.replace(':', '_')}.txt")
     return out
 
 
@@ -84,6 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--variants", default="eager:1x4,eager:4x1,compile:1x4,compile:4x1")
     ap.add_argument("--profile", default="", help="comma-separated variants to profile one step of")
+    ap.add_argument("--sources", action="store_true",
+                    help="with --profile: one more step with Python stacks, its ops by device time to OUT/sources_*")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (no profile, no peak: MFU nan)")
@@ -113,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     profiled = set(filter(None, args.profile.split(",")))
     for name in args.variants.split(","):
         try:
-            r = run_variant(engine, cfg, name, step, args.steps, args.warmup, peak, name in profiled)
+            r = run_variant(engine, cfg, name, step, args.steps, args.warmup, peak, name in profiled,
+                            out if args.sources else None)
         except Exception as e:  # noqa: BLE001  (out of memory, a compile failure: reported, the next one runs)
             import traceback
 
@@ -123,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             for p in engine.params.values():
                 p.grad = None
             torch.cuda.empty_cache()
-        step += args.steps + args.warmup + 1
+        step += args.steps + args.warmup + 1 + args.sources
         results.append(r)
         (out / "train_speed.json").write_text(json.dumps({"env": env, "variants": results}, indent=1))
     rows = [("variant", "median step s", "tokens/s", "MFU", "first step s", "reserved GiB")]
