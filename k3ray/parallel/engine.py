@@ -42,7 +42,7 @@ from k3ray.parallel.engine_copies import EngineCopies
 from k3ray.parallel.ep import EPContext, ExpertParallelExperts
 from k3ray.parallel.grid_groups import GridGroups, LeftGroup
 from k3ray.parallel.pipeline import one_f_one_b
-from k3ray.parallel.step import lm_loss, reduce_balance
+from k3ray.parallel.step import lm_loss, reduce_balance, to_host
 
 
 class StageEngine:
@@ -184,16 +184,17 @@ class StageEngine:
         expert_sq = sum_of_squares(expert_grads) if expert_grads else zero
         totals = torch.stack([dense_sq.double() + expert_sq.double(), loss_sum.double()])
         dist.all_reduce(totals, group=self.groups.world)
-        sq, loss = totals.tolist()
         lr = lr_at(cfg.optimizer, step, cfg.train.steps, self.lr_scale)
         timings["snapshot_wait"] = self.wait_state_reads()  # a snapshot's part read live holds the optimizer
         self.device_timer.mark("optimizer_start")
-        self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
+        # the clip coefficient stays on the device: the optimizer is queued without waiting for the backward
+        self.opt.step(self.params, lr, clip_coefficient(totals[0], cfg.optimizer.grad_clip))
         self.device_timer.mark("optimizer_done")
         if any(self.ctx.copies):
             self.copies.fetch(self.ctx.copies)  # the copies take the home's new weights
-        routing = reduce_balance(cfg.model, self.stage, self.groups.ep_group, self.ep)
-        return {"step": step, "loss": loss, "grad_norm": sq ** 0.5, "lr": lr, **routing}
+        balance = reduce_balance(cfg.model, self.stage, self.groups.ep_group, self.ep)
+        *routing, (sq, loss) = to_host(balance.tensors + [totals])  # the step's one host wait
+        return {"step": step, "loss": loss, "grad_norm": sq ** 0.5, "lr": lr, **balance.report(routing)}
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     @torch.no_grad()

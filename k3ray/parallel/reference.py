@@ -47,7 +47,7 @@ class ReferenceTrainer:
         t1 = time.perf_counter()
         sq = sum(float(p.grad.float().square().sum()) for p in self.params.values() if p.grad is not None)
         lr = lr_at(cfg.optimizer, step, cfg.train.steps)
-        self.opt.step(self.params, lr, clip_coefficient(sq, cfg.optimizer.grad_clip))
+        self.opt.step(self.params, lr, clip_coefficient(torch.tensor(sq, dtype=torch.float64), cfg.optimizer.grad_clip))
         tpe, balance = {}, {}
         for layer, moe in model.moe_layers().items():
             update_router_bias(cfg.model, moe, moe.stats.histogram, moe.stats.tokens_per_expert)

@@ -1,6 +1,6 @@
 """The math of one training step that the single-process reference and every worker share: the loss of a
 micro-batch, router-bias balancing from (globally reduced) statistics, activation statistics, the step report; and
-the worker's reduction of the routing statistics over its EP group (`reduce_balance`)."""
+the worker's reduction of the routing statistics over its EP group (`reduce_balance`) and what its report reads."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -115,13 +115,36 @@ class StepReport:
         return sum(self.maxvio.values()) / max(len(self.maxvio), 1)
 
 
-def reduce_balance(cfg: ModelConfig, stage: K3Stage, ep_group, ep: int) -> dict:
+@dataclass
+class BalanceReads:
+    """What a worker's step report reads of the routing statistics (`tensors`, on the device), and how the host
+    values become the report's routing fields (`report`); read with the step's other values in one copy."""
+    moe_layers: list[int]
+    balance_layers: list[int]
+    activation_layers: list[int]
+    num_experts: int
+    tensors: list[torch.Tensor]
+
+    def report(self, host: list) -> dict:
+        """The routing fields from the host values of `tensors`, in their order."""
+        if not self.moe_layers:
+            return {}
+        host = iter(host)
+        tpe, rank_load = {}, {}
+        for layer in self.moe_layers:
+            tpe[layer], rank_load[layer] = next(host), next(host)
+        balance = {layer: balance_diagnostics(next(host), self.num_experts) for layer in self.balance_layers}
+        return {"tokens_per_expert": tpe, "rank_load": rank_load, "balance": balance,
+                "activations": activation_dict(self.activation_layers, next(host)) if self.activation_layers else {}}
+
+
+def reduce_balance(cfg: ModelConfig, stage: K3Stage, ep_group, ep: int) -> BalanceReads:
     """All-reduce the step's routing statistics over the stage's EP group of `ep` ranks (one integer all-reduce for
-    every MoE layer of the stage) and set each layer's router bias; the step report's routing fields."""
+    every MoE layer of the stage) and set each layer's router bias; what the step report reads of them."""
     moes = stage.moe_layers()
-    if not moes:
-        return {}
     E = cfg.n_experts
+    if not moes:
+        return BalanceReads([], [], [], E, [])
     parts = []
     for moe in moes.values():
         st = moe.stats
@@ -143,14 +166,7 @@ def reduce_balance(cfg: ModelConfig, stage: K3Stage, ep_group, ep: int) -> dict:
             balance_counts[layer] = flat[offset:offset + 2 * E + 2]
             offset += 2 * E + 2
         update_router_bias(cfg, moe, hist, load)
-    # everything the report reads, in one copy to the host (the step's last host wait)
     act_layers, act_rows = activation_rows(stage)
     reads = [t for moe in moes.values() for t in (moe.experts.tokens_per_rank_expert, moe.experts.rank_load)]
     reads += list(balance_counts.values()) + ([] if act_rows is None else [act_rows])
-    host = iter(to_host(reads))
-    tpe, rank_load = {}, {}
-    for layer in moes:
-        tpe[layer], rank_load[layer] = next(host), next(host)
-    balance = {layer: balance_diagnostics(next(host), E) for layer in balance_counts}
-    return {"tokens_per_expert": tpe, "rank_load": rank_load, "balance": balance,
-            "activations": {} if act_rows is None else activation_dict(act_layers, next(host))}
+    return BalanceReads(list(moes), list(balance_counts), act_layers, E, reads)
