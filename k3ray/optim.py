@@ -3,8 +3,9 @@
 The optimizer keeps its state by parameter name, so expert shards can carry their rows of it when they move
 (`take_rows` / `set_state`), and a worker can rebuild its parameters without losing moments. Parameters stored
 below fp32 (bf16 training) get an fp32 master copy in their state ("master"): the update is applied to it and the
-parameter is its rounding, so small updates are not lost to bf16's 8-bit mantissa. The arithmetic is torch's own
-multi-tensor Adam (`torch.optim.adam.adam`, decoupled weight decay; fused kernels on CUDA).
+parameter is its rounding, so small updates are not lost to bf16's 8-bit mantissa. On CUDA the step is one fused kernel
+per parameter (k3ray.kernels.adamw: torch's fused AdamW arithmetic, the bf16 gradient read directly, 28 bytes moved
+per parameter); elsewhere torch's own multi-tensor Adam (`torch.optim.adam.adam`, decoupled weight decay).
 """
 from __future__ import annotations
 
@@ -24,9 +25,14 @@ def lr_at(cfg: OptimizerConfig, step: int, total_steps: int, scale: float = 1.0)
     return scale * cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
-def clip_coefficient(total_sq_norm: float, max_norm: float) -> float:
-    norm = math.sqrt(total_sq_norm)
-    return min(1.0, max_norm / (norm + 1e-6)) if max_norm > 0 else 1.0
+def clip_coefficient(total_sq_norm: torch.Tensor, max_norm: float) -> torch.Tensor | float:
+    """min(1, max_norm / (norm + 1e-6)) of the global squared norm, a 0-d tensor on its device (the optimizer
+    reads it there: no host wait before the step); a NaN norm gives 1 (the update itself is then NaN, which the
+    report shows). max_norm <= 0: no clipping (1.0)."""
+    if max_norm <= 0:
+        return 1.0
+    ratio = max_norm / (total_sq_norm.sqrt() + 1e-6)
+    return torch.where(ratio < 1.0, ratio, torch.ones_like(ratio))
 
 
 def sum_of_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -51,26 +57,6 @@ def fresh_state(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return state
 
 
-WIDEN_CHUNK_BYTES = 1 << 30  # bf16 gradients are widened to fp32 for the fused step this many bytes at a time
-
-
-def _widening_chunks(entries: list[tuple]):
-    """(param, target, grad, m, v) entries in runs, in order, whose gradients widened to their targets' dtype take
-    at most WIDEN_CHUNK_BYTES (a larger one alone): the fp32 copies of a bf16 model's gradients then never all exist
-    at once (15.9 GiB for gpu2's 8 layers on one worker). Gradients already of their target's dtype count nothing."""
-    run, widened = [], 0
-    for entry in entries:
-        _, target, grad = entry[:3]
-        size = grad.numel() * target.element_size() if grad.dtype != target.dtype else 0
-        if run and widened + size > WIDEN_CHUNK_BYTES:
-            yield run
-            run, widened = [], 0
-        run.append(entry)
-        widened += size
-    if run:
-        yield run
-
-
 class AdamW:
     def __init__(self, cfg: OptimizerConfig):
         self.cfg = cfg
@@ -87,43 +73,58 @@ class AdamW:
                 self.state[name] = fresh_state(p)
 
     @torch.no_grad()
-    def step(self, params: dict[str, torch.nn.Parameter], lr: float, grad_scale: float = 1.0) -> None:
-        """One AdamW step on every parameter with a gradient; grad_scale multiplies the gradients (clipping).
-        Weight decay applies to matrices only (ndim >= 2)."""
+    def step(self, params: dict[str, torch.nn.Parameter], lr: float,
+             grad_scale: float | torch.Tensor = 1.0) -> None:
+        """One AdamW step on every parameter with a gradient; grad_scale (a number or a 0-d tensor on the
+        parameters' device, read there) multiplies the gradients (clipping). Weight decay applies to matrices only
+        (ndim >= 2)."""
         self.steps += 1
-        groups: dict[bool, list[tuple]] = {True: [], False: []}  # decayed? -> (param, target, grad, m, v)
+        groups: dict[bool, list[tuple]] = {True: [], False: []}  # decayed? -> (param, master, grad, m, v)
         for name, p in params.items():
             if p.grad is None:
                 continue
             st = self.state.get(name)
             if st is None:
                 st = self.state[name] = fresh_state(p)
-            target = st.get("master", p)
-            groups[p.ndim >= 2 and self.cfg.weight_decay > 0].append((p, target, p.grad, st["m"], st["v"]))
-        b1, b2 = self.cfg.betas
+            groups[p.ndim >= 2 and self.cfg.weight_decay > 0].append((p, st.get("master"), p.grad, st["m"], st["v"]))
         for decayed, entries in groups.items():
-            for chunk in _widening_chunks(entries):
-                self._adam(chunk, lr, grad_scale, decayed, b1, b2)
+            if not entries:
+                continue
+            wd = self.cfg.weight_decay if decayed else 0.0
+            if all(p.is_cuda for p, *_ in entries):
+                self._fused(entries, lr, grad_scale, wd)
+            else:
+                self._foreach(entries, lr, grad_scale, wd)
 
-    def _adam(self, entries: list[tuple], lr: float, grad_scale: float, decayed: bool, b1: float, b2: float) -> None:
-        """torch's AdamW over (param, target, grad, m, v) entries: bf16 gradients widened to their masters' fp32
-        here (the fused kernel takes one dtype per tensor list), the parameters then the rounding of their masters."""
-        low, targets, grads, ms, vs = (list(t) for t in zip(*entries))
+    def _fused(self, entries: list[tuple], lr: float, grad_scale: float | torch.Tensor, wd: float) -> None:
+        """One fused kernel per parameter (k3ray.kernels.adamw): the bf16 gradient read as it is, master, moments
+        and the rounded parameter written in the same pass; the clip coefficient read on the device."""
+        from k3ray.kernels.adamw import adamw_step_
+
+        device = entries[0][0].device
+        if isinstance(grad_scale, torch.Tensor):
+            divisor = (1.0 / grad_scale.double()).float()
+        else:
+            divisor = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=device)
+        (b1, b2), eps = self.cfg.betas, self.cfg.eps
+        for p, master, grad, m, v in entries:
+            adamw_step_(p.data, master, grad.contiguous(), m, v, lr=lr, beta1=b1, beta2=b2, eps=eps,
+                        weight_decay=wd, step=self.steps, grad_divisor=divisor)
+
+    def _foreach(self, entries: list[tuple], lr: float, grad_scale: float | torch.Tensor, wd: float) -> None:
+        """torch's multi-tensor AdamW (the CPU path, and the reference the fused kernel is tested against):
+        gradients widened to their masters' dtype, the parameters then the rounding of their masters."""
+        low, masters, grads, ms, vs = (list(t) for t in zip(*entries))
+        targets = [p if master is None else master for p, master in zip(low, masters)]
         grads = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, targets)]
-        fused = all(t.is_cuda for t in targets)
-        # the fused kernel divides by its grad_scale as it reads each gradient: no separate pass over them
-        divide_by = None
-        if grad_scale != 1.0 and fused:
-            divide_by = torch.full((), 1.0 / grad_scale, dtype=torch.float32, device=targets[0].device)
-        elif grad_scale != 1.0:
+        if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
             torch._foreach_mul_(grads, grad_scale)
-        steps = list(torch.full((len(targets),), float(self.steps - 1),  # torch's adam advances these
-                                device=targets[0].device if fused else "cpu").unbind())
-        adam(targets, grads, ms, vs, [], steps, foreach=not fused, fused=fused, grad_scale=divide_by,
-             decoupled_weight_decay=True, amsgrad=False, beta1=b1, beta2=b2, lr=lr,
-             weight_decay=self.cfg.weight_decay if decayed else 0.0, eps=self.cfg.eps, maximize=False)
+        steps = list(torch.full((len(targets),), float(self.steps - 1)).unbind())  # torch's adam advances these
+        (b1, b2), eps = self.cfg.betas, self.cfg.eps
+        adam(targets, grads, ms, vs, [], steps, foreach=True, decoupled_weight_decay=True, amsgrad=False, beta1=b1,
+             beta2=b2, lr=lr, weight_decay=wd, eps=eps, maximize=False)
         pairs = [(p, t) for p, t in zip(low, targets) if p is not t]
-        if pairs:  # bf16 parameters: the rounding of their fp32 masters
+        if pairs:  # parameters below fp32: the rounding of their fp32 masters
             torch._foreach_copy_([p for p, _ in pairs], [t for _, t in pairs])
 
     def take_rows(self, name: str, rows: list[int]) -> dict[str, torch.Tensor] | None:

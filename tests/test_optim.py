@@ -108,30 +108,3 @@ def test_state_made_before_the_first_step_changes_no_update():
         assert torch.equal(lazy_p[n], eager_p[n])
         for k in lazy_s[n]:
             assert torch.equal(lazy_s[n][k], eager_s[n][k])
-
-
-def test_bf16_gradients_are_widened_a_chunk_at_a_time_with_the_same_update(monkeypatch):
-    """The fp32 copies of bf16 gradients exist a chunk (WIDEN_CHUNK_BYTES) at a time, not all at once, and the step
-    is the same bit for bit whatever the chunk."""
-    from k3ray import optim
-
-    def stepped(chunk_bytes: int) -> dict[str, torch.Tensor]:
-        monkeypatch.setattr(optim, "WIDEN_CHUNK_BYTES", chunk_bytes)
-        g = torch.Generator().manual_seed(0)
-        params = {f"w{i}": torch.nn.Parameter(torch.randn(8, 16, generator=g).to(torch.bfloat16)) for i in range(5)}
-        params["b"] = torch.nn.Parameter(torch.randn(16, generator=g).to(torch.bfloat16))
-        opt = AdamW(OptimizerConfig(lr=1e-2, weight_decay=0.1))
-        for _ in range(3):
-            for p in params.values():
-                p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
-            opt.step(params, lr=1e-2, grad_scale=0.5)
-        return {**{n: p.detach().clone() for n, p in params.items()},
-                **{f"{n}.master": st["master"] for n, st in opt.state.items()}}
-
-    whole, chunked = stepped(1 << 30), stepped(8 * 16 * 4 * 2)  # two matrices' fp32 gradients per chunk
-    assert whole.keys() == chunked.keys() and all(torch.equal(whole[k], chunked[k]) for k in whole)
-    entries = [(None, torch.zeros(8, 16), torch.zeros(8, 16, dtype=torch.bfloat16))] * 5
-    monkeypatch.setattr(optim, "WIDEN_CHUNK_BYTES", 8 * 16 * 4 * 2)
-    assert [len(c) for c in optim._widening_chunks(entries)] == [2, 2, 1]
-    same_dtype = [(None, torch.zeros(8, 16), torch.zeros(8, 16))] * 5  # nothing widened: one run
-    assert [len(c) for c in optim._widening_chunks(same_dtype)] == [5]

@@ -7,9 +7,8 @@
                  - forward/backward: the saved activations of the micro-batches in flight (min(M, pp - p) under
                    1F1B), the MoonEP replica weights received per MoE layer (at most the slots per rank, saved for
                    backward), one MoE layer's dispatch buffers (send and receive) and one layer's backward working set;
-                 - the optimizer step: the fp32 copies of the gradients that AdamW makes for its masters (a chunk of
-                   k3ray.optim.WIDEN_CHUNK_BYTES at a time), and with ep > 1 the flat fp32 all-reduce buffer of the
-                   dense gradients, still held. Exact.
+                 - the optimizer step: with ep > 1 the flat fp32 all-reduce buffer of the dense gradients and their
+                   fp32 copy, still held (the fused AdamW reads bf16 gradients as they are: no widened copies). Exact.
     overhead     CUDA context, cuBLAS/NCCL workspaces, and the caching allocator's fragmentation (an estimate).
 The activations are an estimate: per token and layer, the widths of the tensors autograd keeps (and the fused kernels
 keep: fla's chunk KDA, the grouped expert FFN, cuDNN attention), with execution.recompute's selective recompute
@@ -25,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from k3ray.config import JobConfig, ModelConfig
-from k3ray.optim import WIDEN_CHUNK_BYTES
 
 GiB = 2 ** 30
 FIXED_OVERHEAD = int(1.5 * GiB)  # CUDA context (~0.5 GiB with lazy module loading), cuBLAS and NCCL workspaces
@@ -208,13 +206,9 @@ def _stage_estimate(cfg: JobConfig, stage: int) -> MemoryEstimate:
     expert_bytes = 3 * m.d_latent * m.expert_inner * w
     replicas = in_flight * moe_layers * slots * expert_bytes + (slots * expert_bytes if moe_layers else 0)
     dispatch = 2 * tokens * m.top_k * m.d_latent * w if moe_layers else 0
-    # AdamW widens the gradients to fp32 for their masters a chunk at a time (a tensor larger than a chunk alone: the
-    # largest is a layer's stacked expert gate-up or the vocabulary's embedding); the dense all-reduce's flat fp32
-    # buffer is held
+    # the dense all-reduce's flat fp32 buffer is held while the gradients take their values from it
     flat = 4 * dense_params if par.ep > 1 else 0
-    largest = max(local * m.d_latent * 2 * m.expert_inner, m.vocab_size * m.d_model)
-    widened = min(4 * n_params, max(WIDEN_CHUNK_BYTES, 4 * largest)) if master else 0
-    optimizer = max(flat + (4 * dense_params if master and par.ep > 1 else 0), flat + widened)
+    optimizer = flat + (4 * dense_params if master and par.ep > 1 else 0)
     activations = (in_flight * per_token + largest_layer) * tokens
     params, grads = n_params * w + n_buffers * 4, n_params * w
     master_bytes, moments = (4 * n_params if master else 0), 2 * max(4, w) * n_params
