@@ -9,6 +9,7 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | permute_rows(x, dest, num_rows) | permute.*_reference | permute.*_triton | x |
 | unpermute_rows(y, dest, weights) | permute.*_reference | permute.*_triton | y, weights |
 | score_histogram(values, lo, hi, bins) | histogram.*_reference | histogram.*_triton | - |
+| attn_res_value_grad(p, dh, a, b, u, v) | attn_res.*_reference | attn_res.*_triton | - (a backward's part) |
 | kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.*_reference | kda.*chunk_fla | all |
 | kda_decode(same) | kda.kda_recurrent_reference | kda.kda_recurrent_fla | - |
 | kda_decode_slots(q, k, v, g, beta, pool, slots) | kda.*_reference | kda.*_fla | - |
@@ -29,6 +30,7 @@ import os
 
 import torch
 
+from k3ray.kernels import attn_res as _attn_res
 from k3ray.kernels import grouped_ffn as _ffn
 from k3ray.kernels import histogram as _hist
 from k3ray.kernels import kda as _kda
@@ -104,6 +106,14 @@ def score_histogram(values: torch.Tensor, lo: float, hi: float, bins: int) -> to
     if _triton(values):
         return _hist.score_histogram_triton(values, lo, hi, bins)
     return _hist.score_histogram_reference(values, lo, hi, bins)
+
+
+@outside_compile
+def attn_res_value_grad(p_NT: torch.Tensor, dh_Td: torch.Tensor, a_NT: torch.Tensor, b_NT: torch.Tensor,
+                        u_d: torch.Tensor, v_NTd: torch.Tensor) -> torch.Tensor:
+    if _triton(v_NTd):
+        return _attn_res.attn_res_value_grad_triton(p_NT, dh_Td, a_NT, b_NT, u_d, v_NTd)
+    return _attn_res.attn_res_value_grad_reference(p_NT, dh_Td, a_NT, b_NT, u_d, v_NTd)
 
 
 def _fla(t: torch.Tensor) -> bool:

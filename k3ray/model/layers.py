@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import kda_attention, kda_gate, outside_compile, short_conv, situ_glu
+from k3ray.kernels import attn_res_value_grad, kda_attention, kda_gate, outside_compile, short_conv, situ_glu
 
 if TYPE_CHECKING:
     from k3ray.model.cache import IterationCache
@@ -323,7 +323,7 @@ class _AttnResMix(torch.autograd.Function):
     per token, which the RMSNorm every reader of h applies first takes out).
     Backward, with ds = p (dp - sum_n p dp) from dp = dh . v_n in fp32:
         dw = g * X, dg = w * X, X = sum_nt ds r v_nt (a GEMM on the exact values; ds r as two bf16 terms);
-        dv_nt = p_nt dh_t + ds r u - ds s r^2 / d v_nt (fp32 coefficients, one bf16 tensor written in place).
+        dv_nt = p_nt dh_t + ds r u - ds s r^2 / d v_nt (in fp32, rounded once: k3ray.kernels.attn_res_value_grad).
     ds sums to zero over depth while the values share a large common part: the sums over tokens for dw and dg take
     the exact values and ~16-bit coefficients, so no per-element bf16 rounding leaks that common part in (bf16 keys,
     or ds rounded once, put those gradients off by a few percent when the values are alike)."""
@@ -354,10 +354,8 @@ class _AttnResMix(torch.autograd.Function):
         wide = X.dtype
         grad_query = (norm_weight_d.to(wide) * X).to(query_d.dtype)
         grad_norm = (query_d.to(wide) * X).to(norm_weight_d.dtype)
-        u = (query_d.to(wide) * norm_weight_d.to(wide)).to(dt)
-        grad_v = torch.mul(p[:, :, None], dh_Td, out=torch.empty_like(v_NTd))
-        grad_v.addcmul_(c_u.view(N, -1, 1), u)
-        grad_v.addcmul_((c_u * s * r / -d).view(N, -1, 1), v_NTd)
+        u = query_d.to(wide) * norm_weight_d.to(wide)
+        grad_v = attn_res_value_grad(p, dh_Td, c_u.view(N, -1), (c_u * s * r / -d).view(N, -1), u, v_NTd)
         return grad_v.view_as(values_NBSd), grad_query, grad_norm, None
 
 
