@@ -101,6 +101,7 @@ def _adamw_kernel(param_ptr, master_ptr, grad_ptr, m_ptr, v_ptr, divisor_ptr, n,
 
 
 _BLOCK = 1024  # 8 elements per thread at 4 warps: 16-byte bf16 loads, two 16-byte fp32 loads per stream
+_WARPS = 4  # benchmarks/adamw_gpu.py measures other tiles against the HBM bound
 
 
 def adamw_step_(param: torch.Tensor, master: torch.Tensor | None, grad: torch.Tensor, m: torch.Tensor,
@@ -115,5 +116,5 @@ def adamw_step_(param: torch.Tensor, master: torch.Tensor | None, grad: torch.Te
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
         param, master if master is not None else param, grad, m, v, grad_divisor, n, lr * weight_decay, beta1,
         1.0 - beta1, beta2, 1.0 - beta2, step_size, bc2_sqrt, eps, HAS_MASTER=master is not None, BLOCK=_BLOCK,
-        num_warps=4,
+        num_warps=_WARPS,
     )
