@@ -102,9 +102,9 @@ class LogitsRow:
 
 def adjust_logits(logits_NV: torch.Tensor, rows: list[LogitsRow]) -> torch.Tensor:
     """The logits with the rows' biases added and the tokens their masks forbid at -inf (a new tensor; a few copies
-    to the device, no host sync). Tokens past a mask's words (a model vocabulary wider than the tokenizer's) are
-    forbidden too. Plain torch rather than xgrammar's kernels: it takes any dtype (float64 serving included)."""
-    out, dev, V = logits_NV.clone(), logits_NV.device, logits_NV.shape[-1]
+    to the device, no host sync). Plain torch rather than xgrammar's kernels: it takes any dtype (float64 serving
+    included)."""
+    out, dev = logits_NV.clone(), logits_NV.device
     biased = [(r.row, t, b) for r in rows for t, b in zip(r.bias_ids, r.bias)]
     if biased:
         at, tok, val = zip(*biased)
@@ -112,14 +112,26 @@ def adjust_logits(logits_NV: torch.Tensor, rows: list[LogitsRow]) -> torch.Tenso
                        torch.tensor(val, dtype=out.dtype, device=dev), accumulate=True)
     masked = [r for r in rows if r.mask is not None]
     if masked:
-        words = torch.stack([r.mask for r in masked]).to(dev)  # [R, W]
-        vocab = torch.arange(V, device=dev)
-        inside = vocab < words.shape[1] * 32
-        bits = (words[:, (vocab // 32).clamp_max(words.shape[1] - 1)] >> (vocab % 32)) & 1
-        allowed = (bits == 1) & inside
         at = torch.tensor([r.row for r in masked], device=dev)
-        out[at] = torch.where(allowed, out[at], -torch.inf)
+        out[at] = mask_logits(out[at], torch.stack([r.mask for r in masked]).to(dev))
     return out
+
+
+def mask_logits(logits_NV: torch.Tensor, words_NW: torch.Tensor) -> torch.Tensor:
+    """The logits with the tokens each row's bitmask forbids at -inf: words [N, W] int32 (xgrammar's layout, bit
+    v % 32 of word v // 32 set where token v is allowed; every bit set: a row with no grammar). Tokens past the
+    words (a model vocabulary wider than the tokenizer's) are forbidden. Device ops only (a decode CUDA graph holds
+    it, the words its input)."""
+    V, W = logits_NV.shape[-1], words_NW.shape[-1]
+    vocab = torch.arange(V, device=logits_NV.device)
+    bits = (words_NW[:, (vocab // 32).clamp_max(W - 1)] >> (vocab % 32)) & 1
+    allowed = (bits == 1) & (vocab < W * 32)
+    return torch.where(allowed, logits_NV, -torch.inf)
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """The int32 words of a bitmask that covers a vocabulary of `vocab_size` tokens."""
+    return -(-vocab_size // 32)
 
 
 def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, rows: list[LogitsRow]

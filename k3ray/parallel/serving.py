@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, SeqPages, StateSave, new_pools
 from k3ray.model.decoder import K3Stage, boundary_shape
-from k3ray.model.sampling import LogitsRow, adjust_logits, sample_tokens, token_logprobs
+from k3ray.model.sampling import LogitsRow, adjust_logits, bitmask_width, mask_logits, sample_tokens, token_logprobs
 
 log = logging.getLogger("k3ray.serve")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -111,7 +111,8 @@ class StageServer:
                             device=self.device)
             if T:
                 dist.recv(x, self.prev_rank, group=self.groups.world)
-        graphed = self.graphs is not None and n and max(plan.counts) == 1 and not plan.logits
+        # a decode graph takes the rows' grammar masks as an input; logit biases run eagerly
+        graphed = self.graphs is not None and n and max(plan.counts) == 1 and not any(r.bias_ids for r in plan.logits)
         replayed = self.graphs.run(plan, x) if graphed else None
         at_end = [s for s in plan.saves if s.offset == plan.counts[s.row]]  # the slot's state once the step ran
         if replayed is not None:
@@ -147,17 +148,23 @@ class StageServer:
         return ids
 
     def forward(self, x: torch.Tensor, cache: IterationCache, counters_N: torch.Tensor, greedy: bool = False,
-                rows: list[LogitsRow] = ()) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                rows: list[LogitsRow] = (), words_NW: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The stage on one iteration (no host sync: a CUDA graph can hold it): its output (hidden [1, T, d], or the
-        logits [N, V] on the last stage: the model's, before `rows` adjust them for sampling), the sampled tokens [N]
-        (last stage; `greedy`: every sequence of the iteration decodes greedily, so argmax alone) and each sequence's
-        max-abs [N]."""
+        logits [N, V] on the last stage: the model's, before `rows` adjust them for sampling, or a decode graph's
+        grammar bitmasks `words_NW` mask them), the sampled tokens [N] (last stage; `greedy`: every sequence of the
+        iteration decodes greedily, so argmax alone) and each sequence's max-abs [N]."""
         out = self.stage(x, cache)
         maxabs = cache.sequence_maxabs()
         if not self.stage.is_last:
             return out, None, maxabs
         p, s = self.pools, cache.slots
-        logits = adjust_logits(out, rows) if any(r.mask is not None or r.bias_ids for r in rows) else out
+        if words_NW is not None:
+            logits = mask_logits(out, words_NW)
+        elif any(r.mask is not None or r.bias_ids for r in rows):
+            logits = adjust_logits(out, rows)
+        else:
+            logits = out
         if greedy:
             tokens = logits.argmax(-1)
         else:
@@ -166,15 +173,17 @@ class StageServer:
         maxabs = torch.where(torch.isfinite(out).all(-1), maxabs, torch.inf)
         return out, tokens, maxabs
 
-    def decode_step(self, packed: torch.Tensor, hidden: torch.Tensor | None, context: int, greedy: bool):
+    def decode_step(self, packed: torch.Tensor, hidden: torch.Tensor | None, context: int, greedy: bool,
+                    words: torch.Tensor | None = None):
         """A decode iteration from its packed inputs (`pack_decode`: [6, B] on the device; `hidden`: the stage's
-        input on stages after the first) as `forward` gives it: what a decode CUDA graph holds, no host sync."""
+        input on stages after the first; `words` [B, W]: the rows' grammar bitmasks, on the last stage) as `forward`
+        gives it: what a decode CUDA graph holds, no host sync."""
         slots, starts, counters, tokens, valid, from_device = packed
         cache = IterationCache(self.pools, slots, starts, torch.ones_like(slots),
                                torch.arange(len(slots), device=slots.device), valid.bool(), context)
         if hidden is None:  # rows scheduled before their token came back read it on the device (overlap)
             tokens = torch.where(from_device.bool(), self.pools.last_token[slots], tokens)
-        return self.forward(tokens[None] if hidden is None else hidden, cache, counters, greedy)
+        return self.forward(tokens[None] if hidden is None else hidden, cache, counters, greedy, words_NW=words)
 
     def expert_load(self) -> dict[int, list[int]]:
         """layer -> routes this worker's tokens sent to each expert since the last call (then reset)."""
@@ -218,14 +227,15 @@ def pack_decode(plan: RankPlan, bucket: int, scratch_slot: int, first_stage: boo
 
 
 class DecodeGraphs:
-    """CUDA graphs of a stage's decode iteration, one per (batch bucket B, context bucket Lc, greedy or sampled),
-    captured on first use and replayed: the iteration's inputs are copied into the graph's static buffers, padded to
-    B with rows that read and write only the scratch slot and page. Stages whose MoE exchanges experts between ranks
+    """CUDA graphs of a stage's decode iteration, one per (batch bucket B, context bucket Lc, greedy or sampled,
+    grammar-masked or not), captured on first use and replayed: the iteration's inputs are copied into the graph's
+    static buffers, padded to B with rows that read and write only the scratch slot and page (a masked graph's
+    input holds every row's bitmask: every bit set for a row without a grammar). Stages whose MoE exchanges experts between ranks
     (ep > 1: the exchange's splits come from the host) run eagerly; so do prefill chunks."""
 
     def __init__(self, server: StageServer):
         self.server = server
-        self.graphs: dict[tuple[int, int, bool], tuple] = {}
+        self.graphs: dict[tuple[int, int, bool, bool], tuple] = {}
         self.capture_seconds = 0.0  # spent capturing (warm-up runs included), reported with the grid's start
         self.first_capture_seconds = 0.0  # the first capture alone: a new CUDA process loads its kernels in it
         self.pool = torch.cuda.graph_pool_handle()
@@ -253,9 +263,10 @@ class DecodeGraphs:
             self._get(*key)
         return len(self.graphs) - before
 
-    def _get(self, bucket: int, context: int, greedy: bool):
-        """The graph of (bucket, context, greedy), captured on first use; None if it cannot be (graphs off then)."""
-        key = (bucket, context, greedy)
+    def _get(self, bucket: int, context: int, greedy: bool, masked: bool = False):
+        """The graph of (bucket, context, greedy, masked), captured on first use; None if it cannot be (graphs off
+        then)."""
+        key = (bucket, context, greedy, masked)
         if key not in self.graphs:
             t0 = time.perf_counter()
             try:
@@ -277,7 +288,8 @@ class DecodeGraphs:
         key = graph_key(n, max(plan.starts) + 1, plan.greedy, pools)
         if not self.enabled or key is None:
             return None
-        captured = self._get(*key)
+        masks = [r for r in plan.logits if r.mask is not None] if self.server.stage.is_last else []
+        captured = self._get(*key, bool(masks))
         if captured is None:
             return None
         bucket = key[0]
@@ -285,11 +297,17 @@ class DecodeGraphs:
         inputs["packed"].copy_(pack_decode(plan, bucket, pools.scratch_slot, x is None), non_blocking=False)
         if x is not None:
             inputs["hidden"][..., :n, :].copy_(x)
+        if masks:
+            words = torch.full(inputs["words"].shape, -1, dtype=torch.int32)  # every token allowed
+            for r in masks:
+                words[r.row] = 0
+                words[r.row, :r.mask.numel()] = r.mask[:words.shape[1]]
+            inputs["words"].copy_(words)
         graph.replay()
         out, tokens, maxabs = outputs
         return out[..., :n, :], None if tokens is None else tokens[:n], maxabs[:n]
 
-    def _capture(self, bucket: int, context: int, greedy: bool):
+    def _capture(self, bucket: int, context: int, greedy: bool, masked: bool):
         server, dev = self.server, self.server.device
         pools = server.pools
         packed = torch.zeros(6, bucket, dtype=torch.int64, device=dev)
@@ -297,10 +315,12 @@ class DecodeGraphs:
         stage = server.stage
         hidden = None if stage.is_first else \
             torch.zeros(boundary_shape(stage.cfg, stage.layers.start, 1, bucket), dtype=server.dtype, device=dev)
-        inputs = {"packed": packed, "hidden": hidden}
+        words = torch.full((bucket, bitmask_width(stage.cfg.vocab_size)), -1, dtype=torch.int32, device=dev) \
+            if masked else None
+        inputs = {"packed": packed, "hidden": hidden, "words": words}
 
         def step():
-            return server.decode_step(packed, hidden, context, greedy)
+            return server.decode_step(packed, hidden, context, greedy, words)
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
