@@ -10,8 +10,8 @@ prefilled again after a lost worker draws the same noise for its next token as i
 Sampling from the nucleus is the Gumbel-max trick: argmax over kept tokens of log p + G, G ~ Gumbel(0, 1), draws
 token v with probability p_v / sum of the kept p (the nucleus renormalised).
 
-Before sampling, rows may have their logits adjusted (`LogitsRows`, built by the engine from a request's grammar,
-penalties and logit_bias, applied on the device: `adjust_logits`), and ask for the log-probabilities of the model's own
+Before sampling, rows may have their logits adjusted (`LogitsRows`, built by the engine from a request's penalties and
+logit_bias, with its grammar's bitmask filled by the last stage: `GrammarRow`; applied on the device: `adjust_logits`), and ask for the log-probabilities of the model's own
 distribution (before any adjustment, as OpenAI's and vLLM's logprobs are): `token_logprobs`.
 """
 from __future__ import annotations
@@ -89,15 +89,34 @@ def sample_tokens(logits_NV: torch.Tensor, temperature_N: torch.Tensor, top_p_N:
 
 
 @dataclass
+class GrammarRow:
+    """A constrained row's grammar, for the last stage's matcher of its slot (k3ray.parallel.grammar_masks), which
+    fills the row's bitmask: `key` names the compiled grammar; `replay`: the row is its request's first since the
+    request was seated on its slot: a new matcher, which accepts these output tokens first (None: the slot's
+    matcher goes on, with the token sampled at the slot's last constrained row). `compiled` (xgrammar's
+    CompiledGrammar JSON) and `tokenizer` (TokenizerInfo JSON) come with the first row that needs them on a rank
+    (`GRAMMARS_HELD` compiled grammars are kept there, least recently used dropped: the engine keeps the same books)."""
+    key: str
+    replay: list[int] | None = None
+    compiled: str | None = None
+    tokenizer: str | None = None
+
+
+GRAMMARS_HELD = 64  # compiled grammars each rank's last stage keeps (and the engine's books of what it holds)
+
+
+@dataclass
 class LogitsRow:
     """What one row of an iteration asks of its logits before its token is sampled: a token bitmask (int32 words,
-    bit v % 32 of word v // 32 set where token v is allowed; xgrammar's layout), additive biases on some tokens, and
-    how many top log-probabilities to return beside the sampled token's (None: no logprobs)."""
+    bit v % 32 of word v // 32 set where token v is allowed; xgrammar's layout) or the grammar the last stage fills
+    one from, additive biases on some tokens, and how many top log-probabilities to return beside the sampled
+    token's (None: no logprobs)."""
     row: int
     mask: torch.Tensor | None = None  # [ceil(V / 32)] int32, on the host
     bias_ids: list[int] = field(default_factory=list)
     bias: list[float] = field(default_factory=list)
     logprobs: int | None = None
+    grammar: GrammarRow | None = None
 
 
 def adjust_logits(logits_NV: torch.Tensor, rows: list[LogitsRow]) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, SeqPages, StateSave, new_pools
 from k3ray.model.decoder import K3Stage, boundary_shape
 from k3ray.model.sampling import LogitsRow, adjust_logits, bitmask_width, mask_logits, sample_tokens, token_logprobs
+from k3ray.parallel.grammar_masks import GrammarMasks
 
 log = logging.getLogger("k3ray.serve")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -96,6 +97,7 @@ class StageServer:
         self.groups = groups
         self.dtype = next(stage.parameters()).dtype
         self.graphs = DecodeGraphs(self) if graphs and self.device.type == "cuda" else None
+        self.grammar_masks = GrammarMasks()  # the last stage's: constrained rows' bitmasks
 
     @torch.no_grad()
     def step(self, plan: RankPlan) -> StageOutput:
@@ -103,6 +105,9 @@ class StageServer:
         t0 = time.perf_counter()
         self.pools.admit(plan.admit)
         self.pools.grow(plan.grow)
+        if self.stage.is_last:  # grammars: each constrained row's bitmask from its slot's matcher
+            self.grammar_masks.seated([a.slot for a in plan.admit])
+            self.grammar_masks.fill(plan.slots, plan.logits)
         n, T = len(plan.slots), len(plan.tokens) if self.stage.is_first else sum(plan.counts)
         x = None
         if not self.stage.is_first:
@@ -133,7 +138,9 @@ class StageServer:
         logprobs = token_logprobs(out, tokens, plan.logits) if plan.logits else {}
         both = torch.cat([tokens.double(), maxabs])  # one device-to-host copy
         host = both.cpu()
-        return StageOutput(host[:n].long().tolist(), host[n:].tolist(), time.perf_counter() - t0, logprobs)
+        tokens = host[:n].long().tolist()
+        self.grammar_masks.took(plan.slots, plan.logits, tokens)
+        return StageOutput(tokens, host[n:].tolist(), time.perf_counter() - t0, logprobs)
 
     def _input_ids(self, plan: RankPlan) -> torch.Tensor:
         """The plan's token ids [T] on the device, those of `from_device` rows taken from the slots' last sampled

@@ -75,6 +75,7 @@ class CacheAllocator:
         positions; its caches start past the hit."""
         pool = self.ranks[rank]
         req.rank, req.slot = rank, pool.free_slots.pop(0)
+        req.grammar_seated = False  # a new slot: its first constrained row brings the grammar's matcher there
         if pool.prefix is not None:
             pool.prefix.take(hit, len(req.prompt) if req.cached_prompt is None else 0)  # first admissions count
         req.cached = req.planned = hit.tokens

@@ -4,21 +4,23 @@ tool-call format: k3ray.serve.tool_calls), and, per request, what its next token
 
 The front door builds a request's grammar (`request_grammar`: a bad schema is a GrammarError naming the field) and
 sends it serialized; the engine compiles it against its tokenizer (`Grammars.compile`: cached, refused past
-serve.grammar_compile_s) and keeps a matcher per request. Each iteration the scheduler asks every sampling row of a
-constrained or penalised request for its `LogitsRow` (the token bitmask filled on the host while the iteration
-before runs on the device, with the penalties' and logit_bias's biases); the last stage applies it on the device
-before sampling (k3ray.model.sampling.adjust_logits). A grammar's bitmask and the penalties depend on the tokens
-sampled so far, so such a request's next row waits for its last token to come back (no `from_device` rows for it:
-with serve.overlap it gets a row every other iteration).
+serve.grammar_compile_s). Each iteration the scheduler asks every sampling row of a
+constrained or penalised request for its `LogitsRow` (the penalties' and logit_bias's biases, and the grammar's
+`GrammarRow`: the rank's last stage keeps a matcher per slot and fills the bitmask where the token is sampled,
+k3ray.parallel.grammar_masks, the engine keeping the books of what it holds: `GrammarBooks`); the last stage applies
+them on the device before sampling. Penalties depend on the tokens sampled so far, so a penalised request's next row
+waits for its last token to come back (no `from_device` rows for it: with serve.overlap it gets a row every other
+iteration); a constrained one decodes every iteration.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
-from collections import Counter
+from collections import Counter, OrderedDict
 from functools import lru_cache
 
-from k3ray.model.sampling import LogitsRow, SamplingParams
+from k3ray.model.sampling import GRAMMARS_HELD, GrammarRow, LogitsRow, SamplingParams
 from k3ray.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TOOL_CALL_FORMAT = "kimi"  # xgrammar's name for the Kimi K2 tool-call format K3 is served with (tool_calls.py)
@@ -135,39 +137,69 @@ def needs_logits(params: SamplingParams) -> bool:
 
 
 class RequestLogits:
-    """One request's host-side logits state: its grammar's matcher and its output's token counts (penalties)."""
+    """One request's host-side logits state: its compiled grammar (whose matcher lives on the last stage:
+    k3ray.parallel.grammar_masks) and its output's token counts (penalties)."""
 
     def __init__(self, params: SamplingParams, compiled=None):
-        self.params, self.matcher, self.words = params, None, None
-        if compiled is not None:  # penalties, logit_bias and logprobs alone need no xgrammar
-            import xgrammar as xgr
-
-            self.matcher = xgr.GrammarMatcher(compiled)
-            self.words = xgr.get_bitmask_shape(1, compiled.tokenizer_info.vocab_size)[1]
+        self.params, self.compiled = params, compiled
+        self.grammar_key = None if compiled is None else hashlib.sha1(params.grammar.encode()).hexdigest()
         self.counts: Counter[int] = Counter()
 
     @property
     def stateful(self) -> bool:
-        """Whether the next row needs the last token back first (grammar, penalties)."""
-        return self.matcher is not None or self.params.penalised
+        """Whether the next row needs the last token back first (penalties; a grammar's matcher takes it where it
+        is sampled)."""
+        return self.params.penalised
 
     def accept(self, token: int) -> None:
         """A token of the output, confirmed (in order)."""
         if self.params.penalised:
             self.counts[token] += 1
-        if self.matcher is not None and not self.matcher.is_terminated():
-            self.matcher.accept_token(token)
 
-    def row(self, row: int) -> LogitsRow:
-        """What row `row` of an iteration needs of its logits for this request's next token."""
-        import torch
+    def compiled_json(self) -> str:
+        """The compiled grammar as xgrammar's JSON (made once per grammar: requests share schemas)."""
+        return _compiled_json(self.grammar_key, self.compiled)
 
-        p, mask = self.params, None
-        if self.matcher is not None:
-            mask = torch.empty(1, self.words, dtype=torch.int32)
-            self.matcher.fill_next_token_bitmask(mask, 0)
-            mask = mask[0]
+    def row(self, row: int, grammar: GrammarRow | None = None) -> LogitsRow:
+        """What row `row` of an iteration needs of its logits for this request's next token (`grammar`: its
+        grammar's part, from the rank's `GrammarBooks`)."""
+        p = self.params
         bias = dict(p.logit_bias)
         for token, n in self.counts.items() if p.penalised else ():
             bias[token] = bias.get(token, 0.0) - p.presence_penalty - p.frequency_penalty * n
-        return LogitsRow(row, mask, list(bias), list(bias.values()), p.logprobs)
+        return LogitsRow(row, None, list(bias), list(bias.values()), p.logprobs, grammar)
+
+
+_JSON: OrderedDict[str, str] = OrderedDict()
+
+
+def _compiled_json(key: str, compiled) -> str:
+    if key not in _JSON:
+        _JSON[key] = compiled.serialize_json()
+        while len(_JSON) > GRAMMARS_HELD:
+            _JSON.popitem(last=False)
+    _JSON.move_to_end(key)
+    return _JSON[key]
+
+
+class GrammarBooks:
+    """What one rank's last stage holds of the grammars (k3ray.parallel.grammar_masks keeps the same books from the
+    same rows in the same order): the tokenizer's description, and the last GRAMMARS_HELD compiled grammars used."""
+
+    def __init__(self):
+        self.tokenizer_sent = False
+        self.held: OrderedDict[str, None] = OrderedDict()
+
+    def row(self, logits: RequestLogits, replay: list[int] | None) -> GrammarRow:
+        """The grammar part of a constrained row of `logits`' request; replay: its output so far, where this is its
+        first row since it was seated (None otherwise)."""
+        key, compiled, tokenizer = logits.grammar_key, None, None
+        if key not in self.held:
+            compiled = logits.compiled_json()
+        self.held[key] = None
+        self.held.move_to_end(key)
+        while len(self.held) > GRAMMARS_HELD:
+            self.held.popitem(last=False)
+        if not self.tokenizer_sent:
+            tokenizer, self.tokenizer_sent = logits.compiled.tokenizer_info.serialize_json(), True
+        return GrammarRow(key, replay, compiled, tokenizer)

@@ -53,11 +53,11 @@ import time
 from k3ray.config import GuardPolicy, ServeConfig
 from k3ray.config.serve import PROMPT_TOKENS_FLOOR
 from k3ray.model.cache import SeqAdmit, SeqPages
-from k3ray.model.sampling import SamplingParams, finish_reason
+from k3ray.model.sampling import GrammarRow, SamplingParams, finish_reason
 from k3ray.parallel.serving import StageOutput
 from k3ray.policies import guards
 from k3ray.serve.cache_allocator import CacheAllocator
-from k3ray.serve.grammar import RequestLogits, needs_logits
+from k3ray.serve.grammar import GrammarBooks, RequestLogits, needs_logits
 from k3ray.serve.pacing import IterationPacer, paced_chunk
 from k3ray.serve.prefix_cache import Hit, PrefixSizes
 from k3ray.serve.request_prefixes import RequestPrefixes
@@ -92,6 +92,7 @@ class Scheduler:
         self.pacer = IterationPacer(None if target is None else target / 1e3, serve.token_budget, PROMPT_TOKENS_FLOOR)
         self._ids = itertools.count()
         self.rank_tokens = [0] * dp  # tokens each rank has run (prefill and decode), since the start
+        self.grammar_books = [GrammarBooks() for _ in range(dp)]  # what each rank's last stage holds of grammars
 
     # -- requests ------------------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, grammar=None) -> Request:
@@ -121,6 +122,7 @@ class Scheduler:
         generated so far; its output so far stands. Returns the requeued requests."""
         self.dp = dp
         self.rank_tokens = (self.rank_tokens + [0] * dp)[:dp]
+        self.grammar_books = [GrammarBooks() for _ in range(dp)]  # the new grid's workers hold none
         return self.table.requeue_all(CacheAllocator(self.serve, dp, self.prefix))
 
     # -- iterations ----------------------------------------------------------------------------------------------
@@ -154,7 +156,7 @@ class Scheduler:
             if req.planned == req.length + req.unconfirmed:  # the row reaches the end: it samples the next token
                 req.unconfirmed += 1
                 if req.logits is not None:
-                    batch.plan.logits.append(req.logits.row(len(batch.plan.slots) - 1))
+                    batch.plan.logits.append(req.logits.row(len(batch.plan.slots) - 1, self._grammar_row(req)))
 
         table = self.table
         running = sorted((r for r in table.running.values() if self._may_continue(r)),
@@ -215,6 +217,15 @@ class Scheduler:
             out.ranks[req.rank].plan.grow.append(SeqPages(req.slot, len(req.pages), new))
             req.pages = req.pages + new
         return n
+
+    def _grammar_row(self, req: Request) -> GrammarRow | None:
+        """A constrained row's grammar part: the output so far with the first row since the request was seated
+        (its slot's last stage makes a matcher of it), the compiled grammar where the rank does not hold it."""
+        if req.logits.compiled is None:
+            return None
+        replay = None if req.grammar_seated else list(req.out)
+        req.grammar_seated = True
+        return self.grammar_books[req.rank].row(req.logits, replay)
 
     def _stepwise(self, req: Request) -> bool:
         """Whether `req`'s prompt (and output, after a `reset`) is fed one token per iteration."""

@@ -41,6 +41,7 @@ class Request:
     # beside its own page of the same tokens (another request cached that block first)
     cached_prompt: int | None = None  # prompt tokens its first admission took from the prefix cache
     shared_prefix: int = 0  # tokens of its prefix in cached blocks at its admission (`Hit.shared`)
+    grammar_seated: bool = False  # its grammar's matcher is on its slot's last stage (a constrained row went there)
 
     @property
     def ids(self) -> list[int]:

@@ -1,0 +1,95 @@
+"""Grammars filled where tokens are sampled (k3ray.parallel.grammar_masks), without Ray: constrained requests decode
+in every iteration with iterations overlapped (their rows take their token on the device), their outputs follow the
+grammar and equal those of sequential iterations, and a request preempted and seated again replays its output into
+a new matcher with no token changed. The engine's books of what a rank holds (`GrammarBooks`) send each compiled
+grammar and the tokenizer's description once. float64, the tiny model."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from k3ray.config import ServeConfig, load_config
+from k3ray.data import encode
+from k3ray.model.decoder import build_stage
+from k3ray.model.sampling import SamplingParams
+from k3ray.parallel.serving import LocalExecutor, PoolSizes
+from k3ray.serve.grammar import Grammars, request_grammar
+from k3ray.serve.scheduler import Scheduler
+from k3ray.tokenizer import ByteTokenizer
+from test_serving_overlap import drive
+
+xgr = pytest.importorskip("xgrammar")
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+          "required": ["name", "n"]}
+PROMPTS = ["def ", "import os\n", "x = ", "class A:\n"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.set_num_threads(1)
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64"}).model
+    return build_stage(cfg, range(cfg.n_layers), seed=3)
+
+
+@pytest.fixture(scope="module")
+def grammar():
+    text = request_grammar({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, None, None, False)
+    return text, asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(text))
+
+
+def run(model, grammar, overlap: bool, pages: int = 96):
+    text, compiled = grammar
+    serve = ServeConfig(page_size=4, pages_per_rank=pages, slots_per_rank=8, token_budget=24, max_waiting=64)
+    sched = Scheduler(serve, model.cfg.max_seq_len, tokenizer=ByteTokenizer())
+    ex = LocalExecutor(model, PoolSizes(pages, 4, 8))
+    params = [SamplingParams(max_tokens=40, grammar=text, temperature=0.0 if i % 2 else 0.9, seed=7 + i)
+              for i in range(len(PROMPTS))]
+    reqs = []
+    submit = sched.submit
+
+    def submit_with_grammar(prompt, sp):
+        req = submit(prompt, sp, compiled)
+        reqs.append(req)
+        return req
+
+    sched.submit = submit_with_grammar
+    log = []
+    drive(sched, ex, overlap=overlap, submit_at={0: [(encode(p), sp) for p, sp in zip(PROMPTS, params)]}, log=log)
+    return [r.out for r in reqs], log, sched
+
+
+def follows(compiled, out: list[int]) -> bool:
+    matcher = xgr.GrammarMatcher(compiled)
+    return all(matcher.accept_token(t) for t in out if not matcher.is_terminated())
+
+
+def test_constrained_requests_decode_every_iteration_overlapped_and_follow_the_grammar(model, grammar):
+    seq, _, _ = run(model, grammar, overlap=False)
+    outs, log, sched = run(model, grammar, overlap=True)
+    assert outs == seq
+    assert all(len(o) > 5 and follows(grammar[1], o) for o in outs)
+    text = bytes(outs[1]).decode(errors="replace")
+    assert text.startswith("{") and '"name"' in text[:12], text
+    rows = [(b.plan.from_device[r.row], r.grammar) for plans in log for b in plans.ranks.values()
+            for r in b.plan.logits]
+    assert sum(1 for f, g in rows if f and g is not None) > 20  # constrained rows took their token on the device
+    sent = [g for _, g in rows if g is not None and g.compiled is not None]
+    assert len(sent) == 1 and sum(1 for _, g in rows if g is not None and g.tokenizer is not None) == 1
+    assert sched.usage()["slots_used"] == 0
+    done = [r for r in sched.table.requests.values() if r.finish == "stop"]
+    for r in done:  # a finished JSON object parses
+        json.loads(bytes(r.out[:-1]).decode(errors="replace"))  # bytes of a string may split a character
+
+
+def test_a_preempted_constrained_request_replays_its_output_into_a_new_matcher(model, grammar):
+    want, _, _ = run(model, grammar, overlap=True)
+    outs, log, sched = run(model, grammar, overlap=True, pages=16)  # too few pages: newer requests preempted
+    assert sched.table.preemptions > 0
+    replays = [r.grammar.replay for plans in log for b in plans.ranks.values() for r in b.plan.logits
+               if r.grammar is not None and r.grammar.replay]
+    assert replays, "no request came back with output to replay"
+    assert outs == want
