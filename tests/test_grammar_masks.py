@@ -93,3 +93,34 @@ def test_a_preempted_constrained_request_replays_its_output_into_a_new_matcher(m
                if r.grammar is not None and r.grammar.replay]
     assert replays, "no request came back with output to replay"
     assert outs == want
+
+
+def test_constrained_requests_survive_a_lost_worker_unchanged(model, grammar):
+    """The engine with iterations overlapped loses its worker mid-generation (FakeGrid): the new grid holds no
+    matcher and no grammar, every constrained request is seated again with its output replayed, and each ends as it
+    would have undisturbed."""
+    from fakes.serving import SERVE, FakeGrid, sizes
+
+    from k3ray.serve.engine import Engine
+
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", "parallel.pp": 1, "parallel.ep": 1,
+                                            "serve.overlap": True, **{f"serve.{k}": v for k, v in SERVE.items()}})
+
+    def serve(lose_at):
+        grid = FakeGrid(model, sizes(cfg), lose_at=lose_at)
+
+        async def one(eng, i):
+            sp = SamplingParams(max_tokens=24, grammar=grammar[0], temperature=0.0 if i % 2 else 0.9, seed=3 + i)
+            return [t for item in [x async for x in eng.generate(encode(PROMPTS[i]), sp)]
+                    for t in item.get("tokens", [])]
+
+        async def main():
+            eng = Engine(cfg, 0, grid)
+            return await asyncio.gather(*(one(eng, i) for i in range(3)))
+
+        return asyncio.run(main()), grid
+
+    want, _ = serve(())
+    got, grid = serve({9})
+    assert "recover" in grid.calls and got == want
+    assert all(len(t) > 5 and follows(grammar[1], t) for t in got)
