@@ -221,9 +221,9 @@ def graph_captures(model, serve) -> None:
         return
     timed, capture = [], graphs._capture
 
-    def timed_capture(bucket, context, greedy, masked):
+    def timed_capture(bucket, context, greedy, sample):
         t0 = time.perf_counter()
-        out = capture(bucket, context, greedy, masked)
+        out = capture(bucket, context, greedy, sample)
         torch.cuda.synchronize()
         timed.append((bucket, context, greedy, time.perf_counter() - t0))
         return out

@@ -1,6 +1,6 @@
-"""Grammar bitmasks on the logits (k3ray.model.sampling): the device-only `mask_logits` a decode CUDA graph holds is
-the bit layout xgrammar writes, and `adjust_logits` masks the rows that carry one; on CUDA a masked decode
-iteration replayed as a graph samples what the same iteration run eagerly samples."""
+"""Grammar bitmasks on the logits (k3ray.model.sampling): `mask_logits` (device ops only) reads the bit layout
+xgrammar writes, and `adjust_logits` masks the rows that carry one; on CUDA a masked decode iteration replayed as a
+graph (sampling after it) samples what the same iteration run eagerly samples."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +11,7 @@ import torch
 from k3ray.config import load_config
 from k3ray.model.cache import SeqAdmit
 from k3ray.model.decoder import build_stage
-from k3ray.model.sampling import LogitsRow, adjust_logits, bitmask_width, mask_logits
+from k3ray.model.sampling import LogitsRow, adjust_logits, mask_logits
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 
@@ -35,7 +35,7 @@ def test_mask_logits_forbids_what_the_bits_forbid_and_past_the_words():
     words = _words(allowed[:, :64], 2)  # a tokenizer of 64 tokens under a 100-token model: the rest forbidden
     want = torch.where(allowed & (torch.arange(V) < 64), logits, -torch.inf)
     assert torch.equal(mask_logits(logits, words), want)
-    everything = torch.full((N, bitmask_width(V)), -1, dtype=torch.int32)  # every bit: a row with no grammar
+    everything = torch.full((N, -(-V // 32)), -1, dtype=torch.int32)  # every bit: a row with no grammar
     assert torch.equal(mask_logits(logits, everything), logits)
 
 
@@ -44,7 +44,7 @@ def test_adjust_logits_masks_only_the_rows_with_a_mask_and_adds_biases():
     V = 70
     logits = torch.randn(3, V, generator=g)
     allowed = torch.rand(1, V, generator=g) < 0.5
-    words = _words(allowed, bitmask_width(V))[0]
+    words = _words(allowed, -(-V // 32))[0]
     out = adjust_logits(logits, [LogitsRow(1, mask=words), LogitsRow(2, bias_ids=[5, 5], bias=[1.0, 2.0])])
     assert torch.equal(out[0], logits[0])
     assert torch.equal(out[1], torch.where(allowed[0], logits[1], -torch.inf))
@@ -63,7 +63,7 @@ def test_a_masked_decode_iteration_replayed_as_a_graph_samples_what_eager_does()
     g = torch.Generator().manual_seed(2)
     allowed = torch.rand(n, V, generator=g) < 0.1
     allowed[:, 7] = True
-    words = _words(allowed, bitmask_width(V))
+    words = _words(allowed, -(-V // 32))
     tokens = {}
     for graphs in (False, True):
         ex = LocalExecutor(model, PoolSizes(64, 16, 8), device="cuda", graphs=graphs)
@@ -76,6 +76,6 @@ def test_a_masked_decode_iteration_replayed_as_a_graph_samples_what_eager_does()
                                   tokens=[9, 9, 9], counters=[1] * n, greedy=True, logits=rows)})[0]
         tokens[graphs] = out.tokens
         if graphs:
-            assert any(key[3] for key in ex.server.graphs.graphs), "the masked iteration ran eagerly"
+            assert any(not key[3] for key in ex.server.graphs.graphs), "the masked iteration ran eagerly"
     assert tokens[True] == tokens[False]
     assert allowed[0, tokens[True][0]] and allowed[2, tokens[True][2]]

@@ -11,8 +11,9 @@ Sampling from the nucleus is the Gumbel-max trick: argmax over kept tokens of lo
 token v with probability p_v / sum of the kept p (the nucleus renormalised).
 
 Before sampling, rows may have their logits adjusted (`LogitsRows`, built by the engine from a request's penalties and
-logit_bias, with its grammar's bitmask filled by the last stage: `GrammarRow`; applied on the device: `adjust_logits`), and ask for the log-probabilities of the model's own
-distribution (before any adjustment, as OpenAI's and vLLM's logprobs are): `token_logprobs`.
+logit_bias, with its grammar's bitmask filled by the last stage: `GrammarRow`; applied on the device:
+`adjust_logits`), and ask for the log-probabilities of the model's own distribution (before any adjustment, as
+OpenAI's and vLLM's logprobs are): `token_logprobs`.
 """
 from __future__ import annotations
 
@@ -139,18 +140,12 @@ def adjust_logits(logits_NV: torch.Tensor, rows: list[LogitsRow]) -> torch.Tenso
 def mask_logits(logits_NV: torch.Tensor, words_NW: torch.Tensor) -> torch.Tensor:
     """The logits with the tokens each row's bitmask forbids at -inf: words [N, W] int32 (xgrammar's layout, bit
     v % 32 of word v // 32 set where token v is allowed; every bit set: a row with no grammar). Tokens past the
-    words (a model vocabulary wider than the tokenizer's) are forbidden. Device ops only (a decode CUDA graph holds
-    it, the words its input)."""
+    words (a model vocabulary wider than the tokenizer's) are forbidden. Device ops only, no host sync."""
     V, W = logits_NV.shape[-1], words_NW.shape[-1]
     vocab = torch.arange(V, device=logits_NV.device)
     bits = (words_NW[:, (vocab // 32).clamp_max(W - 1)] >> (vocab % 32)) & 1
     allowed = (bits == 1) & (vocab < W * 32)
     return torch.where(allowed, logits_NV, -torch.inf)
-
-
-def bitmask_width(vocab_size: int) -> int:
-    """The int32 words of a bitmask that covers a vocabulary of `vocab_size` tokens."""
-    return -(-vocab_size // 32)
 
 
 def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, rows: list[LogitsRow]

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, SeqPages, StateSave, new_pools
 from k3ray.model.decoder import K3Stage, boundary_shape
-from k3ray.model.sampling import LogitsRow, adjust_logits, bitmask_width, mask_logits, sample_tokens, token_logprobs
+from k3ray.model.sampling import LogitsRow, adjust_logits, sample_tokens, token_logprobs
 from k3ray.parallel.grammar_masks import GrammarMasks
 
 log = logging.getLogger("k3ray.serve")
@@ -105,9 +105,8 @@ class StageServer:
         t0 = time.perf_counter()
         self.pools.admit(plan.admit)
         self.pools.grow(plan.grow)
-        if self.stage.is_last:  # grammars: each constrained row's bitmask from its slot's matcher
+        if self.stage.is_last:
             self.grammar_masks.seated([a.slot for a in plan.admit])
-            self.grammar_masks.fill(plan.slots, plan.logits)
         n, T = len(plan.slots), len(plan.tokens) if self.stage.is_first else sum(plan.counts)
         x = None
         if not self.stage.is_first:
@@ -116,20 +115,26 @@ class StageServer:
                             device=self.device)
             if T:
                 dist.recv(x, self.prev_rank, group=self.groups.world)
-        # a decode graph takes the rows' grammar masks as an input; logit biases run eagerly
-        graphed = self.graphs is not None and n and max(plan.counts) == 1 and not any(r.bias_ids for r in plan.logits)
-        replayed = self.graphs.run(plan, x) if graphed else None
+        # rows whose logits are adjusted (grammars, biases) are sampled after the forward (a decode graph's too), their
+        # grammars' bitmasks filled on the host while the device runs it
+        adjusted = self.stage.is_last and any(r.grammar is not None or r.mask is not None or r.bias_ids
+                                              for r in plan.logits)
+        graphed = self.graphs is not None and n and max(plan.counts) == 1
+        replayed = self.graphs.run(plan, x, sample=not adjusted) if graphed else None
         at_end = [s for s in plan.saves if s.offset == plan.counts[s.row]]  # the slot's state once the step ran
         if replayed is not None:
-            out, tokens, maxabs = replayed
+            out, tokens, maxabs, slots, counters = replayed
         else:
             inside = [s for s in plan.saves if s.offset < plan.counts[s.row]]
             cache = IterationCache.from_plan(self.pools, plan.slots, plan.starts, plan.counts, self.device,
                                              saves=inside)
             if self.stage.is_first:
                 x = self._input_ids(plan)[None]
-            counters = torch.tensor(plan.counters, dtype=torch.int64, device=self.device)
-            out, tokens, maxabs = self.forward(x, cache, counters, plan.greedy, plan.logits)
+            slots, counters = cache.slots, torch.tensor(plan.counters, dtype=torch.int64, device=self.device)
+            out, tokens, maxabs = self.forward(x, cache, counters, plan.greedy, sample=not adjusted)
+        if adjusted:
+            self.grammar_masks.fill(plan.slots, plan.logits)
+            tokens = self.sample(out, slots, counters, plan.greedy, plan.logits)
         self.pools.save([plan.slots[s.row] for s in at_end], [s.checkpoint for s in at_end])
         if not self.stage.is_last:
             if T:
@@ -155,42 +160,42 @@ class StageServer:
         return ids
 
     def forward(self, x: torch.Tensor, cache: IterationCache, counters_N: torch.Tensor, greedy: bool = False,
-                rows: list[LogitsRow] = (), words_NW: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+                sample: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The stage on one iteration (no host sync: a CUDA graph can hold it): its output (hidden [1, T, d], or the
-        logits [N, V] on the last stage: the model's, before `rows` adjust them for sampling, or a decode graph's
-        grammar bitmasks `words_NW` mask them), the sampled tokens [N] (last stage; `greedy`: every sequence of the
-        iteration decodes greedily, so argmax alone) and each sequence's max-abs [N]."""
+        logits [N, V] on the last stage, the model's), the sampled tokens [N] (last stage, `sample`: `self.sample`
+        with no logits adjusted) and each sequence's max-abs [N] (inf where the logits are not finite)."""
         out = self.stage(x, cache)
         maxabs = cache.sequence_maxabs()
         if not self.stage.is_last:
             return out, None, maxabs
-        p, s = self.pools, cache.slots
-        if words_NW is not None:
-            logits = mask_logits(out, words_NW)
-        elif any(r.mask is not None or r.bias_ids for r in rows):
-            logits = adjust_logits(out, rows)
-        else:
-            logits = out
-        if greedy:
-            tokens = logits.argmax(-1)
-        else:
-            tokens = sample_tokens(logits, p.temperature[s], p.top_p[s], p.seed[s], counters_N)
-        p.last_token[s] = tokens  # the next iteration, scheduled before these come back, may read them (overlap)
         maxabs = torch.where(torch.isfinite(out).all(-1), maxabs, torch.inf)
-        return out, tokens, maxabs
+        return out, self.sample(out, cache.slots, counters_N, greedy) if sample else None, maxabs
+
+    def sample(self, logits_NV: torch.Tensor, slots_N: torch.Tensor, counters_N: torch.Tensor, greedy: bool,
+               rows: list[LogitsRow] = ()) -> torch.Tensor:
+        """The next tokens [N] from the logits, `rows` adjusting theirs first (grammars' bitmasks, biases);
+        `greedy`: every sequence decodes greedily, so argmax alone. Kept in the slots' last tokens: the next
+        iteration, scheduled before these come back, may read them (overlap)."""
+        p = self.pools
+        if any(r.mask is not None or r.bias_ids for r in rows):
+            logits_NV = adjust_logits(logits_NV, rows)
+        if greedy:
+            tokens = logits_NV.argmax(-1)
+        else:
+            tokens = sample_tokens(logits_NV, p.temperature[slots_N], p.top_p[slots_N], p.seed[slots_N], counters_N)
+        p.last_token[slots_N] = tokens
+        return tokens
 
     def decode_step(self, packed: torch.Tensor, hidden: torch.Tensor | None, context: int, greedy: bool,
-                    words: torch.Tensor | None = None):
+                    sample: bool = True):
         """A decode iteration from its packed inputs (`pack_decode`: [6, B] on the device; `hidden`: the stage's
-        input on stages after the first; `words` [B, W]: the rows' grammar bitmasks, on the last stage) as `forward`
-        gives it: what a decode CUDA graph holds, no host sync."""
+        input on stages after the first) as `forward` gives it: what a decode CUDA graph holds, no host sync."""
         slots, starts, counters, tokens, valid, from_device = packed
         cache = IterationCache(self.pools, slots, starts, torch.ones_like(slots),
                                torch.arange(len(slots), device=slots.device), valid.bool(), context)
         if hidden is None:  # rows scheduled before their token came back read it on the device (overlap)
             tokens = torch.where(from_device.bool(), self.pools.last_token[slots], tokens)
-        return self.forward(tokens[None] if hidden is None else hidden, cache, counters, greedy, words_NW=words)
+        return self.forward(tokens[None] if hidden is None else hidden, cache, counters, greedy, sample)
 
     def expert_load(self) -> dict[int, list[int]]:
         """layer -> routes this worker's tokens sent to each expert since the last call (then reset)."""
@@ -234,11 +239,12 @@ def pack_decode(plan: RankPlan, bucket: int, scratch_slot: int, first_stage: boo
 
 
 class DecodeGraphs:
-    """CUDA graphs of a stage's decode iteration, one per (batch bucket B, context bucket Lc, greedy or sampled,
-    grammar-masked or not), captured on first use and replayed: the iteration's inputs are copied into the graph's
-    static buffers, padded to B with rows that read and write only the scratch slot and page (a masked graph's
-    input holds every row's bitmask: every bit set for a row without a grammar). Stages whose MoE exchanges experts between ranks
-    (ep > 1: the exchange's splits come from the host) run eagerly; so do prefill chunks."""
+    """CUDA graphs of a stage's decode iteration, one per (batch bucket B, context bucket Lc, greedy, sampling in
+    the graph or after it: an iteration whose logits are adjusted samples eagerly, once its grammars' bitmasks are
+    filled on the host during the replay), captured on first use and replayed: the iteration's inputs are copied into
+    the graph's static buffers, padded to B with rows that read and write only the scratch slot and page. Stages
+    whose MoE exchanges experts between ranks (ep > 1: the exchange's splits come from the host) run eagerly; so do
+    prefill chunks."""
 
     def __init__(self, server: StageServer):
         self.server = server
@@ -270,10 +276,10 @@ class DecodeGraphs:
             self._get(*key)
         return len(self.graphs) - before
 
-    def _get(self, bucket: int, context: int, greedy: bool, masked: bool = False):
-        """The graph of (bucket, context, greedy, masked), captured on first use; None if it cannot be (graphs off
+    def _get(self, bucket: int, context: int, greedy: bool, sample: bool = True):
+        """The graph of (bucket, context, greedy, sample), captured on first use; None if it cannot be (graphs off
         then)."""
-        key = (bucket, context, greedy, masked)
+        key = (bucket, context, greedy, sample)
         if key not in self.graphs:
             t0 = time.perf_counter()
             try:
@@ -287,16 +293,16 @@ class DecodeGraphs:
                 return None
         return self.graphs[key]
 
-    def run(self, plan: RankPlan, x: torch.Tensor | None):
-        """The decode iteration replayed: (output, tokens, max-abs) as `StageServer.forward` gives them, or None
-        where no graph serves it (graphs off for this stage, or a batch past the largest bucket): run it eagerly."""
+    def run(self, plan: RankPlan, x: torch.Tensor | None, sample: bool = True):
+        """The decode iteration replayed: (output, tokens or None where not `sample`, max-abs, slots, counters on the
+        device) as `StageServer.forward` gives them, or None where no graph serves it (graphs off for this stage, or
+        a batch past the largest bucket): run it eagerly."""
         pools = self.server.pools
         n = len(plan.slots)
         key = graph_key(n, max(plan.starts) + 1, plan.greedy, pools)
         if not self.enabled or key is None:
             return None
-        masks = [r for r in plan.logits if r.mask is not None] if self.server.stage.is_last else []
-        captured = self._get(*key, bool(masks))
+        captured = self._get(*key, sample)
         if captured is None:
             return None
         bucket = key[0]
@@ -304,17 +310,13 @@ class DecodeGraphs:
         inputs["packed"].copy_(pack_decode(plan, bucket, pools.scratch_slot, x is None), non_blocking=False)
         if x is not None:
             inputs["hidden"][..., :n, :].copy_(x)
-        if masks:
-            words = torch.full(inputs["words"].shape, -1, dtype=torch.int32)  # every token allowed
-            for r in masks:
-                words[r.row] = 0
-                words[r.row, :r.mask.numel()] = r.mask[:words.shape[1]]
-            inputs["words"].copy_(words)
         graph.replay()
         out, tokens, maxabs = outputs
-        return out[..., :n, :], None if tokens is None else tokens[:n], maxabs[:n]
+        packed = inputs["packed"]
+        return (out[..., :n, :], None if tokens is None else tokens[:n], maxabs[:n], packed[0, :n].clone(),
+                packed[2, :n].clone())
 
-    def _capture(self, bucket: int, context: int, greedy: bool, masked: bool):
+    def _capture(self, bucket: int, context: int, greedy: bool, sample: bool):
         server, dev = self.server, self.server.device
         pools = server.pools
         packed = torch.zeros(6, bucket, dtype=torch.int64, device=dev)
@@ -322,12 +324,10 @@ class DecodeGraphs:
         stage = server.stage
         hidden = None if stage.is_first else \
             torch.zeros(boundary_shape(stage.cfg, stage.layers.start, 1, bucket), dtype=server.dtype, device=dev)
-        words = torch.full((bucket, bitmask_width(stage.cfg.vocab_size)), -1, dtype=torch.int32, device=dev) \
-            if masked else None
-        inputs = {"packed": packed, "hidden": hidden, "words": words}
+        inputs = {"packed": packed, "hidden": hidden}
 
         def step():
-            return server.decode_step(packed, hidden, context, greedy, words)
+            return server.decode_step(packed, hidden, context, greedy, sample)
 
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
