@@ -4,6 +4,7 @@
 #
 # Run HERE (network + pip):   bash benchmarks/carry_ray.sh            -> .carry/ray/site.tar.xz (~45 MB)
 #                                                                      and .carry/grammar/site.tar.xz (~10 MB)
+#                                                                      and .carry/tests/site.tar.xz (~2 MB)
 # On the GPU machine:          mkdir -p /tmp/site && tar -xJf .carry/ray/site.tar.xz -C /tmp/site
 #                              export PYTHONPATH=/tmp/site:$PWD NCCL_NVLS_ENABLE=0
 #                              python3 benchmarks/e2e_gpu.py --config configs/gpu2.yaml --parts plain,k3ray
@@ -12,7 +13,8 @@
 # protobuf, pyyaml, requests, aiohttp, grpcio, prometheus-client (device KINDS.md); this adds Ray's remaining
 # core dependencies (jsonschema and its helpers), pydantic for k3ray.config, and fla-core for KDA. Ray's Java jars
 # and its libraries k3ray does not use (rllib, tune, data, llm, train) are left out to keep the tarball small.
-# Env overrides: CARRY_DIR (default .carry/ray), GRAMMAR_DIR (default .carry/grammar), RAY_VERSION (default 2.60.0).
+# Env overrides: CARRY_DIR (default .carry/ray), GRAMMAR_DIR (default .carry/grammar), TESTS_DIR (default
+# .carry/tests), RAY_VERSION (default 2.60.0).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -39,6 +41,11 @@ fi
 GRAMMAR_DIR="${GRAMMAR_DIR:-$REPO/.carry/grammar}"
 GRAMMAR_PINS=(xgrammar==0.2.9 apache-tvm-ffi transformers==5.25.0 huggingface-hub tokenizers safetensors regex fsspec
               tiktoken)
+
+# pytest and hypothesis, to run the CUDA-only tests on the GPU machine (`python3 -m pytest tests/test_kernels.py ...`),
+# in a tarball of their own, $TESTS_DIR/site.tar.xz (~2 MB), unpacked into the same folder.
+TESTS_DIR="${TESTS_DIR:-$REPO/.carry/tests}"
+TEST_PINS=(pytest pluggy iniconfig hypothesis sortedcontainers pytest-timeout)
 
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
@@ -76,6 +83,7 @@ PY
 }
 pack site "$CARRY_DIR/site.tar.xz" "${PINS[@]}"
 [[ "${CARRY_SERVE:-1}" == 1 ]] && pack grammar "$GRAMMAR_DIR/site.tar.xz" "${GRAMMAR_PINS[@]}"
+pack tests "$TESTS_DIR/site.tar.xz" "${TEST_PINS[@]}"
 # What Ray's metadata asks for that is neither packed here nor in the GPU image (check before relying on it):
 python3 - "$WORK/site" <<'EOF'
 import pathlib, re, sys

@@ -2,11 +2,13 @@
 # Where the released layout's training step goes on one GPU (device tool), logs in $OUT: `k3ray warmup` (the kept
 # kernel cache, returned as $OUT/kcache.tar.xz), then benchmarks/train_speed_gpu.py with the profiler on the 3:1
 # KDA:MLA layout (eager and compiled blocks) and on the MLA-only layout. LAYERS (default 6: what fits an 80 GB H100)
-# and VOCAB (16384: a BPE vocabulary) as the user's job would have them. Carry .carry/ray (and .carry/kcache).
+# and VOCAB (16384: a BPE vocabulary) as the user's job would have them. Carry .carry/ray (and .carry/kcache;
+# .carry/tests with TTESTS=SECONDS runs the CUDA-only tests of the step's kernels first).
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/site /root/kcache
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site
 [[ -f .carry/kcache/kcache.tar.xz ]] && tar -xJf .carry/kcache/kcache.tar.xz -C /root/kcache
+[[ -f .carry/tests/site.tar.xz ]] && tar -xJf .carry/tests/site.tar.xz -C /tmp/site  # pytest: the CUDA tests
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1 RAY_AUTH_MODE=token RAY_USAGE_STATS_ENABLED=0 K3RAY_KERNEL_CACHE=/root/kcache \
        TRITON_CACHE_DIR=/root/kcache/triton TRITON_CACHE_AUTOTUNING=1 TORCHINDUCTOR_CACHE_DIR=/root/kcache/inductor
 rm -rf /root/k3 && cp -r . /root/k3 && cd /root/k3
@@ -17,6 +19,9 @@ python3 -c "import torch, ray, triton; print(torch.__version__, ray.__version__,
 SHAPE="--config configs/gpu2.yaml --set parallel.ep=1 $RELEASED --set model.n_layers=${LAYERS:-6} --set model.vocab_size=${VOCAB:-16384}"
 stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit ${limit}s)"; \
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? ($(date -u +%T))"; tail -n "${TAIL:-45}" "$OUT/$name.log"; }
+# the CUDA-only tests of the step's kernels (needs .carry/tests)
+[[ "${TTESTS:-0}" != 0 ]] && stage cuda_tests "$TTESTS" python3 -m pytest -q -p no:cacheprovider tests/test_adamw_kernel.py \
+  tests/test_kernels.py tests/test_balancing.py tests/test_execution.py tests/test_logit_masks.py -k "cuda or adamw or attn_res or fused or graph"
 # shellcheck disable=SC2086
 [[ "${TWARM:-150}" != 0 ]] && stage warmup "${TWARM:-150}" python3 -m k3ray.control.cli warmup $SHAPE
 # shellcheck disable=SC2086
