@@ -124,3 +124,29 @@ def test_constrained_requests_survive_a_lost_worker_unchanged(model, grammar):
     got, grid = serve({9})
     assert "recover" in grid.calls and got == want
     assert all(len(t) > 5 and follows(grammar[1], t) for t in got)
+
+
+def test_after_a_failed_iteration_the_grammar_is_sent_again(model, grammar):
+    """An iteration fails with no worker lost (FakeGrid.fail_at) as the first constrained request's grammar is on
+    its way: that request ends with the error, and the next one with the same grammar still decodes under it (the
+    engine's books start over, so the last stage gets the grammar again)."""
+    from fakes.serving import SERVE, FakeGrid, sizes
+
+    from k3ray.serve.engine import Engine
+
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", "parallel.pp": 1, "parallel.ep": 1,
+                                            "serve.overlap": False, **{f"serve.{k}": v for k, v in SERVE.items()}})
+    grid = FakeGrid(model, sizes(cfg))
+    grid.fail_at = {1}
+    engine = Engine(cfg, 0, grid)
+    sp = SamplingParams(max_tokens=16, grammar=grammar[0])
+
+    async def main():
+        first = [x async for x in engine.generate(encode(PROMPTS[0]), sp)]
+        second = [x async for x in engine.generate(encode(PROMPTS[1]), sp)]
+        return first, second
+
+    first, second = asyncio.run(main())
+    assert first[-1].get("error") == "internal", first[-1]
+    out = [t for item in second for t in item.get("tokens", [])]
+    assert "error" not in second[-1] and len(out) > 5 and follows(grammar[1], out)

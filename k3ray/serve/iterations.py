@@ -193,6 +193,7 @@ class IterationLoop:
     def _iteration_failed(self, err: Exception) -> list:
         log.error("serving iteration failed", exc_info=err)
         changed = self.sched.table.fail_all(f"the iteration failed: {type(err).__name__}: {err}")
+        self.sched.forget_grammars()
         self.incidents.record("iteration_failed", action="failed every request", requests=len(changed),
                               why=f"{type(err).__name__}: {err}")
         return changed

@@ -92,7 +92,8 @@ class Scheduler:
         self.pacer = IterationPacer(None if target is None else target / 1e3, serve.token_budget, PROMPT_TOKENS_FLOOR)
         self._ids = itertools.count()
         self.rank_tokens = [0] * dp  # tokens each rank has run (prefill and decode), since the start
-        self.grammar_books = [GrammarBooks() for _ in range(dp)]  # what each rank's last stage holds of grammars
+        self.grammar_books: list[GrammarBooks] = []  # what each rank's last stage holds of grammars
+        self.forget_grammars()
 
     # -- requests ------------------------------------------------------------------------------------------------
     def submit(self, prompt: list[int], params: SamplingParams, grammar=None) -> Request:
@@ -122,8 +123,14 @@ class Scheduler:
         generated so far; its output so far stands. Returns the requeued requests."""
         self.dp = dp
         self.rank_tokens = (self.rank_tokens + [0] * dp)[:dp]
-        self.grammar_books = [GrammarBooks() for _ in range(dp)]  # the new grid's workers hold none
+        self.forget_grammars()  # the new grid's workers hold none
         return self.table.requeue_all(CacheAllocator(self.serve, dp, self.prefix))
+
+    def forget_grammars(self) -> None:
+        """The books of what the ranks hold of the grammars start empty: after a new grid, or an iteration that
+        failed (what its rows brought may never have reached the last stage); each grammar is sent again where next
+        used (the last stage takes one it holds again as it is)."""
+        self.grammar_books = [GrammarBooks() for _ in range(self.dp)]
 
     # -- iterations ----------------------------------------------------------------------------------------------
     @property
