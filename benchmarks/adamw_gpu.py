@@ -12,7 +12,6 @@ bound at --hbm-tbs (H100 SXM 3.35 TB/s, H200 4.8).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,19 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from k3ray.config import load_config, parse_assignments  # noqa: E402
 from k3ray.kernels import adamw as fused  # noqa: E402
 from k3ray.model.decoder import build_stage  # noqa: E402
-
-
-def timed(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+from attention_gpu import time_fwd_bwd  # noqa: E402 (CUDA-event medians)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -68,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
 
     for tile in args.tiles.split(","):
         fused._BLOCK, fused._WARPS = (int(x) for x in tile.split("x"))
-        t = timed(kernel_step, args.reps)
+        t = time_fwd_bwd(kernel_step, 1, args.reps)
         print(f"| Triton, BLOCK {fused._BLOCK}, {fused._WARPS} warps | {t * 1e3:.1f} | {28 * n / t / 1e12:.2f} | "
               f"{t / bound:.2f} |")
 
@@ -82,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
              amsgrad=False, beta1=0.9, beta2=0.95, lr=1e-4, weight_decay=0.1, eps=1e-8, maximize=False)
         torch._foreach_copy_(params, masters)
 
-    t = timed(torch_step, args.reps)
+    t = time_fwd_bwd(torch_step, 1, args.reps)
     print(f"| torch fused AdamW, widened gradients, then the rounding | {t * 1e3:.1f} | {28 * n / t / 1e12:.2f} | "
           f"{t / bound:.2f} |")
 

@@ -18,6 +18,7 @@ OpenAI's and vLLM's logprobs are): `token_logprobs`.
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -106,6 +107,27 @@ class GrammarRow:
 GRAMMARS_HELD = 64  # compiled grammars each rank's last stage keeps (and the engine's books of what it holds)
 
 
+class HeldGrammars:
+    """The last GRAMMARS_HELD grammars used, by key, least recently used dropped: the engine's books of what a rank
+    holds and that rank's last stage run this same code over the same rows in the same order, so they agree."""
+
+    def __init__(self):
+        self._items: OrderedDict[str, object] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._items
+
+    def use(self, key: str, make=None):
+        """The value held for `key` (where it holds none: make(), or None without `make`), now the most recently
+        used."""
+        if self._items.get(key) is None:
+            self._items[key] = None if make is None else make()
+        self._items.move_to_end(key)
+        while len(self._items) > GRAMMARS_HELD:
+            self._items.popitem(last=False)
+        return self._items[key]
+
+
 @dataclass
 class LogitsRow:
     """What one row of an iteration asks of its logits before its token is sampled: a token bitmask (int32 words,
@@ -139,7 +161,7 @@ def adjust_logits(logits_NV: torch.Tensor, rows: list[LogitsRow]) -> torch.Tenso
 
 def mask_logits(logits_NV: torch.Tensor, words_NW: torch.Tensor) -> torch.Tensor:
     """The logits with the tokens each row's bitmask forbids at -inf: words [N, W] int32 (xgrammar's layout, bit
-    v % 32 of word v // 32 set where token v is allowed; every bit set: a row with no grammar). Tokens past the
+    v % 32 of word v // 32 set where token v is allowed; every bit set: nothing forbidden). Tokens past the
     words (a model vocabulary wider than the tokenizer's) are forbidden. Device ops only, no host sync."""
     V, W = logits_NV.shape[-1], words_NW.shape[-1]
     vocab = torch.arange(V, device=logits_NV.device)

@@ -11,17 +11,15 @@ rows in the same order). xgrammar is imported at the first constrained row.
 """
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
-from k3ray.model.sampling import GRAMMARS_HELD, LogitsRow
+from k3ray.model.sampling import HeldGrammars, LogitsRow
 
 
 class GrammarMasks:
     def __init__(self):
         self.tokenizer = None  # xgrammar TokenizerInfo
-        self.compiled: OrderedDict[str, object] = OrderedDict()  # key -> CompiledGrammar, least recently used first
+        self.compiled = HeldGrammars()  # key -> CompiledGrammar
         self.matchers: dict[int, object] = {}  # slot -> GrammarMatcher
         self.sampled: dict[int, int] = {}  # slot -> the token its last constrained row sampled, not yet accepted
 
@@ -49,13 +47,12 @@ class GrammarMasks:
         g = r.grammar
         if g.tokenizer is not None:
             self.tokenizer = xgr.TokenizerInfo.deserialize_json(g.tokenizer)
-        if g.compiled is not None:
-            self.compiled[g.key] = xgr.CompiledGrammar.deserialize_json(g.compiled, self.tokenizer)
-        self.compiled.move_to_end(g.key)
-        while len(self.compiled) > GRAMMARS_HELD:
-            self.compiled.popitem(last=False)
+        compiled = self.compiled.use(g.key, None if g.compiled is None else
+                                     lambda: xgr.CompiledGrammar.deserialize_json(g.compiled, self.tokenizer))
         if g.replay is not None:
-            matcher = self.matchers[slot] = xgr.GrammarMatcher(self.compiled[g.key])
+            if compiled is None:
+                raise RuntimeError(f"grammar {g.key} is not held on this stage, and its row did not bring it")
+            matcher = self.matchers[slot] = xgr.GrammarMatcher(compiled)
             self.sampled.pop(slot, None)
             for token in g.replay:
                 _accept(matcher, token)

@@ -312,9 +312,8 @@ class DecodeGraphs:
             inputs["hidden"][..., :n, :].copy_(x)
         graph.replay()
         out, tokens, maxabs = outputs
-        packed = inputs["packed"]
-        return (out[..., :n, :], None if tokens is None else tokens[:n], maxabs[:n], packed[0, :n].clone(),
-                packed[2, :n].clone())
+        packed = inputs["packed"]  # its slots and counters: what sampling after the graph reads, in stream order
+        return out[..., :n, :], None if tokens is None else tokens[:n], maxabs[:n], packed[0, :n], packed[2, :n]
 
     def _capture(self, bucket: int, context: int, greedy: bool, sample: bool):
         server, dev = self.server, self.server.device

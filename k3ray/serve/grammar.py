@@ -17,10 +17,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections import Counter, OrderedDict
+from collections import Counter
 from functools import lru_cache
 
-from k3ray.model.sampling import GRAMMARS_HELD, GrammarRow, LogitsRow, SamplingParams
+from k3ray.model.sampling import GrammarRow, HeldGrammars, LogitsRow, SamplingParams
 from k3ray.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TOOL_CALL_FORMAT = "kimi"  # xgrammar's name for the Kimi K2 tool-call format K3 is served with (tool_calls.py)
@@ -170,36 +170,27 @@ class RequestLogits:
         return LogitsRow(row, None, list(bias), list(bias.values()), p.logprobs, grammar)
 
 
-_JSON: OrderedDict[str, str] = OrderedDict()
+_JSON = HeldGrammars()  # key -> compiled grammar JSON
 
 
 def _compiled_json(key: str, compiled) -> str:
-    if key not in _JSON:
-        _JSON[key] = compiled.serialize_json()
-        while len(_JSON) > GRAMMARS_HELD:
-            _JSON.popitem(last=False)
-    _JSON.move_to_end(key)
-    return _JSON[key]
+    return _JSON.use(key, compiled.serialize_json)
 
 
 class GrammarBooks:
     """What one rank's last stage holds of the grammars (k3ray.parallel.grammar_masks keeps the same books from the
-    same rows in the same order): the tokenizer's description, and the last GRAMMARS_HELD compiled grammars used."""
+    same rows in the same order: `HeldGrammars`): the tokenizer's description, and the compiled grammars."""
 
     def __init__(self):
         self.tokenizer_sent = False
-        self.held: OrderedDict[str, None] = OrderedDict()
+        self.held = HeldGrammars()
 
     def row(self, logits: RequestLogits, replay: list[int] | None) -> GrammarRow:
         """The grammar part of a constrained row of `logits`' request; replay: its output so far, where this is its
         first row since it was seated (None otherwise)."""
-        key, compiled, tokenizer = logits.grammar_key, None, None
-        if key not in self.held:
-            compiled = logits.compiled_json()
-        self.held[key] = None
-        self.held.move_to_end(key)
-        while len(self.held) > GRAMMARS_HELD:
-            self.held.popitem(last=False)
+        key, tokenizer = logits.grammar_key, None
+        compiled = None if key in self.held else logits.compiled_json()
+        self.held.use(key)
         if not self.tokenizer_sent:
             tokenizer, self.tokenizer_sent = logits.compiled.tokenizer_info.serialize_json(), True
         return GrammarRow(key, replay, compiled, tokenizer)
