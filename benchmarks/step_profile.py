@@ -26,7 +26,9 @@ CATEGORIES = [  # (category, kernel-name pattern), in matching order
 ]
 
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+# the CUDA runtime's waits: a CUDA tensor's `.item()` is one of these; `aten::_local_scalar_dense` is not counted, as it
+# also reads CPU tensors (the step report's host arithmetic) without waiting for the device
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
 
 def categorize(name: str) -> str:

@@ -10,7 +10,8 @@ variants under the profiler, kernels by category (benchmarks/step_profile.py).
     python benchmarks/train_speed_gpu.py --config configs/gpu2.yaml --set parallel.ep=1 \
         --variants eager:1x4,eager:4x1,compile:1x4,compile:4x1 --profile eager:1x4,compile:4x1
 Variant names: MODE:BxM with MODE eager | recompute | compile | compile+recompute, B sequences per micro-batch,
-M micro-batches (B x M x seq_len tokens per step: keep it fixed to compare).
+M micro-batches (B x M x seq_len tokens per step: keep it fixed to compare); MODE:fill is the shape the job picks on
+this GPU from the configured one (k3ray.policies.memory, execution.fill_memory).
 """
 from __future__ import annotations
 
@@ -31,9 +32,18 @@ from e2e_gpu import flops_per_token, matmul_peak_tflops, print_table  # noqa: E4
 from k3ray.config import JobConfig, load_config, parse_assignments  # noqa: E402
 
 
+DENSE_PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16: the issue's MFU denominator
+
+
 def variant_config(cfg: JobConfig, name: str) -> JobConfig:
     mode, shape = name.split(":")
-    b, m = (int(x) for x in shape.split("x"))
+    if shape == "fill":  # the shape the job's pre-flight check picks on this device (execution.fill_memory)
+        from k3ray.policies import memory
+
+        filled = memory.with_settings(cfg, memory.decide(cfg, torch.cuda.mem_get_info()[1]).changes)
+        b, m = filled.data.micro_batch_size, filled.parallel.micro_batches
+    else:
+        b, m = (int(x) for x in shape.split("x"))
     execution = {"compile_blocks": "compile" in mode,
                  "recompute": "attention_elementwise" if "recompute" in mode else "none"}
     return JobConfig.model_validate({**cfg.model_dump(), "execution": execution,
@@ -64,10 +74,12 @@ def run_variant(engine, cfg: JobConfig, name: str, first_step: int, steps: int, 
         losses.append(report["loss"])
         print(f"{name} step {i}: {times[-1]:.3f} s, loss {report['loss']:.4f}", flush=True)
     med = statistics.median(times[warmup:])
-    tokens = vcfg.data.seq_len * vcfg.data.micro_batch_size * vcfg.parallel.micro_batches
+    b, m = vcfg.data.micro_batch_size, vcfg.parallel.micro_batches
+    tokens = vcfg.data.seq_len * b * m
     out = {"variant": name, "step_seconds": times, "losses": losses, "median_step_s": med,
            "tokens_per_step": tokens, "tokens_per_s": tokens / med,
            "mfu": flops_per_token(vcfg) * tokens / med / (peak * 1e12),
+           "mfu_989": flops_per_token(vcfg) * tokens / med / (DENSE_PEAK_TFLOPS * 1e12), "shape": f"{b}x{m}",
            "first_step_s": times[0], "reserved_gb": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0}
     if profile:
         from step_profile import print_profile, profile_sources, profile_step
@@ -133,13 +145,14 @@ def main(argv: list[str] | None = None) -> None:
         step += args.steps + args.warmup + 1 + args.sources
         results.append(r)
         (out / "train_speed.json").write_text(json.dumps({"env": env, "variants": results}, indent=1))
-    rows = [("variant", "median step s", "tokens/s", "MFU", "first step s", "reserved GiB")]
+    rows = [("variant", "B x M", "median step s", "tokens/s", "MFU of 989", "of the measured peak", "first step s",
+             "reserved GiB")]
     for r in results:
         if "error" in r:
-            rows.append((r["variant"], r["error"], "", "", "", ""))
+            rows.append((r["variant"], r["error"], "", "", "", "", "", ""))
         else:
-            rows.append((r["variant"], r["median_step_s"], r["tokens_per_s"], f"{r['mfu']:.1%}", r["first_step_s"],
-                         r["reserved_gb"]))
+            rows.append((r["variant"], r["shape"], r["median_step_s"], r["tokens_per_s"], f"{r['mfu_989']:.1%}",
+                         f"{r['mfu']:.1%}", r["first_step_s"], r["reserved_gb"]))
     print_table(f"{cfg.name} at ep=1, {env['gflop_per_token']:.2f} GFLOP/token, peak {peak:.0f} TFLOP/s, medians of "
                 f"{args.steps} steps after {args.warmup}", rows)
 

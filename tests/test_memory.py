@@ -84,6 +84,27 @@ def test_decision_fits_recomputes_splits_or_refuses():
         preflight.checked(big, ep4)
 
 
+def test_a_setting_that_fits_is_filled_with_fewer_larger_micro_batches():
+    cfg = _cfg(**{"parallel.pp": 1, "data.micro_batch_size": 2, "parallel.micro_batches": 4})
+    shapes = {m: memory.estimate(memory.with_settings(cfg, {"data.micro_batch_size": 8 // m,
+                                                            "parallel.micro_batches": m})).peak for m in (1, 2, 4)}
+    assert shapes[1] > shapes[2] > shapes[4]
+    # room for 2 micro-batches of 4 but not for 1 of 8: the fewest that fit
+    filled = memory.decide(cfg, shapes[2])
+    assert (filled.outcome, filled.changes) == ("filled", {"data.micro_batch_size": 4, "parallel.micro_batches": 2})
+    assert "2 micro-batch(es) of 4 sequences" in memory.describe(filled)
+    run = preflight.checked(cfg, shapes[2])
+    assert (run.data.micro_batch_size, run.parallel.micro_batches) == (4, 2)
+    assert run.global_batch_sequences == cfg.global_batch_sequences
+    assert memory.decide(cfg, shapes[1]).changes == {"data.micro_batch_size": 8, "parallel.micro_batches": 1}
+    assert memory.decide(cfg, shapes[4]).outcome == "fits"  # no room for larger ones: as configured
+    # switched off, or pipeline stages (fewer micro-batches widen the bubble): the configured shape
+    off = memory.with_settings(cfg, {"execution.fill_memory": False})
+    assert memory.decide(off, shapes[1]).outcome == "fits"
+    staged = memory.with_settings(cfg, {"parallel.pp": 2})
+    assert memory.decide(staged, 10 * shapes[1]).outcome == "fits"
+
+
 def test_no_device_size_no_check():
     cfg = _cfg()
     assert preflight.device_bytes(cfg) is None  # CPU, no execution.device_memory_gib

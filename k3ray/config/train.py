@@ -66,6 +66,10 @@ class ExecutionConfig(Section):
                             "attention outputs of each attention sublayer for backward and recomputes its "
                             "elementwise ops (norms, casts, L2 norms, gates; fla's KDA kernels run again), so "
                             "larger micro-batches fit")
+    fill_memory: bool = Field(True, description="with one pipeline stage, run the global batch in the fewest "
+                                                "micro-batches whose pre-flight estimate fits the device (the same "
+                                                "samples per step; fewer launches and gradient accumulations); "
+                                                "false: the configured micro-batches (still split if they do not fit)")
     device_memory_gib: float | None = Field(
         None, gt=0, description="one worker's device memory for the pre-flight check (k3ray.policies.memory); null: "
                                 "the device's own, read on a GPU of the cluster (CUDA), or no check (CPU)")

@@ -1,6 +1,7 @@
 """The pre-flight device-memory check of `k3ray train`: before any worker starts (so before any model is built), the
 job's per-worker memory estimate (k3ray.policies.memory) against one worker's device. It fits: one log line. It
-fits with activation recompute or smaller micro-batches: the job runs so, and a console warning says so. Nothing
+fits with activation recompute or smaller micro-batches: the job runs so, and a console warning says so. It fits
+with room for fewer, larger micro-batches: the job runs so, and the log line says so. Nothing
 fits: a ConfigError (one line, exit 2) naming what the worker needs, what the device has and the grid that fits."""
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ def checked(cfg: JobConfig, device: int | None) -> JobConfig:
         raise ConfigError(f"{cfg.name}: {line}")
     if decision.outcome == "adjusted":
         log.warning("%s", line)
+        return memory.with_settings(cfg, decision.changes)
+    if decision.outcome == "filled":
+        log.info("%s", line)
         return memory.with_settings(cfg, decision.changes)
     log.info("%s", line)
     return cfg

@@ -16,7 +16,10 @@ keeping only matmul and attention outputs of the attention sublayer. The snapsho
 stages only into memory left free after a step (k3ray.grid.snapshot_stager).
 
 `decide` keeps the configured setting if it fits; else turns on activation recompute, then splits micro-batches (the
-same global batch in more, smaller micro-batches); else refuses, naming the grid that would fit.
+same global batch in more, smaller micro-batches); else refuses, naming the grid that would fit. A setting that fits
+is filled (execution.fill_memory, one pipeline stage): the same global batch in the fewest micro-batches that fit,
+since each micro-batch costs its own launches and a gradient accumulation over every parameter, and larger GEMMs run
+nearer the peak; with pipeline stages fewer micro-batches would widen the bubble, so the shape stays.
 """
 from __future__ import annotations
 
@@ -65,11 +68,11 @@ class MemoryEstimate:
 
 @dataclass(frozen=True)
 class MemoryDecision:
-    outcome: Literal["fits", "adjusted", "refused"]
+    outcome: Literal["fits", "filled", "adjusted", "refused"]
     estimate: MemoryEstimate  # of the setting chosen (the configured one when refused)
     configured: MemoryEstimate
     device_bytes: int
-    changes: dict[str, Any] = field(default_factory=dict)  # adjusted: dotted config keys set
+    changes: dict[str, Any] = field(default_factory=dict)  # filled, adjusted: dotted config keys set
     fitting_grids: dict[str, MemoryEstimate] = field(default_factory=dict)  # refused: settings that would fit
 
 
@@ -240,6 +243,15 @@ def _adjustments(cfg: JobConfig) -> list[dict[str, Any]]:
     return out
 
 
+def _fuller(cfg: JobConfig) -> list[dict[str, Any]]:
+    """The same global batch in fewer, larger micro-batches, fewest first (one pipeline stage, fill_memory on)."""
+    if cfg.parallel.pp > 1 or not cfg.execution.fill_memory:
+        return []
+    B, M = cfg.data.micro_batch_size, cfg.parallel.micro_batches
+    return [{"data.micro_batch_size": B * M // fewer, "parallel.micro_batches": fewer}
+            for fewer in range(1, M) if B * M % fewer == 0]
+
+
 def _grids(cfg: JobConfig) -> list[dict[str, Any]]:
     """Larger grids, fewest workers first: more EP ranks (dividing E; fewer micro-batches where that keeps the global
     batch), more pipeline stages; each with recompute where the config has none."""
@@ -260,6 +272,10 @@ def _grids(cfg: JobConfig) -> list[dict[str, Any]]:
 def decide(cfg: JobConfig, device_bytes: int) -> MemoryDecision:
     configured = estimate(cfg)
     if configured.peak <= device_bytes:
+        for changes in _fuller(cfg):
+            est = estimate(with_settings(cfg, changes))
+            if est.peak <= device_bytes:
+                return MemoryDecision("filled", est, configured, device_bytes, changes)
         return MemoryDecision("fits", configured, configured, device_bytes)
     for changes in _adjustments(cfg):
         est = estimate(with_settings(cfg, changes))
@@ -283,6 +299,12 @@ def describe(decision: MemoryDecision) -> str:
     est, dev = decision.estimate, decision.device_bytes / GiB
     if decision.outcome == "fits":
         return f"device memory: {est.peak / GiB:.1f} of {dev:.1f} GiB per worker ({parts(est)})"
+    if decision.outcome == "filled":
+        c = decision.changes
+        return f"device memory: {est.peak / GiB:.1f} of {dev:.1f} GiB per worker with the global batch in " \
+               f"{c['parallel.micro_batches']} micro-batch(es) of {c['data.micro_batch_size']} sequences " \
+               f"(configured: {decision.configured.peak / GiB:.1f} GiB; the same samples per step, the " \
+               f"per-micro-batch routing bias differs; execution.fill_memory=false keeps the configured shape)"
     need = f"{decision.configured.peak / GiB:.1f} GiB per worker, the device has {dev:.1f} GiB"
     if decision.outcome == "adjusted":
         settings = " ".join(f"{k}={v}" for k, v in decision.changes.items())
