@@ -29,6 +29,6 @@ stage profile31 "${T31:-220}" python3 benchmarks/train_speed_gpu.py $SHAPE --var
   --profile "${PROFILE:-eager:1x4,compile:1x4}" ${SOURCES:+--sources} --steps 5 --warmup 3 --out "$OUT/p31"
 # shellcheck disable=SC2086
 [[ "${TMLA:-130}" != 0 ]] && stage profile_mla "${TMLA:-130}" python3 benchmarks/train_speed_gpu.py $SHAPE \
-  --set 'model.attention_pattern=[mla]' --variants eager:1x4 --profile eager:1x4 --steps 5 --warmup 3 --out "$OUT/pmla"
+  --set 'model.attention_pattern=[mla]' --variants "${VARIANTS_MLA:-eager:1x4}" --profile "${PROFILE_MLA:-eager:1x4}" --steps 5 --warmup 3 --out "$OUT/pmla"
 tar -C /root/kcache -cJf "$OUT/kcache.tar.xz" . && du -h "$OUT/kcache.tar.xz"
 exit 0

@@ -72,20 +72,23 @@ def adamw_step_reference_(param: torch.Tensor, master: torch.Tensor | None, grad
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Triton path: a 1-D grid of BLOCK-element tiles; each element is read once and written once.
-@triton.jit(do_not_specialize=["n"])  # one compiled kernel for every tensor size
+@triton.jit(do_not_specialize=["n"])  # one compiled kernel for every tensor size (of each offset width)
 def _adamw_kernel(param_ptr, master_ptr, grad_ptr, m_ptr, v_ptr, divisor_ptr, n, decay, beta1, c1, beta2, c2,
-                  step_size, bc2_sqrt, eps, HAS_MASTER: tl.constexpr, BLOCK: tl.constexpr):
-    # int64 offsets: a stacked expert weight can hold more than 2**31 elements
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+                  step_size, bc2_sqrt, eps, HAS_MASTER: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    # WIDE: int64 offsets, for a stacked expert weight of more than 2**31 elements (int32 address arithmetic else)
+    pid = tl.program_id(0).to(tl.int64) if WIDE else tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     divisor = tl.load(divisor_ptr)  # on device: no host sync for the clip coefficient
-    g = tl.div_rn(tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32), divisor)
+    # every byte is read once and written once: streamed past L2 (evict_first) so it holds nothing of it
+    g = tl.div_rn(tl.load(grad_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32),
+                  divisor)
     if HAS_MASTER:
-        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+        p = tl.load(master_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
     else:
-        p = tl.load(param_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        p = tl.load(param_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
 
     p = p - decay * p
     m = beta1 * m + c1 * g
@@ -100,7 +103,7 @@ def _adamw_kernel(param_ptr, master_ptr, grad_ptr, m_ptr, v_ptr, divisor_ptr, n,
     tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=mask)
 
 
-_BLOCK = 1024  # 8 elements per thread at 4 warps: 16-byte bf16 loads, two 16-byte fp32 loads per stream
+_BLOCK = 512  # 4 elements per thread at 4 warps: measured best on the H100 (benchmarks/adamw_gpu.py, RESULTS)
 _WARPS = 4  # benchmarks/adamw_gpu.py measures other tiles against the HBM bound
 
 
@@ -115,6 +118,7 @@ def adamw_step_(param: torch.Tensor, master: torch.Tensor | None, grad: torch.Te
     step_size, bc2_sqrt = _step_scalars(lr, beta1, beta2, step)
     _adamw_kernel[(triton.cdiv(n, _BLOCK),)](
         param, master if master is not None else param, grad, m, v, grad_divisor, n, lr * weight_decay, beta1,
-        1.0 - beta1, beta2, 1.0 - beta2, step_size, bc2_sqrt, eps, HAS_MASTER=master is not None, BLOCK=_BLOCK,
+        1.0 - beta1, beta2, 1.0 - beta2, step_size, bc2_sqrt, eps, HAS_MASTER=master is not None,
+        WIDE=n + _BLOCK >= 2 ** 31, BLOCK=_BLOCK,
         num_warps=_WARPS,
     )
