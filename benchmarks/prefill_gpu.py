@@ -55,19 +55,41 @@ def pool_sizes(serve: ServeConfig, prefix: PrefixSizes | None) -> PoolSizes:
 
 
 class TimedExecutor:
-    """LocalExecutor whose every step is synchronized and timed, with the iteration's shape noted."""
+    """LocalExecutor whose every step is synchronized and timed, with the iteration's shape noted. profile_hit: the
+    iteration with that index among those whose prompt rows start from a prefix-cache checkpoint runs under the
+    profiler (`self.profile`: (its shape, the profiler))."""
 
-    def __init__(self, inner: LocalExecutor):
+    def __init__(self, inner: LocalExecutor, profile_hit: int | None = None):
         self.inner, self.steps = inner, []  # (tokens, prompt rows, decode rows, seconds)
+        self.shapes = []  # (prompt rows starting from a checkpoint, saves inside rows)
+        self.profile_hit, self.hits, self.profile = profile_hit, 0, None
 
     def run(self, plans):
         plan = plans[0]
+        restored = sum(a.checkpoint >= 0 for a in plan.admit)
+        profiled = restored and self.profile is None and self.profile_hit is not None \
+            and self.hits == self.profile_hit
+        self.hits += bool(restored)
+        prof = _profiler() if profiled else None
         t0 = time.perf_counter()
-        out = self.inner.run(plans)  # ends with the tokens on the host: synchronous
+        if prof is not None:
+            with prof:
+                out = self.inner.run(plans)
+        else:
+            out = self.inner.run(plans)  # ends with the tokens on the host: synchronous
         dt = time.perf_counter() - t0
         rows = sum(c > 1 for c in plan.counts)
         self.steps.append((sum(plan.counts), rows, len(plan.counts) - rows, dt))
+        self.shapes.append((restored, len(plan.saves)))
+        if prof is not None:
+            self.profile = (self.steps[-1], self.shapes[-1], prof)
         return out
+
+
+def _profiler():
+    kinds = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda"
+                                                     else [])
+    return torch.profiler.profile(activities=kinds)
 
 
 def pct(values, p):
@@ -109,7 +131,7 @@ def level(model, cfg, serve, args, concurrency: int) -> None:
     prefix = prefix_sizes(serve, cfg.model)
     sched = Scheduler(serve.model_copy(update={"max_waiting": 10 ** 6}), cfg.model.max_seq_len, 1,
                       cfg.policies.guards, prefix=prefix)
-    ex = TimedExecutor(LocalExecutor(model, pool_sizes(serve, prefix), device=DEVICE))
+    ex = TimedExecutor(LocalExecutor(model, pool_sizes(serve, prefix), device=DEVICE), args.profile_hit)
     sent, t_sent, reqs = 0, {}, []
     t0 = time.perf_counter()
     while sent < n or sched.has_work:
@@ -141,6 +163,17 @@ def level(model, cfg, serve, args, concurrency: int) -> None:
         f"<= {b}: {len(v)} x {statistics.median(x[0] for x in v) * 1e3:.1f} ms "
         f"({statistics.mean(x[1] for x in v):.1f} prompt + {statistics.mean(x[2] for x in v):.0f} decode rows)"
         for b, v in sorted(bins.items())), flush=True)
+    hit_steps = [(step, shape) for step, shape in zip(ex.steps, ex.shapes) if shape[0]]
+    if hit_steps:
+        print(f"  iterations with a prompt row from a checkpoint: {len(hit_steps)}, median "
+              f"{statistics.median(s[3] for s, _ in hit_steps) * 1e3:.1f} ms; with saves inside rows: "
+              f"{sum(1 for _, (_, saves) in zip(ex.steps, ex.shapes) if saves)} of {len(ex.steps)} iterations",
+              flush=True)
+    if ex.profile is not None:
+        (tokens, prompts, decodes, dt), (restored, saves), prof = ex.profile
+        print(f"  profiled iteration with {restored} prompt row(s) from a checkpoint: {tokens} tokens, {prompts} "
+              f"prompt + {decodes} decode rows, {saves} saves inside rows, {dt * 1e3:.1f} ms (profiled)", flush=True)
+        print_profile(prof, tokens)
     if errors:
         print(f"  first error: {errors[0]}", flush=True)
     del ex
@@ -180,9 +213,7 @@ def mixed_profile(model, cfg, serve, args) -> None:
             sched.submit(requests[nxt][0], SamplingParams(max_tokens=4))
             nxt += 1
         if i == 9:
-            kinds = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                             if DEVICE == "cuda" else [])
-            with torch.profiler.profile(activities=kinds) as prof:
+            with _profiler() as prof:
                 sched.step(ex)
                 if DEVICE == "cuda":
                     torch.cuda.synchronize()
@@ -197,14 +228,20 @@ def mixed_profile(model, cfg, serve, args) -> None:
               flush=True)
     print("  mixed iterations (tokens, prompt rows, decode rows, worker ms): " + ", ".join(
         f"({t}, {p}, {d}, {s * 1e3:.1f})" for t, p, d, s in timed[2:]), flush=True)
+    print_profile(prof, timed[9][0])
+
+
+def print_profile(prof, tokens: int) -> None:
+    """A profiled iteration: device time by kernel category, the top kernels, the top ops by host time."""
     by = {}
     total = 0.0
     for e in prof.key_averages():
         t = e.self_device_time_total if DEVICE == "cuda" else e.self_cpu_time_total
         by[category(e.key)] = by.get(category(e.key), 0.0) + t
         total += t
-    print(f"  profiled iteration ({timed[9][0]} tokens): device time {total / 1e3:.1f} ms: " + ", ".join(
-        f"{k} {v / 1e3:.1f} ms ({v / total:.0%})" for k, v in sorted(by.items(), key=lambda kv: -kv[1])), flush=True)
+    print(f"  profiled iteration ({tokens} tokens): device time {total / 1e3:.1f} ms: " + ", ".join(
+        f"{k} {v / 1e3:.1f} ms ({v / max(total, 1e-9):.0%})" for k, v in sorted(by.items(), key=lambda kv: -kv[1])),
+        flush=True)
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=80),
           flush=True)
     print("  the same iteration by host time (self CPU):", flush=True)
@@ -263,6 +300,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--system-tokens", help="LO:HI tokens of one system prompt before every prompt")
     ap.add_argument("--prefix-cache", choices=["on", "off"], help="serve.prefix_cache (default: the config's)")
+    ap.add_argument("--profile-hit", type=int, help="levels: profile the iteration with this index (from 0) among "
+                                                    "those with a prompt row starting from a cached prefix")
     args = ap.parse_args()
     global DEVICE
     DEVICE = args.device

@@ -148,10 +148,11 @@ async def clients(url: str, model: str, concurrency: int, requests: list[list[tu
                 prompt_tokens[0] += chunk.usage.prompt_tokens
                 details = chunk.usage.prompt_tokens_details
                 cached[0] += details.cached_tokens if details is not None else 0
-            if not chunk.choices:
+            text = _chunk_text(chunk.choices[0]) if chunk.choices else ""
+            if not text:  # the chat role chunk (sent on admission) and empty deltas carry no output yet
                 continue
             chunks[0] += 1
-            reply += _chunk_text(chunk.choices[0])
+            reply += text
             now = time.perf_counter()  # one chunk per engine iteration that gave this request a token
             if last is None:
                 ttft.append(now - t0)
@@ -382,14 +383,14 @@ def main() -> None:
           f"{args.client_procs} processes, overlap {'on' if overlap else 'off'}, prompts of up to {stepwise} tokens "
           f"stepwise; server sizes: token_budget {sizes.get('token_budget')}, slots {sizes.get('slots_per_rank')}, "
           f"pages {sizes.get('pages_per_rank')} x {sizes.get('page_size')} tokens per rank")
-    print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (s) | ITL p50 / p90 / p99 (ms) | tokens per "
+    print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p90 / p99 (ms) | tokens per "
           "iteration | prompt tokens/s | worker us per prompt token | preempted | tokens per chunk | GPU busy | "
           "cached prompt share | hit rate | cache held MB |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         busy = "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0f} %"
-        print(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:,.1f} | {r['ttft_p50']:.3f} / "
-              f"{r['ttft_p99']:.3f} | {1e3 * r['itl_p50']:.2f} / {1e3 * r['itl_p90']:.2f} / {1e3 * r['itl_p99']:.2f} "
+        print(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:,.1f} | {1e3 * r['ttft_p50']:.1f} / "
+              f"{1e3 * r['ttft_p99']:.1f} | {1e3 * r['itl_p50']:.2f} / {1e3 * r['itl_p90']:.2f} / {1e3 * r['itl_p99']:.2f} "
               f"| {r['tokens_per_iteration']:.1f} | {r['prompt_tokens_per_s']:,.0f} | "
               f"{r['worker_us_per_prompt_token']:.1f} | {r['preemptions']} | {r['tokens_per_chunk']:.2f} | {busy} | "
               f"{100 * r['cached_share']:.0f} % | "
