@@ -1,7 +1,8 @@
 """Grammars filled where tokens are sampled (k3ray.parallel.grammar_masks), without Ray: constrained requests decode
 in every iteration with iterations overlapped (their rows take their token on the device), their outputs follow the
 grammar and equal those of sequential iterations, and a request preempted and seated again replays its output into
-a new matcher with no token changed. The engine's books of what a rank holds (`GrammarBooks`) send each compiled
+a new matcher with no token changed; the text a grammar forces at the output's start is prefilled with the prompt
+(jump-forward), with the output unchanged. The engine's books of what a rank holds (`GrammarBooks`) send each compiled
 grammar and the tokenizer's description once. float64, the tiny model."""
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from k3ray.data import encode
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams
 from k3ray.parallel.serving import LocalExecutor, PoolSizes
-from k3ray.serve.grammar import Grammars, request_grammar
+from k3ray.serve.grammar import Grammars, RequestLogits, request_grammar
 from k3ray.serve.scheduler import Scheduler
 from k3ray.tokenizer import ByteTokenizer
 from test_serving_overlap import drive
@@ -41,12 +42,12 @@ def grammar():
     return text, asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(text))
 
 
-def run(model, grammar, overlap: bool, pages: int = 96):
+def run(model, grammar, overlap: bool, pages: int = 96, max_tokens: int = 40):
     text, compiled = grammar
     serve = ServeConfig(page_size=4, pages_per_rank=pages, slots_per_rank=8, token_budget=24, max_waiting=64)
     sched = Scheduler(serve, model.cfg.max_seq_len, tokenizer=ByteTokenizer())
     ex = LocalExecutor(model, PoolSizes(pages, 4, 8))
-    params = [SamplingParams(max_tokens=40, grammar=text, temperature=0.0 if i % 2 else 0.9, seed=7 + i)
+    params = [SamplingParams(max_tokens=max_tokens, grammar=text, temperature=0.0 if i % 2 else 0.9, seed=7 + i)
               for i in range(len(PROMPTS))]
     reqs = []
     submit = sched.submit
@@ -150,3 +151,29 @@ def test_after_a_failed_iteration_the_grammar_is_sent_again(model, grammar):
     assert first[-1].get("error") == "internal", first[-1]
     out = [t for item in second for t in item.get("tokens", [])]
     assert "error" not in second[-1] and len(out) > 5 and follows(grammar[1], out)
+
+
+TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {
+    "type": "object", "properties": {"q": {"type": "string"}}, "required": ["q"]}}},
+         {"type": "function", "function": {"name": "open", "parameters": {
+             "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}]
+
+
+@pytest.mark.parametrize("kind", ["json_schema", "tool_call"])
+def test_what_the_grammar_forces_at_the_start_is_prefilled_and_the_output_is_unchanged(model, grammar, kind,
+                                                                                       monkeypatch):
+    size = {"pages": 160, "max_tokens": 80}
+    if kind == "tool_call":
+        text = request_grammar(None, TOOLS, "required", True)
+        grammar = text, asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(text))
+        forced = "<|tool_calls_section_begin|><|tool_call_begin|>functions."
+    else:
+        forced = '{"name": "'
+    outs, log, _ = run(model, grammar, overlap=True, **size)
+    monkeypatch.setattr(RequestLogits, "forced_prefix", lambda self, tok, limit: [])
+    decoded, decoded_log, _ = run(model, grammar, overlap=True, **size)
+    assert outs == decoded  # the same tokens (the forced ones, then what the model chose), greedy and sampled
+    assert all(bytes(o).decode(errors="replace").startswith(forced) for o in outs)
+    # prefilled, the four requests' forced text took what a token budget of 24 needs; decoded, one iteration a token
+    prefill = -(-len(PROMPTS) * len(forced) // 24)
+    assert len(log) <= len(decoded_log) - len(forced) + prefill + 2

@@ -156,6 +156,24 @@ class RequestLogits:
         if self.params.penalised:
             self.counts[token] += 1
 
+    def forced_prefix(self, tok: Tokenizer, limit: int) -> list[int]:
+        """The tokens the grammar allows no alternative to at the output's start (jump-forward: a tool call's
+        section and call markers, a JSON schema's opening brace and first key), at most `limit`: the request takes
+        them as output before its first iteration, so its prefill covers them instead of one decode step each. The
+        forced text is tokenized as the tokenizer would; a token the grammar does not accept ends the prefix."""
+        if self.compiled is None or limit <= 0:
+            return []
+        import xgrammar as xgr
+
+        matcher = xgr.GrammarMatcher(self.compiled)
+        forced = matcher.find_jump_forward_string()
+        out: list[int] = []
+        for token in tok.encode(forced)[:limit] if forced else ():
+            if not matcher.accept_token(token):
+                break
+            out.append(token)
+        return out
+
     def compiled_json(self) -> str:
         """The compiled grammar as xgrammar's JSON (made once per grammar: requests share schemas)."""
         return _compiled_json(self.grammar_key, self.compiled)

@@ -114,8 +114,22 @@ class Scheduler:
         req = Request(next(self._ids), list(prompt), params, self.clock(), seed=params.resolved_seed(),
                       detok=self.tokenizer.detokenizer(params.stop),
                       logits=RequestLogits(params, grammar) if needs_logits(params) else None)
+        self._jump_forward(req)
         table.add(req)
         return req
+
+    def _jump_forward(self, req: Request) -> None:
+        """A constrained request's output starts with what its grammar forces (`RequestLogits.forced_prefix`),
+        prefilled with its prompt; its matcher on the last stage replays it when the request is seated. Not where
+        a forced token must carry its logprobs or may end a stop string (neither is worth a prefix)."""
+        p = req.params
+        if req.logits is None or p.logprobs is not None or p.stop:
+            return
+        forced = req.logits.forced_prefix(self.tokenizer, min(p.max_tokens, self.max_seq_len - len(req.prompt)) - 1)
+        for token in forced:
+            req.out.append(token)
+            req.logits.accept(token)
+        req.text += req.detok.push(forced) if forced else ""
 
     def reset(self, dp: int) -> list[Request]:
         """The workers' caches are gone (a new grid of `dp` data-parallel ranks): every unfinished admitted request
