@@ -1,8 +1,8 @@
 """Grammars filled where tokens are sampled (k3ray.parallel.grammar_masks), without Ray: constrained requests decode
 in every iteration with iterations overlapped (their rows take their token on the device), their outputs follow the
 grammar and equal those of sequential iterations, and a request preempted and seated again replays its output into
-a new matcher with no token changed; the text a grammar forces at the output's start is prefilled with the prompt
-(jump-forward), with the output unchanged. The engine's books of what a rank holds (`GrammarBooks`) send each compiled
+a new matcher with no token changed; the text a grammar forces (at the output's start and later) is prefilled, not
+decoded a token an iteration (jump-forward), with the output unchanged. The engine's books of what a rank holds (`GrammarBooks`) send each compiled
 grammar and the tokenizer's description once. float64, the tiny model."""
 from __future__ import annotations
 
@@ -160,9 +160,9 @@ TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {
 
 
 @pytest.mark.parametrize("kind", ["json_schema", "tool_call"])
-def test_what_the_grammar_forces_at_the_start_is_prefilled_and_the_output_is_unchanged(model, grammar, kind,
+def test_what_the_grammar_forces_is_prefilled_not_decoded_and_the_output_is_unchanged(model, grammar, kind,
                                                                                        monkeypatch):
-    size = {"pages": 160, "max_tokens": 80}
+    size = {"pages": 256, "max_tokens": 160}
     if kind == "tool_call":
         text = request_grammar(None, TOOLS, "required", True)
         grammar = text, asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(text))
@@ -170,10 +170,43 @@ def test_what_the_grammar_forces_at_the_start_is_prefilled_and_the_output_is_unc
     else:
         forced = '{"name": "'
     outs, log, _ = run(model, grammar, overlap=True, **size)
-    monkeypatch.setattr(RequestLogits, "forced_prefix", lambda self, tok, limit: [])
+    monkeypatch.setattr(RequestLogits, "forced", lambda self, tok, limit, least=1: [])
     decoded, decoded_log, _ = run(model, grammar, overlap=True, **size)
     assert outs == decoded  # the same tokens (the forced ones, then what the model chose), greedy and sampled
     assert all(bytes(o).decode(errors="replace").startswith(forced) for o in outs)
     # prefilled, the four requests' forced text took what a token budget of 24 needs; decoded, one iteration a token
     prefill = -(-len(PROMPTS) * len(forced) // 24)
     assert len(log) <= len(decoded_log) - len(forced) + prefill + 2
+    # later in the output too (the call's name, its argument markers): rows of several known tokens
+    later = [n for plans in log for b in plans.ranks.values() for n, c in zip(b.plan.counts, b.plan.counters)
+             if n > 1 and c > len(forced)]
+    assert later or kind != "tool_call"
+    assert not [n for plans in decoded_log for b in plans.ranks.values()
+                for n, c in zip(b.plan.counts, b.plan.counters) if n > 1 and c > 0]
+
+
+def test_a_forced_run_shorter_than_asked_is_left_to_decode(grammar):
+    text, compiled = grammar
+    logits = RequestLogits(SamplingParams(max_tokens=100, grammar=text), compiled)
+    logits.jump_forward()
+    tok = ByteTokenizer()
+    assert logits.forced(tok, 100, least=11) == []  # '{"name": "' is 10 tokens: none taken
+    assert bytes(logits.forced(tok, 100, least=10)).decode() == '{"name": "'
+    assert logits.forced(tok, 100) == []  # then the model writes the name: nothing forced
+    for token in b'ab"':
+        logits.accept(token)
+    assert bytes(logits.forced(tok, 3)).decode() == ', "'  # at most the room left
+
+
+def test_a_tool_calls_name_index_and_argument_marker_are_forced_after_two_tokens():
+    text = request_grammar(None, TOOLS, "required", True)
+    logits = RequestLogits(SamplingParams(max_tokens=300, grammar=text),
+                           asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(text)))
+    logits.jump_forward()
+    tok = ByteTokenizer()
+    runs = [bytes(logits.forced(tok, 300)).decode()]
+    for chosen in b"s0":  # the model picks the tool, then the call's index (0: an integer has no leading zeros)
+        logits.accept(chosen)
+        runs.append(bytes(logits.forced(tok, 300)).decode())
+    assert runs == ["<|tool_calls_section_begin|><|tool_call_begin|>functions.", "earch:",
+                    "<|tool_call_argument_begin|>{"]

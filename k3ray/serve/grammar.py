@@ -24,6 +24,7 @@ from k3ray.model.sampling import GrammarRow, HeldGrammars, LogitsRow, SamplingPa
 from k3ray.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TOOL_CALL_FORMAT = "kimi"  # xgrammar's name for the Kimi K2 tool-call format K3 is served with (tool_calls.py)
+IDX_DIGITS, IDX_INTEGER = '"pattern":"\\\\d+"', '"pattern":"0|[1-9][0-9]*"'  # the call index's regex in its tag
 
 
 class GrammarError(ValueError):
@@ -60,6 +61,9 @@ def request_grammar(response_format: dict | None, tools: list[dict] | None, tool
             tag = xgr.get_model_structural_tag(TOOL_CALL_FORMAT, tools=tools, tool_choice=tool_choice,
                                                reasoning="disabled", parallel_tool_calls=parallel_tool_calls,
                                                max_whitespace_cnt=1)
+            # a call's index (`functions.NAME:IDX`) as an integer without leading zeros, not any digits: after a 0
+            # the argument marker is then forced, so it jumps forward with the call's name
+            tag = tag.model_dump_json().replace(IDX_DIGITS, IDX_INTEGER)
             return xgr.Grammar.from_structural_tag(tag).serialize_json()
         except (RuntimeError, ValueError) as err:
             raise GrammarError(f"tools: {_first_line(err)}", "tools") from None
@@ -137,13 +141,15 @@ def needs_logits(params: SamplingParams) -> bool:
 
 
 class RequestLogits:
-    """One request's host-side logits state: its compiled grammar (whose matcher lives on the last stage:
-    k3ray.parallel.grammar_masks) and its output's token counts (penalties)."""
+    """One request's host-side logits state: its compiled grammar (whose matcher that masks the logits lives on the
+    last stage: k3ray.parallel.grammar_masks), its output's token counts (penalties), and, where the request jumps
+    forward (`jump_forward`), a matcher here that follows the output to find what the grammar forces next."""
 
     def __init__(self, params: SamplingParams, compiled=None):
         self.params, self.compiled = params, compiled
         self.grammar_key = None if compiled is None else hashlib.sha1(params.grammar.encode()).hexdigest()
         self.counts: Counter[int] = Counter()
+        self.matcher = None  # the output so far accepted (jump-forward only)
 
     @property
     def stateful(self) -> bool:
@@ -151,27 +157,38 @@ class RequestLogits:
         is sampled)."""
         return self.params.penalised
 
+    def jump_forward(self) -> None:
+        """Follow the output with a matcher here from now on (before the first token), so that `forced` can say
+        what the grammar forces next. Not where a token must carry its logprobs or may end a stop string."""
+        if self.compiled is not None and self.params.logprobs is None and not self.params.stop:
+            import xgrammar as xgr
+
+            self.matcher = xgr.GrammarMatcher(self.compiled)
+
     def accept(self, token: int) -> None:
         """A token of the output, confirmed (in order)."""
         if self.params.penalised:
             self.counts[token] += 1
+        if self.matcher is not None and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
+            self.matcher = None  # not what the grammar allows (cannot happen under its mask): jump no further
 
-    def forced_prefix(self, tok: Tokenizer, limit: int) -> list[int]:
-        """The tokens the grammar allows no alternative to at the output's start (jump-forward: a tool call's
-        section and call markers, a JSON schema's opening brace and first key), at most `limit`: the request takes
-        them as output before its first iteration, so its prefill covers them instead of one decode step each. The
-        forced text is tokenized as the tokenizer would; a token the grammar does not accept ends the prefix."""
-        if self.compiled is None or limit <= 0:
+    def forced(self, tok: Tokenizer, limit: int, least: int = 1) -> list[int]:
+        """The tokens the grammar allows no alternative to next (a tool call's markers and name, a JSON schema's
+        keys and punctuation), at most `limit`, none where fewer than `least`, taken as the output's (accepted and
+        counted): the request prefills them in its next row instead of decoding them one iteration each. The
+        forced text is tokenized as the tokenizer would; a token the grammar does not accept ends them."""
+        m = self.matcher
+        if m is None or limit <= 0 or m.is_terminated():
             return []
-        import xgrammar as xgr
-
-        matcher = xgr.GrammarMatcher(self.compiled)
-        forced = matcher.find_jump_forward_string()
+        text = m.find_jump_forward_string()
+        ids = tok.encode(text)[:limit] if text else []
         out: list[int] = []
-        for token in tok.encode(forced)[:limit] if forced else ():
-            if not matcher.accept_token(token):
+        for token in ids if len(ids) >= least else ():
+            if not m.accept_token(token):
                 break
             out.append(token)
+            if self.params.penalised:
+                self.counts[token] += 1
         return out
 
     def compiled_json(self) -> str:

@@ -72,6 +72,14 @@ class Overloaded(RuntimeError):
     """The waiting queue is full; try again later."""
 
 
+# Forced tokens jump forward at any length while a request has sampled fewer than JUMP_FORWARD_EARLY tokens (what
+# its first visible output waits for: a tool call's name and argument markers), later only in runs of at least
+# JUMP_FORWARD_LEAST: a row of several tokens makes its iteration eager (no decode graph: about twice a decode step
+# for every row), so a JSON key of a few tokens decodes one a step.
+JUMP_FORWARD_EARLY = 8
+JUMP_FORWARD_LEAST = 24
+
+
 class Scheduler:
     """serve: the serving config, its sizes resolved (`ServeConfig.resolved`); dp: data-parallel ranks (requests
     are spread over them); guards: a sequence that trips them fails alone; tokenizer: end-of-text, and the text stop
@@ -114,22 +122,29 @@ class Scheduler:
         req = Request(next(self._ids), list(prompt), params, self.clock(), seed=params.resolved_seed(),
                       detok=self.tokenizer.detokenizer(params.stop),
                       logits=RequestLogits(params, grammar) if needs_logits(params) else None)
-        self._jump_forward(req)
+        if req.logits is not None:
+            req.logits.jump_forward()
+            self._jump_forward(req, 1)
         table.add(req)
         return req
 
-    def _jump_forward(self, req: Request) -> None:
-        """A constrained request's output starts with what its grammar forces (`RequestLogits.forced_prefix`),
-        prefilled with its prompt; its matcher on the last stage replays it when the request is seated. Not where
-        a forced token must carry its logprobs or may end a stop string (neither is worth a prefix)."""
-        p = req.params
-        if req.logits is None or p.logprobs is not None or p.stop:
+    def _jump_forward(self, req: Request, least: int) -> None:
+        """Jump-forward decoding: what `req`'s grammar forces next (`RequestLogits.forced`: at the output's start a
+        tool call's markers, later a call's name and argument markers), at least `least` tokens, becomes its output
+        at once, leaving room for one sampled token, and is prefilled in its next row instead of decoded one
+        iteration a token (at admission with the prompt; later as a row of several tokens, which makes its
+        iteration run eagerly, not as a decode graph: JUMP_FORWARD_EARLY and _LEAST say when that pays). A row of it in
+        flight now (overlap) decodes the token after the last one known then, which is void: `req.length` passes
+        the positions it fills, so `complete` takes no token from it. The last stage's matcher, which took that
+        row's token, replays the output into a new matcher at the next row."""
+        room = min(req.params.max_tokens - len(req.out), self.max_seq_len - req.length) - 1
+        forced = req.logits.forced(self.tokenizer, room, least)
+        if not forced:
             return
-        forced = req.logits.forced_prefix(self.tokenizer, min(p.max_tokens, self.max_seq_len - len(req.prompt)) - 1)
-        for token in forced:
-            req.out.append(token)
-            req.logits.accept(token)
-        req.text += req.detok.push(forced) if forced else ""
+        req.out += forced
+        req.text += req.detok.push(forced)
+        req.unconfirmed = 0
+        req.grammar_seated = False
 
     def reset(self, dp: int) -> list[Request]:
         """The workers' caches are gone (a new grid of `dp` data-parallel ranks): every unfinished admitted request
@@ -334,6 +349,8 @@ class Scheduler:
                 req.text += req.detok.push(req.out[-1:])
                 req.finish = finish_reason(req.out, req.params, self.tokenizer.eos_id,
                                            self.max_seq_len - req.length, req.detok)
+                if not req.done and req.logits is not None and req.logits.matcher is not None:
+                    self._jump_forward(req, 1 if len(req.token_times) < JUMP_FORWARD_EARLY else JUMP_FORWARD_LEAST)
                 if req.done:
                     req.text += req.detok.push([], final=True)
                     if req.in_flight == 0:
