@@ -9,7 +9,8 @@ variants under the profiler, kernels by category (benchmarks/step_profile.py).
 
     python benchmarks/train_speed_gpu.py --config configs/gpu2.yaml --set parallel.ep=1 \
         --variants eager:1x4,eager:4x1,compile:1x4,compile:4x1 --profile eager:1x4,compile:4x1
-Variant names: MODE:BxM with MODE eager | recompute | compile | compile+recompute, B sequences per micro-batch,
+Variant names: MODE:BxM with MODE eager | recompute | compile | compile+recompute (+kdakeep: fla's KDA keeps its
+forward's intermediates for the backward instead of recomputing them), B sequences per micro-batch,
 M micro-batches (B x M x seq_len tokens per step: keep it fixed to compare); MODE:fill is the shape the job picks on
 this GPU from the configured one (k3ray.policies.memory, execution.fill_memory).
 """
@@ -51,11 +52,36 @@ def variant_config(cfg: JobConfig, name: str) -> JobConfig:
                                      "parallel": {**cfg.parallel.model_dump(), "micro_batches": m}})
 
 
+def keep_kda_intermediates(on: bool) -> None:
+    """fla's chunk KDA with its forward's intermediates kept for the backward (`disable_recompute`) or recomputed
+    there (fla's default, k3ray's): a variant to measure, where the installed fla takes the argument."""
+    import inspect
+
+    from k3ray.kernels import kda
+
+    original = getattr(kda.kda_chunk_fla, "__wrapped__", kda.kda_chunk_fla)
+    ops = kda.fla_ops()
+    if not on or ops is None or "disable_recompute" not in inspect.signature(ops[0]).parameters:
+        kda.kda_chunk_fla = original
+        return
+
+    def keeping(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
+                cu_seqlens_cpu=None):
+        o, s = ops[0](*kda._fla_inputs(q, k, v, g, beta), scale=1.0, initial_state=initial_state,
+                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
+                      disable_recompute=True)
+        return o.to(v.dtype), s
+
+    keeping.__wrapped__ = original
+    kda.kda_chunk_fla = keeping
+
+
 def run_variant(engine, cfg: JobConfig, name: str, first_step: int, steps: int, warmup: int, peak: float,
                 profile: bool, sources: Path | None = None) -> dict:
     from k3ray.model.decoder import set_execution
     from k3ray.parallel.batches import StageBatches
 
+    keep_kda_intermediates("kdakeep" in name.split(":")[0])
     vcfg = variant_config(cfg, name)
     engine.cfg, engine.batches = vcfg, StageBatches(vcfg, engine.ep_rank, engine.ep, engine.device)
     set_execution(engine.stage, vcfg.execution)
