@@ -198,15 +198,37 @@ def test_a_forced_run_shorter_than_asked_is_left_to_decode(grammar):
     assert bytes(logits.forced(tok, 3)).decode() == ', "'  # at most the room left
 
 
-def test_a_tool_calls_name_index_and_argument_marker_are_forced_after_two_tokens():
-    text = request_grammar(None, TOOLS, "required", True)
+def _forced_runs(text: str, chosen: bytes) -> list[str]:
+    """What the grammar forces at the output's start, then after each token of `chosen` (the model's choices)."""
     logits = RequestLogits(SamplingParams(max_tokens=300, grammar=text),
                            asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(text)))
     logits.jump_forward()
-    tok = ByteTokenizer()
-    runs = [bytes(logits.forced(tok, 300)).decode()]
-    for chosen in b"s0":  # the model picks the tool, then the call's index (0: an integer has no leading zeros)
-        logits.accept(chosen)
-        runs.append(bytes(logits.forced(tok, 300)).decode())
-    assert runs == ["<|tool_calls_section_begin|><|tool_call_begin|>functions.", "earch:",
-                    "<|tool_call_argument_begin|>{"]
+    runs = [bytes(logits.forced(ByteTokenizer(), 300)).decode()]
+    for token in chosen:
+        logits.accept(token)
+        runs.append(bytes(logits.forced(ByteTokenizer(), 300)).decode())
+    return runs
+
+
+def test_a_tool_calls_id_and_name_are_forced_after_its_first_letter():
+    from k3ray.serve.openai_schema import ChatRequest
+
+    # the conversation had two calls: this reply's first call is functions.NAME:2 (K3's template numbers them)
+    request = ChatRequest.model_validate({"model": "m", "tools": TOOLS, "tool_choice": "required", "messages": [
+        {"role": "user", "content": "find it"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"functions.search:{i}", "type": "function", "function": {"name": "search", "arguments": "{}"}}
+            for i in range(2)]},
+        *({"role": "tool", "tool_call_id": f"functions.search:{i}", "content": "none"} for i in range(2))]})
+    assert _forced_runs(request.grammar(), b"o") == [
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.", "pen:2<|tool_call_argument_begin|>{"]
+    named = request_grammar(None, TOOLS, {"type": "function", "function": {"name": "open"}}, True, 0)
+    assert _forced_runs(named, b"") == [
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.open:0<|tool_call_argument_begin|>{"]
+    # parallel calls: the later ones take any index (an integer); without, the section ends after one
+    for parallel, second in ((True, True), (False, False)):
+        matcher = xgr.GrammarMatcher(asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(
+            request_grammar(None, TOOLS, "required", parallel, 0))))
+        call = '<|tool_call_begin|>functions.search:{}<|tool_call_argument_begin|>{{"q": "x"}}<|tool_call_end|>'
+        assert all(matcher.accept_token(b) for b in ("<|tool_calls_section_begin|>" + call.format(0)).encode())
+        assert all(matcher.accept_token(b) for b in call.format(1).encode()) == second

@@ -15,6 +15,7 @@ iteration); a constrained one decodes every iteration.
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 from collections import Counter
@@ -24,7 +25,6 @@ from k3ray.model.sampling import GrammarRow, HeldGrammars, LogitsRow, SamplingPa
 from k3ray.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TOOL_CALL_FORMAT = "kimi"  # xgrammar's name for the Kimi K2 tool-call format K3 is served with (tool_calls.py)
-IDX_DIGITS, IDX_INTEGER = '"pattern":"\\\\d+"', '"pattern":"0|[1-9][0-9]*"'  # the call index's regex in its tag
 
 
 class GrammarError(ValueError):
@@ -48,10 +48,11 @@ def xgrammar(param: str):
     return xgr
 
 
-def request_grammar(response_format: dict | None, tools: list[dict] | None, tool_choice, parallel_tool_calls: bool
-                    ) -> str | None:
+def request_grammar(response_format: dict | None, tools: list[dict] | None, tool_choice, parallel_tool_calls: bool,
+                    first_index: int = 0) -> str | None:
     """The serialized grammar (xgrammar's Grammar.serialize_json) a request's output must follow, or None:
-    tool_choice 'required' or {'type': 'function', ...} constrains the output to tool calls in K3's format; else
+    tool_choice 'required' or {'type': 'function', ...} constrains the output to tool calls in K3's format
+    (`first_index`: the index its first call takes, the calls of the conversation so far); else
     response_format {'type': 'json_object'} to a JSON object, {'type': 'json_schema', 'json_schema': {'schema'}} to
     that schema (as strict: properties the schema does not name are not generated). xgrammar is imported only
     for a request that has a grammar."""
@@ -61,10 +62,8 @@ def request_grammar(response_format: dict | None, tools: list[dict] | None, tool
             tag = xgr.get_model_structural_tag(TOOL_CALL_FORMAT, tools=tools, tool_choice=tool_choice,
                                                reasoning="disabled", parallel_tool_calls=parallel_tool_calls,
                                                max_whitespace_cnt=1)
-            # a call's index (`functions.NAME:IDX`) as an integer without leading zeros, not any digits: after a 0
-            # the argument marker is then forced, so it jumps forward with the call's name
-            tag = tag.model_dump_json().replace(IDX_DIGITS, IDX_INTEGER)
-            return xgr.Grammar.from_structural_tag(tag).serialize_json()
+            tag = numbered_calls(tag.model_dump(), first_index)
+            return xgr.Grammar.from_structural_tag(json.dumps(tag)).serialize_json()
         except (RuntimeError, ValueError) as err:
             raise GrammarError(f"tools: {_first_line(err)}", "tools") from None
     kind = (response_format or {}).get("type", "text")
@@ -80,6 +79,43 @@ def request_grammar(response_format: dict | None, tools: list[dict] | None, tool
                 from None
         return grammar.serialize_json()
     return None
+
+
+def numbered_calls(tag: dict, first_index: int) -> dict:
+    """xgrammar's structural tag for K3's tool calls (a dict) with the calls numbered as K3's chat template numbers
+    them (`functions.NAME:IDX`, IDX counting the conversation's calls): the first call of the reply takes
+    `first_index` exactly, later ones (parallel calls) an integer without leading zeros, where xgrammar allows any
+    digits. With the index fixed, what follows a call's name up to its arguments is forced: the call's id and name
+    jump forward with its first letter (`RequestLogits.forced`)."""
+    def is_call(node) -> bool:
+        return isinstance(node, dict) and node.get("type") == "tag" and node.get("begin", "").startswith(
+            "<|tool_call_begin|>")
+
+    def index(node, pattern: str | None):
+        """node with every call's index regex made the literal `pattern` (None: an integer without leading zeros)."""
+        node = copy.deepcopy(node)
+        for call in [node] if is_call(node) else node["tags"]:
+            elements = call["content"]["elements"]
+            at = next(i for i, e in enumerate(elements) if e.get("type") == "regex")
+            elements[at] = {"type": "regex", "pattern": "0|[1-9][0-9]*"} if pattern is None else \
+                {"type": "const_string", "value": pattern}
+        return node
+
+    def walk(node):
+        if isinstance(node, list):
+            return [walk(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        if is_call(node):  # a named function: one call
+            return index(node, str(first_index))
+        if node.get("type") == "tags_with_separator" and node["tags"] and all(is_call(t) for t in node["tags"]):
+            first = {**index(node, str(first_index)), "stop_after_first": True}
+            if node.get("stop_after_first"):
+                return first
+            return {"type": "sequence", "elements": [first, {**index(node, None), "at_least_one": False}]}
+        return {k: walk(v) for k, v in node.items()}
+
+    return walk(tag)
 
 
 def _first_line(err: Exception) -> str:

@@ -218,7 +218,7 @@ class ChatRequest(_Request):
         choice = self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedTool) else self.tool_choice
         fmt = None if self.response_format is None else self.response_format.model_dump(by_alias=True)
         return request_grammar(fmt, self.tool_dicts() if self.calls_tools else None, choice,
-                               self.parallel_tool_calls)
+                               self.parallel_tool_calls, sum(len(m.tool_calls or ()) for m in self.messages))
 
 
 def _now() -> int:
