@@ -2,8 +2,8 @@
 in every iteration with iterations overlapped (their rows take their token on the device), their outputs follow the
 grammar and equal those of sequential iterations, and a request preempted and seated again replays its output into
 a new matcher with no token changed; the text a grammar forces (at the output's start and later) is prefilled, not
-decoded a token an iteration (jump-forward), with the output unchanged. The engine's books of what a rank holds (`GrammarBooks`) send each compiled
-grammar and the tokenizer's description once. float64, the tiny model."""
+decoded a token an iteration (jump-forward), with the output unchanged. The engine's books of what a rank holds
+(`GrammarBooks`) send each compiled grammar and the tokenizer's description once. float64, the tiny model."""
 from __future__ import annotations
 
 import asyncio

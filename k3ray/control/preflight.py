@@ -52,9 +52,6 @@ def checked(cfg: JobConfig, device: int | None) -> JobConfig:
         raise ConfigError(f"{cfg.name}: {line}")
     if decision.outcome == "adjusted":
         log.warning("%s", line)
-        return memory.with_settings(cfg, decision.changes)
-    if decision.outcome == "filled":
+    else:  # fits as configured, or filled with fewer, larger micro-batches
         log.info("%s", line)
-        return memory.with_settings(cfg, decision.changes)
-    log.info("%s", line)
-    return cfg
+    return memory.with_settings(cfg, decision.changes) if decision.changes else cfg
