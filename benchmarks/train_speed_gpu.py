@@ -17,6 +17,7 @@ this GPU from the configured one (k3ray.policies.memory, execution.fill_memory).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -52,28 +53,24 @@ def variant_config(cfg: JobConfig, name: str) -> JobConfig:
                                      "parallel": {**cfg.parallel.model_dump(), "micro_batches": m}})
 
 
+_FLA_OPS = []  # k3ray's own kernels.kda.fla_ops, kept here once replaced
+
+
 def keep_kda_intermediates(on: bool) -> None:
     """fla's chunk KDA with its forward's intermediates kept for the backward (`disable_recompute`) or recomputed
-    there (fla's default, k3ray's): a variant to measure, where the installed fla takes the argument."""
+    there (fla's default, k3ray's): a variant to measure, where the installed fla takes the argument. k3ray's fla
+    wrapper (kernels/kda.py) finds chunk_kda through `fla_ops`, which this replaces."""
     import inspect
 
     from k3ray.kernels import kda
 
-    original = getattr(kda.kda_chunk_fla, "__wrapped__", kda.kda_chunk_fla)
+    if not _FLA_OPS:
+        _FLA_OPS.append(kda.fla_ops)
+    kda.fla_ops = _FLA_OPS[0]
     ops = kda.fla_ops()
-    if not on or ops is None or "disable_recompute" not in inspect.signature(ops[0]).parameters:
-        kda.kda_chunk_fla = original
-        return
-
-    def keeping(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
-                cu_seqlens_cpu=None):
-        o, s = ops[0](*kda._fla_inputs(q, k, v, g, beta), scale=1.0, initial_state=initial_state,
-                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu,
-                      disable_recompute=True)
-        return o.to(v.dtype), s
-
-    keeping.__wrapped__ = original
-    kda.kda_chunk_fla = keeping
+    if on and ops is not None and "disable_recompute" in inspect.signature(ops[0]).parameters:
+        keeping = (functools.partial(ops[0], disable_recompute=True), ops[1])
+        kda.fla_ops = lambda: keeping
 
 
 def run_variant(engine, cfg: JobConfig, name: str, first_step: int, steps: int, warmup: int, peak: float,

@@ -10,7 +10,8 @@ constrained or penalised request for its `LogitsRow` (the penalties' and logit_b
 k3ray.parallel.grammar_masks, the engine keeping the books of what it holds: `GrammarBooks`); the last stage applies
 them on the device before sampling. Penalties depend on the tokens sampled so far, so a penalised request's next row
 waits for its last token to come back (no `from_device` rows for it: with serve.overlap it gets a row every other
-iteration); a constrained one decodes every iteration.
+iteration); a constrained one decodes every iteration. The engine also follows each constrained output with a
+matcher of its own, to find what the grammar forces next (`RequestLogits.forced`: jump-forward decoding).
 """
 from __future__ import annotations
 

@@ -349,7 +349,7 @@ class Scheduler:
                 req.text += req.detok.push(req.out[-1:])
                 req.finish = finish_reason(req.out, req.params, self.tokenizer.eos_id,
                                            self.max_seq_len - req.length, req.detok)
-                if not req.done and req.logits is not None and req.logits.matcher is not None:
+                if not req.done and req.logits is not None:
                     self._jump_forward(req, 1 if len(req.token_times) < JUMP_FORWARD_EARLY else JUMP_FORWARD_LEAST)
                 if req.done:
                     req.text += req.detok.push([], final=True)
