@@ -28,7 +28,9 @@ chunks carried on average (above 1 when the client falls behind and an SSE event
 Agents' requests (`--kind`): `text` (the default) streams completions; `chat` the same prompts as one user turn
 through chat completions; `json_schema` those chat requests with `response_format` a JSON schema (an object of a
 string, a number list and an enum: the grammar masks every token); `tool_call` with two tools and
-`tool_choice: required` (a call forced by the grammar). Compare a kind's row with `chat`'s on the same prompts:
+`tool_choice: required` (a call forced by the grammar); `chat_tools` the same tools with `tool_choice: none` (the
+tool_call prompt, no call: what the tools' declarations alone add). Compare a kind's row with `chat`'s on the same
+prompts:
 
     python benchmarks/serve_load.py ... --concurrency 64 --kind chat
     python benchmarks/serve_load.py ... --concurrency 64 --kind json_schema
@@ -72,7 +74,8 @@ TOOLS = [{"type": "function", "function": {"name": "search", "description": "sea
 KINDS = {"text": {}, "chat": {},
          "json_schema": {"response_format": {"type": "json_schema",
                                              "json_schema": {"name": "review", "schema": SCHEMA}}},
-         "tool_call": {"tools": TOOLS, "tool_choice": "required"}}
+         "tool_call": {"tools": TOOLS, "tool_choice": "required"},
+         "chat_tools": {"tools": TOOLS, "tool_choice": "none"}}
 PROMPTS = ["def ", "import os\n", "class Reader(object):\n    def __init__(self", "for i in range(",
            "# Licensed to the PSF\n\"\"\"Helpers for ", "    if not data:\n        return "]
 

@@ -42,12 +42,13 @@ def grammar():
     return text, asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(text))
 
 
-def run(model, grammar, overlap: bool, pages: int = 96, max_tokens: int = 40):
+def run(model, grammar, overlap: bool, pages: int = 96, max_tokens: int = 40, stop: tuple[str, ...] = ()):
     text, compiled = grammar
     serve = ServeConfig(page_size=4, pages_per_rank=pages, slots_per_rank=8, token_budget=24, max_waiting=64)
     sched = Scheduler(serve, model.cfg.max_seq_len, tokenizer=ByteTokenizer())
     ex = LocalExecutor(model, PoolSizes(pages, 4, 8))
-    params = [SamplingParams(max_tokens=max_tokens, grammar=text, temperature=0.0 if i % 2 else 0.9, seed=7 + i)
+    params = [SamplingParams(max_tokens=max_tokens, grammar=text, temperature=0.0 if i % 2 else 0.9, seed=7 + i,
+                             stop=stop)
               for i in range(len(PROMPTS))]
     reqs = []
     submit = sched.submit
@@ -162,7 +163,8 @@ TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {
 @pytest.mark.parametrize("kind", ["json_schema", "tool_call"])
 def test_what_the_grammar_forces_is_prefilled_not_decoded_and_the_output_is_unchanged(model, grammar, kind,
                                                                                        monkeypatch):
-    size = {"pages": 256, "max_tokens": 160}
+    # chat requests carry the template's stop string ("\n### " for the byte template), as served
+    size = {"pages": 256, "max_tokens": 160, "stop": ("\n### ",)}
     if kind == "tool_call":
         text = request_grammar(None, TOOLS, "required", True)
         grammar = text, asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(text))
@@ -170,7 +172,7 @@ def test_what_the_grammar_forces_is_prefilled_not_decoded_and_the_output_is_unch
     else:
         forced = '{"name": "'
     outs, log, _ = run(model, grammar, overlap=True, **size)
-    monkeypatch.setattr(RequestLogits, "forced", lambda self, tok, limit, least=1: [])
+    monkeypatch.setattr(RequestLogits, "forced", lambda self, tok, limit, least=1, usable=None: [])
     decoded, decoded_log, _ = run(model, grammar, overlap=True, **size)
     assert outs == decoded  # the same tokens (the forced ones, then what the model chose), greedy and sampled
     assert all(bytes(o).decode(errors="replace").startswith(forced) for o in outs)
@@ -183,6 +185,22 @@ def test_what_the_grammar_forces_is_prefilled_not_decoded_and_the_output_is_unch
     assert later or kind != "tool_call"
     assert not [n for plans in decoded_log for b in plans.ranks.values()
                 for n, c in zip(b.plan.counts, b.plan.counters) if n > 1 and c > 0]
+
+
+def test_a_stop_string_inside_forced_text_ends_the_output_where_decoding_would(model, monkeypatch):
+    """The stop string "call_begin" lies inside what a required tool call forces at its start: the jump takes
+    the forced tokens short of the stop string's last one, which is decoded and ends each request as decoding every
+    token would; the stop string itself is never output."""
+    text = request_grammar(None, TOOLS, "required", True)
+    grammar = text, asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(text))
+    size = {"pages": 256, "max_tokens": 160, "stop": ("call_begin",)}
+    outs, log, sched = run(model, grammar, overlap=True, **size)
+    monkeypatch.setattr(RequestLogits, "forced", lambda self, tok, limit, least=1, usable=None: [])
+    decoded, decoded_log, _ = run(model, grammar, overlap=True, **size)
+    assert outs == decoded
+    assert all(bytes(o).decode().endswith("<|tool_call_begin") for o in outs)  # the stop's last token ended it
+    assert all(r.finish == "stop" and "call_begin" not in r.text for r in sched.table.requests.values())
+    assert len(log) < len(decoded_log)  # the jump still took the forced text before the stop string
 
 
 def test_a_forced_run_shorter_than_asked_is_left_to_decode(grammar):

@@ -20,6 +20,7 @@ import copy
 import hashlib
 import json
 from collections import Counter
+from collections.abc import Callable
 from functools import lru_cache
 
 from k3ray.model.sampling import GrammarRow, HeldGrammars, LogitsRow, SamplingParams
@@ -196,8 +197,8 @@ class RequestLogits:
 
     def jump_forward(self) -> None:
         """Follow the output with a matcher here from now on (before the first token), so that `forced` can say
-        what the grammar forces next. Not where a token must carry its logprobs or may end a stop string."""
-        if self.compiled is not None and self.params.logprobs is None and not self.params.stop:
+        what the grammar forces next. Not where a token must carry its logprobs."""
+        if self.compiled is not None and self.params.logprobs is None:
             import xgrammar as xgr
 
             self.matcher = xgr.GrammarMatcher(self.compiled)
@@ -209,16 +210,21 @@ class RequestLogits:
         if self.matcher is not None and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
             self.matcher = None  # not what the grammar allows (cannot happen under its mask): jump no further
 
-    def forced(self, tok: Tokenizer, limit: int, least: int = 1) -> list[int]:
+    def forced(self, tok: Tokenizer, limit: int, least: int = 1,
+               usable: Callable[[list[int]], int] | None = None) -> list[int]:
         """The tokens the grammar allows no alternative to next (a tool call's markers and name, a JSON schema's
         keys and punctuation), at most `limit`, none where fewer than `least`, taken as the output's (accepted and
         counted): the request prefills them in its next row instead of decoding them one iteration each. The
-        forced text is tokenized as the tokenizer would; a token the grammar does not accept ends them."""
+        forced text is tokenized as the tokenizer would; a token the grammar does not accept ends them. `usable`:
+        how many of the leading ids may be taken (a stop string's last token is left to decode, which ends the
+        request as decoding all of them would)."""
         m = self.matcher
         if m is None or limit <= 0 or m.is_terminated():
             return []
         text = m.find_jump_forward_string()
         ids = tok.encode(text)[:limit] if text else []
+        if usable is not None and ids:
+            ids = ids[:usable(ids)]
         out: list[int] = []
         for token in ids if len(ids) >= least else ():
             if not m.accept_token(token):

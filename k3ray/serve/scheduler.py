@@ -138,13 +138,25 @@ class Scheduler:
         the positions it fills, so `complete` takes no token from it. The last stage's matcher, which took that
         row's token, replays the output into a new matcher at the next row."""
         room = min(req.params.max_tokens - len(req.out), self.max_seq_len - req.length) - 1
-        forced = req.logits.forced(self.tokenizer, room, least)
+        forced = req.logits.forced(self.tokenizer, room, least,
+                                   (lambda ids: self._short_of_stop(req, ids)) if req.params.stop else None)
         if not forced:
             return
         req.out += forced
         req.text += req.detok.push(forced)
         req.unconfirmed = 0
         req.grammar_seated = False
+
+    def _short_of_stop(self, req: Request, ids: list[int]) -> int:
+        """How many of `ids`, following `req`'s output, complete none of its stop strings (all where none does): a
+        probe detokenizer over the output's tail, long enough to hold any stop string (a token adds at least a
+        byte, a character at most four)."""
+        tail = 4 * max(len(s) for s in req.params.stop) + 4
+        probe = self.tokenizer.detokenizer(req.params.stop)
+        probe.push(req.out[-tail:])
+        before = probe.tokens
+        probe.push(ids)
+        return max(probe.tokens - before - 1, 0) if probe.stopped else len(ids)
 
     def reset(self, dp: int) -> list[Request]:
         """The workers' caches are gone (a new grid of `dp` data-parallel ranks): every unfinished admitted request
