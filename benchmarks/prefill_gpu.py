@@ -32,6 +32,7 @@ from k3ray.config import ServeConfig, load_config, parse_assignments
 from k3ray.model.cache import pages_that_fit
 from k3ray.model.decoder import build_stage
 from k3ray.model.sampling import SamplingParams
+from k3ray.parallel import serving
 from k3ray.parallel.serving import LocalExecutor, PoolSizes
 from k3ray.serve.prefix_cache import PrefixSizes, prefix_sizes
 from k3ray.serve.scheduler import Scheduler
@@ -302,7 +303,10 @@ def main() -> None:
     ap.add_argument("--prefix-cache", choices=["on", "off"], help="serve.prefix_cache (default: the config's)")
     ap.add_argument("--profile-hit", type=int, help="levels: profile the iteration with this index (from 0) among "
                                                     "those with a prompt row starting from a cached prefix")
+    ap.add_argument("--prefill-bucket", type=int, help="k3ray.parallel.serving.PREFILL_TOKEN_BUCKET (1: unpadded)")
     args = ap.parse_args()
+    if args.prefill_bucket is not None:
+        serving.PREFILL_TOKEN_BUCKET = args.prefill_bucket
     global DEVICE
     DEVICE = args.device
     if args.prefix_cache is not None:
@@ -318,7 +322,7 @@ def main() -> None:
           f"{torch.__version__}, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}; token budget "
           f"{serve.token_budget}, slots "
           f"{serve.slots_per_rank}, pages {serve.pages_per_rank} x {serve.page_size}, stepwise prefill up to "
-          f"{serve.stepwise_prefill_max}", flush=True)
+          f"{serve.stepwise_prefill_max}, prompt iterations padded to {serving.PREFILL_TOKEN_BUCKET} tokens", flush=True)
     stages = args.stages.split(",")
     if "ttft" in stages:
         try:

@@ -9,7 +9,7 @@ import torch
 from conftest import RELEASED
 from k3ray.config import load_config
 from k3ray.model import serving_attention
-from k3ray.model.cache import IterationCache, SeqAdmit, new_pools
+from k3ray.model.cache import IterationCache, SeqAdmit, StateSave, new_pools
 from k3ray.model.decoder import build_stage
 from k3ray.model.serving_attention import blockwise_attention, segment_attention
 
@@ -68,3 +68,42 @@ def test_a_mixed_iteration_equals_each_row_alone(monkeypatch, rope):
             got = stage(x, cache)  # logits of each row's last token [N, V]
             for i, (s, _, _) in enumerate(rows):
                 torch.testing.assert_close(got[i], alone[s][0], rtol=0, atol=1e-10)
+
+
+def test_a_padded_prefill_iteration_changes_no_row_and_counts_no_padding_route():
+    """An iteration with prompt rows runs a multiple of PREFILL_TOKEN_BUCKET tokens (a padding row of the scratch
+    slot): its rows' tokens, activations, KDA states, latents and checkpoints, and the experts' served load, equal
+    those of the same iteration unpadded; the padding row's outputs are dropped. float64, every released feature."""
+    from k3ray.parallel import serving
+    from k3ray.parallel.serving import RankPlan, StageServer
+
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED}).model
+    stage = build_stage(cfg, range(cfg.n_layers), seed=3)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (13,), generator=g).tolist()
+
+    def run(bucket: int):
+        pools = new_pools(cfg, stage.layers, 32, 4, 4, checkpoints=2)
+        server = StageServer(stage, pools, "cpu", graphs=False)
+        serving.PREFILL_TOKEN_BUCKET, saved = bucket, serving.PREFILL_TOKEN_BUCKET
+        try:
+            first = server.step(RankPlan([0], [0], [5], prompt[:5], [0], admit=[SeqAdmit(0, [0, 1, 2, 3])]))
+            # a decode row beside a prompt row that saves its state inside and at its end (the prefix cache)
+            plan = RankPlan([0, 1], [5, 0], [1, 13], [first.tokens[0], *prompt], [1, 0],
+                            admit=[SeqAdmit(1, [4, 5, 6, 7])],
+                            saves=[StateSave(1, 8, 0), StateSave(1, 13, 1)])
+            out = server.step(plan)
+        finally:
+            serving.PREFILL_TOKEN_BUCKET = saved
+        return out, pools
+
+    (want, p1), (got, p64) = run(1), run(64)
+    assert got.tokens == want.tokens
+    torch.testing.assert_close(torch.tensor(got.maxabs), torch.tensor(want.maxabs), rtol=1e-12, atol=0)
+    for name in ("state", "conv", "checkpoint_state", "checkpoint_conv", "load"):
+        real = slice(0, p1.slots) if name in ("state", "conv") else slice(None)  # the scratch slot aside
+        for layer, t in getattr(p1, name).items():
+            torch.testing.assert_close(getattr(p64, name)[layer][real], t[real], rtol=0, atol=1e-12)
+    for layer, t in p1.latent.items():  # every page but the scratch one
+        torch.testing.assert_close(p64.latent[layer][:-1], t[:-1], rtol=0, atol=1e-12)
+    assert sum(int(t.sum()) for t in p64.load.values()) == sum(int(t.sum()) for t in p1.load.values()) > 0

@@ -300,11 +300,16 @@ class IterationCache:
 
     @classmethod
     def from_plan(cls, pools: CachePools, slots: list[int], starts: list[int], counts: list[int], device,
-                  context: int | None = None, saves: list[StateSave] = ()) -> "IterationCache":
+                  context: int | None = None, saves: list[StateSave] = (), padded: bool = False
+                  ) -> "IterationCache":
         """An eager iteration's cache from the plan's lists: every index computed on the host, then one
         host-to-device copy (no host sync inside the forward). saves: checkpoints inside prompt rows (those at a
-        row's end are the pools' `save` after the iteration)."""
+        row's end are the pools' `save` after the iteration); `padded`: the last row pads the iteration's tokens
+        (the scratch slot's: its routes are not counted)."""
         n = len(slots)
+        valid = torch.ones(n, dtype=torch.bool, device=device)
+        if padded:
+            valid[-1] = False
         counts_t = torch.tensor(counts, dtype=torch.int64)
         seq_of_token = torch.repeat_interleave(torch.arange(n), counts_t)
         dec = [i for i, c in enumerate(counts) if c == 1]
@@ -314,8 +319,7 @@ class IterationCache:
         if not pre:
             packed = torch.cat([torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token])
             packed = packed.to(device)
-            return cls(pools, packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:],
-                       torch.ones(n, dtype=torch.bool, device=device), context)
+            return cls(pools, packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:], valid, context)
         firsts = [0, *torch.cumsum(counts_t, 0).tolist()]
         lens = torch.tensor([starts[i] + counts[i] for i in pre], dtype=torch.int64)
         kv_seq = torch.repeat_interleave(torch.arange(len(pre)), lens)
@@ -330,8 +334,8 @@ class IterationCache:
         rounds = [SaveRound(*out[5 + 3 * i:8 + 3 * i], host[2], to) for i, (host, to) in enumerate(on_host)]
         prompt = PromptRows([firsts[i] for i in pre], [counts[i] for i in pre], lens.tolist(), rows[len(dec):],
                             kv_seq_d, kv_pos_d, torch.tensor(firsts, dtype=torch.int64))
-        return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, torch.ones(n, dtype=torch.bool, device=device),
-                   context, prompt, rows[:len(dec)], inside, rounds)
+        return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, valid, context, prompt, rows[:len(dec)], inside,
+                   rounds)
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
         """Fold a block's output (the residual stream) into each token's max-abs (NaN propagates)."""

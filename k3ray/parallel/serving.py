@@ -19,6 +19,7 @@ run eagerly, and so do iterations with rows whose logits are adjusted or whose l
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -35,6 +36,9 @@ from k3ray.parallel.grammar_masks import GrammarMasks
 
 log = logging.getLogger("k3ray.serve")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# An eager iteration with prompt rows runs a multiple of this many tokens (`padded_prefill`): each matmul shape new to
+# cuBLAS costs the host a heuristic search, which a new token count every iteration paid at every matmul.
+PREFILL_TOKEN_BUCKET = 64
 
 
 @dataclass
@@ -57,6 +61,19 @@ class RankPlan:
     greedy: bool = False  # every sequence decodes greedily: the last stage takes the argmax and draws no noise
     logits: list[LogitsRow] = field(default_factory=list)  # rows whose logits are adjusted or whose logprobs return
     saves: list[StateSave] = field(default_factory=list)  # KDA state checkpoints for the prefix cache
+
+
+def padded_prefill(plan: RankPlan, scratch_slot: int, bucket: int) -> RankPlan:
+    """`plan` (with prompt rows) with one more row, of the scratch slot, padding its packed tokens to a multiple of
+    `bucket` (the plan itself where they are one already). The padding row reads and writes only the scratch slot
+    and page; the step drops its outputs."""
+    pad = -sum(plan.counts) % bucket
+    if not pad:
+        return plan
+    return dataclasses.replace(plan, slots=[*plan.slots, scratch_slot], starts=[*plan.starts, 0],
+                               counts=[*plan.counts, pad], counters=[*plan.counters, 0],
+                               tokens=[*plan.tokens, *[0] * pad] if plan.tokens else [],
+                               from_device=[*plan.from_device, False] if plan.from_device else [])
 
 
 @dataclass
@@ -107,7 +124,10 @@ class StageServer:
         self.pools.grow(plan.grow)
         if self.stage.is_last:
             self.grammar_masks.seated([a.slot for a in plan.admit])
-        n, T = len(plan.slots), len(plan.tokens) if self.stage.is_first else sum(plan.counts)
+        real = plan  # its rows' outputs are the step's (a padding row's are dropped)
+        if plan.counts and max(plan.counts) > 1:
+            plan = padded_prefill(plan, self.pools.scratch_slot, PREFILL_TOKEN_BUCKET)
+        n, T = len(real.slots), sum(plan.counts)
         x = None
         if not self.stage.is_first:
             # the hidden state (and, with Block AttnRes, the block summaries: per token, so nothing is kept)
@@ -127,24 +147,24 @@ class StageServer:
         else:
             inside = [s for s in plan.saves if s.offset < plan.counts[s.row]]
             cache = IterationCache.from_plan(self.pools, plan.slots, plan.starts, plan.counts, self.device,
-                                             saves=inside)
+                                             saves=inside, padded=plan is not real)
             if self.stage.is_first:
                 x = self._input_ids(plan)[None]
             slots, counters = cache.slots, torch.tensor(plan.counters, dtype=torch.int64, device=self.device)
             out, tokens, maxabs = self.forward(x, cache, counters, plan.greedy, sample=not adjusted)
         if adjusted:
-            self.grammar_masks.fill(plan.slots, plan.logits)
+            self.grammar_masks.fill(real.slots, plan.logits)
             tokens = self.sample(out, slots, counters, plan.greedy, plan.logits)
         self.pools.save([plan.slots[s.row] for s in at_end], [s.checkpoint for s in at_end])
         if not self.stage.is_last:
             if T:
                 dist.send(out.contiguous(), self.next_rank, group=self.groups.world)
-            return StageOutput(None, maxabs.tolist(), time.perf_counter() - t0)
+            return StageOutput(None, maxabs[:n].tolist(), time.perf_counter() - t0)
         logprobs = token_logprobs(out, tokens, plan.logits) if plan.logits else {}
-        both = torch.cat([tokens.double(), maxabs])  # one device-to-host copy
+        both = torch.cat([tokens[:n].double(), maxabs[:n]])  # one device-to-host copy
         host = both.cpu()
         tokens = host[:n].long().tolist()
-        self.grammar_masks.took(plan.slots, plan.logits, tokens)
+        self.grammar_masks.took(real.slots, plan.logits, tokens)
         return StageOutput(tokens, host[n:].tolist(), time.perf_counter() - t0, logprobs)
 
     def _input_ids(self, plan: RankPlan) -> torch.Tensor:
