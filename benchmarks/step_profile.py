@@ -38,6 +38,24 @@ def categorize(name: str) -> str:
     return "other"
 
 
+def idle_gaps(kernels: list[tuple[str, float, float]], top: int = 8) -> dict:
+    """The device's idle time between a profiled stretch's first and last kernel, from its kernels (name, start us,
+    end us; overlapping ones merged): the gaps' sum and count, and the `top` largest with the kernels either side
+    (what the device waited after, and for: where the host fell behind)."""
+    if not kernels:
+        return {"inside_ms": 0.0, "gaps": 0, "largest": []}
+    ks = sorted(kernels, key=lambda k: k[1])
+    gaps, (prev, _, end) = [], ks[0]
+    for name, start, stop in ks[1:]:
+        if start > end:
+            gaps.append((start - end, prev, name))
+        if stop > end:
+            prev, end = name, stop
+    gaps.sort(key=lambda g: -g[0])
+    return {"inside_ms": sum(g[0] for g in gaps) / 1e3, "gaps": len(gaps),
+            "largest": [{"ms": g / 1e3, "after": a[:70], "before": b[:70]} for g, a, b in gaps[:top]]}
+
+
 def profile_step(fn, top: int = 25) -> dict:
     """fn() once under the profiler (device synchronised before and after): categories, top kernels, idle."""
     from torch.profiler import ProfilerActivity, profile
@@ -58,7 +76,9 @@ def profile_step(fn, top: int = 25) -> dict:
     # host syncs: the runtime calls that block the host until the device catches up (a .item(), a device-to-host copy)
     syncs = {e.key: e.count for e in prof.key_averages() if e.key in SYNC_CALLS}
     kernels.sort(key=lambda e: -e.self_device_time_total)
-    return {"wall_ms": wall * 1e3, "kernel_ms": busy, "idle_ms": wall * 1e3 - busy,
+    timeline = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {"wall_ms": wall * 1e3, "kernel_ms": busy, "idle_ms": wall * 1e3 - busy, "idle": idle_gaps(timeline),
             "launches": sum(c["launches"] for c in by_category.values()), "host_syncs": syncs,
             "by_category": dict(sorted(by_category.items(), key=lambda kv: -kv[1]["ms"])),
             "top_kernels": [{"name": e.key[:90], "category": categorize(e.key), "ms": e.self_device_time_total / 1e3,
@@ -90,6 +110,13 @@ def print_profile(p: dict) -> None:
     for name, c in p["by_category"].items():
         print(f"| {name} | {c['ms']:.1f} | {c['ms'] / p['wall_ms']:.1%} | {c['launches']} |")
     print(f"| device idle | {p['idle_ms']:.1f} | {p['idle_ms'] / p['wall_ms']:.1%} | |")
+    idle = p.get("idle")
+    if idle:
+        print(f"\nidle between the step's first and last kernel: {idle['inside_ms']:.1f} ms in {idle['gaps']} gaps "
+              f"(the rest of the idle: before the first kernel and after the last)\n")
+        print("| idle gap ms | after | before |\n|---|---|---|")
+        for g in idle["largest"]:
+            print(f"| {g['ms']:.2f} | {g['after']} | {g['before']} |")
     print("\n| top kernel | category | ms | launches |\n|---|---|---|---|")
     for k in p["top_kernels"]:
         print(f"| {k['name']} | {k['category']} | {k['ms']:.1f} | {k['launches']} |")
