@@ -305,7 +305,7 @@ def main() -> None:
                                                     "those with a prompt row starting from a cached prefix")
     ap.add_argument("--prefill-bucket", type=int, help="k3ray.parallel.serving.PREFILL_TOKEN_BUCKET (1: unpadded)")
     args = ap.parse_args()
-    if args.prefill_bucket is not None:
+    if args.prefill_bucket is not None:  # read when the StageServer is made
         serving.PREFILL_TOKEN_BUCKET = args.prefill_bucket
     global DEVICE
     DEVICE = args.device
@@ -322,7 +322,8 @@ def main() -> None:
           f"{torch.__version__}, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}; token budget "
           f"{serve.token_budget}, slots "
           f"{serve.slots_per_rank}, pages {serve.pages_per_rank} x {serve.page_size}, stepwise prefill up to "
-          f"{serve.stepwise_prefill_max}, prompt iterations padded to {serving.PREFILL_TOKEN_BUCKET} tokens", flush=True)
+          f"{serve.stepwise_prefill_max}, prompt iterations padded to "
+          f"{serving.PREFILL_TOKEN_BUCKET if DEVICE == 'cuda' else 1} tokens", flush=True)
     stages = args.stages.split(",")
     if "ttft" in stages:
         try:

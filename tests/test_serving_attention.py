@@ -71,11 +71,11 @@ def test_a_mixed_iteration_equals_each_row_alone(monkeypatch, rope):
 
 
 def test_a_padded_prefill_iteration_changes_no_row_and_counts_no_padding_route():
-    """An iteration with prompt rows runs a multiple of PREFILL_TOKEN_BUCKET tokens (a padding row of the scratch
-    slot): its rows' tokens, activations, KDA states, latents and checkpoints, and the experts' served load, equal
-    those of the same iteration unpadded; the padding row's outputs are dropped. float64, every released feature."""
-    from k3ray.parallel import serving
-    from k3ray.parallel.serving import RankPlan, StageServer
+    """An iteration with prompt rows runs a multiple of the server's prefill bucket of tokens (a padding row of the
+    scratch slot; PREFILL_TOKEN_BUCKET on a GPU, none on a CPU): its rows' tokens, activations, KDA states, latents
+    and checkpoints, and the experts' served load, equal those of the same iteration unpadded; the padding row's
+    outputs are dropped. float64, every released feature."""
+    from k3ray.parallel.serving import PREFILL_TOKEN_BUCKET, RankPlan, StageServer
 
     cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED}).model
     stage = build_stage(cfg, range(cfg.n_layers), seed=3)
@@ -85,19 +85,15 @@ def test_a_padded_prefill_iteration_changes_no_row_and_counts_no_padding_route()
     def run(bucket: int):
         pools = new_pools(cfg, stage.layers, 32, 4, 4, checkpoints=2)
         server = StageServer(stage, pools, "cpu", graphs=False)
-        serving.PREFILL_TOKEN_BUCKET, saved = bucket, serving.PREFILL_TOKEN_BUCKET
-        try:
-            first = server.step(RankPlan([0], [0], [5], prompt[:5], [0], admit=[SeqAdmit(0, [0, 1, 2, 3])]))
-            # a decode row beside a prompt row that saves its state inside and at its end (the prefix cache)
-            plan = RankPlan([0, 1], [5, 0], [1, 13], [first.tokens[0], *prompt], [1, 0],
-                            admit=[SeqAdmit(1, [4, 5, 6, 7])],
-                            saves=[StateSave(1, 8, 0), StateSave(1, 13, 1)])
-            out = server.step(plan)
-        finally:
-            serving.PREFILL_TOKEN_BUCKET = saved
-        return out, pools
+        assert server.prefill_bucket == 1  # the CPU's
+        server.prefill_bucket = bucket
+        first = server.step(RankPlan([0], [0], [5], prompt[:5], [0], admit=[SeqAdmit(0, [0, 1, 2, 3])]))
+        # a decode row beside a prompt row that saves its state inside and at its end (the prefix cache)
+        plan = RankPlan([0, 1], [5, 0], [1, 13], [first.tokens[0], *prompt], [1, 0], admit=[SeqAdmit(1, [4, 5, 6, 7])],
+                        saves=[StateSave(1, 8, 0), StateSave(1, 13, 1)])
+        return server.step(plan), pools
 
-    (want, p1), (got, p64) = run(1), run(64)
+    (want, p1), (got, p64) = run(1), run(PREFILL_TOKEN_BUCKET)
     assert got.tokens == want.tokens
     torch.testing.assert_close(torch.tensor(got.maxabs), torch.tensor(want.maxabs), rtol=1e-12, atol=0)
     for name in ("state", "conv", "checkpoint_state", "checkpoint_conv", "load"):

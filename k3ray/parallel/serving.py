@@ -36,8 +36,9 @@ from k3ray.parallel.grammar_masks import GrammarMasks
 
 log = logging.getLogger("k3ray.serve")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-# An eager iteration with prompt rows runs a multiple of this many tokens (`padded_prefill`): each matmul shape new to
-# cuBLAS costs the host a heuristic search, which a new token count every iteration paid at every matmul.
+# On a GPU an eager iteration with prompt rows runs a multiple of this many tokens (`padded_prefill`): each matmul
+# shape new to cuBLAS costs the host a heuristic search, which a new token count every iteration paid at every matmul.
+# (On a CPU padding would only add work.)
 PREFILL_TOKEN_BUCKET = 64
 
 
@@ -114,6 +115,7 @@ class StageServer:
         self.groups = groups
         self.dtype = next(stage.parameters()).dtype
         self.graphs = DecodeGraphs(self) if graphs and self.device.type == "cuda" else None
+        self.prefill_bucket = PREFILL_TOKEN_BUCKET if self.device.type == "cuda" else 1
         self.grammar_masks = GrammarMasks()  # the last stage's: constrained rows' bitmasks
 
     @torch.no_grad()
@@ -125,8 +127,8 @@ class StageServer:
         if self.stage.is_last:
             self.grammar_masks.seated([a.slot for a in plan.admit])
         real = plan  # its rows' outputs are the step's (a padding row's are dropped)
-        if plan.counts and max(plan.counts) > 1:
-            plan = padded_prefill(plan, self.pools.scratch_slot, PREFILL_TOKEN_BUCKET)
+        if plan.counts and max(plan.counts) > 1 and self.prefill_bucket > 1:
+            plan = padded_prefill(plan, self.pools.scratch_slot, self.prefill_bucket)
         n, T = len(real.slots), sum(plan.counts)
         x = None
         if not self.stage.is_first:
