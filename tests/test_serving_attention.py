@@ -103,3 +103,32 @@ def test_a_padded_prefill_iteration_changes_no_row_and_counts_no_padding_route()
     for layer, t in p1.latent.items():  # every page but the scratch one
         torch.testing.assert_close(p64.latent[layer][:-1], t[:-1], rtol=0, atol=1e-12)
     assert sum(int(t.sum()) for t in p64.load.values()) == sum(int(t.sum()) for t in p1.load.values()) > 0
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_states_saved_inside_a_row_are_those_after_its_first_tokens(start):
+    """A save after a row's first n new tokens (n below and above the convolution's W-1, from a fresh slot and
+    after cached tokens) checkpoints the KDA states and convolution tails that prefilling only those n tokens leaves
+    in the slot. float64, every released feature."""
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED}).model
+    stage = build_stage(cfg, range(cfg.n_layers), seed=4)
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, cfg.vocab_size, (1, start + 11), generator=g)
+    offsets = [1, 2, 7]  # below, at the edge of and past W-1 = 3
+    with torch.no_grad():
+        def pools():
+            p = new_pools(cfg, stage.layers, 32, 4, 2, checkpoints=len(offsets))
+            p.admit([SeqAdmit(0, list(range(8)))])
+            if start:
+                stage(tokens[:, :start], IterationCache.from_plan(p, [0], [0], [start], "cpu"))
+            return p
+
+        p = pools()
+        saves = [StateSave(0, n, i) for i, n in enumerate(offsets)]
+        stage(tokens[:, start:], IterationCache.from_plan(p, [0], [start], [11], "cpu", saves=saves))
+        for i, n in enumerate(offsets):
+            alone = pools()
+            stage(tokens[:, start:start + n], IterationCache.from_plan(alone, [0], [start], [n], "cpu"))
+            for layer in alone.state:
+                torch.testing.assert_close(p.checkpoint_state[layer][i], alone.state[layer][0], rtol=0, atol=1e-12)
+                torch.testing.assert_close(p.checkpoint_conv[layer][i], alone.conv[layer][0], rtol=0, atol=1e-12)

@@ -423,12 +423,14 @@ class IterationCache:
         if not self.slots.numel():
             return x_1TC.new_zeros(x_1TC.shape)
         pool = self.pools.conv[self.layer]
-        if self.saves is not None:  # the tails at saves inside rows: the slot's last inputs, then the row's
+        if self.saves is not None:  # the tails at saves inside rows: the last W-1 inputs before each save
             W1 = pool.shape[1]
             for save in self.saves.saves:
-                first = self.saves.firsts[save.row]
-                ext = torch.cat([pool[self.saves.slots[save.row]], x_1TC[0, first:first + save.offset].to(pool.dtype)])
-                self.pools.checkpoint_conv[self.layer][save.checkpoint] = ext[-W1:]
+                first, n = self.saves.firsts[save.row], save.offset
+                row = x_1TC[0, first + max(n - W1, 0):first + n].to(pool.dtype)
+                # within the row's first W-1 tokens the tail starts in the slot's last inputs
+                tail = row if n >= W1 else torch.cat([pool[self.saves.slots[save.row], n:], row])
+                self.pools.checkpoint_conv[self.layer][save.checkpoint] = tail
         if self.decode:
             y, s1 = short_conv(x_1TC.transpose(0, 1), weight_CW, pool[self.slots], output_final_state=True)
             y = y.transpose(0, 1)
