@@ -170,6 +170,41 @@ def test_grouped_ffn_forward_backward_fp32(poisoned, shape, layout, scale):
         assert rel_err(a.grad, b.grad) < tol, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_ffn_micro_batches_add_into_the_weight_grads(poisoned, monkeypatch, dtype):
+    """Two micro-batches' backward passes through the same leaf weights: inside `adding_into_grads` the second adds
+    its weight gradients into the first's `.grad` in the weight-gradient kernel (no gradient returned to autograd),
+    giving what autograd's accumulation gives (bf16: within the one rounding it saves; fp32: the reference's);
+    `torch.autograd.grad` outside it returns the gradient and leaves `.grad` alone."""
+    import k3ray.kernels.grouped_ffn as ffn
+
+    into = []
+    wgrad = ffn._wgrad
+    monkeypatch.setattr(ffn, "_wgrad", lambda *a: into.append(len(a) > 4 and a[4] is not None) or wgrad(*a))
+    batches = [ffn_inputs(*TINY[0], "random", dtype, True) for _ in range(2)]
+    w1, w2 = batches[0][1], batches[0][2]
+    fused, added, ref = ([w.clone().to(t).requires_grad_() for w in (w1, w2)]
+                         for t in (dtype, dtype, torch.float32))
+    for x, _, _, ends, s in batches:
+        with kernels.adding_into_grads():
+            grouped_expert_ffn_triton(x, *fused, ends, s).float().square().sum().backward()
+        grouped_expert_ffn_triton(x, *added, ends, s).float().square().sum().backward()
+        grouped_expert_ffn_reference(x.float(), *ref, ends, s).square().sum().backward()
+    # dW1 and dW2 per backward (fused, then autograd's accumulation): the kernel adds in the fused second only
+    assert into == [False] * 4 + [True, True, False, False]
+    for a, b, r in zip(fused, added, ref):
+        assert a.grad.dtype == dtype
+        assert rel_err(a.grad, b.grad) < (1e-6 if dtype == torch.float32 else 1e-2)
+        if dtype == torch.float32:
+            assert rel_err(a.grad, r.grad) < (1e-2 if CUDA else 1e-5)
+    before = [w.grad.clone() for w in fused]
+    x, _, _, ends, s = batches[1]
+    got = torch.autograd.grad(grouped_expert_ffn_triton(x, *fused, ends, s).float().square().sum(), fused)
+    want = torch.autograd.grad(grouped_expert_ffn_triton(x, *added, ends, s).float().square().sum(), added)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(w.grad, b) for w, b in zip(fused, before))
+
+
 @pytest.mark.parametrize("layout", ["random", "one_group_all"])
 def test_grouped_ffn_bf16_and_group_order(poisoned, layout):
     x, w1, w2, ends, s = ffn_inputs(*TINY[0], layout, torch.bfloat16, True)

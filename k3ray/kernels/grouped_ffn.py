@@ -7,6 +7,7 @@ group_ends [G] int32: cumulative end row of each group (torch._grouped_mm's `off
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -218,24 +219,49 @@ def _ffn_dh(dy, w2, h, row_scale, sched: _Schedule, beta: float, beta_lin: float
     return dh, ds
 
 
-def _wgrad(p, q, sched: _Schedule, out_dtype):
-    """out[g] = p[rows_g]^T @ q[rows_g]: [G, p.shape[1], q.shape[1]]. Tiles never straddle two groups' blocks when
-    the block shape divides [M1, M2]; then the stores go through a TMA descriptor (asynchronous: the next tile's
-    loads start while this one's bulk store drains)."""
+def _wgrad(p, q, sched: _Schedule, out_dtype, into: torch.Tensor | None = None):
+    """out[g] = p[rows_g]^T @ q[rows_g]: [G, p.shape[1], q.shape[1]], or added to `into` (that shape, contiguous)
+    and `into` returned. Tiles never straddle two groups' blocks when the block shape divides [M1, M2]; then the
+    stores of a new `out` go through a TMA descriptor (asynchronous: the next tile's loads start while this one's
+    bulk store drains)."""
     m1, m2 = p.shape[1], q.shape[1]
     if p.shape[0] == 0:
-        return torch.zeros(sched.G, m1, m2, device=p.device, dtype=out_dtype)
-    out = torch.empty(sched.G, m1, m2, device=p.device, dtype=out_dtype)
+        return into if into is not None else torch.zeros(sched.G, m1, m2, device=p.device, dtype=out_dtype)
+    out = into if into is not None else torch.empty(sched.G, m1, m2, device=p.device, dtype=out_dtype)
     bm, bn, bk, gm, warps, stages = _config("wgrad", p)
-    tma_out = USE_TMA and m1 % bm == 0 and m2 % bn == 0 and (m2 * out.element_size()) % 16 == 0
+    tma_out = (USE_TMA and into is None and m1 % bm == 0 and m2 % bn == 0
+               and (m2 * out.element_size()) % 16 == 0)
     out_dst = _desc(out.view(-1, m2), bm, bn) if tma_out else out
     progs = _num_programs(p.device)
     gg.grouped_wgrad_kernel[(progs,)](
         p, q, out_dst, sched.ends, sched.order(), m1, m2, sched.G, p.stride(0), p.stride(1), q.stride(0),
         q.stride(1), m1 * m2, TMA_OUT=tma_out, BM=bm, BN=bn, BK=bk, GROUP_M=gm, NUM_PROGS=progs,
-        DOT_F32=INTERPRET, num_warps=warps, num_stages=stages,
+        DOT_F32=INTERPRET, ACCUMULATE=into is not None, num_warps=warps, num_stages=stages,
     )
     return out
+
+
+_adding_into_grads = False  # inside `adding_into_grads`
+
+
+@contextlib.contextmanager
+def adding_into_grads():
+    """Backward passes (`.backward()`, which accumulates into `.grad`) inside it add the weight gradients into a
+    leaf weight's `.grad` left by an earlier backward (the micro-batches before this one) in the weight-gradient
+    kernel itself: one rounding, and no separate add over the whole weight as autograd's accumulation does. Not
+    for `torch.autograd.grad`, which must return the gradient and leave `.grad` alone."""
+    global _adding_into_grads
+    before, _adding_into_grads = _adding_into_grads, True
+    try:
+        yield
+    finally:
+        _adding_into_grads = before
+
+
+def _grad_to_add_into(w: torch.Tensor) -> torch.Tensor | None:
+    """The `.grad` the weight-gradient kernel adds into (`adding_into_grads`), or None: autograd takes the gradient."""
+    g = w.grad if _adding_into_grads and w.is_leaf else None
+    return g if g is not None and g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous() else None
 
 
 class _GroupedFFN(torch.autograd.Function):
@@ -245,6 +271,7 @@ class _GroupedFFN(torch.autograd.Function):
         y, act, h = _ffn_forward(x, w1, w2, sched, row_scale, True, BETA, BETA_LIN)
         ctx.save_for_backward(x, w1, w2, row_scale, act, h)
         ctx.sched = sched
+        ctx.weights = (w1, w2)  # the tensors themselves (saved tensors unpack as new objects): their .grad
         return y
 
     @staticmethod
@@ -254,13 +281,17 @@ class _GroupedFFN(torch.autograd.Function):
         dy = dy.contiguous()
         dh, ds = _ffn_dh(dy, w2, h, row_scale, sched, BETA, BETA_LIN)
         dx = _grouped_mm(dh, w1, sched, None, "dx", transpose_b=True) if ctx.needs_input_grad[0] else None
-        dw1 = _wgrad(x, dh, sched, w1.dtype) if ctx.needs_input_grad[1] else None
-        dw2 = None
+        # a weight whose gradient an earlier micro-batch left gets this one's added in place (returned as None)
+        w1_grad, w2_grad = _grad_to_add_into(ctx.weights[0]), _grad_to_add_into(ctx.weights[1])
+        dw1 = dw2 = None
+        if ctx.needs_input_grad[1]:
+            dw1 = _wgrad(x, dh, sched, w1.dtype, w1_grad)
         if ctx.needs_input_grad[2]:
             dys = (dy.float() * row_scale.float()[:, None]).to(dy.dtype) if row_scale is not None else dy
-            dw2 = _wgrad(act, dys, sched, w2.dtype)
+            dw2 = _wgrad(act, dys, sched, w2.dtype, w2_grad)
         dscale = ds.to(row_scale.dtype) if ds is not None and ctx.needs_input_grad[4] else None
-        return dx, dw1, dw2, None, dscale, None
+        return (dx, None if w1_grad is not None else dw1, None if w2_grad is not None else dw2, None, dscale,
+                None)
 
 
 def grouped_expert_ffn_triton(

@@ -252,9 +252,11 @@ def ffn_dh_kernel(dy_src, w2_src, h_ptr, scale_ptr, dh_ptr, ds_ptr, tiles_ptr, e
 def grouped_wgrad_kernel(p_ptr, q_ptr, out_dst, ends_ptr, order_ptr,
                          M1, M2, G, spm, spk, sqm, sqk, sog,
                          TMA_OUT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, DOT_F32: tl.constexpr):
+                         GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr, DOT_F32: tl.constexpr,
+                         ACCUMULATE: tl.constexpr = False):
     """out[g] [M1, M2] = p[rows_g]^T @ q[rows_g] for every group (zeros for an empty group); out contiguous.
-    TMA_OUT: out_dst is a descriptor over out viewed [G*M1, M2] (BM | M1 and BN | M2), else a pointer."""
+    TMA_OUT: out_dst is a descriptor over out viewed [G*M1, M2] (BM | M1 and BN | M2), else a pointer.
+    ACCUMULATE (a pointer out): out[g] += that, added in fp32 before the one rounding."""
     pid = tl.program_id(0)
     T1 = (M1 + BM - 1) // BM
     T2 = (M2 + BN - 1) // BN
@@ -288,4 +290,6 @@ def grouped_wgrad_kernel(p_ptr, q_ptr, out_dst, ends_ptr, order_ptr,
             out_dst.store([g * M1 + i1 * BM, i2 * BN], acc.to(out_dst.dtype))
         else:
             op = out_dst + g.to(tl.int64) * sog + c1[:, None].to(tl.int64) * M2 + c2[None, :]
+            if ACCUMULATE:
+                acc += tl.load(op, mask=m1[:, None] & m2[None, :], other=0.0).to(tl.float32)
             tl.store(op, acc.to(out_dst.dtype.element_ty), mask=m1[:, None] & m2[None, :])

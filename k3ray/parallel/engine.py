@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_map_only
 
 from k3ray.config import JobConfig
 from k3ray.dtypes import up32
+from k3ray.kernels import adding_into_grads
 from k3ray.model.decoder import boundary_shape, build_stage, is_expert_param, set_execution
 from k3ray.optim import AdamW, clip_coefficient, lr_at, sum_of_squares
 from k3ray.parallel import shards
@@ -144,7 +145,8 @@ class StageEngine:
                 grad = None if stage.is_last else _receive(out_shape, dtype, self.device, self.next_rank, M + m,
                                                            self.groups.world, timings)
                 t0 = time.perf_counter()
-                out.backward(grad)
+                with adding_into_grads():  # the experts' weight gradients of micro-batches after the first
+                    out.backward(grad)
                 timings["compute"] += time.perf_counter() - t0
                 if not stage.is_first:
                     pending.append(dist.isend(x.grad.contiguous(), self.prev_rank, tag=M + m,
