@@ -308,6 +308,8 @@ def main() -> None:
     ap.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
     ap.add_argument("--overlap", choices=["on", "off"], help="serve.overlap (default: the config's: on for pp=1)")
     ap.add_argument("--stepwise-prefill-max", type=int, help="serve.stepwise_prefill_max (default: the config's)")
+    ap.add_argument("--iteration-target-ms", type=float,
+                    help="serve.iteration_target_ms (default: the config's, none: an iteration may fill the budget)")
     ap.add_argument("--graphs-at-start-s", type=float,
                     help="serve.graphs_at_start_s (default: the config's): seconds of decode graph captures at start")
     ap.add_argument("--front-doors", type=int, default=1, help="HTTP front-door processes")
@@ -336,6 +338,7 @@ def main() -> None:
                  **({} if args.overlap is None else {"overlap": args.overlap == "on"}),
                  **({} if args.prefix_cache is None else {"prefix_cache": args.prefix_cache == "on"}),
                  **({} if args.stepwise_prefill_max is None else {"stepwise_prefill_max": args.stepwise_prefill_max}),
+                 **({} if args.iteration_target_ms is None else {"iteration_target_ms": args.iteration_target_ms}),
                  **({} if args.graphs_at_start_s is None else {"graphs_at_start_s": args.graphs_at_start_s})}
     t_start = time.perf_counter()
     serving = start_serving(root, args.pp, args.ep, port=port, serve_overrides=serve_cfg,
@@ -385,7 +388,8 @@ def main() -> None:
           f"streaming, stream_interval={args.stream_interval}, {args.front_doors} front doors, clients in "
           f"{args.client_procs} processes, overlap {'on' if overlap else 'off'}, prompts of up to {stepwise} tokens "
           f"stepwise; server sizes: token_budget {sizes.get('token_budget')}, slots {sizes.get('slots_per_rank')}, "
-          f"pages {sizes.get('pages_per_rank')} x {sizes.get('page_size')} tokens per rank")
+          f"pages {sizes.get('pages_per_rank')} x {sizes.get('page_size')} tokens per rank, iteration target "
+          f"{sizes.get('iteration_target_ms') or 'none'} ms")
     print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p90 / p99 (ms) | tokens per "
           "iteration | prompt tokens/s | worker us per prompt token | preempted | tokens per chunk | GPU busy | "
           "cached prompt share | hit rate | cache held MB |")
