@@ -17,8 +17,8 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | kda_gate(raw, A_log, dt_bias, lower_bound) | kda.kda_gate_reference | kda.kda_gate_fla | all |
 | short_conv(x, weight, state, output_final_state, cu_seqlens) | short_conv.*_reference | *_fla (no state), *_varlen | all |
 
-`adding_into_grads()`: inside it, a backward adds the routed experts' weight gradients into the `.grad` an earlier
-micro-batch left, in the weight-gradient kernel (Triton), instead of autograd adding them after.
+`adding_into_grads()` (grad_accumulation): inside it, a backward adds the routed experts' weight gradients into the
+`.grad` an earlier micro-batch left, in the Triton kernel that makes them.
 
 Every public function here runs outside torch.compile's graphs (`outside_compile`): a compiled decoder block
 (execution.compile_blocks) breaks its graph around each kernel call instead of tracing into Triton launchers and fla's
@@ -34,6 +34,7 @@ import os
 import torch
 
 from k3ray.kernels import attn_res as _attn_res
+from k3ray.kernels import grad_accumulation as _grad_acc
 from k3ray.kernels import grouped_ffn as _ffn
 from k3ray.kernels import histogram as _hist
 from k3ray.kernels import kda as _kda
@@ -41,7 +42,7 @@ from k3ray.kernels import permute as _perm
 from k3ray.kernels import short_conv as _conv
 from k3ray.kernels import situ_glu as _situ
 
-adding_into_grads = _ffn.adding_into_grads
+adding_into_grads = _grad_acc.adding_into_grads
 
 _BACKENDS = ("auto", "reference", "triton")
 _backend = os.environ.get("K3RAY_KERNELS", "auto")

@@ -7,13 +7,13 @@ group_ends [G] int32: cumulative end row of each group (torch._grouped_mm's `off
 """
 from __future__ import annotations
 
-import contextlib
 import threading
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from k3ray.kernels import grouped_gemm as gg
+from k3ray.kernels.grad_accumulation import grad_to_add_into
 from k3ray.kernels.situ_glu import BETA, BETA_LIN, INTERPRET, situ_glu_reference
 
 
@@ -241,29 +241,6 @@ def _wgrad(p, q, sched: _Schedule, out_dtype, into: torch.Tensor | None = None):
     return out
 
 
-_adding_into_grads = False  # inside `adding_into_grads`
-
-
-@contextlib.contextmanager
-def adding_into_grads():
-    """Backward passes (`.backward()`, which accumulates into `.grad`) inside it add the weight gradients into a
-    leaf weight's `.grad` left by an earlier backward (the micro-batches before this one) in the weight-gradient
-    kernel itself: one rounding, and no separate add over the whole weight as autograd's accumulation does. Not
-    for `torch.autograd.grad`, which must return the gradient and leave `.grad` alone."""
-    global _adding_into_grads
-    before, _adding_into_grads = _adding_into_grads, True
-    try:
-        yield
-    finally:
-        _adding_into_grads = before
-
-
-def _grad_to_add_into(w: torch.Tensor) -> torch.Tensor | None:
-    """The `.grad` the weight-gradient kernel adds into (`adding_into_grads`), or None: autograd takes the gradient."""
-    g = w.grad if _adding_into_grads and w.is_leaf else None
-    return g if g is not None and g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous() else None
-
-
 class _GroupedFFN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, w2, group_ends, row_scale, group_order):
@@ -282,7 +259,7 @@ class _GroupedFFN(torch.autograd.Function):
         dh, ds = _ffn_dh(dy, w2, h, row_scale, sched, BETA, BETA_LIN)
         dx = _grouped_mm(dh, w1, sched, None, "dx", transpose_b=True) if ctx.needs_input_grad[0] else None
         # a weight whose gradient an earlier micro-batch left gets this one's added in place (returned as None)
-        w1_grad, w2_grad = _grad_to_add_into(ctx.weights[0]), _grad_to_add_into(ctx.weights[1])
+        w1_grad, w2_grad = grad_to_add_into(ctx.weights[0]), grad_to_add_into(ctx.weights[1])
         dw1 = dw2 = None
         if ctx.needs_input_grad[1]:
             dw1 = _wgrad(x, dh, sched, w1.dtype, w1_grad)
