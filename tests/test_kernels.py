@@ -170,36 +170,6 @@ def test_grouped_ffn_forward_backward_fp32(poisoned, shape, layout, scale):
         assert rel_err(a.grad, b.grad) < tol, name
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_linear_micro_batches_add_into_the_weight_grad(dtype):
-    """kernels.linear is torch's linear; inside `adding_into_grads` a backward adds its weight gradient into the
-    `.grad` an earlier micro-batch left (the same tensor, updated in place), giving autograd's accumulation of
-    torch's linear (bf16: within the rounding it saves); `torch.autograd.grad` outside it leaves `.grad` alone."""
-    g = torch.Generator(device=DEV).manual_seed(0)
-    xs = [torch.randn(2, 5, 24, device=DEV, generator=g).to(dtype).requires_grad_() for _ in range(2)]
-    w0 = torch.randn(12, 24, device=DEV, generator=g).to(dtype)
-    w, ref = w0.clone().requires_grad_(), w0.clone().requires_grad_()
-    for i, x in enumerate(xs):
-        dy = torch.randn(2, 5, 12, device=DEV, generator=g).to(dtype)
-        with kernels.adding_into_grads():
-            y = kernels.linear(x, w)
-            y.backward(dy)
-        torch.nn.functional.linear(x.detach().requires_grad_(), ref).backward(dy)
-        assert torch.equal(y, torch.nn.functional.linear(x, w0))
-        if i == 0:
-            first = w.grad
-    assert w.grad is first  # the second micro-batch's went into it
-    tol = 1e-12 if dtype == torch.float64 else 1e-2
-    assert rel_err(w.grad, ref.grad) < tol
-    assert rel_err(xs[1].grad, torch.autograd.grad(torch.nn.functional.linear(xs[1], w0), xs[1], dy)[0]) < tol
-    before = w.grad.clone()
-    (got,) = torch.autograd.grad(kernels.linear(xs[0], w).sum(), w)
-    assert rel_err(got, torch.autograd.grad(torch.nn.functional.linear(xs[0], ref).sum(), ref)[0]) < tol
-    assert torch.equal(w.grad, before)
-    with torch.no_grad():
-        assert torch.equal(kernels.linear(xs[0], w), torch.nn.functional.linear(xs[0], w0))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_ffn_micro_batches_add_into_the_weight_grads(poisoned, monkeypatch, dtype):
     """Two micro-batches' backward passes through the same leaf weights: inside `adding_into_grads` the second adds

@@ -99,8 +99,7 @@ def test_moved_shard_then_moonep_switched_off_live_train_as_the_unfailed_run(ray
         before = ray.get(controller.evaluate.remote(), timeout=300)
         placement = ray.get(controller.move_experts.remote([0, 1, 2], 1), timeout=300)
         assert placement["home"][:3] == [1, 1, 1]
-        # the same function: where an expert is computed may only change the float64 sums' last bit
-        assert ray.get(controller.evaluate.remote(), timeout=300) == pytest.approx(before, rel=1e-14, abs=0)
+        assert ray.get(controller.evaluate.remote(), timeout=300) == before
         losses.append(ray.get(controller.train_step.remote(3, 3), timeout=300)["loss"])
         params = job_params(controller)
 

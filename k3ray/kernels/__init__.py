@@ -4,7 +4,6 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 
 | function | reference | Triton | autograd |
 |---|---|---|---|
-| linear(x, w) | torch.nn.functional.linear | - (cuBLAS; weight gradient: grad_accumulation) | x, w |
 | situ_glu(gate, up, beta, beta_lin) | situ_glu.situ_glu_reference | situ_glu.situ_glu_triton | gate, up |
 | grouped_expert_ffn(x, w1, w2, group_ends, row_scale) | grouped_ffn.*_reference | grouped_ffn.*_triton | x, w1, w2, row_scale |
 | permute_rows(x, dest, num_rows) | permute.*_reference | permute.*_triton | x |
@@ -18,8 +17,8 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | kda_gate(raw, A_log, dt_bias, lower_bound) | kda.kda_gate_reference | kda.kda_gate_fla | all |
 | short_conv(x, weight, state, output_final_state, cu_seqlens) | short_conv.*_reference | *_fla (no state), *_varlen | all |
 
-`adding_into_grads()` (grad_accumulation): inside it, a backward adds weight gradients into the `.grad` an earlier
-micro-batch left in the GEMM that makes them (the routed experts' Triton kernel; `linear` for the dense weights).
+`adding_into_grads()` (grad_accumulation): inside it, a backward adds the routed experts' weight gradients into the
+`.grad` an earlier micro-batch left, in the Triton kernel that makes them.
 
 Every public function here runs outside torch.compile's graphs (`outside_compile`): a compiled decoder block
 (execution.compile_blocks) breaks its graph around each kernel call instead of tracing into Triton launchers and fla's
@@ -44,7 +43,6 @@ from k3ray.kernels import short_conv as _conv
 from k3ray.kernels import situ_glu as _situ
 
 adding_into_grads = _grad_acc.adding_into_grads
-linear = _grad_acc.linear
 
 _BACKENDS = ("auto", "reference", "triton")
 _backend = os.environ.get("K3RAY_KERNELS", "auto")

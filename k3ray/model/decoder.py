@@ -17,7 +17,7 @@ from torch import nn
 
 from k3ray.config import ExecutionConfig, ModelConfig
 from k3ray.model.cache import IterationCache
-from k3ray.model.layers import KDA, AttnResRead, Documents, GatedMLA, Linear, RMSNorm, SiTUFFN
+from k3ray.model.layers import KDA, AttnResRead, Documents, GatedMLA, RMSNorm, SiTUFFN
 from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts, maxabs
 from k3ray.model.recompute import recompute_elementwise
 
@@ -144,7 +144,7 @@ class K3Stage(nn.Module):
         self.output_res = AttnResRead(cfg.d_model, cfg.norm_eps) if self.is_last and cfg.attn_res_block_size \
             else None
         self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps) if self.is_last else None
-        self.lm_head = Linear(cfg.d_model, cfg.vocab_size) if self.is_last else None
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False) if self.is_last else None
 
     def forward(self, x: torch.Tensor, cache: IterationCache | None = None,
                 documents: Documents | None = None) -> torch.Tensor:

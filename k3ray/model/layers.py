@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import attn_res_value_grad, kda_attention, kda_gate, linear, outside_compile, short_conv, situ_glu
+from k3ray.kernels import attn_res_value_grad, kda_attention, kda_gate, outside_compile, short_conv, situ_glu
 
 if TYPE_CHECKING:
     from k3ray.model.cache import IterationCache
@@ -29,17 +29,6 @@ if TYPE_CHECKING:
 # benchmarks/attention_gpu.py, RESULTS.md).
 MLA_CUDA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                      SDPBackend.MATH]
-
-
-class Linear(nn.Linear):
-    """torch's Linear without a bias, whose weight gradients of the micro-batches after the first are added into
-    `.grad` by the GEMM (k3ray.kernels.linear)."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(in_features, out_features, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
 
 
 class RMSNorm(nn.Module):
@@ -98,16 +87,16 @@ class GatedMLA(nn.Module):
         self.rotate, self.theta = cfg.mla_rope, cfg.rope_theta
         self.scale = (h + p) ** -0.5
         if cfg.q_lora_rank:
-            self.w_q_down = Linear(d, cfg.q_lora_rank)
+            self.w_q_down = nn.Linear(d, cfg.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-            self.w_q_up = Linear(cfg.q_lora_rank, H * (h + p))
+            self.w_q_up = nn.Linear(cfg.q_lora_rank, H * (h + p), bias=False)
         else:
-            self.w_q = Linear(d, H * (h + p))
-        self.w_dkv = Linear(d, cfg.kv_rank + p)
+            self.w_q = nn.Linear(d, H * (h + p), bias=False)
+        self.w_dkv = nn.Linear(d, cfg.kv_rank + p, bias=False)
         self.kv_norm = RMSNorm(cfg.kv_rank, cfg.norm_eps)
-        self.w_ukv = Linear(cfg.kv_rank, H * 2 * h)
-        self.w_g = Linear(d, H * h)
-        self.w_o = Linear(H * h, d)
+        self.w_ukv = nn.Linear(cfg.kv_rank, H * 2 * h, bias=False)
+        self.w_g = nn.Linear(d, H * h, bias=False)
+        self.w_o = nn.Linear(H * h, d, bias=False)
 
     def latent(self, x_BSd: torch.Tensor) -> torch.Tensor:
         """What the cache keeps per token: [c | k_p] [B, S, r + p]."""
@@ -222,22 +211,22 @@ class KDA(nn.Module):
         self.lower_bound = cfg.kda_gate_lower_bound
         self.read_scale = K ** -0.5 if cfg.kda_scaled_read else 1.0
         hd = H * K
-        self.w_q = Linear(d, hd)
-        self.w_k = Linear(d, hd)
-        self.w_v = Linear(d, hd)
+        self.w_q = nn.Linear(d, hd, bias=False)
+        self.w_k = nn.Linear(d, hd, bias=False)
+        self.w_v = nn.Linear(d, hd, bias=False)
         self.conv_size = cfg.kda_conv_size
         if self.conv_size:
             self.q_conv = nn.Conv1d(hd, hd, self.conv_size, groups=hd, bias=False)  # weight only; kernels.short_conv
             self.k_conv = nn.Conv1d(hd, hd, self.conv_size, groups=hd, bias=False)
             self.v_conv = nn.Conv1d(hd, hd, self.conv_size, groups=hd, bias=False)
-        self.w_a_down = Linear(d, K)
-        self.w_a_up = Linear(K, hd)
+        self.w_a_down = nn.Linear(d, K, bias=False)
+        self.w_a_up = nn.Linear(K, hd, bias=False)
         self.A_log = nn.Parameter(torch.zeros(H))
         self.dt_bias = nn.Parameter(torch.zeros(hd))
-        self.w_b = Linear(d, H)
+        self.w_b = nn.Linear(d, H, bias=False)
         self.o_norm = RMSNorm(K, cfg.norm_eps)
-        self.w_g = Linear(d, hd)
-        self.w_o = Linear(hd, d)
+        self.w_g = nn.Linear(d, hd, bias=False)
+        self.w_o = nn.Linear(hd, d, bias=False)
 
     def conv_weight(self) -> torch.Tensor:
         """The three convolutions as one [3 H K, W] (q, k, v channels concatenated)."""
@@ -290,9 +279,9 @@ class SiTUFFN(nn.Module):
 
     def __init__(self, d_model: int, inner: int):
         super().__init__()
-        self.w_gate = Linear(d_model, inner)
-        self.w_up = Linear(d_model, inner)
-        self.w_out = Linear(inner, d_model)
+        self.w_gate = nn.Linear(d_model, inner, bias=False)
+        self.w_up = nn.Linear(d_model, inner, bias=False)
+        self.w_out = nn.Linear(inner, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_out(situ_glu(self.w_gate(x), self.w_up(x)))
@@ -382,7 +371,7 @@ class AttnResRead(nn.Module):
 
     def __init__(self, d_model: int, eps: float):
         super().__init__()
-        self.proj = Linear(d_model, 1)
+        self.proj = nn.Linear(d_model, 1, bias=False)
         self.norm = RMSNorm(d_model, eps)
 
     def forward(self, values: list[torch.Tensor]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 from k3ray.config import ModelConfig
 from k3ray.kernels import grouped_expert_ffn, outside_compile, permute_rows, unpermute_rows
 from k3ray.model.balancing import own_bias, select_experts
-from k3ray.model.layers import Linear, RMSNorm, SiTUFFN
+from k3ray.model.layers import RMSNorm, SiTUFFN
 
 if TYPE_CHECKING:
     from k3ray.model.cache import IterationCache
@@ -141,11 +141,11 @@ class LatentMoE(nn.Module):
     def __init__(self, cfg: ModelConfig, experts: nn.Module):
         super().__init__()
         self.cfg = cfg
-        self.w_down = Linear(cfg.d_model, cfg.d_latent)
+        self.w_down = nn.Linear(cfg.d_model, cfg.d_latent, bias=False)
         self.router = Router(cfg.d_model, cfg.n_experts)
         self.experts = experts
         self.norm = RMSNorm(cfg.d_latent, cfg.norm_eps)
-        self.w_up = Linear(cfg.d_latent, cfg.d_model)
+        self.w_up = nn.Linear(cfg.d_latent, cfg.d_model, bias=False)
         self.shared = nn.ModuleList(SiTUFFN(cfg.d_model, cfg.shared_inner) for _ in range(cfg.n_shared))
         self.stats = RoutingStats()
 
