@@ -1,7 +1,7 @@
 """Precision helpers: "compute in fp32" means at least fp32, so a float64 model (used to check equivalence
 without rounding noise) is never rounded down.
 
-Matmuls with an fp32 result (`mm_f32`, `bmm_f32`, `matmul_f32`): bf16/fp16 operands on CUDA go through the tensor
+Matmuls with an fp32 result (`mm_f32`, `matmul_f32`): bf16/fp16 operands on CUDA go through the tensor
 cores in one GEMM with fp32 accumulation and an fp32 output (cuBLAS, torch's `out_dtype`), with no widened copies of
 the operands; elsewhere the operands are widened first, which forms the same products (a bf16 x bf16 product is exact
 in fp32) and sums them in fp32 too."""
@@ -22,11 +22,6 @@ def _tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b [K, N] -> [M, N] in fp32 (float64 stays float64). Not differentiable (`matmul_f32` is)."""
     return torch.mm(a, b, out_dtype=torch.float32) if _tensor_cores(a, b) else torch.mm(up32(a), up32(b))
-
-
-def bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [G, M, K] @ b [G, K, N] -> [G, M, N] in fp32 (float64 stays float64). Not differentiable."""
-    return torch.bmm(a, b, out_dtype=torch.float32) if _tensor_cores(a, b) else torch.bmm(up32(a), up32(b))
 
 
 class _MatmulF32(torch.autograd.Function):

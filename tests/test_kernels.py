@@ -26,7 +26,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import k3ray.kernels as kernels  # noqa: E402
-from k3ray.kernels.attn_res import attn_res_value_grad_reference, attn_res_value_grad_triton  # noqa: E402
+from k3ray.kernels import attn_res as attn_res_kernels  # noqa: E402
 from k3ray.kernels.grouped_ffn import grouped_expert_ffn_reference, grouped_expert_ffn_triton  # noqa: E402
 from k3ray.kernels.histogram import score_histogram_reference, score_histogram_triton  # noqa: E402
 from k3ray.kernels.permute import (  # noqa: E402
@@ -468,19 +468,44 @@ def test_short_conv_varlen_equals_the_per_sequence_reference(lengths, W, fresh, 
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("N,T,d", [(2, 5, 300), (3, 33, 64), (1, 16, 256)])
-def test_attn_res_value_grad_matches_reference(N, T, d):
-    """The AttnRes read's value gradient p dh + a u + b v: the kernel equals its reference in fp32 (every element
-    written: odd T and d past the tiles), and in bf16 within one rounding of the fp32 result."""
+def _attn_res_inputs(N, T, d):
     g = torch.Generator().manual_seed(N * 1000 + T)
     p = torch.softmax(torch.randn(N, T, generator=g), 0)
     a, b = torch.randn(N, T, generator=g), torch.randn(N, T, generator=g) * 1e-3
     u, dh, v = torch.randn(d, generator=g), torch.randn(T, d, generator=g), torch.randn(N, T, d, generator=g)
-    args = [t.to(DEV) for t in (p, dh, a, b, u, v)]
-    want = attn_res_value_grad_reference(*args)
-    torch.testing.assert_close(attn_res_value_grad_triton(*args), want, rtol=1e-6, atol=1e-6)
-    bf = args[:1] + [args[1].bfloat16()] + args[2:5] + [args[5].bfloat16()]
-    got = attn_res_value_grad_triton(*bf)
-    assert got.dtype == torch.bfloat16
-    exact = attn_res_value_grad_reference(*[t.float() for t in bf])
-    torch.testing.assert_close(got.float(), exact, rtol=2 ** -7, atol=1e-5)
+    dh = dh.bfloat16().float()  # exact in either dtype under test
+    return {k: t.to(DEV) for k, t in dict(p=p, a=a, b=b, u=u, dh=dh, v=v).items()}
+
+
+_ATTN_RES_CALLS = {  # kernel name: its arguments from _attn_res_inputs, the values v in the dtype under test
+    "attn_res_scores": lambda x, v: (v, x["u"], 1e-5),
+    "attn_res_weighted_sum": lambda x, v: (x["p"], v),
+    "attn_res_value_dots": lambda x, v: (x["dh"].to(v.dtype), v),
+    "attn_res_value_grad": lambda x, v: (x["p"], x["dh"].to(v.dtype), x["a"], x["b"], x["u"], v),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_ATTN_RES_CALLS))
+@pytest.mark.parametrize("N,T,d", [(2, 5, 300), (3, 33, 64), (1, 16, 256)])
+def test_attn_res_kernels_match_references(name, N, T, d):
+    """An AttnRes read's passes (scores, mix, the values' dots with dh, the values' gradient with x): each kernel
+    equals its reference on fp32 values (every element written: odd T and d past the tiles; x summed over more
+    than one token tile), and on bf16 values within one bf16 rounding of the exact sums over the values as stored."""
+    x = _attn_res_inputs(N, T, d)
+    triton_fn = getattr(attn_res_kernels, f"{name}_triton")
+    reference = getattr(attn_res_kernels, f"{name}_reference")
+
+    def outputs(fn, v):
+        out = fn(*_ATTN_RES_CALLS[name](x, v))
+        return out if isinstance(out, tuple) else (out,)
+
+    for got, want in zip(outputs(triton_fn, x["v"]), outputs(reference, x["v"]), strict=True):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    bf = x["v"].bfloat16()
+    for got, want in zip(outputs(triton_fn, bf), outputs(reference, bf.float()), strict=True):
+        if got.dtype == torch.bfloat16:  # rounded once to the values' dtype
+            torch.testing.assert_close(got.float(), want, rtol=2 ** -7, atol=1e-5)
+        else:  # fp32 sums over the bf16 values
+            assert got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

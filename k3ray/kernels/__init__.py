@@ -9,7 +9,10 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | permute_rows(x, dest, num_rows) | permute.*_reference | permute.*_triton | x |
 | unpermute_rows(y, dest, weights) | permute.*_reference | permute.*_triton | y, weights |
 | score_histogram(values, lo, hi, bins) | histogram.*_reference | histogram.*_triton | - |
-| attn_res_value_grad(p, dh, a, b, u, v) | attn_res.*_reference | attn_res.*_triton | - (a backward's part) |
+| attn_res_scores(v, u, eps) -> r, s | attn_res.*_reference | attn_res.*_triton | - (an AttnRes read's parts) |
+| attn_res_weighted_sum(p, v) | attn_res.*_reference | attn_res.*_triton | - |
+| attn_res_value_dots(dh, v) | attn_res.*_reference | attn_res.*_triton | - |
+| attn_res_value_grad(p, dh, a, b, u, v) -> dv, x | attn_res.*_reference | attn_res.*_triton | - |
 | kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.*_reference | kda.*chunk_fla | all |
 | kda_decode(same) | kda.kda_recurrent_reference | kda.kda_recurrent_fla | - |
 | kda_decode_slots(q, k, v, g, beta, pool, slots) | kda.*_reference | kda.*_fla | - |
@@ -115,8 +118,29 @@ def score_histogram(values: torch.Tensor, lo: float, hi: float, bins: int) -> to
 
 
 @outside_compile
+def attn_res_scores(v_NTd: torch.Tensor, u_d: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if _triton(v_NTd):
+        return _attn_res.attn_res_scores_triton(v_NTd, u_d, eps)
+    return _attn_res.attn_res_scores_reference(v_NTd, u_d, eps)
+
+
+@outside_compile
+def attn_res_weighted_sum(p_NT: torch.Tensor, v_NTd: torch.Tensor) -> torch.Tensor:
+    if _triton(v_NTd):
+        return _attn_res.attn_res_weighted_sum_triton(p_NT, v_NTd)
+    return _attn_res.attn_res_weighted_sum_reference(p_NT, v_NTd)
+
+
+@outside_compile
+def attn_res_value_dots(dh_Td: torch.Tensor, v_NTd: torch.Tensor) -> torch.Tensor:
+    if _triton(v_NTd):
+        return _attn_res.attn_res_value_dots_triton(dh_Td, v_NTd)
+    return _attn_res.attn_res_value_dots_reference(dh_Td, v_NTd)
+
+
+@outside_compile
 def attn_res_value_grad(p_NT: torch.Tensor, dh_Td: torch.Tensor, a_NT: torch.Tensor, b_NT: torch.Tensor,
-                        u_d: torch.Tensor, v_NTd: torch.Tensor) -> torch.Tensor:
+                        u_d: torch.Tensor, v_NTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if _triton(v_NTd):
         return _attn_res.attn_res_value_grad_triton(p_NT, dh_Td, a_NT, b_NT, u_d, v_NTd)
     return _attn_res.attn_res_value_grad_reference(p_NT, dh_Td, a_NT, b_NT, u_d, v_NTd)

@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from k3ray.dtypes import bmm_f32, mm_f32, up32
+from k3ray.dtypes import up32
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import attn_res_value_grad, kda_attention, kda_gate, outside_compile, short_conv, situ_glu
+from k3ray.kernels import (attn_res_scores, attn_res_value_dots, attn_res_value_grad, attn_res_weighted_sum,
+                            kda_attention, kda_gate, outside_compile, short_conv, situ_glu)
 
 if TYPE_CHECKING:
     from k3ray.model.cache import IterationCache
@@ -306,38 +307,29 @@ def attn_res_mix(values_NBSd: torch.Tensor, query_d: torch.Tensor, norm_weight_d
     return _AttnResMix.apply(values_NBSd, query_d, norm_weight_d, eps)
 
 
-def _hilo(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x (fp32) [..] -> [.., 2] in `dtype`, hi + lo = x to ~16 significant bits for bf16 (exact for float64): a GEMM
-    against both columns costs one read of the other operand, as against x rounded once."""
-    hi = x.to(dtype)
-    return torch.stack([hi, (x - hi.to(x.dtype)).to(dtype)], dim=-1)
-
-
 class _AttnResMix(torch.autograd.Function):
     """`attn_res_mix` for bf16/fp16 values v [N, B, S, d] (T = B S tokens), written with the norm folded into the
     score: s_nt = r_nt (v_nt . u), r_nt = (|v_nt|^2 / d + eps)^-1/2, u = w * g (g the key norm's weight).
 
-    Forward reads the values three times (|v|^2 in fp32, the scores, the mix) and writes only h: the scores come out of
-    their GEMM in fp32 against u as two bf16 terms (`_hilo`); p = softmax is fp32 and rounded to bf16 for the mixing
-    GEMM, as attention kernels round P before P V (the rounded weights sum to 1 only to bf16 rounding: a scale of h
-    per token, which the RMSNorm every reader of h applies first takes out).
-    Backward, with ds = p (dp - sum_n p dp) from dp = dh . v_n in fp32:
-        dw = g * X, dg = w * X, X = sum_nt ds r v_nt (a GEMM on the exact values; ds r as two bf16 terms);
-        dv_nt = p_nt dh_t + ds r u - ds s r^2 / d v_nt (in fp32, rounded once: k3ray.kernels.attn_res_value_grad).
-    ds sums to zero over depth while the values share a large common part: the sums over tokens for dw and dg take
-    the exact values and ~16-bit coefficients, so no per-element bf16 rounding leaks that common part in (bf16 keys,
-    or ds rounded once, put those gradients off by a few percent when the values are alike)."""
+    Forward reads the values twice (r and s in one pass, the mix in another: k3ray.kernels.attn_res_scores and
+    attn_res_weighted_sum) and writes only h; scores, the softmax and the mix's sums are fp32, h rounded once.
+    Backward, with ds = p (dp - sum_n p dp) from dp = dh . v_n in fp32 (attn_res_value_dots):
+        dw = g * X, dg = w * X, X = sum_nt ds r v_nt;
+        dv_nt = p_nt dh_t + ds r u - ds s r^2 / d v_nt,
+    both in one pass (attn_res_value_grad), fp32 over the values as stored, dv rounded once. ds sums to zero over
+    depth while the values share a large common part: X sums the exact values against fp32 coefficients, so no
+    per-element bf16 rounding leaks that common part in (bf16 keys, or ds rounded, put those gradients off by a few
+    percent when the values are alike)."""
 
     @staticmethod
     def forward(ctx, values_NBSd, query_d, norm_weight_d, eps):
-        N, d, dt = values_NBSd.shape[0], values_NBSd.shape[-1], values_NBSd.dtype
-        flat = values_NBSd.reshape(-1, d)  # [N T, d]
-        wide = torch.float64 if dt == torch.float64 else torch.float32
-        r = torch.rsqrt(torch.linalg.vector_norm(flat, dim=-1, dtype=wide).square() / d + eps)  # [N T]
+        N, d = values_NBSd.shape[0], values_NBSd.shape[-1]
+        v_NTd = values_NBSd.reshape(N, -1, d)
+        wide = torch.float64 if values_NBSd.dtype == torch.float64 else torch.float32
         u = query_d.to(wide) * norm_weight_d.to(wide)
-        s = r * mm_f32(flat, _hilo(u, dt)).sum(1)
-        p = torch.softmax(s.view(N, -1), dim=0)  # [N, T]
-        h = torch.bmm(p.t().to(dt)[:, None, :], flat.view(N, -1, d).transpose(0, 1))  # [T, 1, N] @ [T, N, d]
+        r, s = attn_res_scores(v_NTd, u, eps)  # [N, T]
+        p = torch.softmax(s, dim=0)
+        h = attn_res_weighted_sum(p, v_NTd)
         ctx.save_for_backward(values_NBSd, query_d, norm_weight_d, r, s, p)
         return h.view(values_NBSd.shape[1:])
 
@@ -345,17 +337,15 @@ class _AttnResMix(torch.autograd.Function):
     def backward(ctx, grad_BSd):
         values_NBSd, query_d, norm_weight_d, r, s, p = ctx.saved_tensors
         N, d, dt = values_NBSd.shape[0], values_NBSd.shape[-1], values_NBSd.dtype
-        flat = values_NBSd.reshape(-1, d)
-        v_NTd = flat.view(N, -1, d)
+        v_NTd = values_NBSd.reshape(N, -1, d)
         dh_Td = grad_BSd.reshape(-1, d).to(dt)
-        dp = bmm_f32(dh_Td[:, None, :], v_NTd.permute(1, 2, 0)).view(-1, N).t()  # [T, 1, d] @ [T, d, N] -> [N, T]
-        c_u = (p * (dp - (p * dp).sum(0, keepdim=True))).reshape(-1) * r  # ds r [N T]
-        X = mm_f32(flat.t(), _hilo(c_u, dt)).sum(1)  # [d]
-        wide = X.dtype
+        dp = attn_res_value_dots(dh_Td, v_NTd)  # [N, T]
+        c_u = p * (dp - (p * dp).sum(0, keepdim=True)) * r  # ds r
+        wide = c_u.dtype
+        u = query_d.to(wide) * norm_weight_d.to(wide)
+        grad_v, X = attn_res_value_grad(p, dh_Td, c_u, c_u * s * r / -d, u, v_NTd)
         grad_query = (norm_weight_d.to(wide) * X).to(query_d.dtype)
         grad_norm = (query_d.to(wide) * X).to(norm_weight_d.dtype)
-        u = query_d.to(wide) * norm_weight_d.to(wide)
-        grad_v = attn_res_value_grad(p, dh_Td, c_u.view(N, -1), (c_u * s * r / -d).view(N, -1), u, v_NTd)
         return grad_v.view_as(values_NBSd), grad_query, grad_norm, None
 
 
