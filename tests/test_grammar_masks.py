@@ -172,7 +172,7 @@ def test_what_the_grammar_forces_is_prefilled_not_decoded_and_the_output_is_unch
     else:
         forced = '{"name": "'
     outs, log, _ = run(model, grammar, overlap=True, **size)
-    monkeypatch.setattr(RequestLogits, "forced", lambda self, tok, limit, least=1, usable=None: [])
+    monkeypatch.setattr(RequestLogits, "forced", lambda self, tok, limit, usable=None: [])
     decoded, decoded_log, _ = run(model, grammar, overlap=True, **size)
     assert outs == decoded  # the same tokens (the forced ones, then what the model chose), greedy and sampled
     assert all(bytes(o).decode(errors="replace").startswith(forced) for o in outs)
@@ -195,7 +195,7 @@ def test_a_stop_string_inside_forced_text_ends_the_output_where_decoding_would(m
     grammar = text, asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(text))
     size = {"pages": 256, "max_tokens": 160, "stop": ("call_begin",)}
     outs, log, sched = run(model, grammar, overlap=True, **size)
-    monkeypatch.setattr(RequestLogits, "forced", lambda self, tok, limit, least=1, usable=None: [])
+    monkeypatch.setattr(RequestLogits, "forced", lambda self, tok, limit, usable=None: [])
     decoded, decoded_log, _ = run(model, grammar, overlap=True, **size)
     assert outs == decoded
     assert all(bytes(o).decode().endswith("<|tool_call_begin") for o in outs)  # the stop's last token ended it
@@ -203,17 +203,61 @@ def test_a_stop_string_inside_forced_text_ends_the_output_where_decoding_would(m
     assert len(log) < len(decoded_log)  # the jump still took the forced text before the stop string
 
 
-def test_a_forced_run_shorter_than_asked_is_left_to_decode(grammar):
+def test_what_the_grammar_forces_is_taken_up_to_the_room_left(grammar):
     text, compiled = grammar
     logits = RequestLogits(SamplingParams(max_tokens=100, grammar=text), compiled)
     logits.jump_forward()
     tok = ByteTokenizer()
-    assert logits.forced(tok, 100, least=11) == []  # '{"name": "' is 10 tokens: none taken
-    assert bytes(logits.forced(tok, 100, least=10)).decode() == '{"name": "'
+    assert bytes(logits.forced(tok, 100)).decode() == '{"name": "'
     assert logits.forced(tok, 100) == []  # then the model writes the name: nothing forced
     for token in b'ab"':
         logits.accept(token)
     assert bytes(logits.forced(tok, 3)).decode() == ', "'  # at most the room left
+
+
+def test_forced_output_rides_an_eager_iteration_whole_and_a_decode_one_a_token(model):
+    """With decode graphs (stepwise_prefill_max > 0), a run of forced output shorter than its rank's rows is fed
+    one token an iteration where the iteration decodes only (it stays decode-shaped: a graph), and whole where a
+    prompt chunk makes the iteration eager anyway or the run is longer than the rows; the outputs are those of
+    feeding every run whole (float64)."""
+    schema = {"type": "object", "required": ["name", "n", "a_key_longer_than_the_rows_are_many"],
+              "properties": {"name": {"type": "string"}, "n": {"type": "integer"},
+                             "a_key_longer_than_the_rows_are_many": {"type": "integer"}}}
+    text = request_grammar({"type": "json_schema", "json_schema": {"schema": schema}}, None, None, False)
+    compiled = asyncio.run(Grammars(ByteTokenizer(), 30.0).compile(text))
+    prompts = [encode(p) for p in PROMPTS * 2]
+
+    def served(stepwise: int):
+        serve = ServeConfig(page_size=4, pages_per_rank=256, slots_per_rank=8, token_budget=64, max_waiting=64,
+                            stepwise_prefill_max=stepwise)
+        sched = Scheduler(serve, model.cfg.max_seq_len, tokenizer=ByteTokenizer())
+        ex = LocalExecutor(model, PoolSizes(256, 4, 8))
+        params = [SamplingParams(max_tokens=60, grammar=text, temperature=0.0, stop=("\n### ",)) for _ in prompts]
+        reqs, submit = [], sched.submit
+        sched.submit = lambda prompt, sp: reqs.append(submit(prompt, sp, compiled)) or reqs[-1]
+        log = []
+        # the second half arrives later: its prompt chunks make some iterations eager
+        drive(sched, ex, overlap=True, submit_at={0: list(zip(prompts[:4], params[:4])),
+                                                   12: list(zip(prompts[4:], params[4:]))}, log=log)
+        return [r.out for r in reqs], log
+
+    outs, log = served(stepwise=1)  # prompts are longer than 1 token: only forced runs go stepwise
+    whole, whole_log = served(stepwise=0)
+    assert outs == whole
+    fed_one, fed_whole = 0, 0
+    for plans in log:
+        for b in plans.ranks.values():
+            counts, ending = b.plan.counts, {r.row for r in b.plan.logits}
+            output = [start >= len(req.prompt) for start, req in zip(b.plan.starts, b.requests)]
+            prompt_chunk = any(n > 1 and not out for n, out in zip(counts, output))
+            for row, n in enumerate(counts):
+                if output[row] and n > 1:  # forced output fed whole: the iteration was eager, or the run long
+                    assert prompt_chunk or n > len(counts) or sum(m > 1 for m in counts) > 1
+                    fed_whole += 1
+                elif output[row] and row not in ending:  # a forced token fed alone, its sampled token dropped
+                    assert max(counts) == 1
+                    fed_one += 1
+    assert fed_one and fed_whole
 
 
 def _forced_runs(text: str, chosen: bytes) -> list[str]:

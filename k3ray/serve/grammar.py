@@ -210,11 +210,10 @@ class RequestLogits:
         if self.matcher is not None and not self.matcher.is_terminated() and not self.matcher.accept_token(token):
             self.matcher = None  # not what the grammar allows (cannot happen under its mask): jump no further
 
-    def forced(self, tok: Tokenizer, limit: int, least: int = 1,
-               usable: Callable[[list[int]], int] | None = None) -> list[int]:
+    def forced(self, tok: Tokenizer, limit: int, usable: Callable[[list[int]], int] | None = None) -> list[int]:
         """The tokens the grammar allows no alternative to next (a tool call's markers and name, a JSON schema's
-        keys and punctuation), at most `limit`, none where fewer than `least`, taken as the output's (accepted and
-        counted): the request prefills them in its next row instead of decoding them one iteration each. The
+        keys and punctuation), at most `limit`, taken as the output's (accepted and counted): the request feeds
+        them to the model without sampling them (the scheduler's `_jump_forward`). The
         forced text is tokenized as the tokenizer would; a token the grammar does not accept ends them. `usable`:
         how many of the leading ids may be taken (a stop string's last token is left to decode, which ends the
         request as decoding all of them would)."""
@@ -226,7 +225,7 @@ class RequestLogits:
         if usable is not None and ids:
             ids = ids[:usable(ids)]
         out: list[int] = []
-        for token in ids if len(ids) >= least else ():
+        for token in ids:
             if not m.accept_token(token):
                 break
             out.append(token)

@@ -89,5 +89,5 @@ class RequestTable:
 
 def _forget_caches(req: Request) -> None:
     req.rank, req.pages, req.slot = -1, [], -1
-    req.cached = req.planned = req.unconfirmed = req.in_flight = req.blocks_offered = 0
+    req.cached = req.planned = req.unconfirmed = req.in_flight = req.blocks_offered = req.forced_end = 0
     req.shared_blocks = {}

@@ -37,7 +37,9 @@ that many tokens is fed one token per iteration, as a decode row whose sampled t
 Every iteration of such requests is decode-shaped, so it replays a CUDA graph (a few ms at any batch) instead of
 running eagerly; a short prompt's first token comes after as many iterations as it has tokens. The caches hold what
 a chunk would leave (the same recurrence and attention, one position at a time: in float64 the outputs are the
-reference's; in bf16 the rounding differs from a chunk's, as it does between chunks of other sizes).
+reference's; in bf16 the rounding differs from a chunk's, as it does between chunks of other sizes). So is a run
+of output a grammar forces (jump-forward: written at once, none of it sampled) shorter than its rank's rows, in an
+iteration that decodes only; in an iteration that runs eagerly anyway it is fed whole (k3ray.serve.feeding).
 
 Interface: `submit`, `schedule` -> SchedulerOutput, `complete(output, answers by rank)`; `step` runs both with a
 synchronous executor (tests, the single-process engine); `reset` after a lost grid. The requests themselves, and
@@ -57,6 +59,7 @@ from k3ray.model.sampling import GrammarRow, SamplingParams, finish_reason
 from k3ray.parallel.serving import StageOutput
 from k3ray.policies import guards
 from k3ray.serve.cache_allocator import CacheAllocator
+from k3ray.serve.feeding import eager_ranks, forced_only, stepwise
 from k3ray.serve.grammar import GrammarBooks, RequestLogits, needs_logits
 from k3ray.serve.pacing import IterationPacer, paced_chunk
 from k3ray.serve.prefix_cache import Hit, PrefixSizes
@@ -72,12 +75,6 @@ class Overloaded(RuntimeError):
     """The waiting queue is full; try again later."""
 
 
-# Forced tokens jump forward at any length while a request has sampled fewer than JUMP_FORWARD_EARLY tokens (what
-# its first visible output waits for: a tool call's name and argument markers), later only in runs of at least
-# JUMP_FORWARD_LEAST: a row of several tokens makes its iteration eager (no decode graph: about twice a decode step
-# for every row), so a JSON key of a few tokens decodes one a step.
-JUMP_FORWARD_EARLY = 8
-JUMP_FORWARD_LEAST = 24
 
 
 class Scheduler:
@@ -124,21 +121,22 @@ class Scheduler:
                       logits=RequestLogits(params, grammar) if needs_logits(params) else None)
         if req.logits is not None:
             req.logits.jump_forward()
-            self._jump_forward(req, 1)
+            self._jump_forward(req)
         table.add(req)
         return req
 
-    def _jump_forward(self, req: Request, least: int) -> None:
+    def _jump_forward(self, req: Request) -> None:
         """Jump-forward decoding: what `req`'s grammar forces next (`RequestLogits.forced`: at the output's start a
-        tool call's markers, later a call's name and argument markers), at least `least` tokens, becomes its output
-        at once, leaving room for one sampled token, and is prefilled in its next row instead of decoded one
-        iteration a token (at admission with the prompt; later as a row of several tokens, which makes its
-        iteration run eagerly, not as a decode graph: JUMP_FORWARD_EARLY and _LEAST say when that pays). A row of it in
-        flight now (overlap) decodes the token after the last one known then, which is void: `req.length` passes
-        the positions it fills, so `complete` takes no token from it. The last stage's matcher, which took that
-        row's token, replays the output into a new matcher at the next row."""
+        tool call's markers, later a call's name and argument markers, a schema's keys) becomes its output at once,
+        leaving room for one sampled token; none of it is sampled. At admission it is prefilled with the prompt;
+        later it is fed one token an iteration or whole (k3ray.serve.feeding). A row of it in flight now (overlap)
+        decodes the token after the last one known then, which is void: `req.length` passes the positions it
+        fills, so `complete` takes no token from it. The last stage's matcher, which took that row's token,
+        replays the output into a new matcher at the next row. Nothing for a request that ended or has no grammar."""
+        if req.done or req.logits is None:
+            return
         room = min(req.params.max_tokens - len(req.out), self.max_seq_len - req.length) - 1
-        forced = req.logits.forced(self.tokenizer, room, least,
+        forced = req.logits.forced(self.tokenizer, room,
                                    (lambda ids: self._short_of_stop(req, ids)) if req.params.stop else None)
         if not forced:
             return
@@ -146,6 +144,7 @@ class Scheduler:
         req.text += req.detok.push(forced)
         req.unconfirmed = 0
         req.grammar_seated = False
+        req.forced_end = req.length
 
     def _short_of_stop(self, req: Request, ids: list[int]) -> int:
         """How many of `ids`, following `req`'s output, complete none of its stop strings (all where none does): a
@@ -209,11 +208,13 @@ class Scheduler:
         table = self.table
         running = sorted((r for r in table.running.values() if self._may_continue(r)),
                          key=lambda r: (r.to_run > 1, r.arrival))
+        one_max = self.serve.stepwise_prefill_max
+        eager = eager_ranks(running, table.waiting, table.caches.ranks, one_max)
         for req in running:  # decoding first (one token each), then prompt chunks
             if req.id not in table.running:  # preempted for an older request in this iteration
                 continue
             n = min(req.to_run, budget[req.rank])
-            if n > 1 and self._stepwise(req):
+            if n > 1 and (stepwise(req, one_max) or (forced_only(req) and not eager[req.rank])):
                 n = 1
             elif n > 1:
                 n = paced_chunk(n, prompt_budget[req.rank])
@@ -275,10 +276,6 @@ class Scheduler:
         req.grammar_seated = True
         return self.grammar_books[req.rank].row(req.logits, replay)
 
-    def _stepwise(self, req: Request) -> bool:
-        """Whether `req`'s prompt (and output, after a `reset`) is fed one token per iteration."""
-        return req.length <= (self.serve.stepwise_prefill_max or 0)
-
     def _may_continue(self, req: Request) -> bool:
         """Whether `req` may get a row now: not ended, and the tokens in flight leave it room to generate another
         (max_tokens and the context are known on the host; end-of-text and stop strings are not), and none of a
@@ -297,7 +294,7 @@ class Scheduler:
         for rank, pool in enumerate(caches.ranks):
             hit = Hit() if self.request_prefixes is None else self.request_prefixes.lookup(req, rank)
             left = req.length - hit.tokens  # a requeued request re-prefills its output
-            n = 1 if self._stepwise(req) else min(left, budget[rank])
+            n = 1 if stepwise(req, self.serve.stepwise_prefill_max) else min(left, budget[rank])
             if n > 1:
                 n = paced_chunk(n, prompt_budget[rank])
             reserve = len(self.table.on_rank(rank))
@@ -361,8 +358,7 @@ class Scheduler:
                 req.text += req.detok.push(req.out[-1:])
                 req.finish = finish_reason(req.out, req.params, self.tokenizer.eos_id,
                                            self.max_seq_len - req.length, req.detok)
-                if not req.done and req.logits is not None:
-                    self._jump_forward(req, 1 if len(req.token_times) < JUMP_FORWARD_EARLY else JUMP_FORWARD_LEAST)
+                self._jump_forward(req)
                 if req.done:
                     req.text += req.detok.push([], final=True)
                     if req.in_flight == 0:

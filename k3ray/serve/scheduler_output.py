@@ -42,6 +42,7 @@ class Request:
     cached_prompt: int | None = None  # prompt tokens its first admission took from the prefix cache
     shared_prefix: int = 0  # tokens of its prefix in cached blocks at its admission (`Hit.shared`)
     grammar_seated: bool = False  # its grammar's matcher is on its slot's last stage (a constrained row went there)
+    forced_end: int = 0  # the end of the positions jump-forward wrote last (0 once its caches are gone: prefilled)
 
     @property
     def ids(self) -> list[int]:
