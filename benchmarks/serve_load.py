@@ -29,11 +29,10 @@ Agents' requests (`--kind`): `text` (the default) streams completions; `chat` th
 through chat completions; `json_schema` those chat requests with `response_format` a JSON schema (an object of a
 string, a number list and an enum: the grammar masks every token); `tool_call` with two tools and
 `tool_choice: required` (a call forced by the grammar); `chat_tools` the same tools with `tool_choice: none` (the
-tool_call prompt, no call: what the tools' declarations alone add). Compare a kind's row with `chat`'s on the same
-prompts:
+tool_call prompt, no call: what the tools' declarations alone add). Several kinds run their levels one kind after
+another on the same server (repeat them to interleave runs); compare a kind's rows with `chat`'s on the same prompts:
 
-    python benchmarks/serve_load.py ... --concurrency 64 --kind chat
-    python benchmarks/serve_load.py ... --concurrency 64 --kind json_schema
+    python benchmarks/serve_load.py ... --concurrency 64 --kind chat json_schema tool_call chat json_schema tool_call
 `--front-doors N` serves HTTP from N processes; `--client-procs N` spreads the clients over N processes. The host
 CPU table gives each process kind's share of a core during a level and its CPU time per 1000 output tokens: where
 the host work per token goes.
@@ -47,6 +46,7 @@ import random
 import re
 import shutil
 import socket
+import statistics
 import subprocess
 import tempfile
 import threading
@@ -300,8 +300,9 @@ def main() -> None:
     ap.add_argument("--system-tokens", help="LO:HI: one system prompt of that many tokens before every request")
     ap.add_argument("--turns", default="1", help="N or LO:HI turns per request, each resending the conversation")
     ap.add_argument("--prefix-cache", choices=["on", "off"], help="serve.prefix_cache (default: the config's, on)")
-    ap.add_argument("--kind", choices=list(KINDS), default="text",
-                    help="the requests: completions, chat, chat with a JSON schema, chat with a required tool call")
+    ap.add_argument("--kind", choices=list(KINDS), nargs="+", default=["text"],
+                    help="the requests: completions, chat, chat with a JSON schema, chat with a required tool call; "
+                         "several: each kind's levels in turn on the same server")
     ap.add_argument("--config", help="serve this config's seeded weights (no --checkpoint)")
     ap.add_argument("--set", action="append", default=[], help="config override, with --config")
     ap.add_argument("--token-budget", type=int, help="serve.token_budget (default: the server's, by device)")
@@ -362,26 +363,28 @@ def main() -> None:
             list(pool.map(time.sleep, [0.5] * args.client_procs))
         print(f"[serve_load] serving after {time.perf_counter() - t_start:.0f}s", flush=True)
 
-        def run_level(concurrency: int, requests: list[list[tuple[str, int]]]) -> dict:
+        def run_level(concurrency: int, requests: list[list[tuple[str, int]]], kind: str) -> dict:
             t0 = time.perf_counter()
             row = level(pool, args.client_procs, serving.engine, url, info["model"], concurrency, requests,
-                        args.kind, fits)
-            print(f"[serve_load] concurrency {concurrency}: {row['tokens_per_s']:,.0f} tok/s, "
+                        kind, fits)
+            print(f"[serve_load] {kind}, concurrency {concurrency}: {row['tokens_per_s']:,.0f} tok/s, "
                   f"{time.perf_counter() - t0:.1f}s", flush=True)
-            return row
+            return {**row, "kind": kind}
 
-        run_level(1, [[(p, 4)] for p, _ in (c[0] for c in workload(tokenizer, 2, args.prompt_tokens, "4",
-                                                                   args.seed + 1))])  # warm-up, nothing shared
+        for kind in dict.fromkeys(args.kind):  # warm-up, nothing shared: each kind's first grammar compiled
+            run_level(1, [[(p, 4)] for p, _ in (c[0] for c in workload(tokenizer, 2, args.prompt_tokens, "4",
+                                                                       args.seed + 1))], kind)
         print(f"[serve_load] first answers done {time.perf_counter() - t_start:.0f}s after the start", flush=True)
         rows = [run_level(c, workload(tokenizer, args.requests or max(c if multi_turn else 4 * c, 16),
-                                      args.prompt_tokens, args.max_tokens, args.seed, args.system_tokens, args.turns))
-                for c in args.concurrency]
+                                      args.prompt_tokens, args.max_tokens, args.seed, args.system_tokens, args.turns),
+                          kind)
+                for kind in args.kind for c in args.concurrency]
     finally:
         if pool is not None:
             pool.shutdown()
         stop_serving(serving)
     print(f"k3ray serve, {info['model']} (checkpoint step {info['step']}), pp={args.pp} x ep={args.ep}, "
-          f"requests: {args.kind}, prompts "
+          f"requests: {', '.join(dict.fromkeys(args.kind))}, prompts "
           f"{args.prompt_tokens or 'short'} tokens, system prompt {args.system_tokens or 'none'}, turns {args.turns}, "
           f"max_tokens={args.max_tokens} (seed {args.seed}), prefix cache "
           f"{'on' if sizes.get('prefix_cache') else 'off'}, greedy, "
@@ -390,13 +393,13 @@ def main() -> None:
           f"stepwise; server sizes: token_budget {sizes.get('token_budget')}, slots {sizes.get('slots_per_rank')}, "
           f"pages {sizes.get('pages_per_rank')} x {sizes.get('page_size')} tokens per rank, iteration target "
           f"{sizes.get('iteration_target_ms') or 'none'} ms")
-    print("| concurrency | requests | output tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p90 / p99 (ms) | tokens per "
+    print("| kind | concurrency | requests | output tokens/s | TTFT p50 / p99 (ms) | ITL p50 / p90 / p99 (ms) | tokens per "
           "iteration | prompt tokens/s | worker us per prompt token | preempted | tokens per chunk | GPU busy | "
           "cached prompt share | hit rate | cache held MB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         busy = "-" if r["gpu_busy"] is None else f"{r['gpu_busy']:.0f} %"
-        print(f"| {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:,.1f} | {1e3 * r['ttft_p50']:.1f} / "
+        print(f"| {r['kind']} | {r['concurrency']} | {r['requests']} | {r['tokens_per_s']:,.1f} | {1e3 * r['ttft_p50']:.1f} / "
               f"{1e3 * r['ttft_p99']:.1f} | {1e3 * r['itl_p50']:.2f} / {1e3 * r['itl_p90']:.2f} / "
               f"{1e3 * r['itl_p99']:.2f} "
               f"| {r['tokens_per_iteration']:.1f} | {r['prompt_tokens_per_s']:,.0f} | "
@@ -407,7 +410,8 @@ def main() -> None:
     print("\nHost CPU per process kind: share of one core during the level (CPU seconds / wall seconds), and CPU ms "
           "per 1000 output tokens")
     names = sorted({k for r in rows for k, v in r["cpu"].items() if v > 0.05 * r["wall"]})
-    print("| process | " + " | ".join(f"c={r['concurrency']} core share / ms per 1k tok" for r in rows) + " |")
+    print("| process | " + " | ".join(f"{r['kind']} c={r['concurrency']} core share / ms per 1k tok" for r in rows)
+          + " |")
     print("|---|" + "---|" * len(rows))
     for name in names:
         cells = [f"{r['cpu'].get(name, 0) / r['wall']:.2f} / {1e6 * r['cpu'].get(name, 0) / max(r['tokens'], 1):,.0f}"
@@ -417,17 +421,21 @@ def main() -> None:
           "waiting for the grid (of which the workers' own step), completing and waking the streams; host = schedule "
           "+ complete + wake, " + ("run while the workers run the iteration before (overlap: hidden where shorter "
                                    "than the step)" if overlap else "between the workers' steps (overlap off)"))
-    print("| concurrency | iterations | wall | schedule | grid wait | worker step | complete | wake | host |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| kind | concurrency | iterations | wall | schedule | grid wait | worker step | complete | wake | host |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p = r["phases"]
-        print(f"| {r['concurrency']} | {r['iterations']} | {1e3 * r['wall'] / r['iterations']:.2f} | "
+        print(f"| {r['kind']} | {r['concurrency']} | {r['iterations']} | {1e3 * r['wall'] / r['iterations']:.2f} | "
               + " | ".join(f"{1e3 * p[k]:.2f}" for k in ("schedule", "grid", "worker", "complete", "wake"))
               + f" | {1e3 * (p['schedule'] + p['complete'] + p['wake']):.2f} |")
-    base = rows[0]["tokens_per_s"]
-    print("throughput vs concurrency 1: " + ", ".join(f"{r['concurrency']}: {r['tokens_per_s'] / base:.2f}x"
-                                                      for r in rows))
-
+    kinds, levels = list(dict.fromkeys(args.kind)), list(dict.fromkeys(args.concurrency))
+    median = {(k, c): statistics.median(r["tokens_per_s"] for r in rows if (r["kind"], r["concurrency"]) == (k, c))
+              for k in kinds for c in levels}
+    print("output tok/s (median of a kind's runs) against its first level: " + ", ".join(
+        f"{k} c={c}: {median[k, c] / median[k, levels[0]]:.2f}x" for k in kinds for c in levels))
+    if "chat" in kinds:
+        print("against chat's at the same concurrency: " + ", ".join(
+            f"{k} c={c}: {median[k, c] / median['chat', c]:.2f}x" for k in kinds if k != "chat" for c in levels))
 
 if __name__ == "__main__":
     main()
