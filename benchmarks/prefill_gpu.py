@@ -9,7 +9,8 @@ Stages (each prints as it ends; an exception prints its traceback and the next s
 2. The engine loop at each concurrency: C clients, each sending its next request when the last ends; prompts of
    `--prompt-tokens` tokens of Python's stdlib source (bytes, seeded), max_tokens drawn from `--max-tokens`.
    Output tokens/s, TTFT and ITL from the scheduler's token times, prompt tokens/s, the worker's step per
-   iteration (synchronized) binned by tokens per iteration.
+   iteration (synchronized) binned by tokens per iteration, and the slowest. Each level runs first on other prompts
+   unprinted: a first use of a shape or kernel (compilation, autotuning) stalls an iteration for seconds.
 3. `graphs`: every decode CUDA graph of the pools captured in the order a server's start takes them
    (serve.graphs_at_start_s), each capture timed, by context and batch bucket.
 4. A profile of mixed iterations of about `--mixed-tokens` tokens (64 decode rows + prompt chunks): device time by
@@ -126,9 +127,12 @@ def ttft_one(model, cfg, serve, tokens: int) -> None:
           f"{statistics.median(s[3] for s in ex.steps[1:]) * 1e3:.1f} ms", flush=True)
 
 
-def level(model, cfg, serve, args, concurrency: int) -> None:
+def level(model, cfg, serve, args, concurrency: int, warm_up: bool = False) -> None:
+    """One level of `concurrency` requests at a time, printed; `warm_up`: the same level on other prompts (the same
+    system prompt), not printed, so that the printed one meets no first use of a shape or a kernel (compilation
+    and autotuning stalled the first iterations of a level for seconds)."""
     n = args.requests or max(4 * concurrency, 16)
-    requests = workload(n, args.prompt_tokens, args.max_tokens, args.seed)
+    requests = workload(n, args.prompt_tokens, args.max_tokens, args.seed + warm_up)
     prefix = prefix_sizes(serve, cfg.model)
     sched = Scheduler(serve.model_copy(update={"max_waiting": 10 ** 6}), cfg.model.max_seq_len, 1,
                       cfg.policies.guards, prefix=prefix)
@@ -144,6 +148,8 @@ def level(model, cfg, serve, args, concurrency: int) -> None:
             sent += 1
         sched.step(ex)
     wall = time.perf_counter() - t0
+    if warm_up:
+        return
     out_tokens = sum(len(r.out) for r in reqs)
     prompt_tokens = sum(len(r.prompt) for r in reqs)
     ttft = [r.token_times[0] - t_sent[r.id] for r in reqs if r.token_times]
@@ -155,7 +161,7 @@ def level(model, cfg, serve, args, concurrency: int) -> None:
           f"| {pct(itl, 50) * 1e3:.1f} / {pct(itl, 90) * 1e3:.1f} / {pct(itl, 99) * 1e3:.1f} "
           f"| {sum(s[0] for s in ex.steps) / len(ex.steps):.0f} | {prompt_tokens / wall:,.0f} "
           f"| {worker / wall:.0%} | {sched.table.preemptions} | {len(errors)} "
-          f"| {'-' if hit is None else f'{hit:.0%}'} |", flush=True)
+          f"| {'-' if hit is None else f'{hit:.0%}'} | {max(s[3] for s in ex.steps) * 1e3:.1f} |", flush=True)
     bins = {}
     for tokens, prompts, decodes, dt in ex.steps:
         b = 1 << max(0, (tokens - 1).bit_length())
@@ -334,10 +340,11 @@ def main() -> None:
         print(f"prompts {args.prompt_tokens} tokens after a system prompt of {len(SYSTEM)}, max_tokens "
               f"{args.max_tokens}, greedy, no Ray, prefix cache {'on' if serve.prefix_cache else 'off'}")
         print("| concurrency | requests | output tok/s | TTFT p50 / p99 ms | ITL p50 / p90 / p99 ms | tokens per "
-              "iteration | prompt tok/s | worker busy | preempted | errors | hit rate |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
+              "iteration | prompt tok/s | worker busy | preempted | errors | hit rate | slowest iteration ms |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for c in args.concurrency:
             try:
+                level(model, cfg, serve, args, c, warm_up=True)
                 level(model, cfg, serve, args, c)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
