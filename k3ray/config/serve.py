@@ -41,8 +41,8 @@ class ServeConfig(Section):
     stepwise_prefill_max: int | None = Field(None, ge=0, description="prompts of at most this many tokens are fed "
                                              "one token per iteration as decode rows, so their iterations replay "
                                              "the decode CUDA graph instead of running a prefill chunk eagerly (and, "
-                                             "where it is > 0, so are runs of forced output shorter than the rank's "
-                                             "rows in an iteration that decodes only); "
+                                             "where it is > 0, so are runs of forced output no longer than the "
+                                             "rank's rows in an iteration that decodes only); "
                                              f"default {DEFAULT_STEPWISE_PREFILL_MAX} on GPUs where the grid starts "
                                              "with ep=1 (decode graphs), 0 (chunks only) elsewhere")
     overlap: bool | None = Field(None, description="schedule iteration n+1 while the workers run n (two "

@@ -213,10 +213,10 @@ class RequestLogits:
     def forced(self, tok: Tokenizer, limit: int, usable: Callable[[list[int]], int] | None = None) -> list[int]:
         """The tokens the grammar allows no alternative to next (a tool call's markers and name, a JSON schema's
         keys and punctuation), at most `limit`, taken as the output's (accepted and counted): the request feeds
-        them to the model without sampling them (the scheduler's `_jump_forward`). The
-        forced text is tokenized as the tokenizer would; a token the grammar does not accept ends them. `usable`:
-        how many of the leading ids may be taken (a stop string's last token is left to decode, which ends the
-        request as decoding all of them would)."""
+        them to the model without sampling them (the scheduler's `_jump_forward`). The forced text is tokenized as
+        the tokenizer would; a token the grammar does not accept ends them. `usable`: how many of the leading ids
+        may be taken (a stop string's last token is left to decode, which ends the request as decoding all of them
+        would)."""
         m = self.matcher
         if m is None or limit <= 0 or m.is_terminated():
             return []

@@ -38,7 +38,7 @@ Every iteration of such requests is decode-shaped, so it replays a CUDA graph (a
 running eagerly; a short prompt's first token comes after as many iterations as it has tokens. The caches hold what
 a chunk would leave (the same recurrence and attention, one position at a time: in float64 the outputs are the
 reference's; in bf16 the rounding differs from a chunk's, as it does between chunks of other sizes). So is a run
-of output a grammar forces (jump-forward: written at once, none of it sampled) shorter than its rank's rows, in an
+of output a grammar forces (jump-forward: written at once, none of it sampled) no longer than its rank's rows, in an
 iteration that decodes only; in an iteration that runs eagerly anyway it is fed whole (k3ray.serve.feeding).
 
 Interface: `submit`, `schedule` -> SchedulerOutput, `complete(output, answers by rank)`; `step` runs both with a
@@ -73,8 +73,6 @@ __all__ = ["Overloaded", "RankBatch", "Request", "Scheduler", "SchedulerOutput"]
 
 class Overloaded(RuntimeError):
     """The waiting queue is full; try again later."""
-
-
 
 
 class Scheduler:
@@ -208,13 +206,13 @@ class Scheduler:
         table = self.table
         running = sorted((r for r in table.running.values() if self._may_continue(r)),
                          key=lambda r: (r.to_run > 1, r.arrival))
-        one_max = self.serve.stepwise_prefill_max
-        eager = eager_ranks(running, table.waiting, table.caches.ranks, one_max)
+        stepwise_max = self.serve.stepwise_prefill_max
+        eager = eager_ranks(running, table.waiting, table.caches.ranks, stepwise_max)
         for req in running:  # decoding first (one token each), then prompt chunks
             if req.id not in table.running:  # preempted for an older request in this iteration
                 continue
             n = min(req.to_run, budget[req.rank])
-            if n > 1 and (stepwise(req, one_max) or (forced_only(req) and not eager[req.rank])):
+            if n > 1 and (stepwise(req, stepwise_max) or (forced_only(req) and not eager[req.rank])):
                 n = 1
             elif n > 1:
                 n = paced_chunk(n, prompt_budget[req.rank])
