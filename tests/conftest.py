@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3ray.control.local_nodes import free_ports, join_node, start_raylet, stop_node
+from k3ray.control.local_nodes import free_ports, join_node, start_raylet, stop_node, wait_until_dead
 
 # Ray >= 2.5x turns token auth on for clusters started with `ray start`; clients then need token mode, and Ray
 # reads it when it is imported: set it before any test module imports ray.
@@ -170,14 +170,15 @@ def unfailed_ep4(ray_cluster, tmp_path_factory) -> Run:
 @pytest.fixture
 def extra_nodes(ray_cluster):
     """Raylets joining the session's cluster on this machine (`join(num_cpus, *ray_start_args)` -> the node's temp
-    dir; lose one with
-    k3ray.control.local_nodes). Teardown stops only these nodes' processes."""
+    dir; lose one with k3ray.control.local_nodes). Teardown stops only these nodes' processes and waits until Ray
+    reports them dead."""
     dirs: list[str] = []
+    ids: list[str] = []
 
     def join(num_cpus: int = 2, *args: str) -> str:
         temp_dir = tempfile.mkdtemp(prefix="k3ray-node-", dir="/tmp")
         dirs.append(temp_dir)
-        join_node(temp_dir, ray_cluster.address, num_cpus, *args)
+        ids.append(join_node(temp_dir, ray_cluster.address, num_cpus, *args))
         return temp_dir
 
     try:
@@ -185,6 +186,7 @@ def extra_nodes(ray_cluster):
     finally:
         for d in dirs:
             stop_node(d)
+        wait_until_dead(ids)  # the next test's actors are never placed on a node that is gone
 
 
 @pytest.fixture(scope="session")

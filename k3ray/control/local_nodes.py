@@ -71,6 +71,19 @@ def join_node(temp_dir: str, address: str, num_cpus: int, *args: str, timeout_s:
     raise TimeoutError(f"the raylet in {temp_dir} did not join {address} within {timeout_s:g}s")
 
 
+def wait_until_dead(node_ids: list[str], timeout_s: float = 90.0) -> None:
+    """Wait until Ray reports none of `node_ids` alive. A stopped raylet stays alive to the GCS until its health
+    checks fail (seconds after a SIGKILL): an actor placed there meanwhile dies unstarted with its node."""
+    import ray
+
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if not {n["NodeID"] for n in ray.nodes() if n["Alive"]} & set(node_ids):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"Ray still reports node(s) {sorted(node_ids)} alive {timeout_s:g}s after they stopped")
+
+
 @contextmanager
 def head_room(cpus: int):
     """All but `cpus` of the head's CPUs held by a placement group for the with-block, so that a grid larger than
