@@ -33,6 +33,10 @@ tool_call prompt, no call: what the tools' declarations alone add). Several kind
 another on the same server (repeat them to interleave runs); compare a kind's rows with `chat`'s on the same prompts:
 
     python benchmarks/serve_load.py ... --concurrency 64 --kind chat json_schema tool_call chat json_schema tool_call
+A kind joined by `+` (`chat_tools+tool_call`) mixes them in one level, the requests alternating between them: the
+same iterations serve both, so a kind's TTFT against the first kind's in that level says what the kind itself adds
+(a level of tool calls alone also runs heavier iterations, their forced output fed besides the sampled tokens, which
+every request of the level waits on).
 `--front-doors N` serves HTTP from N processes; `--client-procs N` spreads the clients over N processes. The host
 CPU table gives each process kind's share of a core during a level and its CPU time per 1000 output tokens: where
 the host work per token goes.
@@ -119,11 +123,11 @@ def pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
-async def clients(url: str, model: str, concurrency: int, requests: list[list[tuple[str, int]]],
-                  kind: str = "text", fits: tuple[str, int] | None = None) -> dict:
-    """`concurrency` clients in this process, sending `requests` (chats: turns of (user text, max_tokens), each
-    turn's prompt the conversation so far) in order, as `kind` (KINDS): their TTFTs, ITLs, output, prompt and cached
-    prompt tokens, chunks. fits: (tokenizer spec, context): a chat ends before a turn whose prompt (the replies as
+async def clients(url: str, model: str, concurrency: int, requests: list[tuple[str, list[tuple[str, int]]]],
+                  fits: tuple[str, int] | None = None) -> dict:
+    """`concurrency` clients in this process, sending `requests` ((kind, chat): a KINDS key and turns of (user
+    text, max_tokens), each turn's prompt the conversation so far) in order: their TTFTs by kind, ITLs, output,
+    prompt and cached prompt tokens, chunks. fits: (tokenizer spec, context): a chat ends before a turn whose prompt (the replies as
     text, tokenized again: an untrained model's bytes may not come back as few tokens) and max_tokens would not fit
     the context, as a client keeping its chats within the model's context does."""
     tokenizer = None
@@ -132,10 +136,11 @@ async def clients(url: str, model: str, concurrency: int, requests: list[list[tu
 
         tokenizer = load_tokenizer(fits[0])
     api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-    ttft, itl, tokens, prompt_tokens, cached, chunks = [], [], [0], [0], [0], [0]
+    ttft: dict[str, list[float]] = {}
+    itl, tokens, prompt_tokens, cached, chunks = [], [0], [0], [0], [0]
     queue = list(reversed(requests))
 
-    async def turn(prompt: str, max_tokens: int) -> str:
+    async def turn(kind: str, prompt: str, max_tokens: int) -> str:
         t0 = time.perf_counter()
         last, reply = None, ""
         common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
@@ -158,7 +163,7 @@ async def clients(url: str, model: str, concurrency: int, requests: list[list[tu
             reply += text
             now = time.perf_counter()  # one chunk per engine iteration that gave this request a token
             if last is None:
-                ttft.append(now - t0)
+                ttft.setdefault(kind, []).append(now - t0)
             else:
                 itl.append(now - last)
             last = now
@@ -167,11 +172,12 @@ async def clients(url: str, model: str, concurrency: int, requests: list[list[tu
     async def client() -> None:
         while queue:
             history = ""
-            for i, (user, max_tokens) in enumerate(queue.pop()):
+            kind, chat = queue.pop()
+            for i, (user, max_tokens) in enumerate(chat):
                 prompt = history + user
                 if i and tokenizer is not None and len(tokenizer.encode(prompt)) + max_tokens + 32 > fits[1]:
                     break  # 32: the chat template's tokens
-                history = prompt + await turn(prompt, max_tokens)
+                history = prompt + await turn(kind, prompt, max_tokens)
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     await api.close()
@@ -201,9 +207,12 @@ def client_process(job: tuple) -> dict:
 def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model: str, concurrency: int,
           requests: list[list[tuple[str, int]]], kind: str = "text", fits: tuple[str, int] | None = None) -> dict:
     """One concurrency level, its clients spread over the pool's processes (one process's openai client parses
-    a few thousand SSE events per second: more would measure the client)."""
+    a few thousand SSE events per second: more would measure the client). `kind`: a KINDS key, or several joined by
+    `+`, which the requests take in turn."""
     procs = 1 if pool is None else min(procs, concurrency)
-    jobs = [(url, model, len(range(i, concurrency, procs)), requests[i::procs], kind, fits) for i in range(procs)]
+    kinds = kind.split("+")
+    tagged = [(kinds[i % len(kinds)], chat) for i, chat in enumerate(requests)]
+    jobs = [(url, model, len(range(i, concurrency, procs)), tagged[i::procs], fits) for i in range(procs)]
     busy = GpuBusy()
     stats0 = ray.get(engine.stats.remote())
     cpu0 = process_cpu_seconds()
@@ -214,7 +223,8 @@ def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model:
     stats = ray.get(engine.stats.remote())
     iterations = max(stats["iterations"] - stats0["iterations"], 1)
     phases = {k: (v - stats0["phase_seconds"][k]) / iterations for k, v in stats["phase_seconds"].items()}
-    ttft = [x for p in parts for x in p["ttft"]]
+    by_kind = {k: [x for p in parts for x in p["ttft"].get(k, [])] for k in kinds}
+    ttft = [x for xs in by_kind.values() for x in xs]
     itl = [x for p in parts for x in p["itl"]]
     tokens, chunks = sum(p["tokens"] for p in parts), sum(p["chunks"] for p in parts)
     prompt_tokens = sum(p["prompt_tokens"] for p in parts)
@@ -226,6 +236,7 @@ def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model:
     return {"concurrency": concurrency, "requests": len(requests), "tokens": tokens, "seconds": wall,
             "gpu_busy": busy.stop(), "tokens_per_chunk": tokens / max(chunks, 1),
             "tokens_per_s": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
+            "ttft_by_kind": {k: (len(xs), pct(xs, 50), pct(xs, 99)) for k, xs in by_kind.items()},
             "itl_p50": pct(itl, 50), "itl_p90": pct(itl, 90), "itl_p99": pct(itl, 99), "cpu": cpu, "wall": wall,
             "iterations": iterations, "phases": phases, "tokens_per_iteration": run / iterations,
             "prompt_tokens_per_s": prompt_tokens / wall, "worker_us_per_prompt_token": 1e6 * worker_s
@@ -285,6 +296,14 @@ class GpuBusy:
         return sum(self.samples) / len(self.samples) if self.samples else None
 
 
+def request_kind(text: str) -> str:
+    """--kind: a KINDS key, or keys joined by '+' (mixed in one level)."""
+    unknown = [k for k in text.split("+") if k not in KINDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown[0]!r}: not one of {', '.join(KINDS)}")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint")
@@ -300,9 +319,9 @@ def main() -> None:
     ap.add_argument("--system-tokens", help="LO:HI: one system prompt of that many tokens before every request")
     ap.add_argument("--turns", default="1", help="N or LO:HI turns per request, each resending the conversation")
     ap.add_argument("--prefix-cache", choices=["on", "off"], help="serve.prefix_cache (default: the config's, on)")
-    ap.add_argument("--kind", choices=list(KINDS), nargs="+", default=["text"],
+    ap.add_argument("--kind", type=request_kind, nargs="+", default=["text"],
                     help="the requests: completions, chat, chat with a JSON schema, chat with a required tool call; "
-                         "several: each kind's levels in turn on the same server")
+                         "several: each kind's levels in turn on the same server; A+B: A and B mixed in one level")
     ap.add_argument("--config", help="serve this config's seeded weights (no --checkpoint)")
     ap.add_argument("--set", action="append", default=[], help="config override, with --config")
     ap.add_argument("--token-budget", type=int, help="serve.token_budget (default: the server's, by device)")
@@ -436,6 +455,18 @@ def main() -> None:
     if "chat" in kinds:
         print("against chat's at the same concurrency: " + ", ".join(
             f"{k} c={c}: {median[k, c] / median['chat', c]:.2f}x" for k in kinds if k != "chat" for c in levels))
+    mixed = [r for r in rows if "+" in r["kind"]]
+    if mixed:
+        print("\nTTFT by kind within a mixed level (the same iterations serve every kind): p50 / p99 ms, and p50 "
+              "against the level's first kind")
+        print("| level | concurrency | kind | requests | TTFT p50 / p99 (ms) | p50 against the first kind |")
+        print("|---|---|---|---|---|---|")
+        for r in mixed:
+            first = next(iter(r["ttft_by_kind"].values()))
+            for i, (k, (n, p50, p99)) in enumerate(r["ttft_by_kind"].items()):
+                ratio = f"{p50 / first[1]:.2f}x" if i else "-"
+                print(f"| {r['kind']} | {r['concurrency']} | {k} | {n} | {1e3 * p50:.1f} / {1e3 * p99:.1f} | "
+                      f"{ratio} |")
 
 if __name__ == "__main__":
     main()

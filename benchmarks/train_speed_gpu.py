@@ -81,7 +81,7 @@ def run_variant(engine, cfg: JobConfig, name: str, first_step: int, steps: int, 
     keep_kda_intermediates("kdakeep" in name.split(":")[0])
     vcfg = variant_config(cfg, name)
     engine.cfg, engine.batches = vcfg, StageBatches(vcfg, engine.ep_rank, engine.ep, engine.device)
-    set_execution(engine.stage, vcfg.execution)
+    set_execution(engine.stage, vcfg.execution, engine.device.type)
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -130,8 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (no profile, no peak: MFU nan)")
     ap.add_argument("--out", default=os.environ.get("OUT", "runs/train_speed"))
     args = ap.parse_args(argv)
+    # built eager: each variant sets its own execution (a compiled block stays compiled)
     cfg = load_config(args.config, parse_assignments(args.set + ["parallel.ep=1", "parallel.pp=1",
-                                                                 f"parallel.device={args.device}"]))
+                                                                 f"parallel.device={args.device}",
+                                                                 "execution.compile_blocks=false"]))
     cuda = args.device == "cuda"
     from k3ray.parallel.engine import StageEngine
     from k3ray.control.local_nodes import free_port

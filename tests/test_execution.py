@@ -19,7 +19,7 @@ TINY = REPO / "configs" / "tiny.yaml"
 
 def _loss_and_grads(cfg, execution: ExecutionConfig, tokens: torch.Tensor, device: str = "cpu"):
     stage = build_stage(cfg, range(cfg.n_layers), seed=0, device=device)
-    set_execution(stage, execution)
+    set_execution(stage, execution, device)
     loss = lm_loss(stage(tokens[:, :-1]), tokens, 1.0)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}
@@ -47,7 +47,7 @@ def test_compiled_blocks_equal_eager_on_gpu():
     # otherwise (q-LoRA, a dense first layer, Block AttnRes)
     cfg = load_config(TINY, {"model.dtype": "float32", **RELEASED, "model.mla_layers": [0, 1, 2, 3]}).model
     tokens = torch.randint(0, cfg.vocab_size, (2, 65), generator=torch.Generator().manual_seed(3)).cuda()
-    loss, grads = _loss_and_grads(cfg, ExecutionConfig(), tokens, "cuda")
+    loss, grads = _loss_and_grads(cfg, ExecutionConfig(compile_blocks=False), tokens, "cuda")
     loss_c, grads_c = _loss_and_grads(cfg, ExecutionConfig(compile_blocks=True), tokens, "cuda")
     torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
     for name in grads:
@@ -89,6 +89,16 @@ def test_fused_adamw_clipping_equals_foreach():
             opt.step(params, 1e-2, grad_scale=0.3)
         out[device] = params["w"].detach().cpu()
     torch.testing.assert_close(out["cuda"], out["cpu"], rtol=1e-5, atol=1e-6)
+
+
+def test_blocks_compile_by_default_on_cuda_only():
+    """execution.compile_blocks null (the default) compiles where the workers run CUDA; an explicit value wins."""
+    assert load_config(TINY).execution.compile_blocks is None
+    assert ExecutionConfig().compiles_blocks("cuda") and not ExecutionConfig().compiles_blocks("cpu")
+    assert not ExecutionConfig(compile_blocks=False).compiles_blocks("cuda")
+    stage = build_stage(load_config(TINY).model, range(2), seed=0)
+    set_execution(stage, ExecutionConfig(), "cpu")
+    assert all(block._compiled_call_impl is None for block in stage.blocks.values())
 
 
 def test_compiled_blocks_are_refused_on_cpu_with_the_field_named():

@@ -56,11 +56,12 @@ class OptimizerConfig(Section):
 
 class ExecutionConfig(Section):
     """How the training step runs on the device; the math is the same whichever is chosen (float64 tests run eager)."""
-    compile_blocks: bool = Field(False, description="regional torch.compile: each decoder block's forward (and so its "
-                                                    "backward) through Inductor, which fuses its elementwise chains "
-                                                    "(norms, gates, residual adds, KDA's L2 norms); kernels and the "
-                                                    "routed experts stay outside the graphs. Shapes are static per "
-                                                    "config; CUDA only (compile time is minutes on a CPU)")
+    compile_blocks: bool | None = Field(
+        None, description="regional torch.compile: each decoder block's forward (and so its backward) through "
+                          "Inductor, which fuses its elementwise chains (norms, gates, residual adds, KDA's L2 "
+                          "norms); kernels and the routed experts stay outside the graphs. Shapes are static per "
+                          "config. null (the default): on where the workers run CUDA (a warm kernel cache makes "
+                          "it seconds, `k3ray warmup`), off on a CPU (minutes to compile there); true: CUDA only")
     recompute: Literal["none", "attention_elementwise"] = Field(
         "none", description="selective activation recompute: 'attention_elementwise' keeps only the matmul and "
                             "attention outputs of each attention sublayer for backward and recomputes its "
@@ -73,6 +74,10 @@ class ExecutionConfig(Section):
     device_memory_gib: float | None = Field(
         None, gt=0, description="one worker's device memory for the pre-flight check (k3ray.policies.memory); null: "
                                 "the device's own, read on a GPU of the cluster (CUDA), or no check (CPU)")
+
+    def compiles_blocks(self, device: str) -> bool:
+        """Whether the blocks run compiled on `device` ("cuda" | "cpu")."""
+        return device == "cuda" if self.compile_blocks is None else self.compile_blocks
 
 
 class TrainConfig(Section):

@@ -177,13 +177,13 @@ class K3Stage(nn.Module):
             block.resid_maxabs = None
 
 
-def set_execution(stage: K3Stage, execution: ExecutionConfig) -> None:
+def set_execution(stage: K3Stage, execution: ExecutionConfig, device: str) -> None:
     """How the stage's blocks run in training (the results do not depend on it): selective recompute of each
     attention sublayer's elementwise ops, and regional compilation, one `torch.compile` per block (blocks of one
     kind share the compiled code; kernels and the routed experts run eagerly between the graphs)."""
     for block in stage.blocks.values():
         block.recompute_attention = execution.recompute == "attention_elementwise"
-        if execution.compile_blocks:
+        if execution.compiles_blocks(device):
             block.compile(dynamic=False)
 
 

@@ -94,7 +94,7 @@ class StageEngine:
                                  experts_factory=lambda layer, shard: ExpertParallelExperts(shard, self.ctx),
                                  device=self.device, init=self.init_weights)
         self.stage.train()
-        set_execution(self.stage, self.cfg.execution)
+        set_execution(self.stage, self.cfg.execution, self.device.type)
         self.copies = EngineCopies(self.stage, self.ctx)
         self._refresh_params()
 
