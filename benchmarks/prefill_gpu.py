@@ -57,21 +57,23 @@ def pool_sizes(serve: ServeConfig, prefix: PrefixSizes | None) -> PoolSizes:
 
 
 class TimedExecutor:
-    """LocalExecutor whose every step is synchronized and timed, with the iteration's shape noted. profile_hit: the
-    iteration with that index among those whose prompt rows start from a prefix-cache checkpoint runs under the
-    profiler (`self.profile`: (its shape, the profiler))."""
+    """LocalExecutor whose every step is synchronized and timed, with the iteration's shape noted. profile: the
+    index of the iteration to run under the profiler among those of its kind, by kind: "hit" (a prompt row starts
+    from a prefix-cache checkpoint), "prompt" (a new prompt row, none from a checkpoint); `self.profiles`: (kind,
+    its shape, the profiler) each."""
 
-    def __init__(self, inner: LocalExecutor, profile_hit: int | None = None):
+    def __init__(self, inner: LocalExecutor, profile: dict[str, int] | None = None):
         self.inner, self.steps = inner, []  # (tokens, prompt rows, decode rows, seconds)
         self.shapes = []  # (prompt rows starting from a checkpoint, saves inside rows)
-        self.profile_hit, self.hits, self.profile = profile_hit, 0, None
+        self.profile, self.seen, self.profiles = profile or {}, {}, []
 
     def run(self, plans):
         plan = plans[0]
         restored = sum(a.checkpoint >= 0 for a in plan.admit)
-        profiled = restored and self.profile is None and self.profile_hit is not None \
-            and self.hits == self.profile_hit
-        self.hits += bool(restored)
+        kind = "hit" if restored else "prompt" if plan.admit and max(plan.counts) > 1 else None
+        profiled = kind is not None and self.seen.get(kind, 0) == self.profile.get(kind)
+        if kind is not None:
+            self.seen[kind] = self.seen.get(kind, 0) + 1
         prof = _profiler() if profiled else None
         t0 = time.perf_counter()
         if prof is not None:
@@ -84,14 +86,14 @@ class TimedExecutor:
         self.steps.append((sum(plan.counts), rows, len(plan.counts) - rows, dt))
         self.shapes.append((restored, len(plan.saves)))
         if prof is not None:
-            self.profile = (self.steps[-1], self.shapes[-1], prof)
+            self.profiles.append((kind, self.steps[-1], self.shapes[-1], prof))
         return out
 
 
 def _profiler():
     kinds = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda"
                                                      else [])
-    return torch.profiler.profile(activities=kinds)
+    return torch.profiler.profile(activities=kinds, with_stack=True)
 
 
 def pct(values, p):
@@ -136,7 +138,8 @@ def level(model, cfg, serve, args, concurrency: int, warm_up: bool = False) -> N
     prefix = prefix_sizes(serve, cfg.model)
     sched = Scheduler(serve.model_copy(update={"max_waiting": 10 ** 6}), cfg.model.max_seq_len, 1,
                       cfg.policies.guards, prefix=prefix)
-    ex = TimedExecutor(LocalExecutor(model, pool_sizes(serve, prefix), device=DEVICE), args.profile_hit)
+    profile = {k: i for k, i in (("hit", args.profile_hit), ("prompt", args.profile_prompt)) if i is not None}
+    ex = TimedExecutor(LocalExecutor(model, pool_sizes(serve, prefix), device=DEVICE), None if warm_up else profile)
     sent, t_sent, reqs = 0, {}, []
     t0 = time.perf_counter()
     while sent < n or sched.has_work:
@@ -176,9 +179,8 @@ def level(model, cfg, serve, args, concurrency: int, warm_up: bool = False) -> N
               f"{statistics.median(s[3] for s, _ in hit_steps) * 1e3:.1f} ms; with saves inside rows: "
               f"{sum(1 for _, (_, saves) in zip(ex.steps, ex.shapes) if saves)} of {len(ex.steps)} iterations",
               flush=True)
-    if ex.profile is not None:
-        (tokens, prompts, decodes, dt), (restored, saves), prof = ex.profile
-        print(f"  profiled iteration with {restored} prompt row(s) from a checkpoint: {tokens} tokens, {prompts} "
+    for kind, (tokens, prompts, decodes, dt), (restored, saves), prof in ex.profiles:
+        print(f"  profiled {kind} iteration, {restored} prompt row(s) from a checkpoint: {tokens} tokens, {prompts} "
               f"prompt + {decodes} decode rows, {saves} saves inside rows, {dt * 1e3:.1f} ms (profiled)", flush=True)
         print_profile(prof, tokens)
     if errors:
@@ -254,6 +256,29 @@ def print_profile(prof, tokens: int) -> None:
     print("  the same iteration by host time (self CPU):", flush=True)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80),
           flush=True)
+    print_host_by_source(prof)
+
+
+def print_host_by_source(prof, rows: int = 30) -> None:
+    """Host time by k3ray function: every profiled event's self CPU time (an op's dispatch, or the interpreter's
+    time inside a Python function: the profiler records Python calls with_stack) under the innermost k3ray
+    function it ran in, with the ops dispatched there (outside any k3ray function: "other")."""
+    by: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        node = e
+        while node is not None and "k3ray/" not in node.name:
+            node = node.cpu_parent
+        cell = by.setdefault("other" if node is None else node.name.split("k3ray/", 1)[1], [0.0, 0])
+        cell[0] += e.self_cpu_time_total
+        parent = e.cpu_parent
+        cell[1] += e.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::"))
+    total = sum(v[0] for v in by.values())
+    print(f"  host time by k3ray function (innermost k3ray frame; {total / 1e3:.1f} ms in all):", flush=True)
+    print("| function | host ms | ops dispatched |\n|---|---|---|", flush=True)
+    for frame, (us, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:rows]:
+        print(f"| {frame} | {us / 1e3:.2f} | {n} |", flush=True)
 
 
 def graph_captures(model, serve) -> None:
@@ -309,6 +334,8 @@ def main() -> None:
     ap.add_argument("--prefix-cache", choices=["on", "off"], help="serve.prefix_cache (default: the config's)")
     ap.add_argument("--profile-hit", type=int, help="levels: profile the iteration with this index (from 0) among "
                                                     "those with a prompt row starting from a cached prefix")
+    ap.add_argument("--profile-prompt", type=int, help="levels: profile the iteration with this index (from 0) "
+                                                       "among those with a new prompt row, none from a cached prefix")
     ap.add_argument("--prefill-bucket", type=int, help="k3ray.parallel.serving.PREFILL_TOKEN_BUCKET (1: unpadded)")
     args = ap.parse_args()
     if args.prefill_bucket is not None:  # read when the StageServer is made
