@@ -1,7 +1,7 @@
 """Where a training step waits for the device, found on CPU: one step of the plain engine (StageEngine, as a k3ray
 worker runs it) at a small shape of a config (gpu2's layout and features by default) under a dispatch mode that
-counts every aten op (on a GPU, about one kernel launch each) and names the ops that make the host wait for the
-device there, each with the first k3ray frame that called it.
+counts every aten op (on a GPU, about one kernel launch each), by op and by the innermost k3ray frame that called
+it, and names the ops that make the host wait for the device there, each with that frame.
 
     python benchmarks/host_syncs.py --config configs/gpu2.yaml $RELEASED [--set model.d_model=256 ...]
     python benchmarks/host_syncs.py --device cuda --config configs/gpu2.yaml $RELEASED   # the config's own shapes
@@ -52,11 +52,13 @@ class Counter(TorchDispatchMode):
         super().__init__()
         self.device_only = device_only  # on a GPU, data-dependent ops on CPU tensors make nothing wait
         self.ops = collections.Counter()
+        self.callers = collections.Counter()  # ops by their innermost k3ray frame (autograd's backward: outside)
         self.syncs = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = f"aten::{func._schema.name.split('::')[-1]}"
         self.ops[name] += 1
+        self.callers[caller()] += 1
         if self._waits(name, args, kwargs or {}):
             self.syncs[(name, caller())] += 1
         return func(*args, **(kwargs or {}))
@@ -134,6 +136,9 @@ def main() -> None:
     print(f"\n| ops | aten op |\n|---|---|")
     for op, n in counter.ops.most_common(args.top):
         print(f"| {n} | {op} |")
+    print(f"\n| ops | innermost k3ray caller (outside k3ray: autograd's formulas, torch's own) |\n|---|---|")
+    for where, n in counter.callers.most_common(args.top):
+        print(f"| {n} | {where} |")
 
 
 if __name__ == "__main__":
