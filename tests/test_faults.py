@@ -292,4 +292,7 @@ def test_a_store_too_small_for_one_snapshot_and_kills_in_its_phases_leave_the_ru
     met = [i["step"] for i in lost]
     assert met[:2] == [2, 4] and len(met) == 3 and 6 <= met[2] < steps, failed.incidents
     assert failed.status["snapshots"]["one_at_a_time"] and failed.status["snapshots"]["committed"] >= 1
-    assert failed.losses == pytest.approx(unfailed.losses, rel=1e-12, abs=0), failed.incidents
+    # float64 to 1e-11: the run steps at 4, 3, 2 and 1 EP ranks, each size summing the experts' outputs and
+    # gradients in its own order, and when the third kill is met (timing) decides which steps ran at which size;
+    # over 12 steps those roundings reach ~1e-12 of the loss (a wrong restore or replay is off by far more)
+    assert failed.losses == pytest.approx(unfailed.losses, rel=1e-11, abs=0), failed.incidents
