@@ -14,8 +14,9 @@ level and every run serves the same requests. --max-tokens is one number or a ra
 
 Shared prefixes (the prefix cache, serve.prefix_cache, switched by --prefix-cache on|off): --system-tokens LO:HI puts
 one system prompt of that many tokens (drawn once, seeded) before every request's prompt; --turns LO:HI makes each
-request a chat of that many turns, each turn resending the conversation so far (prompts and replies) with a new
-user turn of --prompt-tokens. TTFT counts every turn; the table adds the prompt tokens served from the cache (usage's
+request a chat of that many turns, each turn resending the conversation so far with a new user turn of
+--prompt-tokens (chat kinds: as messages, the replies as assistant turns, as a chat client sends them; `text`: as one
+prompt). TTFT counts every turn; the table adds the prompt tokens served from the cache (usage's
 cached_tokens) and the engine's hit rate over the level.
 
     python benchmarks/serve_load.py ... --system-tokens 1000:2000 --prompt-tokens 50:300 --prefix-cache on
@@ -138,24 +139,27 @@ async def clients(url: str, model: str, concurrency: int, requests: list[tuple[s
     api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
     ttft: dict[str, list[float]] = {}
     itl, tokens, prompt_tokens, cached, chunks = [], [0], [0], [0], [0]
+    resent = [0, 0]  # turns after a chat's first: the previous turn's prompt tokens, and the tokens they had cached
     queue = list(reversed(requests))
 
-    async def turn(kind: str, prompt: str, max_tokens: int) -> str:
+    async def turn(kind: str, conversation: list[dict], max_tokens: int) -> tuple[str, int, int]:
+        """One request: a completion of the conversation's text (`text`), or a chat of its messages. Returns its
+        reply, prompt tokens and cached prompt tokens."""
         t0 = time.perf_counter()
-        last, reply = None, ""
+        last, reply, usage = None, "", (0, 0)
         common = dict(model=model, max_tokens=max_tokens, temperature=0, stream=True,
                       stream_options={"include_usage": True})
         if kind == "text":
-            stream = await api.completions.create(prompt=prompt, **common)
+            stream = await api.completions.create(prompt="".join(m["content"] for m in conversation), **common)
         else:
-            stream = await api.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common,
-                                                       **KINDS[kind])
+            stream = await api.chat.completions.create(messages=conversation, **common, **KINDS[kind])
         async for chunk in stream:
             if chunk.usage is not None:
                 tokens[0] += chunk.usage.completion_tokens
                 prompt_tokens[0] += chunk.usage.prompt_tokens
                 details = chunk.usage.prompt_tokens_details
-                cached[0] += details.cached_tokens if details is not None else 0
+                usage = (chunk.usage.prompt_tokens, details.cached_tokens if details is not None else 0)
+                cached[0] += usage[1]
             text = _chunk_text(chunk.choices[0]) if chunk.choices else ""
             if not text:  # the chat role chunk (sent on admission) and empty deltas carry no output yet
                 continue
@@ -167,22 +171,30 @@ async def clients(url: str, model: str, concurrency: int, requests: list[tuple[s
             else:
                 itl.append(now - last)
             last = now
-        return reply
+        return (reply, *usage)
 
     async def client() -> None:
+        # a chat resends its conversation as messages, the replies as assistant turns (a completion: as one text)
         while queue:
-            history = ""
+            conversation: list[dict] = []
             kind, chat = queue.pop()
             for i, (user, max_tokens) in enumerate(chat):
-                prompt = history + user
-                if i and tokenizer is not None and len(tokenizer.encode(prompt)) + max_tokens + 32 > fits[1]:
-                    break  # 32: the chat template's tokens
-                history = prompt + await turn(kind, prompt, max_tokens)
+                conversation.append({"role": "user", "content": user})
+                text = "".join(m["content"] for m in conversation)
+                if i and tokenizer is not None and \
+                        len(tokenizer.encode(text)) + 16 * len(conversation) + max_tokens + 16 > fits[1]:
+                    break  # 16 a message: the chat template's tokens around it
+                reply, prompt, hit = await turn(kind, conversation, max_tokens)
+                if i:
+                    resent[0] += previous
+                    resent[1] += hit
+                previous = prompt
+                conversation.append({"role": "assistant", "content": reply})
 
     await asyncio.gather(*(client() for _ in range(concurrency)))
     await api.close()
     return {"ttft": ttft, "itl": itl, "tokens": tokens[0], "prompt_tokens": prompt_tokens[0], "cached": cached[0],
-            "chunks": chunks[0]}
+            "chunks": chunks[0], "resent": resent}
 
 
 def _chunk_text(choice) -> str:
@@ -242,7 +254,8 @@ def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model:
             "prompt_tokens_per_s": prompt_tokens / wall, "worker_us_per_prompt_token": 1e6 * worker_s
             / max(prompt_tokens, 1), "preemptions": stats.get("preemptions", 0) - stats0.get("preemptions", 0),
             "cached_share": sum(p["cached"] for p in parts) / max(prompt_tokens, 1), "hit_rate": hit_rate,
-            "cached_bytes": cache.get("cached_bytes")}
+            "cached_bytes": cache.get("cached_bytes"),
+            "resent": [sum(p["resent"][j] for p in parts) for j in range(2)]}
 
 
 def process_cpu_seconds() -> dict[str, float]:
@@ -325,6 +338,7 @@ def main() -> None:
     ap.add_argument("--config", help="serve this config's seeded weights (no --checkpoint)")
     ap.add_argument("--set", action="append", default=[], help="config override, with --config")
     ap.add_argument("--token-budget", type=int, help="serve.token_budget (default: the server's, by device)")
+    ap.add_argument("--pages-per-rank", type=int, help="serve.pages_per_rank (default: the server's, by device)")
     ap.add_argument("--stream-interval", type=int, default=1, help="serve.stream_interval")
     ap.add_argument("--overlap", choices=["on", "off"], help="serve.overlap (default: the config's: on for pp=1)")
     ap.add_argument("--stepwise-prefill-max", type=int, help="serve.stepwise_prefill_max (default: the config's)")
@@ -355,6 +369,7 @@ def main() -> None:
     top = max(args.concurrency)
     serve_cfg = {"max_waiting": top, "stream_interval": args.stream_interval,  # queue room for every client
                  **({} if args.token_budget is None else {"token_budget": args.token_budget}),
+                 **({} if args.pages_per_rank is None else {"pages_per_rank": args.pages_per_rank}),
                  **({} if args.overlap is None else {"overlap": args.overlap == "on"}),
                  **({} if args.prefix_cache is None else {"prefix_cache": args.prefix_cache == "on"}),
                  **({} if args.stepwise_prefill_max is None else {"stepwise_prefill_max": args.stepwise_prefill_max}),
@@ -426,6 +441,12 @@ def main() -> None:
               f"{100 * r['cached_share']:.0f} % | "
               + ("-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.0f} %") + " | "
               + ("-" if r["cached_bytes"] is None else f"{r['cached_bytes'] / 1e6:,.1f}") + " |", flush=True)
+    for r in rows:
+        if r["resent"][0]:
+            print(f"{r['kind']} c={r['concurrency']}: the turns after a chat's first had {r['resent'][1]:,} prompt "
+                  f"tokens cached, {r['resent'][1] / r['resent'][0]:.1%} of the {r['resent'][0]:,} of the "
+                  f"conversation they resent (the previous turn's prompt; its reply too where the text it came back "
+                  f"as re-tokenizes the same)")
     print("\nHost CPU per process kind: share of one core during the level (CPU seconds / wall seconds), and CPU ms "
           "per 1000 output tokens")
     names = sorted({k for r in rows for k, v in r["cpu"].items() if v > 0.05 * r["wall"]})
