@@ -57,10 +57,11 @@ class Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = f"aten::{func._schema.name.split('::')[-1]}"
+        where = caller()
         self.ops[name] += 1
-        self.callers[caller()] += 1
+        self.callers[where] += 1
         if self._waits(name, args, kwargs or {}):
-            self.syncs[(name, caller())] += 1
+            self.syncs[(name, where)] += 1
         return func(*args, **(kwargs or {}))
 
     def _waits(self, name: str, args: tuple, kwargs: dict) -> bool:

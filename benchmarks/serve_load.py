@@ -128,9 +128,9 @@ async def clients(url: str, model: str, concurrency: int, requests: list[tuple[s
                   fits: tuple[str, int] | None = None) -> dict:
     """`concurrency` clients in this process, sending `requests` ((kind, chat): a KINDS key and turns of (user
     text, max_tokens), each turn's prompt the conversation so far) in order: their TTFTs by kind, ITLs, output,
-    prompt and cached prompt tokens, chunks. fits: (tokenizer spec, context): a chat ends before a turn whose prompt (the replies as
-    text, tokenized again: an untrained model's bytes may not come back as few tokens) and max_tokens would not fit
-    the context, as a client keeping its chats within the model's context does."""
+    prompt and cached prompt tokens, chunks. fits: (tokenizer spec, context): a chat ends before a turn whose
+    prompt (the replies as text, tokenized again: an untrained model's bytes may not come back as few tokens) and
+    max_tokens would not fit the context, as a client keeping its chats within the model's context does."""
     tokenizer = None
     if fits is not None:
         from k3ray.tokenizer import load_tokenizer
@@ -180,9 +180,8 @@ async def clients(url: str, model: str, concurrency: int, requests: list[tuple[s
             kind, chat = queue.pop()
             for i, (user, max_tokens) in enumerate(chat):
                 conversation.append({"role": "user", "content": user})
-                text = "".join(m["content"] for m in conversation)
-                if i and tokenizer is not None and \
-                        len(tokenizer.encode(text)) + 16 * len(conversation) + max_tokens + 16 > fits[1]:
+                if i and tokenizer is not None and len(tokenizer.encode("".join(
+                        m["content"] for m in conversation))) + 16 * len(conversation) + max_tokens + 16 > fits[1]:
                     break  # 16 a message: the chat template's tokens around it
                 reply, prompt, hit = await turn(kind, conversation, max_tokens)
                 if i:
