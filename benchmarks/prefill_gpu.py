@@ -41,6 +41,7 @@ from k3ray.tokenizer import ByteTokenizer
 from real_prompts import draws
 
 DEVICE = "cuda"  # --device cpu: a smoke run of the same code at a tiny shape (no profile categories then)
+PROMPT_GRAPHS = True  # --prompt-graphs off: prompt iterations eager (k3ray.parallel.prompt_graphs)
 
 
 SYSTEM: list[int] = []  # --system-tokens: the system prompt before every prompt
@@ -49,6 +50,12 @@ SYSTEM: list[int] = []  # --system-tokens: the system prompt before every prompt
 def workload(n: int, prompt_tokens: str, max_tokens: str, seed: int) -> list[tuple[list[int], int]]:
     """serve_load.py's requests (benchmarks/real_prompts.py) as the byte-level model's token ids."""
     return [(SYSTEM + ids, m) for ids, m in draws(ByteTokenizer(), n, prompt_tokens, max_tokens, seed)]
+
+
+def executor(model, serve: ServeConfig, prefix: PrefixSizes | None) -> LocalExecutor:
+    """The worker's StageServer as a server makes it (prompt graphs on a GPU unless --prompt-graphs off)."""
+    return LocalExecutor(model, pool_sizes(serve, prefix), device=DEVICE,
+                         prompt_graphs=PROMPT_GRAPHS and DEVICE == "cuda", token_budget=serve.token_budget)
 
 
 def pool_sizes(serve: ServeConfig, prefix: PrefixSizes | None) -> PoolSizes:
@@ -114,7 +121,7 @@ def serve_sizes(model, cfg, fraction: float) -> ServeConfig:
 
 def ttft_one(model, cfg, serve, tokens: int) -> None:
     prompt = workload(1, f"{tokens}:{tokens}", "1", 7)[0][0]
-    ex = TimedExecutor(LocalExecutor(model, pool_sizes(serve, None), device=DEVICE))
+    ex = TimedExecutor(executor(model, serve, None))
     times = []
     for _ in range(6):  # the prefix cache off: each run's prompt prefilled whole
         sched = Scheduler(serve.model_copy(update={"prefix_cache": False}), cfg.model.max_seq_len, 1,
@@ -129,17 +136,18 @@ def ttft_one(model, cfg, serve, tokens: int) -> None:
           f"{statistics.median(s[3] for s in ex.steps[1:]) * 1e3:.1f} ms", flush=True)
 
 
-def level(model, cfg, serve, args, concurrency: int, warm_up: bool = False) -> None:
-    """One level of `concurrency` requests at a time, printed; `warm_up`: the same level on other prompts (the same
-    system prompt), not printed, so that the printed one meets no first use of a shape or a kernel (compilation
-    and autotuning stalled the first iterations of a level for seconds)."""
+def level(model, cfg, serve, args, concurrency: int, inner: LocalExecutor, warm_up: bool = False) -> None:
+    """One level of `concurrency` requests at a time on `inner` (a server's worker: its pools and CUDA graphs last
+    from level to level), printed; `warm_up`: the same level on other prompts (the same system prompt), not
+    printed, so that the printed one meets no first use of a shape, a kernel or a graph (compilation, autotuning
+    and captures stalled the first iterations of a level for seconds)."""
     n = args.requests or max(4 * concurrency, 16)
     requests = workload(n, args.prompt_tokens, args.max_tokens, args.seed + warm_up)
     prefix = prefix_sizes(serve, cfg.model)
     sched = Scheduler(serve.model_copy(update={"max_waiting": 10 ** 6}), cfg.model.max_seq_len, 1,
                       cfg.policies.guards, prefix=prefix)
     profile = {k: i for k, i in (("hit", args.profile_hit), ("prompt", args.profile_prompt)) if i is not None}
-    ex = TimedExecutor(LocalExecutor(model, pool_sizes(serve, prefix), device=DEVICE), None if warm_up else profile)
+    ex = TimedExecutor(inner, None if warm_up else profile)
     sent, t_sent, reqs = 0, {}, []
     t0 = time.perf_counter()
     while sent < n or sched.has_work:
@@ -185,9 +193,6 @@ def level(model, cfg, serve, args, concurrency: int, warm_up: bool = False) -> N
         print_profile(prof, tokens)
     if errors:
         print(f"  first error: {errors[0]}", flush=True)
-    del ex
-    if DEVICE == "cuda":
-        torch.cuda.empty_cache()
 
 
 CATEGORIES = (("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
@@ -209,7 +214,7 @@ def mixed_profile(model, cfg, serve, args) -> None:
     prefix = prefix_sizes(serve, cfg.model)
     sched = Scheduler(serve.model_copy(update={"max_waiting": 10 ** 6, "token_budget": budget}),
                       cfg.model.max_seq_len, 1, cfg.policies.guards, prefix=prefix)
-    ex = TimedExecutor(LocalExecutor(model, pool_sizes(serve, prefix), device=DEVICE))
+    ex = TimedExecutor(executor(model, serve, prefix))
     for prompt, _ in requests[:64]:
         sched.submit(prompt, SamplingParams(max_tokens=1000))
     while any(r.cached < r.length for r in sched.table.running.values()) or sched.table.waiting:
@@ -337,11 +342,13 @@ def main() -> None:
     ap.add_argument("--profile-prompt", type=int, help="levels: profile the iteration with this index (from 0) "
                                                        "among those with a new prompt row, none from a cached prefix")
     ap.add_argument("--prefill-bucket", type=int, help="k3ray.parallel.serving.PREFILL_TOKEN_BUCKET (1: unpadded)")
+    ap.add_argument("--prompt-graphs", choices=["on", "off"], default="on",
+                    help="prompt iterations as CUDA graphs in pieces (a GPU server's default) or eager")
     args = ap.parse_args()
     if args.prefill_bucket is not None:  # read when the StageServer is made
         serving.PREFILL_TOKEN_BUCKET = args.prefill_bucket
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, PROMPT_GRAPHS
+    DEVICE, PROMPT_GRAPHS = args.device, args.prompt_graphs == "on"
     if args.prefix_cache is not None:
         args.set.append(f"serve.prefix_cache={args.prefix_cache == 'on'}")
     if args.system_tokens is not None:
@@ -351,12 +358,13 @@ def main() -> None:
     t0 = time.perf_counter()
     model = build_stage(cfg.model, range(cfg.model.n_layers), seed=cfg.train.seed, device=DEVICE)
     serve = serve_sizes(model, cfg, cfg.serve.gpu_memory_fraction)
+    prompt_how = "as CUDA graphs by token bucket" if PROMPT_GRAPHS and DEVICE == "cuda" else \
+        f"eager, padded to {serving.PREFILL_TOKEN_BUCKET if DEVICE == 'cuda' else 1} tokens"
     print(f"[prefill] {cfg.name} {cfg.model.n_layers} layers built in {time.perf_counter() - t0:.0f}s; torch "
           f"{torch.__version__}, {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'CPU'}; token budget "
           f"{serve.token_budget}, slots "
           f"{serve.slots_per_rank}, pages {serve.pages_per_rank} x {serve.page_size}, stepwise prefill up to "
-          f"{serve.stepwise_prefill_max}, prompt iterations padded to "
-          f"{serving.PREFILL_TOKEN_BUCKET if DEVICE == 'cuda' else 1} tokens", flush=True)
+          f"{serve.stepwise_prefill_max}, prompt iterations {prompt_how}", flush=True)
     stages = args.stages.split(",")
     if "ttft" in stages:
         try:
@@ -369,12 +377,18 @@ def main() -> None:
         print("| concurrency | requests | output tok/s | TTFT p50 / p99 ms | ITL p50 / p90 / p99 ms | tokens per "
               "iteration | prompt tok/s | worker busy | preempted | errors | hit rate | slowest iteration ms |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        inner = executor(model, serve, prefix_sizes(serve, cfg.model))
         for c in args.concurrency:
             try:
-                level(model, cfg, serve, args, c, warm_up=True)
-                level(model, cfg, serve, args, c)
+                level(model, cfg, serve, args, c, inner, warm_up=True)
+                level(model, cfg, serve, args, c, inner)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
+        graphs = inner.server.prompt_graphs
+        if graphs is not None and graphs.capture:
+            print(f"  prompt graphs: {len(graphs.buckets)} token buckets captured in {graphs.capture_seconds:.1f} s "
+                  f"(each on its first use: {sorted(graphs.buckets)})", flush=True)
+        del inner
     if "graphs" in stages and DEVICE == "cuda":
         try:
             graph_captures(model, serve)

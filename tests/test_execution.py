@@ -101,6 +101,16 @@ def test_blocks_compile_by_default_on_cuda_only():
     assert all(block._compiled_call_impl is None for block in stage.blocks.values())
 
 
+def test_a_served_stage_runs_its_blocks_eagerly():
+    """Compiled blocks are the training step's: a serving grid's config turns them off (its iterations change their
+    token count every time; a GPU's replay CUDA graphs instead)."""
+    from k3ray.config import serving_config
+
+    trained = load_config(TINY, {"parallel.device": "cuda", "execution.compile_blocks": True})
+    assert trained.execution.compiles_blocks("cuda")
+    assert not serving_config(trained.model_dump(), 1, 1).execution.compiles_blocks("cuda")
+
+
 def test_compiled_blocks_are_refused_on_cpu_with_the_field_named():
     from k3ray.config import ConfigError
 

@@ -91,10 +91,13 @@ def serving_config(train_config: dict, pp: int, ep: int, overrides: dict | None 
                    standbys: bool | str = "auto") -> JobConfig:
     """The training job's config on the serving grid (pp x ep, `spares` hot spares, `standbys`: the standby processes,
     fault_tolerance.standbys), with `serve.*` overrides (a `serve` section the checkpoint carries is the training
-    job's default, not a serving choice: it is dropped; so are its spares and standbys)."""
+    job's default, not a serving choice: it is dropped; so are its spares and standbys). Its blocks run eagerly:
+    execution.compile_blocks is the training step's (static shapes per config), where a serving iteration's token
+    count changes every time and the GPU's serving iterations replay CUDA graphs instead."""
     cfg = JobConfig.model_validate({k: v for k, v in train_config.items() if k != "serve"})
     par = cfg.parallel.model_copy(update={"pp": pp, "ep": ep})
     serve = cfg.serve.model_copy(update=overrides or {})
     ft = cfg.fault_tolerance.model_copy(update={"spares": spares, "standbys": standbys})
+    execution = cfg.execution.model_copy(update={"compile_blocks": False})
     return JobConfig.model_validate({**cfg.model_dump(), "parallel": par.model_dump(), "serve": serve.model_dump(),
-                                     "fault_tolerance": ft.model_dump()})
+                                     "fault_tolerance": ft.model_dump(), "execution": execution.model_dump()})

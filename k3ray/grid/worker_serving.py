@@ -28,13 +28,14 @@ class WorkerServing:
         first; `DecodeGraphs.capture_ahead`), else the likeliest. Returns the captures' seconds and the first one's
         (a new process's kernels load in it)."""
         from k3ray.model.cache import new_pools
-        from k3ray.parallel.serving import StageServer
+        from k3ray.parallel.serving import DEFAULT_TOKEN_BUDGET, StageServer
 
         e = self.seat.engine
         pools = new_pools(e.cfg.model, e.layers, pages, page_size, slots, e.device, checkpoints)
         rank = e.pp_rank * e.ep + e.ep_rank
         self.server = StageServer(e.stage, pools, e.device, rank - e.ep if e.pp_rank > 0 else None,
-                                  rank + e.ep if e.pp_rank < e.pp - 1 else None, e.groups)
+                                  rank + e.ep if e.pp_rank < e.pp - 1 else None, e.groups,
+                                  token_budget=e.cfg.serve.token_budget or DEFAULT_TOKEN_BUDGET)
         graphs = self.server.graphs
         if graphs_budget_s > 0 and graphs is not None:
             graphs.capture_ahead(graphs_budget_s, traffic)

@@ -252,6 +252,17 @@ class SavesInRows:
         return out
 
 
+def fold_maxabs(token_maxabs_T: torch.Tensor | None, x_1Td: torch.Tensor) -> torch.Tensor:
+    """Each token's largest |activation| so far [T] with a block's output folded in (NaN propagates)."""
+    m = x_1Td[0].detach().abs().amax(-1)
+    return m if token_maxabs_T is None else torch.maximum(token_maxabs_T, m)
+
+
+def add_served_routes(load_E: torch.Tensor, idx_TK: torch.Tensor, token_weight_T: torch.Tensor) -> None:
+    """Add each token's routes, times its weight (0: a padding row's), into a layer's served load [E], in place."""
+    load_E.index_add_(0, idx_TK.reshape(-1), token_weight_T[:, None].expand_as(idx_TK).reshape(-1))
+
+
 class IterationCache:
     """One iteration of N sequences on a stage: their new tokens packed into one row [1, T].
 
@@ -339,8 +350,7 @@ class IterationCache:
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
         """Fold a block's output (the residual stream) into each token's max-abs (NaN propagates)."""
-        m = x_1Td[0].detach().abs().amax(-1)
-        self.token_maxabs = m if self.token_maxabs is None else torch.maximum(self.token_maxabs, m)
+        self.token_maxabs = fold_maxabs(self.token_maxabs, x_1Td)
 
     def sequence_maxabs(self) -> torch.Tensor:
         """[N] float64: each sequence's largest |activation| over the blocks run (inf: something not finite)."""
@@ -353,8 +363,7 @@ class IterationCache:
 
     def note_routes(self, idx_TK: torch.Tensor) -> None:
         """Count the iteration's routes per expert into the layer's served load (in place, so graph replays add)."""
-        weight = self.token_weight[:, None].expand_as(idx_TK)
-        self.pools.load[self.layer].index_add_(0, idx_TK.reshape(-1), weight.reshape(-1))
+        add_served_routes(self.pools.load[self.layer], idx_TK, self.token_weight)
 
     def mla_attention(self, q_1THe: torch.Tensor, lat_1Tl: torch.Tensor, mla) -> torch.Tensor:
         """Store this iteration's latents [c | k_p], then causal attention of each sequence's new queries over its

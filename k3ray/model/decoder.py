@@ -148,21 +148,31 @@ class K3Stage(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: IterationCache | None = None,
                 documents: Documents | None = None) -> torch.Tensor:
+        return self.head(self.body(x, cache, documents), cache)
+
+    def body(self, x: torch.Tensor, cache: IterationCache | None = None,
+             documents: Documents | None = None) -> torch.Tensor:
+        """Every position through the stage's blocks: the next stage's input (`boundary_shape`), or on the last
+        stage the hidden state [B, S, d] (with an inference cache [1, T, d]) that `head` reads."""
         if self.embed is not None:
             x = self.embed(x)
         if self.cfg.attn_res_block_size:
             x, summaries = (x, []) if self.is_first else (x[0], list(x[1:]))
             for block in self.blocks.values():
                 x, summaries = block(x, cache, summaries, documents)
-            x = self.output_res(summaries + [x]) if self.is_last else torch.stack([x] + summaries)
-        else:
-            for block in self.blocks.values():
-                x = block(x, cache, documents=documents)
-        if self.lm_head is not None:
-            if cache is not None:  # only each sequence's last position is sampled from
-                x = x[0, cache.last_rows]
-            x = self.lm_head(self.final_norm(x))
+            return self.output_res(summaries + [x]) if self.is_last else torch.stack([x] + summaries)
+        for block in self.blocks.values():
+            x = block(x, cache, documents=documents)
         return x
+
+    def head(self, x: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
+        """`body`'s output -> the logits on the last stage ([B, S, V]; with an inference cache those of each
+        sequence's last token, [N, V]); elsewhere `x` itself."""
+        if self.lm_head is None:
+            return x
+        if cache is not None:  # only each sequence's last position is sampled from
+            x = x[0, cache.last_rows]
+        return self.lm_head(self.final_norm(x))
 
     def moe_layers(self) -> dict[int, LatentMoE]:
         return {int(i): b.moe for i, b in self.blocks.items() if b.moe is not None}

@@ -13,9 +13,11 @@ the log-probabilities of the rows that ask for them.
 A plan is small: the sequences by slot with their start and token count, the new token ids, and for sequences new
 on the rank their pages and sampling parameters (sent once). Decode iterations (one token per sequence) on a stage
 whose experts are all local run as CUDA graphs, one per (batch bucket, context bucket), the likeliest captured when
-the pools are made (as many as serve.graphs_at_start_s allows), the rest on first use (`DecodeGraphs`); prefill chunks
-run eagerly, and so do iterations with rows whose logits are adjusted or whose logprobs are asked for
-(`RankPlan.logits`: grammars, penalties, logit_bias). The same code runs on CPU without graphs.
+the pools are made (as many as serve.graphs_at_start_s allows), the rest on first use (`DecodeGraphs`); iterations
+with prompt chunks run a token bucket as CUDA graphs in pieces, captured on first use, the attention between them
+eager (k3ray.parallel.prompt_graphs); rows whose logits are adjusted or whose logprobs are asked for
+(`RankPlan.logits`: grammars, penalties, logit_bias) are sampled eagerly after either. The same code runs on CPU
+without graphs.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, SeqPages, St
 from k3ray.model.decoder import K3Stage, boundary_shape
 from k3ray.model.sampling import LogitsRow, adjust_logits, sample_tokens, token_logprobs
 from k3ray.parallel.grammar_masks import GrammarMasks
+from k3ray.parallel.prompt_graphs import PromptGraphs, experts_local, prompt_bucket
 
 log = logging.getLogger("k3ray.serve")
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -40,6 +43,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # shape new to cuBLAS costs the host a heuristic search, which a new token count every iteration paid at every matmul.
 # (On a CPU padding would only add work.)
 PREFILL_TOKEN_BUCKET = 64
+DEFAULT_TOKEN_BUDGET = 8192  # serve.token_budget's GPU default: the largest prompt graph where none is given
 
 
 @dataclass
@@ -64,17 +68,19 @@ class RankPlan:
     saves: list[StateSave] = field(default_factory=list)  # KDA state checkpoints for the prefix cache
 
 
-def padded_prefill(plan: RankPlan, scratch_slot: int, bucket: int) -> RankPlan:
-    """`plan` (with prompt rows) with one more row, of the scratch slot, padding its packed tokens to a multiple of
-    `bucket` (the plan itself where they are one already). The padding row reads and writes only the scratch slot
-    and page; the step drops its outputs."""
-    pad = -sum(plan.counts) % bucket
-    if not pad:
+def padded_prefill(plan: RankPlan, scratch_slot: int, tokens: int, longest: int) -> RankPlan:
+    """`plan` (with prompt rows) padded to `tokens` packed tokens by rows of the scratch slot, each at most `longest`
+    tokens (what a page table reaches; the plan itself where it has as many already). The padding rows read and
+    write only the scratch slot and page; the step drops their outputs."""
+    pad = tokens - sum(plan.counts)
+    if pad <= 0:
         return plan
-    return dataclasses.replace(plan, slots=[*plan.slots, scratch_slot], starts=[*plan.starts, 0],
-                               counts=[*plan.counts, pad], counters=[*plan.counters, 0],
+    rows = [longest] * (pad // longest) + ([pad % longest] if pad % longest else [])
+    k = len(rows)
+    return dataclasses.replace(plan, slots=[*plan.slots, *[scratch_slot] * k], starts=[*plan.starts, *[0] * k],
+                               counts=[*plan.counts, *rows], counters=[*plan.counters, *[0] * k],
                                tokens=[*plan.tokens, *[0] * pad] if plan.tokens else [],
-                               from_device=[*plan.from_device, False] if plan.from_device else [])
+                               from_device=[*plan.from_device, *[False] * k] if plan.from_device else [])
 
 
 @dataclass
@@ -106,7 +112,12 @@ class PoolSizes:
 
 class StageServer:
     def __init__(self, stage: K3Stage, pools: CachePools, device, prev_rank: int | None = None,
-                 next_rank: int | None = None, groups=None, graphs: bool = True):
+                 next_rank: int | None = None, groups=None, graphs: bool = True, prompt_graphs: bool | None = None,
+                 token_budget: int = DEFAULT_TOKEN_BUDGET):
+        """graphs: decode and prompt iterations as CUDA graphs where the device is a GPU; prompt_graphs alone for
+        prompt iterations (default: as `graphs` on a GPU, off on a CPU, where True runs their pieces eagerly:
+        k3ray.parallel.prompt_graphs' data path without graphs, for tests). token_budget: an iteration's tokens at
+        most (serve.token_budget), the largest prompt graph."""
         self.stage, self.pools, self.device = stage, pools, torch.device(device)
         self.prev_rank, self.next_rank = prev_rank, next_rank  # world ranks of the neighbouring stages (same e)
         # the grid's process groups (k3ray.parallel.grid_groups.GridGroups), asked for the world group at each use:
@@ -114,8 +125,13 @@ class StageServer:
         # connections only when it is freed, and a peer waiting on this worker waits as long as they are open)
         self.groups = groups
         self.dtype = next(stage.parameters()).dtype
-        self.graphs = DecodeGraphs(self) if graphs and self.device.type == "cuda" else None
-        self.prefill_bucket = PREFILL_TOKEN_BUCKET if self.device.type == "cuda" else 1
+        cuda = self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self) if graphs and cuda else None
+        if prompt_graphs is None:
+            prompt_graphs = graphs and cuda
+        self.prompt_graphs = PromptGraphs(self, token_budget, capture=cuda, pool=getattr(self.graphs, "pool", None)) \
+            if prompt_graphs else None
+        self.prefill_bucket = PREFILL_TOKEN_BUCKET if cuda else 1  # eager prompt iterations: a multiple of it
         self.grammar_masks = GrammarMasks()  # the last stage's: constrained rows' bitmasks
 
     @torch.no_grad()
@@ -127,8 +143,9 @@ class StageServer:
         if self.stage.is_last:
             self.grammar_masks.seated([a.slot for a in plan.admit])
         real = plan  # its rows' outputs are the step's (a padding row's are dropped)
-        if plan.counts and max(plan.counts) > 1 and self.prefill_bucket > 1:
-            plan = padded_prefill(plan, self.pools.scratch_slot, self.prefill_bucket)
+        if plan.counts and max(plan.counts) > 1:
+            plan = padded_prefill(plan, self.pools.scratch_slot, self.prompt_tokens(sum(plan.counts)),
+                                  self.pools.max_pages * self.pools.page_size)
         n, T = len(real.slots), sum(plan.counts)
         x = None
         if not self.stage.is_first:
@@ -169,6 +186,19 @@ class StageServer:
         self.grammar_masks.took(real.slots, plan.logits, tokens)
         return StageOutput(tokens, host[n:].tolist(), time.perf_counter() - t0, logprobs)
 
+    def prompt_tokens(self, tokens: int) -> int:
+        """The tokens an iteration of `tokens` with prompt rows runs: its prompt graphs' bucket, else (eager) the
+        next multiple of `prefill_bucket`."""
+        bucket = prompt_bucket(tokens)
+        if self.prompt_graphs is not None and self.prompt_graphs.serves(bucket):
+            return bucket
+        return -(-tokens // self.prefill_bucket) * self.prefill_bucket
+
+    def scratch_cache(self, tokens: int) -> IterationCache:
+        """An iteration of `tokens` tokens in rows of the scratch slot only (a prompt graph's warm-up and capture)."""
+        plan = padded_prefill(RankPlan(), self.pools.scratch_slot, tokens, self.pools.max_pages * self.pools.page_size)
+        return IterationCache.from_plan(self.pools, plan.slots, plan.starts, plan.counts, self.device)
+
     def _input_ids(self, plan: RankPlan) -> torch.Tensor:
         """The plan's token ids [T] on the device, those of `from_device` rows taken from the slots' last sampled
         tokens (a device-side gather: no host sync)."""
@@ -186,7 +216,11 @@ class StageServer:
         """The stage on one iteration (no host sync: a CUDA graph can hold it): its output (hidden [1, T, d], or the
         logits [N, V] on the last stage, the model's), the sampled tokens [N] (last stage, `sample`: `self.sample`
         with no logits adjusted) and each sequence's max-abs [N] (inf where the logits are not finite)."""
-        out = self.stage(x, cache)
+        body = None
+        if cache.prompt is not None and self.prompt_graphs is not None \
+                and self.prompt_graphs.serves(cache.seq_of_token.numel()):
+            body = self.prompt_graphs.run(x, cache)
+        out = self.stage(x, cache) if body is None else self.stage.head(body, cache)
         maxabs = cache.sequence_maxabs()
         if not self.stage.is_last:
             return out, None, maxabs
@@ -265,8 +299,7 @@ class DecodeGraphs:
     the graph or after it: an iteration whose logits are adjusted samples eagerly, once its grammars' bitmasks are
     filled on the host during the replay), captured on first use and replayed: the iteration's inputs are copied into
     the graph's static buffers, padded to B with rows that read and write only the scratch slot and page. Stages
-    whose MoE exchanges experts between ranks (ep > 1: the exchange's splits come from the host) run eagerly; so do
-    prefill chunks."""
+    whose MoE exchanges experts between ranks (ep > 1: the exchange's splits come from the host) run eagerly."""
 
     def __init__(self, server: StageServer):
         self.server = server
@@ -274,9 +307,7 @@ class DecodeGraphs:
         self.capture_seconds = 0.0  # spent capturing (warm-up runs included), reported with the grid's start
         self.first_capture_seconds = 0.0  # the first capture alone: a new CUDA process loads its kernels in it
         self.pool = torch.cuda.graph_pool_handle()
-        # experts exchanged between EP ranks: the exchange's splits come from the host, so no graph
-        self.enabled = all(getattr(getattr(moe.experts, "ctx", None), "num_ranks", 1) == 1
-                           for moe in server.stage.moe_layers().values())
+        self.enabled = experts_local(server.stage)
 
     def keys(self) -> list[tuple[int, int, bool]]:
         """Every (batch bucket, context bucket, greedy) this stage's pools can ask for, likeliest first: greedy
@@ -368,10 +399,12 @@ class DecodeGraphs:
 class LocalExecutor:
     """The whole model in this process (pp = 1, ep = 1, one data-parallel rank): the engine without Ray."""
 
-    def __init__(self, model: K3Stage, sizes: PoolSizes, device="cpu", graphs: bool = True):
+    def __init__(self, model: K3Stage, sizes: PoolSizes, device="cpu", graphs: bool = True,
+                 prompt_graphs: bool | None = None, token_budget: int = DEFAULT_TOKEN_BUDGET):
         pools = new_pools(model.cfg, model.layers, sizes.pages, sizes.page_size, sizes.slots, device,
                           sizes.checkpoints)
-        self.server = StageServer(model, pools, device, graphs=graphs)
+        self.server = StageServer(model, pools, device, graphs=graphs, prompt_graphs=prompt_graphs,
+                                  token_budget=token_budget)
 
     def run(self, plans: dict[int, RankPlan]) -> dict[int, StageOutput]:
         return {0: self.server.step(plans[0])}
