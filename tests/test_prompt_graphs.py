@@ -85,3 +85,5 @@ def test_prompt_graphs_replayed_serve_as_the_eager_forward():
     n_seams = sum(2 if cfg.layer_kind(i) == "kda" and cfg.kda_conv_size else 1 for i in range(cfg.n_layers))
     assert all(len(b.graphs) == n_seams + 1 for b in prompt_graphs.buckets.values())
     assert_same_serving(graphed, serve_script(stage, "cuda", prompt_graphs=False, graphs=True), atol=1e-5)
+    # a server's start captures every bucket up to its token budget, smallest first, within its budget of seconds
+    assert prompt_graphs.capture_ahead(float("inf")) == 2 and sorted(prompt_graphs.buckets) == [64, 128, 192, 256]

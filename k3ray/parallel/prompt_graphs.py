@@ -184,6 +184,23 @@ class PromptGraphs:
         self.buckets: dict[int, BucketGraphs] = {}
         self.capture_seconds = 0.0
 
+    def bucket_sizes(self) -> list[int]:
+        """Every bucket up to the largest, smallest first."""
+        out = [prompt_bucket(1)]
+        while out[-1] < self.max_tokens:
+            out.append(prompt_bucket(out[-1] + 1))
+        return out
+
+    def capture_ahead(self, budget_s: float) -> int:
+        """Capture buckets, smallest first (mixed iterations of a few decode rows and a chunk are the most frequent),
+        until `budget_s` seconds are spent (the capture under way finishes); how many were captured."""
+        t0, before = time.perf_counter(), len(self.buckets)
+        for tokens in self.bucket_sizes():
+            if not (self.enabled and self.capture) or time.perf_counter() - t0 >= budget_s:
+                break
+            self._get(tokens)
+        return len(self.buckets) - before
+
     def serves(self, tokens: int) -> bool:
         """Whether an iteration of `tokens` tokens, a bucket (`prompt_bucket`), runs here."""
         return self.enabled and tokens <= self.max_tokens and tokens == prompt_bucket(tokens)
