@@ -1,6 +1,6 @@
 """Prompt iterations in pieces (k3ray.parallel.prompt_graphs): token buckets, and the pieces' data path (static
 token-wise inputs, seams running the iteration's cache methods) equal to the plain forward: on a CPU run eagerly
-(float64, every released feature), on a GPU replayed from CUDA graphs."""
+(float64, every released feature; a first stage and a later one), on a GPU replayed from CUDA graphs."""
 from __future__ import annotations
 
 import pytest
@@ -87,3 +87,37 @@ def test_prompt_graphs_replayed_serve_as_the_eager_forward():
     assert_same_serving(graphed, serve_script(stage, "cuda", prompt_graphs=False, graphs=True), atol=1e-5)
     # a server's start captures every bucket up to its token budget, smallest first, within its budget of seconds
     assert prompt_graphs.capture_ahead(float("inf")) == 2 and sorted(prompt_graphs.buckets) == [64, 128, 192, 256]
+
+
+def test_a_later_stage_runs_its_pieces_from_the_hidden_state_it_receives():
+    """A pipeline stage after the first takes the hidden state (with Block AttnRes, the block summary too) into its
+    pieces' static input: its logits, max-abs, KDA states, latents and served load equal its plain forward's.
+    float64, every released feature, the second half of the layers."""
+    from k3ray.model.cache import IterationCache
+    from k3ray.model.decoder import boundary_shape
+    from k3ray.parallel.serving import padded_prefill
+
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED}).model
+    stage = build_stage(cfg, range(2, cfg.n_layers), seed=9)
+    plan = RankPlan([0, 1], [0, 0], [17, 30], [], [0, 0])
+
+    def serve(prompt_graphs: bool):
+        pools = new_pools(cfg, stage.layers, 32, 4, 4)
+        pools.admit([SeqAdmit(0, list(range(8))), SeqAdmit(1, list(range(8, 16)))])
+        server = StageServer(stage, pools, "cpu", prompt_graphs=prompt_graphs, token_budget=256)
+        padded = padded_prefill(plan, pools.scratch_slot, 64, pools.max_pages * pools.page_size)
+        cache = IterationCache.from_plan(pools, padded.slots, padded.starts, padded.counts, "cpu", padded=True)
+        x = torch.randn(boundary_shape(cfg, 2, 1, 64), generator=torch.Generator().manual_seed(3),
+                        dtype=torch.float64)
+        out, tokens, maxabs = server.forward(x, cache, torch.zeros(len(padded.slots), dtype=torch.int64), True)
+        assert (server.prompt_graphs is not None and 64 in server.prompt_graphs.buckets) == prompt_graphs
+        return out[:2], tokens[:2], maxabs[:2], pools
+
+    (out, tokens, maxabs, pools), (want_out, want_tokens, want_maxabs, want) = serve(True), serve(False)
+    assert boundary_shape(cfg, 2, 1, 64)[0] > 1  # the block summary travels with the hidden state
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    assert tokens.tolist() == want_tokens.tolist()
+    torch.testing.assert_close(maxabs, want_maxabs, rtol=0, atol=1e-12)
+    for name in ("state", "conv", "latent", "load"):
+        for layer, t in getattr(want, name).items():
+            torch.testing.assert_close(getattr(pools, name)[layer], t, rtol=0, atol=1e-12)
