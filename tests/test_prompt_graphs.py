@@ -85,8 +85,10 @@ def test_prompt_graphs_replayed_serve_as_the_eager_forward():
     n_seams = sum(2 if cfg.layer_kind(i) == "kda" and cfg.kda_conv_size else 1 for i in range(cfg.n_layers))
     assert all(len(b.graphs) == n_seams + 1 for b in prompt_graphs.buckets.values())
     assert_same_serving(graphed, serve_script(stage, "cuda", prompt_graphs=False, graphs=True), atol=1e-5)
-    # a server's start captures every bucket up to its token budget, smallest first, within its budget of seconds
+    # a server's start captures every bucket up to its token budget, smallest first, within its budget of seconds,
+    # outside a step's no_grad yet keeping no autograd history (it would hold every layer's activations)
     assert prompt_graphs.capture_ahead(float("inf")) == 2 and sorted(prompt_graphs.buckets) == [64, 128, 192, 256]
+    assert torch.is_grad_enabled() and all(b.out.grad_fn is None for b in prompt_graphs.buckets.values())
 
 
 def test_a_later_stage_runs_its_pieces_from_the_hidden_state_it_receives():

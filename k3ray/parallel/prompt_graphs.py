@@ -238,6 +238,9 @@ class PromptGraphs:
             self.capture_seconds += time.perf_counter() - t0
         return self.buckets[tokens]
 
+    # a grid's start captures outside `StageServer.step`: without no_grad the captured forward would keep its
+    # autograd history (the stage's parameters require gradients), and with it every layer's saved activations
+    @torch.no_grad()
     def _make(self, tokens: int) -> BucketGraphs:
         server = self.server
         stage, dev = server.stage, server.device

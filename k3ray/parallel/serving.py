@@ -368,6 +368,9 @@ class DecodeGraphs:
         packed = inputs["packed"]  # its slots and counters: what sampling after the graph reads, in stream order
         return out[..., :n, :], None if tokens is None else tokens[:n], maxabs[:n], packed[0, :n], packed[2, :n]
 
+    # a grid's start captures outside `step`: without no_grad the captured forward would keep its autograd history
+    # (the stage's parameters require gradients), and with it saved activations in the graphs' pool
+    @torch.no_grad()
     def _capture(self, bucket: int, context: int, greedy: bool, sample: bool):
         server, dev = self.server, self.server.device
         pools = server.pools
