@@ -52,9 +52,9 @@ class ServeConfig(Section):
     graphs_at_start_s: float = Field(3.0, ge=0, description="GPU: seconds a grid's start may spend capturing "
                                      "decode CUDA graphs, greedy before sampled, short contexts and small batches "
                                      "first (a grid started after traffic, as a recovery's: those of the shapes "
-                                     "traffic used, most used first, and no others), then as long again for the "
-                                     "prompt graphs' token buckets, smallest first; the rest are captured on first "
-                                     "use (that iteration waits for its capture, ~70 ms)")
+                                     "traffic used, most used first, and no others; else then as long again for "
+                                     "the prompt graphs' token buckets, smallest first); the rest are captured on "
+                                     "first use (that iteration waits for its capture, ~70 ms)")
     max_waiting: int = Field(64, ge=0, description="queued requests beyond which new ones get 429")
     max_tokens: int = Field(256, gt=0, description="largest max_tokens a request may ask for")
     retry_after_s: int = Field(1, ge=0, description="Retry-After of a 429 and of a 503 while no grid serves")

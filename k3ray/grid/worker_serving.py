@@ -25,9 +25,9 @@ class WorkerServing:
         """Cache pools for serving beside the stage this worker holds (with `checkpoints` prefix-cache KDA state
         checkpoints), and the decode CUDA graphs that
         `graphs_budget_s` seconds capture (GPU): those of `traffic`'s decode shapes (a grid's so far, most used
-        first; `DecodeGraphs.capture_ahead`), else the likeliest; then as many seconds for the prompt graphs' token
-        buckets, smallest first. Returns the captures' seconds and the first one's (a new process's kernels load in
-        it)."""
+        first; `DecodeGraphs.capture_ahead`), else the likeliest and then, for as many seconds, the prompt graphs'
+        token buckets, smallest first. Returns the captures' seconds and the first one's (a new process's kernels
+        load in it)."""
         from k3ray.model.cache import new_pools
         from k3ray.parallel.serving import DEFAULT_TOKEN_BUDGET, StageServer
 
@@ -40,7 +40,8 @@ class WorkerServing:
         graphs, prompt_graphs = self.server.graphs, self.server.prompt_graphs
         if graphs_budget_s > 0 and graphs is not None:
             graphs.capture_ahead(graphs_budget_s, traffic)
-            if prompt_graphs is not None:
+            # a grid that replaces one (traffic known) serves again sooner capturing each bucket on its first use
+            if prompt_graphs is not None and traffic is None:
                 prompt_graphs.capture_ahead(graphs_budget_s)
                 return {"seconds": graphs.capture_seconds + prompt_graphs.capture_seconds,
                         "first": graphs.first_capture_seconds}

@@ -95,9 +95,9 @@ class GridLauncher:
         holds: every grid started later keeps that size. traffic: the decode shapes served so far, most used first
         (`DecodeTraffic.ranked`): a grid that replaces one captures the graphs they replay first, and only those;
         else the likeliest. Returns the seconds it took: `cache_pools` in all, of which `graph_capture` the
-        slowest worker's CUDA graph captures (decode graphs within serve.graphs_at_start_s, then prompt graphs'
-        buckets within as long again), of which `first_graph` the longest first capture (a new process's kernels
-        load in it)."""
+        slowest worker's CUDA graph captures (decode graphs within serve.graphs_at_start_s; without traffic, then
+        prompt graphs' buckets within as long again), of which `first_graph` the longest first capture (a new
+        process's kernels load in it)."""
         from k3ray.serve.prefix_cache import prefix_sizes
 
         t0, s = time.perf_counter(), self.cfg.serve
