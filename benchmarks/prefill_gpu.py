@@ -55,7 +55,7 @@ def workload(n: int, prompt_tokens: str, max_tokens: str, seed: int) -> list[tup
 def executor(model, serve: ServeConfig, prefix: PrefixSizes | None) -> LocalExecutor:
     """The worker's StageServer as a server makes it (prompt graphs on a GPU unless --prompt-graphs off)."""
     return LocalExecutor(model, pool_sizes(serve, prefix), device=DEVICE,
-                         prompt_graphs=PROMPT_GRAPHS and DEVICE == "cuda", token_budget=serve.token_budget)
+                         prompt_graphs=None if PROMPT_GRAPHS else False, token_budget=serve.token_budget)
 
 
 def pool_sizes(serve: ServeConfig, prefix: PrefixSizes | None) -> PoolSizes:

@@ -38,15 +38,15 @@ class WorkerServing:
                                   rank + e.ep if e.pp_rank < e.pp - 1 else None, e.groups,
                                   token_budget=e.cfg.serve.token_budget or DEFAULT_TOKEN_BUDGET)
         graphs, prompt_graphs = self.server.graphs, self.server.prompt_graphs
-        if graphs_budget_s > 0 and graphs is not None:
-            graphs.capture_ahead(graphs_budget_s, traffic)
-            # a grid that replaces one (traffic known) serves again sooner capturing each bucket on its first use
-            if prompt_graphs is not None and traffic is None:
-                prompt_graphs.capture_ahead(graphs_budget_s)
-                return {"seconds": graphs.capture_seconds + prompt_graphs.capture_seconds,
-                        "first": graphs.first_capture_seconds}
-            return {"seconds": graphs.capture_seconds, "first": graphs.first_capture_seconds}
-        return {"seconds": 0.0, "first": 0.0}
+        if graphs_budget_s <= 0 or graphs is None:
+            return {"seconds": 0.0, "first": 0.0}
+        graphs.capture_ahead(graphs_budget_s, traffic)
+        seconds = graphs.capture_seconds
+        # a grid that replaces one (traffic known) serves again sooner capturing each bucket on its first use
+        if prompt_graphs is not None and traffic is None:
+            prompt_graphs.capture_ahead(graphs_budget_s)
+            seconds += prompt_graphs.capture_seconds
+        return {"seconds": seconds, "first": graphs.first_capture_seconds}
 
     def serve_pages_that_fit(self, page_size: int, slots: int, fraction: float, checkpoints: int = 0) -> int:
         """Latent pages of this worker's stage that `fraction` of its device's free memory holds beside `slots`

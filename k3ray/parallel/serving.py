@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from k3ray.config.serve import SERVE_DEFAULTS
 from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, SeqPages, StateSave, new_pools
 from k3ray.model.decoder import K3Stage, boundary_shape
 from k3ray.model.sampling import LogitsRow, adjust_logits, sample_tokens, token_logprobs
@@ -43,7 +44,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 # shape new to cuBLAS costs the host a heuristic search, which a new token count every iteration paid at every matmul.
 # (On a CPU padding would only add work.)
 PREFILL_TOKEN_BUCKET = 64
-DEFAULT_TOKEN_BUDGET = 8192  # serve.token_budget's GPU default: the largest prompt graph where none is given
+DEFAULT_TOKEN_BUDGET = SERVE_DEFAULTS["gpu"]["token_budget"]  # the largest prompt graph where none is given
 
 
 @dataclass
@@ -144,8 +145,7 @@ class StageServer:
             self.grammar_masks.seated([a.slot for a in plan.admit])
         real = plan  # its rows' outputs are the step's (a padding row's are dropped)
         if plan.counts and max(plan.counts) > 1:
-            plan = padded_prefill(plan, self.pools.scratch_slot, self.prompt_tokens(sum(plan.counts)),
-                                  self.pools.max_pages * self.pools.page_size)
+            plan = self._padded(plan, self.prompt_tokens(sum(plan.counts)))
         n, T = len(real.slots), sum(plan.counts)
         x = None
         if not self.stage.is_first:
@@ -196,8 +196,12 @@ class StageServer:
 
     def scratch_cache(self, tokens: int) -> IterationCache:
         """An iteration of `tokens` tokens in rows of the scratch slot only (a prompt graph's warm-up and capture)."""
-        plan = padded_prefill(RankPlan(), self.pools.scratch_slot, tokens, self.pools.max_pages * self.pools.page_size)
+        plan = self._padded(RankPlan(), tokens)
         return IterationCache.from_plan(self.pools, plan.slots, plan.starts, plan.counts, self.device)
+
+    def _padded(self, plan: RankPlan, tokens: int) -> RankPlan:
+        """`padded_prefill` to `tokens`, each padding row at most what a page table reaches."""
+        return padded_prefill(plan, self.pools.scratch_slot, tokens, self.pools.max_pages * self.pools.page_size)
 
     def _input_ids(self, plan: RankPlan) -> torch.Tensor:
         """The plan's token ids [T] on the device, those of `from_device` rows taken from the slots' last sampled
