@@ -4,8 +4,8 @@
 # KDA:MLA layout (eager and compiled blocks) and on the MLA-only layout. LAYERS (default 6: what fits an 80 GB H100)
 # and VOCAB (16384: a BPE vocabulary) as the user's job would have them. Carry .carry/ray (and .carry/kcache;
 # .carry/tests with TTESTS=SECONDS runs the CUDA-only tests of the step's kernels first; THOST=SECONDS counts the
-# ops a step dispatches eagerly, by k3ray caller: benchmarks/host_syncs.py; TGRAPH=SECONDS tries a micro-batch in a
-# CUDA graph: benchmarks/graph_step_gpu.py).
+# ops a step dispatches eagerly, by k3ray caller: benchmarks/host_syncs.py). VARIANTS/PROFILE name train_speed_gpu.py's
+# variants (compile+graphs:fill = the job's defaults on a GPU: compiled blocks, micro-batches replayed as CUDA graphs).
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/site /root/kcache
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site
@@ -24,16 +24,12 @@ stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit
 # the CUDA-only tests of the step's kernels (needs .carry/tests)
 [[ "${TTESTS:-0}" != 0 ]] && stage cuda_tests "$TTESTS" python3 -m pytest -q -p no:cacheprovider tests/test_adamw_kernel.py \
   tests/test_kernels.py tests/test_balancing.py tests/test_execution.py tests/test_logit_masks.py tests/test_prompt_graphs.py \
-  -k "cuda or adamw or attn_res or fused or graph"
+  tests/test_micro_batch_graphs.py -k "cuda or adamw or attn_res or fused or graph"
 # shellcheck disable=SC2086
 [[ "${TWARM:-150}" != 0 ]] && stage warmup "${TWARM:-150}" python3 -m k3ray.control.cli warmup $SHAPE
 # every aten op one training step dispatches eagerly (outside the compiled blocks), by op and by k3ray caller
 # shellcheck disable=SC2086
 [[ "${THOST:-0}" != 0 ]] && TAIL=100 stage host_ops "$THOST" python3 benchmarks/host_syncs.py --device cuda $SHAPE --top 40
-# one micro-batch of GRAPH_B sequences eager against a CUDA graph of it (benchmarks/graph_step_gpu.py)
-# shellcheck disable=SC2086
-[[ "${TGRAPH:-0}" != 0 ]] && stage graph_step "$TGRAPH" python3 benchmarks/graph_step_gpu.py $SHAPE \
-  --set data.micro_batch_size="${GRAPH_B:-2}"
 # shellcheck disable=SC2086
 stage profile31 "${T31:-220}" python3 benchmarks/train_speed_gpu.py $SHAPE --variants "${VARIANTS:-eager:1x4,compile:1x4}" \
   --profile "${PROFILE:-eager:1x4,compile:1x4}" ${SOURCES:+--sources} --steps 5 --warmup 3 --out "$OUT/p31"

@@ -9,8 +9,9 @@ variants under the profiler, kernels by category (benchmarks/step_profile.py).
 
     python benchmarks/train_speed_gpu.py --config configs/gpu2.yaml --set parallel.ep=1 \
         --variants eager:1x4,eager:4x1,compile:1x4,compile:4x1 --profile eager:1x4,compile:4x1
-Variant names: MODE:BxM with MODE eager | recompute | compile | compile+recompute (+kdakeep: fla's KDA keeps its
-forward's intermediates for the backward instead of recomputing them), B sequences per micro-batch,
+Variant names: MODE:BxM with MODE eager | recompute | compile | compile+recompute (+graphs: micro-batches replayed
+as CUDA graphs, execution.graph_micro_batches; +kdakeep: fla's KDA keeps its forward's intermediates for the
+backward instead of recomputing them), B sequences per micro-batch,
 M micro-batches (B x M x seq_len tokens per step: keep it fixed to compare); MODE:fill is the shape the job picks on
 this GPU from the configured one (k3ray.policies.memory, execution.fill_memory).
 """
@@ -46,7 +47,7 @@ def variant_config(cfg: JobConfig, name: str) -> JobConfig:
         b, m = filled.data.micro_batch_size, filled.parallel.micro_batches
     else:
         b, m = (int(x) for x in shape.split("x"))
-    execution = {"compile_blocks": "compile" in mode,
+    execution = {"compile_blocks": "compile" in mode, "graph_micro_batches": "graphs" in mode,
                  "recompute": "attention_elementwise" if "recompute" in mode else "none"}
     return JobConfig.model_validate({**cfg.model_dump(), "execution": execution,
                                      "data": {**cfg.data.model_dump(), "micro_batch_size": b},
@@ -82,6 +83,7 @@ def run_variant(engine, cfg: JobConfig, name: str, first_step: int, steps: int, 
     vcfg = variant_config(cfg, name)
     engine.cfg, engine.batches = vcfg, StageBatches(vcfg, engine.ep_rank, engine.ep, engine.device)
     set_execution(engine.stage, vcfg.execution, engine.device.type)
+    engine.set_graphs()
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -47,8 +47,9 @@ class JobConfig(Section):
             raise ValueError(f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts}")
         if p.pp > m.n_layers:
             raise ValueError(f"parallel.pp={p.pp} exceeds model.n_layers={m.n_layers}")
-        if self.execution.compile_blocks and p.device != "cuda":
-            raise ValueError("execution.compile_blocks: CUDA only (parallel.device is cpu)")
+        for key in ("compile_blocks", "graph_micro_batches"):
+            if getattr(self.execution, key) and p.device != "cuda":
+                raise ValueError(f"execution.{key}: CUDA only (parallel.device is cpu)")
         if self.serve.overlap and p.pp > 1:
             raise ValueError(f"serve.overlap=true needs parallel.pp=1 (got {p.pp}): the sampled tokens stay on the "
                              f"last stage")

@@ -62,6 +62,12 @@ class ExecutionConfig(Section):
                           "norms); kernels and the routed experts stay outside the graphs. Shapes are static per "
                           "config. null (the default): on where the workers run CUDA (a warm kernel cache makes "
                           "it seconds, `k3ray warmup`), off on a CPU (minutes to compile there); true: CUDA only")
+    graph_micro_batches: bool | None = Field(
+        None, description="each training micro-batch (forward, loss, backward) replayed as a CUDA graph, captured "
+                          "at the first step (k3ray.parallel.micro_batch_graphs): the step's launches cost the host "
+                          "nothing and the GPU no longer waits between them. Where a micro-batch can be one graph: "
+                          "one pipeline stage, one EP rank, no document masking; elsewhere the step runs eagerly. "
+                          "null (the default): on where the workers run CUDA; true: CUDA only")
     recompute: Literal["none", "attention_elementwise"] = Field(
         "none", description="selective activation recompute: 'attention_elementwise' keeps only the matmul and "
                             "attention outputs of each attention sublayer for backward and recomputes its "
@@ -78,6 +84,10 @@ class ExecutionConfig(Section):
     def compiles_blocks(self, device: str) -> bool:
         """Whether the blocks run compiled on `device` ("cuda" | "cpu")."""
         return device == "cuda" if self.compile_blocks is None else self.compile_blocks
+
+    def graphs_micro_batches(self, device: str) -> bool:
+        """Whether micro-batches replay as CUDA graphs on `device` where the topology allows it."""
+        return device == "cuda" if self.graph_micro_batches is None else self.graph_micro_batches
 
 
 class TrainConfig(Section):

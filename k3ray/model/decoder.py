@@ -18,7 +18,7 @@ from torch import nn
 from k3ray.config import ExecutionConfig, ModelConfig
 from k3ray.model.cache import IterationCache
 from k3ray.model.layers import KDA, AttnResRead, Documents, GatedMLA, RMSNorm, SiTUFFN
-from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts, maxabs
+from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts, max_into, maxabs
 from k3ray.model.recompute import recompute_elementwise
 
 ExpertsFactory = Callable[[int, ExpertShard], nn.Module]
@@ -97,8 +97,7 @@ class Block(nn.Module):
             cache.note_activations(out)
             return x if summaries is None else (x, summaries)
         with torch.no_grad():
-            m = up32(maxabs(out.detach()))
-            self.resid_maxabs = m if self.resid_maxabs is None else torch.maximum(self.resid_maxabs, m)
+            self.resid_maxabs = max_into(self.resid_maxabs, up32(maxabs(out.detach())))
         return x if summaries is None else (x, summaries)
 
 

@@ -91,8 +91,20 @@ def maxabs(t: torch.Tensor) -> torch.Tensor:
     return t.abs().amax() if t.numel() else t.new_zeros(())
 
 
+# A step's statistics keep one tensor across its micro-batches: the first micro-batch's copy, which the later ones
+# update in place. A later micro-batch replayed as a CUDA graph (k3ray.parallel.micro_batch_graphs) then adds into
+# what the first left, where a new tensor each time would only ever hold the first and the last.
+def add_into(total: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new.clone() if total is None else total.add_(new)
+
+
+def max_into(most: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    return new.clone() if most is None else torch.maximum(most, new, out=most)
+
+
 class RoutingStats:
     """Per-step routing statistics of one MoE layer, kept on the device (no host sync per layer)."""
+    FIELDS = ("histogram", "balance", "tokens_per_expert", "routed_maxabs", "routed_sumsq", "routed_count")
 
     def __init__(self):
         self.reset()
@@ -105,22 +117,21 @@ class RoutingStats:
         self.tokens_per_expert: torch.Tensor | None = None  # [E] int64, this rank's routes
         self.routed_maxabs: torch.Tensor | None = None
         self.routed_sumsq: torch.Tensor | None = None
-        self.routed_count = 0
-
-    @staticmethod
-    def _add(a, b):
-        return b if a is None else a + b
+        self.routed_count: torch.Tensor | None = None  # 0-d float64 (a count on the device: a graph replays it)
 
     def add(self, histogram, balance, tokens_per_expert, routed: torch.Tensor) -> None:
         if histogram is not None:
-            self.histogram = self._add(self.histogram, histogram)
-            self.balance = self._add(self.balance, balance)
-        self.tokens_per_expert = self._add(self.tokens_per_expert, tokens_per_expert)
+            self.histogram = add_into(self.histogram, histogram)
+            self.balance = add_into(self.balance, balance)
+        self.tokens_per_expert = add_into(self.tokens_per_expert, tokens_per_expert)
         r = up32(routed.detach())
-        m = maxabs(r)
-        self.routed_maxabs = m if self.routed_maxabs is None else torch.maximum(self.routed_maxabs, m)
-        self.routed_sumsq = self._add(self.routed_sumsq, r.square().sum())
-        self.routed_count += r.numel()
+        self.routed_maxabs = max_into(self.routed_maxabs, maxabs(r))
+        self.routed_sumsq = add_into(self.routed_sumsq, r.square().sum())
+        self.routed_count = add_into(self.routed_count, r.new_full((), r.numel(), dtype=torch.float64))
+
+    def routed_rms(self) -> torch.Tensor:
+        """The RMS of the routed output over the step (0-d, routed_sumsq's dtype)."""
+        return (self.routed_sumsq / self.routed_count.clamp(min=1).to(self.routed_sumsq.dtype)).sqrt()
 
 
 class LatentMoE(nn.Module):

@@ -42,6 +42,7 @@ from k3ray.parallel.device_timer import DeviceTimer
 from k3ray.parallel.engine_copies import EngineCopies
 from k3ray.parallel.ep import EPContext, ExpertParallelExperts
 from k3ray.parallel.grid_groups import GridGroups, LeftGroup
+from k3ray.parallel.micro_batch_graphs import MicroBatchGraphs
 from k3ray.parallel.pipeline import one_f_one_b
 from k3ray.parallel.step import lm_loss, reduce_balance, to_host
 
@@ -68,6 +69,7 @@ class StageEngine:
         self.groups = GridGroups()  # the grid generation's process groups (joined in init_process_groups)
         self.ctx: EPContext | None = None
         self.copies: EngineCopies | None = None  # the stage's expert copies (made with the stage)
+        self.graphs: MicroBatchGraphs | None = None  # micro-batches as CUDA graphs, where they can be (made with the stage)
         self.init_weights = init_weights  # False when a restore follows: initialising would be wasted time
         # CUDA events of copies still reading the live state (a snapshot's device-to-host transfer): whatever writes
         # the state next (the optimizer, a restore, a reshard) waits for them on the device, not on the host
@@ -97,6 +99,14 @@ class StageEngine:
         set_execution(self.stage, self.cfg.execution, self.device.type)
         self.copies = EngineCopies(self.stage, self.ctx)
         self._refresh_params()
+        self.set_graphs()
+
+    def set_graphs(self) -> None:
+        """Decide from the config whether the stage's micro-batches replay as CUDA graphs: where one micro-batch can
+        be one graph (one stage; one EP rank: an exchange takes its splits from the host; documents unmasked)."""
+        graphable = self.pp == 1 and self.ep == 1 and not self.cfg.data.document_masking
+        self.graphs = MicroBatchGraphs(lambda: step_state_slots(self.stage, self.params.values())) \
+            if graphable and self.cfg.execution.graphs_micro_batches(self.device.type) else None
 
     def _refresh_params(self) -> None:
         self.params = dict(self.stage.named_parameters())
@@ -122,7 +132,16 @@ class StageEngine:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         t_step = time.perf_counter()
         self.device_timer.mark("start")
-        for op, m in one_f_one_b(M, self.pp_rank, self.pp):
+        graphed = self.graphs is not None and self.graphs.usable(stage)
+        if graphed:  # one stage: forward and backward of each micro-batch, replayed
+            t0 = time.perf_counter()
+            key = (scale, *[(p.data_ptr(), p.dtype) for p in self.params.values()])
+            for m in range(M):
+                tokens = self.batches.micro_batch(batch_index, m)
+                loss_sum += self.graphs.run(m, tokens, (tuple(tokens.shape), *key),
+                                            lambda t: self._micro_batch(t, scale))
+            timings["compute"] += time.perf_counter() - t0
+        for op, m in [] if graphed else one_f_one_b(M, self.pp_rank, self.pp):
             if op == "F":
                 tokens = self.batches.micro_batch(batch_index, m)
                 if stage.is_first:
@@ -165,6 +184,14 @@ class StageEngine:
         report["batch_index"] = batch_index
         self.steps_trained += 1
         return report
+
+    def _micro_batch(self, tokens: torch.Tensor, scale: float) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch on a stage holding the whole model (the graphs' body: what
+        the 1F1B loop does at pp = 1 for a micro-batch without document masking) -> its loss."""
+        loss = lm_loss(self.stage(tokens[:, :-1]), tokens, scale)
+        with adding_into_grads():
+            loss.backward()
+        return loss.detach()
 
     def _finish_step(self, step: int, loss_sum: torch.Tensor, timings: dict[str, float]) -> dict:
         cfg = self.cfg
@@ -321,13 +348,20 @@ class StageEngine:
         self._refresh_params()
 
 
+def step_state_slots(stage, params) -> list[tuple[object, str]]:
+    """Where a training step accumulates over its micro-batches: the routing statistics, the residual stream's
+    max-abs, the experts' accounting and the gradients, as (object, attribute)."""
+    slots = [(block, "resid_maxabs") for block in stage.blocks.values()]
+    for moe in stage.moe_layers().values():
+        slots += [(moe.stats, name) for name in moe.stats.FIELDS]
+        slots += [(moe.experts, name) for name in moe.experts.STEP_FIELDS]
+    return slots + [(p, "grad") for p in params]
+
+
 def _clear_step_state(stage, params) -> None:
     """A step starts with no routing statistics, expert-copy state or gradients left from the one before."""
-    stage.reset_stats()
-    for moe in stage.moe_layers().values():
-        moe.experts.reset()
-    for p in params:
-        p.grad = None
+    for obj, name in step_state_slots(stage, params):
+        setattr(obj, name, None)
 
 
 def _receive(shape, dtype, device, src: int, tag: int, group, timings: dict[str, float]) -> torch.Tensor:

@@ -23,7 +23,7 @@ from torch import nn
 
 from k3ray.config import ModelConfig, PoliciesConfig
 from k3ray.kernels import grouped_expert_ffn, outside_compile, permute_rows, unpermute_rows
-from k3ray.model.moe import ExpertShard, route_order
+from k3ray.model.moe import ExpertShard, add_into, route_order
 from k3ray.policies import copies as copies_policy
 from k3ray.policies import moonep
 from k3ray.policies.planner import Planner, build_gemm_order, build_planner
@@ -196,6 +196,8 @@ def _positions(counts_ED: torch.Tensor) -> torch.Tensor:
 
 
 class ExpertParallelExperts(nn.Module):
+    STEP_FIELDS = ("rank_load", "tokens_per_rank_expert")  # what a training step accumulates (`reset` clears)
+
     def __init__(self, shard: ExpertShard, ctx: EPContext):
         super().__init__()
         self.shard, self.ctx = shard, ctx
@@ -352,11 +354,9 @@ class ExpertParallelExperts(nn.Module):
         self.copies, self.routes = None, None
 
     def _account(self, tpe_RE: torch.Tensor, alloc: torch.Tensor) -> None:
-        load = alloc.sum(0)
-        self.rank_load = load if self.rank_load is None else self.rank_load + load
-        self.tokens_per_rank_expert = tpe_RE if self.tokens_per_rank_expert is None else \
-            self.tokens_per_rank_expert + tpe_RE
+        self.rank_load = add_into(self.rank_load, alloc.sum(0))
+        self.tokens_per_rank_expert = add_into(self.tokens_per_rank_expert, tpe_RE)
 
     def reset(self) -> None:
-        self.rank_load = None
-        self.tokens_per_rank_expert = None
+        for name in self.STEP_FIELDS:
+            setattr(self, name, None)

@@ -58,8 +58,7 @@ def activation_rows(stage: K3Stage) -> tuple[list[int], torch.Tensor | None]:
     for key in layers:
         block = stage.blocks[key]
         st = block.moe.stats
-        rms = (st.routed_sumsq / max(st.routed_count, 1)).sqrt()
-        rows.append(torch.stack([st.routed_maxabs, rms, block.resid_maxabs]))
+        rows.append(torch.stack([st.routed_maxabs, st.routed_rms(), block.resid_maxabs]))
     return [int(k) for k in layers], torch.stack(rows)
 
 
