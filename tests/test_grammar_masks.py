@@ -294,3 +294,40 @@ def test_a_tool_calls_id_and_name_are_forced_after_its_first_letter():
         call = '<|tool_call_begin|>functions.search:{}<|tool_call_argument_begin|>{{"q": "x"}}<|tool_call_end|>'
         assert all(matcher.accept_token(b) for b in ("<|tool_calls_section_begin|>" + call.format(0)).encode())
         assert all(matcher.accept_token(b) for b in call.format(1).encode()) == second
+
+
+def test_a_grammar_sent_again_is_neither_built_nor_compiled_again(monkeypatch):
+    """Agents send the same tools and schemas every turn: the front door builds a request's grammar once per distinct
+    fields, and the engine returns one it holds without a thread's round trip (in a busy engine process, milliseconds
+    of the request's first token); it keeps the last COMPILED_HELD."""
+    import k3ray.serve.grammar as grammar_module
+
+    tools = [{"type": "function", "function": {"name": "search", "parameters": {
+        "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}}}}]
+    before = grammar_module._built_grammar.cache_info().hits
+    first = request_grammar(None, tools, "required", True)
+    assert request_grammar(None, json.loads(json.dumps(tools)), "required", True) == first
+    assert grammar_module._built_grammar.cache_info().hits == before + 1
+    assert request_grammar(None, tools, "required", True, first_index=1) != first  # the call's index is in it
+    bad = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": 7}}}}}
+    for _ in range(2):  # an error is not kept: each request with it gets it
+        with pytest.raises(grammar_module.GrammarError, match="response_format.json_schema"):
+            request_grammar(bad, None, None, False)
+
+    threads = []
+    real = asyncio.to_thread
+
+    async def counted(fn, *args):
+        threads.append(fn)
+        return await real(fn, *args)
+
+    monkeypatch.setattr(grammar_module.asyncio, "to_thread", counted)
+    monkeypatch.setattr(grammar_module, "COMPILED_HELD", 2)
+    grammars = Grammars(ByteTokenizer(), 30.0)
+    schemas = [request_grammar({"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {f"k{i}": {"type": "integer"}}}}}, None, None, False) for i in range(3)]
+    compiled = asyncio.run(grammars.compile(schemas[0]))
+    assert asyncio.run(grammars.compile(schemas[0])) is compiled and len(threads) == 1
+    for text in schemas[1:]:
+        asyncio.run(grammars.compile(text))
+    assert list(grammars.held) == schemas[1:] and len(threads) == 3  # the least recent one let go

@@ -19,7 +19,7 @@ import asyncio
 import copy
 import hashlib
 import json
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -27,6 +27,7 @@ from k3ray.model.sampling import GrammarRow, HeldGrammars, LogitsRow, SamplingPa
 from k3ray.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 TOOL_CALL_FORMAT = "kimi"  # xgrammar's name for the Kimi K2 tool-call format K3 is served with (tool_calls.py)
+COMPILED_HELD = 256  # compiled grammars the engine keeps at hand (agents resend the same tools and schemas)
 
 
 class GrammarError(ValueError):
@@ -57,30 +58,43 @@ def request_grammar(response_format: dict | None, tools: list[dict] | None, tool
     (`first_index`: the index its first call takes, the calls of the conversation so far); else
     response_format {'type': 'json_object'} to a JSON object, {'type': 'json_schema', 'json_schema': {'schema'}} to
     that schema (as strict: properties the schema does not name are not generated). xgrammar is imported only
-    for a request that has a grammar."""
+    for a request that has a grammar. Built once per distinct request fields (building a tool grammar costs ~1.6
+    ms, and an agent sends the same tools every turn)."""
     if tools and (tool_choice == "required" or isinstance(tool_choice, dict)):
+        return _built_grammar(None, json.dumps(tools), json.dumps(tool_choice),
+                              parallel_tool_calls, first_index)
+    kind = (response_format or {}).get("type", "text")
+    if kind in ("json_object", "json_schema"):
+        return _built_grammar(json.dumps(response_format), None, None, False, 0)
+    return None
+
+
+@lru_cache(maxsize=1024)
+def _built_grammar(response_format: str | None, tools: str | None, tool_choice: str | None,
+                   parallel_tool_calls: bool, first_index: int) -> str:
+    """`request_grammar` of the fields as JSON (the cache's key; keys kept in order: a schema's properties come out in
+    its order): tools, or else response_format."""
+    if tools is not None:
         xgr = xgrammar("tool_choice")
         try:
-            tag = xgr.get_model_structural_tag(TOOL_CALL_FORMAT, tools=tools, tool_choice=tool_choice,
-                                               reasoning="disabled", parallel_tool_calls=parallel_tool_calls,
-                                               max_whitespace_cnt=1)
+            tag = xgr.get_model_structural_tag(TOOL_CALL_FORMAT, tools=json.loads(tools),
+                                               tool_choice=json.loads(tool_choice), reasoning="disabled",
+                                               parallel_tool_calls=parallel_tool_calls, max_whitespace_cnt=1)
             tag = numbered_calls(tag.model_dump(), first_index)
             return xgr.Grammar.from_structural_tag(json.dumps(tag)).serialize_json()
         except (RuntimeError, ValueError) as err:
             raise GrammarError(f"tools: {_first_line(err)}", "tools") from None
-    kind = (response_format or {}).get("type", "text")
-    if kind == "json_object":
+    response_format = json.loads(response_format)
+    if response_format["type"] == "json_object":
         return xgrammar("response_format").Grammar.builtin_json_grammar().serialize_json()
-    if kind == "json_schema":
-        xgr = xgrammar("response_format")
-        schema = (response_format.get("json_schema") or {}).get("schema", {})
-        try:
-            grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
-        except (RuntimeError, ValueError, TypeError) as err:
-            raise GrammarError(f"response_format.json_schema: {_first_line(err)}", "response_format.json_schema") \
-                from None
-        return grammar.serialize_json()
-    return None
+    xgr = xgrammar("response_format")
+    schema = (response_format.get("json_schema") or {}).get("schema", {})
+    try:
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+    except (RuntimeError, ValueError, TypeError) as err:
+        raise GrammarError(f"response_format.json_schema: {_first_line(err)}", "response_format.json_schema") \
+            from None
+    return grammar.serialize_json()
 
 
 def numbered_calls(tag: dict, first_index: int) -> dict:
@@ -142,28 +156,38 @@ def tokenizer_info(tok: Tokenizer):
 
 
 class Grammars:
-    """The engine's grammar compiler for its tokenizer (compiled grammars cached by xgrammar)."""
+    """The engine's grammar compiler for its tokenizer, and the last COMPILED_HELD grammars it compiled."""
 
     def __init__(self, tok: Tokenizer, timeout_s: float):
         self.tok, self.timeout_s = tok, timeout_s
+        self.held: OrderedDict[str, object] = OrderedDict()  # serialized grammar -> compiled, least recent first
 
     @property
     def compiler(self):
         return _compiler(self.tok)
 
     async def compile(self, grammar: str):
-        """The compiled grammar, off the event loop; GrammarError when it takes longer than serve.grammar_compile_s
-        (the compile finishes in its thread and is cached; this request is refused)."""
+        """The compiled grammar: one held is returned at once (a thread's round trip through a busy engine process
+        costs milliseconds of a request's first token); a new one compiles off the event loop, GrammarError when it
+        takes longer than serve.grammar_compile_s (the compile finishes in its thread and xgrammar caches it; this
+        request is refused)."""
+        if (compiled := self.held.get(grammar)) is not None:
+            self.held.move_to_end(grammar)
+            return compiled
         import xgrammar as xgr  # a grammar was built (request_grammar): xgrammar is installed
 
         def build():
             return self.compiler.compile_grammar(xgr.Grammar.deserialize_json(grammar))
 
         try:
-            return await asyncio.wait_for(asyncio.to_thread(build), self.timeout_s)
+            compiled = await asyncio.wait_for(asyncio.to_thread(build), self.timeout_s)
         except TimeoutError:
             raise GrammarError(f"response_format: the grammar did not compile within {self.timeout_s:g} s; "
                                f"simplify the schema", "response_format") from None
+        self.held[grammar] = compiled
+        if len(self.held) > COMPILED_HELD:
+            self.held.popitem(last=False)
+        return compiled
 
 
 @lru_cache(maxsize=2)
