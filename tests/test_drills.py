@@ -21,6 +21,7 @@ from k3ray.control.local_nodes import head_room, kill_node
 from k3ray.train.drills import DRILL_KINDS, DRILL_STEPS, TWO_FAULTS, drill_overrides, plan, run_drill
 
 KINDS = tuple(os.environ.get("K3RAY_DRILL_KINDS", ",".join(DRILL_KINDS)).split(","))
+STAGGERED = ("snapshot_stream", "snapshot_commit")  # two workers die as each reaches its point of its own stream
 
 
 def tiny(tmp_path, faults=()):
@@ -58,5 +59,9 @@ def test_random_drill_ends_with_the_unfailed_losses(ray_cluster, extra_nodes, un
     lost = [i for i in incidents if i["kind"] == "worker_lost"]
     assert lost, incidents
     if drill["kind"] != "worker" and drill["state"] not in TWO_FAULTS:
-        assert len(lost[0]["ranks"]) == 2, lost  # both ranks of the pair or of the node, found together
+        # both ranks of the pair or of the node, found together; killed where each finished its own stream, two
+        # workers may die further apart than a death's grace for its peers (a loaded host): then the second is
+        # found in the recovery from the first, at the same step
+        found = [i for i in lost if i["step"] == lost[0]["step"]] if drill["state"] in STAGGERED else lost[:1]
+        assert sum(len(i["ranks"]) for i in found) == 2, lost
     assert losses == pytest.approx(unfailed[:drill["steps"]], rel=1e-12, abs=0), (drill, incidents)
