@@ -304,10 +304,10 @@ def test_a_grammar_sent_again_is_neither_built_nor_compiled_again(monkeypatch):
 
     tools = [{"type": "function", "function": {"name": "search", "parameters": {
         "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}}}}]
-    before = grammar_module._built_grammar.cache_info().hits
+    before = grammar_module._tool_grammar.cache_info().hits
     first = request_grammar(None, tools, "required", True)
     assert request_grammar(None, json.loads(json.dumps(tools)), "required", True) == first
-    assert grammar_module._built_grammar.cache_info().hits == before + 1
+    assert grammar_module._tool_grammar.cache_info().hits == before + 1
     assert request_grammar(None, tools, "required", True, first_index=1) != first  # the call's index is in it
     bad = {"type": "json_schema", "json_schema": {"schema": {"type": "object", "properties": {"a": {"type": 7}}}}}
     for _ in range(2):  # an error is not kept: each request with it gets it

@@ -108,14 +108,20 @@ GRAMMARS_HELD = 64  # compiled grammars each rank's last stage keeps (and the en
 
 
 class HeldGrammars:
-    """The last GRAMMARS_HELD grammars used, by key, least recently used dropped: the engine's books of what a rank
-    holds and that rank's last stage run this same code over the same rows in the same order, so they agree."""
+    """The last `limit` grammars used, by key, least recently used dropped: the engine's books of what a rank holds
+    and that rank's last stage run this same code over the same rows in the same order, so they agree (and the
+    engine's compiled grammars are held with it too)."""
 
-    def __init__(self):
+    def __init__(self, limit: int = GRAMMARS_HELD):
+        self.limit = limit
         self._items: OrderedDict[str, object] = OrderedDict()
 
     def __contains__(self, key: str) -> bool:
         return key in self._items
+
+    def __iter__(self):
+        """The keys held, least recently used first."""
+        return iter(self._items)
 
     def use(self, key: str, make=None):
         """The value held for `key` (where it holds none: make(), or None without `make`), now the most recently
@@ -123,7 +129,7 @@ class HeldGrammars:
         if self._items.get(key) is None:
             self._items[key] = None if make is None else make()
         self._items.move_to_end(key)
-        while len(self._items) > GRAMMARS_HELD:
+        while len(self._items) > self.limit:
             self._items.popitem(last=False)
         return self._items[key]
 

@@ -19,7 +19,7 @@ import asyncio
 import copy
 import hashlib
 import json
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -61,33 +61,32 @@ def request_grammar(response_format: dict | None, tools: list[dict] | None, tool
     for a request that has a grammar. Built once per distinct request fields (building a tool grammar costs ~1.6
     ms, and an agent sends the same tools every turn)."""
     if tools and (tool_choice == "required" or isinstance(tool_choice, dict)):
-        return _built_grammar(None, json.dumps(tools), json.dumps(tool_choice),
-                              parallel_tool_calls, first_index)
-    kind = (response_format or {}).get("type", "text")
-    if kind in ("json_object", "json_schema"):
-        return _built_grammar(json.dumps(response_format), None, None, False, 0)
+        return _tool_grammar(json.dumps(tools), json.dumps(tool_choice), parallel_tool_calls, first_index)
+    if (response_format or {}).get("type", "text") in ("json_object", "json_schema"):
+        return _format_grammar(json.dumps(response_format))
     return None
 
 
+# Built grammars by the request fields as JSON, keys kept in their order (a schema's properties come out in it)
 @lru_cache(maxsize=1024)
-def _built_grammar(response_format: str | None, tools: str | None, tool_choice: str | None,
-                   parallel_tool_calls: bool, first_index: int) -> str:
-    """`request_grammar` of the fields as JSON (the cache's key; keys kept in order: a schema's properties come out in
-    its order): tools, or else response_format."""
-    if tools is not None:
-        xgr = xgrammar("tool_choice")
-        try:
-            tag = xgr.get_model_structural_tag(TOOL_CALL_FORMAT, tools=json.loads(tools),
-                                               tool_choice=json.loads(tool_choice), reasoning="disabled",
-                                               parallel_tool_calls=parallel_tool_calls, max_whitespace_cnt=1)
-            tag = numbered_calls(tag.model_dump(), first_index)
-            return xgr.Grammar.from_structural_tag(json.dumps(tag)).serialize_json()
-        except (RuntimeError, ValueError) as err:
-            raise GrammarError(f"tools: {_first_line(err)}", "tools") from None
+def _tool_grammar(tools: str, tool_choice: str, parallel_tool_calls: bool, first_index: int) -> str:
+    xgr = xgrammar("tool_choice")
+    try:
+        tag = xgr.get_model_structural_tag(TOOL_CALL_FORMAT, tools=json.loads(tools),
+                                           tool_choice=json.loads(tool_choice), reasoning="disabled",
+                                           parallel_tool_calls=parallel_tool_calls, max_whitespace_cnt=1)
+        tag = numbered_calls(tag.model_dump(), first_index)
+        return xgr.Grammar.from_structural_tag(json.dumps(tag)).serialize_json()
+    except (RuntimeError, ValueError) as err:
+        raise GrammarError(f"tools: {_first_line(err)}", "tools") from None
+
+
+@lru_cache(maxsize=1024)
+def _format_grammar(response_format: str) -> str:
     response_format = json.loads(response_format)
-    if response_format["type"] == "json_object":
-        return xgrammar("response_format").Grammar.builtin_json_grammar().serialize_json()
     xgr = xgrammar("response_format")
+    if response_format["type"] == "json_object":
+        return xgr.Grammar.builtin_json_grammar().serialize_json()
     schema = (response_format.get("json_schema") or {}).get("schema", {})
     try:
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
@@ -160,7 +159,7 @@ class Grammars:
 
     def __init__(self, tok: Tokenizer, timeout_s: float):
         self.tok, self.timeout_s = tok, timeout_s
-        self.held: OrderedDict[str, object] = OrderedDict()  # serialized grammar -> compiled, least recent first
+        self.held = HeldGrammars(COMPILED_HELD)  # serialized grammar -> compiled
 
     @property
     def compiler(self):
@@ -171,9 +170,8 @@ class Grammars:
         costs milliseconds of a request's first token); a new one compiles off the event loop, GrammarError when it
         takes longer than serve.grammar_compile_s (the compile finishes in its thread and xgrammar caches it; this
         request is refused)."""
-        if (compiled := self.held.get(grammar)) is not None:
-            self.held.move_to_end(grammar)
-            return compiled
+        if grammar in self.held:
+            return self.held.use(grammar)
         import xgrammar as xgr  # a grammar was built (request_grammar): xgrammar is installed
 
         def build():
@@ -184,10 +182,7 @@ class Grammars:
         except TimeoutError:
             raise GrammarError(f"response_format: the grammar did not compile within {self.timeout_s:g} s; "
                                f"simplify the schema", "response_format") from None
-        self.held[grammar] = compiled
-        if len(self.held) > COMPILED_HELD:
-            self.held.popitem(last=False)
-        return compiled
+        return self.held.use(grammar, lambda: compiled)
 
 
 @lru_cache(maxsize=2)
