@@ -229,12 +229,16 @@ def part_plain(cfg: JobConfig, steps: int, warmup: int, one_gpu_visible: bool = 
 class RayProgram:
     """The same job through k3ray's Controller and Worker actors on a local Ray cluster."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, preflight: bool = False):
+        """`preflight`: the config as `k3ray train` runs it (its device-memory check may fill the GPU with fewer,
+        larger micro-batches, or turn on recompute); off, as given (the same shape as PlainProgram's)."""
+        from k3ray.control import preflight as checks
         from k3ray.control.driver import start_controller
         from k3ray.control.ray_cluster import init_ray
 
         init_ray(None, cfg.parallel.world_size)
-        self.controller = start_controller(cfg)
+        self.cfg = checks.checked(cfg, checks.device_bytes(cfg)) if preflight else cfg
+        self.controller = start_controller(self.cfg)
 
     def step(self, step: int) -> dict:
         import ray

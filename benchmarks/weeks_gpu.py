@@ -1,7 +1,8 @@
 """What a weeks-long job pays again and again, on one GPU machine: snapshot stalls and skips, and the first step of a
 job cold against one that finds the kept kernel caches (k3ray.grid.kernel_cache).
 
-Job 1 trains --steps steps through k3ray (Controller and Worker actors on a local Ray cluster) with a snapshot every
+Job 1 trains --steps steps through k3ray (Controller and Worker actors on a local Ray cluster; the config as `k3ray
+train`'s pre-flight check would run it, e.g. the GPU filled with fewer, larger micro-batches) with a snapshot every
 --snapshot-every steps: each step's driver-timed seconds, each snapshot's staging stall, the boundary steps' excess
 over the median step, skipped snapshots, the one-line warnings the job gave, and the object store it used (sampled
 every second: the most it held, and what it spilled to disk) against one snapshot's size. --kill-at STEP SIGKILLs world
@@ -95,8 +96,10 @@ def run_steps(program, steps: int, kill_at: int | None = None) -> tuple[list[flo
 
 def launched(cfg) -> RayProgram:
     t0 = time.perf_counter()
-    program = RayProgram(cfg)
-    print(f"launched in {time.perf_counter() - t0:.1f} s", flush=True)
+    program = RayProgram(cfg, preflight=True)  # the shape `k3ray train` would run
+    shape = f"{program.cfg.parallel.micro_batches} micro-batches of {program.cfg.data.micro_batch_size} x {cfg.data.seq_len}"
+    print(f"launched in {time.perf_counter() - t0:.1f} s ({shape}, recompute {program.cfg.execution.recompute})",
+          flush=True)
     return program
 
 
