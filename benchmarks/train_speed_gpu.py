@@ -115,7 +115,7 @@ def run_variant(engine, cfg: JobConfig, name: str, first_step: int, steps: int, 
         out["profile"] = profile_step(one_step)
         print_profile(out["profile"])
         if sources is not None:
-            profile_sources(one_step, sources / f"sources_{name.replace(':', '_')}.txt")
+            profile_sources(one_step, sources / f"sources_{name.replace(':', '_').replace('+', '-')}.txt")
     return out
 
 

@@ -143,6 +143,37 @@ def test_fp32_output_gemms_on_cuda_are_the_widened_products():
     torch.testing.assert_close(got, a.float() @ b.float(), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled blocks (and with them the compiled quantile "
+                    "passes) are CUDA's; the CPU runs own_bias eagerly")
+def test_compiled_quantile_passes_on_cuda_give_the_eager_bias():
+    """The MoE layer's own_bias as set_execution compiles it (Inductor, the histogram kernel between its graphs)
+    against eager, on a gpu2-sized micro-batch: the same first histogram, and the same bias to float rounding."""
+    from k3ray.model.decoder import compiled_own_bias
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    scores = torch.sigmoid(3 * torch.randn(8192, 64, device="cuda", generator=g))
+    bias = 0.05 * torch.randn(64, device="cuda", generator=g)
+    want_hist, want = own_bias(scores, bias, 8, 1000, 2.0, 1e-5)
+    got_hist, got = compiled_own_bias()(scores, bias, 8, 1000, 2.0, 1e-5)
+    assert int((got_hist - want_hist).abs().sum()) <= 8  # a margin on a bin's edge may round to either side
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def test_set_execution_gives_the_moe_layers_a_compiled_own_bias_only_with_compiled_blocks():
+    """Compiled blocks run the quantile passes compiled too (the same function); eager blocks run them eagerly."""
+    from k3ray.config import ExecutionConfig
+    from k3ray.model.decoder import build_stage, compiled_own_bias, set_execution
+
+    cfg = load_config(TINY, SMALL).model
+    stage = build_stage(cfg, range(cfg.n_layers))
+    moes = [b.moe for b in stage.blocks.values() if b.moe is not None]
+    assert moes and all(m.own_bias is own_bias for m in moes)
+    set_execution(stage, ExecutionConfig(compile_blocks=False), "cpu")
+    assert all(m.own_bias is own_bias for m in moes)
+    set_execution(stage, ExecutionConfig(compile_blocks=True), "cpu")  # compiled lazily: nothing runs here
+    assert all(m.own_bias is compiled_own_bias() for m in moes)
+
+
 def test_micro_batch_bias_holds_in_training_at_a_high_learning_rate(one_thread):
     """64 experts top-8 at a high learning rate (the router moves fast): the one-step-stale bias smoothed by
     quantile_step 0.3 (gpu2's former setting) leaves MaxVio near 2 in the first steps; micro-batch biases balance

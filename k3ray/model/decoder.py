@@ -8,6 +8,7 @@ the single-process model bit for bit.
 from __future__ import annotations
 
 import contextlib
+import functools
 import zlib
 from typing import Callable
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from k3ray.config import ExecutionConfig, ModelConfig
 from k3ray.model.cache import IterationCache
+from k3ray.model.balancing import own_bias
 from k3ray.model.layers import KDA, AttnResRead, Documents, GatedMLA, RMSNorm, SiTUFFN
 from k3ray.model.moe import ExpertShard, LatentMoE, LocalExperts, max_into, maxabs
 from k3ray.model.recompute import recompute_elementwise
@@ -194,6 +196,16 @@ def set_execution(stage: K3Stage, execution: ExecutionConfig, device: str) -> No
         block.recompute_attention = execution.recompute == "attention_elementwise"
         if execution.compiles_blocks(device):
             block.compile(dynamic=False)
+            if block.moe is not None:  # ~200 small ops a micro-batch eagerly, a few fused kernels compiled
+                block.moe.own_bias = compiled_own_bias()
+
+
+@functools.cache
+def compiled_own_bias():
+    """`balancing.own_bias` through torch.compile, one for every layer (the histogram kernel runs between its
+    graphs). Called from the MoE layer's eager region between a compiled block's graphs: a compiled function of
+    its own there."""
+    return torch.compile(own_bias, dynamic=False)
 
 
 def is_expert_param(name: str) -> bool:

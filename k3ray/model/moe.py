@@ -159,6 +159,7 @@ class LatentMoE(nn.Module):
         self.w_up = nn.Linear(cfg.d_latent, cfg.d_model, bias=False)
         self.shared = nn.ModuleList(SiTUFFN(cfg.d_model, cfg.shared_inner) for _ in range(cfg.n_shared))
         self.stats = RoutingStats()
+        self.own_bias = own_bias  # set_execution may swap in its compiled form (the same function)
 
     def forward(self, x_BSd: torch.Tensor, cache: IterationCache | None = None) -> torch.Tensor:
         """x [B, S, d] -> [B, S, d]. With an inference cache the routes are counted into its served load (no
@@ -189,8 +190,8 @@ class LatentMoE(nn.Module):
     def _quantile(self, scores_TE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This batch's margin histogram [E, bins] under the step's bias, and its own bias [E] (balancing.own_bias)."""
         cfg = self.cfg
-        return own_bias(scores_TE, self.router.bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window,
-                        cfg.quantile_resolution)
+        return self.own_bias(scores_TE, self.router.bias, cfg.top_k, cfg.quantile_bins, cfg.quantile_window,
+                             cfg.quantile_resolution)
 
     @outside_compile  # fills RoutingStats (host-side bookkeeping); its kernels are few and small
     @torch.no_grad()
