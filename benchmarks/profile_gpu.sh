@@ -22,10 +22,10 @@ python3 -c "import torch, ray, triton; print(torch.__version__, ray.__version__,
 SHAPE="--config configs/gpu2.yaml --set parallel.ep=1 $RELEASED --set model.n_layers=${LAYERS:-6} --set model.vocab_size=${VOCAB:-16384}"
 stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit ${limit}s)"; \
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "== $name rc=$? ($(date -u +%T))"; tail -n "${TAIL:-45}" "$OUT/$name.log"; }
-# the CUDA-only tests of the step's kernels (needs .carry/tests)
+# the CUDA-only tests of the step's kernels (needs .carry/tests; TTESTK: another -k expression)
 [[ "${TTESTS:-0}" != 0 ]] && stage cuda_tests "$TTESTS" python3 -m pytest -q -p no:cacheprovider tests/test_adamw_kernel.py \
   tests/test_kernels.py tests/test_balancing.py tests/test_execution.py tests/test_logit_masks.py tests/test_prompt_graphs.py \
-  tests/test_micro_batch_graphs.py -k "cuda or adamw or attn_res or fused or graph"
+  tests/test_micro_batch_graphs.py -k "${TTESTK:-cuda or adamw or attn_res or fused or graph}"
 # shellcheck disable=SC2086
 [[ "${TWARM:-150}" != 0 ]] && stage warmup "${TWARM:-150}" python3 -m k3ray.control.cli warmup $SHAPE
 # every aten op one training step dispatches eagerly (outside the compiled blocks), by op and by k3ray caller
