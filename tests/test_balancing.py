@@ -13,7 +13,7 @@ from k3ray.model.balancing import own_bias, quantile_bias, quantile_histogram
 from k3ray.model.decoder import new_shard
 from k3ray.model.moe import LatentMoE, LocalExperts
 from k3ray.parallel.reference import ReferenceTrainer
-from k3ray.parallel.step import balance_diagnostics, to_host
+from k3ray.parallel.step import HostCopy, balance_diagnostics
 from k3ray.policies.moonep import maxvio
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
@@ -110,7 +110,7 @@ def test_step_report_reads_are_one_host_copy_of_the_same_values():
     tensors = [torch.randint(0, 1 << 40, (2, 3), generator=g), torch.randn(4, generator=g),
                torch.randn(2, 2, generator=g, dtype=torch.float64), torch.zeros(2, 0, dtype=torch.int64),
                torch.tensor(7)]
-    got = to_host(tensors)
+    got = HostCopy(tensors).values()
     assert got == [t.tolist() for t in tensors]
     assert [type(x) for x in got[0][0]] == [int] * 3
 

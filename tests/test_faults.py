@@ -296,3 +296,24 @@ def test_a_store_too_small_for_one_snapshot_and_kills_in_its_phases_leave_the_ru
     # gradients in its own order, and when the third kill is met (timing) decides which steps ran at which size;
     # over 12 steps those roundings reach ~1e-12 of the loss (a wrong restore or replay is off by far more)
     assert failed.losses == pytest.approx(unfailed.losses, rel=1e-11, abs=0), failed.incidents
+
+
+def test_steps_run_ahead_through_a_blowup_and_a_kill_equal_steps_that_do_not(ray_cluster):
+    """Each step's successor queued on the worker behind it (execution.step_ahead, on here on a CPU), while a
+    blow-up rolls back and skips its batch (the batch announced is not the one the next step runs), a worker is
+    killed during a step and snapshots are taken: the same batches, losses and parameters as stepping without."""
+    faults = [{"kind": "nan", "step": 3, "layer": 1}, {"kind": "kill_worker", "step": 6, "worker": 0}]
+
+    def job(ahead: bool):
+        cfg = tiny(**{"execution.step_ahead": ahead, "fault_tolerance.faults": faults})
+        with running_job(cfg) as controller:
+            reports = [ray.get(controller.train_step.remote(s, ahead=ahead), timeout=600) for s in range(9)]
+            incidents = ray.get(controller.get_incidents.remote())
+            return reports, [i["kind"] for i in incidents], job_params(controller)
+
+    want, want_incidents, want_params = job(False)
+    got, incidents, params = job(True)
+    assert incidents == want_incidents == ["blowup", "worker_lost"]
+    assert [r["batch_index"] for r in got] == [r["batch_index"] for r in want] == [0, 1, 2, 4, 5, 6, 7, 8, 9]
+    assert [r["loss"] for r in got] == [r["loss"] for r in want]
+    assert max_diff(params, want_params) == 0.0

@@ -1,6 +1,7 @@
 """Training micro-batches as CUDA graphs (k3ray.parallel.micro_batch_graphs): what a replay needs of the step (its
 later micro-batches add into the tensors its first made), where they are used, and on a GPU that replayed steps
-train exactly as eager ones, a drill's hook included."""
+train exactly as eager ones, a drill's hook included. And a step's micro-batches run ahead, behind the step before
+(k3ray.parallel.engine.StepAhead): used when the next call asks for them, redone otherwise, the same either way."""
 from __future__ import annotations
 
 import contextlib
@@ -81,19 +82,23 @@ def test_a_drills_forward_hook_keeps_the_step_eager():
         assert not hooked(engine.stage)
 
 
-def _run(overrides: dict) -> tuple[list[dict], dict[str, torch.Tensor], bool]:
+def _run(overrides: dict, ahead: bool = False) -> tuple[list[dict], dict[str, torch.Tensor], bool]:
     """Six steps (a drill's hook on the embedding in step 3; new storage for the embedding before step 4, as a
-    restore may give) -> the reports, the weights, whether the graphs were captured again after the new storage."""
+    restore may give), each announcing the next batch with `ahead` -> the reports, the weights, whether the graphs
+    were captured again after the new storage."""
     with _engine(overrides, "cuda", "nccl") as engine:
-        reports = [engine.train_step(step, step) for step in range(3)]
+        def step_(step: int) -> dict:
+            return engine.train_step(step, step, step + 1 if ahead and step < 5 else None)
+
+        reports = [step_(step) for step in range(3)]
         handle = engine.stage.embed.register_forward_hook(lambda mod, args, out: out)
-        reports.append(engine.train_step(3, 3))
+        reports.append(step_(3))  # the step ahead queued without the hook is redone with it
         handle.remove()
         key = engine.graphs.key if engine.graphs else None
         with torch.no_grad():
             engine.stage.embed.weight = torch.nn.Parameter(engine.stage.embed.weight.clone())
         engine._refresh_params()
-        reports += [engine.train_step(step, step) for step in range(4, 6)]
+        reports += [step_(step) for step in range(4, 6)]
         recaptured = engine.graphs is not None and not engine.graphs.off and engine.graphs.key not in (None, key)
         weights = {n: p.detach().cpu() for n, p in engine.params.items()}
     return [{k: v for k, v in r.items() if k != "timings"} for r in reports], weights, recaptured
@@ -103,12 +108,66 @@ def _run(overrides: dict) -> tuple[list[dict], dict[str, torch.Tensor], bool]:
 def test_replayed_micro_batches_train_exactly_as_eager_steps():
     """Three micro-batches a step (the later-micro-batch graph replayed twice), the released features, MLA layers
     (KDA's kernels would autotune for the tiny heads first): reports and weights equal bit for bit, including a step
-    a drill's hook makes eager and a capture again after the parameters' storage changed."""
+    a drill's hook makes eager and a capture again after the parameters' storage changed; and so with each step's
+    micro-batches replayed a step ahead, behind the optimizer of the step before."""
     common = {"parallel.device": "cuda", "parallel.micro_batches": 3, "execution.compile_blocks": False,
               "model.mla_layers": [0, 1, 2, 3]}
-    eager, eager_weights, _ = _run({**common, "execution.graph_micro_batches": False})
-    graphed, graphed_weights, recaptured = _run(common)
+    eager, eager_weights, _ = _run({**common, "execution.graph_micro_batches": False, "execution.step_ahead": False})
+    graphed, graphed_weights, recaptured = _run({**common, "execution.step_ahead": False})
+    ahead, ahead_weights, _ = _run(common, ahead=True)  # replayed, each step's micro-batches queued a step ahead
     assert recaptured
-    assert graphed == eager
+    assert graphed == eager and ahead == eager
     for name, w in eager_weights.items():
         assert torch.equal(graphed_weights[name], w), name
+        assert torch.equal(ahead_weights[name], w), name
+
+
+def _steps_with_changes(engine: StageEngine, ahead: bool) -> list[dict]:
+    """Six steps as a controller would call them, announcing the next batch (`ahead`) or not: step 2 runs another
+    batch than announced (a skip), an evaluation comes before step 3 (any other call discards the step ahead, as
+    the Worker does), step 4 runs with a drill's hook (eager, never ahead), step 5 is the last."""
+    plan = [(0, 0, 1), (1, 1, 2), (2, 5, 6), (3, 6, 7), (4, 7, 8), (5, 8, None)]
+    reports = []
+    for step, batch, next_batch in plan:
+        handle = None
+        if step == 3:
+            engine.discard_ahead()
+            engine.evaluate()
+        if step == 4:
+            engine.discard_ahead()
+            handle = engine.stage.embed.register_forward_hook(lambda mod, args, out: out)
+        reports.append(engine.train_step(step, batch, next_batch if ahead else None))
+        if handle is not None:
+            handle.remove()
+    return [{k: v for k, v in r.items() if k != "timings"} for r in reports]
+
+
+def test_steps_run_ahead_train_exactly_as_steps_that_do_not():
+    """The step ahead is the same work queued earlier: the same reports and weights bit for bit, however the calls
+    change between steps; it is used when the next call asks for it, and only then."""
+    common = {"parallel.micro_batches": 2}
+    with _engine({**common, "execution.step_ahead": False}) as engine:
+        want = _steps_with_changes(engine, ahead=False)
+        want_weights = {n: p.detach().clone() for n, p in engine.params.items()}
+    with _engine({**common, "execution.step_ahead": True}) as engine:
+        runs = []
+        micro_batches = engine._micro_batches
+        engine._micro_batches = lambda batch, *args: runs.append(batch) or micro_batches(batch, *args)
+        got = _steps_with_changes(engine, ahead=True)
+        assert engine.ahead is None  # the last step announces none
+        weights = {n: p.detach() for n, p in engine.params.items()}
+    assert got == want
+    for name, w in want_weights.items():
+        assert torch.equal(weights[name], w), name
+    # step 0, then ahead: 1 (used), 2 (step 2 ran batch 5 instead), 5 (used), 6 (discarded: the evaluation), 6
+    # again, 7 (discarded: the hook), 7 eagerly with the hook (which runs nothing ahead), 8 by step 5 itself
+    assert runs == [0, 1, 2, 5, 6, 6, 7, 7, 8]
+
+
+def test_steps_run_ahead_by_default_on_cuda_only():
+    assert load_config(TINY).execution.step_ahead is None
+    assert ExecutionConfig().steps_ahead("cuda") and not ExecutionConfig().steps_ahead("cpu")
+    assert not ExecutionConfig(step_ahead=False).steps_ahead("cuda")
+    with _engine({}) as engine:
+        engine.train_step(0, 0, 1)
+        assert engine.ahead is None  # a CPU worker does not run ahead

@@ -68,6 +68,13 @@ class ExecutionConfig(Section):
                           "nothing and the GPU no longer waits between them. Where a micro-batch can be one graph: "
                           "one pipeline stage, one EP rank, no document masking; elsewhere the step runs eagerly. "
                           "null (the default): on where the workers run CUDA; true: CUDA only")
+    step_ahead: bool | None = Field(
+        None, description="where a stage holds the whole model (one stage, one EP rank, no document masking), queue "
+                          "the next step's micro-batches behind this step's optimizer before its report is read, so "
+                          "that the device works while the report goes to the controller and the next call comes "
+                          "back (redone when the data order or anything else changes meanwhile: the results are the "
+                          "same). null (the default): on where the workers run CUDA; on a CPU the work is "
+                          "synchronous and running ahead would only delay each report")
     recompute: Literal["none", "attention_elementwise"] = Field(
         "none", description="selective activation recompute: 'attention_elementwise' keeps only the matmul and "
                             "attention outputs of each attention sublayer for backward and recomputes its "
@@ -84,6 +91,10 @@ class ExecutionConfig(Section):
     def compiles_blocks(self, device: str) -> bool:
         """Whether the blocks run compiled on `device` ("cuda" | "cpu")."""
         return device == "cuda" if self.compile_blocks is None else self.compile_blocks
+
+    def steps_ahead(self, device: str) -> bool:
+        """Whether steps run their successor's micro-batches ahead on `device` where the topology allows it."""
+        return device == "cuda" if self.step_ahead is None else self.step_ahead
 
     def graphs_micro_batches(self, device: str) -> bool:
         """Whether micro-batches replay as CUDA graphs on `device` where the topology allows it."""

@@ -28,7 +28,8 @@ log = logging.getLogger("k3ray")
 
 
 class Backend(Protocol):
-    def train_step(self, step: int, batch_index: int) -> StepReport: ...
+    def train_step(self, step: int, batch_index: int, ahead: bool = False) -> StepReport:
+        """`ahead`: the next call is step + 1 (the backend may start it early)."""
     def evaluate(self) -> float: ...
 
 
@@ -44,7 +45,9 @@ def run_training(backend: Backend, cfg: JobConfig, steps: int | None = None, sta
     bar = tqdm(range(start_step, start_step + steps), desc=cfg.name, disable=not progress, dynamic_ncols=True)
     for step in bar:
         t0 = time.perf_counter()
-        report = backend.train_step(step, step)
+        done = step + 1 - start_step
+        evaluates = bool(cfg.train.eval_every) and (done % cfg.train.eval_every == 0 or done == steps)
+        report = backend.train_step(step, step, ahead=done < steps and not evaluates)
         dt = time.perf_counter() - t0
         history.append(report)
         bar.set_postfix(loss=f"{report.loss:.3f}", tok_s=f"{report.tokens / dt:,.0f}", maxvio=f"{report.mean_maxvio:.3f}")
@@ -54,8 +57,7 @@ def run_training(backend: Backend, cfg: JobConfig, steps: int | None = None, sta
                     "maxvio": round(report.mean_maxvio, 4), **{k: round(v, 4) for k, v in report.timings.items()}}
             msg = json.dumps(line) if log_json else " ".join(f"{k}={v}" for k, v in line.items())
             (tqdm.write(msg) if progress else log.info(msg))
-        done = step + 1 - start_step
-        if cfg.train.eval_every and (done % cfg.train.eval_every == 0 or done == steps):
+        if evaluates:
             evals[step + 1] = backend.evaluate()
     elapsed = time.perf_counter() - t_start
     tokens = sum(r.tokens for r in history)
@@ -77,8 +79,8 @@ class ControllerBackend:
     def __init__(self, controller):
         self.controller = controller
 
-    def train_step(self, step: int, batch_index: int) -> StepReport:
-        report = ray.get(self.controller.train_step.remote(step))  # the controller owns data order
+    def train_step(self, step: int, batch_index: int, ahead: bool = False) -> StepReport:
+        report = ray.get(self.controller.train_step.remote(step, ahead=ahead))  # the controller owns data order
         _show_warnings(report.pop("warnings", []))
         return StepReport(**report)
 

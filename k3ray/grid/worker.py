@@ -36,6 +36,9 @@ from k3ray.config import JobConfig
 STUCK_CALLS = 4
 THREADS = 2 + STUCK_CALLS  # the current grid's call, a snapshot or ping beside it, and the stuck ones
 MOVES = ("assume", "stand_by")  # the calls that move a worker to the grid generation they name
+# the calls that leave the engine's step ahead standing: the step itself, and a snapshot's staging, which copies the
+# state (the step ahead writes none of it) on a side stream; any other may change what a step reads or writes
+KEEP_STEP_AHEAD = ("train_step", "stage_snapshot")
 
 
 def fenced(method):
@@ -160,6 +163,8 @@ class Worker:
             self.seat.join_generation(generation, name)
         else:
             self.seat.check(generation, name)
+        if name not in KEEP_STEP_AHEAD and self.seat.engine is not None:
+            self.seat.engine.discard_ahead()
         return self.calls[name](*args)
 
     @ray.method(num_returns="streaming")

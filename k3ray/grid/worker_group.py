@@ -250,9 +250,10 @@ class WorkerGroup:
                 continue  # busy with a call the kill will end
             time.sleep(0.02)
 
-    def run_step(self, step: int, batch_index: int, timeout_s: float) -> list[dict]:
-        """Reports of every worker, in world-rank order (WorkerLost: see `calls.gather`)."""
-        return calls.gather([(r, calls.send(w, self.generation, "train_step", step, batch_index))
+    def run_step(self, step: int, batch_index: int, timeout_s: float, next_batch: int | None = None) -> list[dict]:
+        """Reports of every worker, in world-rank order (WorkerLost: see `calls.gather`); `next_batch`: the next
+        step's batch, for the workers to run ahead."""
+        return calls.gather([(r, calls.send(w, self.generation, "train_step", step, batch_index, next_batch))
                              for r, w in enumerate(self.workers)], timeout_s, f"step {step}", self.dead_ranks)
 
     def close(self) -> None:

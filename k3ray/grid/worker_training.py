@@ -11,9 +11,10 @@ class WorkerTraining:
     def __init__(self, seat: WorkerSeat):
         self.seat = seat
 
-    def train_step(self, step: int, batch_index: int) -> dict:
-        """The step report (k3ray.parallel.engine.StageEngine.train_step)."""
-        return self.seat.engine.train_step(step, batch_index)
+    def train_step(self, step: int, batch_index: int, next_batch: int | None = None) -> dict:
+        """The step report (k3ray.parallel.engine.StageEngine.train_step; `next_batch`: the next step's, to run
+        ahead)."""
+        return self.seat.engine.train_step(step, batch_index, next_batch)
 
     def evaluate(self) -> float:
         return self.seat.engine.evaluate()

@@ -24,8 +24,8 @@ rank runs (k3ray.parallel.batches) and, once the stage is built, its expert copi
 from __future__ import annotations
 
 import threading
-
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,9 +42,21 @@ from k3ray.parallel.device_timer import DeviceTimer
 from k3ray.parallel.engine_copies import EngineCopies
 from k3ray.parallel.ep import EPContext, ExpertParallelExperts
 from k3ray.parallel.grid_groups import GridGroups, LeftGroup
-from k3ray.parallel.micro_batch_graphs import MicroBatchGraphs
+from k3ray.parallel.micro_batch_graphs import MicroBatchGraphs, hooked
 from k3ray.parallel.pipeline import one_f_one_b
-from k3ray.parallel.step import lm_loss, reduce_balance, to_host
+from k3ray.parallel.step import HostCopy, lm_loss, reduce_balance
+
+
+@dataclass
+class StepAhead:
+    """The next step's micro-batches (forward, loss, backward), queued behind this step's optimizer before its
+    report was read: while the report travels to the controller and the next call comes back, the device already
+    works on them. Used by that call when it asks for the same step and batch, with the same parameters."""
+    step: int
+    batch_index: int
+    key: tuple
+    loss_sum: torch.Tensor
+    compute_s: float
 
 
 class StageEngine:
@@ -74,6 +86,7 @@ class StageEngine:
         # CUDA events of copies still reading the live state (a snapshot's device-to-host transfer): whatever writes
         # the state next (the optimizer, a restore, a reshard) waits for them on the device, not on the host
         self.state_reads: list = []
+        self.ahead: StepAhead | None = None
 
     # -- setup ---------------------------------------------------------------------------------------------------
     def init_process_groups(self, init_method: str, backend: str, generation: int = 0) -> None:
@@ -104,9 +117,8 @@ class StageEngine:
     def set_graphs(self) -> None:
         """Decide from the config whether the stage's micro-batches replay as CUDA graphs: where one micro-batch can
         be one graph (one stage; one EP rank: an exchange takes its splits from the host; documents unmasked)."""
-        graphable = self.pp == 1 and self.ep == 1 and not self.cfg.data.document_masking
         self.graphs = MicroBatchGraphs(lambda: step_state_slots(self.stage, self.params.values())) \
-            if graphable and self.cfg.execution.graphs_micro_batches(self.device.type) else None
+            if self._whole_model() and self.cfg.execution.graphs_micro_batches(self.device.type) else None
 
     def _refresh_params(self) -> None:
         self.params = dict(self.stage.named_parameters())
@@ -114,7 +126,11 @@ class StageEngine:
         self.experts = {n: p for n, p in self.params.items() if is_expert_param(n)}
 
     # -- one step ------------------------------------------------------------------------------------------------
-    def train_step(self, step: int, batch_index: int) -> dict:
+    def train_step(self, step: int, batch_index: int, next_batch: int | None = None) -> dict:
+        """Step `step` on batch `batch_index` -> its report. `next_batch`: the batch the next step will most likely
+        run (the controller's data order, no step of its own in between): where the stage holds the whole model,
+        that step's micro-batches are queued behind this step's optimizer before this report is read
+        (`StepAhead`), and the next call that asks for it finds them done or under way."""
         cfg, stage = self.cfg, self.stage
         M = cfg.parallel.micro_batches
         dp = self.batches.dp_ranks
@@ -122,7 +138,77 @@ class StageEngine:
         scale = len(dp) / (cfg.parallel.ep * M)
         timings = {"compute": 0.0, "pipeline_wait": 0.0}
         self.ctx.comm_seconds = 0.0
-        _clear_step_state(stage, self.params.values())
+        t_step = time.perf_counter()
+        whole = self._whole_model()
+        key = (scale, *[(p.data_ptr(), p.dtype) for p in self.params.values()]) if whole else None
+        ahead, self.ahead = self.ahead, None
+        ran_ahead = 0.0  # host seconds of this step's part run ahead in the call before (the total counts them)
+        if ahead is not None and (ahead.step, ahead.batch_index, ahead.key) == (step, batch_index, key) \
+                and not hooked(stage):
+            loss_sum, timings["compute"], ran_ahead = ahead.loss_sum, ahead.compute_s, ahead.compute_s
+        else:
+            _clear_step_state(stage, self.params.values())
+            self.device_timer.mark("start")
+            loss_sum = self._micro_batches(batch_index, scale, key, timings) if whole else \
+                self._pipeline_micro_batches(batch_index, scale, timings)
+        self.device_timer.mark("backward_done")
+        t_opt = time.perf_counter()
+        balance, host_copy, lr = self._finish_step(step, loss_sum, timings)
+        timings["optimizer"] = time.perf_counter() - t_opt
+        timings["dispatch_combine"] = self.ctx.comm_seconds
+        timings["compute"] -= self.ctx.comm_seconds
+        self.device_timer.mark("end")
+        device_seconds = self.device_timer.finish()
+        # no capture inside a step ahead (the graphs' key is the tokens' shape, then `key`)
+        captured = self.graphs is None or self.graphs.off or (self.graphs.key or ())[1:] == key
+        if next_batch is not None and whole and cfg.execution.steps_ahead(self.device.type) and not hooked(stage) \
+                and captured:
+            self.ahead = self._step_ahead(step + 1, next_batch, scale, key)
+            ran_ahead -= self.ahead.compute_s  # the next step's
+        *routing, (sq, loss) = host_copy.values()  # the step's one host wait
+        timings["total"] = time.perf_counter() - t_step + ran_ahead
+        report = {"step": step, "loss": loss, "grad_norm": sq ** 0.5, "lr": lr, **balance.report(routing)}
+        report["timings"] = {**timings, **device_seconds}
+        report["batch_index"] = batch_index
+        self.steps_trained += 1
+        return report
+
+    def discard_ahead(self) -> None:
+        """Forget the step ahead (a call that may change what a step reads or writes: its work is redone)."""
+        self.ahead = None
+
+    def _whole_model(self) -> bool:
+        """Whether a micro-batch is one forward and backward of this stage alone (one stage, one EP rank, documents
+        unmasked): what CUDA graphs replay and what may run a step ahead."""
+        return self.pp == 1 and self.ep == 1 and not self.cfg.data.document_masking
+
+    def _step_ahead(self, step: int, batch_index: int, scale: float, key: tuple) -> StepAhead:
+        t0 = time.perf_counter()
+        _clear_step_state(self.stage, self.params.values())
+        self.device_timer.mark("start")
+        timings = {"compute": 0.0}
+        loss_sum = self._micro_batches(batch_index, scale, key, timings)
+        return StepAhead(step, batch_index, key, loss_sum, time.perf_counter() - t0)
+
+    def _micro_batches(self, batch_index: int, scale: float, key: tuple, timings: dict[str, float]) -> torch.Tensor:
+        """The step's micro-batches on a stage holding the whole model, replayed as CUDA graphs where they can be,
+        else eagerly -> the summed loss (0-d, float64, on the device)."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        graphed = self.graphs is not None and self.graphs.usable(self.stage)
+        t0 = time.perf_counter()
+        for m in range(self.cfg.parallel.micro_batches):
+            tokens = self.batches.micro_batch(batch_index, m)
+            loss_sum += self.graphs.run(m, tokens, (tuple(tokens.shape), *key), lambda t: self._micro_batch(t, scale)) \
+                if graphed else self._micro_batch(tokens, scale)
+        timings["compute"] += time.perf_counter() - t0
+        return loss_sum
+
+    def _pipeline_micro_batches(self, batch_index: int, scale: float, timings: dict[str, float]) -> torch.Tensor:
+        """The step's micro-batches through the 1F1B schedule of the pipeline and its EP exchanges -> the summed loss
+        (0-d, float64, on the device; zero on stages before the last)."""
+        cfg, stage = self.cfg, self.stage
+        M = cfg.parallel.micro_batches
+        dp = self.batches.dp_ranks
         # what the previous stage sends: the hidden state (and, with Block AttnRes, the block summaries)
         shape = boundary_shape(cfg.model, self.layers.start, len(dp) * cfg.data.micro_batch_size, cfg.data.seq_len)
         out_shape = boundary_shape(cfg.model, self.layers.stop, len(dp) * cfg.data.micro_batch_size, cfg.data.seq_len)
@@ -130,18 +216,7 @@ class StageEngine:
         saved: dict[int, tuple] = {}
         pending = []
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        t_step = time.perf_counter()
-        self.device_timer.mark("start")
-        graphed = self.graphs is not None and self.graphs.usable(stage)
-        if graphed:  # one stage: forward and backward of each micro-batch, replayed
-            t0 = time.perf_counter()
-            key = (scale, *[(p.data_ptr(), p.dtype) for p in self.params.values()])
-            for m in range(M):
-                tokens = self.batches.micro_batch(batch_index, m)
-                loss_sum += self.graphs.run(m, tokens, (tuple(tokens.shape), *key),
-                                            lambda t: self._micro_batch(t, scale))
-            timings["compute"] += time.perf_counter() - t0
-        for op, m in [] if graphed else one_f_one_b(M, self.pp_rank, self.pp):
+        for op, m in one_f_one_b(M, self.pp_rank, self.pp):
             if op == "F":
                 tokens = self.batches.micro_batch(batch_index, m)
                 if stage.is_first:
@@ -172,18 +247,7 @@ class StageEngine:
                                               group=self.groups.world))
         for work in pending:
             work.wait()
-        self.device_timer.mark("backward_done")
-        t_opt = time.perf_counter()
-        report = self._finish_step(step, loss_sum, timings)
-        timings["optimizer"] = time.perf_counter() - t_opt
-        timings["dispatch_combine"] = self.ctx.comm_seconds
-        timings["compute"] -= self.ctx.comm_seconds
-        timings["total"] = time.perf_counter() - t_step
-        self.device_timer.mark("end")
-        report["timings"] = {**timings, **self.device_timer.finish()}
-        report["batch_index"] = batch_index
-        self.steps_trained += 1
-        return report
+        return loss_sum
 
     def _micro_batch(self, tokens: torch.Tensor, scale: float) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch on a stage holding the whole model (the graphs' body: what
@@ -193,7 +257,9 @@ class StageEngine:
             loss.backward()
         return loss.detach()
 
-    def _finish_step(self, step: int, loss_sum: torch.Tensor, timings: dict[str, float]) -> dict:
+    def _finish_step(self, step: int, loss_sum: torch.Tensor, timings: dict[str, float]) -> tuple:
+        """Gradients reduced and clipped, the optimizer and the router biases queued -> (the balance reads, their
+        `HostCopy` with the squared gradient norm and loss last, the step's learning rate)."""
         cfg = self.cfg
         self.copies.return_grads()  # copies' gradients join their home's (where the optimizer state is)
         # dense gradients: sum over the stage's EP group (one flat all-reduce)
@@ -222,8 +288,7 @@ class StageEngine:
         if any(self.ctx.copies):
             self.copies.fetch(self.ctx.copies)  # the copies take the home's new weights
         balance = reduce_balance(cfg.model, self.stage, self.groups.ep_group, self.ep)
-        *routing, (sq, loss) = to_host(balance.tensors + [totals])  # the step's one host wait
-        return {"step": step, "loss": loss, "grad_norm": sq ** 0.5, "lr": lr, **balance.report(routing)}
+        return balance, HostCopy(balance.tensors + [totals]), lr
 
     # -- evaluation ----------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -30,7 +30,8 @@ class ReferenceTrainer:
     def _documents(self, tokens: torch.Tensor) -> Documents | None:
         return Documents(tokens[:, :-1], self.data.eos_id) if self.cfg.data.document_masking else None
 
-    def train_step(self, step: int, batch_index: int) -> StepReport:
+    def train_step(self, step: int, batch_index: int, ahead: bool = False) -> StepReport:
+        """One step (`ahead` changes nothing: one process steps synchronously)."""
         cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
         model.reset_stats()

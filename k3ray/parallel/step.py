@@ -72,19 +72,40 @@ def activation_stats(stage: K3Stage) -> dict[int, dict[str, float]]:
     return {} if rows is None else activation_dict(layers, rows.cpu().tolist())
 
 
-def to_host(tensors: list[torch.Tensor]) -> list:
-    """Many small tensors' values as (nested) lists, read with one copy per device (one host wait for all of those on
-    a GPU, not one each); integer tensors give ints (float64 carries them exactly below 2^53)."""
-    out: list = [None] * len(tensors)
-    by_device: dict[torch.device, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_device.setdefault(t.device, []).append(i)
-    for indices in by_device.values():
-        flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in indices]).cpu()
-        for i, part in zip(indices, flat.split([tensors[i].numel() for i in indices])):
-            t = tensors[i]
-            out[i] = (part if t.is_floating_point() else part.long()).view(t.shape).tolist()
-    return out
+class HostCopy:
+    """Many small tensors' values on their way to the host: one copy per device, issued at once (into pinned memory,
+    behind the work already queued on a GPU), waited for in `values()`: work queued in between (a step ahead) does
+    not delay the values, nor change them."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.shapes = [(t.shape, t.is_floating_point()) for t in tensors]
+        self.parts: list[tuple[list[int], torch.Tensor, object]] = []  # (indices, host values, CUDA event)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, t in enumerate(tensors):
+            by_device.setdefault(t.device, []).append(i)
+        for indices, device in ((v, k) for k, v in by_device.items()):
+            flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in indices])
+            event = None
+            if device.type == "cuda":
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+                flat = host
+            self.parts.append((indices, flat, event))
+
+    def values(self) -> list:
+        """The tensors' values as (nested) lists; integer tensors give ints (float64 carries them exactly below
+        2^53). Waits for the copies (the one host wait for all of them)."""
+        out: list = [None] * len(self.shapes)
+        for indices, flat, event in self.parts:
+            if event is not None:
+                event.synchronize()
+            for i, part in zip(indices, flat.split([self.shapes[i][0].numel() for i in indices])):
+                shape, floating = self.shapes[i]
+                out[i] = (part if floating else part.long()).view(shape).tolist()
+        return out
+
 
 
 @dataclass

@@ -139,10 +139,13 @@ class Controller:
 
     # -- steps ---------------------------------------------------------------------------------------------------
     @holding_the_grid
-    def train_step(self, step: int, batch_index: int | None = None) -> dict:
+    def train_step(self, step: int, batch_index: int | None = None, ahead: bool = False) -> dict:
         """Run `step` to an accepted report: snapshot on schedule, inject due fault drills, recover from lost
         workers, roll back and skip batches on a guard trip, grow back when capacity returns. `batch_index`, if
         given, must be the batch the controller's data order assigns (it owns the order because of skips).
+        `ahead`: the caller's next call is the next step (no evaluation between): the workers may run its
+        micro-batches while this step's report comes back (redone, the same, if the data order or anything else
+        changes meanwhile).
 
         A worker lost anywhere in here (the boundary's policy push, grow-back, snapshot or checkpoint, the step,
         a rollback) is recovered from, and the boundary is done again on the new grid."""
@@ -165,7 +168,7 @@ class Controller:
                 if batch_index is not None and attempts == 0 and batch != batch_index:
                     raise ValueError(f"step {step}: batch {batch_index} requested, data order gives {batch}")
                 try:
-                    report = grid.run(step, batch)
+                    report = grid.run(step, batch, progress.batch_after(batch) if ahead else None)
                 finally:
                     self.drills.after_attempt(grid.group)
                 gp = self.cfg.policies.guards

@@ -82,9 +82,10 @@ class TrainingGrid:
             self.group.close()
         self.group = None
 
-    def run(self, step: int, batch: int) -> dict:
-        """`step` on `batch` on the grid: the workers' reports merged into one (no guards, no bookkeeping)."""
-        reports = self.group.run_step(step, batch, self.cfg.parallel.collective_timeout_s + 30.0)
+    def run(self, step: int, batch: int, next_batch: int | None = None) -> dict:
+        """`step` on `batch` on the grid: the workers' reports merged into one (no guards, no bookkeeping);
+        `next_batch`: the next step's batch, which the workers may run ahead (k3ray.parallel.engine.StepAhead)."""
+        reports = self.group.run_step(step, batch, self.cfg.parallel.collective_timeout_s + 30.0, next_batch)
         return merge_reports(step, batch, reports, self.table.ep, self.cfg.step_tokens()).to_dict()
 
     def push_policies(self) -> None:

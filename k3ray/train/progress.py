@@ -23,7 +23,11 @@ class TrainingProgress:
 
     def batch_for(self, step: int) -> int:
         """The next batch index after the previous step's, passing over skipped ones."""
-        b = self.batches[step - 1] + 1 if step - 1 in self.batches else step
+        return self.batch_after(self.batches[step - 1] if step - 1 in self.batches else step - 1)
+
+    def batch_after(self, batch: int) -> int:
+        """The batch the step after one run on `batch` takes, if that one is accepted (`batch_for` then)."""
+        b = batch + 1
         while b in self.skip:
             b += 1
         return b
