@@ -240,10 +240,11 @@ class RayProgram:
         self.cfg = checks.checked(cfg, checks.device_bytes(cfg)) if preflight else cfg
         self.controller = start_controller(self.cfg)
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int, ahead: bool = False) -> dict:
+        """`ahead`: the next call is step + 1, as `k3ray train`'s loop says (the workers may run it ahead)."""
         import ray
 
-        report = ray.get(self.controller.train_step.remote(step))
+        report = ray.get(self.controller.train_step.remote(step, ahead=ahead))
         return {**report, "worker_seconds": report["timings"]["total"]}  # the slowest worker's own train_step
 
     def call(self, fn):

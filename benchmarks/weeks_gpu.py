@@ -83,7 +83,7 @@ def run_steps(program, steps: int, kill_at: int | None = None) -> tuple[list[flo
             kill_rank0_during(program, 0.5 * statistics.median(times[-5:]))
             print(f"step {step}: world rank 0's process SIGKILLed mid-step", flush=True)
         t0 = time.perf_counter()
-        reports.append(program.step(step))
+        reports.append(program.step(step, ahead=step + 1 < steps))  # as `k3ray train` steps
         times.append(time.perf_counter() - t0)
         vio = StepReport(**{k: v for k, v in reports[-1].items() if k not in ("warnings", "worker_seconds")})
         print(f"step {step}: {times[-1]:.3f} s, loss {vio.loss:.4f}, MaxVio mean {vio.mean_maxvio:.3f}"

@@ -55,6 +55,21 @@ def test_blowup_rolls_back_and_equals_a_run_that_skipped_the_batch():
     assert cluster.groups[-1].trained == clean.groups[-1].trained == (0, 1, 2, 3, 4, 5, 7, 8, 9, 10)
 
 
+def test_a_step_asked_to_run_ahead_announces_the_batch_its_data_order_gives_next():
+    """The next batch in data order, past the skipped ones; after a blow-up, the steps replayed from the start point
+    announce none (a replay runs on), and the attempt that runs again the one after its own batch; without `ahead`
+    none."""
+    cluster = Cluster(nan_batches={3})
+    ctrl = Controller(config(**{"data.skip_batches": [5]}), group_factory=cluster.group)
+    ctrl.start()
+    for s in range(5):
+        ctrl.train_step(s, ahead=s < 4)
+    ctrl.shutdown()
+    assert cluster.announced == [(0, 0, 1), (1, 1, 2), (2, 2, 3), (3, 3, 4),  # batch 3 blows up
+                                 (0, 0, None), (1, 1, None), (2, 2, None),  # replayed from the start point
+                                 (3, 4, 6), (4, 6, None)]
+
+
 def test_repeated_blowups_escalate_skip_more_lower_lr_then_stop():
     cluster = Cluster(nan_batches=range(5, 100))
     ctrl = Controller(config(**{"fault_tolerance.max_retries_per_step": 2}), group_factory=cluster.group)

@@ -77,12 +77,14 @@ class SnapshotStager:
         return int(fits[0]) if len(fits) else len(sizes)
 
     @torch.no_grad()
-    def stage(self, state: Any, step: int,
-              after_a_step: bool = True) -> tuple[int, torch.cuda.Event | threading.Event | None]:
+    def stage(self, state: Any, step: int, after_a_step: bool = True,
+              boundary: torch.cuda.Event | None = None) -> tuple[int, torch.cuda.Event | threading.Event | None]:
         """Lay `state` (live tensors: the state to run `step` from) out and start copying it aside. Returns its size
         in bytes and what whatever writes the live tensors next must wait for: None (copied already), a CUDA event
         (wait on the device), or a host event set once the last live tensor has been streamed out. after_a_step:
-        whether the engine has trained a step on this device (the staging buffer is sized only then)."""
+        whether the engine has trained a step on this device (the staging buffer is sized only then). boundary:
+        where on the device the state is complete, when the next step's work already follows it (the copies run
+        beside that work); None: all the work queued so far."""
         tree, tensors, sizes = layout(state, self.chunk_bytes)
         with self.streaming:  # a previous snapshot's chunks still being read out (a recovery dropped it) finish first
             if self.staged is not None and isinstance(self.staged.read, threading.Event):
@@ -103,7 +105,10 @@ class SnapshotStager:
                     of.append(t)
                 else:
                     live.setdefault(slot.chunk, []).append((t, slot))
-            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # reads the state at this boundary
+            if boundary is None:  # reads the state at this boundary
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            else:
+                self.stream.wait_event(boundary)
             with torch.cuda.stream(self.stream):
                 if to:  # one call for hundreds of tensors: the boundary waits for their launches, not their copies
                     torch._foreach_copy_(to, of, non_blocking=True)

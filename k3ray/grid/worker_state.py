@@ -40,8 +40,8 @@ class WorkerState:
         self.stop_warming.set()
         self.stager = self.stager or SnapshotStager(engine.device)
         state = engine.state_tensors(dense=engine.ep_rank == 0, rounded_params=False)
-        nbytes, still_reading = self.stager.stage(state, step,
-                                                  after_a_step=engine.steps_trained > 0)
+        nbytes, still_reading = self.stager.stage(state, step, after_a_step=engine.steps_trained > 0,
+                                                  boundary=engine.boundary_event())
         if still_reading is not None:
             engine.state_reads.append(still_reading)
         return nbytes, time.perf_counter() - t0

@@ -57,6 +57,7 @@ class StepAhead:
     key: tuple
     loss_sum: torch.Tensor
     compute_s: float
+    boundary: torch.cuda.Event | None  # recorded before it: the state of the boundary is complete there (CUDA)
 
 
 class StageEngine:
@@ -182,13 +183,22 @@ class StageEngine:
         unmasked): what CUDA graphs replay and what may run a step ahead."""
         return self.pp == 1 and self.ep == 1 and not self.cfg.data.document_masking
 
+    def boundary_event(self) -> torch.cuda.Event | None:
+        """Where on the device the state of the step boundary is complete, when work of the next step already
+        follows it (a step ahead: a snapshot's copies need not wait for that); None: the stream's current point."""
+        return None if self.ahead is None else self.ahead.boundary
+
     def _step_ahead(self, step: int, batch_index: int, scale: float, key: tuple) -> StepAhead:
+        boundary = None
+        if self.device.type == "cuda":
+            boundary = torch.cuda.Event()
+            boundary.record()
         t0 = time.perf_counter()
         _clear_step_state(self.stage, self.params.values())
         self.device_timer.mark("start")
         timings = {"compute": 0.0}
         loss_sum = self._micro_batches(batch_index, scale, key, timings)
-        return StepAhead(step, batch_index, key, loss_sum, time.perf_counter() - t0)
+        return StepAhead(step, batch_index, key, loss_sum, time.perf_counter() - t0, boundary)
 
     def _micro_batches(self, batch_index: int, scale: float, key: tuple, timings: dict[str, float]) -> torch.Tensor:
         """The step's micro-batches on a stage holding the whole model, replayed as CUDA graphs where they can be,

@@ -37,6 +37,7 @@ class Cluster:
         self.snapshot_steps: list[int] = []  # the boundaries snapshots were taken at
         self.snapshots_lost = 0  # restores from a snapshot that find its parts lost with a node
         self.calls: list[tuple] = []
+        self.announced: list[tuple] = []  # (step, batch, the next batch announced to run ahead) of every step run
         self.groups: list[FakeGroup] = []
 
     def group(self, cfg, ep: int, home: list[int], avoid_nodes: frozenset[str] = frozenset()) -> "FakeGroup":
@@ -171,8 +172,9 @@ class FakeGroup:
             raise ObjectsLost("restore failed on 1 of 2 workers (rank 0: ObjectReconstructionFailedError: lost)")
         self.trained = tuple(state["trained"].tolist()) if isinstance(state, dict) else state
 
-    def run_step(self, step: int, batch: int, timeout_s: float) -> list[dict]:
+    def run_step(self, step: int, batch: int, timeout_s: float, next_batch: int | None = None) -> list[dict]:
         self.cluster.calls.append(("run_step", step))
+        self.cluster.announced.append((step, batch, next_batch))
         if self.cluster.step_gate is not None:
             assert self.cluster.step_gate.wait(10)
         ranks = self.cluster.lose.pop(step, None)
