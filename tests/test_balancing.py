@@ -115,6 +115,23 @@ def test_step_report_reads_are_one_host_copy_of_the_same_values():
     assert [type(x) for x in got[0][0]] == [int] * 3
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy is asynchronous only from a GPU")
+def test_a_host_copy_on_cuda_reads_the_values_it_was_issued_for():
+    """What a step ahead relies on: work queued after the report's copy was issued (the next step overwriting the
+    statistics in place) changes none of the values read."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randint(0, 1 << 40, (64, 3), device="cuda", generator=g), torch.randn(1000, device="cuda",
+                                                                                            generator=g)]
+    want = [t.tolist() for t in tensors]
+    pending = HostCopy(tensors)
+    a = torch.randn(4096, 4096, device="cuda", generator=g)
+    for _ in range(20):  # keeps the device busy past the overwrite below
+        a = a @ a / 64
+    for t in tensors:
+        t.fill_(-1)
+    assert pending.values() == want
+
+
 def test_router_scores_in_bf16_are_the_widened_products():
     """bf16 router: fp32 scores from one GEMM with fp32 output (dtypes.matmul_f32), the same as widening x and W
     first; the gradients come back in bf16."""
