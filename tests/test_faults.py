@@ -317,3 +317,7 @@ def test_steps_run_ahead_through_a_blowup_and_a_kill_equal_steps_that_do_not(ray
     assert [r["batch_index"] for r in got] == [r["batch_index"] for r in want] == [0, 1, 2, 4, 5, 6, 7, 8, 9]
     assert [r["loss"] for r in got] == [r["loss"] for r in want]
     assert max_diff(params, want_params) == 0.0
+    # run ahead: every step after one that ran its own batch on a worker that lived on, but the blow-up's retry
+    # (its batch skipped: another than announced) and the step of the kill (on a new worker)
+    assert [r["timings"]["run_ahead"] > 0 for r in got] == [False, True, True, False, True, True, False, True, True]
+    assert not any(r["timings"]["run_ahead"] for r in want)

@@ -36,9 +36,10 @@ from k3ray.config import JobConfig
 STUCK_CALLS = 4
 THREADS = 2 + STUCK_CALLS  # the current grid's call, a snapshot or ping beside it, and the stuck ones
 MOVES = ("assume", "stand_by")  # the calls that move a worker to the grid generation they name
-# the calls that leave the engine's step ahead standing: the step itself, and a snapshot's staging, which copies the
-# state (the step ahead writes none of it) on a side stream; any other may change what a step reads or writes
-KEEP_STEP_AHEAD = ("train_step", "stage_snapshot")
+# the calls that leave the engine's step ahead standing: the step itself, a snapshot's staging, which copies the
+# state (the step ahead writes none of it) on a side stream, and the object store's warming (host memory only, on
+# another thread: it may meet a step under way); any other may change what a step reads or writes
+KEEP_STEP_AHEAD = ("train_step", "stage_snapshot", "warm_store")
 
 
 def fenced(method):

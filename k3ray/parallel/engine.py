@@ -137,16 +137,16 @@ class StageEngine:
         dp = self.batches.dp_ranks
         # a micro-batch of k DP ranks' rows is the mean over all of them: times k, it counts as k micro-batches
         scale = len(dp) / (cfg.parallel.ep * M)
-        timings = {"compute": 0.0, "pipeline_wait": 0.0}
+        # run_ahead: the host seconds of this step's micro-batches queued in the call before (0: none ran ahead)
+        timings = {"compute": 0.0, "pipeline_wait": 0.0, "run_ahead": 0.0}
         self.ctx.comm_seconds = 0.0
         t_step = time.perf_counter()
         whole = self._whole_model()
         key = (scale, *[(p.data_ptr(), p.dtype) for p in self.params.values()]) if whole else None
         ahead, self.ahead = self.ahead, None
-        ran_ahead = 0.0  # host seconds of this step's part run ahead in the call before (the total counts them)
         if ahead is not None and (ahead.step, ahead.batch_index, ahead.key) == (step, batch_index, key) \
                 and not hooked(stage):
-            loss_sum, timings["compute"], ran_ahead = ahead.loss_sum, ahead.compute_s, ahead.compute_s
+            loss_sum, timings["compute"], timings["run_ahead"] = ahead.loss_sum, ahead.compute_s, ahead.compute_s
         else:
             _clear_step_state(stage, self.params.values())
             self.device_timer.mark("start")
@@ -165,9 +165,10 @@ class StageEngine:
         if next_batch is not None and whole and cfg.execution.steps_ahead(self.device.type) and not hooked(stage) \
                 and captured:
             self.ahead = self._step_ahead(step + 1, next_batch, scale, key)
-            ran_ahead -= self.ahead.compute_s  # the next step's
         *routing, (sq, loss) = host_copy.values()  # the step's one host wait
-        timings["total"] = time.perf_counter() - t_step + ran_ahead
+        # the step's own host seconds: its part run ahead in the call before counted, the next step's not
+        timings["total"] = time.perf_counter() - t_step + timings["run_ahead"] - \
+            (self.ahead.compute_s if self.ahead is not None else 0.0)
         report = {"step": step, "loss": loss, "grad_norm": sq ** 0.5, "lr": lr, **balance.report(routing)}
         report["timings"] = {**timings, **device_seconds}
         report["batch_index"] = batch_index
