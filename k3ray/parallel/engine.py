@@ -143,15 +143,19 @@ class StageEngine:
         t_step = time.perf_counter()
         whole = self._whole_model()
         key = (scale, *[(p.data_ptr(), p.dtype) for p in self.params.values()]) if whole else None
+        hooks = hooked(stage)  # a drill's: the step runs eagerly, never ahead
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and (ahead.step, ahead.batch_index, ahead.key) == (step, batch_index, key) \
-                and not hooked(stage):
+        if ahead is not None and (ahead.step, ahead.batch_index, ahead.key) == (step, batch_index, key) and not hooks:
             loss_sum, timings["compute"], timings["run_ahead"] = ahead.loss_sum, ahead.compute_s, ahead.compute_s
         else:
             _clear_step_state(stage, self.params.values())
             self.device_timer.mark("start")
-            loss_sum = self._micro_batches(batch_index, scale, key, timings) if whole else \
-                self._pipeline_micro_batches(batch_index, scale, timings)
+            if whole:
+                t0 = time.perf_counter()
+                loss_sum = self._micro_batches(batch_index, scale, key)
+                timings["compute"] += time.perf_counter() - t0
+            else:
+                loss_sum = self._pipeline_micro_batches(batch_index, scale, timings)
         self.device_timer.mark("backward_done")
         t_opt = time.perf_counter()
         balance, host_copy, lr = self._finish_step(step, loss_sum, timings)
@@ -160,10 +164,8 @@ class StageEngine:
         timings["compute"] -= self.ctx.comm_seconds
         self.device_timer.mark("end")
         device_seconds = self.device_timer.finish()
-        # no capture inside a step ahead (the graphs' key is the tokens' shape, then `key`)
-        captured = self.graphs is None or self.graphs.off or (self.graphs.key or ())[1:] == key
-        if next_batch is not None and whole and cfg.execution.steps_ahead(self.device.type) and not hooked(stage) \
-                and captured:
+        if next_batch is not None and whole and cfg.execution.steps_ahead(self.device.type) and not hooks \
+                and (self.graphs is None or self.graphs.ready(key)):  # no capture inside a step ahead
             self.ahead = self._step_ahead(step + 1, next_batch, scale, key)
         *routing, (sq, loss) = host_copy.values()  # the step's one host wait
         # the step's own host seconds: its part run ahead in the call before counted, the next step's not
@@ -197,21 +199,18 @@ class StageEngine:
         t0 = time.perf_counter()
         _clear_step_state(self.stage, self.params.values())
         self.device_timer.mark("start")
-        timings = {"compute": 0.0}
-        loss_sum = self._micro_batches(batch_index, scale, key, timings)
+        loss_sum = self._micro_batches(batch_index, scale, key)
         return StepAhead(step, batch_index, key, loss_sum, time.perf_counter() - t0, boundary)
 
-    def _micro_batches(self, batch_index: int, scale: float, key: tuple, timings: dict[str, float]) -> torch.Tensor:
+    def _micro_batches(self, batch_index: int, scale: float, key: tuple) -> torch.Tensor:
         """The step's micro-batches on a stage holding the whole model, replayed as CUDA graphs where they can be,
         else eagerly -> the summed loss (0-d, float64, on the device)."""
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         graphed = self.graphs is not None and self.graphs.usable(self.stage)
-        t0 = time.perf_counter()
         for m in range(self.cfg.parallel.micro_batches):
             tokens = self.batches.micro_batch(batch_index, m)
             loss_sum += self.graphs.run(m, tokens, (tuple(tokens.shape), *key), lambda t: self._micro_batch(t, scale)) \
                 if graphed else self._micro_batch(tokens, scale)
-        timings["compute"] += time.perf_counter() - t0
         return loss_sum
 
     def _pipeline_micro_batches(self, batch_index: int, scale: float, timings: dict[str, float]) -> torch.Tensor:

@@ -53,6 +53,11 @@ class MicroBatchGraphs:
     def usable(self, stage: torch.nn.Module) -> bool:
         return not self.off and not hooked(stage)
 
+    def ready(self, key: tuple) -> bool:
+        """Whether a step of `key` (`run`'s key without the tokens' shape) runs without a capture first: captured
+        for it, or eager for good (a capture failed)."""
+        return self.off or (self.key is not None and self.key[1:] == key)
+
     def run(self, m: int, tokens: torch.Tensor, key: tuple, micro_batch: Callable[[torch.Tensor], torch.Tensor]
             ) -> torch.Tensor:
         if m == 0 and key != self.key and not self.off:

@@ -83,7 +83,7 @@ class HostCopy:
         by_device: dict[torch.device, list[int]] = {}
         for i, t in enumerate(tensors):
             by_device.setdefault(t.device, []).append(i)
-        for indices, device in ((v, k) for k, v in by_device.items()):
+        for device, indices in by_device.items():
             flat = torch.cat([tensors[i].detach().reshape(-1).to(torch.float64) for i in indices])
             event = None
             if device.type == "cuda":
@@ -105,7 +105,6 @@ class HostCopy:
                 shape, floating = self.shapes[i]
                 out[i] = (part if floating else part.long()).view(shape).tolist()
         return out
-
 
 
 @dataclass
