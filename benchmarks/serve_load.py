@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import random
 import re
@@ -96,17 +97,30 @@ def workload(tokenizer, n: int, prompt_tokens: str | None, max_tokens: str, seed
         flat = [(PROMPTS[i % len(PROMPTS)], random.Random(f"{seed}/{i}").randint(lo_m, hi_m))
                 for i in range(sum(counts))]
     else:
-        flat = [(tokenizer.decode(ids), m) for ids, m in draws(tokenizer, sum(counts), prompt_tokens, max_tokens, seed)]
+        flat = [(plain_text(tokenizer, ids), m)
+                for ids, m in draws(tokenizer, sum(counts), prompt_tokens, max_tokens, seed)]
     system = ""
     if system_tokens is not None:
         ids, _ = draws(tokenizer, 1, system_tokens, "1", seed + 10**6)[0]
-        system = tokenizer.decode(ids)
+        system = plain_text(tokenizer, ids)
     chats, at = [], 0
     for c in counts:
         chat = flat[at:at + c]
         chats.append([(system + chat[0][0], chat[0][1]), *chat[1:]])
         at += c
     return chats
+
+
+def plain_text(tokenizer, ids: list[int]) -> str:
+    """The text of drawn token ids without the tokenizer's special tokens (a K3-style tokenizer's chat and tool-call
+    markers: a prompt holding one would render turns or calls of its own)."""
+    special = special_ids(tokenizer)
+    return tokenizer.decode([t for t in ids if t not in special])
+
+
+@functools.lru_cache(maxsize=2)
+def special_ids(tokenizer) -> frozenset[int]:
+    return frozenset(t for text in tokenizer.specials for t in tokenizer.encode(text))
 
 
 def train_checkpoint(root: str) -> None:

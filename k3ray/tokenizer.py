@@ -17,7 +17,7 @@ import base64
 import codecs
 import hashlib
 import json
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 from k3ray.config import ConfigError
@@ -38,6 +38,7 @@ class Tokenizer:
     fingerprint: str  # sha256 of the tokenizer's files: prepared shards record it, training checks it
     chat_template: str | None = None
     special: dict[str, str] = {}
+    specials: tuple[str, ...] = ()  # texts that encode() takes whole, one id each (added / special tokens)
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -51,6 +52,21 @@ class Tokenizer:
     def token_bytes(self, token: int) -> bytes | None:
         """The bytes a token stands for, where tokens are byte sequences (bytes, tiktoken); None otherwise."""
         return None
+
+    def partial_special(self, text: str) -> int:
+        """Length of the longest tail of `text` that starts a special token's text without completing it (its
+        tokens would spell out what one token of its own stands for, once continued)."""
+        starts, longest = self._special_starts
+        for n in range(min(len(text), longest), 0, -1):
+            if text[-n:] in starts:
+                return n
+        return 0
+
+    @cached_property
+    def _special_starts(self) -> tuple[frozenset[str], int]:
+        """Every proper prefix of the special tokens' texts, and the longest one's length."""
+        starts = frozenset(s[:n] for s in self.specials for n in range(1, len(s)))
+        return starts, max(map(len, starts), default=0)
 
     # -- chat ----------------------------------------------------------------------------------------------------
     @property
@@ -105,6 +121,7 @@ class HFTokenizer(Tokenizer):
         self.eos_id = _eos_id(path, self.special["eos_token"], self.hf.token_to_id)
         self.special["eos_token"] = self.hf.id_to_token(self.eos_id)
         self.chat_template = _template(config)
+        self.specials = tuple(t.content for t in self.hf.get_added_tokens_decoder().values() if len(t.content) > 1)
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids
@@ -139,6 +156,7 @@ class TiktokenTokenizer(Tokenizer):
         self.eos_id = _eos_id(path, self.special["eos_token"], specials.get)
         self.special["eos_token"] = self.enc.decode_single_token_bytes(self.eos_id).decode("utf-8", "replace")
         self.chat_template = _template(config)
+        self.specials = tuple(t for t in specials if len(t) > 1)
 
     def encode(self, text: str) -> list[int]:
         return self.enc.encode(text, allowed_special="all")

@@ -2,10 +2,12 @@
 client: tool calls in K3's format (a round trip call -> tool result -> answer, streaming and not), tool_choice
 'required' and a named function enforced by the grammar, json_schema outputs that validate, logprobs equal to the
 log-softmax of the model's logits, n choices, logit_bias, max_completion_tokens, content parts; and, without Ray,
-the request shapes, the tool-call parser and the grammar's errors."""
+the request shapes, the tool-call parser and the grammar's errors, and tool calls with a K3-style tokenizer
+(benchmarks/k3_style_tokenizer.py: the markers are special tokens, the chat template its own) end to end."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import inspect
 import json
 import sys
@@ -16,7 +18,7 @@ import openai
 import pytest
 import torch
 
-from conftest import SMALL_BATCH, run_job
+from conftest import REPO, SMALL_BATCH, run_job
 from fakes.serving import SERVE as FAKE_SERVE
 from fakes.serving import FakeGrid, sizes
 from k3ray.config import load_config
@@ -27,8 +29,10 @@ from k3ray.serve.app import start_serving, stop_serving
 from k3ray.serve.drills import reference_model
 from k3ray.serve.engine import Engine
 from k3ray.serve.front_door import build_app, prompt_ids
-from k3ray.serve.grammar import GrammarError, Grammars, request_grammar
-from k3ray.serve.tool_calls import ToolCallParser, merge, parse, render_calls
+from k3ray.model.sampling import SamplingParams
+from k3ray.serve.grammar import GrammarError, Grammars, RequestLogits, request_grammar, tokenizer_info
+from k3ray.serve.tool_calls import (ARGUMENT_BEGIN, CALL_BEGIN, CALL_END, SECTION_BEGIN, SECTION_END, ToolCallParser,
+                                    merge, parse, render_calls)
 from k3ray.tokenizer import load_tokenizer
 
 SERVE = {"page_size": 8, "pages_per_rank": 200, "slots_per_rank": 8, "token_budget": 64, "max_waiting": 64,
@@ -219,6 +223,135 @@ def test_chat_needs_no_xgrammar_and_a_grammar_without_it_is_a_readable_501(monke
             assert r.json()["error"]["message"] == "internal error: RuntimeError: the grid is on fire", r.text
 
     asyncio.run(main())
+
+
+# -- a K3-style tokenizer: markers as special tokens, its own chat template (no Ray) --------------------------------
+MARKERS = (SECTION_BEGIN, CALL_BEGIN, ARGUMENT_BEGIN, CALL_END, SECTION_END)
+
+
+@pytest.fixture(scope="module")
+def k3_tokenizer(tmp_path_factory) -> str:
+    """benchmarks/k3_style_tokenizer.py's tokenizer, 512 tokens trained on two of k3ray's files (~0.1 s)."""
+    spec = importlib.util.spec_from_file_location("k3_style_tokenizer", REPO / "benchmarks" / "k3_style_tokenizer.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    folder = tmp_path_factory.mktemp("k3tok")
+    texts = script.corpus_texts([str(REPO / "k3ray" / "serve" / f) for f in ("tool_calls.py", "grammar.py")])
+    assert script.build(folder, 512, texts) == 512
+    return str(folder)
+
+
+def test_k3_style_template_renders_tools_calls_and_results_around_one_token_markers(k3_tokenizer):
+    """Each marker is one token, which xgrammar reads as the marker's text (a grammar spelling it matches the
+    token); the tokenizer's own template declares the tools and renders the calls and results (the byte template's
+    words, Kimi K2's turns); jump-forward forces a call's opening as two marker tokens, and where the grammar's next
+    text is a marker cut short (after a call, `<|tool_call` starts both the next call and the section's end) leaves
+    it to sample rather than spelling it out."""
+    tok = load_tokenizer(k3_tokenizer)
+    info = tokenizer_info(tok)
+    one = {m: tok.encode(m) for m in (*MARKERS, "<|im_end|>", "<|im_system|>", "<|im_user|>", "<|im_assistant|>",
+                                      "<|im_middle|>")}
+    assert all(len(ids) == 1 and info.decoded_vocab[ids[0]] == m.encode() for m, ids in one.items()), one
+    assert tok.vocab_size == 512 and tok.eos_id == one["<|im_end|>"][0] and tok.chat_stop == ()
+    calls = [{"id": "functions.get_weather:0", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}]
+    req = oa.ChatRequest.model_validate({"model": "m", "tools": [WEATHER], "messages": [
+        *MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]})
+    ids, stop = prompt_ids(tok, req, chat=True)
+    text = tok.decode(ids)
+    head = "<|im_system|>tool_declare<|im_middle|>"
+    assert text.startswith(head) and stop == ()
+    assert json.loads(text[len(head):text.index("<|im_end|>")]) == req.tool_dicts()
+    assert text.endswith("<|im_system|>system<|im_middle|>use the tools<|im_end|><|im_user|>user<|im_middle|>"
+                         f"weather in paris?<|im_end|><|im_assistant|>assistant<|im_middle|>{render_calls(calls)}"
+                         "<|im_end|><|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nsunny"
+                         "<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    assert [ids.count(one[m][0]) for m in MARKERS] == [1] * len(MARKERS)
+
+    grammar = request_grammar(None, [WEATHER, TIME], "required", True)
+    logits = RequestLogits(SamplingParams(max_tokens=100, grammar=grammar),
+                           asyncio.run(Grammars(tok, 30).compile(grammar)))
+    logits.jump_forward()
+    out = logits.forced(tok, 100)
+    assert out[:2] == one[SECTION_BEGIN] + one[CALL_BEGIN]  # with bytes: 47 tokens, 61 with "functions.get_"
+    assert tok.decode(out) == f"{SECTION_BEGIN}{CALL_BEGIN}functions.get_"
+    call = f'{SECTION_BEGIN}{CALL_BEGIN}functions.get_time:0{ARGUMENT_BEGIN}{{"zone": 1}}{CALL_END}'
+    while len(tok.decode(out)) < len(call):  # the rest of one call: forced, else "sampled" from the call's tokens
+        forced = logits.forced(tok, 100)
+        if not forced:
+            forced = tok.encode(call[len(tok.decode(out)):])[:1]
+            logits.accept(forced[0])
+        out += forced
+    assert tok.decode(out) == call and out[-1] == one[CALL_END][0] and logits.matcher is not None
+    assert logits.forced(tok, 100) == []  # not `<|tool_call` spelled out: the next marker is sampled whole
+
+
+class Outputs:
+    """An engine observer keeping each finished request's (prompt ids, output ids), in the order they finished."""
+    expert_load_every = 10**9
+
+    def __init__(self):
+        self.done: list[tuple[list[int], list[int]]] = []
+
+    def iteration(self, changed: list, sched, seconds: float) -> None:
+        self.done += [(list(r.prompt), list(r.out)) for r in changed if r.done]
+
+    def expert_load(self, *_) -> None:
+        pass
+
+
+def test_tool_calls_with_one_token_markers_and_the_tokenizers_own_template(k3_tokenizer, one_thread):
+    """The tiny model (float64, seeded, untrained) with a K3-style tokenizer, served by the front door's app over
+    the engine in this process (no Ray) to the `openai` client: tool_choice 'required' gives a well-formed call,
+    whole and streamed (the id and name first); the call's markers are one token each (its opening, before the
+    function's name, is 2 marker tokens and "functions.", where bytes take 57); a round trip (call -> tool result
+    -> answer) renders through the tokenizer's own template, the markers again one token each."""
+    tok = load_tokenizer(k3_tokenizer)
+    ids = {m: tok.encode(m)[0] for m in MARKERS}
+    cfg = load_config("configs/tiny.yaml", {"parallel.pp": 1, "parallel.ep": 1, "model.max_seq_len": 1024,
+                                            "model.dtype": "float64", "model.vocab_size": tok.vocab_size,
+                                            "data.tokenizer": k3_tokenizer,
+                                            **{f"serve.{k}": v for k, v in SERVE.items()}})
+    outputs = Outputs()
+    engine = Engine(cfg, 0, FakeGrid(build_stage(cfg.model, range(cfg.model.n_layers), seed=3), sizes(cfg)),
+                    [outputs])
+    app = build_app(InProcessEngine(engine), engine.ready())
+    ask = dict(messages=MESSAGES, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False,
+               temperature=0, max_tokens=80)
+
+    async def go():
+        client = openai.AsyncOpenAI(base_url="http://door/v1", api_key="none", max_retries=0, http_client=
+                                    httpx.AsyncClient(transport=httpx.ASGITransport(app), timeout=120))
+        whole = await client.chat.completions.create(model=cfg.name, **ask)
+        assert whole.choices[0].finish_reason == "tool_calls", whole.choices[0]
+        prompt, out = outputs.done[-1]
+        deltas = []
+        async for chunk in await client.chat.completions.create(model=cfg.name, stream=True, **ask):
+            deltas += [d.model_dump(exclude_none=True) for d in chunk.choices[0].delta.tool_calls or ()]
+        calls = [c.model_dump() for c in whole.choices[0].message.tool_calls]
+        turn = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "tool_call_id": calls[0]["id"], "content": "sunny, 21"}]
+        answer = await client.chat.completions.create(model=cfg.name, messages=turn, tools=[WEATHER, TIME],
+                                                      tool_choice="none", temperature=0, max_tokens=6)
+        return whole, prompt, out, deltas, answer, outputs.done[-1][0]
+
+    whole, prompt, out, deltas, answer, turn_prompt = asyncio.run(go())
+    (call,) = calls = [c.model_dump() for c in whole.choices[0].message.tool_calls]
+    name = call["function"]["name"]
+    tool = {"get_weather": WEATHER, "get_time": TIME}[name]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), tool["function"]["parameters"])
+    assert call["id"] == f"functions.{name}:0" and whole.usage.prompt_tokens == len(prompt)
+    assert deltas[0]["id"] == call["id"] and deltas[0]["function"]["name"] == name and merge(deltas) == calls
+    text = tok.decode(out)
+    assert [out.count(ids[m]) for m in MARKERS] == [text.count(m) for m in MARKERS] == [1] * len(MARKERS)
+    assert out[:2] == [ids[SECTION_BEGIN], ids[CALL_BEGIN]] and out[-1] == tok.eos_id
+    before_name = next(n for n in range(len(out)) if tok.decode(out[:n]).endswith("functions."))
+    assert before_name == 2 + len(tok.encode("functions.")) <= 5  # bytes: 57
+    assert answer.choices[0].finish_reason in ("stop", "length") and isinstance(answer.choices[0].message.content,
+                                                                                str)
+    assert [turn_prompt.count(ids[m]) for m in MARKERS] == [1] * len(MARKERS)
+    assert f"## Return of {call['id']}\nsunny, 21<|im_end|>" in tok.decode(turn_prompt)
 
 
 # -- against the served tiny model ----------------------------------------------------------------------------------

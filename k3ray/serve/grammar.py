@@ -240,6 +240,10 @@ class RequestLogits:
         if m is None or limit <= 0 or m.is_terminated():
             return []
         text = m.find_jump_forward_string()
+        # where a special token's text is cut short (`<|tool_call`, shared by <|tool_call_begin|> and
+        # <|tool_calls_section_end|>), forced it would become tokens that spell out the marker the model writes as
+        # one token: it is left to sample
+        text = text[:len(text) - tok.partial_special(text)]
         ids = tok.encode(text)[:limit] if text else []
         if usable is not None and ids:
             ids = ids[:usable(ids)]
