@@ -92,15 +92,43 @@ def profile_sources(fn, path, rows: int = 60) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, record_shapes=True) as prof:
         fn()
         torch.cuda.synchronize()
     ops = prof.key_averages(group_by_stack_n=6)
     with open(path, "w") as f:
         f.write(ops.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
+        f.write("\n\nelementwise and copy ops by what ran them (autograd's backward nodes have no Python stack: the node\n"
+                "whose grads an op computes or sums) and their input shapes\n")
+        f.write(_ops_by_parent(prof.events(), rows))
         f.write("\n\nby op (no stacks)\n")
         f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows,
                                           max_name_column_width=60))
+
+
+GLUE_OPS = ("aten::add", "aten::add_", "aten::copy_", "aten::mul", "aten::fill_", "aten::zero_", "aten::cat",
+            "aten::stack", "aten::sum", "aten::mul_", "aten::index_add_", "aten::index", "aten::clone")
+
+
+def _ops_by_parent(events, rows: int) -> str:
+    """The glue ops' device time grouped by (op, the nearest enclosing autograd node or Python-level op, shapes)."""
+    import collections
+
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.name not in GLUE_OPS:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and not parent.name.startswith(("autograd::engine", "aten::", "torch::autograd")):
+            parent = parent.cpu_parent
+        where = "-" if parent is None else parent.name.removeprefix("autograd::engine::evaluate_function: ")
+        key = (e.name, where, str(e.input_shapes)[:90])
+        total[key] += e.self_device_time_total
+        count[key] += 1
+    lines = ["| op | inside | input shapes | device ms | calls |", "|---|---|---|---|---|"]
+    for (op, where, shapes), us in total.most_common(rows):
+        lines.append(f"| {op} | {where} | {shapes} | {us / 1e3:.2f} | {count[(op, where, shapes)]} |")
+    return "\n".join(lines) + "\n"
 
 
 def print_profile(p: dict) -> None:
