@@ -32,7 +32,7 @@ stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit
 # shellcheck disable=SC2086
 [[ "${THOST:-0}" != 0 ]] && TAIL=100 stage host_ops "$THOST" python3 benchmarks/host_syncs.py --device cuda $SHAPE --top 40
 # shellcheck disable=SC2086
-stage profile31 "${T31:-220}" python3 benchmarks/train_speed_gpu.py $SHAPE --variants "${VARIANTS:-eager:1x4,compile:1x4}" \
+[[ "${T31:-220}" != 0 ]] && stage profile31 "${T31:-220}" python3 benchmarks/train_speed_gpu.py $SHAPE --variants "${VARIANTS:-eager:1x4,compile:1x4}" \
   --profile "${PROFILE:-eager:1x4,compile:1x4}" ${SOURCES:+--sources} --steps 5 --warmup 3 --out "$OUT/p31"
 # shellcheck disable=SC2086
 [[ "${TMLA:-130}" != 0 ]] && stage profile_mla "${TMLA:-130}" python3 benchmarks/train_speed_gpu.py $SHAPE \
