@@ -167,7 +167,12 @@ def test_bad_input_gets_a_4xx_naming_the_field(server):
         assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages")
         assert http.get("/v1/models").json()["data"][0]["id"] == model
         ok = http.post("/v1/completions", json={"model": model, "prompt": "def ", "max_tokens": 2})
-        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+        # served after the bad ones: two tokens, or fewer where the untrained model ended its text (greedy over
+        # near-ties that the placement other tests left may break either way)
+        body = ok.json() if ok.status_code == 200 else {}
+        assert body, ok.text
+        n, finish = body["usage"]["completion_tokens"], body["choices"][0]["finish_reason"]
+        assert (n, finish) == (2, "length") or (n < 2 and finish == "stop"), body
 
 
 def test_overload_answers_429_and_disconnects_free_pages(server):
