@@ -309,7 +309,7 @@ def test_cuda_snapshots_stage_what_fits_read_the_rest_live_and_a_write_after_the
     waits = []
     for step in range(4):
         if step == 1:  # room on the device for "b" alone: "a" is read live, as it streams
-            stager.staging = torch.empty(state["b"].numel() * 4, dtype=torch.uint8, device=dev)
+            stager.staging, stager.sized = torch.empty(state["b"].numel() * 4, dtype=torch.uint8, device=dev), True
         if step == 3:  # room for both: all staged
             stager.staging = torch.empty(sum(t.numel() * 4 for t in state.values()), dtype=torch.uint8, device=dev)
         want = {k: v.cpu() for k, v in state.items()}
@@ -329,6 +329,16 @@ def test_cuda_snapshots_stage_what_fits_read_the_rest_live_and_a_write_after_the
     assert stager.staged is None
     # the one before any step and those with "a" live hold the optimizer until it is read; then nothing is live
     assert waits == ["host", "host", "host", "device"]
+    # sized beside the steps (the store's warming, after a step): the boundary stages into it and sizes nothing
+    ahead = SnapshotStager(dev, chunk_bytes=4 << 20)
+    ahead.reserve(sum(t.numel() * 4 for t in state.values()) + 4096)
+    buffer = ahead.staging
+    assert ahead.sized and buffer is not None
+    _, reading = ahead.stage(state, 4, after_a_step=True)
+    assert ahead.staging is buffer and isinstance(reading, torch.cuda.Event)
+    want = {k: v.cpu() for k, v in state.items()}
+    torch.cuda.current_stream().wait_event(reading)
+    _assert_same(want, unpack(_streamed(ahead, 4)))
 
 
 def test_an_auto_cadence_defers_a_snapshot_due_while_the_previous_one_arrives_and_counts_no_skip():

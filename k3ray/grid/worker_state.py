@@ -25,7 +25,8 @@ WARM_PIECE_BYTES = 16 << 20
 class WorkerState:
     def __init__(self, seat: WorkerSeat):
         self.seat = seat
-        self.stager: SnapshotStager | None = None  # made on the first snapshot
+        self.stager: SnapshotStager | None = None  # made where the store is warmed, else on the first snapshot
+        self.making_stager = threading.Lock()  # the two threads that may make it
         self.peer_snapshots: dict[int, tuple[int, Packed]] = {}  # world rank -> (step, its snapshot)
         self.writer: AsyncWriter | None = None  # made on first use
         self.warming = threading.Lock()  # held while warm_store holds store space: a snapshot's chunks wait for it
@@ -40,13 +41,17 @@ class WorkerState:
         t0 = time.perf_counter()
         engine = self.seat.engine
         self.stop_warming.set()
-        self.stager = self.stager or SnapshotStager(engine.device)
         state = engine.state_tensors(dense=engine.ep_rank == 0, rounded_params=False)
-        nbytes, still_reading = self.stager.stage(state, step, after_a_step=engine.steps_trained > 0,
-                                                  boundary=engine.boundary_event())
+        nbytes, still_reading = self._stager().stage(state, step, after_a_step=engine.steps_trained > 0,
+                                                     boundary=engine.boundary_event())
         if still_reading is not None:
             engine.state_reads.append(still_reading)
         return nbytes, time.perf_counter() - t0
+
+    def _stager(self) -> SnapshotStager:
+        with self.making_stager:
+            self.stager = self.stager or SnapshotStager(self.seat.engine.device)
+            return self.stager
 
     def snapshot_chunks(self, step: int):
         """The staged state of `step`: its skeleton, then its chunks as host bytes (streamed beside the next step),
@@ -61,9 +66,13 @@ class WorkerState:
         writes into them as fast as every later one (a first write into a store's page costs 6-10x a later one:
         benchmarks/store_pages.py). Only before this worker's first snapshot; stops early, freeing what it wrote,
         once a snapshot is staged. Returns the bytes written and the seconds it took."""
-        if self.stager is not None or self.stop_warming.is_set():
+        if self.stop_warming.is_set():
             return 0, 0.0
-        target = min(most_bytes, _snapshot_bytes(self.seat.engine))
+        engine = self.seat.engine
+        if engine.steps_trained > 0:  # the staging buffer sized here, beside the steps, not at the first boundary
+            # 1 % over the estimate: the router biases, alignment and the optimizer's counters it leaves out
+            self._stager().reserve(_snapshot_bytes(engine) * 101 // 100)
+        target = min(most_bytes, _snapshot_bytes(engine))
         zeros = np.zeros(min(WARM_PIECE_BYTES, max(target, 1)), dtype=np.uint8)
         t0, held = time.perf_counter(), []
         with self.warming:
