@@ -23,9 +23,10 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 `adding_into_grads()` (grad_accumulation): inside it, a backward adds the routed experts' weight gradients into the
 `.grad` an earlier micro-batch left, in the Triton kernel that makes them.
 
-Every public function here runs outside torch.compile's graphs (`outside_compile`): a compiled decoder block
-(execution.compile_blocks) breaks its graph around each kernel call instead of tracing into Triton launchers and fla's
-autograd Functions; Inductor fuses what lies between them. Outside compilation the wrapper costs well under 1 us.
+Every public function here but `situ_glu` runs outside torch.compile's graphs (`outside_compile`): a compiled decoder
+block (execution.compile_blocks) breaks its graph around each kernel call instead of tracing into Triton launchers and
+fla's autograd Functions; Inductor fuses what lies between them. Outside compilation the wrapper costs well under 1 us.
+`situ_glu`, elementwise, is traced inside a graph as its reference (Inductor's fused kernel stands for the Triton one).
 
 KDA's fast path is fla-core's Triton kernels (`pip install .[kda]`), taken on CUDA tensors when fla imports and the
 backend is not 'reference'; without fla, CUDA tensors take the torch reference too.
@@ -72,9 +73,18 @@ def _triton(t: torch.Tensor) -> bool:
     return _backend == "triton" or (_backend == "auto" and t.is_cuda)
 
 
-@outside_compile
 def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float = _situ.BETA,
-              beta_lin: float = _situ.BETA_LIN) -> torch.Tensor:
+             beta_lin: float = _situ.BETA_LIN) -> torch.Tensor:
+    """Inside a compiled graph, the reference's elementwise ops, which Inductor fuses with their neighbours: a graph
+    break here, inside the MoE layer's loop over its shared experts, made Dynamo run the rest of that layer eagerly
+    (graph breaks in loops are not resumed)."""
+    if torch.compiler.is_compiling():
+        return _situ.situ_glu_reference(gate, up, beta, beta_lin)
+    return _situ_glu_eager(gate, up, beta, beta_lin)
+
+
+@outside_compile
+def _situ_glu_eager(gate: torch.Tensor, up: torch.Tensor, beta: float, beta_lin: float) -> torch.Tensor:
     if _triton(gate):
         return _situ.situ_glu_triton(gate, up, beta, beta_lin)
     return _situ.situ_glu_reference(gate, up, beta, beta_lin)
