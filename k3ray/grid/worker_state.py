@@ -18,7 +18,7 @@ from k3ray.io.checkpoint import AsyncWriter, part_name
 
 log = logging.getLogger("k3ray.worker")
 # The store is warmed a piece at a time, and ray.put holds the GIL while it copies a piece in: the training thread
-# (a snapshot's staging, a step's launches) waits for one piece at most (a 256-MB piece held it 129 ms on a 2-core host, 32 MB 12 ms).
+# (a snapshot's staging, a step's launches) waits for one piece at most (256 MB held it 129 ms on a 2-core host).
 WARM_PIECE_BYTES = 16 << 20
 
 
