@@ -92,14 +92,15 @@ def profile_sources(fn, path, rows: int = 60) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True, record_shapes=True) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities, with_stack=True, record_shapes=True) as prof:
         fn()
         torch.cuda.synchronize()
     ops = prof.key_averages(group_by_stack_n=6)
     with open(path, "w") as f:
         f.write(ops.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=60))
-        f.write("\n\nelementwise and copy ops by what ran them (autograd's backward nodes have no Python stack: the node\n"
-                "whose grads an op computes or sums) and their input shapes\n")
+        f.write("\n\nelementwise and copy ops by what ran them (autograd's backward nodes have no Python stack: "
+                "the node\nwhose grads an op computes or sums) and their input shapes\n")
         f.write(_ops_by_parent(prof.events(), rows))
         f.write("\n\nby op (no stacks)\n")
         f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=rows,
