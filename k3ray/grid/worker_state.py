@@ -69,10 +69,11 @@ class WorkerState:
         if self.stop_warming.is_set():
             return 0, 0.0
         engine = self.seat.engine
+        state_bytes = _snapshot_bytes(engine)
         if engine.steps_trained > 0:  # the staging buffer sized here, beside the steps, not at the first boundary
             # 1 % over the estimate: the router biases, alignment and the optimizer's counters it leaves out
-            self._stager().reserve(_snapshot_bytes(engine) * 101 // 100)
-        target = min(most_bytes, _snapshot_bytes(engine))
+            self._stager().reserve(state_bytes * 101 // 100)
+        target = min(most_bytes, state_bytes)
         zeros = np.zeros(min(WARM_PIECE_BYTES, max(target, 1)), dtype=np.uint8)
         t0, held = time.perf_counter(), []
         with self.warming:
