@@ -48,15 +48,16 @@ def set_threads() -> None:
 
 
 def flops_per_token(cfg: JobConfig) -> float:
-    """Training FLOPs per token: 6 x active parameters (matmuls) + attention: per MLA layer causal softmax
-    attention (6 x seq x heads x head_dim: QK^T and AV, forward and backward, half the square), per KDA layer the
-    recurrent form's state products (k^T S, the k v^T update, q^T S: 3 x 2 x heads x d_k x d_v forward, x3 with
-    the backward), independent of the sequence length."""
+    """Training FLOPs per token of the model's matmuls: 6 x active parameters but the embedding table (a lookup,
+    no matmul; the output head is one) + attention: per MLA layer causal softmax attention, QK^T over the key's
+    h + p dims (p the decoupled slice, rotated or not) and AV over h, half the square, forward and backward:
+    3 x seq x heads x (2h + p); per KDA layer the recurrent form's state products (k^T S, the k v^T update, q^T S:
+    3 x 2 x heads x d_k x d_v forward, x3 with the backward), independent of the sequence length."""
     m = cfg.model
     kinds = [m.layer_kind(layer) for layer in range(m.n_layers)]
-    mla = 6.0 * kinds.count("mla") * cfg.data.seq_len * m.n_heads * m.head_dim
+    mla = 3.0 * kinds.count("mla") * cfg.data.seq_len * m.n_heads * (2 * m.head_dim + m.mla_rope_dim)
     kda = 18.0 * kinds.count("kda") * m.n_heads * m.kda_head_dim ** 2
-    return 6.0 * model_totals(m)["active_params"] + mla + kda
+    return 6.0 * (model_totals(m)["active_params"] - m.vocab_size * m.d_model) + mla + kda
 
 
 def tokens_per_step(cfg: JobConfig, ep: int) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,6 +52,7 @@ class SnapshotStager:
         self.streaming = threading.Lock()  # held while chunks are read out: staging waits for the buffers
         self.sizing = threading.Lock()  # the staging buffer is sized once, at the boundary or beside the steps
         self.sized = False
+        self.stage_ms: dict[str, float] = {}  # the last stage's parts (where a slow boundary went)
 
     def _host_chunk(self, k: int, nbytes: int) -> torch.Tensor:
         while len(self.host) <= k:
@@ -106,12 +108,17 @@ class SnapshotStager:
         whether the engine has trained a step on this device (the staging buffer is sized only then). boundary:
         where on the device the state is complete, when the next step's work already follows it (the copies run
         beside that work); None: all the work queued so far."""
+        t0 = time.perf_counter()
         tree, tensors, sizes = layout(state, self.chunk_bytes)
+        t_layout = time.perf_counter()
         with self.streaming:  # a previous snapshot's chunks still being read out (a recovery dropped it) finish first
+            t_lock = time.perf_counter()
             if self.staged is not None and isinstance(self.staged.read, threading.Event):
                 self.staged.read.set()  # never streamed out (its call was refused): nothing reads those tensors
             skeleton = Skeleton(tree, sizes)
             cut = len(sizes) if self.stream is None else self._first_staged(sizes, after_a_step)
+            self.stage_ms = {"layout": 1e3 * (t_layout - t0), "lock": 1e3 * (t_lock - t_layout),
+                             "sizing": 1e3 * (time.perf_counter() - t_lock)}
             if self.stream is None:
                 host = [self._host_chunk(k, n) for k, n in enumerate(sizes)]
                 torch._foreach_copy_([view(host[slot.chunk], slot) for _, slot in tensors], [t for t, _ in tensors])

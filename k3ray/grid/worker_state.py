@@ -20,6 +20,7 @@ log = logging.getLogger("k3ray.worker")
 # The store is warmed a piece at a time, and ray.put holds the GIL while it copies a piece in: the training thread
 # (a snapshot's staging, a step's launches) waits for one piece at most (256 MB held it 129 ms on a 2-core host).
 WARM_PIECE_BYTES = 16 << 20
+SLOW_STAGE_S = 0.05  # a boundary's staging longer than this is logged with its parts
 
 
 class WorkerState:
@@ -42,11 +43,18 @@ class WorkerState:
         engine = self.seat.engine
         self.stop_warming.set()
         state = engine.state_tensors(dense=engine.ep_rank == 0, rounded_params=False)
-        nbytes, still_reading = self._stager().stage(state, step, after_a_step=engine.steps_trained > 0,
-                                                     boundary=engine.boundary_event())
+        t_state = time.perf_counter()
+        stager = self._stager()
+        nbytes, still_reading = stager.stage(state, step, after_a_step=engine.steps_trained > 0,
+                                             boundary=engine.boundary_event())
         if still_reading is not None:
             engine.state_reads.append(still_reading)
-        return nbytes, time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        if seconds > SLOW_STAGE_S:
+            parts = {"state": 1e3 * (t_state - t0), **stager.stage_ms}
+            log.warning("snapshot of step %d: staging held training %.0f ms (%s ms)", step, 1e3 * seconds,
+                        ", ".join(f"{k} {v:.1f}" for k, v in parts.items()))
+        return nbytes, seconds
 
     def _stager(self) -> SnapshotStager:
         with self.making_stager:
