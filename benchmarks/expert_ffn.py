@@ -258,7 +258,8 @@ CANDIDATES = {  # (BM, BN, BK, GROUP_M, num_warps, num_stages)
     "down_tma": [(64, 256, 64, 8, 4, 5), (64, 256, 64, 4, 4, 5), (64, 256, 64, 16, 4, 5), (64, 256, 64, 8, 4, 4),
                  (128, 256, 64, 8, 8, 3)],
     "dh_tma": [(64, 256, 64, 8, 8, 4), (64, 256, 64, 8, 8, 5), (64, 256, 64, 8, 8, 3), (128, 128, 64, 8, 8, 4),
-               (64, 128, 64, 8, 8, 4)],
+               (64, 128, 64, 8, 8, 4), (64, 128, 64, 8, 4, 4), (128, 64, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3),
+               (64, 64, 64, 8, 4, 5)],
     "dx_tma": [(64, 256, 64, 8, 4, 5), (64, 256, 64, 16, 4, 5), (64, 256, 64, 8, 4, 4), (128, 256, 64, 8, 8, 3)],
     "wgrad": [(128, 256, 32, 8, 8, 4), (256, 128, 32, 8, 8, 4), (128, 256, 64, 8, 8, 3), (128, 128, 64, 8, 4, 4),
               (128, 256, 32, 8, 8, 5)],
@@ -293,16 +294,40 @@ def tune(names) -> None:
     print("tuned CONFIGS =", json.dumps(grouped_ffn.CONFIGS))
 
 
+def print_kernel_rows(rows: list[dict]) -> None:
+    print("\nper kernel, GPU time alone (graph replay), TFLOP/s; host time of one call (forward; forward+backward)")
+    keys = ("experts", "skew", "up", "down", "dh", "dx", "dw1", "dw2", "schedule_us", "host_us_ours", "host_us_gmm",
+            "host_us_ours_train", "host_us_gmm_train")
+    print("| " + " | ".join(keys) + " |")
+    for r in rows:
+        print("| " + " | ".join(str(r[k]) if isinstance(r[k], (int, str)) else f"{r[k]:.0f}" for k in keys) + " |")
+
+
 def main() -> None:
+    global D, INNER, TUNE_SHAPES
     parser = argparse.ArgumentParser()
     parser.add_argument("--tune", nargs="*", default=None, metavar="KERNEL", choices=list(CANDIDATES),
                         help=f"tune block configs first: all, or those named ({', '.join(CANDIDATES)})")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dims", nargs=2, type=int, default=None, metavar=("D", "INNER"),
+                        help=f"the experts' widths (default {D} {INNER}: K3's); e.g. 2048 1024 for gpu2")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="EXPERTS:ROWS:SKEW",
+                        help="the problems to tune on and time (default: 14:4096 and 112:32768, balanced and "
+                             "zipf1.2); e.g. 64:65536:balanced for gpu2 at ep=1 (8,192 tokens x top-8)")
+    parser.add_argument("--kernels-only", action="store_true", help="only the per-kernel table (after any tuning)")
     args = parser.parse_args()
-    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    if args.dims:
+        D, INNER = args.dims
+    shapes = [(g, n, skew) for (g, n) in [(14, 4096), (112, 32768)] for skew in ("balanced", "zipf1.2")]
+    if args.shapes:
+        shapes = [(int(g), int(n), skew) for g, n, skew in (x.split(":") for x in args.shapes)]
+        TUNE_SHAPES = shapes
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}  D={D} I={INNER}")
     if args.tune is not None:
         tune(args.tune)
-    shapes = [(g, n, skew) for (g, n) in [(14, 4096), (112, 32768)] for skew in ("balanced", "zipf1.2")]
+    if args.kernels_only:
+        print_kernel_rows([kernel_row(*shape) for shape in shapes])
+        return
     result = {"ceilings": ceilings()}
     ceil = result["ceilings"]
     print(f"dense 8192^3 bf16 matmul: {ceil['matmul_tflops']:.0f} TFLOP/s; device copy: {ceil['copy_gbs']:.0f} GB/s")
@@ -325,12 +350,7 @@ def main() -> None:
 
     result["per_kernel"] = [kernel_row(*shape) for shape in shapes]
     save()
-    print("\nper kernel, GPU time alone (graph replay), TFLOP/s; host time of one call (forward; forward+backward)")
-    keys = ("experts", "skew", "up", "down", "dh", "dx", "dw1", "dw2", "schedule_us", "host_us_ours", "host_us_gmm",
-            "host_us_ours_train", "host_us_gmm_train")
-    print("| " + " | ".join(keys) + " |")
-    for r in result["per_kernel"]:
-        print("| " + " | ".join(str(r[k]) if isinstance(r[k], (int, str)) else f"{r[k]:.0f}" for k in keys) + " |")
+    print_kernel_rows(result["per_kernel"])
 
     result["movement"] = permute_rows_bench()
     save()

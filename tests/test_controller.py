@@ -60,7 +60,8 @@ def test_a_step_asked_to_run_ahead_announces_the_batch_its_data_order_gives_next
     announce none (a replay runs on), and the attempt that runs again the one after its own batch; without `ahead`
     none."""
     cluster = Cluster(nan_batches={3})
-    ctrl = Controller(config(**{"data.skip_batches": [5]}), group_factory=cluster.group)
+    ctrl = Controller(config(**{"data.skip_batches": [5], "fault_tolerance.snapshot_every": 100}),
+                      group_factory=cluster.group)
     ctrl.start()
     for s in range(5):
         ctrl.train_step(s, ahead=s < 4)
@@ -68,6 +69,19 @@ def test_a_step_asked_to_run_ahead_announces_the_batch_its_data_order_gives_next
     assert cluster.announced == [(0, 0, 1), (1, 1, 2), (2, 2, 3), (3, 3, 4),  # batch 3 blows up
                                  (0, 0, None), (1, 1, None), (2, 2, None),  # replayed from the start point
                                  (3, 4, 6), (4, 6, None)]
+
+
+def test_a_step_before_a_snapshot_does_not_run_ahead():
+    """The boundary after it stages a snapshot, whose copies must not queue behind the next step's work: the steps
+    before boundaries 4 and 8 (snapshot_every 4) announce no next batch, the others theirs."""
+    cluster = Cluster()
+    ctrl = Controller(config(), group_factory=cluster.group)
+    ctrl.start()
+    for s in range(9):
+        ctrl.train_step(s, ahead=True)
+    ctrl.shutdown()
+    assert [(step, nxt) for step, _, nxt in cluster.announced] == \
+        [(0, 1), (1, 2), (2, 3), (3, None), (4, 5), (5, 6), (6, 7), (7, None), (8, 9)]
 
 
 def test_repeated_blowups_escalate_skip_more_lower_lr_then_stop():

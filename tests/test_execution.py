@@ -50,11 +50,15 @@ def _looped_break(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+TF32_ROUNDOFF = 2.0 ** -11
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled blocks are a GPU option (minutes to compile on CPU)")
 def test_compiled_blocks_equal_eager_on_gpu():
     """Regional compilation (one torch.compile per block, kernels between the graphs) in float32 on the GPU: the loss
-    and gradients agree with eager to float32 rounding (Inductor reorders the elementwise arithmetic: each gradient
-    within 1e-4 of its norm; of its largest entry, embed.weight's was 1.2e-4 off on an H100), and no frame of
+    agrees with eager to 1e-5 and each gradient to TF32's unit roundoff of its norm (Inductor reorders the float32
+    arithmetic, and the expert kernels' fp32 dots run in TF32, Triton's default: inputs a few ulps apart round
+    differently there; 1.4-1.6e-4 of the norm across layers on an H100), and no frame of
     a block falls back to eager (Dynamo does that to a frame whose loop holds a graph break: the MoE layer's loop over
     its shared experts did, around SiTU-GLU), but the quantile passes' loop, whose functions compile one by one."""
     from torch._dynamo.utils import counters
@@ -73,7 +77,7 @@ def test_compiled_blocks_equal_eager_on_gpu():
     assert not skipped, skipped
     torch.testing.assert_close(loss_c, loss, rtol=1e-5, atol=0)
     off = {name: float((grads_c[name] - grads[name]).norm() / (grads[name].norm() + 1e-30)) for name in grads}
-    assert max(off.values()) <= 1e-4, sorted(off.items(), key=lambda kv: -kv[1])[:5]
+    assert max(off.values()) <= TF32_ROUNDOFF, sorted(off.items(), key=lambda kv: -kv[1])[:5]
 
 
 def test_route_counts_are_bincount():

@@ -117,8 +117,9 @@ class SnapshotStager:
                 self.staged.read.set()  # never streamed out (its call was refused): nothing reads those tensors
             skeleton = Skeleton(tree, sizes)
             cut = len(sizes) if self.stream is None else self._first_staged(sizes, after_a_step)
+            t_sized = time.perf_counter()
             self.stage_ms = {"layout": 1e3 * (t_layout - t0), "lock": 1e3 * (t_lock - t_layout),
-                             "sizing": 1e3 * (time.perf_counter() - t_lock)}
+                             "sizing": 1e3 * (t_sized - t_lock)}
             if self.stream is None:
                 host = [self._host_chunk(k, n) for k, n in enumerate(sizes)]
                 torch._foreach_copy_([view(host[slot.chunk], slot) for _, slot in tensors], [t for t, _ in tensors])
@@ -133,15 +134,20 @@ class SnapshotStager:
                     of.append(t)
                 else:
                     live.setdefault(slot.chunk, []).append((t, slot))
+            t_views = time.perf_counter()
             if boundary is None:  # reads the state at this boundary
                 self.stream.wait_stream(torch.cuda.current_stream(self.device))
             else:
                 self.stream.wait_event(boundary)
+            t_wait = time.perf_counter()
             with torch.cuda.stream(self.stream):
                 if to:  # one call for hundreds of tensors: the boundary waits for their launches, not their copies
                     torch._foreach_copy_(to, of, non_blocking=True)
+                t_copies = time.perf_counter()
                 staged = torch.cuda.Event()
                 staged.record()
+            self.stage_ms.update(views=1e3 * (t_views - t_sized), wait=1e3 * (t_wait - t_views),
+                                 copies=1e3 * (t_copies - t_wait), record=1e3 * (time.perf_counter() - t_copies))
             read = threading.Event() if live else staged
             self.staged = _Staged(step, skeleton, cut, read, live)
             return sum(sizes), read

@@ -42,6 +42,10 @@ class StepBoundary:
                 self.cadence.taken(step)
         self.checkpoints.boundary(grid.group, step, self._meta(step))
 
+    def takes_snapshot(self, step: int) -> bool:
+        """Whether the boundary before `step` is due to take a snapshot (with auto cadence it may still defer it)."""
+        return self.cadence.due(step) and not self.snapshots.holds(step)
+
     def at_end(self, step: int) -> None:
         """The final checkpoint of the job at `step` (`DurableCheckpoints.at_end`); a worker lost meanwhile is
         recovered from once and the checkpoint written by the new grid."""
