@@ -323,6 +323,10 @@ class Snapshots:
         if isinstance(self.committed, StartPoint) or self.committed.step < point.step:
             self.committed = point
 
+    def arriving(self) -> bool:
+        """Whether a snapshot taken is still arriving (not committed yet)."""
+        return self.pending is not None
+
     def holds(self, step: int) -> bool:
         """Whether the state at the boundary of `step` is held already (a snapshot of it, or the job's start
         point): a snapshot due there is not taken again."""

@@ -43,8 +43,9 @@ class StepBoundary:
         self.checkpoints.boundary(grid.group, step, self._meta(step))
 
     def takes_snapshot(self, step: int) -> bool:
-        """Whether the boundary before `step` is due to take a snapshot (with auto cadence it may still defer it)."""
-        return self.cadence.due(step) and not self.snapshots.holds(step)
+        """Whether the boundary before `step` will take a snapshot, as things stand: one is due there and none is
+        still arriving (that one would have it deferred or skipped, unless it arrives meanwhile)."""
+        return self.cadence.due(step) and not self.snapshots.holds(step) and not self.snapshots.arriving()
 
     def at_end(self, step: int) -> None:
         """The final checkpoint of the job at `step` (`DurableCheckpoints.at_end`); a worker lost meanwhile is
