@@ -58,9 +58,9 @@ def test_compiled_blocks_equal_eager_on_gpu():
     """Regional compilation (one torch.compile per block, kernels between the graphs) in float32 on the GPU: the loss
     agrees with eager to 1e-5 and each gradient to TF32's unit roundoff of its norm (Inductor reorders the float32
     arithmetic, and the expert kernels' fp32 dots run in TF32, Triton's default: inputs a few ulps apart round
-    differently there; 1.4-1.6e-4 of the norm across layers on an H100), and no frame of
-    a block falls back to eager (Dynamo does that to a frame whose loop holds a graph break: the MoE layer's loop over
-    its shared experts did, around SiTU-GLU), but the quantile passes' loop, whose functions compile one by one."""
+    differently there; 1.4-1.6e-4 of the norm across layers on an H100), and no frame of a block falls back to
+    eager (Dynamo does that to a frame whose loop holds a graph break: the MoE layer's loop over its shared experts
+    did, around SiTU-GLU), but the quantile passes' loop, whose functions compile one by one."""
     from torch._dynamo.utils import counters
 
     # MLA in every layer: KDA's fla kernels would autotune for the tiny heads first (minutes); the released features

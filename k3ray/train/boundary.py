@@ -37,15 +37,18 @@ class StepBoundary:
         if self.policies.take_pending(step):
             grid.push_policies()
         self.scaling.at_boundary(step)
-        if self.cadence.due(step) and not self.snapshots.holds(step):
+        if self._snapshot_due(step):
             if self.snapshots.take(grid.group, step, self.progress.guard_state, defer=self.cadence.auto):
                 self.cadence.taken(step)
         self.checkpoints.boundary(grid.group, step, self._meta(step))
 
+    def _snapshot_due(self, step: int) -> bool:
+        return self.cadence.due(step) and not self.snapshots.holds(step)
+
     def takes_snapshot(self, step: int) -> bool:
         """Whether the boundary before `step` will take a snapshot, as things stand: one is due there and none is
         still arriving (that one would have it deferred or skipped, unless it arrives meanwhile)."""
-        return self.cadence.due(step) and not self.snapshots.holds(step) and not self.snapshots.arriving()
+        return self._snapshot_due(step) and not self.snapshots.arriving()
 
     def at_end(self, step: int) -> None:
         """The final checkpoint of the job at `step` (`DurableCheckpoints.at_end`); a worker lost meanwhile is

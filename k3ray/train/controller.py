@@ -152,9 +152,9 @@ class Controller:
         t0 = time.perf_counter()
         progress, grid = self.progress, self.grid
         attempts, at_boundary = 0, True
-        # Not ahead of a snapshot: its staging at the next boundary waited behind the next step's work queued on the
-        # device (334-340 ms, a step's forward and backward, on an H100), where without it that work follows the
-        # staging's copies on the device, and the step's report comes back ~10 ms later than ahead.
+        # Not ahead of a snapshot: with the next step's work queued on the device, the staging at the next boundary
+        # held training 334-340 ms (a step's forward and backward, H100), most likely waiting behind that work;
+        # without it the work follows the staging's copies, and the step's report comes back ~10 ms later.
         ahead = ahead and not self.boundary.takes_snapshot(step + 1)
         while True:
             t_attempt = time.perf_counter()
