@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -246,3 +247,42 @@ def test_quantile_step_moves_the_bias_part_of_the_way():
         moe = LatentMoE(cfg.model_copy(update={"quantile_step": step}), torch.nn.Identity())
         update_router_bias(moe.cfg, moe, hist, torch.zeros(cfg.n_experts))
         torch.testing.assert_close(moe.router.bias, step * b_hat)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention needs a GPU")
+def test_mla_attention_with_a_narrower_v_equals_the_padded_and_the_fp32_math_on_gpu():
+    """MLA's causal attention with q, k 192 wide and v 128 (v as it is where cuDNN takes it, padded elsewhere):
+    output and gradients as the padded kernel's and, to bf16 accuracy, as fp32 attention by the formula."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from k3ray.model.layers import causal_attention
+
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    q, k = (torch.randn(2, 512, 4, 192, generator=gen).cuda().bfloat16().requires_grad_() for _ in range(2))
+    v = torch.randn(2, 512, 4, 128, generator=gen).cuda().bfloat16().requires_grad_()
+    do = torch.randn(2, 512, 4, 128, generator=gen).cuda().bfloat16()
+
+    def run(fn):
+        for t in (q, k, v):
+            t.grad = None
+        o = fn()
+        o.backward(do)
+        return [o.detach().float()] + [t.grad.float() for t in (q, k, v)]
+
+    got = run(lambda: causal_attention(q, k, v, 192 ** -0.5))
+
+    def padded():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION]):
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                               F.pad(v, (0, 64)).transpose(1, 2), is_causal=True, scale=192 ** -0.5)
+        return o[..., :128].transpose(1, 2)
+
+    def math32():
+        s = torch.einsum("bqhe,bkhe->bhqk", q.float(), k.float()) * 192 ** -0.5
+        s = s.masked_fill(~torch.ones(512, 512, dtype=torch.bool, device="cuda").tril(), float("-inf"))
+        return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.float())
+
+    for ref, tol in ((run(padded), 1e-2), (run(math32), 2e-2)):
+        for a, b in zip(got, ref):
+            assert ((a - b).norm() / b.norm()).item() < tol

@@ -13,8 +13,8 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | attn_res_weighted_sum(p, v) | attn_res.*_reference | attn_res.*_triton | - |
 | attn_res_value_dots(dh, v) | attn_res.*_reference | attn_res.*_triton | - |
 | attn_res_value_grad(p, dh, a, b, u, v) -> dv, x | attn_res.*_reference | attn_res.*_triton | - |
-| kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.*_reference | kda.*chunk_fla | all |
-| kda_decode(same) | kda.kda_recurrent_reference | kda.kda_recurrent_fla | - |
+| kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens; gate_lower_bound: fla's hint) | kda.*_reference | kda.*chunk_fla | all |
+| kda_decode(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.kda_recurrent_reference | kda.kda_recurrent_fla | - |
 | kda_decode_slots(q, k, v, g, beta, pool, slots) | kda.*_reference | kda.*_fla | - |
 | kda_context_parallel(q, k, v, g, beta, group) | kda.*_context_parallel_reference | kda.*_context_parallel_fla | all |
 | kda_gate(raw, A_log, dt_bias, lower_bound) | kda.kda_gate_reference | kda.kda_gate_fla | all |
@@ -162,12 +162,14 @@ def _fla(t: torch.Tensor) -> bool:
 
 @outside_compile
 def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  cu_seqlens_cpu=None):
+                  cu_seqlens_cpu=None, gate_lower_bound=None):
     """KDA for training and prefill (see kernels/kda.py for shapes): fla's chunk_kda, or the torch reference (the
     chunked one for sequences longer than one chunk). Returns (o, final state or None). cu_seqlens_cpu: the offsets
-    on the host too (serving: no host sync inside the forward)."""
+    on the host too (serving: no host sync inside the forward). gate_lower_bound: the gate's bound (g in (lb, 0)),
+    which lets fla run its intra-chunk products on tensor cores (kda.safe_gate); the math is the same."""
     if _fla(q):
-        return _kda.kda_chunk_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu)
+        return _kda.kda_chunk_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
+                                  gate_lower_bound)
     ref = _kda.kda_chunk_reference if q.shape[1] > _kda.CHUNK else _kda.kda_recurrent_reference
     return ref(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
 

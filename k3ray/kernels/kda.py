@@ -219,15 +219,28 @@ def _takes_cu_seqlens_cpu(fn) -> bool:
     return "cu_seqlens_cpu" in inspect.signature(fn).parameters
 
 
+# fla's safe_gate takes log gates in [SAFE_GATE_LOWEST, 0): bounded so, exp(G_r - G_s) inside a 16-token sub-chunk
+# stays in fp32's range split around an anchor, and the intra-chunk products run as tensor-core dots (bf16x3) instead
+# of a loop of outer products, one token at a time.
+SAFE_GATE_LOWEST = -5.0
+
+
+def safe_gate(gate_lower_bound: float | None) -> bool:
+    """Whether gates bounded below by `gate_lower_bound` (None: unbounded) take fla's safe_gate kernels."""
+    return gate_lower_bound is not None and SAFE_GATE_LOWEST <= gate_lower_bound < 0
+
+
 def kda_chunk_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  cu_seqlens_cpu=None):
+                  cu_seqlens_cpu=None, gate_lower_bound=None):
     """cu_seqlens_cpu: the same offsets on the host, where fla takes them: its chunk indices are then computed from
-    them, not by reading cu_seqlens back from the device (a host sync mid-forward)."""
+    them, not by reading cu_seqlens back from the device (a host sync mid-forward). gate_lower_bound: the bound the
+    layer's gate keeps g above (g in (lb, 0)); within fla's safe range the intra-chunk kernels run on tensor cores."""
     chunk_kda, _ = fla_ops()
     host = {"cu_seqlens_cpu": cu_seqlens_cpu} if cu_seqlens_cpu is not None and _takes_cu_seqlens_cpu(chunk_kda) \
         else {}
     o, s = chunk_kda(*_fla_inputs(q, k, v, g, beta), scale=1.0, initial_state=initial_state,
-                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, **host)
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                     safe_gate=safe_gate(gate_lower_bound), **host)
     return o.to(v.dtype), s
 
 

@@ -390,10 +390,10 @@ class IterationCache:
             kv0 += L
         return o[None]
 
-    def kda(self, q, k, v, g, beta) -> torch.Tensor:
+    def kda(self, q, k, v, g, beta, gate_lower_bound: float | None = None) -> torch.Tensor:
         """KDA over the packed sequences from their slots' states; the final states go back into the slots. Decode
         iterations (one token per sequence) run the recurrent kernel with the sequences as a batch, others the
-        chunked one over the packed sequences."""
+        chunked one over the packed sequences (gate_lower_bound: kernels.kda_attention's)."""
         if not self.seq_of_token.numel():
             return v.new_zeros(v.shape)
         pool = self.pools.state[self.layer]
@@ -401,13 +401,14 @@ class IterationCache:
             as_batch = [t.transpose(0, 1) for t in (q, k, v, g, beta)]
             return kda_decode_slots(*as_batch, pool, self.slots).transpose(0, 1)
         if self.saves is not None:
-            return self._kda_in_pieces(q, k, v, g, beta, pool)
+            return self._kda_in_pieces(q, k, v, g, beta, pool, gate_lower_bound)
         o, s1 = kda_attention(q, k, v, g, beta, initial_state=pool[self.slots], output_final_state=True,
-                              cu_seqlens=self.cu_seqlens, cu_seqlens_cpu=self.prompt.cu_seqlens_cpu)
+                              cu_seqlens=self.cu_seqlens, cu_seqlens_cpu=self.prompt.cu_seqlens_cpu,
+                              gate_lower_bound=gate_lower_bound)
         pool.index_copy_(0, self.slots, s1.to(pool.dtype))
         return o
 
-    def _kda_in_pieces(self, q, k, v, g, beta, pool: torch.Tensor) -> torch.Tensor:
+    def _kda_in_pieces(self, q, k, v, g, beta, pool: torch.Tensor, gate_lower_bound: float | None) -> torch.Tensor:
         """`kda` with states saved inside rows: each row cut at its saves' offsets, round j running every row's j-th
         piece (packed, one kernel call) from the state its piece j-1 left; a piece that ends at a save checkpoints
         the state it leaves. Rounds (`SaveRound`, their indices on the device already): 1 + the most saves inside
@@ -417,7 +418,8 @@ class IterationCache:
         o = torch.empty_like(v)
         for rnd in self.save_rounds:
             o_j, s_j = kda_attention(*(t[:, rnd.tokens] for t in (q, k, v, g, beta)), initial_state=state[rnd.rows],
-                                     output_final_state=True, cu_seqlens=rnd.cu, cu_seqlens_cpu=rnd.cu_cpu)
+                                     output_final_state=True, cu_seqlens=rnd.cu, cu_seqlens_cpu=rnd.cu_cpu,
+                                     gate_lower_bound=gate_lower_bound)
             o[:, rnd.tokens] = o_j.to(o.dtype)
             state[rnd.rows] = s_j.to(state.dtype)
             for i, ckpt in rnd.to:
