@@ -5,7 +5,8 @@ The optimizer keeps its state by parameter name, so expert shards can carry thei
 below fp32 (bf16 training) get an fp32 master copy in their state ("master"): the update is applied to it and the
 parameter is its rounding, so small updates are not lost to bf16's 8-bit mantissa. On CUDA the step is one fused kernel
 per parameter (k3ray.kernels.adamw: torch's fused AdamW arithmetic, the bf16 gradient read directly, 28 bytes moved
-per parameter); elsewhere torch's own multi-tensor Adam (`torch.optim.adam.adam`, decoupled weight decay).
+per parameter, 20 with bf16 moments: optimizer.moments_dtype); elsewhere torch's own multi-tensor Adam
+(`torch.optim.adam.adam`, decoupled weight decay).
 """
 from __future__ import annotations
 
@@ -48,9 +49,16 @@ def needs_master(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point and torch.finfo(dtype).bits < 32
 
 
-def fresh_state(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The state of a parameter that has not been stepped yet: zero moments (fp32 or wider), and its fp32 master."""
-    wide = torch.float32 if needs_master(weight.dtype) else weight.dtype
+def moments_dtype(weight_dtype: torch.dtype, configured: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype of a parameter's moments: the configured one (optimizer.moments_dtype), float64 for float64
+    parameters (the exact tests)."""
+    return torch.float64 if weight_dtype == torch.float64 else configured
+
+
+def fresh_state(weight: torch.Tensor, moments: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The state of a parameter that has not been stepped yet: zero moments (`moments_dtype`), and its fp32
+    master."""
+    wide = moments_dtype(weight.dtype, moments)
     state = {"m": torch.zeros_like(weight, dtype=wide), "v": torch.zeros_like(weight, dtype=wide)}
     if needs_master(weight.dtype):
         state["master"] = weight.detach().float().clone()
@@ -60,6 +68,7 @@ def fresh_state(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 class AdamW:
     def __init__(self, cfg: OptimizerConfig):
         self.cfg = cfg
+        self.moments = getattr(torch, cfg.moments_dtype)
         self.steps = 0
         self.state: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -70,7 +79,12 @@ class AdamW:
         sized once."""
         for name, p in params.items():
             if name not in self.state:
-                self.state[name] = fresh_state(p)
+                self.state[name] = fresh_state(p, self.moments)
+
+    def adopt(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A parameter's state from elsewhere (a checkpoint, a snapshot, another worker's rows) with its moments in
+        this optimizer's dtype: a job can change optimizer.moments_dtype across a restart."""
+        return {k: t.to(moments_dtype(t.dtype, self.moments)) if k in ("m", "v") else t for k, t in state.items()}
 
     @torch.no_grad()
     def step(self, params: dict[str, torch.nn.Parameter], lr: float,
@@ -85,7 +99,7 @@ class AdamW:
                 continue
             st = self.state.get(name)
             if st is None:
-                st = self.state[name] = fresh_state(p)
+                st = self.state[name] = fresh_state(p, self.moments)
             groups[p.ndim >= 2 and self.cfg.weight_decay > 0].append((p, st.get("master"), p.grad, st["m"], st["v"]))
         for decayed, entries in groups.items():
             if not entries:
@@ -114,15 +128,23 @@ class AdamW:
     def _foreach(self, entries: list[tuple], lr: float, grad_scale: float | torch.Tensor, wd: float) -> None:
         """torch's multi-tensor AdamW (the CPU path, and the reference the fused kernel is tested against):
         gradients widened to their masters' dtype, the parameters then the rounding of their masters."""
-        low, masters, grads, ms, vs = (list(t) for t in zip(*entries))
+        low, masters, grads, kept_ms, kept_vs = (list(t) for t in zip(*entries))
         targets = [p if master is None else master for p, master in zip(low, masters)]
         grads = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, targets)]
+        # moments narrower than their parameter's master (moments_dtype bfloat16): the step in the master's dtype,
+        # each moment rounded once when it is stored back, as the fused kernel does
+        ms = [m if m.dtype == t.dtype else m.to(t.dtype) for m, t in zip(kept_ms, targets)]
+        vs = [v if v.dtype == t.dtype else v.to(t.dtype) for v, t in zip(kept_vs, targets)]
         if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
             torch._foreach_mul_(grads, grad_scale)
         steps = list(torch.full((len(targets),), float(self.steps - 1)).unbind())  # torch's adam advances these
         (b1, b2), eps = self.cfg.betas, self.cfg.eps
         adam(targets, grads, ms, vs, [], steps, foreach=True, decoupled_weight_decay=True, amsgrad=False, beta1=b1,
              beta2=b2, lr=lr, weight_decay=wd, eps=eps, maximize=False)
+        for kept, wide in ((kept_ms, ms), (kept_vs, vs)):
+            narrowed = [(k, w) for k, w in zip(kept, wide) if k is not w]
+            if narrowed:
+                torch._foreach_copy_([k for k, _ in narrowed], [w for _, w in narrowed])
         pairs = [(p, t) for p, t in zip(low, targets) if p is not t]
         if pairs:  # parameters below fp32: the rounding of their fp32 masters
             torch._foreach_copy_([p for p, _ in pairs], [t for _, t in pairs])
@@ -135,4 +157,4 @@ class AdamW:
         if state is None:
             self.state.pop(name, None)
         else:
-            self.state[name] = state
+            self.state[name] = self.adopt(state)

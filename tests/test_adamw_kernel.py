@@ -86,6 +86,30 @@ def test_kernel_matches_reference(case, shape, weight_decay, divisor):
             torch.testing.assert_close(param, ref[0], **FP32)
 
 
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_kernel_with_bf16_moments_matches_reference(weight_decay):
+    """optimizer.moments_dtype bfloat16: m and v read as bf16, the step in fp32, each moment rounded once when
+    stored (to nearest even; the interpreter's toward zero also passes), the master as the fp32 reference's. Each
+    step starts both from the kernel's state, so one rounding apart never compounds."""
+    param, master, m, v, grads = state((37, 129), torch.bfloat16, True, torch.bfloat16, steps=3)
+    m, v = m.bfloat16(), v.bfloat16()
+    grad_divisor = torch.tensor(2.5, device=DEV)
+    for step, grad in enumerate(grads, start=1):
+        kw = dict(HYPER, weight_decay=weight_decay, step=step, grad_divisor=grad_divisor)
+        ref = [t.clone() for t in (param, master, m, v)]
+        adamw_step_(param, master, grad, m, v, **kw)
+        adamw_step_reference_(*ref[:2], grad, *ref[2:], **kw)
+        assert m.dtype == v.dtype == torch.bfloat16
+        torch.testing.assert_close(master, ref[1], **FP32)
+        assert_rounded(param, master)
+        for got, want in ((m, ref[2]), (v, ref[3])):
+            exact = got == want
+            if not CUDA:  # the interpreter rounds toward zero: at most one bf16 step from the nearest, toward 0
+                exact |= (got.float().abs() <= want.float().abs()) & ((got.float() - want.float()).abs()
+                                                                     <= want.float().abs() * 2 ** -7)
+            assert exact.all()
+
+
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 def test_reference_is_torch_adamw(impl, weight_decay):

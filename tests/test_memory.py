@@ -18,9 +18,10 @@ def _cfg(**overrides):
     return load_config("configs/tiny.yaml", {**RELEASED_TINY, **overrides})
 
 
-@pytest.mark.parametrize("pp,ep", [(1, 2), (2, 4)])
-def test_static_bytes_are_the_real_models_and_optimizers(pp, ep):
-    cfg = _cfg(**{"parallel.pp": pp, "parallel.ep": ep})
+@pytest.mark.parametrize("pp,ep,moments", [(1, 2, "float32"), (2, 4, "float32"), (1, 2, "bfloat16")])
+def test_static_bytes_are_the_real_models_and_optimizers(pp, ep, moments):
+    cfg = _cfg(**{"parallel.pp": pp, "parallel.ep": ep, "optimizer.moments_dtype": moments})
+    state_bytes = 12 if moments == "float32" else 8  # the fp32 master and the two moments
     m = cfg.model
     local = m.n_experts // ep
     heaviest = 0
@@ -36,11 +37,11 @@ def test_static_bytes_are_the_real_models_and_optimizers(pp, ep):
         assert n == sum(t.numel() for t in params.values())
         assert n * 2 + buffers * 4 == param_bytes + buffer_bytes
         state = [t for st in opt.state.values() for t in st.values()]
-        assert 12 * n == sum(t.numel() * t.element_size() for t in state)  # fp32 master and two fp32 moments
+        assert state_bytes * n == sum(t.numel() * t.element_size() for t in state)
         heaviest = max(heaviest, param_bytes + buffer_bytes)
     est = memory.estimate(cfg)
     if pp == 1:
-        assert (est.params, est.grads, est.master + est.moments) == (heaviest, param_bytes, 12 * n)
+        assert (est.params, est.grads, est.master + est.moments) == (heaviest, param_bytes, state_bytes * n)
 
 
 def test_recompute_and_more_ranks_need_less():

@@ -108,3 +108,36 @@ def test_state_made_before_the_first_step_changes_no_update():
         assert torch.equal(lazy_p[n], eager_p[n])
         for k in lazy_s[n]:
             assert torch.equal(lazy_s[n][k], eager_s[n][k])
+
+
+def test_bf16_moments_round_each_step_and_follow_the_state_across_a_restore():
+    """moments_dtype bfloat16: the step is fp32 AdamW on the master with each moment rounded to bf16 when stored
+    (the CPU path; the fused kernel: tests/test_adamw_kernel.py); float64 parameters keep float64 moments; state
+    restored from an fp32-moment optimizer (a checkpoint of before) takes the configured dtype, and back."""
+    cfg, wide = OptimizerConfig(moments_dtype="bfloat16", weight_decay=0.1), OptimizerConfig(weight_decay=0.1)
+    g = torch.Generator().manual_seed(5)
+    init = torch.randn(6, 5, generator=g).to(torch.bfloat16)
+    grads = [torch.randn(6, 5, generator=g).to(torch.bfloat16) for _ in range(4)]
+    params = {"w": torch.nn.Parameter(init.clone()), "b": torch.nn.Parameter(torch.zeros(5, dtype=torch.float64))}
+    opt = AdamW(cfg)
+    master, m, v = init.float(), torch.zeros(6, 5), torch.zeros(6, 5)
+    (b1, b2), lr = cfg.betas, 1e-2
+    for t, grad in enumerate(grads, 1):
+        params["w"].grad, params["b"].grad = grad.clone(), torch.ones(5, dtype=torch.float64)
+        opt.step(params, lr)
+        m_new, v_new = b1 * m + (1 - b1) * grad.float(), b2 * v + (1 - b2) * grad.float().square()
+        master = master * (1 - lr * cfg.weight_decay)
+        master = master - lr * (m_new / (1 - b1 ** t)) / ((v_new / (1 - b2 ** t)).sqrt() + cfg.eps)
+        m, v = m_new.bfloat16().float(), v_new.bfloat16().float()
+    st = opt.state["w"]
+    assert st["m"].dtype == st["v"].dtype == torch.bfloat16 and st["master"].dtype == torch.float32
+    assert opt.state["b"]["m"].dtype == torch.float64
+    assert torch.equal(st["m"].float(), m) and torch.equal(st["v"].float(), v)
+    torch.testing.assert_close(st["master"], master, rtol=1e-6, atol=1e-7)
+    assert torch.equal(params["w"].detach(), st["master"].bfloat16())
+    restored = AdamW(wide)
+    restored.set_state("w", {k: t.clone() for k, t in st.items()})
+    assert restored.state["w"]["m"].dtype == torch.float32 and torch.equal(restored.state["w"]["m"], m)
+    back = AdamW(cfg)
+    back.set_state("w", restored.state["w"])
+    assert back.state["w"]["v"].dtype == torch.bfloat16 and torch.equal(back.state["w"]["v"].float(), v)

@@ -52,6 +52,10 @@ class OptimizerConfig(Section):
     weight_decay: float = Field(0.1, ge=0)
     warmup_steps: int = Field(10, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="global grad-norm clip; 0 = off")
+    moments_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="the dtype AdamW keeps its two moments in (float64 models keep float64). bfloat16 "
+                               "(as DeepSeek-V3 trains) moves 20 bytes a parameter in the step instead of 28 and holds "
+                               "4 bytes a parameter less; the arithmetic stays fp32, each moment rounded once a step")
 
 
 class ExecutionConfig(Section):

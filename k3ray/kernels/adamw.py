@@ -1,7 +1,7 @@
 """One fused AdamW step for one parameter tensor, in a single pass over memory (bf16 training with fp32 masters).
 
-Shapes: param, grad [*S] with N = numel elements (any shape, contiguous); master, m, v [*S] fp32, contiguous;
-grad_divisor [] fp32 on the tensors' device. All arithmetic is fp32:
+Shapes: param, grad [*S] with N = numel elements (any shape, contiguous); master [*S] fp32, m, v [*S] fp32 or bf16
+(each rounded once when stored), contiguous; grad_divisor [] fp32 on the tensors' device. All arithmetic is fp32:
 
     g      = grad.float() / grad_divisor          # grad_divisor = 1 / clip coefficient, read from device memory
     target = master if master is not None else param
@@ -27,8 +27,8 @@ amsgrad and maximize off) applied to the fp32 master, up to fp32 rounding; the o
 Where torch computes in float64 (its scalars are doubles) we compute in fp32, hence "up to fp32 rounding".
 
 Memory traffic, the HBM bound of this memory-bound step: bf16 param with fp32 master and bf16 grad moves
-2 (grad read) + 8 (master read+write) + 8 (m) + 8 (v) + 2 (param write) = 28 bytes per parameter; the bf16 grad is
-read directly, with no widened copy. fp32 param without master and fp32 grad: 4 + 8 + 8 + 8 = 28 bytes too.
+2 (grad read) + 8 (master read+write) + 8 (m) + 8 (v) + 2 (param write) = 28 bytes per parameter (20 with bf16
+moments); the bf16 grad is read directly, with no widened copy. fp32 param without master and fp32 grad: 4 + 8 + 8 + 8 = 28 bytes too.
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ def _step_scalars(lr: float, beta1: float, beta2: float, step: int) -> tuple[flo
 def adamw_step_reference_(param: torch.Tensor, master: torch.Tensor | None, grad: torch.Tensor, m: torch.Tensor,
                           v: torch.Tensor, *, lr: float, beta1: float, beta2: float, eps: float,
                           weight_decay: float, step: int, grad_divisor: torch.Tensor) -> None:
-    """In place: param [*S] (any float dtype), master [*S] fp32 or None, grad [*S] (bf16/fp16/fp32), m, v [*S] fp32,
-    grad_divisor [] fp32; step counts from 1."""
+    """In place: param [*S] (any float dtype), master [*S] fp32 or None, grad [*S] (bf16/fp16/fp32), m, v [*S] fp32
+    or bf16, grad_divisor [] fp32; step counts from 1."""
     step_size, bc2_sqrt = _step_scalars(lr, beta1, beta2, step)
     # The scalars as fp32 tensors on the device: each rounded once to fp32 as the kernel's arguments are, and every
     # division a true division (CUDA multiplies by the reciprocal when dividing by a Python scalar).
@@ -58,8 +58,8 @@ def adamw_step_reference_(param: torch.Tensor, master: torch.Tensor | None, grad
     g = grad.float() / grad_divisor
     target = (master if master is not None else param).float()
     target = target - decay * target
-    m_new = b1 * m + c1 * g
-    v_new = b2 * v + c2 * g * g
+    m_new = b1 * m.float() + c1 * g
+    v_new = b2 * v.float() + c2 * g * g
     # float64 sqrt rounded once is the IEEE fp32 sqrt; torch's vectorized fp32 sqrt on CPU is not correctly rounded
     denom = v_new.double().sqrt().float() / bc2_sqrt + eps
     target = target - (step_size * m_new) / denom
@@ -87,8 +87,8 @@ def _adamw_kernel(param_ptr, master_ptr, grad_ptr, m_ptr, v_ptr, divisor_ptr, n,
         p = tl.load(master_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
     else:
         p = tl.load(param_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
-    v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first")
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
 
     p = p - decay * p
     m = beta1 * m + c1 * g
@@ -96,8 +96,8 @@ def _adamw_kernel(param_ptr, master_ptr, grad_ptr, m_ptr, v_ptr, divisor_ptr, n,
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p - tl.div_rn(step_size * m, denom)
 
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
+    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
     if HAS_MASTER:
         tl.store(master_ptr + offs, p, mask=mask)
     tl.store(param_ptr + offs, p.to(param_ptr.dtype.element_ty), mask=mask)

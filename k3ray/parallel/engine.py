@@ -414,7 +414,7 @@ class StageEngine:
             if not is_expert_param(n):
                 del self.opt.state[n]
         for n, st in dense_state["opt_dense"].items():
-            self.opt.state[n] = {k: v.to(self.device).clone() for k, v in st.items()}
+            self.opt.state[n] = self.opt.adopt({k: v.to(self.device).clone() for k, v in st.items()})
         self.opt.steps = dense_state["opt_steps"]
         self.lr_scale = dense_state["lr_scale"]
         mine = set((self.home == self.ep_rank).nonzero().flatten().tolist())

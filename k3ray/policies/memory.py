@@ -2,7 +2,8 @@
 
 `estimate` counts the peak of the heaviest worker (pipeline stage p, EP rank e) in bytes:
     static       parameters (model.dtype; router biases fp32) and their gradients (model.dtype), the optimizer's
-                 fp32 master (parameters below fp32) and AdamW's two moments (fp32 or wider): k3ray.optim. Exact.
+                 fp32 master (parameters below fp32) and AdamW's two moments (optimizer.moments_dtype; float64 models'
+                 float64): k3ray.optim. Exact.
     step peak    the larger of the two phases of a step:
                  - forward/backward: the saved activations of the micro-batches in flight (min(M, pp - p) under
                    1F1B), the MoonEP replica weights received per MoE layer (at most the slots per rank, saved for
@@ -214,7 +215,8 @@ def _stage_estimate(cfg: JobConfig, stage: int) -> MemoryEstimate:
     optimizer = flat + (4 * dense_params if master and par.ep > 1 else 0)
     activations = (in_flight * per_token + largest_layer) * tokens
     params, grads = n_params * w + n_buffers * 4, n_params * w
-    master_bytes, moments = (4 * n_params if master else 0), 2 * max(4, w) * n_params
+    moment_bytes = 8 if w == 8 else DTYPE_BYTES[cfg.optimizer.moments_dtype]
+    master_bytes, moments = (4 * n_params if master else 0), 2 * moment_bytes * n_params
     tensors = params + grads + master_bytes + moments + max(activations + replicas + dispatch, optimizer)
     return MemoryEstimate(params=params, grads=grads, master=master_bytes, moments=moments, activations=activations,
                           replica_weights=replicas, dispatch=dispatch, optimizer_transient=optimizer,
