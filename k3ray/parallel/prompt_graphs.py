@@ -132,8 +132,8 @@ class SeamCache:
     def short_conv(self, x_1TC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
         return self._seam("short_conv", x_1TC, weight_CW)
 
-    def kda(self, q, k, v, g, beta) -> torch.Tensor:
-        return self._seam("kda", q, k, v, g, beta)
+    def kda(self, q, k, v, g, beta, gate_lower_bound: float | None = None) -> torch.Tensor:
+        return self._seam("kda", q, k, v, g, beta, gate_lower_bound)
 
     def _seam(self, kind: str, *args) -> torch.Tensor:
         if self.capture is None:  # run now, its output where a graph's seam puts it
