@@ -134,13 +134,14 @@ class GatedMLA(nn.Module):
         attention reads each sequence's whole context from there)."""
         lat = self.latent(x_BSd)
         q = self.queries(x_BSd, None if cache is None else cache.positions)
+        out_gate = torch.sigmoid(self.w_g(x_BSd))  # before attention's kernel: x's gradient summed in one graph
         if cache is not None:
             o = cache.mla_attention(q, lat, self)
         else:
             k, v = self.up(lat)
             o = causal_attention(q, k, v, self.scale, None if documents is None else documents.mask)
         o = o.flatten(2)  # [B, S, H*h]; also for zero tokens
-        return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
+        return self.w_o(o * out_gate)
 
 
 class Documents:
@@ -251,6 +252,11 @@ class KDA(nn.Module):
         B, S, _ = x_BSd.shape
         heads = (B, S, self.n_heads, self.head_dim)
         qkv = torch.cat([self.w_q(x_BSd), self.w_k(x_BSd), self.w_v(x_BSd)], dim=-1)
+        # every projection of x before the first kernel between a compiled block's graphs: x's gradient is then
+        # summed inside one graph's backward, not by eager adds across the graphs
+        gate_in = self.w_a_up(self.w_a_down(x_BSd)).view(heads)
+        beta = torch.sigmoid(up32(self.w_b(x_BSd)))
+        out_gate = torch.sigmoid(self.w_g(x_BSd))
         if self.conv_size:
             if cache is not None:
                 qkv = cache.short_conv(qkv, self.conv_weight())
@@ -264,9 +270,7 @@ class KDA(nn.Module):
         # separate casts around its kernels (and their gradients' casts back)
         q = (F.normalize(up32(q), dim=-1) * self.read_scale).to(v.dtype)
         k = F.normalize(up32(k), dim=-1).to(v.dtype)
-        log_alpha = kda_gate(self.w_a_up(self.w_a_down(x_BSd)).view(heads), self.A_log, self.dt_bias,
-                             self.lower_bound)
-        beta = torch.sigmoid(up32(self.w_b(x_BSd)))
+        log_alpha = kda_gate(gate_in, self.A_log, self.dt_bias, self.lower_bound)
         if cache is not None:
             o = cache.kda(q, k, v, log_alpha, beta, self.lower_bound).to(x_BSd.dtype)
         elif documents is not None:  # every document a sequence of its own, packed into one row
@@ -276,7 +280,7 @@ class KDA(nn.Module):
         else:
             o = kda_attention(q, k, v, log_alpha, beta, gate_lower_bound=self.lower_bound)[0].to(x_BSd.dtype)
         o = self.o_norm(o).flatten(2)
-        return self.w_o(o * torch.sigmoid(self.w_g(x_BSd)))
+        return self.w_o(o * out_gate)
 
 
 class SiTUFFN(nn.Module):

@@ -167,6 +167,10 @@ class LatentMoE(nn.Module):
         cfg = self.cfg
         x = x_BSd.reshape(-1, cfg.d_model)
         scores = self.router(x)
+        # every use of x before the first kernel between a compiled block's graphs (the quantile passes): x's
+        # gradient is then summed inside one graph's backward, not by eager adds across the graphs
+        x_lat = self.w_down(x)
+        shared = [expert(x) for expert in self.shared]
         bias = self.router.bias
         hist = micro_bias = None
         if cache is None and cfg.balancing == "quantile":
@@ -175,14 +179,14 @@ class LatentMoE(nn.Module):
             if (cfg.quantile_bias_from if training else cfg.quantile_eval_bias_from) in ("micro_batch", "batch"):
                 bias = micro_bias
         idx, weight = select_experts(scores, bias, cfg.top_k)
-        y_lat = self.experts(self.w_down(x), idx, weight)
+        y_lat = self.experts(x_lat, idx, weight)
         if cache is not None:
             cache.note_routes(idx)
         else:
             self._note_stats(scores, idx, y_lat, hist, micro_bias, bias is micro_bias)
         y = self.w_up(self.norm(y_lat))
-        for shared in self.shared:
-            y = y + shared(x)
+        for out in shared:
+            y = y + out
         return y.view_as(x_BSd)
 
     @outside_compile  # the histogram kernel and the quantile: eager, between a compiled block's graphs
