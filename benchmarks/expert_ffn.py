@@ -268,6 +268,14 @@ TUNE_SHAPES = [(112, 32768, "balanced"), (14, 4096, "zipf1.2")]
 KERNEL_OF = {"up_tma": ["up"], "down_tma": ["down"], "dh_tma": ["dh"], "dx_tma": ["dx"], "wgrad": ["dw1", "dw2"]}
 
 
+def set_config(name: str, cfg: tuple) -> None:
+    """The config kernel `name` runs with at these widths: CONFIGS', and the table tuned at (D, INNER) where there is
+    one (grouped_ffn.CONFIGS_AT_WIDTHS, which many-row problems take first)."""
+    grouped_ffn.CONFIGS[name] = cfg
+    if (D, INNER) in grouped_ffn.CONFIGS_AT_WIDTHS:
+        grouped_ffn.CONFIGS_AT_WIDTHS[(D, INNER)][name] = cfg
+
+
 def tune(names) -> None:
     """Per kernel (those in `names`, all when empty), keep the candidate with the least summed (time / best time)
     over TUNE_SHAPES, each kernel timed alone (graph replay)."""
@@ -281,7 +289,7 @@ def tune(names) -> None:
             continue
         times = {}
         for cfg in cands:
-            grouped_ffn.CONFIGS[name] = cfg
+            set_config(name, cfg)
             try:
                 with torch.no_grad():
                     times[cfg] = [sum(graph_ms(calls[k][0]) for k in KERNEL_OF[name]) for calls in problems]
@@ -290,7 +298,7 @@ def tune(names) -> None:
                 continue
             print(f"tune {name:8s} {cfg}: " + " / ".join(f"{t:.3f}" for t in times[cfg]) + f" ms ({TUNE_SHAPES})")
         best = [min(t[i] for t in times.values()) for i in range(len(problems))]
-        grouped_ffn.CONFIGS[name] = min(times, key=lambda c: sum(t / b for t, b in zip(times[c], best)))
+        set_config(name, min(times, key=lambda c: sum(t / b for t, b in zip(times[c], best))))
     print("tuned CONFIGS =", json.dumps(grouped_ffn.CONFIGS))
 
 

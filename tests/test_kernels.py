@@ -388,8 +388,10 @@ def test_dispatch_picks_backend(monkeypatch):
 # ---------------------------------------------------------------------------------------- real shapes, GPU only
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("layout", ["random", "empty_groups", "one_group_all"])
-def test_grouped_ffn_real_shape_bf16(poisoned, layout):
-    x, w1, w2, ends, s = ffn_inputs(4096, 3584, 2048, 14, layout, torch.bfloat16, True)
+@pytest.mark.parametrize("rows,widths,experts", [(4096, (3584, 2048), 14), (16384, (2048, 1024), 32)])
+def test_grouped_ffn_real_shape_bf16(poisoned, layout, rows, widths, experts):
+    """K3's widths, and gpu2's with many rows a group (the configs tuned there: grouped_ffn.CONFIGS_AT_WIDTHS)."""
+    x, w1, w2, ends, s = ffn_inputs(rows, *widths, experts, layout, torch.bfloat16, True)
     leaves = [x, w1, w2, s]
     ref_in = [t.float().clone().requires_grad_() for t in leaves]
     tri_in = [t.clone().requires_grad_() for t in leaves]

@@ -57,6 +57,15 @@ CONFIGS = {  # tuned on an H200 (benchmarks/expert_ffn.py --tune), bf16, D=3584,
     "dx": (128, 256, 64, 8, 8, 3),
     "wgrad": (128, 256, 32, 8, 8, 5),
 }
+# Where a problem has many rows a group (training's: ROWS_PER_GROUP_MANY on average and more), configs tuned at other
+# expert widths (D, I) take the place of CONFIGS' entries. gpu2's (D 2048, I 1024): tuned on an H100 at 64 experts x
+# 65,536 rows (`benchmarks/expert_ffn.py --dims 2048 1024 --shapes 64:65536:balanced 64:65536:zipf1.2 --tune`):
+# up, down, dH and dX 4-11 % faster than at CONFIGS there.
+CONFIGS_AT_WIDTHS = {
+    (2048, 1024): {"up_tma": (128, 128, 64, 8, 8, 3), "down_tma": (128, 256, 64, 8, 8, 3),
+                   "dh_tma": (128, 128, 64, 8, 8, 4), "dx_tma": (128, 256, 64, 8, 8, 3)},
+}
+ROWS_PER_GROUP_MANY = 256
 USE_TMA = True  # read operands through TMA descriptors where the shapes allow
 _INTERPRET_CONFIG = (16, 16, 16, 2, 1, 1)
 _FP32_CONFIG = (64, 64, 32, 4, 4, 2)  # fp32 operands: the bf16 tiles would not fit in shared memory
@@ -64,19 +73,27 @@ _NUM_SMS: dict[int, int] = {}
 _BLOCK_G = 128  # groups the schedule kernel ranks at a time (fixed: no recompile as G changes)
 
 
-def _config(name: str, t: torch.Tensor) -> tuple[int, ...]:
+def _config(name: str, t: torch.Tensor, at: dict | None = None) -> tuple[int, ...]:
     if INTERPRET:
         return _INTERPRET_CONFIG
-    return CONFIGS[name] if t.element_size() <= 2 else _FP32_CONFIG
+    if t.element_size() > 2:
+        return _FP32_CONFIG
+    return at[name] if at is not None and name in at else CONFIGS[name]
 
 
-def _tma_config(name: str, k_dim: int, *tensors: torch.Tensor):
-    """(config, use TMA) for kernel `name`: TMA needs contiguous, 16-byte aligned operands and K % BK == 0."""
-    cfg = _config(name + "_tma", tensors[0])
+def configs_at(widths: tuple[int, int], sched: "_Schedule") -> dict | None:
+    """The configs tuned at the experts' widths (D, I), for a problem of many rows a group; None: CONFIGS'."""
+    return CONFIGS_AT_WIDTHS.get(widths) if sched.n_rows >= ROWS_PER_GROUP_MANY * sched.G else None
+
+
+def _tma_config(name: str, k_dim: int, at: dict | None, *tensors: torch.Tensor):
+    """(config, use TMA) for kernel `name` (`at`: configs_at's table): TMA needs contiguous, 16-byte aligned
+    operands and K % BK == 0."""
+    cfg = _config(name + "_tma", tensors[0], at)
     ok = USE_TMA and k_dim % cfg[2] == 0 and all(
         t.is_contiguous() and t.data_ptr() % 16 == 0 and (t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors
     )
-    return (cfg, True) if ok else (_config(name, tensors[0]), False)
+    return (cfg, True) if ok else (_config(name, tensors[0], at), False)
 
 
 def _fast_act(t: torch.Tensor) -> bool:
@@ -166,7 +183,7 @@ def _ffn_up(x, w1, sched: _Schedule, inner: int, save_h: bool, beta: float, beta
     h = torch.empty(n, 2 * inner, device=x.device, dtype=x.dtype) if save_h else act
     if n == 0:  # no rows: nothing to launch (and no kernel variant that only empty inputs would compile)
         return act, h
-    cfg, tma = _tma_config("up", d, x, w1)
+    cfg, tma = _tma_config("up", d, configs_at((d, inner), sched), x, w1)
     srcs = (_desc(x, cfg[0], cfg[2]), _desc(w1.view(-1, w1.shape[2]), cfg[2], cfg[1])) if tma else (x, w1)
     _launch_rowtiled(gg.ffn_up_kernel, cfg, tma, sched, inner, d, (*srcs, act, h),
                      (d, inner, x.stride(0), x.stride(1), *w1.stride(), beta, beta_lin), SAVE_H=save_h,
@@ -187,7 +204,8 @@ def _grouped_mm(a, b, sched: _Schedule, scale, name: str, transpose_b: bool):
     out = torch.empty(a.shape[0], n_out, device=a.device, dtype=a.dtype)
     if a.shape[0] == 0:
         return out
-    cfg, tma = _tma_config(name, k_dim, a, b)
+    widths = (b.shape[1], b.shape[2] // 2) if transpose_b else (b.shape[2], b.shape[1])  # b: w1 [G, D, 2I] or w2
+    cfg, tma = _tma_config(name, k_dim, configs_at(widths, sched), a, b)
     srcs = (a, b)
     if tma:
         bm, bn, bk = cfg[:3]
@@ -210,7 +228,7 @@ def _ffn_dh(dy, w2, h, row_scale, sched: _Schedule, beta: float, beta_lin: float
     ds = torch.zeros(n, device=dy.device, dtype=torch.float32) if has_scale else None
     if n == 0:
         return dh, ds
-    cfg, tma = _tma_config("dh", d, dy, w2)
+    cfg, tma = _tma_config("dh", d, configs_at((d, inner), sched), dy, w2)
     srcs = (_desc(dy, cfg[0], cfg[2]), _desc(w2.view(-1, d), cfg[1], cfg[2])) if tma else (dy, w2)
     _launch_rowtiled(gg.ffn_dh_kernel, cfg, tma, sched, inner, d,
                      (*srcs, h, row_scale if has_scale else dy, dh, ds if has_scale else dh),
