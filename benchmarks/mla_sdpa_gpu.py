@@ -35,9 +35,11 @@ def main() -> None:
             o.backward(do)
         return [o.detach().float()] + [t.grad.float() for t in (q, k, v)]
 
-    print(f"B={B} H={H} S={S}, q/k {E}, v {h}, bf16, causal\n\n| backend | v | fwd+bwd ms | rel. error |\n|---|---|---|---|")
+    print(f"B={B} H={H} S={S}, q/k {E}, v {h}, bf16, causal\n")
+    print("| backend | v | fwd+bwd ms | rel. error |\n|---|---|---|---|")
     ref = None
-    for name, backend, pad in [("cuDNN", SDPBackend.CUDNN_ATTENTION, True), ("cuDNN", SDPBackend.CUDNN_ATTENTION, False),
+    for name, backend, pad in [("cuDNN", SDPBackend.CUDNN_ATTENTION, True),
+                               ("cuDNN", SDPBackend.CUDNN_ATTENTION, False),
                                ("flash", SDPBackend.FLASH_ATTENTION, True),
                                ("memory-efficient", SDPBackend.EFFICIENT_ATTENTION, False)]:
         how = "padded to 192" if pad else "128"

@@ -13,7 +13,7 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | attn_res_weighted_sum(p, v) | attn_res.*_reference | attn_res.*_triton | - |
 | attn_res_value_dots(dh, v) | attn_res.*_reference | attn_res.*_triton | - |
 | attn_res_value_grad(p, dh, a, b, u, v) -> dv, x | attn_res.*_reference | attn_res.*_triton | - |
-| kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens; gate_lower_bound: fla's hint) | kda.*_reference | kda.*chunk_fla | all |
+| kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, gate_lower_bound) | kda.*_reference | kda.*chunk_fla | all |
 | kda_decode(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.kda_recurrent_reference | kda.kda_recurrent_fla | - |
 | kda_decode_slots(q, k, v, g, beta, pool, slots) | kda.*_reference | kda.*_fla | - |
 | kda_context_parallel(q, k, v, g, beta, group) | kda.*_context_parallel_reference | kda.*_context_parallel_fla | all |

@@ -28,7 +28,8 @@ Where torch computes in float64 (its scalars are doubles) we compute in fp32, he
 
 Memory traffic, the HBM bound of this memory-bound step: bf16 param with fp32 master and bf16 grad moves
 2 (grad read) + 8 (master read+write) + 8 (m) + 8 (v) + 2 (param write) = 28 bytes per parameter (20 with bf16
-moments); the bf16 grad is read directly, with no widened copy. fp32 param without master and fp32 grad: 4 + 8 + 8 + 8 = 28 bytes too.
+moments); the bf16 grad is read directly, with no widened copy. fp32 param without master and fp32 grad: 4 + 8 + 8 +
+8 = 28 bytes too.
 """
 from __future__ import annotations
 

@@ -11,7 +11,6 @@ of MLA, K KDA head dim, W KDA convolution width.
 from __future__ import annotations
 
 import functools
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -164,10 +163,13 @@ class Documents:
 
 
 @functools.cache
+def _hopper_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def _cudnn_takes_narrow_v(device: torch.device) -> bool:
     """cuDNN's SDPA (forward and backward) with v narrower than q and k: cuDNN attention enabled, Hopper or newer."""
-    return (torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available()
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+    return torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cudnn.is_available() and _hopper_or_newer(device)
 
 
 @outside_compile  # cuDNN/flash attention chosen by sdpa_kernel, eager in a compiled block as every kernel

@@ -67,7 +67,8 @@ def set_experts(shard: ExpertShard, opt: AdamW, prefix: str, payloads: list[dict
         setattr(shard, w, nn.Parameter(stacked))
         states = [p["opt"][w] for p in parts]
         if any(s is not None for s in states):  # experts that arrive without state start fresh (zero moments)
-            filled = [s if s is not None else fresh_state(weights(p, w).to(dtype), opt.moments) for s, p in zip(states, parts)]
+            filled = [s if s is not None else fresh_state(weights(p, w).to(dtype), opt.moments)
+                      for s, p in zip(states, parts)]
             opt.set_state(f"{prefix}.{w}", {k: torch.cat([f[k] for f in filled])[order].to(device)
                                             for k in filled[0]})
         else:
