@@ -133,8 +133,8 @@ class AdamW:
         grads = [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, targets)]
         # moments narrower than their parameter's master (moments_dtype bfloat16): the step in the master's dtype,
         # each moment rounded once when it is stored back, as the fused kernel does
-        ms = [m if m.dtype == t.dtype else m.to(t.dtype) for m, t in zip(kept_ms, targets)]
-        vs = [v if v.dtype == t.dtype else v.to(t.dtype) for v, t in zip(kept_vs, targets)]
+        ms, vs = ([x if x.dtype == t.dtype else x.to(t.dtype) for x, t in zip(kept, targets)]
+                  for kept in (kept_ms, kept_vs))
         if isinstance(grad_scale, torch.Tensor) or grad_scale != 1.0:
             torch._foreach_mul_(grads, grad_scale)
         steps = list(torch.full((len(targets),), float(self.steps - 1)).unbind())  # torch's adam advances these

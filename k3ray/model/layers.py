@@ -183,10 +183,8 @@ def causal_attention(q_BSHe: torch.Tensor, k_BSHe: torch.Tensor, v_BSHh: torch.T
     how = {"is_causal": True} if mask is None else {"attn_mask": mask}
     if q.is_cuda:
         h = v.shape[-1]
-        if h < q.shape[-1] and not _cudnn_takes_narrow_v(q.device):
-            v = F.pad(v, (0, q.shape[-1] - h))
-        elif h < q.shape[-1]:  # [B, H, S, h] contiguous, as cuDNN took it when measured (what the padding made too)
-            v = v.contiguous()
+        if h < q.shape[-1]:  # as it is: [B, H, S, h] contiguous, the layout cuDNN was measured with (as padding makes)
+            v = v.contiguous() if _cudnn_takes_narrow_v(q.device) else F.pad(v, (0, q.shape[-1] - h))
         with sdpa_kernel(MLA_CUDA_BACKENDS, set_priority=True):
             o = F.scaled_dot_product_attention(q, k, v, scale=scale, **how)[..., :h]
     else:
