@@ -62,7 +62,7 @@ def test_a_hit_is_the_deepest_boundary_with_pages_and_a_checkpoint_and_leaves_a_
 
 
 def test_a_row_saves_at_its_end_and_inside_only_where_a_prompt_ends_or_parts_from_a_cached_one():
-    """Each save inside a row costs its KDA layers a pass: a prefill saves at most two there."""
+    """Each checkpoint costs every KDA layer's state in memory: a prefill saves at most two inside its row."""
     assert row_saves(63, 1, 64, True, 0) == [64]  # a decode row reaching a boundary
     assert row_saves(62, 1, 64, True, 0) == []
     assert row_saves(0, 300, 64, True, 0) == [256]  # a whole prompt: its deepest boundary (its next turn's)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import RELEASED
+from k3ray import kernels
 from k3ray.config import load_config
 from k3ray.model import serving_attention
 from k3ray.model.cache import IterationCache, SeqAdmit, StateSave, new_pools
@@ -107,25 +108,28 @@ def test_a_padded_prefill_iteration_changes_no_row_and_counts_no_padding_route()
 
 @pytest.mark.parametrize("start", [0, 5])
 def test_states_saved_inside_a_row_are_those_after_its_first_tokens(start):
-    """A save after a row's first n new tokens (n below and above the convolution's W-1, from a fresh slot and
-    after cached tokens) checkpoints the KDA states and convolution tails that prefilling only those n tokens leaves
-    in the slot. float64, every released feature."""
+    """A save after a row's first n new tokens (n below and above the convolution's W-1, where the prefill kernel's
+    chunks start and inside them, from a fresh slot and after cached tokens) checkpoints the KDA states and
+    convolution tails that prefilling only those n tokens leaves in the slot. float64, every released feature."""
     cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED}).model
     stage = build_stage(cfg, range(cfg.n_layers), seed=4)
     g = torch.Generator().manual_seed(2)
-    tokens = torch.randint(0, cfg.vocab_size, (1, start + 11), generator=g)
-    offsets = [1, 2, 7]  # below, at the edge of and past W-1 = 3
+    chunk = kernels.kda_state_chunk("cpu")
+    tokens = torch.randint(0, cfg.vocab_size, (1, start + 2 * chunk + 9), generator=g)
+    # below, at the edge of and past W-1 = 3; at chunk starts (their states read from the chunked pass) and in chunks
+    offsets = [1, 2, 7, chunk, chunk + 5, 2 * chunk]
     with torch.no_grad():
         def pools():
             p = new_pools(cfg, stage.layers, 32, 4, 2, checkpoints=len(offsets))
-            p.admit([SeqAdmit(0, list(range(8)))])
+            p.admit([SeqAdmit(0, list(range(-(-tokens.shape[1] // 4))))])
             if start:
                 stage(tokens[:, :start], IterationCache.from_plan(p, [0], [0], [start], "cpu"))
             return p
 
         p = pools()
         saves = [StateSave(0, n, i) for i, n in enumerate(offsets)]
-        stage(tokens[:, start:], IterationCache.from_plan(p, [0], [start], [11], "cpu", saves=saves))
+        stage(tokens[:, start:], IterationCache.from_plan(p, [0], [start], [tokens.shape[1] - start], "cpu",
+                                                          saves=saves))
         for i, n in enumerate(offsets):
             alone = pools()
             stage(tokens[:, start:start + n], IterationCache.from_plan(alone, [0], [start], [n], "cpu"))

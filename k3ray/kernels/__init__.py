@@ -14,6 +14,7 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | attn_res_value_dots(dh, v) | attn_res.*_reference | attn_res.*_triton | - |
 | attn_res_value_grad(p, dh, a, b, u, v) -> dv, x | attn_res.*_reference | attn_res.*_triton | - |
 | kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, gate_lower_bound) | kda.*_reference | kda.*chunk_fla | all |
+| kda_prefill_states(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, gate_lower_bound) | kda.kda_chunk_states_reference | kda.kda_chunk_states_fla | - |
 | kda_decode(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.kda_recurrent_reference | kda.kda_recurrent_fla | - |
 | kda_decode_slots(q, k, v, g, beta, pool, slots) | kda.*_reference | kda.*_fla | - |
 | kda_context_parallel(q, k, v, g, beta, group) | kda.*_context_parallel_reference | kda.*_context_parallel_fla | all |
@@ -156,8 +157,12 @@ def attn_res_value_grad(p_NT: torch.Tensor, dh_Td: torch.Tensor, a_NT: torch.Ten
     return _attn_res.attn_res_value_grad_reference(p_NT, dh_Td, a_NT, b_NT, u_d, v_NTd)
 
 
+def _fla_on(device) -> bool:
+    return _backend != "reference" and torch.device(device).type == "cuda" and _kda.fla_ops() is not None
+
+
 def _fla(t: torch.Tensor) -> bool:
-    return _backend != "reference" and t.is_cuda and _kda.fla_ops() is not None
+    return _fla_on(t.device)
 
 
 @outside_compile
@@ -172,6 +177,22 @@ def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False
                                   gate_lower_bound)
     ref = _kda.kda_chunk_reference if q.shape[1] > _kda.CHUNK else _kda.kda_recurrent_reference
     return ref(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
+
+
+def kda_state_chunk(device) -> int:
+    """The chunk (tokens) whose starting states kda_prefill_states returns for tensors on `device`."""
+    return _kda.FLA_CHUNK if _fla_on(device) else _kda.CHUNK
+
+
+@outside_compile
+def kda_prefill_states(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu=None, gate_lower_bound=None):
+    """kda_attention over sequences packed by cu_seqlens (no autograd) that also returns the state at the start of
+    each sequence's every chunk of kda_state_chunk(device) tokens: (o, final states [N, H, K, V], chunk states
+    [C, H, K, V], fp32; sequence n's chunk c at row kda.chunk_offsets(lengths, chunk)[n] + c)."""
+    if _fla(q):
+        return _kda.kda_chunk_states_fla(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
+                                         gate_lower_bound)
+    return _kda.kda_chunk_states_reference(q, k, v, g, beta, initial_state, cu_seqlens)
 
 
 @outside_compile
@@ -221,4 +242,5 @@ def short_conv(x, weight, state=None, output_final_state=False, cu_seqlens=None)
 
 
 __all__ = ["situ_glu", "grouped_expert_ffn", "permute_rows", "unpermute_rows", "score_histogram", "kda_attention",
-           "kda_decode", "kda_decode_slots", "kda_context_parallel", "kda_gate", "short_conv", "set_backend"]
+           "kda_prefill_states", "kda_state_chunk", "kda_decode", "kda_decode_slots", "kda_context_parallel",
+           "kda_gate", "short_conv", "set_backend"]

@@ -15,6 +15,7 @@ None) and takes (q, k, v, g, beta, initial_state=None, output_final_state=False,
 | kda_chunk_reference | the math of fla's chunk_kda: the WY/UT form inside a chunk, a scan over chunks |
 | kda_chunk_fla | fla.ops.kda.chunk_kda (training and prefill; forward and backward) |
 | kda_recurrent_fla | fla.ops.kda.fused_recurrent_kda (decoding from a state slot) |
+| kda_chunk_states_reference / _fla | prefill (no autograd) that also returns the state at every chunk's start |
 | kda_context_parallel_reference / _fla | a sequence split over the ranks of a process group (below) |
 
 Context parallelism: rank r holds tokens [r T, (r+1) T) of the sequence. Its slice maps an incoming state S to
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -82,12 +84,13 @@ def kda_recurrent_reference(q, k, v, g, beta, initial_state=None, output_final_s
     return o.to(v.dtype), s
 
 
-def _chunk_core(q, k, v, g, beta, s0, chunk: int = CHUNK):
+def _chunk_core(q, k, v, g, beta, s0, chunk: int = CHUNK, starts: list | None = None):
     """Chunked form. Tokens are padded to a multiple of the chunk with beta = 0, g = 0 (the state passes through
     unchanged). Inside a chunk (positions r, s; G = cumulative g from the chunk start, so G_r - G_s <= 0 for s <= r):
         A[r, s] = beta_r k_r^T Diag(exp(G_r - G_s)) k_s  (s < r),   T = (I + A)^-1 Diag(beta)   (the UT transform)
         U = T V,  W = T (K * exp(G));   delta = U - W S;   o = (Q * exp(G)) S + Aqk delta,
         Aqk[r, s] = q_r^T Diag(exp(G_r - G_s)) k_s  (s <= r);   S <- Diag(exp(G_C)) S + (K * exp(G_C - G))^T delta.
+    `starts`: where given, each chunk's starting state [B, H, K, V] is appended to it.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -118,9 +121,13 @@ def _chunk_core(q, k, v, g, beta, s0, chunk: int = CHUNK):
     S = q.new_zeros(B, H, K, V) if s0 is None else s0
     outs = []
     for n in range(N):
+        if starts is not None:
+            starts.append(S)
         delta = U[:, :, n] - W[:, :, n] @ S
         outs.append(Qg[:, :, n] @ S + Aqk[:, :, n] @ delta)
         S = gC[:, :, n, :, None] * S + Kd[:, :, n].transpose(-1, -2) @ delta
+    if not outs:  # an empty sequence
+        return v.new_zeros(B, 0, H, V), S
     o = torch.stack(outs, dim=2).reshape(B, H, N * chunk, V)[:, :, :T].transpose(1, 2)
     return o, S
 
@@ -129,6 +136,34 @@ def kda_chunk_reference(q, k, v, g, beta, initial_state=None, output_final_state
     """The chunked form of fla's chunk_kda in torch (chunks of CHUNK tokens); equals kda_recurrent_reference."""
     o, s = _per_sequence(_chunk_core, q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
     return o.to(v.dtype), s
+
+
+def kda_chunk_states_reference(q, k, v, g, beta, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None,
+                               gate_lower_bound=None):
+    """Prefill of sequences packed by cu_seqlens (batch 1) that also returns every chunk's starting state:
+    (o [1, T, H, V], final states [N, H, K, V], chunk states [C, H, K, V]), fp32 (float64 stays float64). Sequence n's
+    chunks are of `CHUNK` tokens from its first; C = sum over n of ceil(T_n / CHUNK); sequence n's chunk c is row
+    chunk_offsets[n] + c (fla's layout of its intermediate states; `chunk_offsets`). cu_seqlens_cpu and
+    gate_lower_bound: kda_chunk_fla's (the math does not change)."""
+    f32 = torch.float64 if v.dtype == torch.float64 else torch.float32
+    q, k, v_, g, beta = (t.to(f32) for t in (q, k, v, g, beta))
+    outs, finals, starts = [], [], []
+    for n, ts in enumerate(_segments(q, cu_seqlens)):
+        s0 = None if initial_state is None else initial_state[n:n + 1].to(f32)
+        mine = []
+        o, s = _chunk_core(*(t[:, ts] for t in (q, k, v_, g, beta)), s0, starts=mine)
+        outs.append(o)
+        finals.append(s)
+        starts += [c[0] for c in mine]
+    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
+    chunk_states = torch.stack(starts) if starts else q.new_zeros(0, H, K, V)
+    return torch.cat(outs, dim=1).to(v.dtype), torch.cat(finals), chunk_states
+
+
+def chunk_offsets(lengths: list[int], chunk: int) -> list[int]:
+    """[N + 1] where each sequence's chunk states start in a chunk-states tensor (kda_chunk_states_*), from the
+    sequences' lengths and the chunk."""
+    return [0, *itertools.accumulate(-(-n // chunk) for n in lengths)]
 
 
 def _affine_map(k, v, g, beta):
@@ -242,6 +277,45 @@ def kda_chunk_fla(q, k, v, g, beta, initial_state=None, output_final_state=False
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                      safe_gate=safe_gate(gate_lower_bound), **host)
     return o.to(v.dtype), s
+
+
+FLA_CHUNK = 64  # chunk_kda's chunk: the spacing of its intermediate states
+
+
+def kda_chunk_states_fla(q, k, v, g, beta, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None,
+                         gate_lower_bound=None):
+    """kda_chunk_states_reference on fla: chunk_kda's forward, its steps called one by one so that the chunk states
+    (`h`, which chunk_kda keeps in the inputs' dtype) are stored in fp32, exactly as its kernel carries them from
+    chunk to chunk: a checkpoint taken from them equals the final state of a pass that stops there. The outputs and
+    final states are chunk_kda's, bit for bit (its output kernel reads the states rounded to the inputs' dtype, as
+    chunk_kda's own stored copy is). Chunks of FLA_CHUNK tokens. No autograd (serving)."""
+    import triton
+    from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as fwd_h_kernel
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
+    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices, prepare_chunk_offsets
+    from fla.ops.utils.constant import RCP_LN2
+
+    q, k, v_, g, beta = (t.contiguous() for t in _fla_inputs(q, k, v, g, beta))
+    BT, N = FLA_CHUNK, cu_seqlens.numel() - 1
+    _, T, H, K = k.shape
+    V = v_.shape[-1]
+    indices = prepare_chunk_indices(cu_seqlens, BT, cu_seqlens_cpu=cu_seqlens_cpu)
+    offsets = prepare_chunk_offsets(cu_seqlens, BT)
+    g = chunk_local_cumsum(g=g, scale=RCP_LN2, chunk_size=BT, cu_seqlens=cu_seqlens, chunk_indices=indices)
+    w, u, _, kg, Aqk, _ = chunk_kda_fwd_intra(q=q, k=k, v=v_, gk=g, beta=beta, scale=1.0, cu_seqlens=cu_seqlens,
+                                              chunk_size=BT, chunk_indices=indices,
+                                              safe_gate=safe_gate(gate_lower_bound))
+    h = k.new_empty(1, indices.shape[0], H, K, V, dtype=torch.float32)
+    v_new = torch.empty_like(u)
+    final = k.new_zeros(N, H, K, V, dtype=torch.float32)
+    h0 = None if initial_state is None else initial_state.float().contiguous()
+    fwd_h_kernel[lambda meta: (triton.cdiv(V, meta["BV"]) * N * H,)](
+        k=kg, v=u, w=w, v_new=v_new, g=None, gk=g, h=h, h0=h0, ht=final, cu_seqlens=cu_seqlens,
+        chunk_offsets=offsets, T=T, H=H, HV=H, K=K, V=V, BT=BT, STATE_V_FIRST=False)
+    o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g, A=Aqk, h=h.to(k.dtype), scale=1.0, cu_seqlens=cu_seqlens,
+                           chunk_size=BT, chunk_indices=indices)
+    return o.to(v.dtype), final, h[0]
 
 
 def kda_recurrent_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None):

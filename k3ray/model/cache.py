@@ -23,13 +23,14 @@ length the iteration's attention reads (a bucket at least as long as its longest
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import kda_attention, kda_decode_slots, short_conv
+from k3ray.kernels import (kda_attention, kda_decode, kda_decode_slots, kda_prefill_states, kda_state_chunk,
+                           short_conv)
+from k3ray.kernels.kda import chunk_offsets
 from k3ray.model.serving_attention import decode_attention, prompt_attention
 
 
@@ -205,51 +206,44 @@ class PromptRows:
 
 
 @dataclass(frozen=True)
-class SaveRound:
-    """One pass of KDA over pieces of rows cut at their saves, each row's piece from the state its piece before left:
-    tokens [t] the pieces' packed tokens, rows [n] their rows, cu [n + 1] (on the device) and cu_cpu (host) the
-    pieces' offsets; `to`: (index in `rows`, checkpoint) for pieces ending at a save."""
-    tokens: torch.Tensor
-    rows: torch.Tensor
-    cu: torch.Tensor
-    cu_cpu: torch.Tensor
-    to: list[tuple[int, int]]
+class SaveIndices:
+    """`SavesInRows.indices` on the device."""
+    chunks: torch.Tensor
+    checkpoints: torch.Tensor
+    within: torch.Tensor
+    within_tokens: torch.Tensor
+    within_cu: torch.Tensor
 
 
 @dataclass
 class SavesInRows:
     """Checkpoints of an iteration inside its rows (`StateSave`s, offset < the row's count), with every row's first
-    packed token, new tokens and slot (host ints)."""
+    packed token, new tokens and slot (host ints), and the chunk (tokens) of the prefill kernel's chunk states
+    (kernels.kda_state_chunk). `device`: their indices on the device, once `IterationCache.from_plan` copied them."""
     saves: list[StateSave]
     firsts: list[int]
     counts: list[int]
     slots: list[int]
+    chunk: int
+    device: SaveIndices | None = None
 
-    def pieces(self) -> list[list[tuple[int, int, int]]]:
-        """Per row, its tokens cut at its saves: (start, end, checkpoint the state after it goes to, or -1)."""
-        cuts: dict[int, dict[int, int]] = {}
-        for s in self.saves:
-            cuts.setdefault(s.row, {})[s.offset] = s.checkpoint
-        out = []
-        for r, n in enumerate(self.counts):
-            at = sorted(cuts.get(r, {}))
-            bounds = [0, *at, n]
-            out.append([(a, b, cuts[r][b] if b in at else -1) for a, b in zip(bounds, bounds[1:])])
-        return out
-
-    def rounds(self) -> list[tuple[list[torch.Tensor], list[tuple[int, int]]]]:
-        """The passes (1 + the most saves inside one row) on the host: per round its tokens, rows and offsets
-        (IterationCache.from_plan sends them with the plan's, in one copy, making `SaveRound`s), and its `to`."""
-        pieces = self.pieces()
-        out = []
-        for j in range(max(len(p) for p in pieces)):
-            rows = [r for r, p in enumerate(pieces) if len(p) > j]
-            spans = [(self.firsts[r] + pieces[r][j][0], self.firsts[r] + pieces[r][j][1]) for r in rows]
-            cu = torch.tensor([0, *itertools.accumulate(b - a for a, b in spans)], dtype=torch.int64)
-            to = [(i, pieces[r][j][2]) for i, r in enumerate(rows) if pieces[r][j][2] >= 0]
-            out.append(([torch.cat([torch.arange(a, b) for a, b in spans]), torch.tensor(rows, dtype=torch.int64), cu],
-                        to))
-        return out
+    def indices(self) -> list[torch.Tensor]:
+        """On the host: chunks [S] each save's chunk in the chunk states (the one it starts, else the one it falls
+        in), checkpoints [S]; for the saves inside a chunk (the scheduler cuts rows so that few are), within [M] their
+        indices in `saves`, within_tokens [t] the packed tokens from their chunk's start to them and within_cu
+        [M + 1] those pieces' offsets."""
+        offsets = chunk_offsets(self.counts, self.chunk)
+        chunks, within, tokens, cu = [], [], [], [0]
+        for i, s in enumerate(self.saves):
+            chunks.append(offsets[s.row] + s.offset // self.chunk)
+            past = s.offset % self.chunk
+            if past:
+                end = self.firsts[s.row] + s.offset
+                within.append(i)
+                tokens += range(end - past, end)
+                cu.append(cu[-1] + past)
+        return [torch.tensor(t, dtype=torch.int64) for t in
+                (chunks, [s.checkpoint for s in self.saves], within, tokens, cu)]
 
 
 def fold_maxabs(token_maxabs_T: torch.Tensor | None, x_1Td: torch.Tensor) -> torch.Tensor:
@@ -274,10 +268,8 @@ class IterationCache:
 
     def __init__(self, pools: CachePools, slots_N: torch.Tensor, starts_N: torch.Tensor, counts_N: torch.Tensor,
                  seq_of_token_T: torch.Tensor, valid_N: torch.Tensor, context: int, prompt: PromptRows | None = None,
-                 decode_rows: torch.Tensor | None = None, saves: SavesInRows | None = None,
-                 save_rounds: list[SaveRound] = ()):
+                 decode_rows: torch.Tensor | None = None, saves: SavesInRows | None = None):
         self.pools, self.context, self.prompt, self.saves = pools, context, prompt, saves
-        self.save_rounds = save_rounds
         self.decode = prompt is None
         self.slots, self.starts, self.counts, self.valid = slots_N, starts_N, counts_N, valid_N
         self.seq_of_token = seq_of_token_T
@@ -337,16 +329,16 @@ class IterationCache:
         kv_pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
         parts = [torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token,
                  torch.tensor(dec + pre, dtype=torch.int64), kv_seq, kv_pos]
-        inside = SavesInRows(list(saves), firsts, counts, slots) if saves else None
-        on_host = inside.rounds() if inside else []
-        parts += [t for host, _ in on_host for t in host]
+        inside = SavesInRows(list(saves), firsts, counts, slots, kda_state_chunk(device)) if saves else None
+        if inside is not None:
+            parts += inside.indices()
         out = torch.cat(parts).to(device).split([p.numel() for p in parts])  # one copy: no sync inside the forward
         sn, seq_t, rows, kv_seq_d, kv_pos_d = out[:5]
-        rounds = [SaveRound(*out[5 + 3 * i:8 + 3 * i], host[2], to) for i, (host, to) in enumerate(on_host)]
+        if inside is not None:
+            inside.device = SaveIndices(*out[5:])
         prompt = PromptRows([firsts[i] for i in pre], [counts[i] for i in pre], lens.tolist(), rows[len(dec):],
                             kv_seq_d, kv_pos_d, torch.tensor(firsts, dtype=torch.int64))
-        return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, valid, context, prompt, rows[:len(dec)], inside,
-                   rounds)
+        return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, valid, context, prompt, rows[:len(dec)], inside)
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
         """Fold a block's output (the residual stream) into each token's max-abs (NaN propagates)."""
@@ -401,31 +393,29 @@ class IterationCache:
             as_batch = [t.transpose(0, 1) for t in (q, k, v, g, beta)]
             return kda_decode_slots(*as_batch, pool, self.slots).transpose(0, 1)
         if self.saves is not None:
-            return self._kda_in_pieces(q, k, v, g, beta, pool, gate_lower_bound)
-        o, s1 = kda_attention(q, k, v, g, beta, initial_state=pool[self.slots], output_final_state=True,
-                              cu_seqlens=self.cu_seqlens, cu_seqlens_cpu=self.prompt.cu_seqlens_cpu,
-                              gate_lower_bound=gate_lower_bound)
+            o, s1, chunk_states = kda_prefill_states(q, k, v, g, beta, pool[self.slots], self.cu_seqlens,
+                                                     self.prompt.cu_seqlens_cpu, gate_lower_bound)
+            self._checkpoint(chunk_states, q, k, v, g, beta)
+        else:
+            o, s1 = kda_attention(q, k, v, g, beta, initial_state=pool[self.slots], output_final_state=True,
+                                  cu_seqlens=self.cu_seqlens, cu_seqlens_cpu=self.prompt.cu_seqlens_cpu,
+                                  gate_lower_bound=gate_lower_bound)
         pool.index_copy_(0, self.slots, s1.to(pool.dtype))
         return o
 
-    def _kda_in_pieces(self, q, k, v, g, beta, pool: torch.Tensor, gate_lower_bound: float | None) -> torch.Tensor:
-        """`kda` with states saved inside rows: each row cut at its saves' offsets, round j running every row's j-th
-        piece (packed, one kernel call) from the state its piece j-1 left; a piece that ends at a save checkpoints
-        the state it leaves. Rounds (`SaveRound`, their indices on the device already): 1 + the most saves inside
-        one row."""
-        ckpt_pool = self.pools.checkpoint_state[self.layer]
-        state = pool[self.slots].clone()  # [N, H, K, V]
-        o = torch.empty_like(v)
-        for rnd in self.save_rounds:
-            o_j, s_j = kda_attention(*(t[:, rnd.tokens] for t in (q, k, v, g, beta)), initial_state=state[rnd.rows],
-                                     output_final_state=True, cu_seqlens=rnd.cu, cu_seqlens_cpu=rnd.cu_cpu,
-                                     gate_lower_bound=gate_lower_bound)
-            o[:, rnd.tokens] = o_j.to(o.dtype)
-            state[rnd.rows] = s_j.to(state.dtype)
-            for i, ckpt in rnd.to:
-                ckpt_pool[ckpt] = s_j[i].to(ckpt_pool.dtype)
-        pool.index_copy_(0, self.slots, state)
-        return o
+    def _checkpoint(self, chunk_states: torch.Tensor, q, k, v, g, beta) -> None:
+        """The states at the saves inside rows into their checkpoints, from the prefill's chunk states [C, H, K, V]:
+        a save where a chunk starts takes that chunk's state, one inside a chunk runs the recurrence on from its
+        chunk's start (all such in one call)."""
+        idx = self.saves.device
+        states = chunk_states[idx.chunks]
+        if idx.within.numel():
+            _, advanced = kda_decode(*(t[:, idx.within_tokens] for t in (q, k, v, g, beta)),
+                                     initial_state=states[idx.within], output_final_state=True,
+                                     cu_seqlens=idx.within_cu)
+            states[idx.within] = advanced.to(states.dtype)
+        ckpt = self.pools.checkpoint_state[self.layer]
+        ckpt.index_copy_(0, idx.checkpoints, states.to(ckpt.dtype))
 
     def short_conv(self, x_1TC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
         """KDA's causal short convolution (+ SiLU) over the packed sequences, each continuing from its slot's last

@@ -17,8 +17,8 @@ from k3ray.serve.scheduler_output import RankBatch, Request
 def row_saves(start: int, n: int, every: int, last_chunk: bool, shared: int) -> list[int]:
     """The boundaries (multiples of `every`) where a row of n tokens from position `start` saves its KDA states: its
     end where that is a boundary (saved after the iteration, at no cost to it: every decode row crossing one), and
-    inside the row only two, since each boundary inside a row costs its KDA layers one more pass over the iteration
-    (k3ray.model.cache `IterationCache._kda_in_pieces`): the deepest of a prompt's last chunk (`last_chunk`: where its
+    inside the row only two, since each checkpoint costs memory that a cached prefix pays per token (every KDA
+    layer's state: hundreds of times a token's latents): the deepest of a prompt's last chunk (`last_chunk`: where its
     next turn resumes should the reply stay short of the next boundary), and the deepest within the prefix it shares
     with cached blocks (`shared`: where another cached prompt and this one part, so a third prompt sharing that much
     hits there)."""
