@@ -72,6 +72,7 @@ class TimedExecutor:
     def __init__(self, inner: LocalExecutor, profile: dict[str, int] | None = None):
         self.inner, self.steps = inner, []  # (tokens, prompt rows, decode rows, seconds)
         self.shapes = []  # (prompt rows starting from a checkpoint, saves inside rows)
+        self.paths = []  # how the worker ran each (k3ray.parallel.serving `step_path`)
         self.profile, self.seen, self.profiles = profile or {}, {}, []
 
     def run(self, plans):
@@ -92,6 +93,7 @@ class TimedExecutor:
         rows = sum(c > 1 for c in plan.counts)
         self.steps.append((sum(plan.counts), rows, len(plan.counts) - rows, dt))
         self.shapes.append((restored, len(plan.saves)))
+        self.paths.append(out[0].path)
         if prof is not None:
             self.profiles.append((kind, self.steps[-1], self.shapes[-1], prof))
         return out
@@ -181,6 +183,12 @@ def level(model, cfg, serve, args, concurrency: int, inner: LocalExecutor, warm_
         f"<= {b}: {len(v)} x {statistics.median(x[0] for x in v) * 1e3:.1f} ms "
         f"({statistics.mean(x[1] for x in v):.1f} prompt + {statistics.mean(x[2] for x in v):.0f} decode rows)"
         for b, v in sorted(bins.items())), flush=True)
+    by_path = {}
+    for step, path in zip(ex.steps, ex.paths):
+        by_path.setdefault(path, []).append(step[3])
+    print("  worker step by path: " + "; ".join(
+        f"{path}: {len(v)} x {statistics.median(v) * 1e3:.1f} ms (median), {sum(v) / worker:.0%} of the workers' time"
+        for path, v in sorted(by_path.items(), key=lambda kv: -sum(kv[1]))), flush=True)
     hit_steps = [(step, shape) for step, shape in zip(ex.steps, ex.shapes) if shape[0]]
     if hit_steps:
         print(f"  iterations with a prompt row from a checkpoint: {len(hit_steps)}, median "

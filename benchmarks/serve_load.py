@@ -258,6 +258,9 @@ def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model:
     hit_rate = (cache.get("hit_tokens", 0) - cache0.get("hit_tokens", 0)) / looked if looked else None
     run = sum(stats["tokens_per_rank"]) - sum(stats0["tokens_per_rank"])  # prompt and decode tokens the workers ran
     worker_s = stats["phase_seconds"]["worker"] - stats0["phase_seconds"]["worker"]
+    paths0 = stats0.get("worker_paths", {})
+    paths = {k: (v["iterations"] - paths0.get(k, {}).get("iterations", 0),
+                 v["seconds"] - paths0.get(k, {}).get("seconds", 0.0)) for k, v in stats.get("worker_paths", {}).items()}
     return {"concurrency": concurrency, "requests": len(requests), "tokens": tokens, "seconds": wall,
             "gpu_busy": busy.stop(), "tokens_per_chunk": tokens / max(chunks, 1),
             "tokens_per_s": tokens / wall, "ttft_p50": pct(ttft, 50), "ttft_p99": pct(ttft, 99),
@@ -268,7 +271,8 @@ def level(pool: ProcessPoolExecutor | None, procs: int, engine, url: str, model:
             / max(prompt_tokens, 1), "preemptions": stats.get("preemptions", 0) - stats0.get("preemptions", 0),
             "cached_share": sum(p["cached"] for p in parts) / max(prompt_tokens, 1), "hit_rate": hit_rate,
             "cached_bytes": cache.get("cached_bytes"),
-            "resent": [sum(p["resent"][j] for p in parts) for j in range(2)]}
+            "resent": [sum(p["resent"][j] for p in parts) for j in range(2)],
+            "worker_paths": {k: v for k, v in paths.items() if v[0] > 0}}
 
 
 def process_cpu_seconds() -> dict[str, float]:
@@ -481,6 +485,15 @@ def main() -> None:
         print(f"| {r['kind']} | {r['concurrency']} | {r['iterations']} | {1e3 * r['wall'] / r['iterations']:.2f} | "
               + " | ".join(f"{1e3 * p[k]:.2f}" for k in ("schedule", "grid", "worker", "complete", "wake"))
               + f" | {1e3 * (p['schedule'] + p['complete'] + p['wake']):.2f} |")
+    print("\nThe workers' step by how they ran it (k3ray.parallel.serving `step_path`; the slowest rank's): share of "
+          "the iterations, mean ms, share of the workers' time")
+    print("| kind | concurrency | path | iterations | mean ms | share of worker time |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        total = sum(t for _, t in r["worker_paths"].values()) or 1.0
+        for path, (n, t) in sorted(r["worker_paths"].items(), key=lambda kv: -kv[1][1]):
+            print(f"| {r['kind']} | {r['concurrency']} | {path} | {n / r['iterations']:.0%} | {1e3 * t / n:.2f} | "
+                  f"{t / total:.0%} |")
     kinds, levels = list(dict.fromkeys(args.kind)), list(dict.fromkeys(args.concurrency))
     median = {(k, c): statistics.median(r["tokens_per_s"] for r in rows if (r["kind"], r["concurrency"]) == (k, c))
               for k in kinds for c in levels}

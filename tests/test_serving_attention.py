@@ -89,10 +89,13 @@ def test_a_padded_prefill_iteration_changes_no_row_and_counts_no_padding_route()
         assert server.prefill_bucket == 1  # the CPU's
         server.prefill_bucket = bucket
         first = server.step(RankPlan([0], [0], [5], prompt[:5], [0], admit=[SeqAdmit(0, [0, 1, 2, 3])]))
+        assert first.path == "prompt eager"  # how the worker ran it (the engine's breakdown of the workers' time)
         # a decode row beside a prompt row that saves its state inside and at its end (the prefix cache)
         plan = RankPlan([0, 1], [5, 0], [1, 13], [first.tokens[0], *prompt], [1, 0], admit=[SeqAdmit(1, [4, 5, 6, 7])],
                         saves=[StateSave(1, 8, 0), StateSave(1, 13, 1)])
-        return server.step(plan), pools
+        out = server.step(plan)
+        assert out.path == "prompt eager, saves inside rows"
+        return out, pools
 
     (want, p1), (got, p64) = run(1), run(PREFILL_TOKEN_BUCKET)
     assert got.tokens == want.tokens

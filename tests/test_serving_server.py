@@ -127,6 +127,10 @@ def test_openai_client_greedy_equals_reference(server, reference):
     assert stats["pages_used"] == 0 and stats["running"] == 0
     assert stats["iterations"] < sum(n for n in max_tokens)  # requests shared iterations
     assert all(n > 0 for n in stats["tokens_per_rank"])  # both data-parallel ranks served requests
+    paths = stats["worker_paths"]  # the workers' time by how they ran the iterations: on a CPU, eagerly
+    assert set(paths) <= {"prompt eager", "decode eager", "prompt eager, saves inside rows"} and "prompt eager" in paths
+    assert sum(p["iterations"] for p in paths.values()) == stats["iterations"]
+    assert sum(p["seconds"] for p in paths.values()) == pytest.approx(stats["phase_seconds"]["worker"])
 
 
 def test_seeded_sampling_same_text_alone_and_under_load(server, reference):

@@ -88,17 +88,28 @@ def padded_prefill(plan: RankPlan, scratch_slot: int, tokens: int, longest: int)
 class StageOutput:
     """A stage's answer to an iteration: each sequence's next token [N] (last stage; None elsewhere; meaningful only
     for sequences whose new tokens reached the end of what is known) and its largest |activation| in the stage [N]
-    (inf where anything, the logits included, is not finite), and the seconds the worker spent in the step."""
+    (inf where anything, the logits included, is not finite), the seconds the worker spent in the step and how it
+    ran it (`path`: `step_path`'s)."""
     tokens: list[int] | None
     maxabs: list[float]
     seconds: float = 0.0
     logprobs: dict[int, tuple[float, list[int], list[float]]] = field(default_factory=dict)  # `token_logprobs`
+    path: str = ""
 
     @staticmethod
     def merge(stages: list[StageOutput]) -> StageOutput:
-        """One data-parallel rank's answer from its stages' (in pipeline order; the seconds of the slowest)."""
+        """One data-parallel rank's answer from its stages' (in pipeline order; the seconds and path of the
+        slowest)."""
+        slowest = max(stages, key=lambda s: s.seconds)
         return StageOutput(stages[-1].tokens, [max(m) for m in zip(*(s.maxabs for s in stages))],
-                           max(s.seconds for s in stages), stages[-1].logprobs)
+                           slowest.seconds, stages[-1].logprobs, slowest.path)
+
+
+def step_path(prompt_rows: bool, graphs: bool, saves_inside: bool) -> str:
+    """How a worker ran an iteration, for the engine's breakdown of the workers' time (/v1/status `worker_paths`):
+    decode or prompt rows, replayed as CUDA graphs or eager, with KDA states saved inside rows or not."""
+    kind = f"{'prompt' if prompt_rows else 'decode'} {'graphs' if graphs else 'eager'}"
+    return kind + ", saves inside rows" if saves_inside else kind
 
 
 @dataclass
@@ -161,16 +172,20 @@ class StageServer:
         graphed = self.graphs is not None and n and max(plan.counts) == 1
         replayed = self.graphs.run(plan, x, sample=not adjusted) if graphed else None
         at_end = [s for s in plan.saves if s.offset == plan.counts[s.row]]  # the slot's state once the step ran
+        inside = [s for s in plan.saves if s.offset < plan.counts[s.row]]
         if replayed is not None:
             out, tokens, maxabs, slots, counters = replayed
+            path = step_path(False, True, False)
         else:
-            inside = [s for s in plan.saves if s.offset < plan.counts[s.row]]
             cache = IterationCache.from_plan(self.pools, plan.slots, plan.starts, plan.counts, self.device,
                                              saves=inside, padded=plan is not real)
             if self.stage.is_first:
                 x = self._input_ids(plan)[None]
             slots, counters = cache.slots, torch.tensor(plan.counters, dtype=torch.int64, device=self.device)
             out, tokens, maxabs = self.forward(x, cache, counters, plan.greedy, sample=not adjusted)
+            prompt = cache.prompt is not None
+            path = step_path(prompt, prompt and self.prompt_graphs is not None and self.prompt_graphs.serves(T),
+                             bool(inside))
         if adjusted:
             self.grammar_masks.fill(real.slots, plan.logits)
             tokens = self.sample(out, slots, counters, plan.greedy, plan.logits)
@@ -178,13 +193,13 @@ class StageServer:
         if not self.stage.is_last:
             if T:
                 dist.send(out.contiguous(), self.next_rank, group=self.groups.world)
-            return StageOutput(None, maxabs[:n].tolist(), time.perf_counter() - t0)
+            return StageOutput(None, maxabs[:n].tolist(), time.perf_counter() - t0, path=path)
         logprobs = token_logprobs(out, tokens, plan.logits) if plan.logits else {}
         both = torch.cat([tokens[:n].double(), maxabs[:n]])  # one device-to-host copy
         host = both.cpu()
         tokens = host[:n].long().tolist()
         self.grammar_masks.took(real.slots, plan.logits, tokens)
-        return StageOutput(tokens, host[n:].tolist(), time.perf_counter() - t0, logprobs)
+        return StageOutput(tokens, host[n:].tolist(), time.perf_counter() - t0, logprobs, path)
 
     def prompt_tokens(self, tokens: int) -> int:
         """The tokens an iteration of `tokens` with prompt rows runs: its prompt graphs' bucket, else (eager) the

@@ -228,7 +228,12 @@ class IterationLoop:
         p["schedule"] += schedule_s
         p["grid"] += grid_s
         p["complete"] += complete_s
-        p["worker"] += max((o.seconds for o in outputs.values()), default=0.0)
+        if outputs:
+            slowest = max(outputs.values(), key=lambda o: o.seconds)
+            p["worker"] += slowest.seconds
+            path = self.stats.worker_paths.setdefault(slowest.path, [0, 0.0])
+            path[0] += 1
+            path[1] += slowest.seconds
 
     async def _grid_chores(self) -> None:
         """Between iterations, nothing in flight: every so often the workers' expert load (observers, placement);

@@ -13,11 +13,13 @@ PHASES = ("schedule", "grid", "worker", "complete", "wake")
 class ServingStats:
     """iterations and tokens_out since `started`; phase_s: where the iterations' time went (seconds, summed):
     scheduling, waiting for the grid (of which the workers' own time in the step: `worker`), completing (tokens to
-    text, stops, guards) and waking the streams."""
+    text, stops, guards) and waking the streams; worker_paths: the workers' time by how they ran the iteration
+    (k3ray.parallel.serving `step_path` -> [iterations, seconds of the slowest rank])."""
     iterations: int = 0
     tokens_out: int = 0
     started: float = field(default_factory=time.time)
     phase_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    worker_paths: dict[str, list[float]] = field(default_factory=dict)
 
 
 class ServingStatus:
@@ -32,6 +34,7 @@ class ServingStatus:
         return {**self.sched.usage(), "iterations": c.iterations, "tokens_out": c.tokens_out,
                 "uptime_s": time.time() - c.started, "pp": self.grid.pp, "ep": self.grid.ep,
                 "incidents": len(self.incidents), "phase_seconds": dict(c.phase_s),
+                "worker_paths": {k: {"iterations": int(n), "seconds": t} for k, (n, t) in c.worker_paths.items()},
                 **self._standbys()}
 
     def _standbys(self) -> dict:
