@@ -86,20 +86,23 @@ def test_variable_length_batch_equals_separate_sequences():
             torch.testing.assert_close(s[n:n + 1], s_n, rtol=1e-10, atol=1e-10)
 
 
-def test_prefill_states_are_the_states_at_each_chunk_start():
-    """kda_chunk_states_reference: the outputs and final states of the chunked pass, and for every packed sequence the
-    state at the start of each of its chunks (row chunk_offsets[n] + c) equal to the final state of a pass over the
-    sequence's first c * CHUNK tokens from its initial state."""
+def test_prefill_returns_the_states_at_each_chunk_start():
+    """kda_prefill_reference: the outputs and final states of the chunked pass, and with chunk_states, for every packed
+    sequence the state at the start of each of its chunks (row offsets[n] + c of `chunk_layout`) equal to the final
+    state of a pass over the sequence's first c * CHUNK tokens from its initial state; the layout is fla's (each
+    chunk's sequence and place)."""
     lengths = [10, 130, 64, 1, 0]
     cu = torch.tensor([0] + lengths).cumsum(0)
     x = inputs(1, int(cu[-1]), 2, 8, 4, seed=4)
     s0 = torch.randn(len(lengths), 2, 8, 4, dtype=F64)
-    o, s, states = K.kda_chunk_states_reference(*x, initial_state=s0, cu_seqlens=cu)
+    indices, offsets = K.chunk_layout(lengths, K.CHUNK)
+    assert offsets.tolist() == [0, 1, 10, 14, 15, 15]
+    assert indices.tolist() == [[0, 0], *([1, c] for c in range(9)), *([2, c] for c in range(4)), [3, 0]]
+    o, s, states = K.kda_prefill_reference(*x, s0, cu, indices, offsets, chunk_states=True)
     o_want, s_want = K.kda_chunk_reference(*x, initial_state=s0, output_final_state=True, cu_seqlens=cu)
     torch.testing.assert_close(o, o_want, rtol=0, atol=1e-12)
     torch.testing.assert_close(s, s_want, rtol=0, atol=1e-12)
-    offsets = K.chunk_offsets(lengths, K.CHUNK)
-    assert states.shape == (offsets[-1], 2, 8, 4) and offsets[-1] == 1 + 9 + 4 + 1 + 0
+    assert states.shape == (15, 2, 8, 4) and K.kda_prefill_reference(*x, s0, cu)[2] is None
     for n, length in enumerate(lengths):
         for c in range(-(-length // K.CHUNK)):
             part = [t[:, cu[n]:cu[n] + c * K.CHUNK] for t in x]
@@ -238,29 +241,37 @@ def test_fla_variable_length_and_states_equal_reference_bf16():
 
 
 @needs_fla
-def test_fla_prefill_states_are_chunk_kda_bit_for_bit():
-    """kda_chunk_states_fla (chunk_kda's forward step by step, the chunk states kept in fp32): outputs and final
-    states bitwise chunk_kda's; the chunk states rounded to bf16 bitwise chunk_kda's own intermediate states; and each
-    chunk state in fp32 bitwise the final state of chunk_kda over the sequence's tokens before it (what a checkpoint
-    from a pass that stops there holds). Safe-gate gates, 32 heads (gpu2's: the kept autotune cache serves it)."""
+def test_fla_prefill_is_chunk_kda_bit_for_bit_with_no_host_sync():
+    """kda_prefill_fla (chunk_kda's forward step by step, its chunk indices from `chunk_layout`): outputs and final
+    states bitwise chunk_kda's, with and without chunk states, and no host sync (CUDA's sync debug mode raises at
+    one); the chunk states rounded to bf16 bitwise chunk_kda's own intermediate states; and each chunk state in fp32
+    bitwise the final state of chunk_kda over the sequence's tokens before it (what a checkpoint from a pass that
+    stops there holds). Safe-gate gates, 32 heads (gpu2's: the kept autotune cache serves it)."""
     lengths = [300, 1, 64, 129, 700]
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
     x = inputs(1, int(cu[-1]), 32, 128, 128, dtype=torch.bfloat16, device="cuda", seed=13)
     gen = torch.Generator(device="cpu").manual_seed(14)
     x[3] = (-5.0 * torch.sigmoid(torch.randn(x[3].shape, generator=gen) * 3)).to("cuda", torch.float32)
     s0 = torch.randn(len(lengths), 32, 128, 128, device="cuda") * 0.1
+    indices, offsets = (t.cuda() for t in K.chunk_layout(lengths, K.FLA_CHUNK))
     with torch.no_grad():
-        o, s, states = K.kda_chunk_states_fla(*x, initial_state=s0, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(),
-                                              gate_lower_bound=-5.0)
         o_want, s_want = K.kda_chunk_fla(*x, initial_state=s0, output_final_state=True, cu_seqlens=cu,
                                          gate_lower_bound=-5.0)
-        assert torch.equal(o, o_want) and torch.equal(s, s_want)
+        for chunk_states in (False, True):  # the first call of each autotunes (it synchronizes): not checked
+            K.kda_prefill_fla(*x, s0, cu, indices, offsets, -5.0, chunk_states)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                o, s, states = K.kda_prefill_fla(*x, s0, cu, indices, offsets, -5.0, chunk_states)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert torch.equal(o, o_want) and torch.equal(s, s_want), chunk_states
+            assert (states is None) != chunk_states
         with torch.inference_mode():
             chunk_kda, _ = K.fla_ops()
             *_, h = chunk_kda(*K._fla_inputs(*x), scale=1.0, initial_state=s0, output_final_state=True,
                               cu_seqlens=cu, safe_gate=True, return_intermediate_states=True)
         assert states.dtype == torch.float32 and torch.equal(states.to(h.dtype), h[0])
-        offsets = K.chunk_offsets(lengths, K.FLA_CHUNK)
         for n, c in [(0, 1), (0, 4), (3, 2), (4, 5), (4, 10)]:
             part = [t[:, cu[n]:cu[n] + c * K.FLA_CHUNK] for t in x]
             _, want = K.kda_chunk_fla(*part, initial_state=s0[n:n + 1], output_final_state=True,

@@ -91,6 +91,38 @@ def test_prompt_graphs_replayed_serve_as_the_eager_forward():
     assert torch.is_grad_enabled() and all(b.out.grad_fn is None for b in prompt_graphs.buckets.values())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("prompt_graphs", [False, True], ids=["eager", "graphs"])
+def test_a_prompt_iteration_saving_states_inside_its_row_never_waits_for_the_gpu(prompt_graphs):
+    """From its cache's one copy to its sampled tokens, a prompt iteration (a 128-token row, the context's whole,
+    saving KDA states where a prefill chunk starts and inside one) makes no host sync: CUDA's sync debug mode raises
+    at any. Eager and replayed from its bucket's graphs."""
+    from k3ray.model.cache import IterationCache
+
+    cfg = load_config("configs/tiny.yaml", {**RELEASED, "parallel.device": "cuda"}).model
+    stage = build_stage(cfg, range(cfg.n_layers), device="cuda")
+    pools = new_pools(cfg, stage.layers, 96, 4, 4, device="cuda", checkpoints=3)
+    server = StageServer(stage, pools, "cuda", graphs=False, prompt_graphs=prompt_graphs, token_budget=256)
+    pools.admit([SeqAdmit(0, list(range(32)))])
+    tokens = torch.randint(0, cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(6)).cuda()
+    counters = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+    def iteration():
+        return IterationCache.from_plan(pools, [0], [0], [128], "cuda",
+                                        saves=[StateSave(0, 64, 0), StateSave(0, 70, 1)])
+
+    with torch.no_grad():
+        server.forward(tokens, iteration(), counters, greedy=True)  # kernels autotune (and a bucket captures) here
+        cache = iteration()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            server.forward(tokens, cache, counters, greedy=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert (server.prompt_graphs is not None and 128 in server.prompt_graphs.buckets) == prompt_graphs
+
+
 def test_a_later_stage_runs_its_pieces_from_the_hidden_state_it_receives():
     """A pipeline stage after the first takes the hidden state (with Block AttnRes, the block summary too) into its
     pieces' static input: its logits, max-abs, KDA states, latents and served load equal its plain forward's.

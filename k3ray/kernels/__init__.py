@@ -14,7 +14,7 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | attn_res_value_dots(dh, v) | attn_res.*_reference | attn_res.*_triton | - |
 | attn_res_value_grad(p, dh, a, b, u, v) -> dv, x | attn_res.*_reference | attn_res.*_triton | - |
 | kda_attention(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, gate_lower_bound) | kda.*_reference | kda.*chunk_fla | all |
-| kda_prefill_states(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, gate_lower_bound) | kda.kda_chunk_states_reference | kda.kda_chunk_states_fla | - |
+| kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets, gate_lower_bound, chunk_states) | kda.kda_prefill_reference | kda.kda_prefill_fla | - |
 | kda_decode(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens) | kda.kda_recurrent_reference | kda.kda_recurrent_fla | - |
 | kda_decode_slots(q, k, v, g, beta, pool, slots) | kda.*_reference | kda.*_fla | - |
 | kda_context_parallel(q, k, v, g, beta, group) | kda.*_context_parallel_reference | kda.*_context_parallel_fla | all |
@@ -167,32 +167,32 @@ def _fla(t: torch.Tensor) -> bool:
 
 @outside_compile
 def kda_attention(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  cu_seqlens_cpu=None, gate_lower_bound=None):
-    """KDA for training and prefill (see kernels/kda.py for shapes): fla's chunk_kda, or the torch reference (the
-    chunked one for sequences longer than one chunk). Returns (o, final state or None). cu_seqlens_cpu: the offsets
-    on the host too (serving: no host sync inside the forward). gate_lower_bound: the gate's bound (g in (lb, 0)),
-    which lets fla run its intra-chunk products on tensor cores (kda.safe_gate); the math is the same."""
+                  gate_lower_bound=None):
+    """KDA for training (see kernels/kda.py for shapes): fla's chunk_kda, or the torch reference (the chunked one for
+    sequences longer than one chunk). Returns (o, final state or None). gate_lower_bound: the gate's bound (g in
+    (lb, 0)), which lets fla run its intra-chunk products on tensor cores (kda.safe_gate); the math is the same."""
     if _fla(q):
-        return _kda.kda_chunk_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, cu_seqlens_cpu,
-                                  gate_lower_bound)
+        return _kda.kda_chunk_fla(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, gate_lower_bound)
     ref = _kda.kda_chunk_reference if q.shape[1] > _kda.CHUNK else _kda.kda_recurrent_reference
     return ref(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens)
 
 
 def kda_state_chunk(device) -> int:
-    """The chunk (tokens) whose starting states kda_prefill_states returns for tensors on `device`."""
+    """The chunk (tokens) of kda_prefill on `device`: its chunk_indices' and chunk states' (kda.chunk_layout)."""
     return _kda.FLA_CHUNK if _fla_on(device) else _kda.CHUNK
 
 
 @outside_compile
-def kda_prefill_states(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu=None, gate_lower_bound=None):
-    """kda_attention over sequences packed by cu_seqlens (no autograd) that also returns the state at the start of
-    each sequence's every chunk of kda_state_chunk(device) tokens: (o, final states [N, H, K, V], chunk states
-    [C, H, K, V], fp32; sequence n's chunk c at row kda.chunk_offsets(lengths, chunk)[n] + c)."""
+def kda_prefill(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets, gate_lower_bound=None,
+                chunk_states=False):
+    """Serving's prefill of sequences packed by cu_seqlens from their states, with no host sync (kernels/kda.py):
+    (o, final states [N, H, K, V], chunk states [C, H, K, V] fp32 with `chunk_states`, else None). chunk_indices and
+    chunk_offsets: kda.chunk_layout of the sequences' lengths at kda_state_chunk(device) tokens, on the device."""
     if _fla(q):
-        return _kda.kda_chunk_states_fla(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu,
-                                         gate_lower_bound)
-    return _kda.kda_chunk_states_reference(q, k, v, g, beta, initial_state, cu_seqlens)
+        return _kda.kda_prefill_fla(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
+                                    gate_lower_bound, chunk_states)
+    return _kda.kda_prefill_reference(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
+                                      gate_lower_bound, chunk_states)
 
 
 @outside_compile
@@ -242,5 +242,5 @@ def short_conv(x, weight, state=None, output_final_state=False, cu_seqlens=None)
 
 
 __all__ = ["situ_glu", "grouped_expert_ffn", "permute_rows", "unpermute_rows", "score_histogram", "kda_attention",
-           "kda_prefill_states", "kda_state_chunk", "kda_decode", "kda_decode_slots", "kda_context_parallel",
+           "kda_prefill", "kda_state_chunk", "kda_decode", "kda_decode_slots", "kda_context_parallel",
            "kda_gate", "short_conv", "set_backend"]

@@ -15,7 +15,7 @@ None) and takes (q, k, v, g, beta, initial_state=None, output_final_state=False,
 | kda_chunk_reference | the math of fla's chunk_kda: the WY/UT form inside a chunk, a scan over chunks |
 | kda_chunk_fla | fla.ops.kda.chunk_kda (training and prefill; forward and backward) |
 | kda_recurrent_fla | fla.ops.kda.fused_recurrent_kda (decoding from a state slot) |
-| kda_chunk_states_reference / _fla | prefill (no autograd) that also returns the state at every chunk's start |
+| kda_prefill_reference / _fla | serving's prefill (no autograd, no host sync): chunk indices from the caller, and the state at every chunk's start if asked |
 | kda_context_parallel_reference / _fla | a sequence split over the ranks of a process group (below) |
 
 Context parallelism: rank r holds tokens [r T, (r+1) T) of the sequence. Its slice maps an incoming state S to
@@ -26,7 +26,6 @@ fla's chunk_kda(cp_context=...) does the same on CUDA.
 from __future__ import annotations
 
 import functools
-import inspect
 import itertools
 
 import torch
@@ -138,13 +137,13 @@ def kda_chunk_reference(q, k, v, g, beta, initial_state=None, output_final_state
     return o.to(v.dtype), s
 
 
-def kda_chunk_states_reference(q, k, v, g, beta, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None,
-                               gate_lower_bound=None):
-    """Prefill of sequences packed by cu_seqlens (batch 1) that also returns every chunk's starting state:
-    (o [1, T, H, V], final states [N, H, K, V], chunk states [C, H, K, V]), fp32 (float64 stays float64). Sequence n's
-    chunks are of `CHUNK` tokens from its first; C = sum over n of ceil(T_n / CHUNK); sequence n's chunk c is row
-    chunk_offsets[n] + c (fla's layout of its intermediate states; `chunk_offsets`). cu_seqlens_cpu and
-    gate_lower_bound: kda_chunk_fla's (the math does not change)."""
+def kda_prefill_reference(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices=None, chunk_offsets=None,
+                          gate_lower_bound=None, chunk_states=False):
+    """Serving's prefill of sequences packed by cu_seqlens (batch 1): (o [1, T, H, V], final states [N, H, K, V], and
+    with `chunk_states` every chunk's starting state [C, H, K, V], else None), fp32 (float64 stays float64). Sequence
+    n's chunks are of `CHUNK` tokens from its first; C = sum over n of ceil(T_n / CHUNK); sequence n's chunk c is row
+    chunk_offsets[n] + c (`chunk_layout`; fla's layout of its intermediate states). chunk_indices, chunk_offsets and
+    gate_lower_bound: kda_prefill_fla's (the math does not change)."""
     f32 = torch.float64 if v.dtype == torch.float64 else torch.float32
     q, k, v_, g, beta = (t.to(f32) for t in (q, k, v, g, beta))
     outs, finals, starts = [], [], []
@@ -156,14 +155,19 @@ def kda_chunk_states_reference(q, k, v, g, beta, initial_state=None, cu_seqlens=
         finals.append(s)
         starts += [c[0] for c in mine]
     H, K, V = q.shape[2], q.shape[3], v.shape[-1]
-    chunk_states = torch.stack(starts) if starts else q.new_zeros(0, H, K, V)
-    return torch.cat(outs, dim=1).to(v.dtype), torch.cat(finals), chunk_states
+    states = (torch.stack(starts) if starts else q.new_zeros(0, H, K, V)) if chunk_states else None
+    return torch.cat(outs, dim=1).to(v.dtype), torch.cat(finals), states
 
 
-def chunk_offsets(lengths: list[int], chunk: int) -> list[int]:
-    """[N + 1] where each sequence's chunk states start in a chunk-states tensor (kda_chunk_states_*), from the
-    sequences' lengths and the chunk."""
-    return [0, *itertools.accumulate(-(-n // chunk) for n in lengths)]
+def chunk_layout(lengths: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks of sequences of `lengths` tokens, on the host: indices [C, 2] (each chunk's sequence and its place
+    in it) and offsets [N + 1] (where each sequence's chunks start), int64: fla's `prepare_chunk_indices` and
+    `prepare_chunk_offsets`, which a caller with the lengths on the host sends with its other indices (computed by
+    fla from cu_seqlens, they cost a host sync)."""
+    counts = [-(-n // chunk) for n in lengths]
+    indices = [(i, c) for i, n in enumerate(counts) for c in range(n)]
+    return (torch.tensor(indices, dtype=torch.int64).reshape(-1, 2),
+            torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64))
 
 
 def _affine_map(k, v, g, beta):
@@ -249,11 +253,6 @@ def _fla_inputs(q, k, v, g, beta):
     return q.to(dt), k.to(dt), v, g.float(), beta.to(dt)
 
 
-@functools.cache
-def _takes_cu_seqlens_cpu(fn) -> bool:
-    return "cu_seqlens_cpu" in inspect.signature(fn).parameters
-
-
 # fla's safe_gate takes log gates in [SAFE_GATE_LOWEST, 0): bounded so, exp(G_r - G_s) inside a 16-token sub-chunk
 # stays in fp32's range split around an anchor, and the intra-chunk products run as tensor-core dots (bf16x3) instead
 # of a loop of outer products, one token at a time.
@@ -266,56 +265,52 @@ def safe_gate(gate_lower_bound: float | None) -> bool:
 
 
 def kda_chunk_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  cu_seqlens_cpu=None, gate_lower_bound=None):
-    """cu_seqlens_cpu: the same offsets on the host, where fla takes them: its chunk indices are then computed from
-    them, not by reading cu_seqlens back from the device (a host sync mid-forward). gate_lower_bound: the bound the
-    layer's gate keeps g above (g in (lb, 0)); within fla's safe range the intra-chunk kernels run on tensor cores."""
+                  gate_lower_bound=None):
+    """fla's chunk_kda (training: forward and backward). gate_lower_bound: the bound the layer's gate keeps g above (g in (lb, 0)); within fla's safe range the
+    intra-chunk kernels run on tensor cores."""
     chunk_kda, _ = fla_ops()
-    host = {"cu_seqlens_cpu": cu_seqlens_cpu} if cu_seqlens_cpu is not None and _takes_cu_seqlens_cpu(chunk_kda) \
-        else {}
     o, s = chunk_kda(*_fla_inputs(q, k, v, g, beta), scale=1.0, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                     safe_gate=safe_gate(gate_lower_bound), **host)
+                     safe_gate=safe_gate(gate_lower_bound))
     return o.to(v.dtype), s
 
 
 FLA_CHUNK = 64  # chunk_kda's chunk: the spacing of its intermediate states
 
 
-def kda_chunk_states_fla(q, k, v, g, beta, initial_state=None, cu_seqlens=None, cu_seqlens_cpu=None,
-                         gate_lower_bound=None):
-    """kda_chunk_states_reference on fla: chunk_kda's forward, its steps called one by one so that the chunk states
-    (`h`, which chunk_kda keeps in the inputs' dtype) are stored in fp32, exactly as its kernel carries them from
-    chunk to chunk: a checkpoint taken from them equals the final state of a pass that stops there. The outputs and
-    final states are chunk_kda's, bit for bit (its output kernel reads the states rounded to the inputs' dtype, as
-    chunk_kda's own stored copy is). Chunks of FLA_CHUNK tokens. No autograd (serving)."""
+def kda_prefill_fla(q, k, v, g, beta, initial_state, cu_seqlens, chunk_indices, chunk_offsets,
+                    gate_lower_bound=None, chunk_states=False):
+    """kda_prefill_reference on fla: chunk_kda's forward, its steps called one by one, from chunk indices and offsets
+    the caller sent (`chunk_layout` of FLA_CHUNK, on the device; chunk_kda would derive them from cu_seqlens with a
+    host sync mid-forward) and, with `chunk_states`, every chunk's starting state kept in fp32, exactly as the kernel
+    carries it from chunk to chunk (chunk_kda keeps them in the inputs' dtype): a checkpoint taken there equals the
+    final state of a pass that stops there. The outputs and final states are chunk_kda's, bit for bit (its output
+    kernel reads the states rounded to the inputs' dtype either way). No autograd (serving)."""
     import triton
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_kernel_h_blockdim64 as fwd_h_kernel
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
     from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
-    from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices, prepare_chunk_offsets
+    from fla.ops.utils import chunk_local_cumsum
     from fla.ops.utils.constant import RCP_LN2
 
     q, k, v_, g, beta = (t.contiguous() for t in _fla_inputs(q, k, v, g, beta))
     BT, N = FLA_CHUNK, cu_seqlens.numel() - 1
     _, T, H, K = k.shape
     V = v_.shape[-1]
-    indices = prepare_chunk_indices(cu_seqlens, BT, cu_seqlens_cpu=cu_seqlens_cpu)
-    offsets = prepare_chunk_offsets(cu_seqlens, BT)
-    g = chunk_local_cumsum(g=g, scale=RCP_LN2, chunk_size=BT, cu_seqlens=cu_seqlens, chunk_indices=indices)
+    g = chunk_local_cumsum(g=g, scale=RCP_LN2, chunk_size=BT, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
     w, u, _, kg, Aqk, _ = chunk_kda_fwd_intra(q=q, k=k, v=v_, gk=g, beta=beta, scale=1.0, cu_seqlens=cu_seqlens,
-                                              chunk_size=BT, chunk_indices=indices,
+                                              chunk_size=BT, chunk_indices=chunk_indices,
                                               safe_gate=safe_gate(gate_lower_bound))
-    h = k.new_empty(1, indices.shape[0], H, K, V, dtype=torch.float32)
+    h = k.new_empty(1, chunk_indices.shape[0], H, K, V, dtype=torch.float32 if chunk_states else k.dtype)
     v_new = torch.empty_like(u)
     final = k.new_zeros(N, H, K, V, dtype=torch.float32)
     h0 = None if initial_state is None else initial_state.float().contiguous()
     fwd_h_kernel[lambda meta: (triton.cdiv(V, meta["BV"]) * N * H,)](
         k=kg, v=u, w=w, v_new=v_new, g=None, gk=g, h=h, h0=h0, ht=final, cu_seqlens=cu_seqlens,
-        chunk_offsets=offsets, T=T, H=H, HV=H, K=K, V=V, BT=BT, STATE_V_FIRST=False)
+        chunk_offsets=chunk_offsets, T=T, H=H, HV=H, K=K, V=V, BT=BT, STATE_V_FIRST=False)
     o = chunk_gla_fwd_o_gk(q=q, v=v_new, g=g, A=Aqk, h=h.to(k.dtype), scale=1.0, cu_seqlens=cu_seqlens,
-                           chunk_size=BT, chunk_indices=indices)
-    return o.to(v.dtype), final, h[0]
+                           chunk_size=BT, chunk_indices=chunk_indices)
+    return o.to(v.dtype), final, (h[0] if chunk_states else None)
 
 
 def kda_recurrent_fla(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None):

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import (kda_attention, kda_decode, kda_decode_slots, kda_prefill_states, kda_state_chunk,
-                           short_conv)
-from k3ray.kernels.kda import chunk_offsets
+from k3ray.kernels import kda_decode, kda_decode_slots, kda_prefill, kda_state_chunk, short_conv
+from k3ray.kernels.kda import chunk_layout
 from k3ray.model.serving_attention import decode_attention, prompt_attention
 
 
@@ -202,7 +201,9 @@ class PromptRows:
     rows: torch.Tensor
     kv_seq: torch.Tensor
     kv_pos: torch.Tensor
-    cu_seqlens_cpu: torch.Tensor  # [N + 1] every row's offsets in the packed tokens, on the host (fla's chunk indices)
+    # every row's chunks of kda_state_chunk tokens (kda.chunk_layout), for KDA's prefill: [C, 2] and [N + 1]
+    chunk_indices: torch.Tensor
+    chunk_offsets: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -218,13 +219,15 @@ class SaveIndices:
 @dataclass
 class SavesInRows:
     """Checkpoints of an iteration inside its rows (`StateSave`s, offset < the row's count), with every row's first
-    packed token, new tokens and slot (host ints), and the chunk (tokens) of the prefill kernel's chunk states
-    (kernels.kda_state_chunk). `device`: their indices on the device, once `IterationCache.from_plan` copied them."""
+    packed token, new tokens and slot (host ints), and the chunks of the prefill kernel's chunk states: their length
+    (kernels.kda_state_chunk) and where each row's start (kda.chunk_layout's offsets). `device`: their indices on the
+    device, once `IterationCache.from_plan` copied them."""
     saves: list[StateSave]
     firsts: list[int]
     counts: list[int]
     slots: list[int]
     chunk: int
+    chunk_offsets: list[int]
     device: SaveIndices | None = None
 
     def indices(self) -> list[torch.Tensor]:
@@ -232,10 +235,9 @@ class SavesInRows:
         in), checkpoints [S]; for the saves inside a chunk (the scheduler cuts rows so that few are), within [M] their
         indices in `saves`, within_tokens [t] the packed tokens from their chunk's start to them and within_cu
         [M + 1] those pieces' offsets."""
-        offsets = chunk_offsets(self.counts, self.chunk)
         chunks, within, tokens, cu = [], [], [], [0]
         for i, s in enumerate(self.saves):
-            chunks.append(offsets[s.row] + s.offset // self.chunk)
+            chunks.append(self.chunk_offsets[s.row] + s.offset // self.chunk)
             past = s.offset % self.chunk
             if past:
                 end = self.firsts[s.row] + s.offset
@@ -327,17 +329,19 @@ class IterationCache:
         lens = torch.tensor([starts[i] + counts[i] for i in pre], dtype=torch.int64)
         kv_seq = torch.repeat_interleave(torch.arange(len(pre)), lens)
         kv_pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        chunk = kda_state_chunk(device)
+        chunk_indices, chunk_offsets = chunk_layout(counts, chunk)
         parts = [torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token,
-                 torch.tensor(dec + pre, dtype=torch.int64), kv_seq, kv_pos]
-        inside = SavesInRows(list(saves), firsts, counts, slots, kda_state_chunk(device)) if saves else None
+                 torch.tensor(dec + pre, dtype=torch.int64), kv_seq, kv_pos, chunk_indices.reshape(-1), chunk_offsets]
+        inside = SavesInRows(list(saves), firsts, counts, slots, chunk, chunk_offsets.tolist()) if saves else None
         if inside is not None:
             parts += inside.indices()
         out = torch.cat(parts).to(device).split([p.numel() for p in parts])  # one copy: no sync inside the forward
-        sn, seq_t, rows, kv_seq_d, kv_pos_d = out[:5]
+        sn, seq_t, rows, kv_seq_d, kv_pos_d, indices_d, offsets_d = out[:7]
         if inside is not None:
-            inside.device = SaveIndices(*out[5:])
+            inside.device = SaveIndices(*out[7:])
         prompt = PromptRows([firsts[i] for i in pre], [counts[i] for i in pre], lens.tolist(), rows[len(dec):],
-                            kv_seq_d, kv_pos_d, torch.tensor(firsts, dtype=torch.int64))
+                            kv_seq_d, kv_pos_d, indices_d.view(-1, 2), offsets_d)
         return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, valid, context, prompt, rows[:len(dec)], inside)
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
@@ -385,21 +389,19 @@ class IterationCache:
     def kda(self, q, k, v, g, beta, gate_lower_bound: float | None = None) -> torch.Tensor:
         """KDA over the packed sequences from their slots' states; the final states go back into the slots. Decode
         iterations (one token per sequence) run the recurrent kernel with the sequences as a batch, others the
-        chunked one over the packed sequences (gate_lower_bound: kernels.kda_attention's)."""
+        chunked prefill over the packed sequences, its chunk indices from the plan's copy (no host sync), with the
+        states at the saves inside rows (gate_lower_bound: kernels.kda_prefill's)."""
         if not self.seq_of_token.numel():
             return v.new_zeros(v.shape)
         pool = self.pools.state[self.layer]
         if self.decode:  # [N, 1, ...]: one token per sequence, each state updated in its slot
             as_batch = [t.transpose(0, 1) for t in (q, k, v, g, beta)]
             return kda_decode_slots(*as_batch, pool, self.slots).transpose(0, 1)
+        p = self.prompt
+        o, s1, chunk_states = kda_prefill(q, k, v, g, beta, pool[self.slots], self.cu_seqlens, p.chunk_indices,
+                                          p.chunk_offsets, gate_lower_bound, chunk_states=self.saves is not None)
         if self.saves is not None:
-            o, s1, chunk_states = kda_prefill_states(q, k, v, g, beta, pool[self.slots], self.cu_seqlens,
-                                                     self.prompt.cu_seqlens_cpu, gate_lower_bound)
             self._checkpoint(chunk_states, q, k, v, g, beta)
-        else:
-            o, s1 = kda_attention(q, k, v, g, beta, initial_state=pool[self.slots], output_final_state=True,
-                                  cu_seqlens=self.cu_seqlens, cu_seqlens_cpu=self.prompt.cu_seqlens_cpu,
-                                  gate_lower_bound=gate_lower_bound)
         pool.index_copy_(0, self.slots, s1.to(pool.dtype))
         return o
 
