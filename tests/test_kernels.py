@@ -451,23 +451,31 @@ def test_permute_histogram_real_shape(poisoned):
 
 
 @given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), W=st.integers(2, 5), fresh=st.booleans(),
-       seed=st.integers(0, 2**16))
+       seed=st.integers(0, 2**16), data=st.data())
 @settings(max_examples=40, deadline=None)
-def test_short_conv_varlen_equals_the_per_sequence_reference(lengths, W, fresh, seed):
-    """Every packed sequence at once (one gather, no host sync) equals the reference's loop over sequences: outputs and
-    final states, sequences shorter than the kernel included, from carried states or none."""
-    from k3ray.kernels.short_conv import short_conv_reference, short_conv_varlen
+def test_short_conv_packed_equals_the_per_sequence_reference(lengths, W, fresh, seed, data):
+    """Every packed sequence at once (one gather from indices built on the host) equals the reference's loop over
+    sequences: outputs and final states, sequences shorter than the kernel included, from carried states or zeros; a
+    tail at a point inside a sequence is the final state of the reference stopped there."""
+    from k3ray.kernels.short_conv import packed_conv_index, short_conv_packed, short_conv_reference
 
     g = torch.Generator().manual_seed(seed)
-    C, T = 6, sum(lengths)
+    C, T, N = 6, sum(lengths), len(lengths)
     x = torch.randn(1, T, C, generator=g, dtype=torch.float64)
     w = torch.randn(C, W, generator=g, dtype=torch.float64)
-    state = None if fresh else torch.randn(len(lengths), W - 1, C, generator=g, dtype=torch.float64)
+    state = torch.zeros(N, W - 1, C, dtype=torch.float64) if fresh else \
+        torch.randn(N, W - 1, C, generator=g, dtype=torch.float64)
+    points = data.draw(st.lists(st.integers(0, N - 1).flatmap(
+        lambda n: st.tuples(st.just(n), st.integers(1, lengths[n]))), max_size=4))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    y, s = short_conv_varlen(x, w, state, output_final_state=True, cu_seqlens=cu)
+    y, s, tails = short_conv_packed(x, w, state, packed_conv_index(lengths, W, points))
     y_ref, s_ref = short_conv_reference(x, w, state, output_final_state=True, cu_seqlens=cu)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
+    assert tails.shape == (len(points), W - 1, C)
+    for (n, offset), tail in zip(points, tails):
+        _, want = short_conv_reference(x[:, cu[n]:cu[n] + offset], w, state[n:n + 1], output_final_state=True)
+        torch.testing.assert_close(tail, want[0], rtol=0, atol=0)
 
 
 def _attn_res_inputs(N, T, d):

@@ -19,7 +19,7 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | kda_decode_slots(q, k, v, g, beta, pool, slots) | kda.*_reference | kda.*_fla | - |
 | kda_context_parallel(q, k, v, g, beta, group) | kda.*_context_parallel_reference | kda.*_context_parallel_fla | all |
 | kda_gate(raw, A_log, dt_bias, lower_bound) | kda.kda_gate_reference | kda.kda_gate_fla | all |
-| short_conv(x, weight, state, output_final_state, cu_seqlens) | short_conv.*_reference | *_fla (no state), *_varlen | all |
+| short_conv(x, weight, state, output_final_state, cu_seqlens) | short_conv.*_reference | *_fla (no state) | all |
 
 `adding_into_grads()` (grad_accumulation): inside it, a backward adds the routed experts' weight gradients into the
 `.grad` an earlier micro-batch left, in the Triton kernel that makes them.
@@ -230,15 +230,12 @@ def kda_gate(raw, A_log, dt_bias, lower_bound=None):
 @outside_compile
 def short_conv(x, weight, state=None, output_final_state=False, cu_seqlens=None):
     """Causal short convolution + SiLU (kernels/short_conv.py). fla's kernel on CUDA when no state is carried (training
-    and whole-sequence forward); with a carried state (serving keeps each request's last W-1 inputs) every packed
-    sequence at once (short_conv_varlen)."""
-    if _backend == "reference":
-        return _conv.short_conv_reference(x, weight, state, output_final_state, cu_seqlens)
-    if state is None and not output_final_state:
-        if x.is_cuda and _conv.fla_conv() is not None:
-            return _conv.short_conv_fla(x, weight, state, output_final_state, cu_seqlens)
-        return _conv.short_conv_reference(x, weight, state, output_final_state, cu_seqlens)
-    return _conv.short_conv_varlen(x, weight, state, output_final_state, cu_seqlens)
+    and whole-sequence forward), else the reference (decoding: one token of each sequence, a batch); serving's
+    prefill gathers every packed sequence at once (short_conv.short_conv_packed)."""
+    if _backend != "reference" and state is None and not output_final_state and x.is_cuda \
+            and _conv.fla_conv() is not None:
+        return _conv.short_conv_fla(x, weight, state, output_final_state, cu_seqlens)
+    return _conv.short_conv_reference(x, weight, state, output_final_state, cu_seqlens)
 
 
 __all__ = ["situ_glu", "grouped_expert_ffn", "permute_rows", "unpermute_rows", "score_histogram", "kda_attention",

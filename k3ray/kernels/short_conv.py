@@ -12,12 +12,13 @@ cu_seqlens=None).
 | function | what |
 |---|---|
 | short_conv_reference | torch (any device), one sequence at a time; carries the state |
-| short_conv_varlen | torch (any device), every packed sequence at once by one gather: serving's chunked prefill |
+| short_conv_packed | torch (any device), every packed sequence at once by one gather from indices computed on the host (`packed_conv_index`): serving's chunked prefill |
 | short_conv_fla | fla.modules.causal_conv1d on CUDA (training: no state in or out) |
 """
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,34 +55,47 @@ def short_conv_reference(x, weight, state=None, output_final_state=False, cu_seq
     return y, final
 
 
-def short_conv_varlen(x, weight, state=None, output_final_state=False, cu_seqlens=None):
-    """`short_conv_reference` with the packed sequences all at once (no loop, no host sync: a CUDA graph can hold
-    it): each token's W inputs gathered from [carried states | x], then one weighted sum. Without cu_seqlens, the
-    reference (rows of equal length are one batched convolution already)."""
-    if cu_seqlens is None:
-        return short_conv_reference(x, weight, state, output_final_state)
-    if x.shape[0] != 1:
-        raise ValueError(f"cu_seqlens needs the sequences packed into batch 1, got batch {x.shape[0]}")
-    T, C, W, N = x.shape[1], x.shape[2], weight.shape[1], cu_seqlens.numel() - 1
+@dataclass(frozen=True)
+class PackedConv:
+    """Where `short_conv_packed` gathers from, for N sequences packed into T tokens and a kernel of W, in rows of
+    [every sequence's carried state (N (W-1) rows) | x (T rows)]: src [T, W] each token's W inputs; last [N, W-1] each
+    sequence's last W-1 inputs (its final state); tails [S, W-1] the W-1 inputs before each of S points (sequence,
+    offset): the state a pass that stopped there would carry. int64, built on the host by `packed_conv_index`."""
+    src: torch.Tensor
+    last: torch.Tensor
+    tails: torch.Tensor
+
+    def to(self, device) -> "PackedConv":
+        return PackedConv(*(t.to(device) for t in (self.src, self.last, self.tails)))
+
+
+def packed_conv_index(counts: list[int], W: int, points: list[tuple[int, int]] = ()) -> PackedConv:
+    """`PackedConv` of sequences of `counts` tokens (host ints, so no device work and no sync) and `points`."""
+    N, w1 = len(counts), W - 1
+    lengths = torch.tensor(counts, dtype=torch.int64)
+    first = torch.cumsum(lengths, 0) - lengths  # [N] each sequence's first packed token
+
+    def rows(seq: torch.Tensor, ends: torch.Tensor, width: int) -> torch.Tensor:
+        """[M, width] the inputs at places ends - width .. ends - 1 of sequences `seq` (< 0: the carried state)."""
+        at = ends[:, None] + torch.arange(-width, 0)[None, :]
+        return torch.where(at >= 0, N * w1 + first[seq][:, None] + at, seq[:, None] * w1 + w1 + at)
+
+    seq = torch.repeat_interleave(torch.arange(N), lengths)
+    place = torch.arange(int(lengths.sum())) - first[seq]
+    points_t = torch.tensor(list(points), dtype=torch.int64).reshape(-1, 2)
+    return PackedConv(rows(seq, place + 1, W), rows(torch.arange(N), lengths, w1),
+                      rows(points_t[:, 0], points_t[:, 1], w1))
+
+
+def short_conv_packed(x, weight, state, index: PackedConv):
+    """Every packed sequence at once from its carried state (x [1, T, C], state [N, W-1, C]) by one gather
+    (`index`: `packed_conv_index` on x's device; no host sync, so a CUDA graph can hold it): (y [1, T, C], final
+    states [N, W-1, C], tails [S, W-1, C]), the states in state's dtype."""
+    N, w1, C = state.shape
     f32 = torch.float64 if x.dtype == torch.float64 else torch.float32
-    dev, w1 = x.device, W - 1
-    past = x.new_zeros(N, w1, C, dtype=f32) if state is None else state.to(f32)
-    full = torch.cat([past.reshape(N * w1, C), x[0].to(f32)])  # [N (W-1) + T, C]
-    cu = cu_seqlens.to(dev, torch.int64)
-    t = torch.arange(T, device=dev)
-    seq = torch.searchsorted(cu[1:], t, right=True)  # [T] each token's sequence
-    j = t - cu[seq]  # [T] its place in the sequence
-    d = torch.arange(w1, -1, -1, device=dev)  # [W] how far back weight column w reads: W-1-w
-    back = j[:, None] - d[None, :]  # [T, W] the input's place in the sequence (< 0: in the carried state)
-    src = torch.where(back >= 0, N * w1 + t[:, None] - d[None, :], seq[:, None] * w1 + w1 + back)
-    y = F.silu((full[src] * weight.to(f32).t()[None]).sum(1)).to(x.dtype)[None]  # [1, T, C]
-    if not output_final_state:
-        return y, None
-    lengths = cu[1:] - cu[:-1]
-    k = torch.arange(-w1, 0, device=dev)  # the last W-1 places, relative to each sequence's end
-    at = lengths[:, None] + k[None, :]  # [N, W-1]
-    idx = torch.where(at >= 0, N * w1 + cu[:-1, None] + at, torch.arange(N, device=dev)[:, None] * w1 + w1 + at)
-    return y, full[idx].to(x.dtype if state is None else state.dtype)
+    full = torch.cat([state.reshape(N * w1, C).to(f32), x[0].to(f32)])  # [N (W-1) + T, C]
+    y = F.silu((full[index.src] * weight.to(f32).t()[None]).sum(1)).to(x.dtype)[None]
+    return y, full[index.last].to(state.dtype), full[index.tails].to(state.dtype)
 
 
 @functools.cache

@@ -30,6 +30,7 @@ import torch
 from k3ray.config import ModelConfig
 from k3ray.kernels import kda_decode, kda_decode_slots, kda_prefill, kda_state_chunk, short_conv
 from k3ray.kernels.kda import chunk_layout
+from k3ray.kernels.short_conv import PackedConv, packed_conv_index, short_conv_packed
 from k3ray.model.serving_attention import decode_attention, prompt_attention
 
 
@@ -204,6 +205,7 @@ class PromptRows:
     # every row's chunks of kda_state_chunk tokens (kda.chunk_layout), for KDA's prefill: [C, 2] and [N + 1]
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
+    conv: PackedConv | None  # KDA's short convolution over the rows (and its tails at the saves), where it has one
 
 
 @dataclass(frozen=True)
@@ -333,15 +335,24 @@ class IterationCache:
         chunk_indices, chunk_offsets = chunk_layout(counts, chunk)
         parts = [torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token,
                  torch.tensor(dec + pre, dtype=torch.int64), kv_seq, kv_pos, chunk_indices.reshape(-1), chunk_offsets]
+        conv = None
+        if pools.conv:  # every KDA layer's kernel is the same width
+            W = next(iter(pools.conv.values())).shape[1] + 1
+            conv = packed_conv_index(counts, W, [(s.row, s.offset) for s in saves])
+            parts += [conv.src.reshape(-1), conv.last.reshape(-1), conv.tails.reshape(-1)]
         inside = SavesInRows(list(saves), firsts, counts, slots, chunk, chunk_offsets.tolist()) if saves else None
         if inside is not None:
             parts += inside.indices()
         out = torch.cat(parts).to(device).split([p.numel() for p in parts])  # one copy: no sync inside the forward
         sn, seq_t, rows, kv_seq_d, kv_pos_d, indices_d, offsets_d = out[:7]
+        out = out[7:]
+        if conv is not None:
+            conv = PackedConv(*(d.view(h.shape) for d, h in zip(out[:3], (conv.src, conv.last, conv.tails))))
+            out = out[3:]
         if inside is not None:
-            inside.device = SaveIndices(*out[7:])
+            inside.device = SaveIndices(*out)
         prompt = PromptRows([firsts[i] for i in pre], [counts[i] for i in pre], lens.tolist(), rows[len(dec):],
-                            kv_seq_d, kv_pos_d, indices_d.view(-1, 2), offsets_d)
+                            kv_seq_d, kv_pos_d, indices_d.view(-1, 2), offsets_d, conv)
         return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, valid, context, prompt, rows[:len(dec)], inside)
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
@@ -421,24 +432,18 @@ class IterationCache:
 
     def short_conv(self, x_1TC: torch.Tensor, weight_CW: torch.Tensor) -> torch.Tensor:
         """KDA's causal short convolution (+ SiLU) over the packed sequences, each continuing from its slot's last
-        W-1 inputs; the new last inputs go back into the slots. x [1, T, 3 H K]. Decode iterations run the
-        sequences as a batch of one token each (no host sync)."""
+        W-1 inputs; the new last inputs go back into the slots, and those before each save inside a row into its
+        checkpoint. x [1, T, 3 H K]. Decode iterations run the sequences as a batch of one token each, prompt
+        iterations gather from the plan's indices (kernels.short_conv_packed); neither syncs with the host."""
         if not self.slots.numel():
             return x_1TC.new_zeros(x_1TC.shape)
         pool = self.pools.conv[self.layer]
-        if self.saves is not None:  # the tails at saves inside rows: the last W-1 inputs before each save
-            W1 = pool.shape[1]
-            for save in self.saves.saves:
-                first, n = self.saves.firsts[save.row], save.offset
-                row = x_1TC[0, first + max(n - W1, 0):first + n].to(pool.dtype)
-                # within the row's first W-1 tokens the tail starts in the slot's last inputs
-                tail = row if n >= W1 else torch.cat([pool[self.saves.slots[save.row], n:], row])
-                self.pools.checkpoint_conv[self.layer][save.checkpoint] = tail
         if self.decode:
             y, s1 = short_conv(x_1TC.transpose(0, 1), weight_CW, pool[self.slots], output_final_state=True)
             y = y.transpose(0, 1)
         else:
-            y, s1 = short_conv(x_1TC, weight_CW, pool[self.slots], output_final_state=True,
-                               cu_seqlens=self.cu_seqlens)
+            y, s1, tails = short_conv_packed(x_1TC, weight_CW, pool[self.slots], self.prompt.conv)
+            if self.saves is not None:
+                self.pools.checkpoint_conv[self.layer].index_copy_(0, self.saves.device.checkpoints, tails)
         pool.index_copy_(0, self.slots, s1.to(pool.dtype))
         return y
