@@ -6,7 +6,7 @@
 #   bash benchmarks/prefill_gpu.sh [prefill_gpu.py arguments]     (T_PREFILL, T_SERVE: each stage's limit in s)
 # PREFILL_VARIANTS: more prefill_gpu.py runs after the first, argument sets separated by ';' (each under T_VARIANT s),
 # e.g. PREFILL_VARIANTS="--stages levels --concurrency 64 --prompt-graphs off". T_TESTS=SECONDS (with .carry/tests)
-# first runs the CUDA tests of the serving graphs (decode and prompt).
+# first runs the CUDA tests of the serving graphs (decode and prompt) and of KDA's prefill (no host sync).
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /root/kcache /tmp/site
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site   # pydantic (the config) comes with the carried Ray
@@ -18,9 +18,9 @@ rm -rf /root/k3p && cp -r . /root/k3p && cd /root/k3p && export PYTHONPATH=/tmp/
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ "${T_TESTS:-0}" != 0 && -f .carry/tests/site.tar.xz ]]; then
   tar -xJf .carry/tests/site.tar.xz -C /tmp/site
-  timeout "$T_TESTS" python3 -m pytest -q -p no:cacheprovider tests/test_prompt_graphs.py tests/test_logit_masks.py \
-    -k "graph" > "$OUT/tests.txt" 2>&1
-  echo "serving graph tests rc $?: $(tail -n 1 "$OUT/tests.txt")" | tee -a "$OUT/gpu.txt"
+  timeout -s INT "$T_TESTS" python3 -m pytest -v -p no:cacheprovider tests/test_prompt_graphs.py \
+    tests/test_logit_masks.py tests/test_kda.py -k "graph or never_waits or fla_prefill_is" > "$OUT/tests.txt" 2>&1
+  echo "serving graph and prefill tests rc $?: $(tail -n 1 "$OUT/tests.txt")" | tee -a "$OUT/gpu.txt"
 fi
 t0=$SECONDS
 timeout "${T_PREFILL:-240}" python3 benchmarks/prefill_gpu.py --config configs/gpu2.yaml --set model.n_layers=4 "$@" \

@@ -13,9 +13,9 @@ None) and takes (q, k, v, g, beta, initial_state=None, output_final_state=False,
 |---|---|
 | kda_recurrent_reference | per-token recurrence, fp32 state (the ground truth) |
 | kda_chunk_reference | the math of fla's chunk_kda: the WY/UT form inside a chunk, a scan over chunks |
-| kda_chunk_fla | fla.ops.kda.chunk_kda (training and prefill; forward and backward) |
+| kda_chunk_fla | fla.ops.kda.chunk_kda (training: forward and backward) |
 | kda_recurrent_fla | fla.ops.kda.fused_recurrent_kda (decoding from a state slot) |
-| kda_prefill_reference / _fla | serving's prefill (no autograd, no host sync): chunk indices from the caller, and the state at every chunk's start if asked |
+| kda_prefill_reference / _fla | serving's prefill (no autograd, no host sync): chunk indices from the caller, every chunk's starting state if asked; returns (o, final states, chunk states or None) |
 | kda_context_parallel_reference / _fla | a sequence split over the ranks of a process group (below) |
 
 Context parallelism: rank r holds tokens [r T, (r+1) T) of the sequence. Its slice maps an incoming state S to

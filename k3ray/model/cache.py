@@ -221,22 +221,20 @@ class SaveIndices:
 @dataclass
 class SavesInRows:
     """Checkpoints of an iteration inside its rows (`StateSave`s, offset < the row's count), with every row's first
-    packed token, new tokens and slot (host ints), and the chunks of the prefill kernel's chunk states: their length
+    packed token (host ints), and the chunks of the prefill kernel's chunk states: their length
     (kernels.kda_state_chunk) and where each row's start (kda.chunk_layout's offsets). `device`: their indices on the
     device, once `IterationCache.from_plan` copied them."""
     saves: list[StateSave]
     firsts: list[int]
-    counts: list[int]
-    slots: list[int]
     chunk: int
     chunk_offsets: list[int]
     device: SaveIndices | None = None
 
     def indices(self) -> list[torch.Tensor]:
         """On the host: chunks [S] each save's chunk in the chunk states (the one it starts, else the one it falls
-        in), checkpoints [S]; for the saves inside a chunk (the scheduler cuts rows so that few are), within [M] their
-        indices in `saves`, within_tokens [t] the packed tokens from their chunk's start to them and within_cu
-        [M + 1] those pieces' offsets."""
+        in), checkpoints [S]; for the saves inside a chunk (in a row that starts off a boundary: a long prompt's
+        later chunk), within [M] their indices in `saves`, within_tokens [t] the packed tokens from their chunk's
+        start to them and within_cu [M + 1] those pieces' offsets."""
         chunks, within, tokens, cu = [], [], [], [0]
         for i, s in enumerate(self.saves):
             chunks.append(self.chunk_offsets[s.row] + s.offset // self.chunk)
@@ -340,7 +338,7 @@ class IterationCache:
             W = next(iter(pools.conv.values())).shape[1] + 1
             conv = packed_conv_index(counts, W, [(s.row, s.offset) for s in saves])
             parts += [conv.src.reshape(-1), conv.last.reshape(-1), conv.tails.reshape(-1)]
-        inside = SavesInRows(list(saves), firsts, counts, slots, chunk, chunk_offsets.tolist()) if saves else None
+        inside = SavesInRows(list(saves), firsts, chunk, chunk_offsets.tolist()) if saves else None
         if inside is not None:
             parts += inside.indices()
         out = torch.cat(parts).to(device).split([p.numel() for p in parts])  # one copy: no sync inside the forward
