@@ -92,35 +92,47 @@ def test_prompt_graphs_replayed_serve_as_the_eager_forward():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("prompt_graphs", [False, True], ids=["eager", "graphs"])
-def test_a_prompt_iteration_saving_states_inside_its_row_never_waits_for_the_gpu(prompt_graphs):
-    """From its cache's one copy to its sampled tokens, a prompt iteration (a 128-token row, the context's whole,
-    saving KDA states where a prefill chunk starts and inside one) makes no host sync: CUDA's sync debug mode raises
-    at any. Eager and replayed from its bucket's graphs."""
-    from k3ray.model.cache import IterationCache
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_serving_step_waits_for_the_gpu_once_for_its_tokens(graphs):
+    """A worker's step waits for the device once: for the tokens it samples. Its inputs (admissions, a state restored
+    from a checkpoint, pages grown, the plan's indices) go over without a stream synchronize, and its forward makes
+    none: a prompt of 64 tokens admitted fresh; then a 60-token row from a checkpoint, saving inside a chunk and at
+    its end, beside a decode row that grows a page; then both decoding. CUDA's sync debug mode counts the waits on
+    a second run of the same steps (the first autotunes and captures). Eager, and from CUDA graphs."""
+    import warnings
+
+    from k3ray.model.cache import SeqPages
 
     cfg = load_config("configs/tiny.yaml", {**RELEASED, "parallel.device": "cuda"}).model
     stage = build_stage(cfg, range(cfg.n_layers), device="cuda")
-    pools = new_pools(cfg, stage.layers, 96, 4, 4, device="cuda", checkpoints=3)
-    server = StageServer(stage, pools, "cuda", graphs=False, prompt_graphs=prompt_graphs, token_budget=256)
-    pools.admit([SeqAdmit(0, list(range(32)))])
-    tokens = torch.randint(0, cfg.vocab_size, (1, 128), generator=torch.Generator().manual_seed(6)).cuda()
-    counters = torch.zeros(1, dtype=torch.int64, device="cuda")
+    pools = new_pools(cfg, stage.layers, 96, 4, 4, device="cuda", checkpoints=4)
+    server = StageServer(stage, pools, "cuda", graphs=graphs, token_budget=256)
+    prompt = torch.randint(0, cfg.vocab_size, (128,), generator=torch.Generator().manual_seed(6)).tolist()
 
-    def iteration():
-        return IterationCache.from_plan(pools, [0], [0], [128], "cuda",
-                                        saves=[StateSave(0, 64, 0), StateSave(0, 70, 1)])
+    def steps(a: int, b: int, page0: int, ckpt: int):  # slots a (prompt, then decode) and b (from a's checkpoint)
+        yield RankPlan([a], [0], [64], prompt[:64], [0], admit=[SeqAdmit(a, list(range(page0, page0 + 16)))],
+                       saves=[StateSave(0, 64, ckpt)], greedy=True)
+        yield RankPlan([a, b], [64, 64], [1, 60], [prompt[64], *prompt[64:124]], [1, 0], greedy=True,
+                       admit=[SeqAdmit(b, [*range(page0, page0 + 16), *range(page0 + 17, page0 + 32)],
+                                       checkpoint=ckpt)],
+                       grow=[SeqPages(a, 16, [page0 + 16])],
+                       saves=[StateSave(1, 30, ckpt + 1), StateSave(1, 60, ckpt + 2)])
+        yield RankPlan([a, b], [65, 124], [1, 1], [prompt[65], prompt[124]], [2, 1], greedy=True)
 
     with torch.no_grad():
-        server.forward(tokens, iteration(), counters, greedy=True)  # kernels autotune (and a bucket captures) here
-        cache = iteration()
+        for plan in steps(0, 1, 0, 0):  # kernels autotune, graphs are captured
+            server.step(plan)
         torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            server.forward(tokens, cache, counters, greedy=True)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    assert (server.prompt_graphs is not None and 128 in server.prompt_graphs.buckets) == prompt_graphs
+        for i, plan in enumerate(steps(2, 3, 40, 1)):
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    server.step(plan)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            waits = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+            assert len(waits) == 1, (i, waits)
 
 
 def test_a_later_stage_runs_its_pieces_from_the_hidden_state_it_receives():

@@ -32,6 +32,7 @@ from k3ray.kernels import kda_decode, kda_decode_slots, kda_prefill, kda_state_c
 from k3ray.kernels.kda import chunk_layout
 from k3ray.kernels.short_conv import PackedConv, packed_conv_index, short_conv_packed
 from k3ray.model.serving_attention import decode_attention, prompt_attention
+from k3ray.model.transfer import to_device
 
 
 @dataclass(frozen=True)
@@ -111,28 +112,31 @@ class CachePools:
         table = torch.full((len(seqs), self.max_pages), self.pages, dtype=torch.int64)
         for i, s in enumerate(seqs):
             table[i, :len(s.pages)] = torch.tensor(s.pages, dtype=torch.int64)
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.int64, device=dev)
-        self.page_table[slots] = table.to(dev)
+        restored = [(s.slot, s.checkpoint) for s in seqs if s.checkpoint >= 0]
+        # one copy of the integers, one of the floats
+        ints = to_device(torch.cat([table.reshape(-1), torch.tensor([[s.slot, s.seed] for s in seqs]).reshape(-1),
+                                    torch.tensor(restored, dtype=torch.int64).reshape(-1)]), torch.int64, dev)
+        n = len(seqs)
+        table_d, slot_seed, restored_d = ints.split([table.numel(), 2 * n, 2 * len(restored)])
+        slots, seeds = slot_seed.view(n, 2).unbind(1)
+        self.page_table[slots] = table_d.view(table.shape)
         for state in (*self.state.values(), *self.conv.values()):  # a sequence starts from the empty state
             state[slots] = 0.0
-        restored = [(s.slot, s.checkpoint) for s in seqs if s.checkpoint >= 0]
         if restored:
-            to, ckpt = torch.tensor(restored, dtype=torch.int64, device=dev).unbind(1)
+            to, ckpt = restored_d.view(-1, 2).unbind(1)
             for layer, state in self.state.items():
                 state[to] = self.checkpoint_state[layer][ckpt]
             for layer, conv in self.conv.items():
                 conv[to] = self.checkpoint_conv[layer][ckpt]
-        self.temperature[slots] = torch.tensor([s.temperature for s in seqs], dtype=torch.float32, device=dev)
-        self.top_p[slots] = torch.tensor([s.top_p for s in seqs], dtype=torch.float32, device=dev)
-        self.seed[slots] = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
+        floats = to_device([[s.temperature, s.top_p] for s in seqs], torch.float32, dev)
+        self.temperature[slots], self.top_p[slots] = floats.unbind(1)
+        self.seed[slots] = seeds
 
     def save(self, slots: list[int], checkpoints: list[int]) -> None:
         """Checkpoint the KDA states (and convolution tails) of `slots` as they are now (one copy per layer)."""
         if not slots:
             return
-        dev = self.page_table.device
-        frm = torch.tensor(slots, dtype=torch.int64, device=dev)
-        to = torch.tensor(checkpoints, dtype=torch.int64, device=dev)
+        frm, to = to_device([slots, checkpoints], torch.int64, self.page_table.device).unbind(0)
         for layer, state in self.state.items():
             self.checkpoint_state[layer][to] = state[frm]
         for layer, conv in self.conv.items():
@@ -144,9 +148,9 @@ class CachePools:
             return
         rows = [s.slot for s in seqs for _ in s.pages]
         cols = [s.first + i for s in seqs for i in range(len(s.pages))]
-        dev = self.page_table.device
-        self.page_table[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)] = torch.tensor(
-            [p for s in seqs for p in s.pages], dtype=torch.int64, device=dev)
+        rows_d, cols_d, pages_d = to_device([rows, cols, [p for s in seqs for p in s.pages]], torch.int64,
+                                            self.page_table.device).unbind(0)
+        self.page_table[rows_d, cols_d] = pages_d
 
     def take_load(self) -> dict[int, list[int]]:
         """layer -> routes served to each expert since the last call (then reset)."""
@@ -323,7 +327,7 @@ class IterationCache:
         context = context or pools.context_bucket(longest)
         if not pre:
             packed = torch.cat([torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token])
-            packed = packed.to(device)
+            packed = to_device(packed, torch.int64, device)
             return cls(pools, packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:], valid, context)
         firsts = [0, *torch.cumsum(counts_t, 0).tolist()]
         lens = torch.tensor([starts[i] + counts[i] for i in pre], dtype=torch.int64)
@@ -341,7 +345,7 @@ class IterationCache:
         inside = SavesInRows(list(saves), firsts, chunk, chunk_offsets.tolist()) if saves else None
         if inside is not None:
             parts += inside.indices()
-        out = torch.cat(parts).to(device).split([p.numel() for p in parts])  # one copy: no sync inside the forward
+        out = to_device(torch.cat(parts), torch.int64, device).split([p.numel() for p in parts])  # one copy
         sn, seq_t, rows, kv_seq_d, kv_pos_d, indices_d, offsets_d = out[:7]
         out = out[7:]
         if conv is not None:

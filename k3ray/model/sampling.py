@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from k3ray.model.transfer import to_device
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -156,12 +158,13 @@ def adjust_logits(logits_NV: torch.Tensor, rows: list[LogitsRow]) -> torch.Tenso
     biased = [(r.row, t, b) for r in rows for t, b in zip(r.bias_ids, r.bias)]
     if biased:
         at, tok, val = zip(*biased)
-        out.index_put_((torch.tensor(at, device=dev), torch.tensor(tok, device=dev)),
-                       torch.tensor(val, dtype=out.dtype, device=dev), accumulate=True)
+        at_d, tok_d = to_device([at, tok], torch.int64, dev).unbind(0)
+        out.index_put_((at_d, tok_d), to_device(list(val), out.dtype, dev), accumulate=True)
     masked = [r for r in rows if r.mask is not None]
     if masked:
-        at = torch.tensor([r.row for r in masked], device=dev)
-        out[at] = mask_logits(out[at], torch.stack([r.mask for r in masked]).to(dev))
+        at = to_device([r.row for r in masked], torch.int64, dev)
+        words = torch.stack([r.mask for r in masked])
+        out[at] = mask_logits(out[at], to_device(words, words.dtype, dev))
     return out
 
 
@@ -183,7 +186,7 @@ def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, rows: list[L
     asked = [r for r in rows if r.logprobs is not None]
     if not asked:
         return {}
-    at = torch.tensor([r.row for r in asked], device=logits_NV.device)
+    at = to_device([r.row for r in asked], torch.int64, logits_NV.device)
     logp = torch.log_softmax(logits_NV[at].double(), dim=-1)
     chosen = logp.gather(-1, tokens_N[at][:, None]).squeeze(-1)
     k = max(r.logprobs for r in asked)

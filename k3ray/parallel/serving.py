@@ -35,6 +35,7 @@ from k3ray.config.serve import SERVE_DEFAULTS
 from k3ray.model.cache import CachePools, IterationCache, SeqAdmit, SeqPages, StateSave, new_pools
 from k3ray.model.decoder import K3Stage, boundary_shape
 from k3ray.model.sampling import LogitsRow, adjust_logits, sample_tokens, token_logprobs
+from k3ray.model.transfer import to_device
 from k3ray.parallel.grammar_masks import GrammarMasks
 from k3ray.parallel.prompt_graphs import PromptGraphs, experts_local, prompt_bucket
 
@@ -181,7 +182,7 @@ class StageServer:
                                              saves=inside, padded=plan is not real)
             if self.stage.is_first:
                 x = self._input_ids(plan)[None]
-            slots, counters = cache.slots, torch.tensor(plan.counters, dtype=torch.int64, device=self.device)
+            slots, counters = cache.slots, to_device(plan.counters, torch.int64, self.device)
             out, tokens, maxabs = self.forward(x, cache, counters, plan.greedy, sample=not adjusted)
             prompt = cache.prompt is not None
             path = step_path(prompt, prompt and self.prompt_graphs is not None and self.prompt_graphs.serves(T),
@@ -221,12 +222,12 @@ class StageServer:
     def _input_ids(self, plan: RankPlan) -> torch.Tensor:
         """The plan's token ids [T] on the device, those of `from_device` rows taken from the slots' last sampled
         tokens (a device-side gather: no host sync)."""
-        ids = torch.tensor(plan.tokens, dtype=torch.int64, device=self.device)
         rows = [i for i, f in enumerate(plan.from_device) if f]
+        first = [0, *itertools.accumulate(plan.counts)]  # each row's first packed token
+        packed = to_device([*plan.tokens, *(first[i] for i in rows), *(plan.slots[i] for i in rows)], torch.int64,
+                           self.device)
+        ids, at, slots = packed.split([len(plan.tokens), len(rows), len(rows)])
         if rows:
-            first = [0, *itertools.accumulate(plan.counts)]  # each row's first packed token
-            at = torch.tensor([first[i] for i in rows], dtype=torch.int64, device=self.device)
-            slots = torch.tensor([plan.slots[i] for i in rows], dtype=torch.int64, device=self.device)
             ids[at] = self.pools.last_token[slots]
         return ids
 
@@ -379,7 +380,8 @@ class DecodeGraphs:
             return None
         bucket = key[0]
         graph, inputs, outputs = captured
-        inputs["packed"].copy_(pack_decode(plan, bucket, pools.scratch_slot, x is None), non_blocking=False)
+        inputs["packed"].copy_(pack_decode(plan, bucket, pools.scratch_slot, x is None).pin_memory(),
+                               non_blocking=True)
         if x is not None:
             inputs["hidden"][..., :n, :].copy_(x)
         graph.replay()
