@@ -121,7 +121,7 @@ class CachePools:
         slots, seeds = slot_seed.view(n, 2).unbind(1)
         self.page_table[slots] = table_d.view(table.shape)
         for state in (*self.state.values(), *self.conv.values()):  # a sequence starts from the empty state
-            state[slots] = 0.0
+            state.index_fill_(0, slots, 0.0)  # (`state[slots] = 0.0` copies the 0 to the device: a stream sync)
         if restored:
             to, ckpt = restored_d.view(-1, 2).unbind(1)
             for layer, state in self.state.items():
