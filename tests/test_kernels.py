@@ -452,30 +452,62 @@ def test_permute_histogram_real_shape(poisoned):
 
 @given(lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5), W=st.integers(2, 5), fresh=st.booleans(),
        seed=st.integers(0, 2**16), data=st.data())
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 def test_short_conv_packed_equals_the_per_sequence_reference(lengths, W, fresh, seed, data):
-    """Every packed sequence at once (one gather from indices built on the host) equals the reference's loop over
-    sequences: outputs and final states, sequences shorter than the kernel included, from carried states or zeros; a
-    tail at a point inside a sequence is the final state of the reference stopped there."""
-    from k3ray.kernels.short_conv import packed_conv_index, short_conv_packed, short_conv_reference
+    """Every packed sequence at once, from its carried state in a pool slot (indices built on the host), equals the
+    reference's loop over sequences: outputs and final states, sequences shorter than the kernel included, from
+    carried states or zeros; a tail at a point inside a sequence is the final state of the reference stopped there.
+    The Triton kernels (two launches: outputs; final states and tails) equal the torch form, and the pool is not
+    written."""
+    from k3ray.kernels.short_conv import (packed_conv_index, short_conv_packed_reference, short_conv_packed_triton,
+                                          short_conv_reference)
 
     g = torch.Generator().manual_seed(seed)
     C, T, N = 6, sum(lengths), len(lengths)
     x = torch.randn(1, T, C, generator=g, dtype=torch.float64)
     w = torch.randn(C, W, generator=g, dtype=torch.float64)
-    state = torch.zeros(N, W - 1, C, dtype=torch.float64) if fresh else \
-        torch.randn(N, W - 1, C, generator=g, dtype=torch.float64)
+    pool = torch.randn(N + 2, W - 1, C, generator=g, dtype=torch.float64)
+    slots = torch.randperm(N + 2, generator=g)[:N].tolist()
+    if fresh:
+        pool[slots] = 0.0
+    before = pool.clone()
     points = data.draw(st.lists(st.integers(0, N - 1).flatmap(
         lambda n: st.tuples(st.just(n), st.integers(1, lengths[n]))), max_size=4))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    y, s, tails = short_conv_packed(x, w, state, packed_conv_index(lengths, W, points))
-    y_ref, s_ref = short_conv_reference(x, w, state, output_final_state=True, cu_seqlens=cu)
+    index = packed_conv_index(lengths, slots, W, points)
+    y, s, tails = short_conv_packed_reference(x, w, pool, index)
+    y_ref, s_ref = short_conv_reference(x, w, pool[slots], output_final_state=True, cu_seqlens=cu)
     torch.testing.assert_close(y, y_ref, rtol=0, atol=1e-12)
     torch.testing.assert_close(s, s_ref, rtol=0, atol=0)
     assert tails.shape == (len(points), W - 1, C)
     for (n, offset), tail in zip(points, tails):
-        _, want = short_conv_reference(x[:, cu[n]:cu[n] + offset], w, state[n:n + 1], output_final_state=True)
+        _, want = short_conv_reference(x[:, cu[n]:cu[n] + offset], w, pool[slots[n]][None], output_final_state=True)
         torch.testing.assert_close(tail, want[0], rtol=0, atol=0)
+    f32 = [t.float() for t in (x, w, pool)]
+    y_t, s_t, tails_t = short_conv_packed_triton(*f32, index)
+    y_r, s_r, tails_r = short_conv_packed_reference(*f32, index)
+    torch.testing.assert_close(y_t, y_r, rtol=1e-5, atol=1e-5)
+    assert torch.equal(s_t, s_r) and torch.equal(tails_t, tails_r)
+    assert torch.equal(pool, before)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+def test_short_conv_packed_triton_real_shape():
+    """gpu2's KDA convolution (3 x 32 heads x 128, W = 4) over a mixed iteration in bf16 on the GPU: a 700-token row
+    from a carried state beside 63 decode rows, tails at two points."""
+    from k3ray.kernels.short_conv import packed_conv_index, short_conv_packed_reference, short_conv_packed_triton
+
+    g = torch.Generator(device="cpu").manual_seed(3)
+    C, W, lengths = 3 * 32 * 128, 4, [700] + [1] * 63
+    x = torch.randn(1, sum(lengths), C, generator=g).to(DEV, torch.bfloat16)
+    w = torch.randn(C, W, generator=g).to(DEV, torch.bfloat16)
+    pool = torch.randn(257, W - 1, C, generator=g).to(DEV, torch.bfloat16)
+    index = packed_conv_index(lengths, list(range(64)), W, [(0, 64), (0, 130)])
+    index = type(index)(*(t.to(DEV) for t in (index.src, index.last, index.tails)))
+    y, s, tails = short_conv_packed_triton(x, w, pool, index)
+    y_r, s_r, tails_r = short_conv_packed_reference(x, w, pool, index)
+    assert rel_err(y.float(), y_r.float()) < 1e-2
+    assert torch.equal(s, s_r) and torch.equal(tails, tails_r)
 
 
 def _attn_res_inputs(N, T, d):

@@ -20,6 +20,7 @@ e.g. on CPU tensors under TRITON_INTERPRET=1). The variable is read once, at imp
 | kda_context_parallel(q, k, v, g, beta, group) | kda.*_context_parallel_reference | kda.*_context_parallel_fla | all |
 | kda_gate(raw, A_log, dt_bias, lower_bound) | kda.kda_gate_reference | kda.kda_gate_fla | all |
 | short_conv(x, weight, state, output_final_state, cu_seqlens) | short_conv.*_reference | *_fla (no state) | all |
+| short_conv_packed(x, weight, pool, index) -> y, final states, tails | short_conv.*_reference | short_conv.*_triton | - |
 
 `adding_into_grads()` (grad_accumulation): inside it, a backward adds the routed experts' weight gradients into the
 `.grad` an earlier micro-batch left, in the Triton kernel that makes them.
@@ -231,13 +232,22 @@ def kda_gate(raw, A_log, dt_bias, lower_bound=None):
 def short_conv(x, weight, state=None, output_final_state=False, cu_seqlens=None):
     """Causal short convolution + SiLU (kernels/short_conv.py). fla's kernel on CUDA when no state is carried (training
     and whole-sequence forward), else the reference (decoding: one token of each sequence, a batch); serving's
-    prefill gathers every packed sequence at once (short_conv.short_conv_packed)."""
+    prefill takes short_conv_packed."""
     if _backend != "reference" and state is None and not output_final_state and x.is_cuda \
             and _conv.fla_conv() is not None:
         return _conv.short_conv_fla(x, weight, state, output_final_state, cu_seqlens)
     return _conv.short_conv_reference(x, weight, state, output_final_state, cu_seqlens)
 
 
+@outside_compile
+def short_conv_packed(x, weight, pool, index):
+    """Serving's prefill convolution: every packed sequence from its carried state in the pool, by the indices the
+    plan sent (kernels/short_conv.py `PackedConv`); the pool is not written."""
+    if _triton(x):
+        return _conv.short_conv_packed_triton(x, weight, pool, index)
+    return _conv.short_conv_packed_reference(x, weight, pool, index)
+
+
 __all__ = ["situ_glu", "grouped_expert_ffn", "permute_rows", "unpermute_rows", "score_histogram", "kda_attention",
            "kda_prefill", "kda_state_chunk", "kda_decode", "kda_decode_slots", "kda_context_parallel",
-           "kda_gate", "short_conv", "set_backend"]
+           "kda_gate", "short_conv", "short_conv_packed", "set_backend"]

@@ -12,7 +12,7 @@ cu_seqlens=None).
 | function | what |
 |---|---|
 | short_conv_reference | torch (any device), one sequence at a time; carries the state |
-| short_conv_packed | torch (any device), every packed sequence at once by one gather from indices computed on the host (`packed_conv_index`): serving's chunked prefill |
+| short_conv_packed_reference / _triton | every packed sequence at once from its carried state in the pool, by indices computed on the host (`packed_conv_index`): serving's chunked prefill |
 | short_conv_fla | fla.modules.causal_conv1d on CUDA (training: no state in or out) |
 """
 from __future__ import annotations
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 
 def _conv_one(x_BTC: torch.Tensor, weight_CW: torch.Tensor, state_BwC: torch.Tensor | None):
@@ -57,45 +59,105 @@ def short_conv_reference(x, weight, state=None, output_final_state=False, cu_seq
 
 @dataclass(frozen=True)
 class PackedConv:
-    """Where `short_conv_packed` gathers from, for N sequences packed into T tokens and a kernel of W, in rows of
-    [every sequence's carried state (N (W-1) rows) | x (T rows)]: src [T, W] each token's W inputs; last [N, W-1] each
-    sequence's last W-1 inputs (its final state); tails [S, W-1] the W-1 inputs before each of S points (sequence,
-    offset): the state a pass that stopped there would carry. int64, built on the host by `packed_conv_index`."""
+    """Where serving's packed convolution reads, for N sequences packed into T tokens and a kernel of W: an entry
+    r >= 0 is x's row r, an entry < 0 the state pool's row -1 - r (the pool [P, W-1, C] seen as [P (W-1), C]: slot
+    s's carried input k at row s (W-1) + k). src [T, W] each token's W inputs; last [N, W-1] each sequence's last W-1
+    inputs (its final state); tails [S, W-1] the W-1 inputs before each of S points (sequence, offset): the state a
+    pass that stopped there would carry. int64, built on the host by `packed_conv_index`."""
     src: torch.Tensor
     last: torch.Tensor
     tails: torch.Tensor
 
-    def to(self, device) -> "PackedConv":
-        return PackedConv(*(t.to(device) for t in (self.src, self.last, self.tails)))
 
-
-def packed_conv_index(counts: list[int], W: int, points: list[tuple[int, int]] = ()) -> PackedConv:
-    """`PackedConv` of sequences of `counts` tokens (host ints, so no device work and no sync) and `points`."""
-    N, w1 = len(counts), W - 1
+def packed_conv_index(counts: list[int], slots: list[int], W: int, points: list[tuple[int, int]] = ()
+                      ) -> PackedConv:
+    """`PackedConv` of sequences of `counts` tokens carried in pool slots `slots` (host ints: no device work, no
+    sync) and `points`."""
+    w1 = W - 1
     lengths = torch.tensor(counts, dtype=torch.int64)
+    slot = torch.tensor(slots, dtype=torch.int64)
     first = torch.cumsum(lengths, 0) - lengths  # [N] each sequence's first packed token
 
     def rows(seq: torch.Tensor, ends: torch.Tensor, width: int) -> torch.Tensor:
         """[M, width] the inputs at places ends - width .. ends - 1 of sequences `seq` (< 0: the carried state)."""
         at = ends[:, None] + torch.arange(-width, 0)[None, :]
-        return torch.where(at >= 0, N * w1 + first[seq][:, None] + at, seq[:, None] * w1 + w1 + at)
+        return torch.where(at >= 0, first[seq][:, None] + at, -1 - (slot[seq][:, None] * w1 + w1 + at))
 
-    seq = torch.repeat_interleave(torch.arange(N), lengths)
+    seq = torch.repeat_interleave(torch.arange(len(counts)), lengths)
     place = torch.arange(int(lengths.sum())) - first[seq]
     points_t = torch.tensor(list(points), dtype=torch.int64).reshape(-1, 2)
-    return PackedConv(rows(seq, place + 1, W), rows(torch.arange(N), lengths, w1),
+    return PackedConv(rows(seq, place + 1, W), rows(torch.arange(len(counts)), lengths, w1),
                       rows(points_t[:, 0], points_t[:, 1], w1))
 
 
-def short_conv_packed(x, weight, state, index: PackedConv):
-    """Every packed sequence at once from its carried state (x [1, T, C], state [N, W-1, C]) by one gather
-    (`index`: `packed_conv_index` on x's device; no host sync, so a CUDA graph can hold it): (y [1, T, C], final
-    states [N, W-1, C], tails [S, W-1, C]), the states in state's dtype."""
-    N, w1, C = state.shape
+def _read(x_TC: torch.Tensor, pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The rows `index` names (`PackedConv`) from [x | the pool], fp32 (float64 stays float64): [*index.shape, C]."""
+    f32 = torch.float64 if x_TC.dtype == torch.float64 else torch.float32
+    full = torch.cat([x_TC.to(f32), pool.reshape(-1, pool.shape[-1]).to(f32)])  # [T + P (W-1), C]
+    return full[torch.where(index >= 0, index, x_TC.shape[0] - 1 - index)]
+
+
+def short_conv_packed_reference(x, weight, pool, index: PackedConv):
+    """Every packed sequence at once from its carried state in the pool (x [1, T, C], weight [C, W], pool
+    [P, W-1, C]; `index`: `packed_conv_index` on x's device): (y [1, T, C] in x's dtype, final states [N, W-1, C] and
+    tails [S, W-1, C] in the pool's), the pool itself unchanged (the caller writes the final states back)."""
     f32 = torch.float64 if x.dtype == torch.float64 else torch.float32
-    full = torch.cat([state.reshape(N * w1, C).to(f32), x[0].to(f32)])  # [N (W-1) + T, C]
-    y = F.silu((full[index.src] * weight.to(f32).t()[None]).sum(1)).to(x.dtype)[None]
-    return y, full[index.last].to(state.dtype), full[index.tails].to(state.dtype)
+    y = F.silu((_read(x[0], pool, index.src) * weight.to(f32).t()[None]).sum(1)).to(x.dtype)[None]
+    return y, _read(x[0], pool, index.last).to(pool.dtype), _read(x[0], pool, index.tails).to(pool.dtype)
+
+
+@triton.jit
+def _packed_conv_kernel(x_ptr, pool_ptr, w_ptr, src_ptr, y_ptr, C, W: tl.constexpr, BLOCK_C: tl.constexpr):
+    # one token t, BLOCK_C channels: its W inputs from x or the pool (`PackedConv`), weighted, summed in fp32, SiLU
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(W):
+        r = tl.load(src_ptr + t * W + j + tl.zeros([BLOCK_C], dtype=tl.int64))  # the row, one per lane
+        row = tl.where(r >= 0, r, -1 - r)
+        vx = tl.load(x_ptr + row * C + c, mask=cm & (r >= 0), other=0.0).to(tl.float32)
+        vp = tl.load(pool_ptr + row * C + c, mask=cm & (r < 0), other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + c * W + j, mask=cm, other=0.0).to(tl.float32)
+        acc += (vx + vp) * w
+    y = acc / (1.0 + tl.exp(-acc))
+    tl.store(y_ptr + t * C + c, y.to(y_ptr.dtype.element_ty), mask=cm)
+
+
+@triton.jit
+def _read_rows_kernel(x_ptr, pool_ptr, index_ptr, out_ptr, C, BLOCK_C: tl.constexpr):
+    # one row of the output: x's or the pool's row that `index` names, in the output's dtype
+    i = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cm = c < C
+    r = tl.load(index_ptr + i + tl.zeros([BLOCK_C], dtype=tl.int64))  # the row, one per lane
+    row = tl.where(r >= 0, r, -1 - r)
+    vx = tl.load(x_ptr + row * C + c, mask=cm & (r >= 0), other=0.0)
+    vp = tl.load(pool_ptr + row * C + c, mask=cm & (r < 0), other=0.0)
+    v = tl.where(r >= 0, vx.to(out_ptr.dtype.element_ty), vp.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + i * C + c, v, mask=cm)
+
+
+_CONV_BLOCK_C = 512
+
+
+def short_conv_packed_triton(x, weight, pool, index: PackedConv):
+    """short_conv_packed_reference in two Triton launches: the outputs (each token's inputs read where they are, no
+    [T, W, C] gather) and the final states with the tails (one row gather into a new tensor: the pool rows it reads
+    are the ones the caller then overwrites)."""
+    T, C = x.shape[1], x.shape[2]
+    W = weight.shape[1]
+    x_TC, pool_c, w = x[0].contiguous(), pool.contiguous(), weight.contiguous()
+    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    blocks = triton.cdiv(C, _CONV_BLOCK_C)
+    if T:
+        _packed_conv_kernel[(T, blocks)](x_TC, pool_c, w, index.src.contiguous(), y, C, W=W, BLOCK_C=_CONV_BLOCK_C)
+    rows = torch.cat([index.last.reshape(-1), index.tails.reshape(-1)])
+    states = torch.empty(rows.numel(), C, dtype=pool.dtype, device=x.device)
+    if rows.numel():
+        _read_rows_kernel[(rows.numel(), blocks)](x_TC, pool_c, rows, states, C, BLOCK_C=_CONV_BLOCK_C)
+    n_last = index.last.numel()
+    return (y[None], states[:n_last].view(*index.last.shape, C), states[n_last:].view(*index.tails.shape, C))
 
 
 @functools.cache

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import torch
 
 from k3ray.config import ModelConfig
-from k3ray.kernels import kda_decode, kda_decode_slots, kda_prefill, kda_state_chunk, short_conv
+from k3ray.kernels import (kda_decode, kda_decode_slots, kda_prefill, kda_state_chunk, short_conv,
+                           short_conv_packed)
 from k3ray.kernels.kda import chunk_layout
-from k3ray.kernels.short_conv import PackedConv, packed_conv_index, short_conv_packed
+from k3ray.kernels.short_conv import PackedConv, packed_conv_index
 from k3ray.model.serving_attention import decode_attention, prompt_attention
 from k3ray.model.transfer import to_device
 
@@ -340,7 +341,7 @@ class IterationCache:
         conv = None
         if pools.conv:  # every KDA layer's kernel is the same width
             W = next(iter(pools.conv.values())).shape[1] + 1
-            conv = packed_conv_index(counts, W, [(s.row, s.offset) for s in saves])
+            conv = packed_conv_index(counts, slots, W, [(s.row, s.offset) for s in saves])
             parts += [conv.src.reshape(-1), conv.last.reshape(-1), conv.tails.reshape(-1)]
         inside = SavesInRows(list(saves), firsts, chunk, chunk_offsets.tolist()) if saves else None
         if inside is not None:
@@ -436,15 +437,15 @@ class IterationCache:
         """KDA's causal short convolution (+ SiLU) over the packed sequences, each continuing from its slot's last
         W-1 inputs; the new last inputs go back into the slots, and those before each save inside a row into its
         checkpoint. x [1, T, 3 H K]. Decode iterations run the sequences as a batch of one token each, prompt
-        iterations gather from the plan's indices (kernels.short_conv_packed); neither syncs with the host."""
+        iterations read by the plan's indices (kernels.short_conv_packed); neither syncs with the host."""
         if not self.slots.numel():
             return x_1TC.new_zeros(x_1TC.shape)
         pool = self.pools.conv[self.layer]
         if self.decode:
             y, s1 = short_conv(x_1TC.transpose(0, 1), weight_CW, pool[self.slots], output_final_state=True)
             y = y.transpose(0, 1)
-        else:
-            y, s1, tails = short_conv_packed(x_1TC, weight_CW, pool[self.slots], self.prompt.conv)
+        else:  # read from the pool where they are; written back below, once read
+            y, s1, tails = short_conv_packed(x_1TC, weight_CW, pool, self.prompt.conv)
             if self.saves is not None:
                 self.pools.checkpoint_conv[self.layer].index_copy_(0, self.saves.device.checkpoints, tails)
         pool.index_copy_(0, self.slots, s1.to(pool.dtype))
