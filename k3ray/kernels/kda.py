@@ -144,19 +144,11 @@ def kda_prefill_reference(q, k, v, g, beta, initial_state, cu_seqlens, chunk_ind
     n's chunks are of `CHUNK` tokens from its first; C = sum over n of ceil(T_n / CHUNK); sequence n's chunk c is row
     chunk_offsets[n] + c (`chunk_layout`; fla's layout of its intermediate states). chunk_indices, chunk_offsets and
     gate_lower_bound: kda_prefill_fla's (the math does not change)."""
-    f32 = torch.float64 if v.dtype == torch.float64 else torch.float32
-    q, k, v_, g, beta = (t.to(f32) for t in (q, k, v, g, beta))
-    outs, finals, starts = [], [], []
-    for n, ts in enumerate(_segments(q, cu_seqlens)):
-        s0 = None if initial_state is None else initial_state[n:n + 1].to(f32)
-        mine = []
-        o, s = _chunk_core(*(t[:, ts] for t in (q, k, v_, g, beta)), s0, starts=mine)
-        outs.append(o)
-        finals.append(s)
-        starts += [c[0] for c in mine]
-    H, K, V = q.shape[2], q.shape[3], v.shape[-1]
-    states = (torch.stack(starts) if starts else q.new_zeros(0, H, K, V)) if chunk_states else None
-    return torch.cat(outs, dim=1).to(v.dtype), torch.cat(finals), states
+    starts = []  # every chunk's starting state [1, H, K, V], sequence after sequence
+    core = functools.partial(_chunk_core, starts=starts)
+    o, s = _per_sequence(core, q, k, v, g, beta, initial_state, True, cu_seqlens)
+    states = (torch.cat(starts) if starts else s.new_zeros(0, *s.shape[1:])) if chunk_states else None
+    return o.to(v.dtype), s, states
 
 
 def chunk_layout(lengths: list[int], chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
