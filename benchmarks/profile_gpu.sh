@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Where the released layout's training step goes on one GPU (device tool), logs in $OUT: `k3ray warmup` (the kept
-# kernel cache, returned as $OUT/kcache.tar.xz), then benchmarks/train_speed_gpu.py with the profiler on the 3:1
+# kernel cache, returned stripped as $OUT/kcache.tar.xz), then benchmarks/train_speed_gpu.py with the profiler on the 3:1
 # KDA:MLA layout (eager and compiled blocks) and on the MLA-only layout. LAYERS (default 6: what fits an 80 GB H100)
 # and VOCAB (16384: a BPE vocabulary) as the user's job would have them. Carry .carry/ray (and .carry/kcache;
 # .carry/tests with TTESTS=SECONDS runs the CUDA-only tests of the step's kernels first; THOST=SECONDS counts the
@@ -27,7 +27,11 @@ stage() { local name=$1 limit=$2; shift 2; echo "== $name ($(date -u +%T), limit
   tests/test_kernels.py tests/test_balancing.py tests/test_execution.py tests/test_logit_masks.py tests/test_prompt_graphs.py \
   tests/test_micro_batch_graphs.py -k "${TTESTK:-cuda or adamw or attn_res or fused or graph}"
 # shellcheck disable=SC2086
-[[ "${TWARM:-150}" != 0 ]] && stage warmup "${TWARM:-150}" python3 -m k3ray.control.cli warmup $SHAPE
+# the kernel cache as a cache hit reads it (benchmarks/strip_kcache.py), kept after the warm-up and again at the end,
+# so a later stage running past the call's limit does not lose it
+keep_kcache() { tar -C /root/kcache -cJf /tmp/kcache_full.tar.xz . && python3 benchmarks/strip_kcache.py \
+  /tmp/kcache_full.tar.xz "$OUT/kcache.tar.xz" | tail -n 1; }
+[[ "${TWARM:-150}" != 0 ]] && stage warmup "${TWARM:-150}" python3 -m k3ray.control.cli warmup $SHAPE && keep_kcache
 # every aten op one training step dispatches eagerly (outside the compiled blocks), by op and by k3ray caller
 # shellcheck disable=SC2086
 [[ "${THOST:-0}" != 0 ]] && TAIL=100 stage host_ops "$THOST" python3 benchmarks/host_syncs.py --device cuda $SHAPE --top 40
@@ -47,5 +51,5 @@ if [[ "${TJOB:-0}" != 0 ]]; then
   grep -o "step=[0-9]* .*tokens_per_s=[0-9.]*" "$OUT/job.log" | awk -F'tokens_per_s=' '{split($1, a, "[= ]"); if (a[2] >= 5) print $2}' \
     | sort -n | awk '{v[NR] = $1} END {if (NR) printf "job: median of %d steps from step 5: %.0f tokens/s\n", NR, v[int((NR + 1) / 2)]}' | tee -a "$OUT/job.log"
 fi
-tar -C /root/kcache -cJf "$OUT/kcache.tar.xz" . && du -h "$OUT/kcache.tar.xz"
+keep_kcache
 exit 0
