@@ -2,11 +2,12 @@
 # Real prompt lengths on one GPU machine (device tool), logs in $OUT: benchmarks/prefill_gpu.py (the scheduler and one
 # StageServer without Ray: TTFT of one prompt, levels of concurrency, a profiled mixed iteration), then, if it ran
 # without an exception, the served path (serve_gpu.sh) on the same workload. Carry .carry/ray and .carry/kcache; the
-# kernel cache comes back as $OUT/kcache.tar.xz with the serving shapes' autotune results added.
+# kernel cache comes back (stripped) as $OUT/kcache.tar.xz with the serving shapes' autotune results added.
 #   bash benchmarks/prefill_gpu.sh [prefill_gpu.py arguments]     (T_PREFILL, T_SERVE: each stage's limit in s)
 # PREFILL_VARIANTS: more prefill_gpu.py runs after the first, argument sets separated by ';' (each under T_VARIANT s),
 # e.g. PREFILL_VARIANTS="--stages levels --concurrency 64 --prompt-graphs off". T_TESTS=SECONDS (with .carry/tests)
-# first runs the CUDA tests of the serving graphs (decode and prompt) and of KDA's prefill (no host sync).
+# first runs the CUDA tests of the serving graphs (decode and prompt), of KDA's prefill (no host sync) and of the
+# packed convolution.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /root/kcache /tmp/site
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site   # pydantic (the config) comes with the carried Ray
@@ -19,7 +20,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 if [[ "${T_TESTS:-0}" != 0 && -f .carry/tests/site.tar.xz ]]; then
   tar -xJf .carry/tests/site.tar.xz -C /tmp/site
   timeout -s INT "$T_TESTS" python3 -m pytest -v -p no:cacheprovider tests/test_prompt_graphs.py \
-    tests/test_logit_masks.py tests/test_kda.py -k "graph or waits_for_the_gpu_once or fla_prefill_is" > "$OUT/tests.txt" 2>&1
+    tests/test_logit_masks.py tests/test_kda.py tests/test_kernels.py \
+    -k "graph or waits_for_the_gpu_once or fla_prefill_is or short_conv_packed" > "$OUT/tests.txt" 2>&1
   echo "serving graph and prefill tests rc $?: $(tail -n 1 "$OUT/tests.txt")" | tee -a "$OUT/gpu.txt"
 fi
 t0=$SECONDS
@@ -38,5 +40,6 @@ if [[ "${T_SERVE:-300}" != 0 ]] && ! grep -q Traceback "$OUT/prefill.txt"; then
   cd "$repo" && T4="${T_SERVE:-300}" T8=0 LEVELS4="${LEVELS:-1 16 64}" \
     VARIANTS4="${VARIANTS:---prompt-tokens 200:1200 --max-tokens 32:256}" bash benchmarks/serve_gpu.sh
 fi
-tar -C /root/kcache -cJf "$OUT/kcache.tar.xz" . && du -h "$OUT/kcache.tar.xz"
+cd /root/k3p && tar -C /root/kcache -cJf /tmp/kcache_full.tar.xz . && \
+  python3 benchmarks/strip_kcache.py /tmp/kcache_full.tar.xz "$OUT/kcache.tar.xz" | tail -n 1
 exit 0
