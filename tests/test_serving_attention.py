@@ -39,7 +39,7 @@ def test_segment_and_blockwise_attention_equal_the_definition(n, L, chunk, block
 def test_a_mixed_iteration_equals_each_row_alone(monkeypatch, rope):
     """Two decode rows and two prompt chunks (one continuing a cached prefix) in one iteration give the outputs each
     row gives in an iteration of its own (every released feature on: KDA's convolution state too); a tiny
-    PREFIX_CHUNK (the blockwise form) changes nothing."""
+    PREFIX_CHUNK (the blockwise form) or PROMPT_CONTEXT_GROUP (a row an attention call) changes nothing."""
     cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED, "model.mla_rope": rope}).model
     stage = build_stage(cfg, range(cfg.n_layers), seed=2)
     g = torch.Generator().manual_seed(0)
@@ -60,12 +60,15 @@ def test_a_mixed_iteration_equals_each_row_alone(monkeypatch, rope):
             p = pools()
             alone[s] = stage(new[s], IterationCache.from_plan(p, [s], [start], [c], "cpu"))
         x = torch.cat([new[s] for s, _, _ in rows], dim=1)
-        for chunk in (serving_attention.PREFIX_CHUNK, 3):
+        # the blockwise form (a tiny PREFIX_CHUNK), and the prompt rows in attention calls of a row each
+        for chunk, group in ((serving_attention.PREFIX_CHUNK, serving_attention.PROMPT_CONTEXT_GROUP), (3, 10)):
             monkeypatch.setattr(serving_attention, "PREFIX_CHUNK", chunk)
+            monkeypatch.setattr(serving_attention, "PROMPT_CONTEXT_GROUP", group)
             p = pools()
             cache = IterationCache.from_plan(p, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
                                              "cpu")
             assert cache.prompt is not None and cache.decode_rows.tolist() == [0, 2]
+            assert [s.counts for s in cache.prompt.segments] == ([[7, 6]] if group > 15 else [[7], [6]])
             got = stage(x, cache)  # logits of each row's last token [N, V]
             for i, (s, _, _) in enumerate(rows):
                 torch.testing.assert_close(got[i], alone[s][0], rtol=0, atol=1e-10)
@@ -139,3 +142,32 @@ def test_states_saved_inside_a_row_are_those_after_its_first_tokens(start):
             for layer in alone.state:
                 torch.testing.assert_close(p.checkpoint_state[layer][i], alone.state[layer][0], rtol=0, atol=1e-12)
                 torch.testing.assert_close(p.checkpoint_conv[layer][i], alone.conv[layer][0], rtol=0, atol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or serving_attention.varlen_attn is None,
+                    reason="flash attention over packed segments needs a GPU")
+def test_prompt_rows_in_one_flash_call_equal_a_call_a_row(monkeypatch):
+    """The prompt rows of an iteration in one call of flash attention over packed segments (each row's new tokens
+    over its context, bottom-right causal; contexts up-projected together) give what a fused call a row gives, at
+    gpu2's released MLA shape in bf16 (rows of 1 to 300 new tokens, contexts cached or not; one group and three)."""
+    from k3ray.model.layers import GatedMLA
+
+    cfg = load_config("configs/gpu2.yaml", {"model.q_lora_rank": 1024, "model.mla_rope_dim": 64}).model
+    torch.manual_seed(0)
+    mla = GatedMLA(cfg).to("cuda", torch.bfloat16)
+    rows = [(7, 7), (300, 1800), (1, 40), (64, 64), (129, 2100)]  # (new tokens, context)
+    counts, lengths = [n for n, _ in rows], [L for _, L in rows]
+    q = torch.randn(sum(counts), cfg.n_heads, cfg.head_dim + cfg.mla_rope_dim, device="cuda", dtype=torch.bfloat16)
+    lat = torch.randn(sum(lengths), cfg.kv_rank + cfg.mla_rope_dim, device="cuda", dtype=torch.bfloat16)
+    for group in (serving_attention.PROMPT_CONTEXT_GROUP, 2000):
+        monkeypatch.setattr(serving_attention, "PROMPT_CONTEXT_GROUP", group)
+        cu = torch.tensor(serving_attention.segment_offsets(counts, lengths), device="cuda", dtype=torch.int32)
+        segments = serving_attention.prompt_segments(counts, lengths, cu)
+        assert len(segments) == (1 if group > 5000 else 3)
+        with torch.no_grad():
+            got = torch.cat([serving_attention.prompt_rows_attention_varlen(q[s.queries], lat[s.contexts], s, mla)
+                             for s in segments])
+            want = torch.cat([serving_attention.prompt_rows_attention_reference(q[s.queries], lat[s.contexts], s,
+                                                                                mla) for s in segments])
+        assert got.shape == want.shape == (sum(counts), cfg.n_heads, cfg.head_dim)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

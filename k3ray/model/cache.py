@@ -32,7 +32,8 @@ from k3ray.kernels import (kda_decode, kda_decode_slots, kda_prefill, kda_state_
                            short_conv_packed)
 from k3ray.kernels.kda import chunk_layout
 from k3ray.kernels.short_conv import PackedConv, packed_conv_index
-from k3ray.model.serving_attention import decode_attention, prompt_attention
+from k3ray.model.serving_attention import (PromptSegments, decode_attention, prompt_rows_attention, prompt_segments,
+                                           segment_offsets)
 from k3ray.model.transfer import to_device
 
 
@@ -198,12 +199,11 @@ def new_pools(cfg: ModelConfig, layers: range, pages: int, page_size: int, slots
 @dataclass
 class PromptRows:
     """The rows of an iteration with more than one new token (prompt chunks), for attention in the non-absorbed
-    form (k3ray.model.serving_attention): per row (host ints) its first packed token, its new tokens n and its
-    context L (cached + new); rows [R]: their row indices; kv_seq / kv_pos [sum L]: each context position's row
-    (index into rows) and position, packed row after row."""
-    first: list[int]
-    counts: list[int]
-    contexts: list[int]
+    form (k3ray.model.serving_attention): tokens [sum n]: their new tokens' packed indices, row after row;
+    segments: the rows in groups of one attention call each; rows [R]: their row indices; kv_seq / kv_pos [sum L]:
+    each context position's row (index into rows) and position, packed row after row."""
+    tokens: torch.Tensor
+    segments: list[PromptSegments]
     rows: torch.Tensor
     kv_seq: torch.Tensor
     kv_pos: torch.Tensor
@@ -336,8 +336,11 @@ class IterationCache:
         kv_pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
         chunk = kda_state_chunk(device)
         chunk_indices, chunk_offsets = chunk_layout(counts, chunk)
+        pre_counts, pre_lens = [counts[i] for i in pre], lens.tolist()
+        tokens = torch.cat([torch.arange(firsts[i], firsts[i] + counts[i]) for i in pre])
         parts = [torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token,
-                 torch.tensor(dec + pre, dtype=torch.int64), kv_seq, kv_pos, chunk_indices.reshape(-1), chunk_offsets]
+                 torch.tensor(dec + pre, dtype=torch.int64), kv_seq, kv_pos, chunk_indices.reshape(-1), chunk_offsets,
+                 tokens, torch.tensor(segment_offsets(pre_counts, pre_lens), dtype=torch.int64)]
         conv = None
         if pools.conv:  # every KDA layer's kernel is the same width
             W = next(iter(pools.conv.values())).shape[1] + 1
@@ -347,15 +350,16 @@ class IterationCache:
         if inside is not None:
             parts += inside.indices()
         out = to_device(torch.cat(parts), torch.int64, device).split([p.numel() for p in parts])  # one copy
-        sn, seq_t, rows, kv_seq_d, kv_pos_d, indices_d, offsets_d = out[:7]
-        out = out[7:]
+        sn, seq_t, rows, kv_seq_d, kv_pos_d, indices_d, offsets_d, tokens_d, cu_d = out[:9]
+        out = out[9:]
         if conv is not None:
             conv = PackedConv(*(d.view(h.shape) for d, h in zip(out[:3], (conv.src, conv.last, conv.tails))))
             out = out[3:]
         if inside is not None:
             inside.device = SaveIndices(*out)
-        prompt = PromptRows([firsts[i] for i in pre], [counts[i] for i in pre], lens.tolist(), rows[len(dec):],
-                            kv_seq_d, kv_pos_d, indices_d.view(-1, 2), offsets_d, conv)
+        segments = prompt_segments(pre_counts, pre_lens, cu_d.to(torch.int32))
+        prompt = PromptRows(tokens_d, segments, rows[len(dec):], kv_seq_d, kv_pos_d, indices_d.view(-1, 2), offsets_d,
+                            conv)
         return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, valid, context, prompt, rows[:len(dec)], inside)
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
@@ -394,10 +398,10 @@ class IterationCache:
                                                      mla).to(o.dtype)
         p = self.prompt
         lat = flat[self.prompt_read_rows]  # [sum L, r + p]
-        kv0 = 0
-        for first, n, L in zip(p.first, p.counts, p.contexts):
-            o[first:first + n] = prompt_attention(q[first:first + n], lat[kv0:kv0 + L], mla).to(o.dtype)
-            kv0 += L
+        q_m = q.index_select(0, p.tokens)  # [sum n, H, e]
+        parts = [prompt_rows_attention(q_m[s.queries], lat[s.contexts], s, mla, p.kv_pos[s.contexts])
+                 for s in p.segments]
+        o.index_copy_(0, p.tokens, (parts[0] if len(parts) == 1 else torch.cat(parts)).to(o.dtype))
         return o[None]
 
     def kda(self, q, k, v, g, beta, gate_lower_bound: float | None = None) -> torch.Tensor:

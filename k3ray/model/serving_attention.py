@@ -6,16 +6,21 @@
   With RoPE (K2's layout) keys depend on positions after the up-projection: they are recomputed from the latents.
 - Prompt rows (a chunk of n > 1 new tokens): the non-absorbed form. The row's own context (cached prefix + chunk,
   L tokens) is up-projected to keys and values and attended causally (query t sees keys <= L - n + t:
-  bottom-right aligned) by torch's fused attention, one packed segment at a time: no padding to the longest chunk,
-  no fp32 score tensor. A context longer than PREFIX_CHUNK runs blockwise, its partial results merged by
-  log-sum-exp (`blockwise_attention`, plain torch).
+  bottom-right aligned). On CUDA all of an iteration's prompt rows take one call of flash attention over packed
+  variable-length segments (`prompt_rows_attention_varlen`: their contexts up-projected together, in groups of at
+  most PROMPT_CONTEXT_GROUP context tokens), not a call per row: the per-row form dispatched ~12 ops a row from the
+  host. Elsewhere, and as the reference, one row at a time by torch's fused attention (`prompt_rows_attention_
+  reference`): no padding to the longest chunk, no fp32 score tensor; a context longer than PREFIX_CHUNK runs
+  blockwise, its partial results merged by log-sum-exp (`blockwise_attention`, plain torch).
 
 Shapes: N decode rows, n a prompt row's new tokens, L its context, H heads, h head dim, e = h + p query/key width,
 r kv_rank, Lc the decode rows' context bucket.
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +28,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3ray.dtypes import up32
 
+try:  # flash attention over packed segments; torch >= 2.11 takes a causal mask as window_size=(-1, 0)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    varlen_attn = None
+if varlen_attn is not None and "window_size" not in inspect.signature(varlen_attn).parameters:
+    varlen_attn = None  # pragma: no cover - torch 2.10's is_causal form, not used
+
 PREFIX_CHUNK = 16384  # contexts up to this many tokens take one fused call; longer ones run blockwise
+# the prompt rows of one packed attention call hold at most this many context tokens (unless one row alone has more):
+# their keys and values up-projected at once, ~32 KB a token at gpu2's 32 heads (with v padded to q's width)
+PROMPT_CONTEXT_GROUP = 32768
 QUERY_BLOCK = 1024  # queries per block of the blockwise form (its fp32 scores: [H, QUERY_BLOCK, PREFIX_CHUNK])
 # Prompt segments on CUDA: flash (or memory-efficient) attention only. cuDNN's attention, torch's first choice on
 # Hopper, builds a plan for every new shape (n, L): ~65 ms of host time per prompt segment on an H200, where the
@@ -61,6 +76,89 @@ def prompt_attention(q_nHe: torch.Tensor, lat_Ll: torch.Tensor, mla) -> torch.Te
     if lat_Ll.shape[0] > PREFIX_CHUNK:
         return blockwise_attention(q_nHe, k[0], v[0], mla.scale, PREFIX_CHUNK)
     return segment_attention(q_nHe, k[0], v[0], mla.scale)
+
+
+@dataclass(frozen=True)
+class PromptSegments:
+    """Prompt rows packed back to back for one attention call. Per row (host ints) its new tokens and its context
+    (cached + new); `queries` and `contexts` the slices of the iteration's packed prompt queries and packed contexts
+    they occupy; cu_q, cu_k [R + 1] int32 on the device: each row's offsets within those slices."""
+    counts: list[int]
+    lengths: list[int]
+    queries: slice
+    contexts: slice
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
+def prompt_segments(counts: list[int], lengths: list[int], cu_device: torch.Tensor) -> list[PromptSegments]:
+    """The prompt rows (new tokens and contexts, in order) cut into groups of at most PROMPT_CONTEXT_GROUP context
+    tokens (a longer row alone), each one `PromptSegments`; cu_device: `segment_offsets(...)` on the device, int32."""
+    out, q0, k0, at = [], 0, 0, 0
+    for a, b in _groups(lengths):
+        n, L = sum(counts[a:b]), sum(lengths[a:b])
+        r = b - a
+        out.append(PromptSegments(counts[a:b], lengths[a:b], slice(q0, q0 + n), slice(k0, k0 + L),
+                                  cu_device[at:at + r + 1], cu_device[at + r + 1:at + 2 * r + 2]))
+        q0, k0, at = q0 + n, k0 + L, at + 2 * r + 2
+    return out
+
+
+def segment_offsets(counts: list[int], lengths: list[int]) -> list[int]:
+    """On the host, for `prompt_segments`: per group its cu_q then its cu_k, back to back."""
+    out = []
+    for a, b in _groups(lengths):
+        for sizes in (counts[a:b], lengths[a:b]):
+            out.append(0)
+            for x in sizes:
+                out.append(out[-1] + x)
+    return out
+
+
+def _groups(lengths: list[int]) -> list[tuple[int, int]]:
+    """Consecutive row ranges [a, b) of at most PROMPT_CONTEXT_GROUP context tokens each (a longer row alone)."""
+    out, a, total = [], 0, 0
+    for i, L in enumerate(lengths):
+        if i > a and total + L > PROMPT_CONTEXT_GROUP:
+            out.append((a, i))
+            a, total = i, 0
+        total += L
+    if lengths:
+        out.append((a, len(lengths)))
+    return out
+
+
+def prompt_rows_attention(q_mHe: torch.Tensor, lat_Sl: torch.Tensor, seg: PromptSegments, mla,
+                          positions_S: torch.Tensor | None = None) -> torch.Tensor:
+    """The prompt rows of `seg`: their queries packed q [m, H, e] over their contexts packed lat [S, r + p]
+    (positions_S: each context token's position, where the model rotates keys) -> [m, H, h]. One flash call on
+    CUDA, else a fused call a row."""
+    if q_mHe.is_cuda and varlen_attn is not None:
+        return prompt_rows_attention_varlen(q_mHe, lat_Sl, seg, mla, positions_S)
+    return prompt_rows_attention_reference(q_mHe, lat_Sl, seg, mla, positions_S)
+
+
+def prompt_rows_attention_varlen(q_mHe: torch.Tensor, lat_Sl: torch.Tensor, seg: PromptSegments, mla,
+                                 positions_S: torch.Tensor | None = None) -> torch.Tensor:
+    """`prompt_rows_attention` in one call of torch's flash attention over packed segments (causal: bottom-right
+    aligned, as flash aligns a query block shorter than its keys); v zero-padded to q's width (exact)."""
+    k, v = mla.up(lat_Sl[None], positions_S)  # [1, S, H, e], [1, S, H, h]
+    h = v.shape[-1]
+    v = F.pad(v[0], (0, q_mHe.shape[-1] - h)) if h < q_mHe.shape[-1] else v[0]
+    o = varlen_attn(q_mHe, k[0], v, seg.cu_q, seg.cu_k, max(seg.counts), max(seg.lengths), scale=mla.scale,
+                    window_size=(-1, 0))
+    return o[..., :h]
+
+
+def prompt_rows_attention_reference(q_mHe: torch.Tensor, lat_Sl: torch.Tensor, seg: PromptSegments, mla,
+                                    positions_S: torch.Tensor | None = None) -> torch.Tensor:
+    """`prompt_rows_attention` a row at a time (`prompt_attention`: each row's context at positions 0..L-1, as
+    positions_S holds them)."""
+    out, q0, k0 = [], 0, 0
+    for n, L in zip(seg.counts, seg.lengths):
+        out.append(prompt_attention(q_mHe[q0:q0 + n], lat_Sl[k0:k0 + L], mla))
+        q0, k0 = q0 + n, k0 + L
+    return torch.cat(out)
 
 
 def segment_attention(q_nHe: torch.Tensor, k_LHe: torch.Tensor, v_LHh: torch.Tensor, scale: float) -> torch.Tensor:
