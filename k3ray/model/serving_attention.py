@@ -32,7 +32,8 @@ try:  # flash attention over packed segments; torch >= 2.11 takes a causal mask 
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # pragma: no cover - older torch
     varlen_attn = None
-if varlen_attn is not None and "window_size" not in inspect.signature(varlen_attn).parameters:
+_VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
+if "window_size" not in _VARLEN_ARGS:
     varlen_attn = None  # pragma: no cover - torch 2.10's is_causal form, not used
 
 PREFIX_CHUNK = 16384  # contexts up to this many tokens take one fused call; longer ones run blockwise
@@ -145,8 +146,10 @@ def prompt_rows_attention_varlen(q_mHe: torch.Tensor, lat_Sl: torch.Tensor, seg:
     k, v = mla.up(lat_Sl[None], positions_S)  # [1, S, H, e], [1, S, H, h]
     h = v.shape[-1]
     v = F.pad(v[0], (0, q_mHe.shape[-1] - h)) if h < q_mHe.shape[-1] else v[0]
-    o = varlen_attn(q_mHe, k[0], v, seg.cu_q, seg.cu_k, max(seg.counts), max(seg.lengths), scale=mla.scale,
-                    window_size=(-1, 0))
+    # MLA's scale is (h + p)^-0.5, flash's default for q's width: passed where this torch takes it
+    scale = {"scale": mla.scale} if "scale" in _VARLEN_ARGS else {}
+    o = varlen_attn(q_mHe, k[0], v, seg.cu_q, seg.cu_k, max(seg.counts), max(seg.lengths), window_size=(-1, 0),
+                    **scale)
     return o[..., :h]
 
 
