@@ -144,7 +144,7 @@ def test_states_saved_inside_a_row_are_those_after_its_first_tokens(start):
                 torch.testing.assert_close(p.checkpoint_conv[layer][i], alone.conv[layer][0], rtol=0, atol=1e-12)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or serving_attention.varlen_attn is None,
+@pytest.mark.skipif(not torch.cuda.is_available() or serving_attention.varlen_attention() is None,
                     reason="flash attention over packed segments needs a GPU")
 def test_prompt_rows_in_one_flash_call_equal_a_call_a_row(monkeypatch):
     """The prompt rows of an iteration in one call of flash attention over packed segments (each row's new tokens

@@ -18,6 +18,7 @@ r kv_rank, Lc the decode rows' context bucket.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -27,14 +28,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3ray.dtypes import up32
-
-try:  # flash attention over packed segments; torch >= 2.11 takes a causal mask as window_size=(-1, 0)
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - older torch
-    varlen_attn = None
-_VARLEN_ARGS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
-if "window_size" not in _VARLEN_ARGS:
-    varlen_attn = None  # pragma: no cover - torch 2.10's is_causal form, not used
 
 PREFIX_CHUNK = 16384  # contexts up to this many tokens take one fused call; longer ones run blockwise
 # the prompt rows of one packed attention call hold at most this many context tokens (unless one row alone has more):
@@ -134,7 +127,7 @@ def prompt_rows_attention(q_mHe: torch.Tensor, lat_Sl: torch.Tensor, seg: Prompt
     """The prompt rows of `seg`: their queries packed q [m, H, e] over their contexts packed lat [S, r + p]
     (positions_S: each context token's position, where the model rotates keys) -> [m, H, h]. One flash call on
     CUDA, else a fused call a row."""
-    if q_mHe.is_cuda and varlen_attn is not None:
+    if q_mHe.is_cuda and varlen_attention() is not None:
         return prompt_rows_attention_varlen(q_mHe, lat_Sl, seg, mla, positions_S)
     return prompt_rows_attention_reference(q_mHe, lat_Sl, seg, mla, positions_S)
 
@@ -146,11 +139,25 @@ def prompt_rows_attention_varlen(q_mHe: torch.Tensor, lat_Sl: torch.Tensor, seg:
     k, v = mla.up(lat_Sl[None], positions_S)  # [1, S, H, e], [1, S, H, h]
     h = v.shape[-1]
     v = F.pad(v[0], (0, q_mHe.shape[-1] - h)) if h < q_mHe.shape[-1] else v[0]
+    varlen_attn, takes = varlen_attention()
     # MLA's scale is (h + p)^-0.5, flash's default for q's width: passed where this torch takes it
-    scale = {"scale": mla.scale} if "scale" in _VARLEN_ARGS else {}
+    scale = {"scale": mla.scale} if "scale" in takes else {}
     o = varlen_attn(q_mHe, k[0], v, seg.cu_q, seg.cu_k, max(seg.counts), max(seg.lengths), window_size=(-1, 0),
                     **scale)
     return o[..., :h]
+
+
+@functools.cache
+def varlen_attention():
+    """torch's flash attention over packed segments and the arguments it takes, where this torch has it with the
+    causal mask as window_size=(-1, 0) (2.11 on); else None. Imported on first use: the module imports torch._dynamo
+    (~1 s of CPU), which a worker without CUDA never pays."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    takes = set(inspect.signature(varlen_attn).parameters)
+    return (varlen_attn, takes) if "window_size" in takes else None
 
 
 def prompt_rows_attention_reference(q_mHe: torch.Tensor, lat_Sl: torch.Tensor, seg: PromptSegments, mla,
