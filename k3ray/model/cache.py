@@ -6,6 +6,8 @@
 - KDA: the recurrent state S [H, K, V] of every sequence, one fixed slot per sequence (`state[layer]`:
   [slots + 1, H, K, V], fp32, float64 for float64 models); its size does not grow with the context. With KDA's short
   convolution (kernel W) each slot also keeps the last W-1 inputs of q, k, v (`conv[layer]`: [slots + 1, W-1, 3 H K]).
+  Each is a view of one tensor of every KDA layer (`states`, `convs`: layer first), so that admitting a sequence
+  (emptying or restoring its states) is an op for all layers.
 - Prefix cache (k3ray.serve.prefix_cache): checkpoints of a sequence's KDA states (and convolution tails) at
   boundaries of its prefix (`checkpoint_state[layer]`: [C, H, K, V], `checkpoint_conv[layer]`: [C, W-1, 3 H K]),
   saved where the engine asks (`StateSave`: after a row's first `offset` new tokens) and copied into the slot of a
@@ -77,20 +79,26 @@ class CachePools:
         self.checkpoint_state: dict[int, torch.Tensor] = {}  # KDA layer -> [C, H, K, V]
         self.checkpoint_conv: dict[int, torch.Tensor] = {}  # KDA layer with a short convolution -> [C, W-1, 3 H K]
         self.load: dict[int, torch.Tensor] = {}  # MoE layer -> [E] int64 routes served since the last read
+        kda = [layer for layer in layers if cfg.layer_kind(layer) != "mla"]
+        h, conv_width = cfg.kda_head_dim, 3 * cfg.n_heads * cfg.kda_head_dim
+        # every KDA layer's states in one tensor (layer first), so that admitting, restoring and saving a sequence's
+        # states is an op for all layers, not one per layer (K3 has 45 KDA layers); the dicts hold each layer's view
+        self.states = torch.zeros(len(kda), slots + 1, cfg.n_heads, h, h, dtype=state_dtype, device=device)
+        self.checkpoint_states = torch.zeros(len(kda), checkpoints, cfg.n_heads, h, h, dtype=state_dtype,
+                                             device=device)
+        convs = len(kda) if cfg.kda_conv_size else 0
+        self.convs = torch.zeros(convs, slots + 1, max(cfg.kda_conv_size - 1, 0), conv_width, dtype=dtype,
+                                 device=device)
+        self.checkpoint_convs = torch.zeros(convs, checkpoints, max(cfg.kda_conv_size - 1, 0), conv_width,
+                                            dtype=dtype, device=device)
+        for i, layer in enumerate(kda):
+            self.state[layer], self.checkpoint_state[layer] = self.states[i], self.checkpoint_states[i]
+            if convs:
+                self.conv[layer], self.checkpoint_conv[layer] = self.convs[i], self.checkpoint_convs[i]
         for layer in layers:
             if cfg.layer_kind(layer) == "mla":
                 self.latent[layer] = torch.zeros(pages + 1, page_size, cfg.kv_rank + cfg.mla_rope_dim, dtype=dtype,
                                                  device=device)
-            else:
-                h = cfg.kda_head_dim
-                self.state[layer] = torch.zeros(slots + 1, cfg.n_heads, h, h, dtype=state_dtype, device=device)
-                self.checkpoint_state[layer] = torch.zeros(checkpoints, cfg.n_heads, h, h, dtype=state_dtype,
-                                                           device=device)
-                if cfg.kda_conv_size:
-                    self.conv[layer] = torch.zeros(slots + 1, cfg.kda_conv_size - 1, 3 * cfg.n_heads * h, dtype=dtype,
-                                                   device=device)
-                    self.checkpoint_conv[layer] = torch.zeros(checkpoints, cfg.kda_conv_size - 1, 3 * cfg.n_heads * h,
-                                                              dtype=dtype, device=device)
             if cfg.is_moe_layer(layer):
                 self.load[layer] = torch.zeros(cfg.n_experts, dtype=torch.int64, device=device)
         # per slot: its page table (unused entries: the scratch page) and its sampling parameters
@@ -122,14 +130,12 @@ class CachePools:
         table_d, slot_seed, restored_d = ints.split([table.numel(), 2 * n, 2 * len(restored)])
         slots, seeds = slot_seed.view(n, 2).unbind(1)
         self.page_table[slots] = table_d.view(table.shape)
-        for state in (*self.state.values(), *self.conv.values()):  # a sequence starts from the empty state
-            state.index_fill_(0, slots, 0.0)  # (`state[slots] = 0.0` copies the 0 to the device: a stream sync)
+        for states in (self.states, self.convs):  # a sequence starts from the empty state
+            states.index_fill_(1, slots, 0.0)  # (`states[:, slots] = 0.0` copies the 0 to the device: a stream sync)
         if restored:
             to, ckpt = restored_d.view(-1, 2).unbind(1)
-            for layer, state in self.state.items():
-                state[to] = self.checkpoint_state[layer][ckpt]
-            for layer, conv in self.conv.items():
-                conv[to] = self.checkpoint_conv[layer][ckpt]
+            for states, saved in ((self.states, self.checkpoint_states), (self.convs, self.checkpoint_convs)):
+                states.index_copy_(1, to, saved.index_select(1, ckpt))
         floats = to_device([[s.temperature, s.top_p] for s in seqs], torch.float32, dev)
         self.temperature[slots], self.top_p[slots] = floats.unbind(1)
         self.seed[slots] = seeds
@@ -139,10 +145,8 @@ class CachePools:
         if not slots:
             return
         frm, to = to_device([slots, checkpoints], torch.int64, self.page_table.device).unbind(0)
-        for layer, state in self.state.items():
-            self.checkpoint_state[layer][to] = state[frm]
-        for layer, conv in self.conv.items():
-            self.checkpoint_conv[layer][to] = conv[frm]
+        for states, saved in ((self.states, self.checkpoint_states), (self.convs, self.checkpoint_convs)):
+            saved.index_copy_(1, to, states.index_select(1, frm))
 
     def grow(self, seqs: list[SeqPages]) -> None:
         """Append pages to running sequences' page tables (one copy for all)."""
