@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from k3ray.config import ModelConfig
@@ -103,6 +104,8 @@ class CachePools:
                 self.load[layer] = torch.zeros(cfg.n_experts, dtype=torch.int64, device=device)
         # per slot: its page table (unused entries: the scratch page) and its sampling parameters
         self.page_table = torch.full((slots + 1, self.max_pages), pages, dtype=torch.int64, device=device)
+        # the same on the host, for the indices a prompt iteration computes there (`IterationCache.from_plan`)
+        self.page_table_host = np.full((slots + 1, self.max_pages), pages, dtype=np.int64)
         self.temperature = torch.zeros(slots + 1, dtype=torch.float32, device=device)
         self.top_p = torch.ones(slots + 1, dtype=torch.float32, device=device)
         self.seed = torch.zeros(slots + 1, dtype=torch.int64, device=device)
@@ -130,6 +133,7 @@ class CachePools:
         table_d, slot_seed, restored_d = ints.split([table.numel(), 2 * n, 2 * len(restored)])
         slots, seeds = slot_seed.view(n, 2).unbind(1)
         self.page_table[slots] = table_d.view(table.shape)
+        self.page_table_host[[s.slot for s in seqs]] = table.numpy()
         for states in (self.states, self.convs):  # a sequence starts from the empty state
             states.index_fill_(1, slots, 0.0)  # (`states[:, slots] = 0.0` copies the 0 to the device: a stream sync)
         if restored:
@@ -157,6 +161,7 @@ class CachePools:
         rows_d, cols_d, pages_d = to_device([rows, cols, [p for s in seqs for p in s.pages]], torch.int64,
                                             self.page_table.device).unbind(0)
         self.page_table[rows_d, cols_d] = pages_d
+        self.page_table_host[rows, cols] = [p for s in seqs for p in s.pages]
 
     def take_load(self) -> dict[int, list[int]]:
         """layer -> routes served to each expert since the last call (then reset)."""
@@ -200,16 +205,27 @@ def new_pools(cfg: ModelConfig, layers: range, pages: int, page_size: int, slots
     return CachePools(cfg, layers, pages, page_size, slots, device, checkpoints)
 
 
+@dataclass(frozen=True)
+class TokenRows:
+    """An iteration's per-token and per-row indices: cu_seqlens [N + 1] each row's first packed token (and the end),
+    last_rows [N] each row's last, positions [T] each token's position in its sequence, write_rows [T] the latent
+    page row its latent goes to, token_weight [T] (0: a padding row's token, whose routes are not counted)."""
+    cu_seqlens: torch.Tensor
+    last_rows: torch.Tensor
+    positions: torch.Tensor
+    write_rows: torch.Tensor
+    token_weight: torch.Tensor
+
+
 @dataclass
 class PromptRows:
     """The rows of an iteration with more than one new token (prompt chunks), for attention in the non-absorbed
     form (k3ray.model.serving_attention): tokens [sum n]: their new tokens' packed indices, row after row;
-    segments: the rows in groups of one attention call each; rows [R]: their row indices; kv_seq / kv_pos [sum L]:
-    each context position's row (index into rows) and position, packed row after row."""
+    segments: the rows in groups of one attention call each; read_rows / kv_pos [sum L]: each row's whole context
+    (cached + new), packed row after row: the latent page rows it is read from and its positions."""
     tokens: torch.Tensor
     segments: list[PromptSegments]
-    rows: torch.Tensor
-    kv_seq: torch.Tensor
+    read_rows: torch.Tensor
     kv_pos: torch.Tensor
     # every row's chunks of kda_state_chunk tokens (kda.chunk_layout), for KDA's prefill: [C, 2] and [N + 1]
     chunk_indices: torch.Tensor
@@ -278,35 +294,38 @@ class IterationCache:
     (None: all)."""
 
     def __init__(self, pools: CachePools, slots_N: torch.Tensor, starts_N: torch.Tensor, counts_N: torch.Tensor,
-                 seq_of_token_T: torch.Tensor, valid_N: torch.Tensor, context: int, prompt: PromptRows | None = None,
+                 seq_of_token_T: torch.Tensor, context: int, valid_N: torch.Tensor | None = None,
+                 rows: TokenRows | None = None, prompt: PromptRows | None = None,
                  decode_rows: torch.Tensor | None = None, saves: SavesInRows | None = None):
+        """rows: the token-wise indices as `from_plan` computes them on the host; None (a decode iteration, or a
+        graph's, whose inputs are device tensors): derived here on the device from valid_N and the page tables."""
         self.pools, self.context, self.prompt, self.saves = pools, context, prompt, saves
         self.decode = prompt is None
-        self.slots, self.starts, self.counts, self.valid = slots_N, starts_N, counts_N, valid_N
+        self.slots, self.starts, self.counts = slots_N, starts_N, counts_N
         self.seq_of_token = seq_of_token_T
         dev = slots_N.device
         P = pools.page_size
-        ends = counts_N.cumsum(0)
-        first = ends - counts_N  # packed row of each sequence's first new token
-        self.cu_seqlens = torch.cat([ends.new_zeros(1), ends])
-        self.last_rows = ends - 1
-        tok = torch.arange(seq_of_token_T.numel(), device=dev)
-        self.positions = starts_N[seq_of_token_T] + tok - first[seq_of_token_T]  # [T]
         table = pools.page_table[slots_N]  # [N, max_pages]
-        self.write_rows = table[seq_of_token_T, self.positions // P] * P + self.positions % P  # [T]
+        if rows is None:
+            ends = counts_N.cumsum(0)
+            first = ends - counts_N
+            tok = torch.arange(seq_of_token_T.numel(), device=dev)
+            positions = starts_N[seq_of_token_T] + tok - first[seq_of_token_T]
+            rows = TokenRows(torch.cat([ends.new_zeros(1), ends]), ends - 1, positions,
+                             table[seq_of_token_T, positions // P] * P + positions % P,
+                             valid_N[seq_of_token_T].to(torch.int64))
+        self.cu_seqlens, self.last_rows, self.positions = rows.cu_seqlens, rows.last_rows, rows.positions
+        self.write_rows, self.token_weight = rows.write_rows, rows.token_weight
         # decode rows: their token's packed index [Nd] and their context through the page tables [Nd, Lc]
         self.decode_rows = decode_rows
         dec_table, dec_starts = table, starts_N
+        first = self.cu_seqlens[:-1]  # packed row of each sequence's first new token
         if decode_rows is not None:
             dec_table, dec_starts = table[decode_rows], starts_N[decode_rows]
         self.decode_tokens = first if decode_rows is None else first[decode_rows]
         j = torch.arange(context, device=dev)
         self.read_rows = dec_table[:, j // P] * P + j % P  # [Nd, Lc]
         self.in_context = j[None, :] < (dec_starts + 1)[:, None]  # [Nd, Lc]
-        if prompt is not None:  # each prompt row's whole context, packed: [sum L]
-            kv_slots = slots_N[prompt.rows][prompt.kv_seq]
-            self.prompt_read_rows = pools.page_table[kv_slots, prompt.kv_pos // P] * P + prompt.kv_pos % P
-        self.token_weight = valid_N[seq_of_token_T].to(torch.int64)  # [T] 0 for padding rows (routes not counted)
         self.layer = -1  # set by each block before its attention runs
         # [T] the largest |residual| of each token over the blocks run, for the serving guards, which stop only the
         # sequences that blew up (`sequence_maxabs`)
@@ -321,30 +340,41 @@ class IterationCache:
         row's end are the pools' `save` after the iteration); `padded`: the last row pads the iteration's tokens
         (the scratch slot's: its routes are not counted)."""
         n = len(slots)
-        valid = torch.ones(n, dtype=torch.bool, device=device)
-        if padded:
-            valid[-1] = False
-        counts_t = torch.tensor(counts, dtype=torch.int64)
-        seq_of_token = torch.repeat_interleave(torch.arange(n), counts_t)
         dec = [i for i, c in enumerate(counts) if c == 1]
         pre = [i for i, c in enumerate(counts) if c > 1]
         longest = max((starts[i] + 1 for i in dec), default=1)
         context = context or pools.context_bucket(longest)
-        if not pre:
-            packed = torch.cat([torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token])
-            packed = to_device(packed, torch.int64, device)
-            return cls(pools, packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:], valid, context)
-        firsts = [0, *torch.cumsum(counts_t, 0).tolist()]
-        lens = torch.tensor([starts[i] + counts[i] for i in pre], dtype=torch.int64)
-        kv_seq = torch.repeat_interleave(torch.arange(len(pre)), lens)
-        kv_pos = torch.arange(int(lens.sum())) - torch.repeat_interleave(torch.cumsum(lens, 0) - lens, lens)
+        if not pre:  # a decode iteration: its indices derived on the device, as its graph does
+            seq_of_token = np.repeat(np.arange(n), counts).tolist()
+            packed = to_device([*slots, *starts, *counts, *seq_of_token], torch.int64, device)
+            valid = torch.ones(n, dtype=torch.bool, device=device)
+            if padded:
+                valid[-1] = False
+            return cls(pools, packed[:n], packed[n:2 * n], packed[2 * n:3 * n], packed[3 * n:], context, valid)
+        P = pools.page_size
+        slots_a, starts_a, counts_a = (np.asarray(x, dtype=np.int64) for x in (slots, starts, counts))
+        ends = np.cumsum(counts_a)
+        firsts = [0, *ends.tolist()]
+        seq = np.repeat(np.arange(n), counts_a)
+        positions = starts_a[seq] + np.arange(int(ends[-1])) - (ends - counts_a)[seq]
+        table = pools.page_table_host
+        write_rows = table[slots_a[seq], positions // P] * P + positions % P
+        weight = np.ones_like(positions)
+        if padded:
+            weight[firsts[-2]:] = 0
+        lens = starts_a[pre] + counts_a[pre]
+        kv_seq = np.repeat(slots_a[pre], lens)
+        kv_pos = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+        prompt_read_rows = table[kv_seq, kv_pos // P] * P + kv_pos % P
         chunk = kda_state_chunk(device)
         chunk_indices, chunk_offsets = chunk_layout(counts, chunk)
         pre_counts, pre_lens = [counts[i] for i in pre], lens.tolist()
-        tokens = torch.cat([torch.arange(firsts[i], firsts[i] + counts[i]) for i in pre])
-        parts = [torch.tensor([slots, starts, counts], dtype=torch.int64).reshape(-1), seq_of_token,
-                 torch.tensor(dec + pre, dtype=torch.int64), kv_seq, kv_pos, chunk_indices.reshape(-1), chunk_offsets,
-                 tokens, torch.tensor(segment_offsets(pre_counts, pre_lens), dtype=torch.int64)]
+        tokens = np.concatenate([np.arange(firsts[i], firsts[i] + counts[i]) for i in pre])
+        host = [np.concatenate([slots_a, starts_a, counts_a]), seq, np.asarray(firsts), ends - 1, positions,
+                write_rows, weight, np.asarray(dec + pre), prompt_read_rows, kv_pos, tokens,
+                np.asarray(segment_offsets(pre_counts, pre_lens))]
+        parts = [torch.from_numpy(a.astype(np.int64, copy=False)) for a in host]
+        parts += [chunk_indices.reshape(-1), chunk_offsets]
         conv = None
         if pools.conv:  # every KDA layer's kernel is the same width
             W = next(iter(pools.conv.values())).shape[1] + 1
@@ -354,17 +384,19 @@ class IterationCache:
         if inside is not None:
             parts += inside.indices()
         out = to_device(torch.cat(parts), torch.int64, device).split([p.numel() for p in parts])  # one copy
-        sn, seq_t, rows, kv_seq_d, kv_pos_d, indices_d, offsets_d, tokens_d, cu_d = out[:9]
-        out = out[9:]
+        (sn, seq_t, cu_d, last_d, positions_d, write_d, weight_d, rows_d, read_d, kv_pos_d, tokens_d, segments_d,
+         indices_d, offsets_d) = out[:14]
+        out = out[14:]
         if conv is not None:
             conv = PackedConv(*(d.view(h.shape) for d, h in zip(out[:3], (conv.src, conv.last, conv.tails))))
             out = out[3:]
         if inside is not None:
             inside.device = SaveIndices(*out)
-        segments = prompt_segments(pre_counts, pre_lens, cu_d.to(torch.int32))
-        prompt = PromptRows(tokens_d, segments, rows[len(dec):], kv_seq_d, kv_pos_d, indices_d.view(-1, 2), offsets_d,
-                            conv)
-        return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, valid, context, prompt, rows[:len(dec)], inside)
+        segments = prompt_segments(pre_counts, pre_lens, segments_d.to(torch.int32))
+        prompt = PromptRows(tokens_d, segments, read_d, kv_pos_d, indices_d.view(-1, 2), offsets_d, conv)
+        rows = TokenRows(cu_d, last_d, positions_d, write_d, weight_d)
+        return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, context, rows=rows, prompt=prompt,
+                   decode_rows=rows_d[:len(dec)], saves=inside)
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
         """Fold a block's output (the residual stream) into each token's max-abs (NaN propagates)."""
@@ -401,7 +433,7 @@ class IterationCache:
             o[self.decode_tokens] = decode_attention(q[self.decode_tokens], flat[self.read_rows], self.in_context,
                                                      mla).to(o.dtype)
         p = self.prompt
-        lat = flat[self.prompt_read_rows]  # [sum L, r + p]
+        lat = flat[p.read_rows]  # [sum L, r + p]
         q_m = q.index_select(0, p.tokens)  # [sum n, H, e]
         parts = [prompt_rows_attention(q_m[s.queries], lat[s.contexts], s, mla, p.kv_pos[s.contexts])
                  for s in p.segments]

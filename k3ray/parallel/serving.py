@@ -268,7 +268,7 @@ class StageServer:
         input on stages after the first) as `forward` gives it: what a decode CUDA graph holds, no host sync."""
         slots, starts, counters, tokens, valid, from_device = packed
         cache = IterationCache(self.pools, slots, starts, torch.ones_like(slots),
-                               torch.arange(len(slots), device=slots.device), valid.bool(), context)
+                               torch.arange(len(slots), device=slots.device), context, valid.bool())
         if hidden is None:  # rows scheduled before their token came back read it on the device (overlap)
             tokens = torch.where(from_device.bool(), self.pools.last_token[slots], tokens)
         return self.forward(tokens[None] if hidden is None else hidden, cache, counters, greedy, sample)
