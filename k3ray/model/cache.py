@@ -219,15 +219,20 @@ class TokenRows:
 
 @dataclass
 class PromptRows:
-    """The rows of an iteration with more than one new token (prompt chunks), for attention in the non-absorbed
-    form (k3ray.model.serving_attention): tokens [sum n]: their new tokens' packed indices, row after row;
-    segments: the rows in groups of one attention call each; read_rows / kv_pos [sum L]: each row's whole context
-    (cached + new), packed row after row: the latent page rows it is read from and its positions."""
-    tokens: torch.Tensor
+    """The rows of an iteration with more than one new token (prompt chunks), R of them. tokens: their new tokens
+    in the packed row, row after row ([sum n] indices, or a slice where they lie back to back, the usual case:
+    prompt rows come after the decode rows); slots [R] and cu_seqlens [R + 1] (offsets within their tokens), for
+    KDA's prefill, which runs over them alone. For MLA's attention in the non-absorbed form
+    (k3ray.model.serving_attention): segments, the rows in groups of one attention call each; read_rows / kv_pos
+    [sum L]: each row's whole context (cached + new), packed row after row: the latent page rows it is read from and
+    its positions."""
+    tokens: torch.Tensor | slice
+    slots: torch.Tensor
+    cu_seqlens: torch.Tensor
     segments: list[PromptSegments]
     read_rows: torch.Tensor
     kv_pos: torch.Tensor
-    # every row's chunks of kda_state_chunk tokens (kda.chunk_layout), for KDA's prefill: [C, 2] and [N + 1]
+    # every prompt row's chunks of kda_state_chunk tokens (kda.chunk_layout), for KDA's prefill: [C, 2] and [R + 1]
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
     conv: PackedConv | None  # KDA's short convolution over the rows (and its tails at the saves), where it has one
@@ -247,8 +252,8 @@ class SaveIndices:
 class SavesInRows:
     """Checkpoints of an iteration inside its rows (`StateSave`s, offset < the row's count), with every row's first
     packed token (host ints), and the chunks of the prefill kernel's chunk states: their length
-    (kernels.kda_state_chunk) and where each row's start (kda.chunk_layout's offsets). `device`: their indices on the
-    device, once `IterationCache.from_plan` copied them."""
+    (kernels.kda_state_chunk) and, per row, where its chunks start among the prompt rows' (kda.chunk_layout's
+    offsets). `device`: their indices on the device, once `IterationCache.from_plan` copied them."""
     saves: list[StateSave]
     firsts: list[int]
     chunk: int
@@ -271,6 +276,14 @@ class SavesInRows:
                 cu.append(cu[-1] + past)
         return [torch.tensor(t, dtype=torch.int64) for t in
                 (chunks, [s.checkpoint for s in self.saves], within, tokens, cu)]
+
+
+def _as_slice(rows: list[int], firsts: list[int]) -> slice | None:
+    """The packed tokens of `rows` as a slice where the rows are consecutive (their tokens then lie back to back):
+    a view instead of a gather; else None."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(firsts[rows[0]], firsts[rows[-1] + 1])
+    return None
 
 
 def fold_maxabs(token_maxabs_T: torch.Tensor | None, x_1Td: torch.Tensor) -> torch.Tensor:
@@ -296,9 +309,12 @@ class IterationCache:
     def __init__(self, pools: CachePools, slots_N: torch.Tensor, starts_N: torch.Tensor, counts_N: torch.Tensor,
                  seq_of_token_T: torch.Tensor, context: int, valid_N: torch.Tensor | None = None,
                  rows: TokenRows | None = None, prompt: PromptRows | None = None,
-                 decode_rows: torch.Tensor | None = None, saves: SavesInRows | None = None):
+                 decode_rows: torch.Tensor | None = None, decode_tokens: torch.Tensor | slice | None = None,
+                 decode_slots: torch.Tensor | None = None, saves: SavesInRows | None = None):
         """rows: the token-wise indices as `from_plan` computes them on the host; None (a decode iteration, or a
-        graph's, whose inputs are device tensors): derived here on the device from valid_N and the page tables."""
+        graph's, whose inputs are device tensors): derived here on the device from valid_N and the page tables.
+        With prompt rows: decode_rows [Nd] the rows of one new token, decode_tokens their tokens in the packed row
+        (indices or a slice), decode_slots [Nd] their slots."""
         self.pools, self.context, self.prompt, self.saves = pools, context, prompt, saves
         self.decode = prompt is None
         self.slots, self.starts, self.counts = slots_N, starts_N, counts_N
@@ -316,13 +332,15 @@ class IterationCache:
                              valid_N[seq_of_token_T].to(torch.int64))
         self.cu_seqlens, self.last_rows, self.positions = rows.cu_seqlens, rows.last_rows, rows.positions
         self.write_rows, self.token_weight = rows.write_rows, rows.token_weight
-        # decode rows: their token's packed index [Nd] and their context through the page tables [Nd, Lc]
+        # decode rows: their tokens in the packed row ([Nd] indices, or a slice), their slots [Nd], and their
+        # context through the page tables [Nd, Lc]
         self.decode_rows = decode_rows
         dec_table, dec_starts = table, starts_N
         first = self.cu_seqlens[:-1]  # packed row of each sequence's first new token
         if decode_rows is not None:
             dec_table, dec_starts = table[decode_rows], starts_N[decode_rows]
-        self.decode_tokens = first if decode_rows is None else first[decode_rows]
+        self.decode_tokens = first if decode_rows is None else decode_tokens
+        self.decode_slots = slots_N if decode_rows is None else decode_slots
         j = torch.arange(context, device=dev)
         self.read_rows = dec_table[:, j // P] * P + j % P  # [Nd, Lc]
         self.in_context = j[None, :] < (dec_starts + 1)[:, None]  # [Nd, Lc]
@@ -367,36 +385,41 @@ class IterationCache:
         kv_pos = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
         prompt_read_rows = table[kv_seq, kv_pos // P] * P + kv_pos % P
         chunk = kda_state_chunk(device)
-        chunk_indices, chunk_offsets = chunk_layout(counts, chunk)
         pre_counts, pre_lens = [counts[i] for i in pre], lens.tolist()
+        chunk_indices, chunk_offsets = chunk_layout(pre_counts, chunk)  # KDA's prefill runs over the prompt rows
         tokens = np.concatenate([np.arange(firsts[i], firsts[i] + counts[i]) for i in pre])
         host = [np.concatenate([slots_a, starts_a, counts_a]), seq, np.asarray(firsts), ends - 1, positions,
-                write_rows, weight, np.asarray(dec + pre), prompt_read_rows, kv_pos, tokens,
+                write_rows, weight, np.asarray(dec), slots_a[dec], np.asarray(firsts)[dec], prompt_read_rows, kv_pos,
+                tokens, slots_a[pre], np.concatenate([[0], np.cumsum(pre_counts)]),
                 np.asarray(segment_offsets(pre_counts, pre_lens))]
-        parts = [torch.from_numpy(a.astype(np.int64, copy=False)) for a in host]
+        parts = [torch.from_numpy(np.asarray(a, dtype=np.int64)) for a in host]
         parts += [chunk_indices.reshape(-1), chunk_offsets]
         conv = None
         if pools.conv:  # every KDA layer's kernel is the same width
             W = next(iter(pools.conv.values())).shape[1] + 1
             conv = packed_conv_index(counts, slots, W, [(s.row, s.offset) for s in saves])
             parts += [conv.src.reshape(-1), conv.last.reshape(-1), conv.tails.reshape(-1)]
-        inside = SavesInRows(list(saves), firsts, chunk, chunk_offsets.tolist()) if saves else None
-        if inside is not None:
+        inside = None
+        if saves:  # saves inside rows are in prompt rows: their chunks counted among the prompt rows'
+            row_chunks = dict(zip(pre, chunk_offsets.tolist()))
+            inside = SavesInRows(list(saves), firsts, chunk, [row_chunks.get(i, 0) for i in range(n)])
             parts += inside.indices()
         out = to_device(torch.cat(parts), torch.int64, device).split([p.numel() for p in parts])  # one copy
-        (sn, seq_t, cu_d, last_d, positions_d, write_d, weight_d, rows_d, read_d, kv_pos_d, tokens_d, segments_d,
-         indices_d, offsets_d) = out[:14]
-        out = out[14:]
+        (sn, seq_t, cu_d, last_d, positions_d, write_d, weight_d, dec_d, dec_slots_d, dec_tokens_d, read_d, kv_pos_d,
+         tokens_d, pre_slots_d, pre_cu_d, segments_d, indices_d, offsets_d) = out[:18]
+        out = out[18:]
         if conv is not None:
             conv = PackedConv(*(d.view(h.shape) for d, h in zip(out[:3], (conv.src, conv.last, conv.tails))))
             out = out[3:]
         if inside is not None:
             inside.device = SaveIndices(*out)
         segments = prompt_segments(pre_counts, pre_lens, segments_d.to(torch.int32))
-        prompt = PromptRows(tokens_d, segments, read_d, kv_pos_d, indices_d.view(-1, 2), offsets_d, conv)
+        prompt = PromptRows(_as_slice(pre, firsts) or tokens_d, pre_slots_d, pre_cu_d, segments, read_d, kv_pos_d,
+                            indices_d.view(-1, 2), offsets_d, conv)
         rows = TokenRows(cu_d, last_d, positions_d, write_d, weight_d)
         return cls(pools, sn[:n], sn[n:2 * n], sn[2 * n:], seq_t, context, rows=rows, prompt=prompt,
-                   decode_rows=rows_d[:len(dec)], saves=inside)
+                   decode_rows=dec_d, decode_tokens=_as_slice(dec, firsts) or dec_tokens_d, decode_slots=dec_slots_d,
+                   saves=inside)
 
     def note_activations(self, x_1Td: torch.Tensor) -> None:
         """Fold a block's output (the residual stream) into each token's max-abs (NaN propagates)."""
@@ -428,16 +451,16 @@ class IterationCache:
         q = q_1THe[0]  # [T, H, e]
         if self.prompt is None:
             return decode_attention(q[self.decode_tokens], flat[self.read_rows], self.in_context, mla)[None]
-        o = q.new_zeros(q.shape[:-1] + (mla.head_dim,))  # [T, H, h]
+        o = q.new_empty(q.shape[:-1] + (mla.head_dim,))  # [T, H, h]: every token is a decode or a prompt row's
         if self.decode_rows.numel():
             o[self.decode_tokens] = decode_attention(q[self.decode_tokens], flat[self.read_rows], self.in_context,
                                                      mla).to(o.dtype)
         p = self.prompt
         lat = flat[p.read_rows]  # [sum L, r + p]
-        q_m = q.index_select(0, p.tokens)  # [sum n, H, e]
+        q_m = q[p.tokens]  # [sum n, H, e]
         parts = [prompt_rows_attention(q_m[s.queries], lat[s.contexts], s, mla, p.kv_pos[s.contexts])
                  for s in p.segments]
-        o.index_copy_(0, p.tokens, (parts[0] if len(parts) == 1 else torch.cat(parts)).to(o.dtype))
+        o[p.tokens] = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(o.dtype)
         return o[None]
 
     def kda(self, q, k, v, g, beta, gate_lower_bound: float | None = None) -> torch.Tensor:
@@ -451,12 +474,22 @@ class IterationCache:
         if self.decode:  # [N, 1, ...]: one token per sequence, each state updated in its slot
             as_batch = [t.transpose(0, 1) for t in (q, k, v, g, beta)]
             return kda_decode_slots(*as_batch, pool, self.slots).transpose(0, 1)
+        # decode rows step their states in place in the pool (as a decode iteration does); the chunked prefill runs
+        # over the prompt rows alone: decode rows there would each be a chunk whose state is gathered, carried and
+        # written back (~2 MB each at gpu2's widths, a mixed iteration of 64 rows moving ~0.6 GB a layer)
         p = self.prompt
-        o, s1, chunk_states = kda_prefill(q, k, v, g, beta, pool[self.slots], self.cu_seqlens, p.chunk_indices,
-                                          p.chunk_offsets, gate_lower_bound, chunk_states=self.saves is not None)
+        o = v.new_empty(v.shape)
+        if self.decode_rows.numel():
+            d = self.decode_tokens
+            as_batch = [t[:, d].transpose(0, 1) for t in (q, k, v, g, beta)]
+            o[:, d] = kda_decode_slots(*as_batch, pool, self.decode_slots).transpose(0, 1)
+        o_p, s1, chunk_states = kda_prefill(*(t[:, p.tokens] for t in (q, k, v, g, beta)), pool[p.slots], p.cu_seqlens,
+                                            p.chunk_indices, p.chunk_offsets, gate_lower_bound,
+                                            chunk_states=self.saves is not None)
+        o[:, p.tokens] = o_p
         if self.saves is not None:
             self._checkpoint(chunk_states, q, k, v, g, beta)
-        pool.index_copy_(0, self.slots, s1.to(pool.dtype))
+        pool.index_copy_(0, p.slots, s1.to(pool.dtype))
         return o
 
     def _checkpoint(self, chunk_states: torch.Tensor, q, k, v, g, beta) -> None:
