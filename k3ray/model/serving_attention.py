@@ -29,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from k3ray.dtypes import up32
 
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
 PREFIX_CHUNK = 16384  # contexts up to this many tokens take one fused call; longer ones run blockwise
 # the prompt rows of one packed attention call hold at most this many context tokens (unless one row alone has more):
 # their keys and values up-projected at once, ~32 KB a token at gpu2's 32 heads (with v padded to q's width)
@@ -126,8 +127,8 @@ def prompt_rows_attention(q_mHe: torch.Tensor, lat_Sl: torch.Tensor, seg: Prompt
                           positions_S: torch.Tensor | None = None) -> torch.Tensor:
     """The prompt rows of `seg`: their queries packed q [m, H, e] over their contexts packed lat [S, r + p]
     (positions_S: each context token's position, where the model rotates keys) -> [m, H, h]. One flash call on
-    CUDA, else a fused call a row."""
-    if q_mHe.is_cuda and varlen_attention() is not None:
+    CUDA in bf16 or fp16 (flash's dtypes), else a fused call a row."""
+    if q_mHe.is_cuda and q_mHe.dtype in FLASH_DTYPES and varlen_attention() is not None:
         return prompt_rows_attention_varlen(q_mHe, lat_Sl, seg, mla, positions_S)
     return prompt_rows_attention_reference(q_mHe, lat_Sl, seg, mla, positions_S)
 
