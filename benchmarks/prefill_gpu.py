@@ -18,11 +18,14 @@ Stages (each prints as it ends; an exception prints its traceback and the next s
 
 `--system-tokens LO:HI` puts one system prompt (drawn once) before every prompt; `--prefix-cache on|off` (default:
 the config's) the prefix cache, with the pools' state checkpoints, as a server has it. The levels then print the
-hit rate over prompt tokens.
+hit rate over prompt tokens. `--host-profile`: the printed levels' hit iterations under cProfile, their host time
+by Python function (the device runs behind the host: where a host-bound iteration's time goes).
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 import traceback
@@ -69,11 +72,15 @@ class TimedExecutor:
     from a prefix-cache checkpoint), "prompt" (a new prompt row, none from a checkpoint); `self.profiles`: (kind,
     its shape, the profiler) each."""
 
-    def __init__(self, inner: LocalExecutor, profile: dict[str, int] | None = None):
+    def __init__(self, inner: LocalExecutor, profile: dict[str, int] | None = None, host_profile: bool = False):
         self.inner, self.steps = inner, []  # (tokens, prompt rows, decode rows, seconds)
         self.shapes = []  # (prompt rows starting from a checkpoint, saves inside rows)
         self.paths = []  # how the worker ran each (k3ray.parallel.serving `step_path`)
         self.profile, self.seen, self.profiles = profile or {}, {}, []
+        # host_profile: every hit iteration (but the torch-profiled one) under cProfile, its Python functions' host
+        # time summed (the device runs behind: what the host spends per function, launches included)
+        self.host = cProfile.Profile() if host_profile else None
+        self.host_iterations = 0
 
     def run(self, plans):
         plan = plans[0]
@@ -83,10 +90,16 @@ class TimedExecutor:
         if kind is not None:
             self.seen[kind] = self.seen.get(kind, 0) + 1
         prof = _profiler() if profiled else None
+        host = self.host if kind == "hit" and not profiled else None
         t0 = time.perf_counter()
         if prof is not None:
             with prof:
                 out = self.inner.run(plans)
+        elif host is not None:
+            host.enable()
+            out = self.inner.run(plans)
+            host.disable()
+            self.host_iterations += 1
         else:
             out = self.inner.run(plans)  # ends with the tokens on the host: synchronous
         dt = time.perf_counter() - t0
@@ -149,7 +162,7 @@ def level(model, cfg, serve, args, concurrency: int, inner: LocalExecutor, warm_
     sched = Scheduler(serve.model_copy(update={"max_waiting": 10 ** 6}), cfg.model.max_seq_len, 1,
                       cfg.policies.guards, prefix=prefix)
     profile = {k: i for k, i in (("hit", args.profile_hit), ("prompt", args.profile_prompt)) if i is not None}
-    ex = TimedExecutor(inner, None if warm_up else profile)
+    ex = TimedExecutor(inner, None if warm_up else profile, host_profile=args.host_profile and not warm_up)
     sent, t_sent, reqs = 0, {}, []
     t0 = time.perf_counter()
     while sent < n or sched.has_work:
@@ -199,8 +212,23 @@ def level(model, cfg, serve, args, concurrency: int, inner: LocalExecutor, warm_
         print(f"  profiled {kind} iteration, {restored} prompt row(s) from a checkpoint: {tokens} tokens, {prompts} "
               f"prompt + {decodes} decode rows, {saves} saves inside rows, {dt * 1e3:.1f} ms (profiled)", flush=True)
         print_profile(prof, tokens)
+    if ex.host is not None and ex.host_iterations:
+        print_host_profile(ex.host, ex.host_iterations)
     if errors:
         print(f"  first error: {errors[0]}", flush=True)
+
+
+def print_host_profile(host: cProfile.Profile, iterations: int, rows: int = 35) -> None:
+    """The hit iterations' host time by Python function (cProfile, per iteration): own time and with callees."""
+    stats = pstats.Stats(host)
+    print(f"  host time of {iterations} hit iterations by function (cProfile; per iteration, its overhead included):",
+          flush=True)
+    print("| function | calls | own ms | with callees ms |\n|---|---|---|---|", flush=True)
+    entries = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:rows]
+    for (file, line, name), (_, calls, own, cum, _) in entries:
+        where = file.split("/k3ray/", 1)[-1] if "/k3ray/" in file else file.rsplit("/", 1)[-1]
+        print(f"| {where}:{line} {name} | {calls / iterations:.1f} | {own / iterations * 1e3:.3f} "
+              f"| {cum / iterations * 1e3:.3f} |", flush=True)
 
 
 CATEGORIES = (("attention", ("flash", "fmha", "attention", "sdpa", "softmax")),
@@ -349,6 +377,8 @@ def main() -> None:
                                                     "those with a prompt row starting from a cached prefix")
     ap.add_argument("--profile-prompt", type=int, help="levels: profile the iteration with this index (from 0) "
                                                        "among those with a new prompt row, none from a cached prefix")
+    ap.add_argument("--host-profile", action="store_true", help="levels: the hit iterations under cProfile, their "
+                    "host time by Python function")
     ap.add_argument("--prefill-bucket", type=int, help="k3ray.parallel.serving.PREFILL_TOKEN_BUCKET (1: unpadded)")
     ap.add_argument("--prompt-graphs", choices=["on", "off"], default="on",
                     help="prompt iterations as CUDA graphs in pieces (a GPU server's default) or eager")

@@ -26,8 +26,8 @@ fla's chunk_kda(cp_context=...) does the same on CUDA.
 from __future__ import annotations
 
 import functools
-import itertools
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -156,10 +156,11 @@ def chunk_layout(lengths: list[int], chunk: int) -> tuple[torch.Tensor, torch.Te
     in it) and offsets [N + 1] (where each sequence's chunks start), int64: fla's `prepare_chunk_indices` and
     `prepare_chunk_offsets`, which a caller with the lengths on the host sends with its other indices (computed by
     fla from cu_seqlens, they cost a host sync)."""
-    counts = [-(-n // chunk) for n in lengths]
-    indices = [(i, c) for i, n in enumerate(counts) for c in range(n)]
-    return (torch.tensor(indices, dtype=torch.int64).reshape(-1, 2),
-            torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int64))
+    counts = -(-np.asarray(lengths, dtype=np.int64) // chunk)
+    offsets = np.concatenate([[0], np.cumsum(counts)])
+    seq = np.repeat(np.arange(len(counts)), counts)
+    indices = np.stack([seq, np.arange(int(offsets[-1])) - offsets[seq]], axis=1)
+    return torch.from_numpy(indices.reshape(-1, 2)), torch.from_numpy(offsets.astype(np.int64))
 
 
 def _affine_map(k, v, g, beta):

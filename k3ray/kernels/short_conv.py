@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -72,22 +73,23 @@ class PackedConv:
 def packed_conv_index(counts: list[int], slots: list[int], W: int, points: list[tuple[int, int]] = ()
                       ) -> PackedConv:
     """`PackedConv` of sequences of `counts` tokens carried in pool slots `slots` (host ints: no device work, no
-    sync) and `points`."""
+    sync) and `points`. Built in numpy: a serving step builds it on the host each prompt iteration."""
     w1 = W - 1
-    lengths = torch.tensor(counts, dtype=torch.int64)
-    slot = torch.tensor(slots, dtype=torch.int64)
-    first = torch.cumsum(lengths, 0) - lengths  # [N] each sequence's first packed token
+    lengths = np.asarray(counts, dtype=np.int64)
+    slot = np.asarray(slots, dtype=np.int64)
+    first = np.cumsum(lengths) - lengths  # [N] each sequence's first packed token
 
-    def rows(seq: torch.Tensor, ends: torch.Tensor, width: int) -> torch.Tensor:
+    def rows(seq: np.ndarray, ends: np.ndarray, width: int) -> torch.Tensor:
         """[M, width] the inputs at places ends - width .. ends - 1 of sequences `seq` (< 0: the carried state)."""
-        at = ends[:, None] + torch.arange(-width, 0)[None, :]
-        return torch.where(at >= 0, first[seq][:, None] + at, -1 - (slot[seq][:, None] * w1 + w1 + at))
+        at = ends[:, None] + np.arange(-width, 0)[None, :]
+        return torch.from_numpy(np.where(at >= 0, first[seq][:, None] + at,
+                                         -1 - (slot[seq][:, None] * w1 + w1 + at)).reshape(len(seq), width))
 
-    seq = torch.repeat_interleave(torch.arange(len(counts)), lengths)
-    place = torch.arange(int(lengths.sum())) - first[seq]
-    points_t = torch.tensor(list(points), dtype=torch.int64).reshape(-1, 2)
-    return PackedConv(rows(seq, place + 1, W), rows(torch.arange(len(counts)), lengths, w1),
-                      rows(points_t[:, 0], points_t[:, 1], w1))
+    seq = np.repeat(np.arange(len(counts)), lengths)
+    place = np.arange(int(lengths.sum())) - first[seq]
+    points_a = np.asarray(list(points), dtype=np.int64).reshape(-1, 2)
+    return PackedConv(rows(seq, place + 1, W), rows(np.arange(len(counts)), lengths, w1),
+                      rows(points_a[:, 0], points_a[:, 1], w1))
 
 
 def _read(x_TC: torch.Tensor, pool: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
