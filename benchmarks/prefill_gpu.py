@@ -115,7 +115,7 @@ class TimedExecutor:
 def _profiler():
     kinds = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if DEVICE == "cuda"
                                                      else [])
-    return torch.profiler.profile(activities=kinds, with_stack=True)
+    return torch.profiler.profile(activities=kinds)
 
 
 def pct(values, p):
@@ -297,29 +297,6 @@ def print_profile(prof, tokens: int) -> None:
     print("  the same iteration by host time (self CPU):", flush=True)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=80),
           flush=True)
-    print_host_by_source(prof)
-
-
-def print_host_by_source(prof, rows: int = 30) -> None:
-    """Host time by k3ray function: every profiled event's self CPU time (an op's dispatch, or the interpreter's
-    time inside a Python function: the profiler records Python calls with_stack) under the innermost k3ray
-    function it ran in, with the ops dispatched there (outside any k3ray function: "other")."""
-    by: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        node = e
-        while node is not None and "k3ray/" not in node.name:
-            node = node.cpu_parent
-        cell = by.setdefault("other" if node is None else node.name.split("k3ray/", 1)[1], [0.0, 0])
-        cell[0] += e.self_cpu_time_total
-        parent = e.cpu_parent
-        cell[1] += e.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::"))
-    total = sum(v[0] for v in by.values())
-    print(f"  host time by k3ray function (innermost k3ray frame; {total / 1e3:.1f} ms in all):", flush=True)
-    print("| function | host ms | ops dispatched |\n|---|---|---|", flush=True)
-    for frame, (us, n) in sorted(by.items(), key=lambda kv: -kv[1][0])[:rows]:
-        print(f"| {frame} | {us / 1e3:.2f} | {n} |", flush=True)
 
 
 def graph_captures(model, serve) -> None:
