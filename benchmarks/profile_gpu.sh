@@ -6,7 +6,7 @@
 # .carry/tests with TTESTS=SECONDS runs the CUDA-only tests of the step's kernels first; THOST=SECONDS counts the
 # ops a step dispatches eagerly, by k3ray caller: benchmarks/host_syncs.py). VARIANTS/PROFILE name train_speed_gpu.py's
 # variants (compile+graphs:fill = the job's defaults on a GPU: compiled blocks, micro-batches replayed as CUDA graphs);
-# TJOB=SECONDS runs `k3ray train` itself last.
+# TCURVE=SECONDS runs loss curves of CURVES; TJOB=SECONDS runs `k3ray train` itself last.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /tmp/site /root/kcache
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site
@@ -41,6 +41,20 @@ keep_kcache() { tar -C /root/kcache -cJf /tmp/kcache_full.tar.xz . && python3 be
 # shellcheck disable=SC2086
 [[ "${TMLA:-130}" != 0 ]] && stage profile_mla "${TMLA:-130}" python3 benchmarks/train_speed_gpu.py $SHAPE \
   --set 'model.attention_pattern=[mla]' --variants "${VARIANTS_MLA:-eager:1x4}" --profile "${PROFILE_MLA:-eager:1x4}" --steps 5 --warmup 3 --out "$OUT/pmla"
+# loss curves (TCURVE=SECONDS each): benchmarks/e2e_gpu.py's one-process program, CURVE_STEPS steps (default 100)
+# from the same seed for each "label:arguments" of CURVES (';'-separated; e.g. "B:;C:--set
+# optimizer.moments_dtype=bfloat16"), then benchmarks/loss_curves.py over them, the first the reference
+if [[ "${TCURVE:-0}" != 0 ]]; then
+  IFS=';' read -ra curves <<< "${CURVES:-B:}"
+  jsons=() labels=()
+  for c in "${curves[@]}"; do
+    # shellcheck disable=SC2086
+    stage "curve_${c%%:*}" "$TCURVE" python3 benchmarks/e2e_gpu.py $SHAPE ${c#*:} --parts plain \
+      --steps "${CURVE_STEPS:-100}" --warmup 3 --verbose --out "$OUT/curve_${c%%:*}"
+    jsons+=("$OUT/curve_${c%%:*}/plain.json") labels+=("${c%%:*}")
+  done
+  (IFS=,; python3 benchmarks/loss_curves.py "${jsons[@]}" --labels "${labels[*]}" | tee "$OUT/curves.md")
+fi
 # the user's command itself (TJOB=SECONDS): `k3ray train` at its defaults (the pre-flight check's shape, compiled
 # blocks, graphs; Ray, snapshots), JOBSTEPS steps logged one a line; no final checkpoint (tens of GB to disk after
 # the steps, outside what is measured). The median of steps 5 on: driver wall time, as the job's tokens/s has it.
