@@ -3,7 +3,7 @@
 # StageServer without Ray: TTFT of one prompt, levels of concurrency, a profiled mixed iteration), then, if it ran
 # without an exception, the served path (serve_gpu.sh) on the same workload. Carry .carry/ray and .carry/kcache; the
 # kernel cache comes back (stripped) as $OUT/kcache.tar.xz with the serving shapes' autotune results added.
-#   bash benchmarks/prefill_gpu.sh [prefill_gpu.py arguments]     (T_PREFILL, T_SERVE: each stage's limit in s)
+#   bash benchmarks/prefill_gpu.sh [prefill_gpu.py arguments]     (T_PREFILL, T_SERVE: each stage's limit in s; 0 skips)
 # PREFILL_VARIANTS: more prefill_gpu.py runs after the first, argument sets separated by ';' (each under T_VARIANT s),
 # e.g. PREFILL_VARIANTS="--stages levels --concurrency 64 --prompt-graphs off". T_TESTS=SECONDS (with .carry/tests)
 # first runs the CUDA tests of the serving graphs (decode and prompt), of KDA's prefill (no host sync), of the
@@ -25,9 +25,11 @@ if [[ "${T_TESTS:-0}" != 0 && -f .carry/tests/site.tar.xz ]]; then
   echo "serving graph and prefill tests rc $?: $(tail -n 1 "$OUT/tests.txt")" | tee -a "$OUT/gpu.txt"
 fi
 t0=$SECONDS
-timeout "${T_PREFILL:-240}" python3 benchmarks/prefill_gpu.py --config configs/gpu2.yaml --set model.n_layers=4 "$@" \
-  > "$OUT/prefill.txt" 2>&1
-echo "prefill rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/gpu.txt"
+if [[ "${T_PREFILL:-240}" != 0 ]]; then
+  timeout "${T_PREFILL:-240}" python3 benchmarks/prefill_gpu.py --config configs/gpu2.yaml --set model.n_layers=4 "$@" \
+    > "$OUT/prefill.txt" 2>&1
+  echo "prefill rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/gpu.txt"
+fi
 IFS=';' read -ra variants <<< "${PREFILL_VARIANTS:-}"
 for i in "${!variants[@]}"; do
   t0=$SECONDS
@@ -36,7 +38,7 @@ for i in "${!variants[@]}"; do
     ${variants[$i]} > "$OUT/prefill_v$((i + 1)).txt" 2>&1
   echo "prefill variant $((i + 1)) (${variants[$i]}) rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/gpu.txt"
 done
-if [[ "${T_SERVE:-300}" != 0 ]] && ! grep -q Traceback "$OUT/prefill.txt"; then
+if [[ "${T_SERVE:-300}" != 0 ]] && ! grep -qs Traceback "$OUT/prefill.txt"; then
   cd "$repo" && T4="${T_SERVE:-300}" T8=0 LEVELS4="${LEVELS:-1 16 64}" \
     VARIANTS4="${VARIANTS:---prompt-tokens 200:1200 --max-tokens 32:256}" bash benchmarks/serve_gpu.sh
 fi
