@@ -7,7 +7,7 @@
 # PREFILL_VARIANTS: more prefill_gpu.py runs after the first, argument sets separated by ';' (each under T_VARIANT s),
 # e.g. PREFILL_VARIANTS="--stages levels --concurrency 64 --prompt-graphs off". T_TESTS=SECONDS (with .carry/tests)
 # first runs the CUDA tests of the serving graphs (decode and prompt), of KDA's prefill (no host sync), of the
-# packed convolution and of the prompt rows' packed attention.
+# packed convolution, of the prompt rows' packed attention and of a mixed iteration in bf16.
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT" /root/kcache /tmp/site
 tar -xJf .carry/ray/site.tar.xz -C /tmp/site   # pydantic (the config) comes with the carried Ray
@@ -21,7 +21,7 @@ if [[ "${T_TESTS:-0}" != 0 && -f .carry/tests/site.tar.xz ]]; then
   tar -xJf .carry/tests/site.tar.xz -C /tmp/site
   timeout -s INT "$T_TESTS" python3 -m pytest -v -p no:cacheprovider tests/test_prompt_graphs.py \
     tests/test_logit_masks.py tests/test_kda.py tests/test_kernels.py tests/test_serving_attention.py \
-    -k "graph or waits_for_the_gpu_once or fla_prefill_is or short_conv_packed or flash_call" > "$OUT/tests.txt" 2>&1
+    -k "graph or waits_for_the_gpu_once or fla_prefill_is or short_conv_packed or flash_call or mixed_iteration" > "$OUT/tests.txt" 2>&1
   echo "serving graph and prefill tests rc $?: $(tail -n 1 "$OUT/tests.txt")" | tee -a "$OUT/gpu.txt"
 fi
 t0=$SECONDS

@@ -35,30 +35,39 @@ def test_segment_and_blockwise_attention_equal_the_definition(n, L, chunk, block
     torch.testing.assert_close(blockwise_attention(q, k, v, 0.3, chunk, block), want, rtol=0, atol=1e-12)
 
 
+CUDA_BF16 = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA_BF16])
 @pytest.mark.parametrize("rope", [False, True], ids=["absorbed", "rope"])
-def test_a_mixed_iteration_equals_each_row_alone(monkeypatch, rope):
+def test_a_mixed_iteration_equals_each_row_alone(monkeypatch, rope, device):
     """Two decode rows and two prompt chunks (one continuing a cached prefix) in one iteration give the outputs each
     row gives in an iteration of its own (every released feature on: KDA's convolution state too); a tiny
-    PREFIX_CHUNK (the blockwise form) or PROMPT_CONTEXT_GROUP (a row an attention call) changes nothing."""
-    cfg = load_config("configs/tiny.yaml", {"model.dtype": "float64", **RELEASED, "model.mla_rope": rope}).model
-    stage = build_stage(cfg, range(cfg.n_layers), seed=2)
+    PREFIX_CHUNK (the blockwise form) or PROMPT_CONTEXT_GROUP (a row an attention call) changes nothing. float64 on
+    the CPU; on a GPU in bf16 (the kernels serving runs: fla's decode and prefill, flash over packed segments),
+    within bf16's rounding of the logits (a decoupled slice of 8: q's width 24, which flash takes)."""
+    dtype = "float64" if device == "cpu" else "bfloat16"
+    cfg = load_config("configs/tiny.yaml", {"model.dtype": dtype, **RELEASED, "model.mla_rope": rope,
+                                            "model.mla_rope_dim": 8}).model
+    stage = build_stage(cfg, range(cfg.n_layers), seed=2, device=device)
     g = torch.Generator().manual_seed(0)
-    prefix = {s: torch.randint(0, cfg.vocab_size, (1, 9), generator=g) for s in range(4)}
+    prefix = {s: torch.randint(0, cfg.vocab_size, (1, 9), generator=g).to(device) for s in range(4)}
+    tol = {"rtol": 0, "atol": 1e-10} if device == "cpu" else {"rtol": 5e-2, "atol": 5e-2}
 
     def pools():
-        p = new_pools(cfg, stage.layers, 32, 4, 4)
+        p = new_pools(cfg, stage.layers, 32, 4, 4, device=device)
         p.admit([SeqAdmit(s, list(range(8 * s, 8 * s + 8))) for s in range(4)])
         for s in (0, 1, 3):  # slots 0, 1 decode after 9 cached tokens; slot 3 prefills on after 9; slot 2 is new
-            stage(prefix[s], IterationCache.from_plan(p, [s], [0], [9], "cpu"))
+            stage(prefix[s], IterationCache.from_plan(p, [s], [0], [9], device))
         return p
 
     rows = [(0, 9, 1), (2, 0, 7), (1, 9, 1), (3, 9, 6)]  # (slot, start, count)
-    new = {s: torch.randint(0, cfg.vocab_size, (1, c), generator=g) for s, _, c in rows}
+    new = {s: torch.randint(0, cfg.vocab_size, (1, c), generator=g).to(device) for s, _, c in rows}
     with torch.no_grad():
         alone = {}
         for s, start, c in rows:
             p = pools()
-            alone[s] = stage(new[s], IterationCache.from_plan(p, [s], [start], [c], "cpu"))
+            alone[s] = stage(new[s], IterationCache.from_plan(p, [s], [start], [c], device))
         x = torch.cat([new[s] for s, _, _ in rows], dim=1)
         # the blockwise form (a tiny PREFIX_CHUNK), and the prompt rows in attention calls of a row each
         for chunk, group in ((serving_attention.PREFIX_CHUNK, serving_attention.PROMPT_CONTEXT_GROUP), (3, 10)):
@@ -66,12 +75,12 @@ def test_a_mixed_iteration_equals_each_row_alone(monkeypatch, rope):
             monkeypatch.setattr(serving_attention, "PROMPT_CONTEXT_GROUP", group)
             p = pools()
             cache = IterationCache.from_plan(p, [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows],
-                                             "cpu")
+                                             device)
             assert cache.prompt is not None and cache.decode_rows.tolist() == [0, 2]
             assert [s.counts for s in cache.prompt.segments] == ([[7, 6]] if group > 15 else [[7], [6]])
             got = stage(x, cache)  # logits of each row's last token [N, V]
             for i, (s, _, _) in enumerate(rows):
-                torch.testing.assert_close(got[i], alone[s][0], rtol=0, atol=1e-10)
+                torch.testing.assert_close(got[i].double(), alone[s][0].double(), **tol)
 
 
 def test_a_padded_prefill_iteration_changes_no_row_and_counts_no_padding_route():

@@ -127,8 +127,8 @@ def prompt_rows_attention(q_mHe: torch.Tensor, lat_Sl: torch.Tensor, seg: Prompt
                           positions_S: torch.Tensor | None = None) -> torch.Tensor:
     """The prompt rows of `seg`: their queries packed q [m, H, e] over their contexts packed lat [S, r + p]
     (positions_S: each context token's position, where the model rotates keys) -> [m, H, h]. One flash call on
-    CUDA in bf16 or fp16 (flash's dtypes), else a fused call a row."""
-    if q_mHe.is_cuda and q_mHe.dtype in FLASH_DTYPES and varlen_attention() is not None:
+    CUDA in bf16 or fp16 with q's width a multiple of 8 (what flash takes), else a fused call a row."""
+    if q_mHe.is_cuda and q_mHe.dtype in FLASH_DTYPES and q_mHe.shape[-1] % 8 == 0 and varlen_attention() is not None:
         return prompt_rows_attention_varlen(q_mHe, lat_Sl, seg, mla, positions_S)
     return prompt_rows_attention_reference(q_mHe, lat_Sl, seg, mla, positions_S)
 
