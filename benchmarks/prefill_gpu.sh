@@ -21,7 +21,8 @@ if [[ "${T_TESTS:-0}" != 0 && -f .carry/tests/site.tar.xz ]]; then
   tar -xJf .carry/tests/site.tar.xz -C /tmp/site
   timeout -s INT "$T_TESTS" python3 -m pytest -v -p no:cacheprovider tests/test_prompt_graphs.py \
     tests/test_logit_masks.py tests/test_kda.py tests/test_kernels.py tests/test_serving_attention.py \
-    -k "graph or waits_for_the_gpu_once or fla_prefill_is or short_conv_packed or flash_call or mixed_iteration" > "$OUT/tests.txt" 2>&1
+    -k "graph or waits_for_the_gpu_once or fla_prefill_is or short_conv_packed or flash_call or mixed_iteration" \
+    > "$OUT/tests.txt" 2>&1
   echo "serving graph and prefill tests rc $?: $(tail -n 1 "$OUT/tests.txt")" | tee -a "$OUT/gpu.txt"
 fi
 t0=$SECONDS
